@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# Idempotent set-up of the dev environment in .venv (CPU torch pinned by constraints-dev.txt).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+    "$PY" -m venv .venv
+fi
+. .venv/bin/activate
+stamp=.venv/.convbn-setup
+if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ constraints-dev.txt -nt "$stamp" ]; then
+    python -m pip install -q --upgrade pip
+    # torch first, from the pinned CPU build, so no dependency can pull another torch.
+    python -m pip install -q -c constraints-dev.txt "torch==2.13.0"
+    python -m pip install -q -c constraints-dev.txt -e ".[dev]"
+    touch "$stamp"
+fi
+# graphviz's `dot` draws the autograd graphs of the examples; optional, best effort.
+if ! command -v dot >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+    (apt-get update -qq && apt-get install -y -qq graphviz) >/dev/null 2>&1 || echo "note: graphviz not installed; graph drawings will be skipped"
+fi
