@@ -1,0 +1,251 @@
+"""Measuring what a model keeps for backward, and how much memory a step peaks at.
+
+*Saved bytes* (SPEC §3) is the primary, deterministic memory metric: after one forward
+pass in training mode, the total size of the distinct storages autograd holds for
+backward, found with :func:`torch.autograd.graph.saved_tensors_hooks` and de-duplicated
+by storage. A view keeps its whole storage alive, so it counts the whole storage.
+Parameters count too.
+"""
+from __future__ import annotations
+
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
+
+import torch
+from torch import Tensor, nn
+
+__all__ = [
+    "SavedBytes",
+    "saved_bytes",
+    "track_saved",
+    "peak_memory",
+    "PeakMemory",
+    "format_bytes",
+]
+
+
+def format_bytes(n: float) -> str:
+    """``1536 -> '1.5 KiB'``."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GiB"  # pragma: no cover
+
+
+def _storage_key(t: Tensor) -> Optional[Tuple[Any, int, int]]:
+    try:
+        st = t.untyped_storage()
+    except (RuntimeError, NotImplementedError):  # sparse, functional or fake tensors
+        return None
+    return (t.device, st.data_ptr(), st.nbytes())
+
+
+@dataclass
+class SavedBytes:
+    """What one forward pass saved for backward.
+
+    Attributes:
+        total: bytes of distinct storages held for backward.
+        per_module: bytes attributed to the innermost module that was running when a
+            storage was first saved (``""`` is the root / outside any module).
+        count: number of distinct storages.
+        shapes: ``(module, shape, dtype, nbytes)`` of each distinct storage, in save order.
+    """
+
+    total: int = 0
+    per_module: Dict[str, int] = field(default_factory=dict)
+    count: int = 0
+    shapes: List[Tuple[str, Tuple[int, ...], torch.dtype, int]] = field(default_factory=list)
+
+
+class track_saved:
+    """Context manager recording every tensor saved for backward inside it.
+
+    Keeps a strong reference to nothing: only storage keys and sizes are recorded, and
+    the saved tensors are handed back to autograd unchanged.
+
+    Args:
+        model: optional module whose submodules are used to attribute bytes per module.
+
+    Example:
+        >>> net = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU())
+        >>> with track_saved(net) as rec:
+        ...     out = net(torch.randn(2, 4, requires_grad=True))
+        >>> rec.result.total > 0
+        True
+    """
+
+    def __init__(self, model: Optional[nn.Module] = None) -> None:
+        self.model = model
+        self.result = SavedBytes()
+        self._seen: set = set()
+        self._stack: List[str] = [""]
+        self._handles: List[Any] = []
+        self._hooks: Optional[torch.autograd.graph.saved_tensors_hooks] = None
+
+    def _pack(self, t: Tensor) -> Tensor:
+        key = _storage_key(t)
+        if key is not None and key not in self._seen:
+            self._seen.add(key)
+            nbytes = key[2]
+            mod = self._stack[-1]
+            self.result.total += nbytes
+            self.result.count += 1
+            self.result.per_module[mod] = self.result.per_module.get(mod, 0) + nbytes
+            self.result.shapes.append((mod, tuple(t.shape), t.dtype, nbytes))
+        return t
+
+    @staticmethod
+    def _unpack(t: Tensor) -> Tensor:
+        return t
+
+    def __enter__(self) -> "track_saved":
+        if self.model is not None:
+            for name, mod in self.model.named_modules():
+                self._handles.append(mod.register_forward_pre_hook(self._make_pre(name)))
+                self._handles.append(mod.register_forward_hook(self._post, always_call=True))
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+        self._hooks.__enter__()
+        return self
+
+    def _make_pre(self, name: str) -> Callable[..., None]:
+        def pre(module: nn.Module, args: Any) -> None:
+            self._stack.append(name)
+
+        return pre
+
+    def _post(self, module: nn.Module, args: Any, out: Any) -> None:
+        if len(self._stack) > 1:
+            self._stack.pop()
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._hooks is not None:
+            self._hooks.__exit__(*exc)
+            self._hooks = None
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+
+def saved_bytes(
+    model: nn.Module,
+    *inputs: Any,
+    loss_fn: Optional[Callable[[Any], Tensor]] = None,
+    per_module: bool = False,
+) -> SavedBytes:
+    """Bytes a training-mode forward pass of ``model(*inputs)`` keeps for backward.
+
+    Runs one forward pass (the model's running statistics are updated, as in any
+    training forward) and drops the graph afterwards without running backward.
+
+    Args:
+        model: the module to run (its current ``training`` mode is used).
+        *inputs: positional inputs for ``model``.
+        loss_fn: optional function of the output whose saved tensors count too.
+        per_module: attribute bytes to submodules (adds hooks; slightly slower).
+
+    Returns:
+        :class:`SavedBytes`.
+
+    Example:
+        >>> net = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.BatchNorm2d(8))
+        >>> saved_bytes(net, torch.randn(2, 3, 8, 8)).total > 0
+        True
+    """
+    with torch.enable_grad(), track_saved(model if per_module else None) as rec:
+        out = model(*inputs)
+        if loss_fn is not None:
+            out = loss_fn(out)
+    del out
+    return rec.result
+
+
+# --------------------------------------------------------------------------- peak memory
+
+
+def _rss_bytes() -> int:
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError):  # pragma: no cover - non-Linux
+        import resource
+
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+@dataclass
+class PeakMemory:
+    """Peak memory over a block, above what was in use when it started.
+
+    Attributes:
+        peak: highest bytes in use during the block minus bytes in use at its start
+            (CUDA allocator on a CUDA device, sampled process RSS on CPU).
+        end: bytes in use at the end minus at the start.
+        source: ``"cuda"`` or ``"rss"``.
+    """
+
+    peak: int = 0
+    end: int = 0
+    source: str = "rss"
+
+
+class peak_memory:
+    """Context manager measuring peak memory of the enclosed block.
+
+    On CUDA it resets and reads :func:`torch.cuda.max_memory_allocated`; on CPU it
+    samples the process RSS from a background thread every ``interval`` seconds
+    (RSS includes allocator caching, so treat CPU figures as indicative).
+
+    Args:
+        device: the device whose memory to watch.
+        interval: sampling period on CPU, seconds.
+
+    Example:
+        >>> with peak_memory("cpu") as pm:
+        ...     x = torch.ones(1 << 20)
+        >>> pm.result.source
+        'rss'
+    """
+
+    def __init__(self, device: Any = "cpu", interval: float = 0.0005) -> None:
+        self.device = torch.device(device)
+        self.interval = interval
+        self.result = PeakMemory(source="cuda" if self.device.type == "cuda" else "rss")
+        self._stop = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+        self._start = 0
+        self._peak = 0
+
+    def _sample(self) -> None:
+        while not self._stop.is_set():
+            self._peak = max(self._peak, _rss_bytes())
+            time.sleep(self.interval)
+
+    def __enter__(self) -> "peak_memory":
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self._start = torch.cuda.memory_allocated(self.device)
+        else:
+            self._start = self._peak = _rss_bytes()
+            self._thread = threading.Thread(target=self._sample, daemon=True)
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            self.result.peak = torch.cuda.max_memory_allocated(self.device) - self._start
+            self.result.end = torch.cuda.memory_allocated(self.device) - self._start
+        else:
+            self._stop.set()
+            if self._thread is not None:
+                self._thread.join()
+            now = _rss_bytes()
+            self._peak = max(self._peak, now)
+            self.result.peak = self._peak - self._start
+            self.result.end = now - self._start
