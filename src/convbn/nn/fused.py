@@ -1,0 +1,219 @@
+"""``FusedConvBN1d/2d/3d``: Conv -> BatchNorm -> activation as one memory-lean layer.
+
+The module is thin: it owns a real ``nn.ConvNd`` child named ``conv`` and a real
+``nn.BatchNormNd`` child named ``bn`` (so ``state_dict()`` keys are those of
+``nn.Sequential(OrderedDict(conv=..., bn=...))`` and checkpoints load both ways), does
+BatchNorm's bookkeeping (``num_batches_tracked``, momentum), and hands the maths to
+:func:`convbn.functional.fused.conv_bn_act_spec`.
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Type, TypeVar, Union
+
+import torch
+from torch import Tensor, nn
+from torch.nn.modules.batchnorm import _BatchNorm
+from torch.nn.modules.conv import _ConvNd
+
+from ..functional.activations import Activation, get_activation
+from ..functional.batchnorm import BNSpec
+from ..functional.conv import ConvSpec, conv_spec_from_module
+from ..functional.fused import check_inputs, check_strategy, conv_bn_act_spec
+
+__all__ = ["FusedConvBN1d", "FusedConvBN2d", "FusedConvBN3d", "bn_spec_from_module", "bn_running_stats"]
+
+T = TypeVar("T", bound="_FusedConvBNNd")
+
+
+def bn_running_stats(bn: _BatchNorm) -> Tuple[Optional[Tensor], Optional[Tensor]]:
+    """The running stats ``nn.BatchNorm`` would pass to ``F.batch_norm`` in its current mode."""
+    if not bn.training or bn.track_running_stats:
+        return bn.running_mean, bn.running_var
+    return None, None
+
+
+def bn_spec_from_module(bn: _BatchNorm, *, advance: bool = False) -> BNSpec:
+    """The :class:`BNSpec` for one forward of ``bn``, mirroring ``_BatchNorm.forward``.
+
+    Args:
+        bn: the BatchNorm module.
+        advance: increment ``num_batches_tracked`` as a training forward does (call only
+            once the inputs have been checked, so a failing call changes no state).
+    """
+    factor = 0.0 if bn.momentum is None else float(bn.momentum)
+    if bn.training and bn.track_running_stats and bn.num_batches_tracked is not None:
+        if advance:
+            bn.num_batches_tracked.add_(1)
+        if bn.momentum is None:
+            n = int(bn.num_batches_tracked) + (0 if advance else 1)
+            factor = 1.0 / float(n)
+    batch_stats = bn.training or (bn.running_mean is None and bn.running_var is None)
+    return BNSpec(float(bn.eps), batch_stats, factor)
+
+
+class _FusedConvBNNd(nn.Module):
+    _conv_cls: Type[_ConvNd]
+    _bn_cls: Type[_BatchNorm]
+    _dims: int
+
+    conv: _ConvNd
+    bn: _BatchNorm
+
+    def __init__(
+        self,
+        in_channels: int,
+        out_channels: int,
+        kernel_size: Union[int, Sequence[int]],
+        stride: Union[int, Sequence[int]] = 1,
+        padding: Union[str, int, Sequence[int]] = 0,
+        dilation: Union[int, Sequence[int]] = 1,
+        groups: int = 1,
+        bias: bool = True,
+        padding_mode: str = "zeros",
+        eps: float = 1e-5,
+        momentum: Optional[float] = 0.1,
+        affine: bool = True,
+        track_running_stats: bool = True,
+        activation: Union[None, str, Activation, nn.Module] = None,
+        strategy: str = "recompute_bn",
+        device: Any = None,
+        dtype: Optional[torch.dtype] = None,
+    ) -> None:
+        super().__init__()
+        factory = {"device": device, "dtype": dtype}
+        self.activation = get_activation(activation)
+        self.strategy = check_strategy(strategy)
+        self.conv = self._conv_cls(
+            in_channels, out_channels, kernel_size, stride, padding, dilation, groups, bias, padding_mode, **factory  # type: ignore[arg-type]
+        )
+        self.bn = self._bn_cls(out_channels, eps, momentum, affine, track_running_stats, **factory)
+
+    @classmethod
+    def from_modules(
+        cls: Type[T],
+        conv: _ConvNd,
+        bn: _BatchNorm,
+        activation: Union[None, str, Activation, nn.Module] = None,
+        strategy: str = "recompute_bn",
+    ) -> T:
+        """Fuse existing modules, *sharing* their parameters and buffers (no copies).
+
+        Args:
+            conv: an ``nn.Conv{N}d`` (any subclass; not transposed).
+            bn: an ``nn.BatchNorm{N}d`` or another ``_BatchNorm`` subclass with
+                ``num_features == conv.out_channels``.
+            activation: as in the constructor.
+            strategy: as in the constructor.
+
+        Returns:
+            The fused module; training it trains ``conv`` and ``bn``.
+
+        Example:
+            >>> conv, bn = nn.Conv2d(3, 8, 3, bias=False), nn.BatchNorm2d(8)
+            >>> fused = FusedConvBN2d.from_modules(conv, bn, "relu")
+            >>> fused.conv.weight is conv.weight
+            True
+        """
+        if not isinstance(conv, _ConvNd) or conv.transposed or len(conv.kernel_size) != cls._dims:
+            raise TypeError(f"{cls.__name__}.from_modules expects an nn.Conv{cls._dims}d, but got {type(conv).__name__}")
+        if not isinstance(bn, _BatchNorm):
+            raise TypeError(f"{cls.__name__}.from_modules expects a BatchNorm module, but got {type(bn).__name__}")
+        if bn.num_features != conv.out_channels:
+            raise ValueError(
+                f"BatchNorm num_features={bn.num_features} does not match the conv's out_channels={conv.out_channels}"
+            )
+        self = cls.__new__(cls)
+        nn.Module.__init__(self)
+        self.activation = get_activation(activation)
+        self.strategy = check_strategy(strategy)
+        self.conv = conv
+        self.bn = bn
+        return self
+
+    def conv_spec(self) -> ConvSpec:
+        return conv_spec_from_module(self.conv)
+
+    def forward(self, input: Tensor) -> Tensor:
+        conv, bn = self.conv, self.bn
+        cspec = conv_spec_from_module(conv)
+        rm, rv = bn_running_stats(bn)
+        frozen = self.strategy == "frozen"
+        bspec = bn_spec_from_module(bn) if not frozen else BNSpec(float(bn.eps), False, 0.0)
+        check_inputs(input, conv.weight, cspec, bspec, (conv.bias, bn.weight, bn.bias, rm, rv))
+        if not frozen:
+            bspec = bn_spec_from_module(bn, advance=True)
+        return conv_bn_act_spec(
+            input, conv.weight, conv.bias, bn.weight, bn.bias, rm, rv, cspec, bspec, self.activation, self.strategy
+        )
+
+    def extra_repr(self) -> str:
+        return f"activation={self.activation}, strategy={self.strategy!r}"
+
+    def _load_from_state_dict(
+        self,
+        state_dict: Dict[str, Any],
+        prefix: str,
+        local_metadata: Dict[str, Any],
+        strict: bool,
+        missing_keys: List[str],
+        unexpected_keys: List[str],
+        error_msgs: List[str],
+    ) -> None:
+        # Accept checkpoints of a plain nn.Sequential(conv, bn): keys "0.*" / "1.*".
+        for old, new in (("0.", "conv."), ("1.", "bn.")):
+            for key in [k for k in state_dict if k.startswith(prefix + old)]:
+                state_dict[prefix + new + key[len(prefix + old):]] = state_dict.pop(key)
+        super()._load_from_state_dict(
+            state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+        )
+
+
+class FusedConvBN1d(_FusedConvBNNd):
+    """``nn.Conv1d`` -> ``nn.BatchNorm1d`` -> activation, keeping fewer activations for backward.
+
+    Args: as :class:`FusedConvBN2d`.
+    """
+
+    _conv_cls = nn.Conv1d
+    _bn_cls = nn.BatchNorm1d
+    _dims = 1
+
+
+class FusedConvBN2d(_FusedConvBNNd):
+    """``nn.Conv2d`` -> ``nn.BatchNorm2d`` -> activation, keeping fewer activations for backward.
+
+    Outputs, gradients and running statistics are those of the eager modules; only what
+    is kept for backward (and so what is recomputed) changes with ``strategy``.
+
+    Args:
+        in_channels, out_channels, kernel_size, stride, padding, dilation, groups, bias,
+            padding_mode: as ``nn.Conv2d`` (same order and defaults).
+        eps, momentum, affine, track_running_stats: as ``nn.BatchNorm2d``.
+        activation: ``None``, ``"relu"``, ``"relu6"``, ``"leaky_relu"``, ``"silu"``,
+            ``"gelu"``, ``"hardswish"`` or the matching ``nn`` module instance.
+        strategy: ``"recompute_bn"`` (keep conv input and output, recompute BN + act),
+            ``"recompute_conv"`` (keep the conv input only, recompute the conv) or
+            ``"frozen"`` (normalise with running statistics even in training; BN is
+            folded into the conv on the fly).
+        device, dtype: factory kwargs.
+
+    Example:
+        >>> m = FusedConvBN2d(3, 16, 3, padding=1, bias=False, activation="relu")
+        >>> m(torch.randn(8, 3, 32, 32)).shape
+        torch.Size([8, 16, 32, 32])
+    """
+
+    _conv_cls = nn.Conv2d
+    _bn_cls = nn.BatchNorm2d
+    _dims = 2
+
+
+class FusedConvBN3d(_FusedConvBNNd):
+    """``nn.Conv3d`` -> ``nn.BatchNorm3d`` -> activation, keeping fewer activations for backward.
+
+    Args: as :class:`FusedConvBN2d`.
+    """
+
+    _conv_cls = nn.Conv3d
+    _bn_cls = nn.BatchNorm3d
+    _dims = 3
