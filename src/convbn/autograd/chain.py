@@ -1,0 +1,213 @@
+"""One ``autograd.Function`` for a chain of fused Conv -> BN -> act layers.
+
+A chain is a run of fused layers where each layer's output feeds only the next
+layer's convolution. Inside a chain nothing is kept for a layer's *input*: it is
+recomputed element-wise from the previous layer's BN input ``y`` (or, where that
+was not kept either, by recomputing the previous convolution from further back).
+Per layer the plan says whether ``y`` is kept:
+
+* ``keep_y=True``  (``recompute_bn``): keep ``y``; backward recomputes BN + act only;
+* ``keep_y=False`` (``recompute_conv``): keep nothing; backward recomputes the conv
+  from the layer input, which is itself rebuilt from the nearest kept tensor.
+
+The chain input ``x0`` is always kept (the first convolution's weight gradient needs
+it). Saved bytes are therefore ``x0 + sum(y_i for kept i)`` plus parameters and
+per-channel statistics, whatever the chain length.
+
+# Note: [chain backward order]
+# Backward walks the layers last to first. Layer i needs its input x_i and its conv
+# output y_i. ``_Rebuilder`` produces them lazily: a kept y is returned as is; an
+# unkept y is recomputed from x_i and cached until layer i is done; x_i is
+# act(BN(y_{i-1})) and the z_{i-1} = BN(y_{i-1}) computed on the way is cached so
+# layer i-1's activation backward does not compute it again. At most one segment of
+# unkept layers is materialised at a time, as with activation checkpointing.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import torch
+from torch import Tensor
+from torch.autograd import Function
+
+from ..functional.activations import Activation
+from ..functional.batchnorm import BNSpec, bn_apply, bn_backward, bn_forward
+from ..functional.conv import ConvSpec, conv_backward, conv_forward
+from ..functional.reference import conv_bn_act_reference
+from .fused import differentiable_backward
+
+__all__ = ["ChainLayerSpec", "ChainFunction", "chain_forward_no_grad"]
+
+# differentiable tensors per layer in ChainFunction.apply: conv weight, conv bias, bn weight, bn bias
+PER_LAYER = 4
+
+
+@dataclass(frozen=True)
+class ChainLayerSpec:
+    """Static description of one layer of a chain for one forward call."""
+
+    conv: ConvSpec
+    bn: BNSpec
+    act: Activation
+    keep_y: bool
+
+
+class _Rebuilder:
+    """Lazily rebuilds layer inputs / conv outputs in backward (Note: [chain backward order])."""
+
+    def __init__(self, x0: Tensor, params: Sequence[Optional[Tensor]], specs: Sequence[ChainLayerSpec],
+                 kept: Dict[int, Tensor], means: Sequence[Tensor], invstds: Sequence[Tensor]) -> None:
+        self.x0 = x0
+        self.params = params
+        self.specs = specs
+        self.y: Dict[int, Tensor] = dict(kept)
+        self.z: Dict[int, Tensor] = {}
+        self.xs: Dict[int, Tensor] = {}
+        self.means = means
+        self.invstds = invstds
+
+    def layer_params(self, i: int) -> Sequence[Optional[Tensor]]:
+        return self.params[PER_LAYER * i: PER_LAYER * (i + 1)]
+
+    def x(self, i: int) -> Tensor:
+        if i == 0:
+            return self.x0
+        if i in self.xs:
+            return self.xs.pop(i)
+        y = self.get_y(i - 1)
+        _, _, g, b = self.layer_params(i - 1)
+        z = bn_apply(y, self.means[i - 1], self.invstds[i - 1], g, b)
+        act = self.specs[i - 1].act
+        if act.is_identity:
+            return z
+        self.z[i - 1] = z
+        return act(z)
+
+    def get_y(self, i: int) -> Tensor:
+        y = self.y.get(i)
+        if y is None:
+            w, b, _, _ = self.layer_params(i)
+            x = self.x(i)
+            y = conv_forward(x, w, b, self.specs[i].conv)  # type: ignore[arg-type]
+            self.y[i] = y
+            self.xs[i] = x  # layer i's backward needs it next
+        return y
+
+    def release(self, i: int) -> None:
+        self.y.pop(i, None)
+        self.z.pop(i, None)
+
+
+class ChainFunction(Function):
+    """Forward/backward of ``act_k(BN_k(conv_k(... act_1(BN_1(conv_1(x0))) ...)))``.
+
+    ``apply(x0, *params, specs, stats)`` with ``params`` the flat list
+    ``[W_1, b_1, gamma_1, beta_1, W_2, ...]`` (``None`` where absent), ``specs`` a tuple of
+    :class:`ChainLayerSpec` and ``stats`` a tuple of ``(running_mean, running_var)``
+    per layer (updated in place once, in forward, for layers normalising with batch
+    statistics).
+    """
+
+    @staticmethod
+    def forward(ctx: Any, x0: Tensor, *args: Any) -> Tensor:  # type: ignore[override]
+        *params, specs, stats = args
+        x = x0
+        kept: List[Tensor] = []
+        kept_idx: List[int] = []
+        means: List[Tensor] = []
+        invstds: List[Tensor] = []
+        for i, spec in enumerate(specs):
+            w, b, g, beta = params[PER_LAYER * i: PER_LAYER * (i + 1)]
+            rm, rv = stats[i]
+            y = conv_forward(x, w, b, spec.conv)
+            z, mean, invstd = bn_forward(y, g, beta, rm, rv, spec.bn)
+            if spec.keep_y:
+                kept.append(y)
+                kept_idx.append(i)
+            del y
+            means.append(mean)
+            invstds.append(invstd)
+            x = spec.act(z, inplace=True)
+        ctx.save_for_backward(x0, *params, *kept, *means, *invstds)
+        ctx.specs = tuple(specs)
+        ctx.kept_idx = tuple(kept_idx)
+        ctx.n_params = len(params)
+        return x
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: Tensor) -> Tuple[Optional[Tensor], ...]:  # type: ignore[override]
+        saved = ctx.saved_tensors
+        specs: Tuple[ChainLayerSpec, ...] = ctx.specs
+        n, k = ctx.n_params, len(specs)
+        x0, params = saved[0], saved[1: 1 + n]
+        rest = saved[1 + n:]
+        n_kept = len(ctx.kept_idx)
+        kept = dict(zip(ctx.kept_idx, rest[:n_kept]))
+        means, invstds = rest[n_kept: n_kept + k], rest[n_kept + k:]
+        if torch.is_grad_enabled():  # Note: [double backward] in autograd/fused.py
+            return differentiable_backward(ctx, grad_out, (x0, *params), _rebuild(specs, means, invstds))
+        needs = ctx.needs_input_grad
+        grads: List[Optional[Tensor]] = [None] * len(needs)
+        rb = _Rebuilder(x0, params, specs, kept, means, invstds)
+        g = grad_out
+        for i in reversed(range(k)):
+            spec = specs[i]
+            w, b, gamma, beta = rb.layer_params(i)
+            base = 1 + PER_LAYER * i
+            nw, nb, ng, nbeta = needs[base: base + PER_LAYER]
+            nx = needs[0] if i == 0 else True
+            y = rb.get_y(i)
+            x = rb.x(i)  # rebuilt before the layer's own tensors are released
+            if spec.act.is_identity:
+                grad_z = g
+            else:
+                z = rb.z.get(i)
+                if z is None:
+                    z = bn_apply(y, means[i], invstds[i], gamma, beta)
+                grad_z = spec.act.backward(g, z)
+                del z
+            grad_y, grads[base + 2], grads[base + 3] = bn_backward(
+                grad_z, y, gamma, means[i], invstds[i], spec.bn, (nx or nw or nb, ng, nbeta)
+            )
+            del grad_z, y
+            rb.release(i)
+            gx, grads[base], grads[base + 1] = conv_backward(grad_y, x, w, spec.conv, (nx, nw, nb))  # type: ignore[arg-type]
+            del grad_y, x
+            g = gx  # type: ignore[assignment]
+        grads[0] = g if needs[0] else None
+        return tuple(grads)
+
+
+def _rebuild(specs: Sequence[ChainLayerSpec], means: Sequence[Tensor], invstds: Sequence[Tensor]) -> Any:
+    def rebuild(x0: Tensor, *params: Optional[Tensor]) -> Tensor:
+        x = x0
+        for i, spec in enumerate(specs):
+            w, b, g, beta = params[PER_LAYER * i: PER_LAYER * (i + 1)]
+            if spec.bn.batch_stats:
+                rm = rv = None
+                bn = BNSpec(spec.bn.eps, True, 0.0)
+            else:
+                rm, rv = means[i], invstds[i].pow(-2) - spec.bn.eps
+                bn = spec.bn
+            x = conv_bn_act_reference(x, w, b, g, beta, rm, rv, spec.conv, bn, spec.act)  # type: ignore[arg-type]
+        return x
+
+    return rebuild
+
+
+def chain_forward_no_grad(
+    x: Tensor,
+    params: Sequence[Optional[Tensor]],
+    specs: Sequence[ChainLayerSpec],
+    stats: Sequence[Tuple[Optional[Tensor], Optional[Tensor]]],
+) -> Tensor:
+    """The chain's forward when nothing needs gradients (running stats still update)."""
+    from ..functional.fused import _forward_no_grad
+
+    with torch.no_grad():
+        for i, spec in enumerate(specs):
+            w, b, g, beta = params[PER_LAYER * i: PER_LAYER * (i + 1)]
+            rm, rv = stats[i]
+            x = _forward_no_grad(x, w, b, g, beta, rm, rv, spec.conv, spec.bn, spec.act)  # type: ignore[arg-type]
+    return x

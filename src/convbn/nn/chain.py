@@ -1,0 +1,149 @@
+"""``FusedChain``: the module that runs a chain of fused layers found by :func:`convbn.convert`.
+
+The chain does not own its convolutions and BatchNorms: it holds *unregistered*
+references to the model's own modules, which stay registered where they were, so the
+converted model's ``state_dict()`` keys, parameter objects and ``train()/eval()`` all
+behave as before conversion.
+"""
+from __future__ import annotations
+
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from typing import Any, List, Optional, Sequence, Tuple
+
+import torch
+from torch import Tensor, nn
+from torch.nn.modules.batchnorm import _BatchNorm
+
+from ..autograd.chain import ChainFunction, ChainLayerSpec, chain_forward_no_grad
+from ..functional.activations import Activation
+from ..functional.batchnorm import BNSpec
+from ..functional.conv import ConvSpec, conv_flops, conv_output_shape
+from ..functional.fused import check_inputs
+from .fused import bn_running_stats, bn_spec_from_module
+
+__all__ = ["ChainLayer", "FusedChain", "LAYER_MODES"]
+
+#: What a layer of a chain keeps: its conv output (``recompute_bn``) or nothing (``recompute_conv``).
+LAYER_MODES = ("recompute_bn", "recompute_conv")
+
+
+@dataclass
+class ChainLayer:
+    """One fused Conv -> BN -> act inside a :class:`FusedChain`.
+
+    Attributes:
+        conv_owner: module holding the conv weight (and bias) as attributes.
+        weight_name, bias_name: attribute names (``bias_name`` ``None`` without bias).
+        conv: the convolution's geometry.
+        bn: the BatchNorm module (read at every call: mode, momentum, running stats).
+        act: the fused activation.
+        mode: ``"recompute_bn"`` or ``"recompute_conv"``.
+        names: ``(conv, bn, activation)`` qualified names, for reports.
+        y_shape: conv output shape seen at the last call (for the planner).
+        y_dtype: its dtype.
+    """
+
+    conv_owner: nn.Module
+    weight_name: str
+    bias_name: Optional[str]
+    conv: ConvSpec
+    bn: _BatchNorm
+    act: Activation
+    mode: str = "recompute_bn"
+    names: Tuple[str, str, str] = ("", "", "")
+    y_shape: Optional[Tuple[int, ...]] = None
+    y_dtype: Optional[torch.dtype] = None
+    x_shape: Optional[Tuple[int, ...]] = field(default=None)
+
+    @property
+    def weight(self) -> Tensor:
+        return getattr(self.conv_owner, self.weight_name)
+
+    @property
+    def bias(self) -> Optional[Tensor]:
+        return None if self.bias_name is None else getattr(self.conv_owner, self.bias_name)
+
+    def y_bytes(self) -> int:
+        """Bytes of the conv output at the last call (0 before any call)."""
+        if self.y_shape is None or self.y_dtype is None:
+            return 0
+        n = 1
+        for s in self.y_shape:
+            n *= s
+        return n * torch.empty((), dtype=self.y_dtype).element_size()
+
+    def flops(self) -> int:
+        """Multiply-accumulates of the conv at the last call."""
+        return 0 if self.y_shape is None else conv_flops(self.y_shape, self.weight.shape)
+
+
+class FusedChain(nn.Module):
+    """Runs ``layers`` as one :class:`convbn.autograd.chain.ChainFunction`.
+
+    Args:
+        layers: the chain's layers, input to output.
+
+    Example:
+        Built by :func:`convbn.convert`; ``print(model)`` shows each chain's layers and modes.
+    """
+
+    def __init__(self, layers: Sequence[ChainLayer]) -> None:
+        super().__init__()
+        if not layers:
+            raise ValueError("a FusedChain needs at least one layer")
+        # Unregistered on purpose (see module docstring).
+        object.__setattr__(self, "layers", list(layers))
+
+    layers: List[ChainLayer]
+
+    def forward(self, input: Tensor) -> Tensor:
+        layers = self.layers
+        first = layers[0]
+        stats = [bn_running_stats(l.bn) for l in layers]
+        specs0 = [bn_spec_from_module(l.bn) for l in layers]
+        # Check every layer before any running statistic moves (a failing call changes nothing).
+        shape: Sequence[int] = input.shape
+        check_inputs(input, first.weight, first.conv, specs0[0], (first.bias, first.bn.weight, first.bn.bias, *stats[0]))
+        for l, spec in zip(layers, specs0):
+            l.x_shape = tuple(shape)
+            shape = conv_output_shape(shape, l.weight.shape, l.conv)
+            if any(s <= 0 for s in shape[2:]):
+                raise RuntimeError(f"input of shape {tuple(input.shape)} is too small for {l.names[0]}: output {tuple(shape)}")
+            if spec.batch_stats and shape[0] * _prod(shape[2:]) <= 1:
+                raise ValueError(
+                    f"Expected more than 1 value per channel when training, got input size {torch.Size(shape)} at {l.names[1]}"
+                )
+            l.y_shape = tuple(shape)
+        bn_specs = [bn_spec_from_module(l.bn, advance=True) for l in layers]
+        dev = input.device.type
+        use_autocast = dev in ("cpu", "cuda") and torch.is_autocast_enabled(dev)
+        params: List[Optional[Tensor]] = []
+        for l in layers:
+            w, b = l.weight, l.bias
+            if use_autocast:
+                dt = torch.get_autocast_dtype(dev)
+                w, b = w.to(dt), (None if b is None else b.to(dt))
+            params += [w, b, l.bn.weight, l.bn.bias]
+        x = input.to(torch.get_autocast_dtype(dev)) if use_autocast and input.is_floating_point() else input
+        for l in layers:
+            l.y_dtype = x.dtype
+        specs = tuple(
+            ChainLayerSpec(l.conv, bs, l.act, l.mode != "recompute_conv") for l, bs in zip(layers, bn_specs)
+        )
+        with torch.autocast(dev, enabled=False) if dev in ("cpu", "cuda") else nullcontext():
+            x = first.conv.pad_input(x)
+            if not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, *params))):
+                return chain_forward_no_grad(x, params, specs, stats)
+            return ChainFunction.apply(x, *params, specs, tuple(stats))
+
+    def extra_repr(self) -> str:
+        rows = [f"({i}) {l.names[0]} -> {l.names[1]} -> {l.act}: {l.mode}" for i, l in enumerate(self.layers)]
+        return "\n".join(rows)
+
+
+def _prod(xs: Sequence[int]) -> int:
+    n = 1
+    for s in xs:
+        n *= s
+    return n
