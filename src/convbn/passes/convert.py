@@ -1,0 +1,508 @@
+"""``convbn.convert``: one call turns a CNN into a memory-lean training model.
+
+The pass traces the model with ``torch.fx``, finds every Conv -> BatchNorm (-> activation)
+in the data flow, groups consecutive ones into chains, and replaces each chain by a
+:class:`convbn.nn.chain.FusedChain` call. The model's own modules stay registered
+where they were (the chains only reference them), so parameters, buffers and
+``state_dict()`` are the very same objects and keys.
+"""
+from __future__ import annotations
+
+import copy
+import operator
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, TypeVar, Union
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.nn.modules.batchnorm import _BatchNorm
+from torch.nn.modules.conv import _ConvNd
+
+from ..functional.activations import Activation, activation_from_module
+from ..functional.conv import ConvSpec, conv_spec_from_module, make_conv_spec
+from ..memory import saved_bytes
+from ..nn.chain import ChainLayer, FusedChain
+from ..nn.fused import _FusedConvBNNd
+from .planner import all_keep_bytes, plan_layers, tutorial_bytes
+from .report import ConvertReport, FusedPair, SkippedBN
+
+__all__ = ["convert", "explain", "CONVERT_STRATEGIES"]
+
+M = TypeVar("M", bound=nn.Module)
+
+#: Strategies :func:`convert` accepts.
+CONVERT_STRATEGIES = ("auto", "recompute_bn", "recompute_conv")
+
+_STD_CONV_FORWARDS = {nn.Conv1d.forward, nn.Conv2d.forward, nn.Conv3d.forward}
+_FUNCTIONAL_CONVS = {F.conv1d: 1, F.conv2d: 2, F.conv3d: 3, torch.conv1d: 1, torch.conv2d: 2, torch.conv3d: 3}
+_BN_DIMS = {nn.BatchNorm1d: (1,), nn.BatchNorm2d: (2,), nn.BatchNorm3d: (3,)}
+
+
+class _Tracer(fx.Tracer):
+    """Keeps convolutions (with the standard forward), BatchNorms and convbn's own
+    modules as leaves; traces through everything else, including conv subclasses
+    with their own forward (their ``F.convNd`` call is matched instead)."""
+
+    def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
+        if isinstance(m, (_BatchNorm, FusedChain, _FusedConvBNNd)):
+            return True
+        if isinstance(m, _ConvNd):
+            return type(m).forward in _STD_CONV_FORWARDS or m.transposed and m.__module__.startswith("torch.nn")
+        return super().is_leaf_module(m, qualname)
+
+
+# --------------------------------------------------------------------------- matching
+
+
+@dataclass
+class _Conv:
+    node: fx.Node
+    input: fx.Node
+    owner: nn.Module
+    weight_name: str
+    bias_name: Optional[str]
+    spec: ConvSpec
+    name: str
+
+
+@dataclass
+class _Layer:
+    conv: _Conv
+    bn_node: fx.Node
+    bn: _BatchNorm
+    bn_name: str
+    act: Activation
+    act_node: Optional[fx.Node]
+
+    @property
+    def out(self) -> fx.Node:
+        return self.act_node if self.act_node is not None else self.bn_node
+
+
+def _arg(node: fx.Node, i: int, name: str, default: Any) -> Any:
+    if len(node.args) > i:
+        return node.args[i]
+    return node.kwargs.get(name, default)
+
+
+def _match_conv(node: fx.Node, gm: fx.GraphModule) -> Union[_Conv, str, None]:
+    """A conv node as :class:`_Conv`, a string reason why it cannot be fused, or ``None``."""
+    if node.op == "call_module":
+        mod = gm.get_submodule(str(node.target))
+        if not isinstance(mod, _ConvNd):
+            return None
+        if mod.transposed:
+            return f"its input is a transposed convolution ({node.target}), not fused for training"
+        if type(mod).forward not in _STD_CONV_FORWARDS:
+            return f"its input comes from {type(mod).__name__}, a convolution with a custom forward"
+        inp = _arg(node, 0, "input", None)
+        if not isinstance(inp, fx.Node):
+            return "the convolution's input is not a traced tensor"
+        return _Conv(node, inp, mod, "weight", "bias" if mod.bias is not None else None,
+                     conv_spec_from_module(mod), str(node.target))
+    if node.op == "call_function" and node.target in _FUNCTIONAL_CONVS:
+        dims = _FUNCTIONAL_CONVS[node.target]  # type: ignore[index]
+        inp, w, b = _arg(node, 0, "input", None), _arg(node, 1, "weight", None), _arg(node, 2, "bias", None)
+        if not isinstance(w, fx.Node) or w.op != "get_attr":
+            return "the functional convolution's weight is not a module parameter"
+        if b is not None and (not isinstance(b, fx.Node) or b.op != "get_attr"):
+            return "the functional convolution's bias is not a module parameter"
+        geo = [_arg(node, i, n, d) for i, n, d in ((3, "stride", 1), (4, "padding", 0), (5, "dilation", 1), (6, "groups", 1))]
+        if any(isinstance(a, fx.Node) for a in geo) or not isinstance(inp, fx.Node):
+            return "the functional convolution's arguments are not constants"
+        wpath, _, wname = str(w.target).rpartition(".")
+        owner = gm.get_submodule(wpath) if wpath else gm
+        bname = None
+        if b is not None:
+            bpath, _, bname = str(b.target).rpartition(".")
+            if bpath != wpath:
+                return "the functional convolution's weight and bias live in different modules"
+        weight = getattr(owner, wname)
+        spec = make_conv_spec(dims, weight.shape[2:], *geo)
+        return _Conv(node, inp, owner, wname, bname, spec, wpath or str(w.target))
+    return None
+
+
+_ACT_FUNCS: Dict[Any, Callable[[fx.Node], Optional[Activation]]] = {
+    torch.relu: lambda n: Activation("relu"),
+    torch.relu_: lambda n: Activation("relu"),
+    F.relu: lambda n: Activation("relu"),
+    F.relu_: lambda n: Activation("relu"),
+    F.relu6: lambda n: Activation("relu6"),
+    F.leaky_relu: lambda n: Activation("leaky_relu", negative_slope=float(_arg(n, 1, "negative_slope", 0.01))),
+    F.silu: lambda n: Activation("silu"),
+    F.gelu: lambda n: Activation("gelu", approximate=str(_arg(n, 1, "approximate", "none"))),
+    F.hardswish: lambda n: Activation("hardswish"),
+    F.hardtanh: lambda n: Activation("relu6") if (_arg(n, 1, "min_val", -1.0), _arg(n, 2, "max_val", 1.0)) == (0.0, 6.0) else None,
+}
+_ACT_METHODS = {"relu": "relu", "relu_": "relu"}
+
+
+def _match_act(node: fx.Node, src: fx.Node, gm: fx.GraphModule) -> Optional[Activation]:
+    if _arg(node, 0, "input", None) is not src:
+        return None
+    if node.op == "call_module":
+        return activation_from_module(gm.get_submodule(str(node.target)))
+    if node.op == "call_function" and node.target in _ACT_FUNCS:
+        if any(isinstance(a, fx.Node) for a in list(node.args[1:]) + list(node.kwargs.values())):
+            return None
+        return _ACT_FUNCS[node.target](node)
+    if node.op == "call_method" and node.target in _ACT_METHODS:
+        return Activation(_ACT_METHODS[str(node.target)])
+    return None
+
+
+def _describe(node: fx.Node) -> str:
+    if node.op == "placeholder":
+        return f"the model input '{node.name}'"
+    if node.op == "call_module":
+        return f"module '{node.target}'"
+    if node.op == "call_function":
+        return f"function {getattr(node.target, '__name__', node.target)}"
+    return f"{node.op} {node.target}"
+
+
+def _find_layers(gm: fx.GraphModule, prefix: str, report: ConvertReport) -> List[_Layer]:
+    graph = gm.graph
+    bn_calls: Dict[str, int] = {}
+    for node in graph.nodes:
+        if node.op == "call_module" and isinstance(gm.get_submodule(str(node.target)), _BatchNorm):
+            bn_calls[str(node.target)] = bn_calls.get(str(node.target), 0) + 1
+    layers: List[_Layer] = []
+    for node in graph.nodes:
+        if node.op != "call_module":
+            continue
+        bn = gm.get_submodule(str(node.target))
+        if not isinstance(bn, _BatchNorm):
+            continue
+        name = prefix + str(node.target)
+
+        def skip(reason: str, conv: Optional[str] = None) -> None:
+            report.skipped.append(SkippedBN(name, reason, conv))
+
+        if type(bn).forward is not _BatchNorm.forward:
+            skip(f"{type(bn).__name__} has its own forward (e.g. cross-process statistics); left as is")
+            continue
+        if bn_calls[str(node.target)] > 1:
+            skip(f"the BatchNorm module is called {bn_calls[str(node.target)]} times (shared running statistics)")
+            continue
+        if bn.running_mean is not None and bn.running_mean.is_meta:
+            skip("the BatchNorm's buffers are on the meta device")
+            continue
+        src = _arg(node, 0, "input", None)
+        if not isinstance(src, fx.Node):
+            skip("its input is not a traced tensor")
+            continue
+        conv = _match_conv(src, gm)
+        if conv is None:
+            skip(f"its input is not a convolution output (it follows {_describe(src)})")
+            continue
+        if isinstance(conv, str):
+            skip(conv)
+            continue
+        conv.name = prefix + conv.name
+        if len(src.users) != 1:
+            others = ", ".join(_describe(u) for u in src.users if u is not node)
+            skip(f"the convolution's output is also used by {others}", conv.name)
+            continue
+        dims_ok = _BN_DIMS.get(type(bn))
+        if dims_ok is not None and conv.spec.dims not in dims_ok:
+            skip(f"{type(bn).__name__} after a {conv.spec.dims}-D convolution", conv.name)
+            continue
+        if bn.num_features != getattr(conv.owner, conv.weight_name).shape[0]:
+            skip("BatchNorm num_features does not match the convolution's output channels", conv.name)
+            continue
+        act, act_node = Activation("identity"), None
+        if len(node.users) == 1:
+            user = next(iter(node.users))
+            found = _match_act(user, node, gm)
+            if found is not None:
+                act, act_node = found, user
+        layers.append(_Layer(conv, node, bn, name, act, act_node))
+    return layers
+
+
+def _chains(layers: List[_Layer], chain: bool) -> List[List[_Layer]]:
+    by_out = {l.out: l for l in layers}
+    chains: List[List[_Layer]] = []
+    where: Dict[int, List[_Layer]] = {}
+    for l in layers:  # graph (topological) order
+        prev = by_out.get(l.conv.input)
+        if (chain and prev is not None and id(prev) in where and len(prev.out.users) == 1
+                and not l.conv.spec.pre_pad):
+            c = where[id(prev)]
+        else:
+            c = []
+            chains.append(c)
+        c.append(l)
+        where[id(l)] = c
+    return chains
+
+
+# --------------------------------------------------------------------------- rewriting
+
+
+def _graph_module(root: nn.Module, traced: fx.GraphModule, extra: Sequence[Tuple[str, nn.Module]]) -> fx.GraphModule:
+    """A GraphModule running ``traced.graph`` whose module tree is ``root``'s own (same
+    objects, same order) plus ``extra``, so ``state_dict()`` keys and parameters are unchanged."""
+    gm = fx.GraphModule(traced, traced.graph, class_name=type(root).__name__)
+    gm._modules = OrderedDict(root._modules)
+    for name, mod in extra:
+        gm._modules[name] = mod
+    gm._parameters = OrderedDict(root._parameters)
+    gm._buffers = OrderedDict(root._buffers)
+    gm._non_persistent_buffers_set = set(root._non_persistent_buffers_set)
+    gm.training = root.training
+    return gm
+
+
+def _rewrite(root: nn.Module, gm: fx.GraphModule, chains: List[List[_Layer]], mode: str,
+             report: ConvertReport) -> fx.GraphModule:
+    graph = gm.graph
+    built: List[Tuple[str, FusedChain]] = []
+    base = len({p.chain for p in report.pairs})
+    replaced: Dict[fx.Node, fx.Node] = {}
+    for ci, chain in enumerate(chains):
+        layers = []
+        for pos, l in enumerate(chain):
+            cl = ChainLayer(l.conv.owner, l.conv.weight_name, l.conv.bias_name, l.conv.spec, l.bn, l.act,
+                            "recompute_bn" if mode == "auto" else mode,
+                            (l.conv.name, l.bn_name, str(l.act)))
+            layers.append(cl)
+            report.pairs.append(FusedPair(l.conv.name, l.bn_name, str(l.act), base + ci, pos, cl))
+        fused = FusedChain(layers)
+        fused.auto_pending = mode == "auto"
+        name = f"convbn_chain{ci}"
+        while hasattr(root, name) or hasattr(gm, name):
+            name += "_"
+        built.append((name, fused))
+        gm.add_module(name, fused)
+        last = chain[-1].out
+        with graph.inserting_after(last):
+            x0 = chain[0].conv.input
+            new = graph.call_module(name, (replaced.get(x0, x0),))
+        last.replace_all_uses_with(new)
+        replaced[last] = new
+        for l in reversed(chain):
+            for n in (l.act_node, l.bn_node, l.conv.node):
+                if n is not None:
+                    graph.erase_node(n)
+    for node in list(graph.nodes):
+        if node.op == "get_attr" and not node.users:
+            graph.erase_node(node)
+    graph.lint()
+    return _graph_module(root, gm, built)
+
+
+def _shallow_clone(module: nn.Module) -> nn.Module:
+    clone = copy.copy(module)
+    clone._modules = OrderedDict(module._modules)
+    return clone
+
+
+def _convert(module: nn.Module, prefix: str, mode: str, chain: bool, inplace: bool,
+             report: ConvertReport) -> nn.Module:
+    if isinstance(module, (FusedChain, _FusedConvBNNd)) or not any(
+        isinstance(m, _BatchNorm) for m in module.modules()
+    ):
+        return module
+    try:
+        graph = _Tracer().trace(module)
+        gm = fx.GraphModule(module, graph)
+    except Exception as err:  # any tracing failure: convert the children instead
+        report.untraced.append((prefix.rstrip("."), f"{type(err).__name__}: {str(err).splitlines()[0][:120]}"))
+        target = module if inplace else _shallow_clone(module)
+        for name, child in module.named_children():
+            new = _convert(child, f"{prefix}{name}.", mode, chain, inplace, report)
+            if new is not child:
+                target._modules[name] = new
+        return target
+    layers = _find_layers(gm, prefix, report)
+    if not layers:
+        return module
+    return _rewrite(module, gm, _chains(layers, chain), mode, report)
+
+
+# --------------------------------------------------------------------------- measuring and planning
+
+
+class _Restore:
+    """Snapshot buffers, modes and RNG; put them back on exit (measurement has no side effects)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+
+    def __enter__(self) -> "_Restore":
+        self.buffers = [(b, b.detach().clone()) for b in self.model.buffers()]
+        self.modes = [(m, m.training) for m in self.model.modules()]
+        self.rng = torch.get_rng_state()
+        self.cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        with torch.no_grad():
+            for b, v in self.buffers:
+                b.copy_(v)
+        for m, t in self.modes:
+            m.training = t
+        torch.set_rng_state(self.rng)
+        if self.cuda_rng is not None:
+            torch.cuda.set_rng_state_all(self.cuda_rng)
+
+
+def _as_tuple(example_inputs: Any) -> Tuple[Any, ...]:
+    if isinstance(example_inputs, Tensor):
+        return (example_inputs,)
+    if isinstance(example_inputs, (tuple, list)):
+        return tuple(example_inputs)
+    raise TypeError(f"example_inputs must be a Tensor or a tuple of inputs, but got {type(example_inputs).__name__}")
+
+
+def _measure(model: nn.Module, inputs: Tuple[Any, ...]) -> int:
+    model.train()
+    return saved_bytes(model, *inputs).total
+
+
+def _chain_layers(model: nn.Module) -> List[List[ChainLayer]]:
+    return [m.layers for m in model.modules() if isinstance(m, FusedChain)]
+
+
+def _plan(original: nn.Module, converted: nn.Module, inputs: Tuple[Any, ...], memory_budget: Optional[float],
+          report: ConvertReport) -> None:
+    chains = _chain_layers(converted)
+    layers = [l for c in chains for l in c]
+    with _Restore(original), _Restore(converted):
+        eager = _measure(original, inputs)
+        for l in layers:
+            l.mode = "recompute_conv"
+        for m in converted.modules():
+            if isinstance(m, FusedChain):
+                m.auto_pending = False
+        floor = _measure(converted, inputs)
+    report.eager_saved_bytes, report.floor_saved_bytes = eager, floor
+    if memory_budget is None:
+        extra = tutorial_bytes(chains)
+    else:
+        target = int(memory_budget * eager)
+        if target < floor:
+            raise ValueError(
+                f"memory_budget={memory_budget} asks for {target} saved bytes, below the lowest reachable with "
+                f"per-layer strategies: {floor} bytes = {floor / eager:.3f} of eager ({eager} bytes); "
+                f"use memory_budget >= {floor / eager:.3f}"
+            )
+        extra = target - floor
+    plan_layers(layers, extra)
+    report.target_saved_bytes = floor + extra
+    report.saved_bytes = floor + sum(l.y_bytes() for l in layers if l.mode == "recompute_bn")
+
+
+def _check_args(model: Any, strategy: str, memory_budget: Optional[float], example_inputs: Any) -> None:
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"convert expects an nn.Module, but got {type(model).__name__}")
+    if strategy not in CONVERT_STRATEGIES:
+        raise ValueError(f"strategy must be one of {CONVERT_STRATEGIES}, but got strategy={strategy!r}")
+    if memory_budget is not None:
+        if strategy != "auto":
+            raise ValueError(f"memory_budget is used by strategy='auto' only, but got strategy={strategy!r}")
+        if not isinstance(memory_budget, (int, float)) or not memory_budget > 0:
+            raise ValueError(f"memory_budget must be a positive fraction of eager saved bytes, but got {memory_budget!r}")
+        if example_inputs is None:
+            raise ValueError("memory_budget needs example_inputs: the planner measures eager saved bytes on them")
+
+
+def convert(
+    model: M,
+    *,
+    strategy: str = "auto",
+    memory_budget: Optional[float] = None,
+    example_inputs: Any = None,
+    inplace: bool = False,
+    chain: bool = True,
+) -> nn.Module:
+    """Fuse every Conv -> BatchNorm (-> activation) of ``model`` for memory-lean training.
+
+    The result computes the same outputs, gradients and running statistics as
+    ``model``; its parameters and buffers are ``model``'s own objects (an optimizer
+    built before conversion keeps working) and its ``state_dict()`` has the same keys.
+
+    Args:
+        model: any ``nn.Module``. Traced with ``torch.fx``; when the whole model cannot be
+            traced, each child is converted instead (recursively).
+        strategy: ``"auto"`` (plan per layer), ``"recompute_bn"`` (every layer keeps its
+            conv output; element-wise recompute only) or ``"recompute_conv"`` (keep no
+            layer's conv output; with ``chain=False`` this is the tutorial's method).
+        memory_budget: with ``"auto"``, the target saved bytes as a fraction of the eager
+            model's (e.g. ``0.35``); ``None`` targets the memory of the tutorial's method.
+            Needs ``example_inputs``. A budget below the reachable floor raises ``ValueError``.
+        example_inputs: a tensor or tuple of inputs for a measuring forward pass (running
+            stats, RNG and modes are restored afterwards). Without it, ``"auto"`` plans each
+            chain on its first training call.
+        inplace: modify ``model`` itself where the pass replaces children of modules that
+            could not be traced whole; by default those containers are shallow-copied.
+        chain: group consecutive fused layers into chains (see :mod:`convbn.autograd.chain`).
+
+    Returns:
+        The converted model (a ``torch.fx.GraphModule`` where the model traced, with the
+        report in ``.convbn_report``), or ``model``'s structure with converted children.
+
+    Example:
+        >>> net = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU())
+        >>> fast = convert(net)
+        >>> fast[0].weight is net[0].weight
+        True
+    """
+    _check_args(model, strategy, memory_budget, example_inputs)
+    report = ConvertReport(strategy=strategy)
+    converted = _convert(model, "", strategy, chain, inplace, report)
+    _account_bns(model, report)
+    if strategy == "auto" and example_inputs is not None and report.pairs:
+        _plan(model, converted, _as_tuple(example_inputs), memory_budget, report)
+    elif example_inputs is not None and report.pairs:
+        inputs = _as_tuple(example_inputs)
+        with _Restore(model), _Restore(converted):
+            report.eager_saved_bytes = _measure(model, inputs)
+            report.saved_bytes = _measure(converted, inputs)
+    try:
+        converted.convbn_report = report  # type: ignore[assignment]
+    except AttributeError:  # pragma: no cover - modules refusing attributes
+        pass
+    return converted
+
+
+def _account_bns(model: nn.Module, report: ConvertReport) -> None:
+    """Every BatchNorm module gets a line: fused, skipped with a reason, or not reached."""
+    seen = {p.bn for p in report.pairs} | {s.bn for s in report.skipped}
+    untraced = [m for m, _ in report.untraced]
+    for name, m in model.named_modules():
+        if isinstance(m, _BatchNorm) and name not in seen:
+            owner = max((u for u in untraced if name.startswith(u + ".") or u == ""), key=len, default=None)
+            if owner is not None and not any(
+                name.startswith(p + ".") for p, _ in _traced_prefixes(report) if len(p) > len(owner)
+            ):
+                reason = f"it sits in '{owner or '<root>'}', which could not be traced as a whole, outside any traceable child"
+            else:
+                reason = "it is not called in the traced forward pass"
+            report.skipped.append(SkippedBN(name, reason))
+
+
+def _traced_prefixes(report: ConvertReport) -> List[Tuple[str, str]]:
+    return [(p.conv.rpartition(".")[0], p.bn) for p in report.pairs]
+
+
+def explain(model: nn.Module, example_inputs: Any = None, **kwargs: Any) -> ConvertReport:
+    """What :func:`convert` would do to ``model``, without changing it.
+
+    Args:
+        model: the model.
+        example_inputs: inputs for measuring saved bytes and planning (recommended).
+        **kwargs: ``strategy``, ``memory_budget``, ``chain`` as for :func:`convert`.
+
+    Returns:
+        The :class:`ConvertReport`: each pair with its strategy, kept bytes and extra
+        MACs, and each BatchNorm skipped with its reason.
+    """
+    converted = convert(model, example_inputs=example_inputs, inplace=False, **kwargs)
+    return converted.convbn_report  # type: ignore[return-value]

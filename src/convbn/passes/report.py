@@ -1,0 +1,96 @@
+"""What :func:`convbn.convert` did: every pair fused (and how), every BatchNorm skipped and why."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, List, Optional
+
+from ..memory import format_bytes
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ..nn.chain import ChainLayer
+
+__all__ = ["FusedPair", "SkippedBN", "ConvertReport"]
+
+
+@dataclass
+class FusedPair:
+    """A Conv -> BN (-> act) fused into chain ``chain`` at ``position``."""
+
+    conv: str
+    bn: str
+    activation: str
+    chain: int
+    position: int
+    layer: "ChainLayer" = field(repr=False)
+
+    @property
+    def strategy(self) -> str:
+        return self.layer.mode
+
+    @property
+    def kept_bytes(self) -> int:
+        """Bytes this layer keeps for backward beyond the chain input (its conv output, if kept)."""
+        return self.layer.y_bytes() if self.layer.mode == "recompute_bn" else 0
+
+    @property
+    def extra_flops(self) -> int:
+        """Multiply-accumulates recomputed in backward (the conv, for ``recompute_conv``)."""
+        return self.layer.flops() if self.layer.mode == "recompute_conv" else 0
+
+
+@dataclass
+class SkippedBN:
+    """A BatchNorm (module or call) left as it was, with the reason."""
+
+    bn: str
+    reason: str
+    conv: Optional[str] = None
+
+
+@dataclass
+class ConvertReport:
+    """Result of :func:`convbn.convert` / :func:`convbn.explain`.
+
+    Attributes:
+        pairs: every fused Conv -> BN (-> act).
+        skipped: every BatchNorm not fused, with its reason.
+        untraced: ``(module, error)`` for modules that could not be traced whole.
+        strategy: the strategy asked for.
+        eager_saved_bytes / saved_bytes / floor_saved_bytes / target_saved_bytes:
+            measured (with ``example_inputs``) saved bytes of the eager model, of the
+            converted model, of the lowest-memory plan, and the planner's target.
+    """
+
+    pairs: List[FusedPair] = field(default_factory=list)
+    skipped: List[SkippedBN] = field(default_factory=list)
+    untraced: List[tuple] = field(default_factory=list)
+    strategy: str = "auto"
+    eager_saved_bytes: Optional[int] = None
+    saved_bytes: Optional[int] = None
+    floor_saved_bytes: Optional[int] = None
+    target_saved_bytes: Optional[int] = None
+
+    @property
+    def num_chains(self) -> int:
+        return len({p.chain for p in self.pairs})
+
+    def __str__(self) -> str:
+        lines = [f"convbn.convert report (strategy={self.strategy!r}): {len(self.pairs)} pairs fused "
+                 f"in {self.num_chains} chains, {len(self.skipped)} BatchNorms skipped"]
+        if self.eager_saved_bytes:
+            lines.append(f"  saved bytes: eager {format_bytes(self.eager_saved_bytes)}"
+                         + (f", converted {format_bytes(self.saved_bytes)} "
+                            f"({self.saved_bytes / self.eager_saved_bytes:.2f}x)" if self.saved_bytes is not None else "")
+                         + (f", floor {format_bytes(self.floor_saved_bytes)}" if self.floor_saved_bytes else "")
+                         + (f", target {format_bytes(self.target_saved_bytes)}" if self.target_saved_bytes else ""))
+        lines.append(f"  {'chain.pos':>9}  {'conv':<32} {'bn':<32} {'act':<12} {'strategy':<15} {'kept':>10} {'extra MACs':>12}")
+        for p in self.pairs:
+            lines.append(
+                f"  {p.chain:>6}.{p.position:<2}  {p.conv:<32} {p.bn:<32} {p.activation:<12} {p.strategy:<15} "
+                f"{format_bytes(p.kept_bytes):>10} {p.extra_flops / 1e6:>10.1f}M"
+            )
+        for s in self.skipped:
+            lines.append(f"  skipped {s.bn}: {s.reason}")
+        for mod, err in self.untraced:
+            lines.append(f"  not traced as a whole: {mod or '<root>'}: {err}")
+        return "\n".join(lines)
