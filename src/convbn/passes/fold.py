@@ -199,8 +199,8 @@ def _clone_with(layer: LayerT, weight: Tensor, bias: Tensor) -> LayerT:
         memo[id(layer.bias)] = None
     new = copy.deepcopy(layer, memo)
     requires_grad = layer.weight.requires_grad
-    new.weight = nn.Parameter(weight.detach().clone(), requires_grad=requires_grad)
-    new.bias = nn.Parameter(bias.detach().clone(), requires_grad=requires_grad)
+    new.weight = nn.Parameter(weight.detach(), requires_grad=requires_grad)
+    new.bias = nn.Parameter(bias.detach(), requires_grad=requires_grad)
     return new
 
 
