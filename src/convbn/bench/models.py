@@ -1,0 +1,161 @@
+"""Model specs shared by all benchmarks: ``build_model("monai:resnet50(spatial_dims=2)")``.
+
+A spec is ``[source:]name[(key=value, ...)]``; values are Python literals. Sources:
+
+* ``mnist`` — :class:`MNISTNet`, the tutorial's MNIST network in plain ``torch.nn``;
+* ``monai:NAME`` — ``monai.networks.nets.NAME`` (``resnet18``, ``resnet50``,
+  ``DenseNet121``, ``UNet`` ... with 2-D / 3-D defaults below, overridable by kwargs);
+* ``efficientnet:b0`` .. ``b7`` — ``efficientnet_pytorch.EfficientNet.from_name`` (no download);
+* ``torchvision:NAME`` — ``torchvision.models.NAME(weights=None)``;
+* ``timm:NAME`` — ``timm.create_model(NAME, pretrained=False)``.
+
+Every builder also returns the default input shape *without* the batch dimension.
+"""
+from __future__ import annotations
+
+import ast
+import importlib
+import re
+from typing import Any, Callable, Dict, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+__all__ = ["MNISTNet", "build_model", "parse_spec", "MODEL_DEFAULTS"]
+
+Shape = Tuple[int, ...]
+
+
+class MNISTNet(nn.Module):
+    """The tutorial's MNIST network (plain ``nn``): two Conv+BatchNorm+ReLU blocks
+    1->32->64 (3x3), max-pool, dropout, fc 9216->128->10, log-softmax. Input ``(N, 1, 28, 28)``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(1, 32, 3)
+        self.bn1 = nn.BatchNorm2d(32)
+        self.conv2 = nn.Conv2d(32, 64, 3)
+        self.bn2 = nn.BatchNorm2d(64)
+        self.dropout1 = nn.Dropout(0.25)
+        self.fc1 = nn.Linear(9216, 128)
+        self.dropout2 = nn.Dropout(0.5)
+        self.fc2 = nn.Linear(128, 10)
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = F.relu(self.bn1(self.conv1(x)))
+        x = F.relu(self.bn2(self.conv2(x)))
+        x = F.max_pool2d(x, 2)
+        x = self.dropout1(x)
+        x = torch.flatten(x, 1)
+        x = F.relu(self.fc1(x))
+        x = self.dropout2(x)
+        return F.log_softmax(self.fc2(x), dim=1)
+
+
+# Default kwargs and input shapes for MONAI networks (2-D ImageNet-like unless 3-D).
+_RESNET_2D = dict(spatial_dims=2, n_input_channels=3, conv1_t_stride=2, num_classes=1000)
+_DENSENET_2D = dict(spatial_dims=2, in_channels=3, out_channels=1000)
+MODEL_DEFAULTS: Dict[str, Tuple[Dict[str, Any], Shape]] = {
+    **{f"resnet{d}": (_RESNET_2D, (3, 224, 224)) for d in (10, 18, 34, 50, 101, 152, 200)},
+    **{f"DenseNet{d}": (_DENSENET_2D, (3, 224, 224)) for d in (121, 169, 201, 264)},
+    "UNet": (dict(spatial_dims=3, in_channels=1, out_channels=2, channels=(16, 32, 64, 128),
+                  strides=(2, 2, 2), norm="batch"), (1, 64, 64, 64)),
+}
+
+_SPEC_RE = re.compile(r"^\s*(?:(?P<source>[A-Za-z_]\w*):)?(?P<name>[\w.\-]+)\s*(?:\((?P<kwargs>.*)\))?\s*$")
+
+
+def parse_spec(spec: str) -> Tuple[str, str, Dict[str, Any]]:
+    """``"monai:resnet50(spatial_dims=2)"`` -> ``("monai", "resnet50", {"spatial_dims": 2})``."""
+    match = _SPEC_RE.match(spec)
+    if match is None:
+        raise ValueError(f"model spec must look like 'source:name(key=value, ...)', but got {spec!r}")
+    kwargs: Dict[str, Any] = {}
+    if match.group("kwargs"):
+        call = ast.parse(f"f({match.group('kwargs')})", mode="eval").body
+        if not isinstance(call, ast.Call) or call.args:
+            raise ValueError(f"model spec arguments must be key=value pairs, but got {spec!r}")
+        for kw in call.keywords:
+            try:
+                kwargs[kw.arg] = ast.literal_eval(kw.value)
+            except ValueError as exc:
+                raise ValueError(f"model spec value for {kw.arg!r} in {spec!r} must be a Python literal") from exc
+    source = match.group("source") or ("mnist" if match.group("name") == "mnist" else "")
+    return source, match.group("name"), kwargs
+
+
+def _import(package: str, install: str) -> Any:
+    try:
+        return importlib.import_module(package)
+    except Exception as exc:  # noqa: BLE001 - broken installs raise more than ImportError
+        raise ImportError(
+            f"this model spec needs the package '{package}', which does not import here "
+            f"({type(exc).__name__}: {exc}); install it with `pip install {install}`"
+        ) from exc
+
+
+def _monai(name: str, kwargs: Dict[str, Any]) -> Tuple[nn.Module, Shape]:
+    nets = _import("monai.networks.nets", "monai")
+    if not hasattr(nets, name):
+        raise ValueError(f"monai.networks.nets has no network {name!r}")
+    defaults, shape = MODEL_DEFAULTS.get(name, ({}, None))
+    merged = {**defaults, **kwargs}
+    if shape is None or merged.get("spatial_dims", 2) != defaults.get("spatial_dims", 2):
+        dims = merged.get("spatial_dims", 2)
+        channels = merged.get("in_channels", merged.get("n_input_channels", 1))
+        shape = (channels,) + ((224,) * 2 if dims == 2 else (64,) * dims)
+    else:
+        channels = merged.get("in_channels", merged.get("n_input_channels", shape[0]))
+        shape = (channels,) + tuple(shape[1:])
+    return getattr(nets, name)(**merged), shape
+
+
+def _efficientnet(name: str, kwargs: Dict[str, Any]) -> Tuple[nn.Module, Shape]:
+    mod = _import("efficientnet_pytorch", "efficientnet_pytorch")
+    full = name if name.startswith("efficientnet-") else f"efficientnet-{name}"
+    model = mod.EfficientNet.from_name(full, **kwargs)
+    size = mod.EfficientNet.get_image_size(full)
+    return model, (kwargs.get("in_channels", 3), size, size)
+
+
+def _torchvision(name: str, kwargs: Dict[str, Any]) -> Tuple[nn.Module, Shape]:
+    models = _import("torchvision.models", "torchvision")
+    return getattr(models, name)(**{"weights": None, **kwargs}), (3, 224, 224)
+
+
+def _timm(name: str, kwargs: Dict[str, Any]) -> Tuple[nn.Module, Shape]:
+    timm = _import("timm", "timm")
+    model = timm.create_model(name, **{"pretrained": False, **kwargs})
+    shape = tuple(model.default_cfg.get("input_size", (3, 224, 224)))
+    return model, shape
+
+
+_BUILDERS: Dict[str, Callable[[str, Dict[str, Any]], Tuple[nn.Module, Shape]]] = {
+    "monai": _monai,
+    "efficientnet": _efficientnet,
+    "torchvision": _torchvision,
+    "timm": _timm,
+}
+
+
+def build_model(spec: str) -> Tuple[nn.Module, Shape]:
+    """Build the model named by ``spec``; returns ``(model, input_shape_without_batch)``.
+
+    The model is freshly initialised (no weights are downloaded) and in training mode.
+
+    Raises:
+        ValueError: malformed spec or unknown source/name.
+        ImportError: the source's package does not import (the message names it).
+    """
+    source, name, kwargs = parse_spec(spec)
+    if source == "mnist":
+        if kwargs:
+            raise ValueError(f"'mnist' takes no arguments, but got {kwargs}")
+        return MNISTNet(), (1, 28, 28)
+    if source not in _BUILDERS:
+        raise ValueError(
+            f"unknown model source {source!r} in spec {spec!r}; expected 'mnist' or one of "
+            f"{sorted(_BUILDERS)} followed by ':NAME'"
+        )
+    return _BUILDERS[source](name, kwargs)
