@@ -28,6 +28,7 @@ from __future__ import annotations
 import copy
 import math
 import operator
+import typing
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Set, Tuple, TypeVar, Union
 
@@ -799,6 +800,7 @@ def _fold_module(module: nn.Module, prefix: str, ctx: _Ctx) -> nn.Module:
         ctx.report.untraceable.append((prefix.rstrip("."), f"{_short_reason(exc)} (folded part by part)"))
         _fold_children(module, prefix, ctx)
         return module
+    _resolve_string_annotations(graph, module)
     gm = fx.GraphModule(tracer.root, graph, type(module).__name__)
     folder = _GraphFolder(gm, module, prefix, ctx)
     folder.run()
@@ -814,6 +816,21 @@ def _fold_module(module: nn.Module, prefix: str, ctx: _Ctx) -> nn.Module:
             setattr(gm.get_submodule(parent), attr, new)
             changed = True
     return gm if changed else module
+
+
+def _resolve_string_annotations(graph: fx.Graph, module: nn.Module) -> None:
+    """Replace string annotations (``from __future__ import annotations``) on the graph's
+    inputs/output by the types they name, or drop them: FX writes them into the generated
+    code under names TorchScript cannot resolve."""
+    try:
+        hints = typing.get_type_hints(type(module).forward)
+    except Exception:  # noqa: BLE001 - unresolvable names: just drop them
+        hints = {}
+    for node in graph.nodes:
+        if node.op == "placeholder" and isinstance(node.type, str):
+            node.type = hints.get(node.target.lstrip("*"))
+        elif node.op == "output" and isinstance(node.type, str):
+            node.type = hints.get("return")
 
 
 def _fold_children(module: nn.Module, prefix: str, ctx: _Ctx) -> None:

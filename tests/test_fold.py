@@ -1,0 +1,612 @@
+"""Tests for convbn.fold (inference BatchNorm folding): numbers, structure, report, safety."""
+from __future__ import annotations
+
+import copy
+from typing import Callable, Tuple
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
+
+import convbn.passes.fold as fold_mod
+from convbn.bench.models import MNISTNet
+from convbn.passes.fold import FoldReport, fold, fold_conv_bn_modules
+
+TOL = {torch.float32: 1e-4, torch.float64: 1e-10}
+
+
+# ------------------------------------------------------------------------------- helpers
+
+
+def randomize_bn(model: nn.Module, seed: int = 0) -> nn.Module:
+    """Non-trivial running stats and affine parameters, so a fold is really tested."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, _BatchNorm):
+                if m.running_mean is not None:
+                    m.running_mean.copy_(torch.rand(m.running_mean.shape, generator=g) - 0.5)
+                    m.running_var.copy_(torch.rand(m.running_var.shape, generator=g) * 1.5 + 0.5)
+                if m.weight is not None:
+                    m.weight.copy_(torch.rand(m.weight.shape, generator=g) + 0.5)
+                    m.bias.copy_(torch.rand(m.bias.shape, generator=g) - 0.5)
+    return model
+
+
+def bn_modules(model: nn.Module):
+    return [m for m in model.modules() if isinstance(m, _BatchNorm)]
+
+
+def bn_names(model: nn.Module):
+    return {n for n, m in model.named_modules() if isinstance(m, _BatchNorm)}
+
+
+def assert_same(ref: torch.Tensor, out: torch.Tensor) -> None:
+    tol = TOL[ref.dtype] * max(1.0, ref.abs().max().item())
+    torch.testing.assert_close(out, ref, rtol=0, atol=tol)
+
+
+def run(model: nn.Module, x):
+    with torch.no_grad():
+        return model(*x) if isinstance(x, tuple) else model(x)
+
+
+def report_of(model: nn.Module) -> FoldReport:
+    report = model.fold_report
+    assert isinstance(report, FoldReport)
+    return report
+
+
+def accounted(model: nn.Module, report: FoldReport) -> None:
+    """Every BatchNorm module of the original model has an entry in the report."""
+    names = {a.batchnorm for a in report.actions}
+    missing = bn_names(model) - names
+    assert not missing, f"report misses {missing}\n{report}"
+
+
+def state(model: nn.Module):
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+# ---------------------------------------------------------------------- real models
+
+
+def _monai_resnet(depth: int) -> nn.Module:
+    from monai.networks.nets import resnet18, resnet50
+
+    make = {18: resnet18, 50: resnet50}[depth]
+    return make(spatial_dims=2, n_input_channels=3, conv1_t_stride=2, num_classes=10)
+
+
+def _monai_densenet() -> nn.Module:
+    from monai.networks.nets import DenseNet121
+
+    return DenseNet121(spatial_dims=2, in_channels=3, out_channels=10)
+
+
+def _monai_unet() -> nn.Module:
+    from monai.networks.nets import UNet
+
+    return UNet(spatial_dims=3, in_channels=1, out_channels=2, channels=(16, 32, 64, 128),
+                strides=(2, 2, 2), norm="batch")
+
+
+def _efficientnet_b0() -> nn.Module:
+    from efficientnet_pytorch import EfficientNet
+
+    return EfficientNet.from_name("efficientnet-b0")
+
+
+REAL_MODELS = {
+    # name: (factory, input shape, every BN foldable?)
+    "monai_resnet18": (lambda: _monai_resnet(18), (2, 3, 64, 64), True),
+    "monai_resnet50": (lambda: _monai_resnet(50), (2, 3, 64, 64), True),
+    "monai_densenet121": (_monai_densenet, (1, 3, 64, 64), False),  # pre-activation BNs stay
+    "monai_unet3d": (_monai_unet, (1, 1, 32, 32, 32), True),
+    "efficientnet_b0": (_efficientnet_b0, (2, 3, 64, 64), True),
+    "mnist": (MNISTNet, (2, 1, 28, 28), True),
+}
+
+
+@pytest.mark.parametrize("name", list(REAL_MODELS))
+def test_real_model_matches_unfused(name: str) -> None:
+    pytest.importorskip("monai")
+    pytest.importorskip("efficientnet_pytorch")
+    factory, shape, all_foldable = REAL_MODELS[name]
+    torch.manual_seed(0)
+    model = randomize_bn(factory()).eval()
+    x = torch.randn(shape)
+    ref = run(model, x)
+    before = state(model)
+
+    folded = fold(model, example_inputs=x)
+    out = run(folded, x)
+    assert_same(ref, out)
+
+    report = report_of(folded)
+    accounted(model, report)
+    assert report.check is not None and report.check.ran and report.check.passed
+    assert len(report.folded) > 0
+    remaining = bn_modules(folded)
+    if all_foldable:
+        assert remaining == [], str(report)
+        assert not report.skipped, str(report)
+    else:
+        # every BN left in the model is one the report says it skipped: in DenseNet the
+        # pre-activation BNs (cat/pool -> BN -> ReLU -> conv); the conv1 -> norm2 pairs fold
+        assert len(remaining) == len({a.batchnorm for a in report.skipped})
+        for action in report.skipped:
+            assert "ReLU" in action.reason, action
+        assert all(not n.endswith("norm2") for n in bn_names(folded))
+    # input model untouched (inplace=False)
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k]), k
+    assert_same(ref, run(model, x))
+
+
+def test_real_model_float64_exact() -> None:
+    pytest.importorskip("monai")
+    torch.manual_seed(0)
+    model = randomize_bn(_monai_resnet(18)).double().eval()
+    x = torch.randn(2, 3, 32, 32, dtype=torch.float64)
+    folded = fold(model, example_inputs=x)
+    assert_same(run(model, x), run(folded, x))
+    assert report_of(folded).check.tolerance <= 1e-10 * max(1.0, run(model, x).abs().max().item()) + 1e-30
+
+
+# ---------------------------------------------------------------- small adversarial models
+
+
+class ReusedConv(nn.Module):
+    """One conv applied twice; a BN on the first path only."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3)
+        self.bn = nn.BatchNorm2d(4)
+
+    def forward(self, x):
+        return self.bn(self.conv(x)) + self.conv(x * 2)
+
+
+def test_reused_conv_folds_into_fresh_copy() -> None:
+    model = randomize_bn(ReusedConv()).eval()
+    x = torch.randn(2, 3, 8, 8)
+    w_before = model.conv.weight.clone()
+    folded = fold(model)
+    assert_same(run(model, x), run(folded, x))
+    (action,) = report_of(folded).actions
+    assert action.folded and "fresh copy" in action.reason
+    # the original conv (still used unfolded on the second path) keeps its weights
+    assert torch.equal(folded.conv.weight, w_before)
+    assert bn_modules(folded) == []
+
+
+@pytest.mark.parametrize("inplace", [False, True])
+def test_reused_conv_never_mutated_even_inplace(inplace: bool) -> None:
+    model = randomize_bn(ReusedConv()).eval()
+    x = torch.randn(2, 3, 8, 8)
+    ref = run(model, x)
+    conv_w = model.conv.weight.detach().clone()
+    folded = fold(model, inplace=inplace)
+    assert torch.equal(model.conv.weight, conv_w)
+    assert_same(ref, run(folded, x))
+
+
+class ConvOutputShared(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3)
+        self.bn = nn.BatchNorm2d(4)
+
+    def forward(self, x):
+        y = self.conv(x)
+        return self.bn(y) + torch.sigmoid(y)
+
+
+def test_conv_output_with_other_users_is_not_folded() -> None:
+    model = randomize_bn(ConvOutputShared()).eval()
+    x = torch.randn(2, 3, 8, 8)
+    folded = fold(model)
+    assert_same(run(model, x), run(folded, x))
+    (action,) = report_of(folded).actions
+    assert not action.folded and "also used" in action.reason
+    assert len(bn_modules(folded)) == 1
+
+
+class BNThenConv(nn.Module):
+    def __init__(self, padding=0, padding_mode="zeros", groups=1) -> None:
+        super().__init__()
+        self.bn = nn.BatchNorm2d(4)
+        self.conv = nn.Conv2d(4, 6, 3, padding=padding, padding_mode=padding_mode, groups=groups)
+
+    def forward(self, x):
+        return self.conv(self.bn(x))
+
+
+@pytest.mark.parametrize(
+    "padding,padding_mode,groups",
+    [(0, "zeros", 1), ("valid", "zeros", 1), (0, "zeros", 2), (1, "reflect", 1), (2, "replicate", 2),
+     (1, "circular", 1)],
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_bn_before_conv_folds_when_exact(padding, padding_mode, groups, dtype) -> None:
+    model = randomize_bn(BNThenConv(padding, padding_mode, groups)).to(dtype).eval()
+    x = torch.randn(2, 4, 9, 9, dtype=dtype)
+    folded = fold(model)
+    assert_same(run(model, x), run(folded, x))
+    (action,) = report_of(folded).actions
+    assert action.folded and action.direction == "following" and action.layer == "conv"
+    assert bn_modules(folded) == []
+
+
+@pytest.mark.parametrize("padding", [1, "same", (0, 1)])
+def test_bn_before_zero_padded_conv_is_not_folded(padding) -> None:
+    model = randomize_bn(BNThenConv(padding)).eval()
+    x = torch.randn(2, 4, 9, 9)
+    folded = fold(model)
+    assert_same(run(model, x), run(folded, x))
+    (action,) = report_of(folded).actions
+    assert not action.folded and "zero-pads" in action.reason
+    assert len(bn_modules(folded)) == 1
+
+
+def test_zero_padding_fold_would_really_be_wrong() -> None:
+    """Why padded convs are refused: folding anyway changes the border."""
+    model = randomize_bn(BNThenConv(1)).eval()
+    x = torch.randn(2, 4, 9, 9)
+    w, b = fold_mod.fold_bn_into_following(model.conv.weight, model.conv.bias, model.bn.running_mean,
+                                          model.bn.running_var, model.bn.eps, model.bn.weight, model.bn.bias)
+    wrong = F.conv2d(x, w, b, padding=1)
+    ref = run(model, x)
+    assert (wrong - ref)[..., 0, :].abs().max() > 1e-3  # border differs
+    torch.testing.assert_close(wrong[..., 1:-1, 1:-1], ref[..., 1:-1, 1:-1], rtol=0, atol=1e-4)
+
+
+@pytest.mark.parametrize(
+    "make,shape",
+    [
+        (lambda: nn.ConvTranspose2d(4, 6, 3, stride=2, groups=2), (2, 4, 5, 5)),
+        (lambda: nn.ConvTranspose2d(4, 6, 3, padding=1, output_padding=1, stride=2, groups=2, bias=False), (2, 4, 5, 5)),
+        (lambda: nn.ConvTranspose1d(3, 4, 3, stride=2), (2, 3, 7)),
+        (lambda: nn.ConvTranspose3d(2, 4, 2, stride=2, groups=2), (1, 2, 3, 4, 5)),
+        (lambda: nn.Conv1d(3, 4, 3, dilation=2), (2, 3, 11)),
+        (lambda: nn.Conv3d(2, 4, 3, padding=1, groups=2, bias=False), (1, 2, 4, 5, 6)),
+    ],
+)
+def test_layer_then_bn_folds(make: Callable[[], nn.Module], shape: Tuple[int, ...]) -> None:
+    layer = make()
+    out_ch = layer.out_channels
+    bn = {3: nn.BatchNorm1d, 4: nn.BatchNorm2d, 5: nn.BatchNorm3d}[len(shape)](out_ch)
+    model = randomize_bn(nn.Sequential(layer, bn, nn.ReLU())).eval()
+    x = torch.randn(shape)
+    folded = fold(model)
+    assert_same(run(model, x), run(folded, x))
+    (action,) = report_of(folded).actions
+    assert action.folded and action.direction == "preceding" and action.layer == "0"
+    assert bn_modules(folded) == []
+
+
+def test_linear_bn1d_folds() -> None:
+    model = randomize_bn(nn.Sequential(nn.Linear(8, 5), nn.BatchNorm1d(5), nn.ReLU(), nn.BatchNorm1d(5),
+                                       nn.Linear(5, 3))).eval()
+    x = torch.randn(4, 8)
+    folded = fold(model)  # infers a (2, 8) input from the first Linear
+    assert_same(run(model, x), run(folded, x))
+    actions = report_of(folded).actions
+    assert [a.direction for a in actions] == ["preceding", "following"]
+    assert bn_modules(folded) == []
+
+
+def test_linear_bn1d_needs_shapes() -> None:
+    """Without a sample run fold() cannot know the BN normalises the Linear's features."""
+    model = randomize_bn(nn.Sequential(nn.Linear(8, 5), nn.BatchNorm1d(5))).eval()
+    folded = fold(model, check=False)
+    (action,) = report_of(folded).actions
+    assert not action.folded and "example_inputs" in action.reason
+    assert report_of(folded).check is None
+
+
+def test_linear_bn1d_on_3d_input_is_not_folded() -> None:
+    """BatchNorm1d on (N, L, F) normalises dim 1 (L), not the Linear's features F."""
+    model = randomize_bn(nn.Sequential(nn.Linear(6, 5), nn.BatchNorm1d(5))).eval()
+    x = torch.randn(3, 5, 6)  # L == out_features == 5: channel counts alone cannot tell
+    folded = fold(model, example_inputs=x)
+    assert_same(run(model, x), run(folded, x))
+    (action,) = report_of(folded).actions
+    assert not action.folded and "3" in action.reason
+
+
+class FunctionalBN(nn.Module):
+    def __init__(self, torch_op: bool) -> None:
+        super().__init__()
+        self.torch_op = torch_op
+        self.conv = nn.Conv2d(3, 4, 3)
+        self.register_buffer("mean", torch.rand(4) - 0.5)
+        self.register_buffer("var", torch.rand(4) + 0.5)
+        self.gamma = nn.Parameter(torch.rand(4) + 0.5)
+        self.beta = nn.Parameter(torch.rand(4) - 0.5)
+
+    def forward(self, x):
+        y = self.conv(x)
+        if self.torch_op:
+            return torch.batch_norm(y, self.gamma, self.beta, self.mean, self.var, False, 0.1, 1e-3, False)
+        return F.batch_norm(y, self.mean, self.var, self.gamma, self.beta, False, 0.1, 1e-3)
+
+
+@pytest.mark.parametrize("torch_op", [False, True])
+def test_functional_batch_norm_folds(torch_op: bool) -> None:
+    model = FunctionalBN(torch_op).eval()
+    x = torch.randn(2, 3, 8, 8)
+    folded = fold(model)
+    assert_same(run(model, x), run(folded, x))
+    (action,) = report_of(folded).actions
+    assert action.folded and "call" in action.batchnorm
+    assert all(n.target not in (F.batch_norm, torch.batch_norm) for n in folded.graph.nodes)
+
+
+class FunctionalConv(nn.Module):
+    """efficientnet_pytorch style: the conv is F.conv2d on a module's weight."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(4, 3, 3, 3) * 0.2)
+        self.bn = nn.BatchNorm2d(4)
+
+    def forward(self, x):
+        return self.bn(F.conv2d(x, self.weight, None, 1, 0))
+
+
+def test_functional_conv_folds() -> None:
+    model = randomize_bn(FunctionalConv()).eval()
+    x = torch.randn(2, 3, 8, 8)
+    w = model.weight.detach().clone()
+    folded = fold(model)
+    assert_same(run(model, x), run(folded, x))
+    assert report_of(folded).folded
+    assert torch.equal(model.weight, w)
+    assert bn_modules(folded) == []
+
+
+class MyBN(nn.BatchNorm2d):
+    """A user subclass keeping torch's forward."""
+
+
+class MyBNAct(nn.BatchNorm2d):
+    """A user subclass with its own forward (like timm's BatchNormAct2d)."""
+
+    def forward(self, x):
+        x = F.batch_norm(x, self.running_mean, self.running_var, self.weight, self.bias, False, 0.0, self.eps)
+        return F.relu(x)
+
+
+class WrapsBN(nn.Module):
+    def __init__(self, c: int) -> None:
+        super().__init__()
+        self.inner = nn.BatchNorm2d(c)
+
+    def forward(self, x):
+        return self.inner(x)
+
+
+@pytest.mark.parametrize("make_bn", [MyBN, MyBNAct, WrapsBN, nn.SyncBatchNorm])
+def test_wrapped_and_subclassed_bn_fold(make_bn) -> None:
+    model = randomize_bn(nn.Sequential(nn.Conv2d(3, 4, 3), nn.Sequential(make_bn(4)), nn.ReLU())).eval()
+    x = torch.randn(2, 3, 8, 8)
+    folded = fold(model)
+    assert_same(run(model, x), run(folded, x))
+    report = report_of(folded)
+    accounted(model, report)
+    assert [a.folded for a in report.actions] == [True], str(report)
+    assert bn_modules(folded) == []
+
+
+class DataDependent(nn.Module):
+    """Top-level forward with data-dependent control flow: cannot be traced whole."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU())
+        self.b = nn.Sequential(nn.Conv2d(4, 4, 1), nn.BatchNorm2d(4))
+        self.lone_bn = nn.BatchNorm2d(4)
+
+    def forward(self, x):
+        y = self.a(x)
+        if y.mean() > 0:
+            y = self.b(y)
+        return self.lone_bn(y)
+
+
+class HasUntraceableChild(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4))
+        self.branchy = DataDependent()
+        self.conv = nn.Conv2d(4, 4, 1)
+        self.bn = nn.BatchNorm2d(4)
+
+    def forward(self, x):
+        return self.bn(self.conv(self.branchy(self.stem(x)[:, :3])))
+
+
+def test_untraceable_top_level_is_folded_part_by_part() -> None:
+    model = randomize_bn(DataDependent()).eval()
+    folded = fold(model)
+    for seed in range(4):  # both branches
+        x = torch.randn(2, 3, 8, 8, generator=torch.Generator().manual_seed(seed)) + (seed - 2)
+        assert_same(run(model, x), run(folded, x))
+    report = report_of(folded)
+    accounted(model, report)
+    assert report.untraceable and report.untraceable[0][0] == ""
+    by_name = {a.batchnorm: a for a in report.actions}
+    assert by_name["a.1"].folded and by_name["b.1"].folded
+    assert not by_name["lone_bn"].folded and "could not be traced" in by_name["lone_bn"].reason
+    assert isinstance(folded, DataDependent) and len(bn_modules(folded)) == 1
+
+
+def test_untraceable_submodule_stays_opaque_and_is_folded_inside() -> None:
+    model = randomize_bn(HasUntraceableChild()).eval()
+    x = torch.randn(2, 3, 10, 10)
+    folded = fold(model)
+    assert_same(run(model, x), run(folded, x))
+    report = report_of(folded)
+    accounted(model, report)
+    by_name = {a.batchnorm: a for a in report.actions}
+    assert by_name["stem.1"].folded and by_name["bn"].folded
+    assert by_name["branchy.a.1"].folded and by_name["branchy.b.1"].folded
+    assert not by_name["branchy.lone_bn"].folded
+    assert any(name == "branchy" for name, _ in report.untraceable)
+
+
+def test_nested_sequentials() -> None:
+    inner = nn.Sequential(nn.Sequential(nn.Conv2d(3, 4, 3)), nn.Sequential(nn.Sequential(nn.BatchNorm2d(4))))
+    model = randomize_bn(nn.Sequential(nn.Sequential(inner, nn.ReLU()), nn.Sequential(nn.Conv2d(4, 2, 1), nn.BatchNorm2d(2)))).eval()
+    x = torch.randn(2, 3, 8, 8)
+    folded = fold(model)
+    assert_same(run(model, x), run(folded, x))
+    assert len(report_of(folded).folded) == 2 and bn_modules(folded) == []
+
+
+class SharedBN(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.c1, self.c2 = nn.Conv2d(3, 4, 3), nn.Conv2d(3, 4, 3)
+        self.bn = nn.BatchNorm2d(4)
+
+    def forward(self, x):
+        return self.bn(self.c1(x)) * self.bn(self.c2(x))
+
+
+def test_bn_module_called_twice() -> None:
+    model = randomize_bn(SharedBN()).eval()
+    x = torch.randn(2, 3, 8, 8)
+    folded = fold(model)
+    assert_same(run(model, x), run(folded, x))
+    assert [a.layer for a in report_of(folded).actions] == ["c1", "c2"]
+    assert bn_modules(folded) == []
+
+
+# ------------------------------------------------------------------------- negative cases
+
+
+def test_bn_in_training_mode_is_left_alone() -> None:
+    model = randomize_bn(nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.Conv2d(4, 4, 1), nn.BatchNorm2d(4))).eval()
+    model[1].train()
+    x = torch.randn(2, 3, 8, 8)
+    stats = model[1].running_mean.clone()
+    folded = fold(model)
+    # the check ran the train-mode BN twice but restored its running stats
+    assert torch.equal(folded.get_submodule("1").running_mean, stats)
+    report = report_of(folded)
+    by_name = {a.batchnorm: a for a in report.actions}
+    assert not by_name["1"].folded and "training mode" in by_name["1"].reason
+    assert by_name["3"].folded
+    assert len(bn_modules(folded)) == 1
+    model.eval()
+    folded.eval()
+    assert_same(run(model, x), run(folded, x))
+
+
+def test_bn_without_running_stats_is_left_alone() -> None:
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4, track_running_stats=False)).eval()
+    x = torch.randn(2, 3, 8, 8)
+    folded = fold(model)
+    assert_same(run(model, x), run(folded, x))
+    (action,) = report_of(folded).actions
+    assert not action.folded and "track_running_stats=False" in action.reason
+    assert len(bn_modules(folded)) == 1
+
+
+def test_bad_inputs() -> None:
+    with pytest.raises(TypeError, match="nn.Module"):
+        fold(lambda x: x)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"model.eval\(\)"):
+        fold(nn.Sequential(nn.Conv2d(1, 1, 1), nn.BatchNorm2d(1)))
+
+
+def test_check_reports_when_no_input_can_be_inferred() -> None:
+    model = randomize_bn(nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.Flatten(), nn.Linear(4 * 5 * 5, 2))).eval()
+    folded = fold(model)  # needs 7x7 inputs; no guess fits
+    report = report_of(folded)
+    assert report.check is not None and not report.check.ran
+    assert "example_inputs" in report.check.note
+    assert report.folded
+    x = torch.randn(2, 3, 7, 7)
+    assert_same(run(model, x), run(folded, x))
+
+
+# ------------------------------------------------------------------------------ API contract
+
+
+def test_input_model_unchanged_and_inplace_modifies() -> None:
+    model = randomize_bn(MNISTNet()).eval()
+    x = torch.randn(2, 1, 28, 28)
+    ref = run(model, x)
+    before = state(model)
+    folded = fold(model)
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    assert torch.equal(run(model, x), ref)
+    assert all(p is not q for p in folded.parameters() for q in model.parameters()
+               if p.shape == q.shape and p.shape == model.conv1.weight.shape)
+
+    folded_inplace = fold(model, inplace=True)
+    assert_same(ref, run(folded_inplace, x))
+    assert not torch.equal(model.conv1.weight, before["conv1.weight"])
+
+
+def test_report_str_lists_every_bn() -> None:
+    model = randomize_bn(nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU(),
+                                       nn.BatchNorm2d(4, track_running_stats=False))).eval()
+    text = str(report_of(fold(model)))
+    assert "1 folded, 1 skipped" in text and "track_running_stats" in text and "check: passed" in text
+
+
+def test_check_catches_a_wrong_fold(monkeypatch: pytest.MonkeyPatch) -> None:
+    real = fold_mod.fold_bn_into_preceding
+
+    def broken(*args, **kwargs):
+        w, b = real(*args, **kwargs)
+        return w * 1.01, b
+
+    monkeypatch.setattr(fold_mod, "fold_bn_into_preceding", broken)
+    model = randomize_bn(nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4))).eval()
+    with pytest.raises(RuntimeError, match="differ"):
+        fold(model)
+    folded = fold(model, check=False)  # the same bug goes unnoticed without the check
+    x = torch.randn(2, 3, 8, 8)
+    assert (run(folded, x) - run(model, x)).abs().max() > 1e-3
+
+
+def test_fold_conv_bn_modules_helper() -> None:
+    conv = nn.ConvTranspose2d(4, 6, 3, groups=2)
+    bn = randomize_bn(nn.Sequential(nn.BatchNorm2d(6)))[0].eval()
+    fused = fold_conv_bn_modules(conv, bn)
+    assert isinstance(fused, nn.ConvTranspose2d) and fused.weight is not conv.weight
+    x = torch.randn(2, 4, 5, 5)
+    assert_same(run(nn.Sequential(conv, bn), x), run(fused, x))
+    with pytest.raises(ValueError, match="training mode"):
+        fold_conv_bn_modules(conv, nn.BatchNorm2d(6))
+    with pytest.raises(ValueError, match="channels"):
+        fold_conv_bn_modules(conv, nn.BatchNorm2d(5).eval())
+    with pytest.raises(TypeError):
+        fold_conv_bn_modules(nn.ReLU(), bn)
+
+
+# ----------------------------------------------------------------- scripting and export
+
+
+@pytest.mark.parametrize("name", ["mnist", "monai_resnet18"])
+def test_folded_model_scripts_and_exports(name: str) -> None:
+    if name.startswith("monai"):
+        pytest.importorskip("monai")
+    factory, shape, _ = REAL_MODELS[name]
+    model = randomize_bn(factory()).eval()
+    x = torch.randn(shape)
+    folded = fold(model, example_inputs=x)
+    ref = run(model, x)
+    scripted = torch.jit.script(folded)
+    assert_same(ref, run(scripted, x))
+    exported = torch.export.export(folded, (x,))
+    assert_same(ref, run(exported.module(), x))
