@@ -1,0 +1,270 @@
+"""Inference benchmark: unfused eager vs ``torch.fx`` ``fuse`` vs ``convbn.fold`` (+ script / compile).
+
+Everything runs in one process, on the same input, in eval mode without grad. Variants
+are timed in interleaved rounds (one call of each variant per round) so that load from
+other processes hits them alike; the median over rounds is reported, with the ratio to
+the unfused model and the largest absolute output difference from it.
+
+Run::
+
+    python -m convbn.bench.inference --models monai:resnet18 mnist --batch-size 8
+
+or, once wired into the CLI, ``convbn bench --inference ...`` (see
+:func:`add_inference_arguments` / :func:`main_inference`).
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+from torch import Tensor, nn
+from torch.nn.modules.batchnorm import _BatchNorm
+
+from convbn.bench.models import build_model
+from convbn.passes.fold import fold
+
+__all__ = [
+    "InferenceRow",
+    "run_inference_bench",
+    "print_table",
+    "rows_to_markdown",
+    "add_inference_arguments",
+    "main_inference",
+    "DEFAULT_MODELS",
+]
+
+DEFAULT_MODELS = ("monai:resnet18", "monai:resnet50", "efficientnet:b0", "mnist")
+VARIANTS = ("unfused", "fx fuse", "convbn.fold", "fold + jit.script", "fold + torch.compile")
+
+
+@dataclass
+class InferenceRow:
+    """One (model, variant) measurement. ``median_ms`` is ``None`` when the variant failed."""
+
+    model: str
+    variant: str
+    input_shape: Tuple[int, ...]
+    median_ms: Optional[float] = None
+    ratio: Optional[float] = None          # median_ms / unfused median_ms (< 1: faster)
+    max_abs_diff: Optional[float] = None   # vs the unfused output
+    batchnorms_left: Optional[int] = None  # BatchNorm modules left in the variant
+    note: str = ""
+
+
+def _randomize_bn(model: nn.Module, seed: int) -> None:
+    """Non-trivial running statistics, so folding changes weights measurably."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, _BatchNorm) and m.running_mean is not None:
+                m.running_mean.copy_((torch.rand(m.running_mean.shape, generator=g) - 0.5) * 0.2)
+                m.running_var.copy_(torch.rand(m.running_var.shape, generator=g) * 0.5 + 0.75)
+
+
+def _count_bn(model: Any) -> Optional[int]:
+    if not isinstance(model, nn.Module) or isinstance(model, torch.jit.ScriptModule):
+        return None
+    return sum(isinstance(m, _BatchNorm) for m in model.modules())
+
+
+def _short(exc: BaseException) -> str:
+    text = (str(exc).strip().splitlines() or [""])[0]
+    return f"{type(exc).__name__}: {text[:100]}"
+
+
+def _make_variants(model: nn.Module, x: Tensor, use_compile: bool) -> List[Tuple[str, Optional[Callable], str]]:
+    """``(name, callable or None, note)`` for each variant; building is not timed."""
+    from torch.fx.experimental.optimization import fuse
+
+    variants: List[Tuple[str, Optional[Callable], str]] = [("unfused", model, "")]
+    try:
+        variants.append(("fx fuse", fuse(model), ""))
+    except Exception as exc:  # noqa: BLE001 - record why fuse cannot handle the model
+        variants.append(("fx fuse", None, _short(exc)))
+    folded = fold(model, example_inputs=x, check=False)
+    report = folded.fold_report
+    variants.append(("convbn.fold", folded, f"{len(report.folded)} folded, {len(report.skipped)} skipped"))
+    try:
+        variants.append(("fold + jit.script", torch.jit.script(folded), ""))
+    except Exception as exc:  # noqa: BLE001 - fall back to tracing and say so
+        try:
+            with torch.no_grad():
+                traced = torch.jit.trace(folded, (x,), check_trace=False)
+            variants.append(("fold + jit.script", traced, f"script failed ({_short(exc)}); used jit.trace"))
+        except Exception as exc2:  # noqa: BLE001
+            variants.append(("fold + jit.script", None, f"script and trace failed: {_short(exc2)}"))
+    if use_compile:
+        try:
+            compiled = torch.compile(folded)
+            with torch.no_grad():
+                compiled(x)  # compile now, outside the timed rounds
+            variants.append(("fold + torch.compile", compiled, ""))
+        except Exception as exc:  # noqa: BLE001
+            variants.append(("fold + torch.compile", None, _short(exc)))
+    return variants
+
+
+def _first_tensor(out: Any) -> Tensor:
+    if isinstance(out, Tensor):
+        return out
+    leaves = torch.utils._pytree.tree_leaves(out)
+    return next(t for t in leaves if isinstance(t, Tensor))
+
+
+def run_inference_bench(
+    specs: Sequence[str] = DEFAULT_MODELS,
+    batch_size: int = 8,
+    repeats: int = 20,
+    warmup: int = 3,
+    *,
+    image_size: Optional[int] = None,
+    use_compile: bool = False,
+    seed: int = 0,
+    progress: bool = True,
+) -> List[InferenceRow]:
+    """Benchmark inference of each model spec (see :mod:`convbn.bench.models`).
+
+    Args:
+        specs: model specs, e.g. ``"monai:resnet18"``, ``"mnist"``.
+        batch_size: batch size of the random input.
+        repeats: timed rounds (one call of every variant per round); the median is reported.
+        warmup: untimed rounds first (TorchScript's profiling executor needs >= 2).
+        image_size: overrides every spatial size of the model's default input.
+        use_compile: also time ``torch.compile`` of the folded model (slow to compile).
+        seed: seed of the weights, BatchNorm statistics and input.
+        progress: show a rich progress bar.
+
+    Returns:
+        One :class:`InferenceRow` per (model, variant).
+    """
+    from rich.progress import Progress
+
+    rows: List[InferenceRow] = []
+    with torch.no_grad(), Progress(disable=not progress, transient=True) as bar:
+        total = len(specs) * (warmup + repeats)
+        task = bar.add_task("inference benchmark", total=total)
+        for spec in specs:
+            bar.update(task, description=f"{spec}: building")
+            torch.manual_seed(seed)
+            model, shape = build_model(spec)
+            _randomize_bn(model, seed)
+            model.eval()
+            x = torch.randn(batch_size, *shape)
+            if image_size is not None and len(shape) > 1:
+                resized = torch.randn(batch_size, shape[0], *((image_size,) * (len(shape) - 1)))
+                try:
+                    model(resized[:1])
+                    x = resized
+                except Exception:  # noqa: BLE001 - fixed-size model (e.g. mnist): keep its size
+                    pass
+            variants = _make_variants(model, x, use_compile)
+            reference = _first_tensor(model(x))
+            times: Dict[str, List[float]] = {name: [] for name, fn, _ in variants if fn is not None}
+            diffs: Dict[str, float] = {}
+            for name, fn, _ in variants:
+                if fn is not None:
+                    diffs[name] = (_first_tensor(fn(x)) - reference).abs().max().item()
+            for round_ in range(warmup + repeats):
+                bar.update(task, description=f"{spec}: round {round_ + 1}/{warmup + repeats}")
+                for name, fn, _ in variants:
+                    if fn is None:
+                        continue
+                    start = time.perf_counter()
+                    fn(x)
+                    elapsed = time.perf_counter() - start
+                    if round_ >= warmup:
+                        times[name].append(elapsed * 1e3)
+                bar.advance(task)
+            base = statistics.median(times["unfused"])
+            for name, fn, note in variants:
+                row = InferenceRow(spec, name, tuple(x.shape), note=note)
+                if fn is not None:
+                    row.median_ms = statistics.median(times[name])
+                    row.ratio = row.median_ms / base
+                    row.max_abs_diff = diffs[name]
+                    row.batchnorms_left = _count_bn(fn)
+                rows.append(row)
+    return rows
+
+
+def _fmt(value: Optional[float], spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def _cells(row: InferenceRow) -> List[str]:
+    return [
+        row.model,
+        row.variant,
+        "x".join(map(str, row.input_shape)),
+        _fmt(row.median_ms, ".2f"),
+        _fmt(row.ratio, ".3f"),
+        _fmt(row.max_abs_diff, ".2e"),
+        "-" if row.batchnorms_left is None else str(row.batchnorms_left),
+        row.note,
+    ]
+
+
+_HEADERS = ["model", "variant", "input", "median ms", "ratio to unfused", "max |diff|", "BN left", "note"]
+
+
+def print_table(rows: Sequence[InferenceRow]) -> None:
+    """Print the rows as a rich table."""
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title="Inference: unfused vs fx fuse vs convbn.fold (CPU, eval, no grad)")
+    for h in _HEADERS:
+        table.add_column(h, justify="right" if h in ("median ms", "ratio to unfused", "max |diff|", "BN left") else "left")
+    for row in rows:
+        table.add_row(*_cells(row))
+    console = Console()
+    if not console.is_terminal:
+        console = Console(width=200)  # a pipe or file: do not squeeze the table into 80 columns
+    console.print(table)
+
+
+def rows_to_markdown(rows: Sequence[InferenceRow]) -> str:
+    """The rows as a GitHub markdown table."""
+    lines = ["| " + " | ".join(_HEADERS) + " |", "|" + "---|" * len(_HEADERS)]
+    for row in rows:
+        lines.append("| " + " | ".join(c.replace("|", "/") for c in _cells(row)) + " |")
+    return "\n".join(lines)
+
+
+def add_inference_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add the inference benchmark's options to ``parser`` (for ``convbn bench --inference``)."""
+    parser.add_argument("--models", nargs="+", default=list(DEFAULT_MODELS), metavar="SPEC",
+                        help="model specs, e.g. monai:resnet18 'monai:resnet50(spatial_dims=2)' efficientnet:b0 mnist")
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--image-size", type=int, default=None, help="override the spatial size of every input")
+    parser.add_argument("--repeats", type=int, default=20, help="timed rounds (median reported)")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed rounds before timing")
+    parser.add_argument("--compile", action="store_true", help="also time torch.compile of the folded model (slow)")
+    parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads before timing")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--markdown", default=None, metavar="PATH", help="also write the table as markdown")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return parser
+
+
+def main_inference(args: argparse.Namespace) -> int:
+    """Run the benchmark from parsed arguments, print the table; returns an exit code."""
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    rows = run_inference_bench(
+        args.models, args.batch_size, args.repeats, args.warmup, image_size=args.image_size,
+        use_compile=args.compile, seed=args.seed, progress=not args.no_progress,
+    )
+    print_table(rows)
+    if args.markdown:
+        with open(args.markdown, "w") as fh:
+            fh.write(rows_to_markdown(rows) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main_inference(add_inference_arguments(argparse.ArgumentParser(description=__doc__)).parse_args()))
