@@ -185,6 +185,9 @@ class BatchNorm2dFunction(torch.autograd.Function):
     is marked ``once_differentiable``: a second differentiation raises a clear error
     instead of silently giving a wrong answer.
 
+    A channel with zero variance has an undefined gradient (``sqrt`` has infinite slope
+    at 0); like autograd through the eager formula, backward then returns NaN for it.
+
     Args (of :meth:`apply`):
         input: ``(N, C, H, W)`` floating tensor with ``N * H * W > 1``.
         eps: float, default ``1e-3``, added outside the square root.

@@ -64,12 +64,12 @@ class ScaledReLUInplace(torch.autograd.Function):
         return input
 
     @staticmethod
-    def backward(ctx: Any, grad_output: Tensor) -> Tuple[Optional[Tensor], None]:
+    def backward(ctx: Any, grad_output: Tensor) -> Tuple[Optional[Tensor], ...]:
         (output,) = ctx.saved_tensors
-        grad_input = None
+        grads: list = [None] * len(ctx.needs_input_grad)  # scale gets no gradient
         if ctx.needs_input_grad[0]:
-            grad_input = grad_output * (output > 0).to(grad_output.dtype) * ctx.scale
-        return grad_input, None
+            grads[0] = grad_output * (output > 0).to(grad_output.dtype) * ctx.scale
+        return tuple(grads)
 
 
 def scaled_relu_(input: Tensor, scale: float = 1.0) -> Tensor:
@@ -138,13 +138,13 @@ class SortWithIndices(torch.autograd.Function):
     @staticmethod
     def backward(
         ctx: Any, grad_values: Tensor, grad_indices: Optional[Tensor]
-    ) -> Tuple[Optional[Tensor], None, None]:
+    ) -> Tuple[Optional[Tensor], ...]:
         (indices,) = ctx.saved_tensors
-        grad_input = None
+        grads: list = [None] * len(ctx.needs_input_grad)  # dim, descending: no gradient
         if ctx.needs_input_grad[0]:
             # `scatter` (not in-place) keeps this differentiable w.r.t. grad_values.
-            grad_input = torch.zeros_like(grad_values).scatter(ctx.dim, indices, grad_values)
-        return grad_input, None, None
+            grads[0] = torch.zeros_like(grad_values).scatter(ctx.dim, indices, grad_values)
+        return tuple(grads)
 
 
 def sort_with_indices(
