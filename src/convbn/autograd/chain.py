@@ -36,6 +36,7 @@ from ..functional.batchnorm import BNSpec, bn_apply, bn_backward, bn_forward
 from ..functional.conv import ConvSpec, conv_backward, conv_forward
 from ..functional.reference import conv_bn_act_reference
 from .fused import differentiable_backward
+from .saving import load_tensors, save_tensors
 
 __all__ = ["ChainLayerSpec", "ChainFunction", "chain_forward_no_grad"]
 
@@ -79,10 +80,10 @@ class _Rebuilder:
         _, _, g, b = self.layer_params(i - 1)
         z = bn_apply(y, self.means[i - 1], self.invstds[i - 1], g, b)
         act = self.specs[i - 1].act
-        if act.is_identity:
-            return z
-        self.z[i - 1] = z
-        return act(z)
+        if not act.is_identity:
+            self.z[i - 1] = z
+            z = act(z)
+        return self.specs[i].conv.pad_input(z)
 
     def get_y(self, i: int) -> Tensor:
         y = self.y.get(i)
@@ -120,6 +121,8 @@ class ChainFunction(Function):
         for i, spec in enumerate(specs):
             w, b, g, beta = params[PER_LAYER * i: PER_LAYER * (i + 1)]
             rm, rv = stats[i]
+            if i > 0:
+                x = spec.conv.pad_input(x)  # constant pre-pad only (see FusedChain)
             y = conv_forward(x, w, b, spec.conv)
             z, mean, invstd = bn_forward(y, g, beta, rm, rv, spec.bn)
             if spec.keep_y:
@@ -129,7 +132,7 @@ class ChainFunction(Function):
             means.append(mean)
             invstds.append(invstd)
             x = spec.act(z, inplace=True)
-        ctx.save_for_backward(x0, *params, *kept, *means, *invstds)
+        save_tensors(ctx, (x0, *params, *kept, *means, *invstds))
         ctx.specs = tuple(specs)
         ctx.kept_idx = tuple(kept_idx)
         ctx.n_params = len(params)
@@ -137,7 +140,7 @@ class ChainFunction(Function):
 
     @staticmethod
     def backward(ctx: Any, grad_out: Tensor) -> Tuple[Optional[Tensor], ...]:  # type: ignore[override]
-        saved = ctx.saved_tensors
+        saved = load_tensors(ctx)
         specs: Tuple[ChainLayerSpec, ...] = ctx.specs
         n, k = ctx.n_params, len(specs)
         x0, params = saved[0], saved[1: 1 + n]
@@ -174,6 +177,8 @@ class ChainFunction(Function):
             rb.release(i)
             gx, grads[base], grads[base + 1] = conv_backward(grad_y, x, w, spec.conv, (nx, nw, nb))  # type: ignore[arg-type]
             del grad_y, x
+            if i > 0 and spec.conv.pre_pad:
+                gx = _unpad(gx, spec.conv.pre_pad)  # type: ignore[arg-type]
             g = gx  # type: ignore[assignment]
         grads[0] = g if needs[0] else None
         return tuple(grads)
@@ -190,10 +195,21 @@ def _rebuild(specs: Sequence[ChainLayerSpec], means: Sequence[Tensor], invstds: 
             else:
                 rm, rv = means[i], invstds[i].pow(-2) - spec.bn.eps
                 bn = spec.bn
+            if i > 0:
+                x = spec.conv.pad_input(x)
             x = conv_bn_act_reference(x, w, b, g, beta, rm, rv, spec.conv, bn, spec.act)  # type: ignore[arg-type]
         return x
 
     return rebuild
+
+
+def _unpad(t: Tensor, pads: Sequence[int]) -> Tensor:
+    """Gradient of a constant ``F.pad``: crop the padded borders (``pads`` last dim first)."""
+    for j in range(len(pads) // 2):
+        dim = t.dim() - 1 - j
+        left, right = pads[2 * j], pads[2 * j + 1]
+        t = t.narrow(dim, left, t.shape[dim] - left - right)
+    return t
 
 
 def chain_forward_no_grad(
@@ -209,5 +225,7 @@ def chain_forward_no_grad(
         for i, spec in enumerate(specs):
             w, b, g, beta = params[PER_LAYER * i: PER_LAYER * (i + 1)]
             rm, rv = stats[i]
+            if i > 0:
+                x = spec.conv.pad_input(x)
             x = _forward_no_grad(x, w, b, g, beta, rm, rv, spec.conv, spec.bn, spec.act)  # type: ignore[arg-type]
     return x

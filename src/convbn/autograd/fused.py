@@ -42,6 +42,7 @@ from ..functional.batchnorm import BNSpec, bn_apply, bn_backward, bn_forward
 from ..functional.conv import ConvSpec, conv_backward, conv_forward
 from ..functional.fold import fold_bn_into_preceding
 from ..functional.reference import conv_bn_act_reference
+from .saving import load_tensors, save_tensors
 
 __all__ = [
     "RecomputeConvFunction",
@@ -132,13 +133,13 @@ class RecomputeConvFunction(Function):
         y = conv_forward(x, weight, bias, conv)
         z, mean, invstd = bn_forward(y, bn_weight, bn_bias, running_mean, running_var, bn)
         del y  # the whole point: the conv output does not outlive forward
-        ctx.save_for_backward(x, weight, bias, bn_weight, bn_bias, mean, invstd)
+        save_tensors(ctx, (x, weight, bias, bn_weight, bn_bias, mean, invstd))
         ctx.specs = (conv, bn, act)
         return act(z, inplace=True)
 
     @staticmethod
     def backward(ctx: Any, grad_out: Tensor) -> Tuple[Optional[Tensor], ...]:  # type: ignore[override]
-        x, weight, bias, bn_weight, bn_bias, mean, invstd = ctx.saved_tensors
+        x, weight, bias, bn_weight, bn_bias, mean, invstd = load_tensors(ctx)
         conv, bn, act = ctx.specs
         if torch.is_grad_enabled():
             rm, rv = (None, None) if bn.batch_stats else (mean, invstd.pow(-2) - bn.eps)
@@ -174,13 +175,13 @@ class RecomputeBNFunction(Function):
     ) -> Tensor:
         y = conv_forward(x, weight, bias, conv)
         z, mean, invstd = bn_forward(y, bn_weight, bn_bias, running_mean, running_var, bn)
-        ctx.save_for_backward(x, y, weight, bias, bn_weight, bn_bias, mean, invstd)
+        save_tensors(ctx, (x, y, weight, bias, bn_weight, bn_bias, mean, invstd))
         ctx.specs = (conv, bn, act)
         return act(z, inplace=True)
 
     @staticmethod
     def backward(ctx: Any, grad_out: Tensor) -> Tuple[Optional[Tensor], ...]:  # type: ignore[override]
-        x, y, weight, bias, bn_weight, bn_bias, mean, invstd = ctx.saved_tensors
+        x, y, weight, bias, bn_weight, bn_bias, mean, invstd = load_tensors(ctx)
         conv, bn, act = ctx.specs
         if torch.is_grad_enabled():
             rm, rv = (None, None) if bn.batch_stats else (mean, invstd.pow(-2) - bn.eps)
@@ -234,13 +235,13 @@ class FrozenFunction(Function):
         else:
             kept = z
             out = act(z)
-        ctx.save_for_backward(x, weight, bias, bn_weight, bn_bias, rm, rv, kept)
+        save_tensors(ctx, (x, weight, bias, bn_weight, bn_bias, rm, rv, kept))
         ctx.specs = (conv, bn, act)
         return out
 
     @staticmethod
     def backward(ctx: Any, grad_out: Tensor) -> Tuple[Optional[Tensor], ...]:  # type: ignore[override]
-        x, weight, bias, bn_weight, bn_bias, rm, rv, kept = ctx.saved_tensors
+        x, weight, bias, bn_weight, bn_bias, rm, rv, kept = load_tensors(ctx)
         conv, bn, act = ctx.specs
         if torch.is_grad_enabled():
             return differentiable_backward(

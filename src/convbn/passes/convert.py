@@ -66,6 +66,7 @@ class _Conv:
     bias_name: Optional[str]
     spec: ConvSpec
     name: str
+    absorbed: Tuple[fx.Node, ...] = ()  # zero-padding nodes folded into ``spec``
 
 
 @dataclass
@@ -76,6 +77,7 @@ class _Layer:
     bn_name: str
     act: Activation
     act_node: Optional[fx.Node]
+    act_extra: Tuple[fx.Node, ...] = ()  # e.g. the sigmoid of x * sigmoid(x)
 
     @property
     def out(self) -> fx.Node:
@@ -88,8 +90,58 @@ def _arg(node: fx.Node, i: int, name: str, default: Any) -> Any:
     return node.kwargs.get(name, default)
 
 
+_ZERO_PADS = (nn.ZeroPad1d, nn.ZeroPad2d, nn.ZeroPad3d, nn.ConstantPad1d, nn.ConstantPad2d, nn.ConstantPad3d)
+
+
+def _zero_pad_of(node: fx.Node, gm: fx.GraphModule) -> Optional[Tuple[int, ...]]:
+    """``F.pad``-style amounts if ``node`` only zero-pads its input (``()`` for an Identity)."""
+    if node.op == "call_module":
+        mod = gm.get_submodule(str(node.target))
+        if type(mod) is nn.Identity:
+            return ()
+        if isinstance(mod, _ZERO_PADS) and float(getattr(mod, "value", 0.0)) == 0.0:
+            return tuple(int(p) for p in mod.padding)
+        return None
+    if node.op == "call_function" and node.target is F.pad:
+        pad, mode, value = _arg(node, 1, "pad", None), _arg(node, 2, "mode", "constant"), _arg(node, 3, "value", None)
+        if mode == "constant" and not value and isinstance(pad, (list, tuple)) and all(isinstance(p, int) for p in pad):
+            return tuple(pad)
+    return None
+
+
+def _absorb_zero_pad(conv: _Conv, gm: fx.GraphModule) -> _Conv:
+    """Fold a zero-padding op that only feeds this conv into its spec (exact: zeros are zeros)."""
+    inp = conv.input
+    if conv.spec.pre_pad or len(inp.users) != 1:
+        return conv
+    pads = _zero_pad_of(inp, gm)
+    src = _arg(inp, 0, "input", None)
+    if pads is None or not isinstance(src, fx.Node) or len(pads) > 2 * conv.spec.dims or any(p < 0 for p in pads):
+        return conv
+    pads = tuple(pads) + (0,) * (2 * conv.spec.dims - len(pads))
+    padding, pre = [], []
+    for i in range(conv.spec.dims):  # natural order; F.pad lists the last dim first
+        j = conv.spec.dims - 1 - i
+        left, right = conv.spec.padding[i] + pads[2 * j], conv.spec.padding[i] + pads[2 * j + 1]
+        padding.append(min(left, right))
+    for j in range(conv.spec.dims):
+        i = conv.spec.dims - 1 - j
+        pre += [conv.spec.padding[i] + pads[2 * j] - padding[i], conv.spec.padding[i] + pads[2 * j + 1] - padding[i]]
+    spec = ConvSpec(conv.spec.dims, conv.spec.stride, tuple(padding), conv.spec.dilation, conv.spec.groups,
+                    tuple(pre) if any(pre) else (), "constant")
+    return _Conv(conv.node, src, conv.owner, conv.weight_name, conv.bias_name, spec, conv.name,
+                 conv.absorbed + (inp,))
+
+
 def _match_conv(node: fx.Node, gm: fx.GraphModule) -> Union[_Conv, str, None]:
     """A conv node as :class:`_Conv`, a string reason why it cannot be fused, or ``None``."""
+    found = _match_conv_node(node, gm)
+    if isinstance(found, _Conv) and found.spec.pre_pad_mode == "constant":
+        found = _absorb_zero_pad(found, gm)
+    return found
+
+
+def _match_conv_node(node: fx.Node, gm: fx.GraphModule) -> Union[_Conv, str, None]:
     if node.op == "call_module":
         mod = gm.get_submodule(str(node.target))
         if not isinstance(mod, _ConvNd):
@@ -145,7 +197,8 @@ def _match_act(node: fx.Node, src: fx.Node, gm: fx.GraphModule) -> Optional[Acti
     if _arg(node, 0, "input", None) is not src:
         return None
     if node.op == "call_module":
-        return activation_from_module(gm.get_submodule(str(node.target)))
+        act = activation_from_module(gm.get_submodule(str(node.target)))
+        return None if act is None or act.is_identity else act
     if node.op == "call_function" and node.target in _ACT_FUNCS:
         if any(isinstance(a, fx.Node) for a in list(node.args[1:]) + list(node.kwargs.values())):
             return None
@@ -153,6 +206,23 @@ def _match_act(node: fx.Node, src: fx.Node, gm: fx.GraphModule) -> Optional[Acti
     if node.op == "call_method" and node.target in _ACT_METHODS:
         return Activation(_ACT_METHODS[str(node.target)])
     return None
+
+
+_SIGMOIDS = {torch.sigmoid, F.sigmoid}
+_MULS = {operator.mul, torch.mul}
+
+
+def _match_swish(node: fx.Node) -> Optional[Tuple[fx.Node, fx.Node]]:
+    """``(mul, sigmoid)`` if ``node``'s two users compute ``node * sigmoid(node)`` (SiLU / Swish)."""
+    sig = next((u for u in node.users if (u.op == "call_function" and u.target in _SIGMOIDS)
+                or (u.op == "call_method" and u.target == "sigmoid")), None)
+    if sig is None or len(sig.users) != 1 or sig.kwargs or _arg(sig, 0, "input", None) is not node:
+        return None
+    mul = next(iter(sig.users))
+    ok = (mul.op == "call_function" and mul.target in _MULS) or (mul.op == "call_method" and mul.target == "mul")
+    if not ok or mul.kwargs or len(mul.args) != 2 or set(mul.args) != {node, sig} or mul not in node.users:
+        return None
+    return mul, sig
 
 
 def _describe(node: fx.Node) -> str:
@@ -215,13 +285,17 @@ def _find_layers(gm: fx.GraphModule, prefix: str, report: ConvertReport) -> List
         if bn.num_features != getattr(conv.owner, conv.weight_name).shape[0]:
             skip("BatchNorm num_features does not match the convolution's output channels", conv.name)
             continue
-        act, act_node = Activation("identity"), None
+        act, act_node, act_extra = Activation("identity"), None, ()
         if len(node.users) == 1:
             user = next(iter(node.users))
             found = _match_act(user, node, gm)
             if found is not None:
                 act, act_node = found, user
-        layers.append(_Layer(conv, node, bn, name, act, act_node))
+        elif len(node.users) == 2:
+            swish = _match_swish(node)
+            if swish is not None:
+                act, act_node, act_extra = Activation("silu"), swish[0], (swish[1],)
+        layers.append(_Layer(conv, node, bn, name, act, act_node, act_extra))
     return layers
 
 
@@ -232,7 +306,7 @@ def _chains(layers: List[_Layer], chain: bool) -> List[List[_Layer]]:
     for l in layers:  # graph (topological) order
         prev = by_out.get(l.conv.input)
         if (chain and prev is not None and id(prev) in where and len(prev.out.users) == 1
-                and not l.conv.spec.pre_pad):
+                and l.conv.spec.pre_pad_mode == "constant"):
             c = where[id(prev)]
         else:
             c = []
@@ -287,7 +361,7 @@ def _rewrite(root: nn.Module, gm: fx.GraphModule, chains: List[List[_Layer]], mo
         last.replace_all_uses_with(new)
         replaced[last] = new
         for l in reversed(chain):
-            for n in (l.act_node, l.bn_node, l.conv.node):
+            for n in (l.act_node, *l.act_extra, l.bn_node, l.conv.node, *reversed(l.conv.absorbed)):
                 if n is not None:
                     graph.erase_node(n)
     for node in list(graph.nodes):
