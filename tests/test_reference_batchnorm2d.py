@@ -1,4 +1,4 @@
-"""Tests of the tutorial's BatchNorm2dFunction against the same maths in eager ops."""
+"""Tests of the tutorial's BatchNorm2dFunction (and the fused Conv+BN built on it) against eager ops."""
 from __future__ import annotations
 
 import math
@@ -18,6 +18,12 @@ from convbn.autograd.batchnorm2d import (
     batch_norm2d_reference,
     batch_norm2d_stats,
 )
+from convbn.autograd.tutorial_fused import (
+    TutorialFusedConvBN2dFunction,
+    tutorial_conv_bn2d_formula,
+    tutorial_fused_conv_bn2d,
+)
+from convbn.nn.tutorial import TutorialFusedConvBN2d
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -183,3 +189,102 @@ def test_saves_only_input_and_two_vectors() -> None:
 def test_bad_input_raises(value, eps, error, match) -> None:
     with pytest.raises(error, match=match):
         batch_norm2d_reference(value, eps)
+
+
+# ------------------------------------------------- the tutorial's fused Conv+BN, built on it
+
+# (N, C_in, H, W, C_out, kernel, stride, padding, eps)
+FUSED_CONFIGS = [
+    (2, 3, 6, 6, 4, (3, 3), 1, 0, 1e-3),
+    (3, 2, 5, 7, 3, (3, 3), 1, 1, 1e-5),
+    (2, 2, 7, 6, 3, (3, 2), 2, 1, 0.1),
+    (4, 1, 3, 3, 2, (1, 1), 1, 0, 1e-3),
+]
+
+
+def _fused_inputs(config, seed: int = 0):
+    n, c_in, h, w, c_out, kernel, stride, padding, eps = config
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, c_in, h, w, dtype=torch.float64, generator=gen).requires_grad_(True)
+    weight = torch.randn(c_out, c_in, *kernel, dtype=torch.float64, generator=gen)
+    return x, weight.requires_grad_(True), eps, stride, padding
+
+
+@pytest.mark.parametrize("config", FUSED_CONFIGS)
+def test_fused_matches_unfused_formula(config) -> None:
+    x, w, eps, stride, padding = _fused_inputs(config)
+    y = tutorial_fused_conv_bn2d(x, w, eps, stride, padding)
+    y_ref = tutorial_conv_bn2d_formula(x, w, eps, stride, padding)
+    assert_close(y, y_ref)
+    grad_out = torch.randn_like(y)
+    for got, expected in zip(
+        torch.autograd.grad(y, (x, w), grad_out), torch.autograd.grad(y_ref, (x, w), grad_out)
+    ):
+        assert_close(got, expected)
+
+
+@pytest.mark.parametrize("config", FUSED_CONFIGS[1:3])
+def test_fused_gradcheck(config) -> None:
+    x, w, eps, stride, padding = _fused_inputs(config)
+
+    def fn(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return TutorialFusedConvBN2dFunction.apply(a, b, eps, stride, padding)
+
+    assert torch.autograd.gradcheck(fn, (x, w))
+
+
+def test_fused_saves_only_conv_input_and_weight() -> None:
+    x, w, eps, stride, padding = _fused_inputs(FUSED_CONFIGS[0])
+    saved: List[torch.Tensor] = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        tutorial_fused_conv_bn2d(x, w, eps, stride, padding)
+    assert len(saved) == 2 and saved[0] is x and saved[1] is w
+
+
+@pytest.mark.parametrize("which", [0, 1])
+def test_fused_only_needed_gradient(which: int) -> None:
+    x, w, eps, stride, padding = _fused_inputs(FUSED_CONFIGS[1])
+    (w if which == 0 else x).requires_grad_(False)
+    y = tutorial_fused_conv_bn2d(x, w, eps, stride, padding)
+    y.backward(torch.randn_like(y))
+    assert (x.grad is not None) == (which == 0) and (w.grad is not None) == (which == 1)
+
+
+def test_fused_module_matches_formula_and_conv_init() -> None:
+    torch.manual_seed(7)
+    layer = TutorialFusedConvBN2d(3, 4, 3, dtype=torch.float64)
+    torch.manual_seed(7)
+    conv = torch.nn.Conv2d(3, 4, 3, bias=False, dtype=torch.float64)
+    assert_close(layer.weight, conv.weight)  # kaiming_uniform_(a=sqrt(5)), like nn.Conv2d
+    x = torch.randn(2, 3, 6, 6, dtype=torch.float64)
+    assert_close(layer(x), tutorial_conv_bn2d_formula(x, layer.weight, 1e-3))
+    assert_close(layer.eval()(x), layer.train()(x))  # no running statistics
+    assert repr(layer) == "TutorialFusedConvBN2d(3, 4, kernel_size=(3, 3), eps=0.001)"
+    padded = TutorialFusedConvBN2d(3, 4, (3, 1), 0.2, 1e-5, stride=2, padding=1)
+    assert "stride=(2, 2), padding=(1, 1), eps=1e-05" in repr(padded)
+    assert padded.exp_avg_factor == 0.2 and padded.weight.shape == (4, 3, 3, 1)
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(in_channels=0), "in_channels"),
+        (dict(kernel_size=0), "kernel_size"),
+        (dict(exp_avg_factor=1.5), "exp_avg_factor"),
+        (dict(eps=-1.0), "eps"),
+        (dict(padding=-1), "padding"),
+    ],
+)
+def test_fused_module_bad_arguments(kwargs, match) -> None:
+    args = dict(in_channels=2, out_channels=3, kernel_size=3)
+    args.update(kwargs)
+    with pytest.raises(ValueError, match=match):
+        TutorialFusedConvBN2d(**args)
+
+
+def test_fused_bad_input() -> None:
+    layer = TutorialFusedConvBN2d(2, 3, 3)
+    with pytest.raises(ValueError, match="4 channels but weight expects 2"):
+        layer(torch.randn(2, 4, 5, 5))
+    with pytest.raises(ValueError, match="more than 1 value per channel"):
+        layer(torch.randn(1, 2, 3, 3))
