@@ -18,6 +18,8 @@ from convbn.autograd.batchnorm2d import (
 )
 from convbn.memory import format_bytes, track_saved
 
+__all__ = ["main"]
+
 
 def main() -> None:
     out_dir = parse_out_dir(__doc__.splitlines()[0])

@@ -13,6 +13,8 @@ from _common import check, draw_graph, finish, parse_out_dir
 
 from convbn.autograd.conv2d import Conv2dFunction, conv2d_reference
 
+__all__ = ["main"]
+
 
 def main() -> None:
     out_dir = parse_out_dir(__doc__.splitlines()[0])

@@ -36,6 +36,8 @@ CASES = [
     ("untraceable_backward_cube", cube, lambda x: 6 * x, True),
 ]
 
+__all__ = ["main"]
+
 
 def main() -> None:
     out_dir = parse_out_dir(__doc__.splitlines()[0])

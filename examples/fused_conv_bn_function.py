@@ -15,6 +15,8 @@ from convbn.gradcheck import gradcheck_module
 from convbn.memory import format_bytes, track_saved
 from convbn.nn.tutorial import TutorialFusedConvBN2d
 
+__all__ = ["main"]
+
 
 def main() -> None:
     out_dir = parse_out_dir(__doc__.splitlines()[0])

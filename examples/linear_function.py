@@ -17,6 +17,8 @@ from convbn.autograd.ctx_tools import scaled_relu_, sin_cos, sort_with_indices
 from convbn.autograd.linear import LinearFunction
 from convbn.nn.linear import Linear
 
+__all__ = ["main"]
+
 
 def main() -> None:
     out_dir = parse_out_dir(__doc__.splitlines()[0])

@@ -7,7 +7,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 import pytest
 
@@ -32,11 +32,13 @@ SCRIPTS: Dict[str, List[str]] = {
 CAN_DRAW = shutil.which("dot") is not None and importlib.util.find_spec("torchviz") is not None
 
 
-def _run(script: str, out_dir: Path, extra_env: Dict[str, str] = {}) -> subprocess.CompletedProcess:
+def _run(
+    script: str, out_dir: Path, extra_env: Optional[Dict[str, str]] = None
+) -> subprocess.CompletedProcess:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "src"), env.get("PYTHONPATH")]))
     env["OMP_NUM_THREADS"] = "1"
-    env.update(extra_env)
+    env.update(extra_env or {})
     return subprocess.run(
         [sys.executable, str(EXAMPLES / script), "--out", str(out_dir)],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=180,

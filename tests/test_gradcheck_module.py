@@ -8,7 +8,6 @@ import pytest
 import torch
 from torch import Tensor, nn
 from torch.autograd.gradcheck import GradcheckError
-from torch.testing import assert_close
 
 from convbn.autograd.double_backward import SinhWrong
 from convbn.gradcheck import GradcheckReport, gradcheck_module
