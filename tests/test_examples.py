@@ -73,3 +73,33 @@ def test_examples_have_docstrings() -> None:
     for script in SCRIPTS:
         source = (EXAMPLES / script).read_text()
         assert source.lstrip().startswith('"""'), script
+
+
+DOCUMENTED_MODULES = [
+    "convbn.autograd.conv2d",
+    "convbn.autograd.batchnorm2d",
+    "convbn.autograd.tutorial_fused",
+    "convbn.autograd.linear",
+    "convbn.autograd.ctx_tools",
+    "convbn.autograd.double_backward",
+    "convbn.nn.tutorial",
+    "convbn.nn.linear",
+    "convbn.gradcheck",
+]
+
+
+@pytest.mark.parametrize("module_name", DOCUMENTED_MODULES)
+def test_docstring_examples_run(module_name: str) -> None:
+    import doctest
+    import importlib
+
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        module = importlib.import_module(module_name)
+        result = doctest.testmod(module, optionflags=doctest.ELLIPSIS)
+    finally:
+        torch.set_num_threads(before)
+    assert result.attempted > 0 and result.failed == 0
