@@ -1,2 +1,42 @@
-"""convbn: fused Convolution + BatchNorm (+ activation) for PyTorch."""
+"""convbn: fused Convolution + BatchNorm (+ activation) for PyTorch.
+
+Training: :func:`convert` turns a CNN into one whose Conv -> BN (-> act) layers keep far
+fewer activations for backward (same outputs, gradients, running stats, parameters and
+``state_dict``). Inference: :func:`fold` folds BatchNorm into neighbouring layers.
+"""
+from .functional.activations import ACTIVATIONS, Activation
+from .functional.fused import STRATEGIES, conv_bn_act
+from .gradcheck import GradcheckReport, gradcheck_module
+from .memory import PeakMemory, SavedBytes, peak_memory, saved_bytes, track_saved
+from .nn.chain import FusedChain
+from .nn.fused import FusedConvBN1d, FusedConvBN2d, FusedConvBN3d
+from .passes.convert import CONVERT_STRATEGIES, convert, explain
+from .passes.fold import FoldReport, fold, fold_conv_bn_modules
+from .passes.report import ConvertReport
+
 __version__ = "0.1.0"
+
+__all__ = [
+    "ACTIVATIONS",
+    "Activation",
+    "CONVERT_STRATEGIES",
+    "ConvertReport",
+    "FoldReport",
+    "FusedChain",
+    "FusedConvBN1d",
+    "FusedConvBN2d",
+    "FusedConvBN3d",
+    "GradcheckReport",
+    "PeakMemory",
+    "STRATEGIES",
+    "SavedBytes",
+    "conv_bn_act",
+    "convert",
+    "explain",
+    "fold",
+    "fold_conv_bn_modules",
+    "gradcheck_module",
+    "peak_memory",
+    "saved_bytes",
+    "track_saved",
+]

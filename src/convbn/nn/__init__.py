@@ -1,1 +1,7 @@
-"""convbn.nn."""
+"""convbn.nn: thin modules over convbn's Functions."""
+from .chain import ChainLayer, FusedChain
+from .fused import FusedConvBN1d, FusedConvBN2d, FusedConvBN3d
+from .linear import Linear
+from .tutorial import TutorialFusedConvBN2d
+
+__all__ = ["ChainLayer", "FusedChain", "FusedConvBN1d", "FusedConvBN2d", "FusedConvBN3d", "Linear", "TutorialFusedConvBN2d"]
