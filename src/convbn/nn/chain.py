@@ -94,6 +94,8 @@ class FusedChain(nn.Module):
             raise ValueError("a FusedChain needs at least one layer")
         # Unregistered on purpose (see module docstring).
         object.__setattr__(self, "layers", list(layers))
+        #: plan this chain on its first training call (convert(strategy="auto") without example_inputs)
+        self.auto_pending = False
 
     layers: List[ChainLayer]
 
@@ -115,9 +117,17 @@ class FusedChain(nn.Module):
                     f"Expected more than 1 value per channel when training, got input size {torch.Size(shape)} at {l.names[1]}"
                 )
             l.y_shape = tuple(shape)
+        if self.auto_pending and torch.is_grad_enabled():
+            from ..passes.planner import plan_layers, tutorial_bytes
+
+            for l in layers:
+                l.y_dtype = torch.get_autocast_dtype(input.device.type) if _autocast_on(input) else input.dtype
+            # the tutorial method's memory for this chain, with the least conv recompute
+            plan_layers(layers, tutorial_bytes([layers]))
+            self.auto_pending = False
         bn_specs = [bn_spec_from_module(l.bn, advance=True) for l in layers]
         dev = input.device.type
-        use_autocast = dev in ("cpu", "cuda") and torch.is_autocast_enabled(dev)
+        use_autocast = _autocast_on(input)
         params: List[Optional[Tensor]] = []
         for l in layers:
             w, b = l.weight, l.bias
@@ -125,7 +135,7 @@ class FusedChain(nn.Module):
                 dt = torch.get_autocast_dtype(dev)
                 w, b = w.to(dt), (None if b is None else b.to(dt))
             params += [w, b, l.bn.weight, l.bn.bias]
-        x = input.to(torch.get_autocast_dtype(dev)) if use_autocast and input.is_floating_point() else input
+        x = input.to(torch.get_autocast_dtype(dev)) if use_autocast else input
         for l in layers:
             l.y_dtype = x.dtype
         specs = tuple(
@@ -140,6 +150,11 @@ class FusedChain(nn.Module):
     def extra_repr(self) -> str:
         rows = [f"({i}) {l.names[0]} -> {l.names[1]} -> {l.act}: {l.mode}" for i, l in enumerate(self.layers)]
         return "\n".join(rows)
+
+
+def _autocast_on(t: Tensor) -> bool:
+    dev = t.device.type
+    return dev in ("cpu", "cuda") and torch.is_autocast_enabled(dev) and t.is_floating_point()
 
 
 def _prod(xs: Sequence[int]) -> int:

@@ -19,14 +19,15 @@ chain: the planner reaches that memory with the least convolution recompute.
 """
 from __future__ import annotations
 
-from typing import List, Optional, Sequence
+from typing import TYPE_CHECKING, List, Optional, Sequence
 
-from ..nn.chain import ChainLayer
+if TYPE_CHECKING:  # pragma: no cover
+    from ..nn.chain import ChainLayer
 
 __all__ = ["plan_layers", "tutorial_bytes", "all_keep_bytes"]
 
 
-def _bytes_of(shape: Optional[Sequence[int]], layer: ChainLayer) -> int:
+def _bytes_of(shape: Optional[Sequence[int]], layer: "ChainLayer") -> int:
     if shape is None:
         return 0
     n = 1
@@ -42,17 +43,17 @@ def _numel(shape: Optional[Sequence[int]]) -> int:
     return n
 
 
-def tutorial_bytes(chains: Sequence[Sequence[ChainLayer]]) -> int:
+def tutorial_bytes(chains: Sequence[Sequence["ChainLayer"]]) -> int:
     """Bytes the tutorial's method keeps on top of the floor: every chain-internal layer input."""
     return sum(_bytes_of(l.x_shape, l) for chain in chains for l in chain[1:])
 
 
-def all_keep_bytes(chains: Sequence[Sequence[ChainLayer]]) -> int:
+def all_keep_bytes(chains: Sequence[Sequence["ChainLayer"]]) -> int:
     """Bytes on top of the floor when every layer keeps its conv output."""
     return sum(l.y_bytes() for chain in chains for l in chain)
 
 
-def plan_layers(layers: Sequence[ChainLayer], extra_budget: int) -> int:
+def plan_layers(layers: Sequence["ChainLayer"], extra_budget: int) -> int:
     """Set each layer's ``mode`` to spend at most ``extra_budget`` bytes above the floor
     on kept conv outputs, recomputing as few MACs as possible.
 
@@ -70,7 +71,7 @@ def plan_layers(layers: Sequence[ChainLayer], extra_budget: int) -> int:
         return used
     # Drop kept outputs that free the most bytes per recomputed MAC first.
     order = sorted(layers, key=lambda l: (l.flops() / max(1, l.y_bytes()), -l.y_bytes()))
-    dropped: List[ChainLayer] = []
+    dropped: List["ChainLayer"] = []
     for l in order:
         if used <= extra_budget:
             break
