@@ -382,6 +382,13 @@ class MyBNAct(nn.BatchNorm2d):
         return F.relu(x)
 
 
+class MyBNTimesTwo(nn.BatchNorm2d):
+    """A subclass doing more than BN, through super().forward (which FX cannot trace)."""
+
+    def forward(self, x):
+        return super().forward(x) * 2
+
+
 class WrapsBN(nn.Module):
     def __init__(self, c: int) -> None:
         super().__init__()
@@ -491,6 +498,17 @@ def test_bn_module_called_twice() -> None:
 # ------------------------------------------------------------------------- negative cases
 
 
+def test_bn_subclass_doing_more_is_not_folded() -> None:
+    model = randomize_bn(nn.Sequential(nn.Conv2d(3, 4, 3), MyBNTimesTwo(4))).eval()
+    x = torch.randn(2, 3, 8, 8)
+    folded = fold(model)
+    assert_same(run(model, x), run(folded, x))
+    report = report_of(folded)
+    accounted(model, report)
+    assert not any(a.folded for a in report.actions)
+    assert any("overrides forward" in a.reason for a in report.actions)
+
+
 def test_bn_in_training_mode_is_left_alone() -> None:
     model = randomize_bn(nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.Conv2d(4, 4, 1), nn.BatchNorm2d(4))).eval()
     model[1].train()
@@ -522,6 +540,8 @@ def test_bn_without_running_stats_is_left_alone() -> None:
 def test_bad_inputs() -> None:
     with pytest.raises(TypeError, match="nn.Module"):
         fold(lambda x: x)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="TorchScript"):
+        fold(torch.jit.script(nn.Sequential(nn.Conv2d(1, 1, 1), nn.BatchNorm2d(1)).eval()))
     with pytest.raises(ValueError, match=r"model.eval\(\)"):
         fold(nn.Sequential(nn.Conv2d(1, 1, 1), nn.BatchNorm2d(1)))
 

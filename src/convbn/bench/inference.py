@@ -49,6 +49,7 @@ class InferenceRow:
     variant: str
     input_shape: Tuple[int, ...]
     median_ms: Optional[float] = None
+    iqr_ms: Optional[Tuple[float, float]] = None  # 25th and 75th percentile
     ratio: Optional[float] = None          # median_ms / unfused median_ms (< 1: faster)
     max_abs_diff: Optional[float] = None   # vs the unfused output
     batchnorms_left: Optional[int] = None  # BatchNorm modules left in the variant
@@ -168,11 +169,11 @@ def run_inference_bench(
             for name, fn, _ in variants:
                 if fn is not None:
                     diffs[name] = (_first_tensor(fn(x)) - reference).abs().max().item()
+            live = [(name, fn) for name, fn, _ in variants if fn is not None]
             for round_ in range(warmup + repeats):
                 bar.update(task, description=f"{spec}: round {round_ + 1}/{warmup + repeats}")
-                for name, fn, _ in variants:
-                    if fn is None:
-                        continue
+                shift = round_ % len(live)  # rotate the order: no variant always runs first
+                for name, fn in live[shift:] + live[:shift]:
                     start = time.perf_counter()
                     fn(x)
                     elapsed = time.perf_counter() - start
@@ -184,6 +185,8 @@ def run_inference_bench(
                 row = InferenceRow(spec, name, tuple(x.shape), note=note)
                 if fn is not None:
                     row.median_ms = statistics.median(times[name])
+                    q = statistics.quantiles(times[name], n=4) if len(times[name]) > 1 else [row.median_ms] * 3
+                    row.iqr_ms = (q[0], q[2])
                     row.ratio = row.median_ms / base
                     row.max_abs_diff = diffs[name]
                     row.batchnorms_left = _count_bn(fn)
@@ -201,6 +204,7 @@ def _cells(row: InferenceRow) -> List[str]:
         row.variant,
         "x".join(map(str, row.input_shape)),
         _fmt(row.median_ms, ".2f"),
+        "-" if row.iqr_ms is None else f"{row.iqr_ms[0]:.2f}-{row.iqr_ms[1]:.2f}",
         _fmt(row.ratio, ".3f"),
         _fmt(row.max_abs_diff, ".2e"),
         "-" if row.batchnorms_left is None else str(row.batchnorms_left),
@@ -208,7 +212,7 @@ def _cells(row: InferenceRow) -> List[str]:
     ]
 
 
-_HEADERS = ["model", "variant", "input", "median ms", "ratio to unfused", "max |diff|", "BN left", "note"]
+_HEADERS = ["model", "variant", "input", "median ms", "IQR ms", "ratio to unfused", "max |diff|", "BN left", "note"]
 
 
 def print_table(rows: Sequence[InferenceRow]) -> None:
@@ -218,7 +222,7 @@ def print_table(rows: Sequence[InferenceRow]) -> None:
 
     table = Table(title="Inference: unfused vs fx fuse vs convbn.fold (CPU, eval, no grad)")
     for h in _HEADERS:
-        table.add_column(h, justify="right" if h in ("median ms", "ratio to unfused", "max |diff|", "BN left") else "left")
+        table.add_column(h, justify="right" if h in ("median ms", "IQR ms", "ratio to unfused", "max |diff|", "BN left") else "left")
     for row in rows:
         table.add_row(*_cells(row))
     console = Console()

@@ -470,6 +470,9 @@ class _GraphFolder:
                 return None
             name = self.qual(node.target)
             why = _check_bn_foldable(mod)
+            if why is None and not _has_standard_forward(mod):
+                why = (f"{type(mod).__name__} overrides forward() in a way that could not be traced "
+                       "into, so it may do more than batch norm")
             if why is None and (mod._forward_hooks or mod._forward_pre_hooks):
                 why = "BatchNorm has forward hooks, which folding would drop"
             if why is None and (len(node.args) != 1 or node.kwargs):
@@ -1016,7 +1019,7 @@ def fold(
         attribute ``fold_report`` is a :class:`FoldReport` listing every BatchNorm.
 
     Raises:
-        TypeError: ``model`` is not an ``nn.Module``.
+        TypeError: ``model`` is not an ``nn.Module`` (or is a TorchScript module).
         ValueError: ``model`` is in training mode.
         RuntimeError: ``check=True`` and the folded model's outputs differ.
 
@@ -1027,6 +1030,11 @@ def fold(
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"fold() expects a torch.nn.Module, but got {type(model).__name__}")
+    if isinstance(model, torch.jit.ScriptModule):
+        raise TypeError(
+            "fold() needs the eager nn.Module, but got a TorchScript module; fold first, then "
+            "torch.jit.script the folded model"
+        )
     if model.training:
         raise ValueError(
             "fold() folds BatchNorm running statistics, which only define the model's output in "
