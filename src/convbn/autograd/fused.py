@@ -87,6 +87,11 @@ def differentiable_backward(
 ) -> Tuple[Optional[Tensor], ...]:
     """See Note: [double backward]. ``rebuild(*inputs)`` recomputes the output with
     differentiable ops; gradients are taken w.r.t. the inputs autograd asked for."""
+    if any(getattr(spec, "process_group", None) is not None for spec in _bn_specs(ctx)):
+        raise RuntimeError(
+            "double backward (create_graph=True) through cross-process SyncBatchNorm statistics is not "
+            "supported by convbn; run it without convert() or with a single process"
+        )
     wanted = [i for i, t in enumerate(inputs) if t is not None and ctx.needs_input_grad[i]]
     with torch.enable_grad():
         out = rebuild(*inputs)
@@ -97,6 +102,17 @@ def differentiable_backward(
     for i, g in zip(wanted, grads):
         result[i] = g
     return tuple(result)
+
+
+def _bn_specs(ctx: Any) -> List[BNSpec]:
+    """Every BNSpec of a fused Function's ctx (single layer or chain)."""
+    out: List[BNSpec] = []
+    for spec in ctx.specs:
+        if isinstance(spec, BNSpec):
+            out.append(spec)
+        elif hasattr(spec, "bn"):
+            out.append(spec.bn)
+    return out
 
 
 def _param_mask(ctx: Any) -> Tuple[bool, bool, bool, bool, bool]:

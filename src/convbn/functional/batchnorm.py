@@ -11,8 +11,8 @@ backward) reads the saved ``mean``/``invstd`` instead.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import List, Optional, Tuple
+from dataclasses import dataclass, field
+from typing import Any, List, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -32,11 +32,14 @@ class BNSpec:
             whenever there are no running stats); otherwise with the running stats.
         momentum: exponential-average factor for the running-stat update (the value
             ``nn.BatchNorm`` computes, ``1/num_batches_tracked`` for ``momentum=None``).
+        process_group: when set, batch statistics (and their gradients) are reduced over
+            this ``torch.distributed`` process group, as ``nn.SyncBatchNorm`` does.
     """
 
     eps: float = 1e-5
     batch_stats: bool = True
     momentum: float = 0.1
+    process_group: Any = field(default=None, compare=False, hash=False)
 
 
 def channel_view(t: Tensor, ndim: int) -> Tensor:
@@ -56,6 +59,8 @@ def bn_forward(
 
     With batch statistics the running stats (if given) are updated in place, once.
     """
+    if spec.batch_stats and spec.process_group is not None:
+        return _sync_forward(y, weight, bias, running_mean, running_var, spec)
     if spec.batch_stats:
         z, mean, invstd = torch.native_batch_norm(
             y, weight, bias, running_mean, running_var, True, spec.momentum, spec.eps
@@ -94,7 +99,9 @@ def bn_backward(
     ``grad_y = gamma * invstd * (g - mean(g) - xhat * mean(g * xhat))``; with running
     statistics it is the plain per-channel scale ``gamma * invstd * g``.
     """
-    if spec.batch_stats:
+    if spec.batch_stats and spec.process_group is not None:
+        out = _sync_backward(grad_z, y, weight, mean, invstd, spec, mask)
+    elif spec.batch_stats:
         out = aten.native_batch_norm_backward(
             grad_z, y, weight, None, None, mean, invstd, True, spec.eps, list(mask)
         )
@@ -125,4 +132,92 @@ def _affine_backward(
         gw = (grad_z.to(acc) * xhat).sum(dims).to(mean.dtype)
     if mask[2]:
         gb = grad_z.sum(dims, dtype=acc).to(mean.dtype)
+    return gy, gw, gb
+
+
+# --------------------------------------------------------------------------- cross-process
+
+
+def _reduce_dims(y: Tensor) -> List[int]:
+    return [0] + list(range(2, y.dim()))
+
+
+def _sync_forward(
+    y: Tensor,
+    weight: Optional[Tensor],
+    bias: Optional[Tensor],
+    running_mean: Optional[Tensor],
+    running_var: Optional[Tensor],
+    spec: BNSpec,
+) -> Tuple[Tensor, Tensor, Tensor]:
+    """Batch statistics over every process of ``spec.process_group`` (SyncBatchNorm semantics).
+
+    Two all-reduces, both exact: ``[count, sum(y)]`` gives the global mean, then
+    ``sum((y - mean)^2)`` gives the global biased variance (no ``E[y^2] - mean^2``
+    cancellation). Running stats take the unbiased global variance.
+    """
+    import torch.distributed as dist
+
+    dims = _reduce_dims(y)
+    acc = torch.promote_types(y.dtype, torch.float32)
+    local_count = y.numel() // y.shape[1]
+    packed = torch.cat([y.new_full((1,), float(local_count), dtype=acc), y.sum(dims, dtype=acc)])
+    dist.all_reduce(packed, group=spec.process_group)
+    count, mean = packed[0], packed[1:] / packed[0]
+    centred = y.to(acc) - channel_view(mean, y.dim())
+    sq = centred.square().sum(dims)
+    del centred
+    dist.all_reduce(sq, group=spec.process_group)
+    var = sq / count
+    invstd = torch.rsqrt(var + spec.eps)
+    n = int(count.item())
+    if n <= 1:
+        raise ValueError(f"Expected more than 1 value per channel across processes when training, got {n}")
+    if running_mean is not None and running_var is not None:
+        m = spec.momentum
+        with torch.no_grad():
+            running_mean.mul_(1 - m).add_(mean.to(running_mean.dtype), alpha=m)
+            running_var.mul_(1 - m).add_((var * (n / (n - 1))).to(running_var.dtype), alpha=m)
+    return bn_apply(y, mean, invstd, weight, bias), mean, invstd
+
+
+def _sync_backward(
+    grad_z: Tensor,
+    y: Tensor,
+    weight: Optional[Tensor],
+    mean: Tensor,
+    invstd: Tensor,
+    spec: BNSpec,
+    mask: Tuple[bool, bool, bool],
+) -> Tuple[Optional[Tensor], Optional[Tensor], Optional[Tensor]]:
+    """Backward of :func:`_sync_forward`.
+
+    .. math::
+        \frac{\partial L}{\partial y} = \gamma\,\sigma^{-1}\Big(g - \frac{\sum g}{N}
+        - \hat y \frac{\sum g \hat y}{N}\Big)
+
+    with the two sums all-reduced over the group and ``N`` the global count. The
+    returned ``gamma``/``beta`` gradients are this process's share (summed over its
+    own samples); data-parallel training averages them across processes, as with
+    ``nn.SyncBatchNorm``.
+    """
+    import torch.distributed as dist
+
+    dims = _reduce_dims(y)
+    acc = torch.promote_types(grad_z.dtype, torch.float32)
+    xhat = (y.to(acc) - channel_view(mean.to(acc), y.dim())) * channel_view(invstd.to(acc), y.dim())
+    g = grad_z.to(acc)
+    sum_g, sum_gx = g.sum(dims), (g * xhat).sum(dims)
+    gw = sum_gx.to(mean.dtype) if mask[1] else None
+    gb = sum_g.to(mean.dtype) if mask[2] else None
+    gy = None
+    if mask[0]:
+        c = y.shape[1]
+        packed = torch.cat([sum_g, sum_gx, sum_g.new_full((1,), float(y.numel() // c))])
+        dist.all_reduce(packed, group=spec.process_group)
+        n = packed[-1]
+        mean_g, mean_gx = packed[:c] / n, packed[c:2 * c] / n
+        scale = invstd.to(acc) if weight is None else invstd.to(acc) * weight.to(acc)
+        gy = (g - channel_view(mean_g, y.dim()) - xhat * channel_view(mean_gx, y.dim())) * channel_view(scale, y.dim())
+        gy = gy.to(grad_z.dtype)
     return gy, gw, gb

@@ -77,7 +77,7 @@ def check_inputs(
             f"input of spatial size {tuple(x.shape[2:])} is too small for the convolution: "
             f"its output would have size {tuple(out_shape[2:])}"
         )
-    if bn.batch_stats:
+    if bn.batch_stats and bn.process_group is None:  # synced stats are checked across processes
         per_channel = out_shape[0]
         for s in out_shape[2:]:
             per_channel *= s

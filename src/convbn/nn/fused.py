@@ -20,7 +20,7 @@ from ..functional.batchnorm import BNSpec
 from ..functional.conv import ConvSpec, conv_spec_from_module
 from ..functional.fused import check_inputs, check_strategy, conv_bn_act_spec
 
-__all__ = ["FusedConvBN1d", "FusedConvBN2d", "FusedConvBN3d", "bn_spec_from_module", "bn_running_stats"]
+__all__ = ["FusedConvBN1d", "FusedConvBN2d", "FusedConvBN3d", "bn_spec_from_module", "bn_running_stats", "sync_group"]
 
 T = TypeVar("T", bound="_FusedConvBNNd")
 
@@ -48,7 +48,26 @@ def bn_spec_from_module(bn: _BatchNorm, *, advance: bool = False) -> BNSpec:
             n = int(bn.num_batches_tracked) + (0 if advance else 1)
             factor = 1.0 / float(n)
     batch_stats = bn.training or (bn.running_mean is None and bn.running_var is None)
-    return BNSpec(float(bn.eps), batch_stats, factor)
+    return BNSpec(float(bn.eps), batch_stats, factor, sync_group(bn))
+
+
+def sync_group(bn: _BatchNorm) -> Any:
+    """The process group an ``nn.SyncBatchNorm`` reduces over in this call, or ``None``.
+
+    Mirrors ``nn.SyncBatchNorm.forward``: statistics are synchronised in training
+    mode when ``torch.distributed`` is initialised and the group has more than one
+    process. Unlike ``nn.SyncBatchNorm``, CPU tensors (gloo) are supported.
+    """
+    from .sync import SyncBatchNorm
+
+    if not isinstance(bn, (nn.SyncBatchNorm, SyncBatchNorm)) or not bn.training:
+        return None
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    group = bn.process_group or dist.group.WORLD
+    return group if dist.get_world_size(group) > 1 else None
 
 
 class _FusedConvBNNd(nn.Module):

@@ -26,6 +26,7 @@ from ..functional.conv import ConvSpec, conv_spec_from_module, make_conv_spec
 from ..memory import saved_bytes
 from ..nn.chain import ChainLayer, FusedChain
 from ..nn.fused import _FusedConvBNNd
+from ..nn.sync import SyncBatchNorm
 from .planner import all_keep_bytes, plan_layers, tutorial_bytes
 from .report import ConvertReport, FusedPair, SkippedBN
 
@@ -253,7 +254,7 @@ def _find_layers(gm: fx.GraphModule, prefix: str, report: ConvertReport) -> List
         def skip(reason: str, conv: Optional[str] = None) -> None:
             report.skipped.append(SkippedBN(name, reason, conv))
 
-        if type(bn).forward is not _BatchNorm.forward:
+        if type(bn).forward not in (_BatchNorm.forward, SyncBatchNorm.forward):
             skip(f"{type(bn).__name__} has its own forward (e.g. cross-process statistics); left as is")
             continue
         if bn_calls[str(node.target)] > 1:
@@ -530,7 +531,8 @@ def convert(
     """
     _check_args(model, strategy, memory_budget, example_inputs)
     report = ConvertReport(strategy=strategy)
-    converted = _convert(model, "", strategy, chain, inplace, report)
+    root = _swap_sync_batchnorm(model, inplace)
+    converted = _convert(root, "", strategy, chain, inplace, report)
     _account_bns(model, report)
     if strategy == "auto" and example_inputs is not None and report.pairs:
         _plan(model, converted, _as_tuple(example_inputs), memory_budget, report)
@@ -544,6 +546,28 @@ def convert(
     except AttributeError:  # pragma: no cover - modules refusing attributes
         pass
     return converted
+
+
+def _swap_sync_batchnorm(model: nn.Module, inplace: bool) -> nn.Module:
+    """Replace every ``nn.SyncBatchNorm`` by :class:`convbn.nn.SyncBatchNorm` sharing its
+    parameters and buffers (CPU/gloo support, fusable). Without ``inplace`` the containers
+    on the way are shallow-copied, so ``model`` itself is untouched."""
+    paths = [n for n, m in model.named_modules() if type(m) is nn.SyncBatchNorm]
+    if not paths:
+        return model
+    root = model if inplace else _shallow_clone(model)
+    clones = {id(model): root}
+    for path in paths:
+        parent, parent_new = model, root
+        *parents, leaf = path.split(".")
+        for name in parents:
+            child = parent._modules[name]
+            if id(child) not in clones:
+                clones[id(child)] = child if inplace else _shallow_clone(child)
+                parent_new._modules[name] = clones[id(child)]
+            parent, parent_new = child, clones[id(child)]
+        parent_new._modules[leaf] = SyncBatchNorm.from_module(parent._modules[leaf])
+    return root
 
 
 def _account_bns(model: nn.Module, report: ConvertReport) -> None:

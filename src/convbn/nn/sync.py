@@ -1,0 +1,85 @@
+"""``convbn.nn.SyncBatchNorm``: cross-process BatchNorm that also runs on CPU (gloo).
+
+``nn.SyncBatchNorm`` only synchronises CUDA tensors, and ``DistributedDataParallel``
+refuses CPU models containing one. :func:`convbn.convert` swaps each
+``nn.SyncBatchNorm`` for this class, sharing the very same parameters and buffers
+(same ``state_dict`` keys), so a converted model trains data-parallel on CPU or GPU;
+fused Conv -> SyncBatchNorm layers reduce their statistics across the group in
+forward and backward.
+"""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+from torch import Tensor, nn
+from torch.nn.modules.batchnorm import _BatchNorm
+
+from ..autograd.batchnorm import BatchNormFunction
+
+__all__ = ["SyncBatchNorm"]
+
+
+class SyncBatchNorm(_BatchNorm):
+    """BatchNorm over N-D inputs with statistics reduced over ``process_group``.
+
+    Args:
+        num_features, eps, momentum, affine, track_running_stats: as ``nn.SyncBatchNorm``.
+        process_group: the group to reduce over (``None``: the default group).
+        device, dtype: factory kwargs.
+
+    Example:
+        >>> bn = SyncBatchNorm.from_module(nn.SyncBatchNorm(8))
+        >>> bn(torch.randn(4, 8, 5, 5)).shape  # no process group initialised: local stats
+        torch.Size([4, 8, 5, 5])
+    """
+
+    def __init__(
+        self,
+        num_features: int,
+        eps: float = 1e-5,
+        momentum: Optional[float] = 0.1,
+        affine: bool = True,
+        track_running_stats: bool = True,
+        process_group: Optional[Any] = None,
+        device: Any = None,
+        dtype: Optional[torch.dtype] = None,
+    ) -> None:
+        super().__init__(num_features, eps, momentum, affine, track_running_stats, device=device, dtype=dtype)
+        self.process_group = process_group
+
+    @classmethod
+    def from_module(cls, bn: nn.SyncBatchNorm) -> "SyncBatchNorm":
+        """A ``SyncBatchNorm`` sharing ``bn``'s parameters and buffers (no copies)."""
+        if not isinstance(bn, _BatchNorm):
+            raise TypeError(f"expected a BatchNorm module, but got {type(bn).__name__}")
+        new = cls.__new__(cls)
+        nn.Module.__init__(new)
+        for attr in ("num_features", "eps", "momentum", "affine", "track_running_stats", "training"):
+            setattr(new, attr, getattr(bn, attr))
+        new.process_group = getattr(bn, "process_group", None)
+        for name, p in bn._parameters.items():
+            new._parameters[name] = p
+        for name, b in bn._buffers.items():
+            new._buffers[name] = b
+        new._non_persistent_buffers_set = set(bn._non_persistent_buffers_set)
+        return new
+
+    def _check_input_dim(self, input: Tensor) -> None:
+        if input.dim() < 2:
+            raise ValueError(f"expected at least 2D input (got {input.dim()}D input)")
+
+    def forward(self, input: Tensor) -> Tensor:
+        from .fused import bn_running_stats, bn_spec_from_module
+
+        self._check_input_dim(input)
+        spec = bn_spec_from_module(self)
+        if spec.batch_stats and spec.process_group is None:
+            size = input.numel() // input.shape[1]
+            if size <= 1:
+                raise ValueError(
+                    f"Expected more than 1 value per channel when training, got input size {input.size()}"
+                )
+        spec = bn_spec_from_module(self, advance=True)
+        rm, rv = bn_running_stats(self)
+        return BatchNormFunction.apply(input, self.weight, self.bias, rm, rv, spec)
