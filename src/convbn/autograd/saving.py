@@ -11,13 +11,22 @@ from __future__ import annotations
 
 from typing import Any, List, Optional, Sequence, Tuple
 
+import torch
 from torch import Tensor, nn
 
 __all__ = ["save_tensors", "load_tensors"]
 
 
 def save_tensors(ctx: Any, tensors: Sequence[Optional[Tensor]]) -> None:
-    """Save ``tensors`` for backward: parameters by reference, the rest with ``save_for_backward``."""
+    """Save ``tensors`` for backward: parameters by reference, the rest with ``save_for_backward``.
+
+    Under ``torch.compile`` everything goes through ``save_for_backward``: the compiled
+    graph takes parameters as inputs and plans its own saved set.
+    """
+    if torch.compiler.is_compiling():
+        ctx.save_for_backward(*tensors)
+        ctx.saving_slots = None
+        return
     slots: List[Tuple[int, Any]] = []  # (kind, payload): 0 = saved index, 1 = (param, version)
     normal: List[Optional[Tensor]] = []
     for t in tensors:
@@ -38,6 +47,8 @@ def load_tensors(ctx: Any) -> Tuple[Optional[Tensor], ...]:
             (as ``save_for_backward`` would report).
     """
     normal = ctx.saved_tensors
+    if ctx.saving_slots is None:
+        return tuple(normal)
     out: List[Optional[Tensor]] = []
     for kind, payload in ctx.saving_slots:
         if kind == 0:
