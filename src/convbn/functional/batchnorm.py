@@ -38,7 +38,7 @@ class BNSpec:
 
     eps: float = 1e-5
     batch_stats: bool = True
-    momentum: float = 0.1
+    momentum: Any = 0.1  # a float, or a 0-d tensor under torch.compile with momentum=None
     process_group: Any = field(default=None, compare=False, hash=False)
 
 
@@ -61,6 +61,16 @@ def bn_forward(
     """
     if spec.batch_stats and spec.process_group is not None:
         return _sync_forward(y, weight, bias, running_mean, running_var, spec)
+    if spec.batch_stats and isinstance(spec.momentum, Tensor):
+        # momentum=None under torch.compile: the factor 1/num_batches_tracked is a tensor.
+        z, mean, invstd = torch.native_batch_norm(y, weight, bias, None, None, True, 0.0, spec.eps)
+        if running_mean is not None and running_var is not None:
+            n = y.numel() // y.shape[1]
+            var = (invstd.double().pow(-2) - spec.eps) * (n / max(n - 1, 1))
+            with torch.no_grad():
+                running_mean.lerp_(mean.to(running_mean.dtype), spec.momentum.to(running_mean.dtype))
+                running_var.lerp_(var.to(running_var.dtype), spec.momentum.to(running_var.dtype))
+        return z, mean, invstd
     if spec.batch_stats:
         z, mean, invstd = torch.native_batch_norm(
             y, weight, bias, running_mean, running_var, True, spec.momentum, spec.eps

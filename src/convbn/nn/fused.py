@@ -45,8 +45,11 @@ def bn_spec_from_module(bn: _BatchNorm, *, advance: bool = False) -> BNSpec:
         if advance:
             bn.num_batches_tracked.add_(1)
         if bn.momentum is None:
-            n = int(bn.num_batches_tracked) + (0 if advance else 1)
-            factor = 1.0 / float(n)
+            if torch.compiler.is_compiling():
+                # keep the cumulative-average factor a tensor: no data-dependent Python float
+                factor = 1.0 / (bn.num_batches_tracked + (0 if advance else 1)).to(torch.float64)  # type: ignore[assignment]
+            else:
+                factor = 1.0 / float(int(bn.num_batches_tracked) + (0 if advance else 1))
     batch_stats = bn.training or (bn.running_mean is None and bn.running_var is None)
     return BNSpec(float(bn.eps), batch_stats, factor, sync_group(bn))
 
