@@ -1,9 +1,12 @@
 """Inference benchmark: unfused eager vs ``torch.fx`` ``fuse`` vs ``convbn.fold`` (+ script / compile).
 
 Everything runs in one process, on the same input, in eval mode without grad. Variants
-are timed in interleaved rounds (one call of each variant per round) so that load from
-other processes hits them alike; the median over rounds is reported, with the ratio to
-the unfused model and the largest absolute output difference from it.
+are timed in interleaved rounds (one call of each variant per round, the order rotating
+from round to round) so that load from other processes hits them alike. Reported: the
+median time over rounds with its interquartile range, the *paired* ratio to the unfused
+model and to ``torch.fx``'s ``fuse`` (median over rounds of the two times measured in the
+same round), the largest absolute output difference from the unfused model, and how many
+BatchNorm modules are left.
 
 Run::
 
@@ -50,7 +53,8 @@ class InferenceRow:
     input_shape: Tuple[int, ...]
     median_ms: Optional[float] = None
     iqr_ms: Optional[Tuple[float, float]] = None  # 25th and 75th percentile
-    ratio: Optional[float] = None          # median_ms / unfused median_ms (< 1: faster)
+    ratio: Optional[float] = None          # median over rounds of time / unfused time in the same round
+    ratio_to_fuse: Optional[float] = None  # the same against torch.fx's fuse (None if fuse failed)
     max_abs_diff: Optional[float] = None   # vs the unfused output
     batchnorms_left: Optional[int] = None  # BatchNorm modules left in the variant
     note: str = ""
@@ -180,14 +184,20 @@ def run_inference_bench(
                     if round_ >= warmup:
                         times[name].append(elapsed * 1e3)
                 bar.advance(task)
-            base = statistics.median(times["unfused"])
+            def paired(name: str, against: str) -> Optional[float]:
+                # Ratios within a round cancel slow drifts in machine load (shared CPUs).
+                if against not in times:
+                    return None
+                return statistics.median(a / b for a, b in zip(times[name], times[against]))
+
             for name, fn, note in variants:
                 row = InferenceRow(spec, name, tuple(x.shape), note=note)
                 if fn is not None:
                     row.median_ms = statistics.median(times[name])
                     q = statistics.quantiles(times[name], n=4) if len(times[name]) > 1 else [row.median_ms] * 3
                     row.iqr_ms = (q[0], q[2])
-                    row.ratio = row.median_ms / base
+                    row.ratio = paired(name, "unfused")
+                    row.ratio_to_fuse = paired(name, "fx fuse")
                     row.max_abs_diff = diffs[name]
                     row.batchnorms_left = _count_bn(fn)
                 rows.append(row)
@@ -206,13 +216,14 @@ def _cells(row: InferenceRow) -> List[str]:
         _fmt(row.median_ms, ".2f"),
         "-" if row.iqr_ms is None else f"{row.iqr_ms[0]:.2f}-{row.iqr_ms[1]:.2f}",
         _fmt(row.ratio, ".3f"),
+        _fmt(row.ratio_to_fuse, ".3f"),
         _fmt(row.max_abs_diff, ".2e"),
         "-" if row.batchnorms_left is None else str(row.batchnorms_left),
         row.note,
     ]
 
 
-_HEADERS = ["model", "variant", "input", "median ms", "IQR ms", "ratio to unfused", "max |diff|", "BN left", "note"]
+_HEADERS = ["model", "variant", "input", "median ms", "IQR ms", "ratio to unfused", "ratio to fx fuse", "max |diff|", "BN left", "note"]
 
 
 def print_table(rows: Sequence[InferenceRow]) -> None:
@@ -222,7 +233,7 @@ def print_table(rows: Sequence[InferenceRow]) -> None:
 
     table = Table(title="Inference: unfused vs fx fuse vs convbn.fold (CPU, eval, no grad)")
     for h in _HEADERS:
-        table.add_column(h, justify="right" if h in ("median ms", "IQR ms", "ratio to unfused", "max |diff|", "BN left") else "left")
+        table.add_column(h, justify="right" if h in ("median ms", "IQR ms", "ratio to unfused", "ratio to fx fuse", "max |diff|", "BN left") else "left")
     for row in rows:
         table.add_row(*_cells(row))
     console = Console()
