@@ -1,7 +1,6 @@
 """Tests for convbn.fold (inference BatchNorm folding): numbers, structure, report, safety."""
 from __future__ import annotations
 
-import copy
 from typing import Callable, Tuple
 
 import pytest
@@ -630,3 +629,22 @@ def test_folded_model_scripts_and_exports(name: str) -> None:
     assert_same(ref, run(scripted, x))
     exported = torch.export.export(folded, (x,))
     assert_same(ref, run(exported.module(), x))
+
+
+# ------------------------------------------------------------------------------ benchmark
+
+
+def test_inference_bench_smoke() -> None:
+    from convbn.bench.inference import rows_to_markdown, run_inference_bench
+    from convbn.bench.models import build_model, parse_spec
+
+    assert parse_spec("monai:resnet50(spatial_dims=2,n_input_channels=3)") == (
+        "monai", "resnet50", {"spatial_dims": 2, "n_input_channels": 3})
+    with pytest.raises(ValueError, match="source"):
+        build_model("nosuch:net")
+    rows = run_inference_bench(["mnist"], batch_size=2, repeats=2, warmup=1, progress=False)
+    by_variant = {r.variant: r for r in rows}
+    assert set(by_variant) == {"unfused", "fx fuse", "convbn.fold", "fold + jit.script"}
+    assert by_variant["convbn.fold"].batchnorms_left == 0
+    assert by_variant["convbn.fold"].max_abs_diff < 1e-4
+    assert "convbn.fold" in rows_to_markdown(rows)

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import copy
 import math
-import operator
 import typing
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Set, Tuple, TypeVar, Union
@@ -37,7 +36,6 @@ import torch.fx as fx
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
-from torch.nn.modules.conv import _ConvNd
 from torch.utils import _pytree as pytree
 
 from convbn.functional.fold import fold_bn_into_following, fold_bn_into_preceding
@@ -404,7 +402,6 @@ class _Ctx:
     inplace: bool
     bn_input_ranks: Dict[int, Set[int]]   # id(BN module) -> ranks of its inputs (sample run)
     linear_out_ranks: Dict[int, Set[int]]  # id(Linear module) -> ranks of its outputs
-    ranks_known: bool
 
 
 @dataclass
@@ -914,7 +911,6 @@ def _reference_run(model: nn.Module, example_inputs: Any, ctx: _Ctx) -> Tuple[Op
         if example_inputs is not None:
             args = _as_args(example_inputs)
             out = _run(model, args)
-            ctx.ranks_known = True
             return args, out, ""
         tried = []
         for args in _candidate_inputs(model):
@@ -925,7 +921,6 @@ def _reference_run(model: nn.Module, example_inputs: Any, ctx: _Ctx) -> Tuple[Op
                 ctx.bn_input_ranks.clear()
                 ctx.linear_out_ranks.clear()
                 continue
-            ctx.ranks_known = True
             return args, out, f"inferred input {tuple(args[0].shape)}"
         note = "could not infer a sample input"
         if tried:
@@ -1043,7 +1038,7 @@ def fold(
         )
     work = model if inplace else copy.deepcopy(model)
     report = FoldReport()
-    ctx = _Ctx(report, inplace, {}, {}, False)
+    ctx = _Ctx(report, inplace, {}, {})
     bns = _bn_modules(work)
 
     args, reference, note = (None, None, "")
