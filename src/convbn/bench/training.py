@@ -1,0 +1,771 @@
+"""Training benchmark: eager vs ``convbn.convert`` strategies vs checkpointing vs ``torch.compile``.
+
+For one model spec (see :mod:`convbn.bench.models`) every configuration is a deep copy
+of the same freshly initialised model (same weights, train mode), with its own SGD
+optimizer, fed the same input. All run in one process:
+
+* ``eager`` — the baseline; every ratio is to it;
+* ``convert auto`` — :func:`convbn.convert` with the default target (the tutorial's memory,
+  least recompute), and ``convert auto budget=X`` for each ``--budget X``;
+* ``convert recompute_conv (tutorial)`` — ``strategy="recompute_conv", chain=False``: every
+  fused layer keeps its own conv input and recomputes its conv (the PyTorch tutorial);
+* ``convert recompute_bn`` — keep conv outputs, recompute BN + activation element-wise;
+* ``checkpoint per block`` — :func:`torch.utils.checkpoint.checkpoint` (non-reentrant)
+  around each block (see :func:`find_blocks`);
+* ``torch.compile budget=B`` — ``torch.compile`` with
+  ``torch._functorch.config.activation_memory_budget = B`` (default 0.5, 0.3, 0.1).
+
+Measured per configuration:
+
+* **saved bytes** of one training forward (:func:`convbn.memory.saved_bytes`, SPEC §3);
+* **peak**: peak memory of one training step above the memory in use just before it
+  (:class:`convbn.memory.peak_memory`; CUDA allocator, or sampled RSS on CPU), median of
+  a few dedicated rounds (the RSS sampler thread would disturb the timed steps);
+* **step time**: forward + loss + backward + ``SGD.step()``, median over ``steps`` timed
+  rounds after ``warmup`` untimed ones;
+* **max |Δout|**, **max |Δgrad|**: largest absolute difference of the first step's output
+  and parameter gradients from eager's (same input, same RNG seed, same weights).
+
+Note: [Round-robin timing]
+    Each round runs one step of every configuration, the order rotated by one each round,
+    so load from other processes (and position in the round) hits every configuration
+    alike. Compilation happens in the untimed first step; its duration is reported as
+    ``setup_s`` (an FX-graph cache on disk makes repeated runs compile faster).
+
+Note: [Saved bytes under torch.compile]
+    A compiled training graph runs as one ``autograd.Function`` (AOTAutograd's
+    ``CompiledFunction``) whose forward calls ``ctx.save_for_backward`` on exactly the
+    tensors the partitioner chose to keep, so ``saved_tensors_hooks`` *do* see them
+    (checked: the bytes fall as ``activation_memory_budget`` falls, and entering the hooks
+    triggers no recompilation). They are measured exactly like eager.
+
+Note: [One dynamo cache entry per budget]
+    Dynamo guards do not depend on the module instance (``inline_inbuilt_nn_modules``), so a
+    second ``torch.compile`` of a deep copy silently reuses the first copy's compiled graph,
+    whatever ``activation_memory_budget`` says. Each budget therefore gets its own backend
+    callable (:func:`_budget_backend`): dynamo's BACKEND_MATCH guard keeps one cache entry per
+    backend, and the backend applies the budget while AOTAutograd partitions the graph.
+
+Note: [Checkpoint and BatchNorm]
+    Non-reentrant checkpointing re-runs each block's forward in backward, so BatchNorm
+    running statistics inside checkpointed blocks are updated twice per step; the row's
+    note reports the running-statistics difference from eager after the first step.
+
+Run::
+
+    python -m convbn.bench.training --model monai:resnet18 --batch-size 4 --image-size 64
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import ctypes
+import dataclasses
+import gc
+import inspect
+import json
+import statistics
+import sys
+import time
+import warnings
+from dataclasses import dataclass
+from typing import Any, Callable, ContextManager, Dict, List, Optional, Sequence, Tuple
+
+import torch
+from torch import Tensor, nn
+from torch.nn.modules.batchnorm import _BatchNorm
+from torch.nn.modules.dropout import _DropoutNd
+
+from convbn.bench.models import build_model
+from convbn.memory import format_bytes, peak_memory, saved_bytes
+from convbn.passes.convert import convert
+
+__all__ = [
+    "TrainingRow",
+    "CheckpointBlock",
+    "find_blocks",
+    "checkpoint_blocks",
+    "config_names",
+    "run_training_bench",
+    "print_table",
+    "rows_to_markdown",
+    "rows_to_json",
+    "write_plot",
+    "add_training_arguments",
+    "main_training",
+    "CONFIG_KEYS",
+    "DEFAULT_COMPILE_BUDGETS",
+    "DEFAULT_MODELS",
+]
+
+#: Keys accepted by ``configs=`` / ``--configs`` (``eager`` is always run: it is the baseline).
+CONFIG_KEYS = ("eager", "auto", "budget", "tutorial", "recompute_bn", "checkpoint", "compile")
+DEFAULT_COMPILE_BUDGETS = (0.5, 0.3, 0.1)
+DEFAULT_MODELS = ("mnist",)
+_DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class TrainingRow:
+    """One (model, configuration) measurement; a field is ``None`` where it could not be measured.
+
+    Ratios are to the ``eager`` row of the same model and run (< 1: less memory / faster).
+    """
+
+    model: str
+    config: str
+    input_shape: Tuple[int, ...]
+    device: str = "cpu"
+    dtype: str = "float32"
+    saved_bytes: Optional[int] = None
+    saved_ratio: Optional[float] = None
+    peak_bytes: Optional[int] = None
+    peak_ratio: Optional[float] = None
+    median_ms: Optional[float] = None
+    time_ratio: Optional[float] = None
+    max_out_diff: Optional[float] = None
+    max_grad_diff: Optional[float] = None
+    setup_s: Optional[float] = None  # building + the first (untimed) step, compile included
+    note: str = ""
+
+
+# --------------------------------------------------------------------------- checkpointing
+
+
+class CheckpointBlock(nn.Module):
+    """Runs ``block`` under non-reentrant :func:`torch.utils.checkpoint.checkpoint` when grad is on.
+
+    The block stays a child named ``block`` (its parameters are the same objects).
+    """
+
+    def __init__(self, block: nn.Module) -> None:
+        super().__init__()
+        self.block = block
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if not torch.is_grad_enabled():
+            return self.block(*args, **kwargs)
+        from torch.utils.checkpoint import checkpoint
+
+        return checkpoint(self.block, *args, use_reentrant=False, **kwargs)
+
+
+_CONTAINERS = (nn.Sequential, nn.ModuleList)
+
+
+def _has_params(m: nn.Module) -> bool:
+    return any(True for _ in m.parameters())
+
+
+def _takes_one_tensor(m: nn.Module) -> bool:
+    try:
+        params = list(inspect.signature(m.forward).parameters.values())
+    except (TypeError, ValueError):  # pragma: no cover - builtins without a signature
+        return False
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    required = [p for p in params if p.default is p.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    return len(positional) >= 1 and len(required) <= 1
+
+
+def find_blocks(model: nn.Module) -> List[str]:
+    """Qualified names of the modules ``checkpoint per block`` wraps.
+
+    The children (with parameters) of the model's top-level ``Sequential`` / ``ModuleList``
+    containers (the model itself if it is one): MONAI ResNet's ``layer1.0`` ... ``layer4.1``,
+    EfficientNet's ``_blocks.0`` ...; without such containers, every direct child that has
+    parameters and whose ``forward`` takes one tensor (the MNIST network's layers).
+    """
+    if isinstance(model, _CONTAINERS):
+        containers = [("", model)]
+    else:
+        containers = [(f"{n}.", c) for n, c in model.named_children() if isinstance(c, _CONTAINERS)]
+    blocks = [prefix + n for prefix, c in containers for n, child in c.named_children() if _has_params(child)]
+    if not blocks:
+        blocks = [n for n, c in model.named_children() if _has_params(c) and _takes_one_tensor(c)]
+    return blocks
+
+
+def checkpoint_blocks(model: nn.Module, blocks: Optional[Sequence[str]] = None) -> nn.Module:
+    """Wrap each module named in ``blocks`` (default :func:`find_blocks`) of ``model``, in place,
+    in a :class:`CheckpointBlock`; returns ``model``.
+
+    Raises:
+        ValueError: no block found, or a name that is not a submodule.
+    """
+    names = list(find_blocks(model) if blocks is None else blocks)
+    if not names:
+        raise ValueError(
+            f"found no block to checkpoint in {type(model).__name__}: it has no Sequential/ModuleList child "
+            "and no direct child with parameters taking one tensor; pass blocks=[...] explicitly"
+        )
+    for name in names:
+        parent_name, _, attr = name.rpartition(".")
+        try:
+            parent = model.get_submodule(parent_name)
+            child = parent.get_submodule(attr)
+        except AttributeError as exc:
+            raise ValueError(f"{name!r} is not a submodule of {type(model).__name__}") from exc
+        setattr(parent, attr, CheckpointBlock(child))
+    return model
+
+
+# --------------------------------------------------------------------------- configurations
+
+
+def _fmt_budget(b: float) -> str:
+    return format(b, "g")
+
+
+def config_names(
+    configs: Optional[Sequence[str]] = None,
+    budgets: Sequence[float] = (),
+    compile_budgets: Sequence[float] = DEFAULT_COMPILE_BUDGETS,
+    use_compile: bool = True,
+) -> List[str]:
+    """Display names of the configurations selected by ``configs`` (keys of :data:`CONFIG_KEYS`;
+    ``None``: all), in run order; ``eager`` always comes first.
+
+    Raises:
+        ValueError: an unknown key, or a non-positive budget.
+    """
+    keys = list(CONFIG_KEYS) if configs is None else [k.strip() for k in configs if k.strip()]
+    unknown = [k for k in keys if k not in CONFIG_KEYS]
+    if unknown:
+        raise ValueError(f"unknown configuration(s) {unknown}; choose from {list(CONFIG_KEYS)}")
+    for b in list(budgets) + list(compile_budgets):
+        if not isinstance(b, (int, float)) or not b > 0:
+            raise ValueError(f"budgets must be positive fractions, but got {b!r}")
+    names = ["eager"]
+    if "auto" in keys:
+        names.append("convert auto")
+    if "budget" in keys or "auto" in keys:
+        names += [f"convert auto budget={_fmt_budget(b)}" for b in budgets]
+    if "tutorial" in keys:
+        names.append("convert recompute_conv (tutorial)")
+    if "recompute_bn" in keys:
+        names.append("convert recompute_bn")
+    if "checkpoint" in keys:
+        names.append("checkpoint per block")
+    if "compile" in keys and use_compile:
+        names += [f"torch.compile budget={_fmt_budget(b)}" for b in compile_budgets]
+    return list(dict.fromkeys(names))
+
+
+def _budget_backend(budget: float) -> Callable[..., Any]:
+    """An inductor backend that partitions with ``activation_memory_budget=budget``.
+
+    A distinct callable per configuration (see Note: [One dynamo cache entry per budget]).
+    """
+
+    def backend(gm: torch.fx.GraphModule, example_inputs: List[Tensor]) -> Any:
+        from torch._inductor.compile_fx import compile_fx
+
+        with torch._functorch.config.patch(activation_memory_budget=budget):
+            return compile_fx(gm, example_inputs)
+
+    backend.__name__ = f"inductor_budget_{_fmt_budget(budget).replace('.', '_')}"
+    return backend
+
+
+@dataclass
+class _Config:
+    name: str
+    model: nn.Module
+    params: List[nn.Parameter]
+    buffers: List[Tensor]
+    optimizer: torch.optim.Optimizer
+    context: Callable[[], ContextManager[Any]] = contextlib.nullcontext
+    note: str = ""
+    failed: bool = False
+
+
+def _short(exc: BaseException) -> str:
+    text = (str(exc).strip().splitlines() or [""])[0]
+    return f"{type(exc).__name__}: {text[:240]}"
+
+
+def _build(name: str, base: nn.Module, x: Tensor, lr: float) -> _Config:
+    """A deep copy of ``base`` transformed as ``name`` says, with its own optimizer."""
+    model = copy.deepcopy(base).train()
+    params, buffers = list(model.parameters()), list(model.buffers())  # same objects after the transform
+    context: Callable[[], ContextManager[Any]] = contextlib.nullcontext
+    note = ""
+    if name.startswith("convert"):
+        if "budget=" in name:
+            budget = float(name.rpartition("=")[2])
+            model = convert(model, strategy="auto", memory_budget=budget, example_inputs=x)
+        elif "tutorial" in name:
+            model = convert(model, strategy="recompute_conv", chain=False, example_inputs=x)
+        elif "recompute_bn" in name:
+            model = convert(model, strategy="recompute_bn", example_inputs=x)
+        else:
+            model = convert(model, strategy="auto", example_inputs=x)
+        report = getattr(model, "convbn_report", None)
+        if report is not None:
+            note = f"{len(report.pairs)} pairs in {report.num_chains} chains"
+            if report.skipped:
+                note += f", {len(report.skipped)} BN skipped"
+    elif name == "checkpoint per block":
+        blocks = find_blocks(model)
+        checkpoint_blocks(model, blocks)
+        n_bn = sum(isinstance(m, _BatchNorm) for b in model.modules() if isinstance(b, CheckpointBlock)
+                   for m in b.modules())
+        note = f"{len(blocks)} blocks" + (f" ({n_bn} BN inside)" if n_bn else "")
+    elif name.startswith("torch.compile"):
+        budget = float(name.rpartition("=")[2])
+        model = torch.compile(model, backend=_budget_backend(budget))
+        # see Note: [One dynamo cache entry per budget]; the patch also covers lazy (re)compiles
+        context = lambda: torch._functorch.config.patch(activation_memory_budget=budget)  # noqa: E731
+    elif name != "eager":
+        raise ValueError(f"unknown configuration {name!r}")
+    optimizer = torch.optim.SGD(params, lr=lr)
+    return _Config(name, model, params, buffers, optimizer, context, note)
+
+
+# --------------------------------------------------------------------------- one step
+
+
+def _first_tensor(out: Any) -> Tensor:
+    if isinstance(out, Tensor):
+        return out
+    leaves = torch.utils._pytree.tree_leaves(out)
+    for t in leaves:
+        if isinstance(t, Tensor):
+            return t
+    raise TypeError(f"the model returned no tensor (got {type(out).__name__})")
+
+
+def _loss(out: Tensor, proj: Tensor) -> Tensor:
+    """A loss with O(1) gradients for any output shape: a fixed random projection per sample."""
+    return (out.float() * proj).sum() / out.shape[0]
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _step(cfg: _Config, x: Tensor, proj: Tensor) -> Tensor:
+    cfg.optimizer.zero_grad(set_to_none=True)
+    with cfg.context():
+        out = _first_tensor(cfg.model(x))
+        _loss(out, proj).backward()
+    cfg.optimizer.step()
+    return out.detach()
+
+
+def _timed_step(cfg: _Config, x: Tensor, proj: Tensor, device: torch.device) -> float:
+    """Milliseconds of one step (CUDA events on a GPU, ``perf_counter`` on CPU)."""
+    if device.type == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        _sync(device)
+        start.record()
+        _step(cfg, x, proj)
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end)
+    t0 = time.perf_counter()
+    _step(cfg, x, proj)
+    return (time.perf_counter() - t0) * 1e3
+
+
+_LIBC: Any = None
+
+
+def _release_freed_memory(device: torch.device) -> None:
+    """Give freed heap pages back to the OS so RSS-based peaks start from a comparable floor."""
+    global _LIBC
+    gc.collect()
+    if device.type == "cuda":
+        return
+    if _LIBC is None:
+        try:
+            _LIBC = ctypes.CDLL("libc.so.6")
+        except OSError:  # pragma: no cover - not glibc
+            _LIBC = False
+    if _LIBC:
+        _LIBC.malloc_trim(0)
+
+
+def _max_diff(a: Optional[Tensor], b: Optional[Tensor]) -> float:
+    if a is None or b is None:
+        return 0.0 if a is None and b is None else float("inf")
+    if a.shape != b.shape:
+        return float("inf")
+    return (a.double() - b.double()).abs().max().item() if a.numel() else 0.0
+
+
+# --------------------------------------------------------------------------- the benchmark
+
+
+def _make_input(model: nn.Module, shape: Tuple[int, ...], batch_size: int, image_size: Optional[int],
+                spec: str, device: torch.device, dtype: torch.dtype, gen: torch.Generator) -> Tensor:
+    if image_size is not None and len(shape) > 1:
+        resized = (shape[0],) + (image_size,) * (len(shape) - 1)
+        if resized != tuple(shape):
+            modes = [(m, m.training) for m in model.modules()]
+            try:
+                model.eval()
+                with torch.no_grad():
+                    model(torch.randn(1, *resized, generator=gen).to(device, dtype))
+                shape = resized
+            except Exception as exc:  # noqa: BLE001 - a fixed-size model (e.g. mnist) keeps its size
+                warnings.warn(f"{spec}: --image-size {image_size} does not fit this model ({_short(exc)}); "
+                              f"keeping its input size {tuple(shape[1:])}", stacklevel=3)
+            finally:
+                for m, t in modes:
+                    m.training = t
+    return torch.randn(batch_size, *shape, generator=gen).to(device, dtype)
+
+
+def run_training_bench(
+    spec: str,
+    batch_size: int = 32,
+    configs: Optional[Sequence[str]] = None,
+    steps: int = 10,
+    warmup: int = 2,
+    device: Any = "cpu",
+    dtype: torch.dtype = torch.float32,
+    plot_path: Optional[str] = None,
+    *,
+    budgets: Sequence[float] = (),
+    compile_budgets: Sequence[float] = DEFAULT_COMPILE_BUDGETS,
+    use_compile: bool = True,
+    image_size: Optional[int] = None,
+    memory_rounds: int = 3,
+    lr: float = 1e-3,
+    seed: int = 0,
+    progress: bool = True,
+    model: Optional[nn.Module] = None,
+    input_shape: Optional[Sequence[int]] = None,
+) -> List[TrainingRow]:
+    """Benchmark training steps of ``spec`` under every selected configuration, in one process.
+
+    Args:
+        spec: a model spec, e.g. ``"mnist"``, ``"monai:resnet18"`` (:func:`convbn.bench.models.build_model`).
+        batch_size: batch size of the random input.
+        configs: keys of :data:`CONFIG_KEYS` to run (``None``: all); ``eager`` always runs.
+        steps: timed rounds (one step of every configuration each); the median is reported.
+        warmup: untimed rounds after the first step (which compiles / plans).
+        device: where to run.
+        dtype: parameter and input dtype.
+        plot_path: also write :func:`write_plot` of the rows there.
+        budgets: ``memory_budget`` values, one ``convert auto budget=X`` configuration each.
+        compile_budgets: ``activation_memory_budget`` values, one ``torch.compile`` configuration each.
+        use_compile: ``False`` drops the ``torch.compile`` configurations.
+        image_size: overrides the spatial size of the model's default input where the model allows.
+        memory_rounds: dedicated rounds measuring the peak memory of one step (median reported).
+        lr: SGD learning rate.
+        seed: seed of the weights, input and dropout.
+        progress: show a rich progress bar.
+        model: benchmark this module (deep-copied, never changed) instead of building ``spec``,
+            which then only labels the rows; needs ``input_shape``.
+        input_shape: the input shape without the batch dimension, with ``model``.
+
+    Returns:
+        One :class:`TrainingRow` per configuration, ``eager`` first. A configuration that fails
+        to build or run gets a row with the error in ``note`` instead of stopping the run.
+
+    Raises:
+        ValueError: bad spec, configuration key, budget or counts.
+        ImportError: the spec's package is missing.
+    """
+    from rich.progress import Progress
+
+    if steps < 1 or warmup < 0 or memory_rounds < 0 or batch_size < 1:
+        raise ValueError(f"need steps >= 1, warmup >= 0, memory_rounds >= 0 and batch_size >= 1, but got "
+                         f"steps={steps}, warmup={warmup}, memory_rounds={memory_rounds}, batch_size={batch_size}")
+    names = config_names(configs, budgets, compile_budgets, use_compile)
+    device = torch.device(device)
+    if model is not None:
+        if input_shape is None:
+            raise ValueError("run_training_bench(model=...) needs input_shape=(C, H, W) (without the batch dimension)")
+        base, shape = copy.deepcopy(model), tuple(input_shape)
+    else:
+        torch.manual_seed(seed)
+        base, shape = build_model(spec)
+    base = base.to(device=device, dtype=dtype).train()
+    gen = torch.Generator().manual_seed(seed)
+    x = _make_input(base, tuple(shape), batch_size, image_size, spec, device, dtype, gen)
+
+    dtype_name = str(dtype).replace("torch.", "")
+    rows: Dict[str, TrainingRow] = {n: TrainingRow(spec, n, tuple(x.shape), str(device), dtype_name) for n in names}
+    cfgs: List[_Config] = []
+    per_config = 2 + warmup + memory_rounds + steps
+    with Progress(disable=not progress, transient=True) as bar:
+        task = bar.add_task(f"{spec}: building", total=len(names) * per_config)
+
+        # build + first step (same weights, input and seed) -> differences from eager
+        proj: Optional[Tensor] = None
+        ref_out: Optional[Tensor] = None
+        ref_grads: List[Optional[Tensor]] = []
+        ref_buffers: List[Tensor] = []
+        for name in names:
+            bar.update(task, description=f"{spec}: {name}: build + first step")
+            row = rows[name]
+            t0 = time.perf_counter()
+            try:
+                cfg = _build(name, base, x, lr)
+                if proj is None:
+                    with torch.no_grad():
+                        probe = _first_tensor(copy.deepcopy(base).eval()(x[:1]))
+                    proj = torch.randn(probe.shape[1:], generator=gen).to(device)
+                torch.manual_seed(seed + 1)
+                out = _step(cfg, x, proj)
+                _sync(device)
+            except Exception as exc:  # noqa: BLE001 - report the failure in the row, keep going
+                if name == "eager":
+                    raise
+                row.note = f"failed: {_short(exc)}"
+                bar.advance(task, per_config)
+                continue
+            row.setup_s = time.perf_counter() - t0
+            # zero_grad(set_to_none) at the next step start; these grads are the first step's
+            grads = [None if p.grad is None else p.grad.detach().clone() for p in cfg.params]
+            buffers = [b.detach().clone() for b in cfg.buffers if b.is_floating_point()]
+            if name == "eager":
+                ref_out, ref_grads, ref_buffers = out.clone(), grads, buffers
+            else:
+                row.max_out_diff = _max_diff(out, ref_out)
+                row.max_grad_diff = max((_max_diff(g, r) for g, r in zip(grads, ref_grads)), default=0.0)
+                buf = max((_max_diff(b, r) for b, r in zip(buffers, ref_buffers)), default=0.0)
+                if buf > 1e-4:
+                    cfg.note += f"{'; ' if cfg.note else ''}running stats differ from eager by {buf:.1e}"
+                if (name.startswith("torch.compile") and
+                        any(isinstance(m, _DropoutNd) and m.p > 0 for m in base.modules())):
+                    cfg.note += f"{'; ' if cfg.note else ''}dropout RNG differs under compile"
+            row.note = cfg.note
+            cfgs.append(cfg)
+            bar.advance(task)
+
+        # saved bytes of one training forward (see Note: [Saved bytes under torch.compile])
+        for cfg in cfgs:
+            bar.update(task, description=f"{spec}: {cfg.name}: saved bytes")
+            try:
+                with cfg.context():
+                    rows[cfg.name].saved_bytes = saved_bytes(cfg.model, x).total
+            except Exception as exc:  # noqa: BLE001
+                rows[cfg.name].note += f"{'; ' if rows[cfg.name].note else ''}saved bytes failed: {_short(exc)}"
+            bar.advance(task)
+
+        def run_rounds(n: int, label: str, body: Callable[[_Config, int], None]) -> None:
+            for r in range(n):
+                bar.update(task, description=f"{spec}: {label} {r + 1}/{n}")
+                live = [c for c in cfgs if not c.failed]
+                k = r % max(len(live), 1)
+                for cfg in live[k:] + live[:k]:  # see Note: [Round-robin timing]
+                    try:
+                        body(cfg, r)
+                    except Exception as exc:  # noqa: BLE001
+                        cfg.failed = True
+                        rows[cfg.name].note += f"{'; ' if rows[cfg.name].note else ''}failed in {label}: {_short(exc)}"
+                    bar.advance(task)
+
+        assert proj is not None  # eager ran
+        run_rounds(warmup, "warm-up", lambda cfg, r: _step(cfg, x, proj))
+
+        peaks: Dict[str, List[int]] = {c.name: [] for c in cfgs}
+
+        def measure_peak(cfg: _Config, r: int) -> None:
+            _release_freed_memory(device)
+            with peak_memory(device) as pm:
+                _step(cfg, x, proj)
+            peaks[cfg.name].append(pm.result.peak)
+
+        run_rounds(memory_rounds, "peak memory", measure_peak)
+
+        times: Dict[str, List[float]] = {c.name: [] for c in cfgs}
+        run_rounds(steps, "timed step", lambda cfg, r: times[cfg.name].append(_timed_step(cfg, x, proj, device)))
+
+    for cfg in cfgs:
+        row = rows[cfg.name]
+        if peaks[cfg.name] and not cfg.failed:
+            row.peak_bytes = int(statistics.median(peaks[cfg.name]))
+        if times[cfg.name] and not cfg.failed:
+            row.median_ms = statistics.median(times[cfg.name])
+    eager = rows["eager"]
+    for row in rows.values():
+        if row.saved_bytes is not None and eager.saved_bytes:
+            row.saved_ratio = row.saved_bytes / eager.saved_bytes
+        if row.peak_bytes is not None and eager.peak_bytes:
+            row.peak_ratio = row.peak_bytes / eager.peak_bytes
+        if row.median_ms is not None and eager.median_ms:
+            row.time_ratio = row.median_ms / eager.median_ms
+    result = [rows[n] for n in names]
+    if plot_path:
+        write_plot(result, plot_path)
+    return result
+
+
+# --------------------------------------------------------------------------- output
+
+
+def _fmt(value: Optional[float], spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def _bytes(n: Optional[int]) -> str:
+    return "n/a" if n is None else format_bytes(n)
+
+
+_HEADERS = ["model", "config", "input", "saved", "saved ratio", "peak", "peak ratio", "step ms", "time ratio",
+            "max |Δout|", "max |Δgrad|", "setup s", "note"]
+_RIGHT = set(_HEADERS[3:12])
+
+
+def _cells(row: TrainingRow) -> List[str]:
+    return [
+        row.model,
+        row.config,
+        "x".join(map(str, row.input_shape)),
+        _bytes(row.saved_bytes),
+        _fmt(row.saved_ratio, ".3f"),
+        _bytes(row.peak_bytes),
+        _fmt(row.peak_ratio, ".2f"),
+        _fmt(row.median_ms, ".1f"),
+        _fmt(row.time_ratio, ".2f"),
+        "-" if row.config == "eager" else _fmt(row.max_out_diff, ".1e"),
+        "-" if row.config == "eager" else _fmt(row.max_grad_diff, ".1e"),
+        _fmt(row.setup_s, ".1f"),
+        row.note,
+    ]
+
+
+def print_table(rows: Sequence[TrainingRow], title: Optional[str] = None) -> None:
+    """Print the rows as a rich table."""
+    from rich.console import Console
+    from rich.table import Table
+
+    where = ", ".join(sorted({f"{r.device} {r.dtype}" for r in rows}))
+    table = Table(title=title or f"Training step (forward + backward + SGD): eager vs convbn.convert vs checkpoint "
+                                 f"vs torch.compile ({where})")
+    for h in _HEADERS:
+        table.add_column(h, justify="right" if h in _RIGHT else "left", overflow="fold")
+    for row in rows:
+        table.add_row(*_cells(row))
+    console = Console()
+    if not console.is_terminal:
+        console = Console(width=240)  # a pipe or file: do not squeeze the table
+    console.print(table)
+
+
+def rows_to_markdown(rows: Sequence[TrainingRow]) -> str:
+    """The rows as a GitHub markdown table (for BENCHMARKS.md)."""
+    lines = ["| " + " | ".join(_HEADERS) + " |", "|" + "".join("---:|" if h in _RIGHT else "---|" for h in _HEADERS)]
+    for row in rows:
+        lines.append("| " + " | ".join(c.replace("|", "/") for c in _cells(row)) + " |")
+    return "\n".join(lines)
+
+
+def rows_to_json(rows: Sequence[TrainingRow]) -> str:
+    """The rows as a JSON list of objects (field names of :class:`TrainingRow`)."""
+    def clean(v: Any) -> Any:
+        return None if isinstance(v, float) and v != v else v  # NaN is not JSON
+
+    return json.dumps([{k: clean(v) for k, v in dataclasses.asdict(r).items()} for r in rows], indent=2)
+
+
+def write_plot(rows: Sequence[TrainingRow], path: str) -> None:
+    """Scatter of saved-bytes ratio (x) vs step-time ratio (y), one point per configuration.
+
+    Raises:
+        ImportError: matplotlib is missing (``pip install matplotlib``).
+    """
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as exc:
+        raise ImportError("--plot needs matplotlib: pip install matplotlib (or convbn[plot])") from exc
+    fig, ax = plt.subplots(figsize=(8, 6))
+    models = list(dict.fromkeys(r.model for r in rows))
+    markers = "os^Dv<>pP*X"
+    for i, model in enumerate(models):
+        pts = [r for r in rows if r.model == model and r.saved_ratio is not None and r.time_ratio is not None]
+        ax.scatter([r.saved_ratio for r in pts], [r.time_ratio for r in pts], marker=markers[i % len(markers)],
+                   label=model, s=50)
+        for r in pts:
+            ax.annotate(r.config, (r.saved_ratio, r.time_ratio), textcoords="offset points", xytext=(4, 4), fontsize=7)
+    ax.axvline(1.0, color="grey", lw=0.5)
+    ax.axhline(1.0, color="grey", lw=0.5)
+    ax.set_xlabel("saved bytes / eager (lower: less memory held for backward)")
+    ax.set_ylabel("step time / eager (lower: faster)")
+    ax.set_title("Training: memory held for backward vs step time")
+    ax.legend(fontsize=8)
+    ax.grid(True, alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+# --------------------------------------------------------------------------- command line
+
+
+def add_training_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add the training benchmark's options to ``parser`` (for ``convbn bench``)."""
+    parser.add_argument("--model", action="append", default=None, metavar="SPEC",
+                        help="model spec, repeatable: mnist, monai:resnet18, 'monai:resnet50(spatial_dims=2)', "
+                             f"efficientnet:b0 ... (default: {' '.join(DEFAULT_MODELS)})")
+    parser.add_argument("--batch-size", type=int, default=64)
+    parser.add_argument("--image-size", type=int, default=None, help="override the spatial size where the model allows")
+    parser.add_argument("--steps", type=int, default=10, help="timed rounds (median reported)")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed rounds after the first (compiling) step")
+    parser.add_argument("--memory-rounds", type=int, default=3, help="rounds measuring peak memory (median)")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", choices=sorted(_DTYPES), default="float32")
+    parser.add_argument("--budget", type=float, action="append", default=[], metavar="X",
+                        help="add 'convert auto budget=X' (fraction of eager saved bytes), repeatable")
+    parser.add_argument("--compile-budget", type=float, action="append", default=None, metavar="B",
+                        help="torch.compile activation_memory_budget values, repeatable "
+                             f"(default: {' '.join(map(str, DEFAULT_COMPILE_BUDGETS))})")
+    parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile configurations")
+    parser.add_argument("--configs", default=None, metavar="LIST",
+                        help=f"comma list of configurations to run, from {','.join(CONFIG_KEYS)} (default: all)")
+    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads before running")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--plot", default=None, metavar="PATH", help="write a saved-ratio vs time-ratio PNG")
+    parser.add_argument("--json", default=None, metavar="PATH", help="write the rows as JSON")
+    parser.add_argument("--markdown", nargs="?", const="-", default=None, metavar="PATH",
+                        help="print the table as markdown (or write it to PATH)")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return parser
+
+
+def main_training(args: argparse.Namespace) -> int:
+    """Run the benchmark from parsed arguments and print the table; returns an exit code
+    (2 with a message on stderr for a bad spec or option)."""
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    configs = None if args.configs is None else args.configs.split(",")
+    rows: List[TrainingRow] = []
+    try:
+        for spec in args.model or list(DEFAULT_MODELS):
+            rows += run_training_bench(
+                spec, args.batch_size, configs, args.steps, args.warmup, args.device, _DTYPES[args.dtype],
+                budgets=args.budget,
+                compile_budgets=DEFAULT_COMPILE_BUDGETS if args.compile_budget is None else args.compile_budget,
+                use_compile=not args.no_compile, image_size=args.image_size, memory_rounds=args.memory_rounds,
+                lr=args.lr, seed=args.seed, progress=not args.no_progress,
+            )
+    except (ValueError, ImportError) as exc:
+        print(f"convbn bench: error: {exc}", file=sys.stderr)
+        return 2
+    print_table(rows)
+    if args.markdown == "-":
+        print(rows_to_markdown(rows))
+    elif args.markdown:
+        with open(args.markdown, "w") as fh:
+            fh.write(rows_to_markdown(rows) + "\n")
+    if args.json:
+        with open(args.json, "w") as fh:
+            fh.write(rows_to_json(rows) + "\n")
+    if args.plot:
+        write_plot(rows, args.plot)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main_training(add_training_arguments(argparse.ArgumentParser(description=__doc__)).parse_args()))
