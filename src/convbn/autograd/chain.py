@@ -38,7 +38,7 @@ from ..functional.reference import conv_bn_act_reference
 from .fused import differentiable_backward
 from .saving import load_tensors, save_tensors
 
-__all__ = ["ChainLayerSpec", "ChainFunction", "chain_forward_no_grad"]
+__all__ = ["ChainLayerSpec", "ChainFunction", "chain_forward", "chain_backward", "chain_forward_no_grad"]
 
 # differentiable tensors per layer in ChainFunction.apply: conv weight, conv bias, bn weight, bn bias
 PER_LAYER = 4
@@ -100,6 +100,83 @@ class _Rebuilder:
         self.z.pop(i, None)
 
 
+def chain_forward(
+    x0: Tensor,
+    params: Sequence[Optional[Tensor]],
+    specs: Sequence[ChainLayerSpec],
+    stats: Sequence[Tuple[Optional[Tensor], Optional[Tensor]]],
+) -> Tuple[Tensor, List[int], List[Tensor], List[Tensor], List[Tensor]]:
+    """Run the chain (no autograd); returns ``(out, kept_idx, kept_y, means, invstds)``."""
+    x = x0
+    kept: List[Tensor] = []
+    kept_idx: List[int] = []
+    means: List[Tensor] = []
+    invstds: List[Tensor] = []
+    for i, spec in enumerate(specs):
+        w, b, g, beta = params[PER_LAYER * i: PER_LAYER * (i + 1)]
+        rm, rv = stats[i]
+        if i > 0:
+            x = spec.conv.pad_input(x)  # constant pre-pad only (see FusedChain)
+        y = conv_forward(x, w, b, spec.conv)  # type: ignore[arg-type]
+        z, mean, invstd = bn_forward(y, g, beta, rm, rv, spec.bn)
+        if spec.keep_y:
+            kept.append(y)
+            kept_idx.append(i)
+        del y
+        means.append(mean)
+        invstds.append(invstd)
+        x = spec.act(z, inplace=True)
+    return x, kept_idx, kept, means, invstds
+
+
+def chain_backward(
+    grad_out: Tensor,
+    x0: Tensor,
+    params: Sequence[Optional[Tensor]],
+    specs: Sequence[ChainLayerSpec],
+    kept: Dict[int, Tensor],
+    means: Sequence[Tensor],
+    invstds: Sequence[Tensor],
+    needs: Sequence[bool],
+) -> List[Optional[Tensor]]:
+    """First-order backward of :func:`chain_forward` (Note: [chain backward order]).
+
+    ``needs`` has one flag for ``x0`` then one per entry of ``params``; the result
+    has the same layout.
+    """
+    grads: List[Optional[Tensor]] = [None] * len(needs)
+    rb = _Rebuilder(x0, params, specs, kept, means, invstds)
+    g = grad_out
+    for i in reversed(range(len(specs))):
+        spec = specs[i]
+        w, b, gamma, beta = rb.layer_params(i)
+        base = 1 + PER_LAYER * i
+        nw, nb, ng, nbeta = needs[base: base + PER_LAYER]
+        nx = needs[0] if i == 0 else True
+        y = rb.get_y(i)
+        x = rb.x(i)  # rebuilt before the layer's own tensors are released
+        if spec.act.is_identity:
+            grad_z = g
+        else:
+            z = rb.z.get(i)
+            if z is None:
+                z = bn_apply(y, means[i], invstds[i], gamma, beta)
+            grad_z = spec.act.backward(g, z)
+            del z
+        grad_y, grads[base + 2], grads[base + 3] = bn_backward(
+            grad_z, y, gamma, means[i], invstds[i], spec.bn, (nx or nw or nb, ng, nbeta)
+        )
+        del grad_z, y
+        rb.release(i)
+        gx, grads[base], grads[base + 1] = conv_backward(grad_y, x, w, spec.conv, (nx, nw, nb))  # type: ignore[arg-type]
+        del grad_y, x
+        if i > 0 and spec.conv.pre_pad:
+            gx = _unpad(gx, spec.conv.pre_pad)  # type: ignore[arg-type]
+        g = gx  # type: ignore[assignment]
+    grads[0] = g if needs[0] else None
+    return grads
+
+
 class ChainFunction(Function):
     """Forward/backward of ``act_k(BN_k(conv_k(... act_1(BN_1(conv_1(x0))) ...)))``.
 
@@ -113,30 +190,12 @@ class ChainFunction(Function):
     @staticmethod
     def forward(ctx: Any, x0: Tensor, *args: Any) -> Tensor:  # type: ignore[override]
         *params, specs, stats = args
-        x = x0
-        kept: List[Tensor] = []
-        kept_idx: List[int] = []
-        means: List[Tensor] = []
-        invstds: List[Tensor] = []
-        for i, spec in enumerate(specs):
-            w, b, g, beta = params[PER_LAYER * i: PER_LAYER * (i + 1)]
-            rm, rv = stats[i]
-            if i > 0:
-                x = spec.conv.pad_input(x)  # constant pre-pad only (see FusedChain)
-            y = conv_forward(x, w, b, spec.conv)
-            z, mean, invstd = bn_forward(y, g, beta, rm, rv, spec.bn)
-            if spec.keep_y:
-                kept.append(y)
-                kept_idx.append(i)
-            del y
-            means.append(mean)
-            invstds.append(invstd)
-            x = spec.act(z, inplace=True)
+        out, kept_idx, kept, means, invstds = chain_forward(x0, params, specs, stats)
         save_tensors(ctx, (x0, *params, *kept, *means, *invstds))
         ctx.specs = tuple(specs)
         ctx.kept_idx = tuple(kept_idx)
         ctx.n_params = len(params)
-        return x
+        return out
 
     @staticmethod
     def backward(ctx: Any, grad_out: Tensor) -> Tuple[Optional[Tensor], ...]:  # type: ignore[override]
@@ -151,37 +210,8 @@ class ChainFunction(Function):
         if torch.is_grad_enabled():  # Note: [double backward] in autograd/fused.py
             return differentiable_backward(ctx, grad_out, (x0, *params), _rebuild(specs, means, invstds))
         needs = ctx.needs_input_grad
-        grads: List[Optional[Tensor]] = [None] * len(needs)
-        rb = _Rebuilder(x0, params, specs, kept, means, invstds)
-        g = grad_out
-        for i in reversed(range(k)):
-            spec = specs[i]
-            w, b, gamma, beta = rb.layer_params(i)
-            base = 1 + PER_LAYER * i
-            nw, nb, ng, nbeta = needs[base: base + PER_LAYER]
-            nx = needs[0] if i == 0 else True
-            y = rb.get_y(i)
-            x = rb.x(i)  # rebuilt before the layer's own tensors are released
-            if spec.act.is_identity:
-                grad_z = g
-            else:
-                z = rb.z.get(i)
-                if z is None:
-                    z = bn_apply(y, means[i], invstds[i], gamma, beta)
-                grad_z = spec.act.backward(g, z)
-                del z
-            grad_y, grads[base + 2], grads[base + 3] = bn_backward(
-                grad_z, y, gamma, means[i], invstds[i], spec.bn, (nx or nw or nb, ng, nbeta)
-            )
-            del grad_z, y
-            rb.release(i)
-            gx, grads[base], grads[base + 1] = conv_backward(grad_y, x, w, spec.conv, (nx, nw, nb))  # type: ignore[arg-type]
-            del grad_y, x
-            if i > 0 and spec.conv.pre_pad:
-                gx = _unpad(gx, spec.conv.pre_pad)  # type: ignore[arg-type]
-            g = gx  # type: ignore[assignment]
-        grads[0] = g if needs[0] else None
-        return tuple(grads)
+        grads = chain_backward(grad_out, x0, params, specs, kept, means, invstds, needs[: 1 + n])  # type: ignore[arg-type]
+        return tuple(grads) + (None,) * (len(needs) - len(grads))
 
 
 def _rebuild(specs: Sequence[ChainLayerSpec], means: Sequence[Tensor], invstds: Sequence[Tensor]) -> Any:

@@ -1,5 +1,6 @@
-"""convbn.passes: torch.fx graph passes (convert for training, fold for inference)."""
-from .convert import convert, explain
-from .fold import fold
+"""convbn.passes: torch.fx graph passes.
 
-__all__ = ["convert", "explain", "fold"]
+``convert`` (training: fuse Conv -> BN -> act chains) and ``fold`` (inference: fold BN
+into neighbouring layers) live in modules of the same names; use ``convbn.convert`` /
+``convbn.fold`` (re-exporting them here would shadow the modules).
+"""
