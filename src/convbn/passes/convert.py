@@ -9,6 +9,7 @@ where they were (the chains only reference them), so parameters, buffers and
 from __future__ import annotations
 
 import copy
+import math
 import operator
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -27,6 +28,7 @@ from ..memory import saved_bytes
 from ..nn.chain import ChainLayer, FusedChain
 from ..nn.fused import _FusedConvBNNd
 from ..nn.sync import SyncBatchNorm
+from .fold import _resolve_string_annotations
 from .planner import all_keep_bytes, plan_layers, tutorial_bytes
 from .report import ConvertReport, FusedPair, SkippedBN
 
@@ -258,7 +260,8 @@ def _find_layers(gm: fx.GraphModule, prefix: str, report: ConvertReport) -> List
             skip(f"{type(bn).__name__} has its own forward (e.g. cross-process statistics); left as is")
             continue
         if bn_calls[str(node.target)] > 1:
-            skip(f"the BatchNorm module is called {bn_calls[str(node.target)]} times (shared running statistics)")
+            if not any(s.bn == name for s in report.skipped):  # one line per module, not per call
+                skip(f"the BatchNorm module is called {bn_calls[str(node.target)]} times (shared running statistics)")
             continue
         if bn.running_mean is not None and bn.running_mean.is_meta:
             skip("the BatchNorm's buffers are on the meta device")
@@ -384,8 +387,11 @@ def _convert(module: nn.Module, prefix: str, mode: str, chain: bool, inplace: bo
         isinstance(m, _BatchNorm) for m in module.modules()
     ):
         return module
+    if isinstance(module, _BatchNorm) and prefix:  # a lone BatchNorm child: nothing to fuse, nothing to trace
+        return module
     try:
         graph = _Tracer().trace(module)
+        _resolve_string_annotations(graph, module)  # else torch.save of the result fails
         gm = fx.GraphModule(module, graph)
     except Exception as err:  # any tracing failure: convert the children instead
         report.untraced.append((prefix.rstrip("."), f"{type(err).__name__}: {str(err).splitlines()[0][:120]}"))
@@ -461,12 +467,13 @@ def _plan(original: nn.Module, converted: nn.Module, inputs: Tuple[Any, ...], me
     if memory_budget is None:
         extra = tutorial_bytes(chains)
     else:
-        target = int(memory_budget * eager)
+        target = int(round(memory_budget * eager, 6))  # budget == floor / eager must reach the floor
         if target < floor:
+            least = math.ceil(floor / eager * 1000) / 1000  # rounded *up*: the suggestion must work
             raise ValueError(
                 f"memory_budget={memory_budget} asks for {target} saved bytes, below the lowest reachable with "
                 f"per-layer strategies: {floor} bytes = {floor / eager:.3f} of eager ({eager} bytes); "
-                f"use memory_budget >= {floor / eager:.3f}"
+                f"use memory_budget >= {least:.3f}"
             )
         extra = target - floor
     plan_layers(layers, extra)
