@@ -50,7 +50,7 @@ def test_python_m_convbn_demo_prints_table() -> None:
     env = dict(os.environ, COLUMNS="120", OMP_NUM_THREADS="1")
     proc = subprocess.run(
         [sys.executable, "-m", "convbn", "demo", "--epochs", "1", "--limit", "96", "--batch-size", "48",
-         "--timing-steps", "1", "--device", "cpu"],
+         "--device", "cpu"],
         capture_output=True,
         text=True,
         timeout=300,
@@ -67,7 +67,7 @@ def test_python_m_convbn_demo_prints_table() -> None:
 @pytest.mark.parametrize("strategy", ["recompute_conv", "recompute_bn", "frozen"])
 def test_demo_saves_memory_and_losses_track(strategy: str, digits_small: Any) -> None:
     batch = 32
-    cfg = DemoConfig(epochs=1, batch_size=batch, limit=96, strategy=strategy, device="cpu", timing_steps=1, progress=False)
+    cfg = DemoConfig(epochs=1, batch_size=batch, limit=96, strategy=strategy, device="cpu", progress=False)
     r = run_demo(cfg, console=None, data=digits_small)
     assert r.batch_size == batch
     assert len(r.step_losses["fused"]) == 96 // batch
@@ -91,7 +91,7 @@ def test_demo_saves_memory_and_losses_track(strategy: str, digits_small: Any) ->
 
 def test_demo_leaves_stats_consistent(digits_small: Any) -> None:
     """The measurement runs on copies: after training, fused and unfused running stats agree."""
-    cfg = DemoConfig(epochs=2, batch_size=32, limit=64, device="cpu", timing_steps=1, progress=False)
+    cfg = DemoConfig(epochs=2, batch_size=32, limit=64, device="cpu", progress=False)
     r = run_demo(cfg, data=digits_small)
     assert len(r.epochs) == 2 and len(r.step_losses["unfused"]) == 4
     np.testing.assert_allclose(r.step_losses["fused"], r.step_losses["unfused"], rtol=1e-5, atol=1e-6)
@@ -207,7 +207,7 @@ def test_load_mnist_count_mismatch(tmp_path: Any) -> None:
 def test_demo_on_mnist_dir(tmp_path: Any, capsys: Any) -> None:
     """``--mnist-dir`` end to end (in process) on synthetic IDX files."""
     _fake_mnist(str(tmp_path), n_train=32, n_test=8, gz=True)
-    rc = main(["--mnist-dir", str(tmp_path), "--epochs", "1", "--batch-size", "16", "--timing-steps", "1",
+    rc = main(["--mnist-dir", str(tmp_path), "--epochs", "1", "--batch-size", "16",
                "--no-progress", "--device", "cpu"])
     assert rc == 0
     out = " ".join(capsys.readouterr().out.split())  # rich wraps at the console width

@@ -19,7 +19,8 @@ handwritten digits, no download) are upscaled to 28x28 with bilinear interpolati
 At the end a table compares, fused vs unfused: the bytes held for backward at the end of
 the forward pass (:func:`convbn.memory.saved_bytes`, deterministic), the peak memory of a
 training step (:class:`convbn.memory.peak_memory`: CUDA allocator, or sampled process RSS
-on CPU) and the median step time.
+on CPU) and the median step time, both taken from the training steps themselves after the
+first (warm-up) step.
 
 Example:
     $ python -m convbn demo --epochs 2
@@ -58,7 +59,7 @@ __all__ = [
     "DemoResult",
     "run_demo",
     "set_training",
-    "measure",
+    "StepStats",
     "results_table",
     "add_arguments",
     "main",
@@ -269,7 +270,6 @@ class DemoConfig:
     limit: Optional[int] = None
     lr: float = 0.3
     gamma: float = 0.7
-    timing_steps: int = 2
     progress: bool = True
 
 
@@ -281,8 +281,9 @@ class DemoResult:
         step_losses: training loss of every step, ``{"fused": [...], "unfused": [...]}``.
         epochs: per epoch ``{"fused_loss", "unfused_loss", "fused_acc", "unfused_acc"}``.
         saved: bytes held for backward at the end of one forward pass.
-        peak: peak memory of one training step (bytes above the start).
-        step_time: median seconds of a training step.
+        peak: highest peak memory of a training step (bytes above the step's start),
+            over the steps after the first (all steps when there is only one).
+        step_time: median seconds of a training step, over the same steps.
         batch_size: the batch size used (after capping by the data size).
         memory_source: ``"rss"`` or ``"cuda"``.
     """
@@ -317,12 +318,36 @@ def set_training(model: nn.Module, frozen_bn: bool) -> nn.Module:
     return model
 
 
-def _train_step(model: nn.Module, opt: torch.optim.Optimizer, x: Tensor, y: Tensor) -> Tensor:
-    opt.zero_grad(set_to_none=True)
-    loss = F.nll_loss(model(x), y)
-    loss.backward()
-    opt.step()
-    return loss.detach()
+@dataclass
+class StepStats:
+    """One measured training step: loss, seconds, peak memory above the start (bytes) and its source."""
+
+    loss: float
+    seconds: float
+    peak: int
+    source: str
+
+
+def _train_step(model: nn.Module, opt: torch.optim.Optimizer, x: Tensor, y: Tensor, device: torch.device) -> StepStats:
+    """Forward, NLL loss, backward, optimizer step; timed (CUDA events on GPU, ``perf_counter``
+    on CPU) and watched by :class:`convbn.memory.peak_memory`."""
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize(device)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    with peak_memory(device) as pm:
+        t0 = time.perf_counter()
+        if cuda:
+            start.record()
+        opt.zero_grad(set_to_none=True)
+        loss = F.nll_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        if cuda:
+            end.record()
+            end.synchronize()
+        seconds = start.elapsed_time(end) / 1000.0 if cuda else time.perf_counter() - t0
+    return StepStats(float(loss.detach()), seconds, pm.result.peak, pm.result.source)
 
 
 @torch.no_grad()
@@ -333,58 +358,6 @@ def _accuracy(model: nn.Module, x: Tensor, y: Tensor, batch: int, frozen_bn: boo
         correct += int((model(x[i : i + batch]).argmax(1) == y[i : i + batch]).sum())
     set_training(model, frozen_bn)
     return correct / max(len(y), 1)
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _time_step(model: nn.Module, opt: torch.optim.Optimizer, x: Tensor, y: Tensor, device: torch.device) -> float:
-    """Seconds for one training step (CUDA events on GPU, ``perf_counter`` on CPU)."""
-    if device.type == "cuda":
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        _sync(device)
-        start.record()
-        _train_step(model, opt, x, y)
-        end.record()
-        end.synchronize()
-        return start.elapsed_time(end) / 1000.0
-    t0 = time.perf_counter()
-    _train_step(model, opt, x, y)
-    return time.perf_counter() - t0
-
-
-def measure(
-    models: Dict[str, nn.Module],
-    x: Tensor,
-    y: Tensor,
-    device: torch.device,
-    timing_steps: int,
-    lr: float,
-    frozen_bn: bool = False,
-) -> Tuple[Dict[str, int], Dict[str, int], Dict[str, float], str]:
-    """Saved bytes, peak step memory and median step time of each model, on deep copies
-    (the trained models and their running statistics are left alone)."""
-    copies = {name: set_training(copy.deepcopy(m), frozen_bn) for name, m in models.items()}
-    opts = {name: torch.optim.Adadelta(m.parameters(), lr=lr) for name, m in copies.items()}
-    saved = {name: saved_bytes(m, x).total for name, m in copies.items()}
-    for name, m in copies.items():  # warm-up: optimizer state, allocator pools, kernels
-        _train_step(m, opts[name], x, y)
-    peak: Dict[str, int] = {}
-    source = "rss"
-    for name, m in copies.items():
-        _sync(device)
-        with peak_memory(device) as pm:
-            _train_step(m, opts[name], x, y)
-            _sync(device)
-        peak[name] = pm.result.peak
-        source = pm.result.source
-    times: Dict[str, List[float]] = {name: [] for name in copies}
-    for _ in range(max(timing_steps, 1)):
-        for name, m in copies.items():  # alternate so both see the same machine load
-            times[name].append(_time_step(m, opts[name], x, y, device))
-    return saved, peak, {k: statistics.median(v) for k, v in times.items()}, source
 
 
 def run_demo(config: DemoConfig, console: Any = None, data: Optional[Dataset] = None) -> DemoResult:
@@ -427,6 +400,7 @@ def run_demo(config: DemoConfig, console: Any = None, data: Optional[Dataset] = 
     opts = {k: torch.optim.Adadelta(m.parameters(), lr=config.lr) for k, m in models.items()}
     scheds = {k: torch.optim.lr_scheduler.StepLR(o, step_size=1, gamma=config.gamma) for k, o in opts.items()}
     shuffle = torch.Generator().manual_seed(config.seed)
+    stats: Dict[str, List[StepStats]] = {k: [] for k in models}
 
     if console is not None:
         console.print(
@@ -447,9 +421,10 @@ def run_demo(config: DemoConfig, console: Any = None, data: Optional[Dataset] = 
                 state = _rng_state(device)
                 for name, model in models.items():
                     _set_rng_state(state, device)  # same dropout masks for both
-                    loss = float(_train_step(model, opts[name], x, y))
-                    result.step_losses[name].append(loss)
-                    sums[name] += loss
+                    st = _train_step(model, opts[name], x, y, device)
+                    stats[name].append(st)
+                    result.step_losses[name].append(st.loss)
+                    sums[name] += st.loss
                 if progress is not None:
                     progress.update(
                         task,
@@ -476,10 +451,17 @@ def run_demo(config: DemoConfig, console: Any = None, data: Optional[Dataset] = 
         if progress is not None:
             progress.stop()
 
-    x, y = train_x[:batch], train_y[:batch]
-    result.saved, result.peak, result.step_time, result.memory_source = measure(
-        models, x, y, device, config.timing_steps, config.lr, frozen_bn
-    )
+    # End-of-forward bytes: one training-mode forward of a copy (the trained models' running
+    # statistics stay as they are). Peak memory and step time: the training steps themselves,
+    # both models alternating on the same batches, the first step of each (warm-up:
+    # optimizer state, allocator pools) left out when there are more.
+    x = train_x[:batch]
+    for name, model in models.items():
+        result.saved[name] = saved_bytes(set_training(copy.deepcopy(model), frozen_bn), x).total
+        warm = stats[name][1:] or stats[name]
+        result.peak[name] = max(st.peak for st in warm)
+        result.step_time[name] = statistics.median(st.seconds for st in warm)
+        result.memory_source = warm[-1].source
     if console is not None:
         console.print(results_table(result, config.strategy, device))
     return result
@@ -536,7 +518,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=d.lr,
         help=f"Adadelta learning rate (default {d.lr}; the tutorial's 1.0 suits many steps on full MNIST)",
     )
-    parser.add_argument("--timing-steps", type=int, default=d.timing_steps, help=f"timed steps per model (default {d.timing_steps})")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
@@ -553,7 +534,6 @@ def run(args: argparse.Namespace) -> int:
         mnist_dir=args.mnist_dir,
         limit=args.limit,
         lr=args.lr,
-        timing_steps=args.timing_steps,
         progress=not args.no_progress,
     )
     run_demo(config, console=Console())
