@@ -96,6 +96,9 @@ class FusedChain(nn.Module):
         object.__setattr__(self, "layers", list(layers))
         #: plan this chain on its first training call (convert(strategy="auto") without example_inputs)
         self.auto_pending = False
+        from ..autograd.chain_op import register_chain
+
+        self.op_key = register_chain([(l.conv, l.act, float(l.bn.eps)) for l in self.layers])
 
     layers: List[ChainLayer]
 
@@ -145,6 +148,10 @@ class FusedChain(nn.Module):
             x = first.conv.pad_input(x)
             if not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, *params))):
                 return chain_forward_no_grad(x, params, specs, stats)
+            if torch.compiler.is_compiling() and not any(s.bn.process_group is not None for s in specs):
+                from ..autograd.chain_op import chain_op_apply  # Note: [why a custom op under torch.compile]
+
+                return chain_op_apply(self.op_key, x, params, specs, stats)
             return ChainFunction.apply(x, *params, specs, tuple(stats))
 
     def extra_repr(self) -> str:

@@ -1,0 +1,178 @@
+"""The chain as an opaque ``torch.library`` custom op, for ``torch.compile``.
+
+# Note: [why a custom op under torch.compile]
+# Dynamo can trace ``ChainFunction`` into the graph, but AOTAutograd then sees the
+# chain's forward and its backward as one joint graph: the convolution a
+# ``recompute_conv`` layer recomputes in backward is the same computation as in
+# forward, so the partitioner keeps its output instead (convolutions are never
+# recomputed by its policy) and the compiled model keeps *more* than the eager
+# converted one. Behind a custom op the chain is opaque: what backward gets is exactly
+# what ``setup_context`` saves (the chain input, kept conv outputs, per-channel
+# statistics), so compiled and uncompiled converted models keep the same bytes.
+#
+# Static per-chain structure (conv geometry, activations, modes) cannot be an op
+# argument, so it is registered once under a string key; the per-call momentum
+# factors travel as a tensor so ``momentum=None`` never forces a recompile.
+"""
+from __future__ import annotations
+
+import hashlib
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import torch
+from torch import Tensor
+
+from ..functional.batchnorm import BNSpec
+from ..functional.conv import conv_output_shape
+from .chain import PER_LAYER, ChainLayerSpec, chain_backward, chain_forward
+
+__all__ = ["register_chain", "chain_op_apply"]
+
+# key -> per layer (conv geometry, activation, eps): the chain's static structure
+_STATIC: Dict[str, Tuple[Tuple[Any, Any, float], ...]] = {}
+
+
+def register_chain(static: Sequence[Tuple[Any, Any, float]]) -> str:
+    """Register a chain's static structure ``[(ConvSpec, Activation, eps), ...]``; returns its key.
+
+    Called when a :class:`convbn.nn.FusedChain` is built (never while tracing); equal
+    structures share a key, so deep copies of a model share compiled kernels.
+    """
+    static = tuple((c, a, float(e)) for c, a, e in static)
+    key = hashlib.sha1(repr(static).encode()).hexdigest()[:20]
+    _STATIC.setdefault(key, static)
+    return key
+
+
+def _specs(key: str, factors: Optional[Tensor], keep_y: Sequence[bool], batch_stats: Sequence[bool]) -> List[ChainLayerSpec]:
+    momenta = factors.tolist() if factors is not None else [0.0] * len(keep_y)
+    return [ChainLayerSpec(conv, BNSpec(eps, bs, float(m)), act, ky)
+            for (conv, act, eps), m, ky, bs in zip(_STATIC[key], momenta, keep_y, batch_stats)]
+
+
+def _stats(running: Sequence[Tensor], has_stats: Sequence[bool]) -> List[Tuple[Optional[Tensor], Optional[Tensor]]]:
+    it = iter(running)
+    return [(next(it), next(it)) if h else (None, None) for h in has_stats]
+
+
+@torch.library.custom_op("convbn::chain_fwd", mutates_args=())
+def _chain_fwd(
+    x0: Tensor, params: List[Optional[Tensor]], running: List[Tensor], factors: Tensor, key: str,
+    keep_y: List[bool], batch_stats: List[bool], has_stats: List[bool],
+) -> Tuple[Tensor, List[Tensor], List[Tensor]]:
+    # functional (an autograd formula needs it): the updated running stats are outputs,
+    # copied into the buffers by the caller.
+    new_running = [t.clone() for t in running]
+    specs, stats = _specs(key, factors, keep_y, batch_stats), _stats(new_running, has_stats)
+    with torch.no_grad():
+        out, _, kept, means, invstds = chain_forward(x0, params, specs, stats)
+    return out, [*kept, *means, *invstds], new_running
+
+
+def _stat_dtype(x: Tensor, running: Optional[Tensor], batch_stats: bool) -> torch.dtype:
+    if not batch_stats and running is not None:
+        return running.dtype
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+@_chain_fwd.register_fake
+def _(x0: Tensor, params: List[Optional[Tensor]], running: List[Tensor], factors: Tensor, key: str,
+      keep_y: List[bool], batch_stats: List[bool], has_stats: List[bool]) -> Tuple[Tensor, List[Tensor], List[Tensor]]:
+    specs = _specs(key, None, keep_y, batch_stats)
+    fmt = torch.channels_last if x0.dim() == 4 and x0.is_contiguous(memory_format=torch.channels_last) and not x0.is_contiguous() else (
+        torch.channels_last_3d if x0.dim() == 5 and x0.is_contiguous(memory_format=torch.channels_last_3d) and not x0.is_contiguous() else torch.contiguous_format)
+    shape: Sequence[int] = x0.shape
+    kept, means, invstds = [], [], []
+    it = iter(running)
+    for i, s in enumerate(specs):
+        w = params[PER_LAYER * i]
+        if i > 0 and s.conv.pre_pad:
+            shape = list(shape)
+            for j in range(len(s.conv.pre_pad) // 2):
+                shape[-1 - j] += s.conv.pre_pad[2 * j] + s.conv.pre_pad[2 * j + 1]
+        shape = conv_output_shape(shape, w.shape, s.conv)  # type: ignore[union-attr]
+        rm = next(it) if has_stats[i] else None
+        if has_stats[i]:
+            next(it)
+        y = x0.new_empty(shape).contiguous(memory_format=fmt)
+        if s.keep_y:
+            kept.append(y)
+        dt = _stat_dtype(x0, rm, s.bn.batch_stats)
+        means.append(x0.new_empty((shape[1],), dtype=dt))
+        invstds.append(x0.new_empty((shape[1],), dtype=dt))
+    out = x0.new_empty(shape).contiguous(memory_format=fmt)
+    return out, [*kept, *means, *invstds], [torch.empty_like(t) for t in running]
+
+
+@torch.library.custom_op("convbn::chain_bwd", mutates_args=())
+def _chain_bwd(
+    grad_out: Tensor, x0: Tensor, params: List[Optional[Tensor]], saved: List[Tensor],
+    key: str, keep_y: List[bool], batch_stats: List[bool], needs: List[bool]
+) -> List[Tensor]:
+    specs = _specs(key, None, keep_y, batch_stats)  # backward never touches running stats
+    kept_idx = [i for i, s in enumerate(specs) if s.keep_y]
+    k, n_kept = len(specs), len(kept_idx)
+    kept = dict(zip(kept_idx, saved[:n_kept]))
+    means, invstds = saved[n_kept: n_kept + k], saved[n_kept + k:]
+    grads = chain_backward(grad_out, x0, params, specs, kept, means, invstds, needs)
+    # custom ops return tensors: an empty tensor stands for "no gradient"
+    return [g if g is not None else x0.new_empty(0) for g in grads]
+
+
+@_chain_bwd.register_fake
+def _(grad_out: Tensor, x0: Tensor, params: List[Optional[Tensor]], saved: List[Tensor],
+      key: str, keep_y: List[bool], batch_stats: List[bool], needs: List[bool]) -> List[Tensor]:
+    ins = [x0, *params]
+    return [torch.empty_like(t) if (n and t is not None) else x0.new_empty(0) for t, n in zip(ins, needs)]
+
+
+def _setup_context(ctx: Any, inputs: Tuple[Any, ...], output: Any) -> None:
+    x0, params, running, factors, key, keep_y, batch_stats, has_stats = inputs
+    _, saved, _ = output
+    present = [p is not None for p in params]
+    ctx.save_for_backward(x0, *[p for p in params if p is not None], *saved)
+    ctx.present = present
+    ctx.key, ctx.keep_y, ctx.batch_stats = key, keep_y, batch_stats
+    ctx.n_running, ctx.n_layers = len(running), len(keep_y)
+    ctx.n_saved = len(saved)
+    ctx.needs = [x0.requires_grad] + [p is not None and p.requires_grad for p in params]
+
+
+def _backward(ctx: Any, grad_out: Tensor, grad_saved: Any, grad_running: Any) -> Tuple[Any, ...]:
+    x0, *rest = ctx.saved_tensors
+    it = iter(rest[: len(rest) - ctx.n_saved])
+    params = [next(it) if p else None for p in ctx.present]
+    saved = list(rest[len(rest) - ctx.n_saved:])
+    grads = _chain_bwd(grad_out, x0, params, saved, ctx.key, ctx.keep_y, ctx.batch_stats, ctx.needs)
+    out = [g if n else None for g, n in zip(grads, ctx.needs)]
+    # one entry per op argument: x0, params, running stats, factors, key and the flag lists
+    return out[0], out[1:], [None] * ctx.n_running, None, None, None, None, None
+
+
+torch.library.register_autograd("convbn::chain_fwd", _backward, setup_context=_setup_context)
+
+
+def chain_op_apply(
+    key: str,
+    x0: Tensor,
+    params: Sequence[Optional[Tensor]],
+    specs: Sequence[ChainLayerSpec],
+    stats: Sequence[Tuple[Optional[Tensor], Optional[Tensor]]],
+) -> Tensor:
+    """Run the chain registered under ``key`` through the custom op (what
+    :class:`convbn.nn.FusedChain` does while compiling)."""
+    has_stats = [rm is not None and rv is not None for rm, rv in stats]
+    running = [t for (rm, rv), h in zip(stats, has_stats) if h for t in (rm, rv)]  # type: ignore[misc]
+    factors = torch.stack([
+        s.bn.momentum.to(torch.float64) if isinstance(s.bn.momentum, Tensor)
+        else torch.tensor(float(s.bn.momentum), dtype=torch.float64)
+        for s in specs
+    ])
+    out, _, new_running = _chain_fwd(
+        x0, list(params), running, factors, key,
+        [s.keep_y for s in specs], [s.bn.batch_stats for s in specs], has_stats,
+    )
+    with torch.no_grad():
+        for old, new in zip(running, new_running):
+            old.copy_(new)
+    return out
