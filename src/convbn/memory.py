@@ -12,7 +12,7 @@ import os
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 from torch import Tensor, nn
@@ -54,12 +54,23 @@ class SavedBytes:
             storage was first saved (``""`` is the root / outside any module).
         count: number of distinct storages.
         shapes: ``(module, shape, dtype, nbytes)`` of each distinct storage, in save order.
+        param_bytes: bytes of those storages that are the model's parameters (known only
+            when a model is given). ``total - param_bytes`` is what backward keeps beyond
+            the weights the model holds anyway: compare *that* across methods that keep
+            parameters differently (eager autograd saves them, convbn holds them by
+            reference, ``torch.utils.checkpoint`` and compiled graphs vary).
     """
 
     total: int = 0
+    param_bytes: int = 0
     per_module: Dict[str, int] = field(default_factory=dict)
     count: int = 0
     shapes: List[Tuple[str, Tuple[int, ...], torch.dtype, int]] = field(default_factory=list)
+
+    @property
+    def activation_bytes(self) -> int:
+        """Saved bytes that are not the model's parameters."""
+        return self.total - self.param_bytes
 
 
 class track_saved:
@@ -69,7 +80,9 @@ class track_saved:
     the saved tensors are handed back to autograd unchanged.
 
     Args:
-        model: optional module whose submodules are used to attribute bytes per module.
+        model: optional module: its parameters are recognised (``param_bytes``) and, with
+            ``per_module``, its submodules get bytes attributed.
+        per_module: attribute bytes to the submodules of ``model`` (adds hooks).
 
     Example:
         >>> net = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU())
@@ -79,8 +92,10 @@ class track_saved:
         True
     """
 
-    def __init__(self, model: Optional[nn.Module] = None) -> None:
+    def __init__(self, model: Optional[nn.Module] = None, per_module: bool = True) -> None:
         self.model = model
+        self.per_module = per_module
+        self._params: set = set()
         self.result = SavedBytes()
         self._seen: set = set()
         self._stack: List[str] = [""]
@@ -95,6 +110,8 @@ class track_saved:
             mod = self._stack[-1]
             self.result.total += nbytes
             self.result.count += 1
+            if key in self._params:
+                self.result.param_bytes += nbytes
             self.result.per_module[mod] = self.result.per_module.get(mod, 0) + nbytes
             self.result.shapes.append((mod, tuple(t.shape), t.dtype, nbytes))
         return t
@@ -105,6 +122,8 @@ class track_saved:
 
     def __enter__(self) -> "track_saved":
         if self.model is not None:
+            self._params = {k for k in (_storage_key(p) for p in self.model.parameters()) if k is not None}
+        if self.model is not None and self.per_module:
             for name, mod in self.model.named_modules():
                 self._handles.append(mod.register_forward_pre_hook(self._make_pre(name)))
                 self._handles.append(mod.register_forward_hook(self._post, always_call=True))
@@ -156,7 +175,7 @@ def saved_bytes(
         >>> saved_bytes(net, torch.randn(2, 3, 8, 8)).total > 0
         True
     """
-    with torch.enable_grad(), track_saved(model if per_module else None) as rec:
+    with torch.enable_grad(), track_saved(model, per_module=per_module) as rec:
         out = model(*inputs)
         if loss_fn is not None:
             out = loss_fn(out)
