@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
-from torch import Tensor, nn
+from torch import nn
 
 import convbn
 from convbn.bench.models import build_model

@@ -138,6 +138,7 @@ def _inputs_away_from_kinks(dims: int, strategy: str, kinks: Sequence[float],
 @pytest.mark.parametrize("act_id", list(ACTS))
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_gradcheck_and_gradgradcheck(strategy: str, act_id: str, dims: int) -> None:
+    """First order (fast native path) and second order (rebuild) against finite differences."""
     act, kinks = ACTS[act_id]
     inputs, rm, rv = _inputs_away_from_kinks(dims, strategy, kinks)
     fn = _fused_layer(dims, strategy, act, rm, rv)
