@@ -200,7 +200,7 @@ def _sync_backward(
     spec: BNSpec,
     mask: Tuple[bool, bool, bool],
 ) -> Tuple[Optional[Tensor], Optional[Tensor], Optional[Tensor]]:
-    """Backward of :func:`_sync_forward`.
+    r"""Backward of :func:`_sync_forward`.
 
     .. math::
         \frac{\partial L}{\partial y} = \gamma\,\sigma^{-1}\Big(g - \frac{\sum g}{N}

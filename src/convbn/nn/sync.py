@@ -74,12 +74,15 @@ class SyncBatchNorm(_BatchNorm):
 
         self._check_input_dim(input)
         spec = bn_spec_from_module(self)
-        if spec.batch_stats and spec.process_group is None:
-            size = input.numel() // input.shape[1]
-            if size <= 1:
+        if spec.process_group is None:
+            # Nothing to synchronise (eval mode, no process group, or a group of one):
+            # exactly nn.BatchNorm, double backward included. Check the batch first so a
+            # failing call leaves num_batches_tracked alone.
+            if spec.batch_stats and input.numel() // input.shape[1] <= 1:
                 raise ValueError(
                     f"Expected more than 1 value per channel when training, got input size {input.size()}"
                 )
+            return super().forward(input)
         spec = bn_spec_from_module(self, advance=True)
         rm, rv = bn_running_stats(self)
         return BatchNormFunction.apply(input, self.weight, self.bias, rm, rv, spec)

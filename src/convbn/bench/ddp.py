@@ -1,0 +1,535 @@
+"""Data-parallel benchmark: ``convbn bench --ddp N`` — SyncBatchNorm models under DistributedDataParallel.
+
+:func:`launch_workers` starts ``N`` worker processes the way ``torchrun`` does (``spawn``;
+``MASTER_ADDR``/``MASTER_PORT``/``RANK``/``WORLD_SIZE``/``LOCAL_RANK`` in the environment;
+``gloo`` on CPU, ``nccl`` on CUDA with one GPU per rank). Each rank builds the same model
+(:func:`convbn.bench.models.build_model`, same seed), converts its BatchNorms with
+``nn.SyncBatchNorm.convert_sync_batchnorm`` and trains every configuration below wrapped in
+``DistributedDataParallel``, each fed this rank's own random batch (``--batch-size`` per rank):
+
+* ``eager`` — the baseline; every ratio is to it. On CUDA it is the model with
+  ``nn.SyncBatchNorm`` in plain eager PyTorch. ``nn.SyncBatchNorm`` only runs on CUDA
+  (DDP refuses it on CPU), so on CPU ``eager`` is the unconverted model with per-process
+  ``nn.BatchNorm`` (*local* statistics, no communication) and its row says so: it is
+  the memory and speed of plain PyTorch, not the same maths;
+* ``convbn SyncBatchNorm (unfused)`` — every ``nn.SyncBatchNorm`` swapped for
+  :class:`convbn.nn.sync.SyncBatchNorm` (same parameters, statistics reduced over the
+  group, CPU-capable) but nothing fused: the cost of synchronisation alone, and on CPU the
+  reference the fused model's gradients are checked against;
+* ``convert auto`` — :func:`convbn.convert` (``strategy="auto"``) of the SyncBatchNorm model:
+  fused layers with cross-process statistics.
+
+Measured per configuration and rank, then gathered on rank 0:
+
+* **saved bytes** held for backward by one training forward of this rank
+  (:class:`convbn.memory.track_saved` around the first step's forward, SPEC §3);
+* **step time**: forward + loss + backward (DDP gradient all-reduce) + ``SGD.step()``,
+  median over ``--steps`` timed rounds after ``--warmup`` untimed ones; the table shows
+  the slowest rank's median (the rank every other one waits for);
+* **max |Δgrad|**: largest difference of the first step's (DDP-averaged) gradients from
+  the synchronised reference (``eager`` on CUDA, the unfused row on CPU), same weights,
+  input and RNG;
+* **rank Δparam / Δbuffer**: after the last step, the largest difference of parameters /
+  floating buffers (running statistics) between any rank and rank 0. Parameters must agree
+  (DDP); running statistics agree only where the statistics are synchronised.
+
+Note: [Round-robin timing]
+    As in :mod:`convbn.bench.training`, each round runs one step of every configuration with
+    the order rotated by one per round; every timed step starts after a barrier so that the
+    ranks enter their collectives together.
+
+Run::
+
+    convbn bench --ddp 2 --model mnist --batch-size 32 --steps 5
+    python -m convbn.bench.ddp --ddp 2 --model mnist --batch-size 32
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import socket
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+from torch import Tensor, nn
+
+__all__ = [
+    "DDPRow",
+    "find_free_port",
+    "launch_workers",
+    "swap_sync_batchnorm",
+    "run_ddp_bench",
+    "print_ddp_table",
+    "add_ddp_arguments",
+    "main_ddp",
+    "DDP_CONFIGS",
+]
+
+#: Configuration names, in table order (``eager`` first: it is the baseline).
+DDP_CONFIGS = ("eager", "convbn SyncBatchNorm (unfused)", "convert auto")
+
+
+@dataclass
+class DDPRow:
+    """One (model, configuration) measurement over ``world_size`` ranks; ``None`` where not measured.
+
+    Ratios are to the ``eager`` row of the same model and run (< 1: less memory / faster).
+    """
+
+    model: str
+    config: str
+    world_size: int
+    input_shape: Tuple[int, ...]  # per rank
+    device: str = "cpu"
+    backend: str = "gloo"
+    saved_bytes: Optional[int] = None  # largest over ranks
+    saved_ratio: Optional[float] = None
+    median_ms: Optional[float] = None  # slowest rank's median
+    time_ratio: Optional[float] = None
+    max_grad_diff: Optional[float] = None
+    rank_param_diff: Optional[float] = None
+    rank_buffer_diff: Optional[float] = None
+    per_rank_saved: List[int] = field(default_factory=list)
+    per_rank_ms: List[float] = field(default_factory=list)
+    note: str = ""
+
+
+# --------------------------------------------------------------------------- launching
+
+
+def find_free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that was free a moment ago (bind to port 0 and release it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def _default_backend(device: str) -> str:
+    return "nccl" if torch.device(device).type == "cuda" else "gloo"
+
+
+def _worker_main(fn: Callable[..., Any], rank: int, world_size: int, port: int, backend: str, device: str,
+                 out_dir: str, args: Tuple[Any, ...], timeout_s: float) -> None:
+    """Entry point of one spawned rank: torchrun's environment, the process group, ``fn``, the result file."""
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
+                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))
+    path = os.path.join(out_dir, f"rank{rank}.pt")
+    try:
+        if torch.device(device).type == "cuda":
+            torch.cuda.set_device(rank)
+        dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world_size,
+                                timeout=timedelta(seconds=timeout_s))
+        try:
+            result = fn(rank, world_size, *args)
+        finally:
+            dist.destroy_process_group()
+        torch.save({"ok": True, "result": result}, path)
+    except BaseException:  # noqa: BLE001 - hand the traceback to the launcher, then fail the process
+        torch.save({"ok": False, "error": traceback.format_exc()}, path)
+        raise SystemExit(1)
+
+
+def launch_workers(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    device: str = "cpu",
+    backend: Optional[str] = None,
+    timeout: float = 300.0,
+) -> List[Any]:
+    """Run ``fn(rank, world_size, *args)`` in ``world_size`` fresh processes with a process group.
+
+    Like ``torchrun``: ``spawn``ed processes whose environment holds ``MASTER_ADDR``,
+    ``MASTER_PORT`` (a free port), ``RANK``, ``WORLD_SIZE`` and ``LOCAL_RANK``; the default
+    process group is initialised before ``fn`` runs (``gloo`` on CPU, ``nccl`` on CUDA with
+    ``cuda:rank`` as the current device) and destroyed after. ``fn`` must be importable
+    (module level) and its result picklable by ``torch.save``.
+
+    Returns:
+        ``fn``'s result of every rank, in rank order.
+
+    Raises:
+        ValueError: ``world_size < 1``, or more CUDA ranks than visible GPUs.
+        RuntimeError: a rank failed (its traceback is in the message; the other ranks are
+            terminated) or ``timeout`` seconds passed (all ranks are terminated).
+    """
+    import torch.multiprocessing as mp
+
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, but got {world_size}")
+    if torch.device(device).type == "cuda" and world_size > torch.cuda.device_count():
+        raise ValueError(f"{world_size} CUDA ranks need {world_size} GPUs, but {torch.cuda.device_count()} are visible; "
+                         f"use --device cpu or fewer processes")
+    backend = backend or _default_backend(device)
+    ctx = mp.get_context("spawn")
+    with tempfile.TemporaryDirectory(prefix="convbn-ddp-") as out_dir:
+        port = find_free_port()
+        procs = [ctx.Process(target=_worker_main, daemon=True,
+                             args=(fn, rank, world_size, port, backend, device, out_dir, args, timeout))
+                 for rank in range(world_size)]
+        for p in procs:
+            p.start()
+        failed: Optional[int] = None
+        deadline = time.monotonic() + timeout
+        try:
+            while any(p.is_alive() for p in procs):
+                failed = next((r for r, p in enumerate(procs) if p.exitcode not in (None, 0)), None)
+                if failed is not None or time.monotonic() > deadline:
+                    break
+                time.sleep(0.05)
+            failed = next((r for r, p in enumerate(procs) if p.exitcode not in (None, 0)), failed)
+        finally:
+            _stop(procs)
+        results = []
+        for rank in range(world_size):
+            path = os.path.join(out_dir, f"rank{rank}.pt")
+            results.append(torch.load(path, weights_only=False) if os.path.exists(path) else None)
+        errors = {r: p["error"] for r, p in enumerate(results) if p is not None and not p["ok"]}
+        if errors:  # the rank that failed first is the cause; the others usually lost their peer
+            first = failed if failed in errors else min(errors)
+            others = f" (ranks {sorted(set(errors) - {first})} failed too)" if len(errors) > 1 else ""
+            raise RuntimeError(f"distributed worker rank {first} of {world_size} failed{others}:\n{errors[first]}")
+        if failed is not None or any(r is None for r in results):
+            missing = [r for r, p in enumerate(results) if p is None]
+            why = f"rank {failed} exited with code {procs[failed].exitcode}" if failed is not None else \
+                f"timed out after {timeout:.0f} s"
+            raise RuntimeError(f"distributed workers did not finish ({why}); ranks without a result: {missing}")
+        return [p["result"] for p in results]
+
+
+def _stop(procs: Sequence[Any]) -> None:
+    """Terminate (then kill) the launcher's own worker processes that are still running."""
+    for p in procs:
+        if p.is_alive():
+            p.terminate()
+    for p in procs:
+        p.join(5)
+        if p.is_alive():
+            p.kill()
+            p.join(5)
+
+
+# --------------------------------------------------------------------------- the benchmark
+
+
+def swap_sync_batchnorm(model: nn.Module) -> nn.Module:
+    """Replace, in place, every ``nn.SyncBatchNorm`` of ``model`` by :class:`convbn.nn.sync.SyncBatchNorm`
+    sharing its parameters and buffers (no fusion); returns ``model``."""
+    from convbn.nn.sync import SyncBatchNorm
+
+    for parent in list(model.modules()):
+        for name, child in list(parent._modules.items()):
+            if type(child) is nn.SyncBatchNorm:
+                parent._modules[name] = SyncBatchNorm.from_module(child)
+    return model
+
+
+def _first_tensor(out: Any) -> Tensor:
+    if isinstance(out, Tensor):
+        return out
+    for t in torch.utils._pytree.tree_leaves(out):
+        if isinstance(t, Tensor):
+            return t
+    raise TypeError(f"the model returned no tensor (got {type(out).__name__})")
+
+
+def _loss(out: Tensor, proj: Tensor) -> Tensor:
+    """A fixed random projection per sample (O(1) gradients for any output shape)."""
+    return (out.float() * proj).sum() / out.shape[0]
+
+
+def _flat(tensors: Sequence[Tensor]) -> Tensor:
+    if not tensors:
+        return torch.zeros(0, dtype=torch.float64)
+    return torch.cat([t.detach().reshape(-1).double() for t in tensors])
+
+
+@dataclass
+class _Config:
+    name: str
+    ddp: nn.Module
+    params: List[Tensor]
+    buffers: List[Tensor]
+    optimizer: torch.optim.Optimizer
+    note: str = ""
+
+
+def _bench_worker(rank: int, world_size: int, spec: str, batch_size: int, steps: int, warmup: int, device_name: str,
+                  seed: int, lr: float, threads: int) -> Dict[str, Any]:
+    """One rank of :func:`run_ddp_bench`: returns this rank's measurements."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from convbn.bench.models import build_model
+    from convbn.memory import track_saved
+    from convbn.passes.convert import convert
+
+    torch.set_num_threads(threads)
+    device = torch.device(device_name)
+    if device.type == "cuda":
+        device = torch.device("cuda", rank)
+    torch.manual_seed(seed)
+    base, shape = build_model(spec)  # same seed: same weights on every rank
+    base = base.train()
+    synced = nn.SyncBatchNorm.convert_sync_batchnorm(copy.deepcopy(base))
+    n_bn = sum(isinstance(m, nn.SyncBatchNorm) for m in synced.modules())
+
+    models: Dict[str, Tuple[nn.Module, str]] = {}
+    if device.type == "cuda":
+        models["eager"] = (copy.deepcopy(synced), "nn.SyncBatchNorm")
+    else:
+        models["eager"] = (copy.deepcopy(base), "nn.SyncBatchNorm is CUDA-only: per-process BatchNorm, local stats")
+    models[DDP_CONFIGS[1]] = (swap_sync_batchnorm(copy.deepcopy(synced)), f"{n_bn} SyncBN, no fusion")
+    fused = convert(copy.deepcopy(synced), strategy="auto")
+    report = getattr(fused, "convbn_report", None)
+    models[DDP_CONFIGS[2]] = (fused, "" if report is None else f"{len(report.pairs)} pairs fused")
+    reference = "eager" if device.type == "cuda" else DDP_CONFIGS[1]
+
+    gen = torch.Generator().manual_seed(seed + 1 + rank)  # each rank its own data
+    x = torch.randn(batch_size, *shape, generator=gen).to(device)
+    with torch.no_grad():
+        probe = _first_tensor(copy.deepcopy(base).eval()(x[:1].cpu()))
+    proj = torch.randn(probe.shape[1:], generator=torch.Generator().manual_seed(seed)).to(device)
+
+    cfgs: List[_Config] = []
+    for name, (model, note) in models.items():
+        model = model.to(device)
+        params, buffers = list(model.parameters()), [b for b in model.buffers() if b.is_floating_point()]
+        ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
+        cfgs.append(_Config(name, ddp, params, buffers, torch.optim.SGD(params, lr=lr), note))
+
+    def step(cfg: _Config, saved: Optional[track_saved] = None) -> None:
+        cfg.optimizer.zero_grad(set_to_none=True)
+        if saved is None:
+            out = _first_tensor(cfg.ddp(x))
+        else:
+            with saved:
+                out = _first_tensor(cfg.ddp(x))
+        _loss(out, proj).backward()
+        cfg.optimizer.step()
+
+    result: Dict[str, Any] = {"input_shape": tuple(x.shape), "configs": {}}
+    grads: Dict[str, List[Optional[Tensor]]] = {}
+    for cfg in cfgs:  # first step: saved bytes and gradients from identical weights, input and RNG
+        torch.manual_seed(seed + 100 + rank)
+        rec = track_saved()
+        step(cfg, rec)
+        grads[cfg.name] = [None if p.grad is None else p.grad.detach().double().cpu() for p in cfg.params]
+        result["configs"][cfg.name] = {"saved_bytes": rec.result.total, "note": cfg.note, "times": []}
+    ref = grads[reference]
+    for cfg in cfgs:
+        if cfg.name == reference or (cfg.name == "eager" and reference != "eager"):
+            continue
+        diffs = [float("inf") if (g is None) != (r is None) else 0.0 if g is None else (g - r).abs().max().item()
+                 for g, r in zip(grads[cfg.name], ref)]
+        result["configs"][cfg.name]["max_grad_diff"] = max(diffs, default=0.0)
+
+    def rounds(n: int, timed: bool) -> None:
+        for r in range(n):
+            k = r % len(cfgs)
+            for cfg in cfgs[k:] + cfgs[:k]:  # see Note: [Round-robin timing]
+                dist.barrier()
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                t0 = time.perf_counter()
+                step(cfg)
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                if timed:
+                    result["configs"][cfg.name]["times"].append((time.perf_counter() - t0) * 1e3)
+
+    rounds(warmup, timed=False)
+    rounds(steps, timed=True)
+
+    for cfg in cfgs:  # do the ranks agree? (max difference of any rank from rank 0)
+        for key, tensors in (("rank_param_diff", cfg.params), ("rank_buffer_diff", cfg.buffers)):
+            mine = _flat(tensors).to(device)
+            everyone = [torch.empty_like(mine) for _ in range(world_size)]
+            dist.all_gather(everyone, mine)
+            result["configs"][cfg.name][key] = max(((t - everyone[0]).abs().max().item() for t in everyone
+                                                   if t.numel()), default=0.0)
+    return result
+
+
+def run_ddp_bench(
+    spec: str,
+    world_size: int = 2,
+    batch_size: int = 32,
+    steps: int = 10,
+    warmup: int = 2,
+    device: str = "cpu",
+    *,
+    seed: int = 0,
+    lr: float = 1e-3,
+    threads: Optional[int] = None,
+    timeout: float = 600.0,
+) -> List[DDPRow]:
+    """Benchmark ``spec`` under DDP with SyncBatchNorm on ``world_size`` processes (see the module docstring).
+
+    Args:
+        spec: a model spec (:func:`convbn.bench.models.build_model`), e.g. ``"mnist"``.
+        world_size: number of processes (one GPU each on CUDA).
+        batch_size: samples per rank.
+        steps: timed rounds (median reported); ``warmup``: untimed rounds before them.
+        device: ``"cpu"`` (gloo) or ``"cuda"`` (nccl).
+        seed: seed of the weights, data and dropout.
+        lr: SGD learning rate.
+        threads: torch threads per rank (default: the CPUs divided among the ranks).
+        timeout: seconds before the workers are stopped.
+
+    Returns:
+        One :class:`DDPRow` per configuration of :data:`DDP_CONFIGS`, ``eager`` first.
+
+    Raises:
+        ValueError: bad counts, or more CUDA ranks than GPUs.
+        RuntimeError: a worker failed (with its traceback).
+    """
+    if world_size < 1 or batch_size < 1 or steps < 1 or warmup < 0:
+        raise ValueError(f"need world_size >= 1, batch_size >= 1, steps >= 1 and warmup >= 0, but got "
+                         f"world_size={world_size}, batch_size={batch_size}, steps={steps}, warmup={warmup}")
+    if torch.device(device).type not in ("cpu", "cuda"):
+        raise ValueError(f"device must be 'cpu' or 'cuda', but got device={device!r}")
+    from convbn.bench.models import build_model
+
+    build_model(spec)  # a bad spec or a missing package fails here, before any process starts
+    threads = threads or max(1, (os.cpu_count() or 1) // world_size)
+    results = launch_workers(_bench_worker, world_size, spec, batch_size, steps, warmup, device, seed, lr, threads,
+                             device=device, timeout=timeout)
+    rows: List[DDPRow] = []
+    backend = _default_backend(device)
+    for name in DDP_CONFIGS:
+        per = [r["configs"][name] for r in results]
+        row = DDPRow(spec, name, world_size, results[0]["input_shape"], str(device), backend, note=per[0]["note"])
+        row.per_rank_saved = [p["saved_bytes"] for p in per]
+        row.per_rank_ms = [statistics.median(p["times"]) for p in per]
+        row.saved_bytes = max(row.per_rank_saved)
+        row.median_ms = max(row.per_rank_ms)
+        if "max_grad_diff" in per[0]:
+            row.max_grad_diff = max(p["max_grad_diff"] for p in per)
+        row.rank_param_diff = max(p["rank_param_diff"] for p in per)
+        row.rank_buffer_diff = max(p["rank_buffer_diff"] for p in per)
+        if len(set(row.per_rank_saved)) > 1:
+            row.note += f"{'; ' if row.note else ''}saved bytes differ across ranks"
+        rows.append(row)
+    eager = rows[0]
+    for row in rows:
+        if row.saved_bytes is not None and eager.saved_bytes:
+            row.saved_ratio = row.saved_bytes / eager.saved_bytes
+        if row.median_ms is not None and eager.median_ms:
+            row.time_ratio = row.median_ms / eager.median_ms
+    return rows
+
+
+# --------------------------------------------------------------------------- output
+
+
+def _fmt(value: Optional[float], spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+_HEADERS = ["model", "config", "ranks", "input/rank", "saved/rank", "saved ratio", "step ms", "time ratio",
+            "max |Δgrad|", "rank Δparam", "rank Δbuffer", "note"]
+_RIGHT = set(_HEADERS[2:11]) - {"input/rank"}
+
+
+def _cells(row: DDPRow) -> List[str]:
+    from convbn.memory import format_bytes
+
+    return [
+        row.model,
+        row.config,
+        str(row.world_size),
+        "x".join(map(str, row.input_shape)),
+        "n/a" if row.saved_bytes is None else format_bytes(row.saved_bytes),
+        _fmt(row.saved_ratio, ".3f"),
+        _fmt(row.median_ms, ".1f"),
+        _fmt(row.time_ratio, ".2f"),
+        _fmt(row.max_grad_diff, ".1e"),
+        _fmt(row.rank_param_diff, ".1e"),
+        _fmt(row.rank_buffer_diff, ".1e"),
+        row.note,
+    ]
+
+
+def print_ddp_table(rows: Sequence[DDPRow], title: Optional[str] = None) -> None:
+    """Print the rows as a rich table."""
+    from rich.console import Console
+    from rich.table import Table
+
+    where = ", ".join(sorted({f"{r.world_size} x {r.device} ({r.backend})" for r in rows}))
+    table = Table(title=title or f"DDP training step (forward + backward + all-reduce + SGD) with SyncBatchNorm: "
+                                 f"eager vs convbn.convert, {where}")
+    for h in _HEADERS:
+        table.add_column(h, justify="right" if h in _RIGHT else "left", overflow="fold")
+    for row in rows:
+        table.add_row(*_cells(row))
+    console = Console()
+    if not console.is_terminal:
+        console = Console(width=220)  # a pipe or file: do not squeeze the table
+    console.print(table)
+
+
+# --------------------------------------------------------------------------- command line
+
+
+def add_ddp_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add ``--ddp N`` and the options it uses to ``parser``.
+
+    Options another benchmark already added to the same parser (``--model``, ``--batch-size``,
+    ``--steps``, ``--warmup``, ``--device`` of :func:`convbn.bench.training.add_training_arguments`)
+    are shared, not added twice.
+    """
+    existing = set(parser._option_string_actions)
+
+    def add(flag: str, **kwargs: Any) -> None:
+        if flag not in existing:
+            parser.add_argument(flag, **kwargs)
+
+    add("--ddp", type=int, default=None, metavar="N",
+        help="run the data-parallel SyncBatchNorm benchmark on N processes (gloo on CPU, nccl on CUDA)")
+    add("--model", action="append", default=None, metavar="SPEC", help="model spec, repeatable (default: mnist)")
+    add("--batch-size", type=int, default=64, help="batch size (per rank with --ddp)")
+    add("--steps", type=int, default=10, help="timed rounds (median reported)")
+    add("--warmup", type=int, default=2, help="untimed rounds before the timed ones")
+    add("--device", default="cpu")
+    return parser
+
+
+def main_ddp(args: argparse.Namespace) -> int:
+    """Run the DDP benchmark from parsed arguments (``args.ddp`` processes) and print the table.
+
+    Returns an exit code: 0; 2 with a message on stderr for a bad spec or option; 1 when a
+    worker failed (its traceback on stderr).
+    """
+    world_size = 2 if getattr(args, "ddp", None) is None else int(args.ddp)
+    models = getattr(args, "model", None) or ["mnist"]
+    if isinstance(models, str):
+        models = [models]
+    rows: List[DDPRow] = []
+    try:
+        for spec in models:
+            rows += run_ddp_bench(spec, world_size, args.batch_size, args.steps, args.warmup, args.device,
+                                  seed=getattr(args, "seed", 0), lr=getattr(args, "lr", 1e-3),
+                                  threads=getattr(args, "threads", None))
+    except (ValueError, ImportError) as exc:
+        print(f"convbn bench --ddp: error: {exc}", file=sys.stderr)
+        return 2
+    except RuntimeError as exc:  # a worker failed: its traceback is in the message
+        print(f"convbn bench --ddp: {exc}", file=sys.stderr)
+        return 1
+    print_ddp_table(rows)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main_ddp(add_ddp_arguments(argparse.ArgumentParser(description=__doc__)).parse_args()))
