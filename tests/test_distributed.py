@@ -355,7 +355,29 @@ def _standalone_worker(rank: int, world: int, xs: List[Tensor], ws: List[Tensor]
         gx.square().sum().backward()
     except RuntimeError as exc:
         out["double_fused"] = str(exc)
+
+    # one sample per rank and a 1x1 conv output: one value per channel here, two in the group
+    # (legal with nn.SyncBatchNorm; every rank behaves alike, so a local error cannot hang)
+    for key, model in _one_sample_models().items():
+        x = _one_sample_input()[rank:rank + 1].clone().requires_grad_()
+        try:
+            y = convbn.convert(nn.SyncBatchNorm.convert_sync_batchnorm(model))(x)
+            (y * (rank + 1)).sum().backward()
+            out[key] = (y.detach(), x.grad)
+        except (ValueError, RuntimeError) as exc:
+            out[key] = str(exc)
     return out
+
+
+def _one_sample_models() -> Dict[str, nn.Module]:
+    torch.manual_seed(5)
+    fused = nn.Sequential(nn.Conv2d(4, 4, 3), nn.BatchNorm2d(4), nn.ReLU()).double()
+    standalone = nn.Sequential(nn.Flatten(), nn.BatchNorm1d(36)).double()  # BN after a reshape: not fused
+    return {"one_sample_fused": fused, "one_sample_standalone": standalone}
+
+
+def _one_sample_input() -> Tensor:
+    return torch.randn(WORLD, 4, 3, 3, generator=torch.Generator().manual_seed(6), dtype=torch.float64)
 
 
 @pytest.fixture(scope="module")
@@ -456,3 +478,20 @@ def test_monai_resnet_one_ddp_step_equals_single_process() -> None:
             torch.testing.assert_close(res["grads"][name], g, rtol=1e-3, atol=1e-5, msg=name)
         for name, v in ref_state.items():
             torch.testing.assert_close(res["state"][name], v, rtol=1e-4, atol=1e-5, msg=name)
+
+
+@pytest.mark.parametrize("key", [
+    pytest.param("one_sample_fused", marks=pytest.mark.xfail(
+        strict=True, reason="convbn.nn.chain.FusedChain.forward checks 'more than 1 value per channel' on the local "
+                            "batch even when the statistics are synchronised (nn.SyncBatchNorm checks the global count)")),
+    "one_sample_standalone",
+])
+def test_one_value_per_channel_per_rank_is_fine_when_synchronised(key: str, standalone: Any) -> None:
+    model = _one_sample_models()[key]
+    x = _one_sample_input().requires_grad_()
+    y = model(x)
+    (y * torch.arange(1, WORLD + 1, dtype=y.dtype).reshape(-1, *[1] * (y.dim() - 1))).sum().backward()
+    for rank, res in enumerate(standalone[3]):
+        assert not isinstance(res[key], str), res[key]
+        torch.testing.assert_close(res[key][0], y[rank:rank + 1].detach(), **F64)
+        torch.testing.assert_close(res[key][1], x.grad[rank:rank + 1], **F64)
