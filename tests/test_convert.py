@@ -666,6 +666,18 @@ def test_untraceable_top_level_converts_children(inplace: bool) -> None:
         assert_same_training(eager, fast, x)
 
 
+def test_untraceable_root_keeps_state_dict_and_parameter_objects() -> None:
+    model = build(DataDependent)
+    sd = model.state_dict()
+    fast = convbn.convert(model)
+    assert list(fast.state_dict()) == list(sd)
+    assert [id(p) for p in fast.parameters()] == [id(p) for p in model.parameters()]
+    assert [id(b) for b in fast.buffers()] == [id(b) for b in model.buffers()]
+    eager = build(DataDependent, seed=4)
+    fast.load_state_dict(eager.state_dict(), strict=True)
+    assert_same_training(eager, fast, inp(2, 3, 6, 6))
+
+
 def test_untraceable_model_original_still_runs_unconverted() -> None:
     eager = build(DataDependent)
     model = copy.deepcopy(eager)

@@ -68,6 +68,9 @@ SLOW = {"monai-resnet50", "monai-densenet121"}
 
 # float32 tolerances: relative to each tensor's own scale (see ``close``).
 RTOL = 2e-4
+# Observed: bit-identical for the ReLU networks (same kernels); EfficientNet (SiLU recomputed
+# by formula) ~1e-5 on outputs and up to 1.5e-4 of a gradient's scale.
+GRAD_RTOL = 5e-4
 LR = 0.1
 
 
@@ -141,11 +144,11 @@ def test_one_training_step_matches_eager(model_name: str, strategy: str) -> None
     assert grads_f.keys() == grads_e.keys()
     floor = 1e-3 * max(float(g.abs().max()) for g in grads_e.values())
     for n in grads_e:
-        close(grads_f[n], grads_e[n], f"grad {n}", floor=floor, rtol=1e-3)
+        close(grads_f[n], grads_e[n], f"grad {n}", floor=floor, rtol=GRAD_RTOL)
     # After one step p' = p - lr * g: parameters may differ by lr times the gradient tolerance.
     params_e = dict(eager.named_parameters())
     for n, p in fast.named_parameters():
-        tol = 1e-6 * float(params_e[n].detach().abs().max()) + LR * 1e-3 * max(float(grads_e[n].abs().max()), floor)
+        tol = 1e-6 * float(params_e[n].detach().abs().max()) + LR * GRAD_RTOL * max(float(grads_e[n].abs().max()), floor)
         torch.testing.assert_close(p.detach(), params_e[n].detach(), rtol=0, atol=tol, msg=lambda m: f"param {n}: {m}")
     buffers_e = dict(eager.named_buffers())
     assert [n for n, _ in fast.named_buffers()] == list(buffers_e)

@@ -209,6 +209,34 @@ def test_planner_measurement_leaves_converted_model_state(planned: Dict[str, Any
         torch.testing.assert_close(ba, bb, rtol=0, atol=0, msg=lambda m: f"{n}: {m}")
 
 
+def test_planning_through_an_untraceable_root() -> None:
+    """Chains found in children of a model that does not trace whole are planned together."""
+
+    class Branchy(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU(),
+                                   nn.Conv2d(4, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU())
+            self.b = nn.Sequential(nn.Conv2d(8, 8, 1), nn.BatchNorm2d(8), nn.SiLU(),
+                                   nn.Conv2d(8, 8, 3, padding=1, groups=8), nn.BatchNorm2d(8))
+
+        def forward(self, x: Tensor) -> Tensor:
+            y = self.a(x)
+            return self.b(y) if y.mean() > -10 else y
+
+    torch.manual_seed(0)
+    model, x = Branchy(), torch.randn(2, 3, 8, 8)
+    full = convbn.convert(model, example_inputs=x, memory_budget=1.0).convbn_report
+    assert [u for u, _ in full.untraced] == [""]
+    floor, all_keep, eager = full.floor_saved_bytes, full.saved_bytes, full.eager_saved_bytes
+    saved = []
+    for t in (1.0, 0.7, 0.4, 0.0):
+        fast = convbn.convert(model, example_inputs=x, memory_budget=(floor + t * (all_keep - floor)) / eager)
+        assert measure(fast, x) == fast.convbn_report.saved_bytes
+        saved.append(fast.convbn_report.saved_bytes)
+    assert saved == sorted(saved, reverse=True) and saved[0] > saved[-1] == floor
+
+
 def test_multiple_example_inputs_as_a_tuple() -> None:
     class TwoIn(nn.Module):
         def __init__(self) -> None:
