@@ -71,10 +71,25 @@ def test_convert_matches_eager_and_saves_less(mnist_rows: List[TrainingRow]) -> 
             assert r.max_grad_diff is not None and r.max_grad_diff < 1e-4, r
         if r.config.startswith("convert"):
             assert r.saved_bytes < eager.saved_bytes, r
+            assert r.activation_bytes < eager.activation_bytes, r
+        assert 0 < r.activation_bytes <= r.saved_bytes
     by = {r.config: r for r in mnist_rows}
     # the budget was met (fraction of eager saved bytes) and the tutorial keeps the least of the three
     assert by["convert auto budget=0.85"].saved_ratio <= 0.85 + 1e-9
     assert by["convert recompute_conv (tutorial)"].saved_bytes < by["convert recompute_bn"].saved_bytes
+
+
+def test_activation_bytes_drop_exactly_the_saved_parameters(mnist_rows: List[TrainingRow]) -> None:
+    from convbn.bench.models import MNISTNet
+
+    eager = mnist_rows[0]
+    # eager saves every conv / linear / batchnorm weight (addmm saves weight.t(), a view of the same storage)
+    kinds = (nn.Conv2d, nn.Linear, nn.BatchNorm2d)
+    weights = sum(m.weight.numel() for m in MNISTNet().modules() if isinstance(m, kinds)) * 4
+    assert eager.saved_bytes - eager.activation_bytes == weights
+    assert eager.activation_ratio == 1.0
+    for r in mnist_rows:
+        assert r.activation_ratio == pytest.approx(r.activation_bytes / eager.activation_bytes)
 
 
 def test_checkpoint_note_reports_double_bn_update(mnist_rows: List[TrainingRow]) -> None:
@@ -135,7 +150,10 @@ def test_markdown_and_json_helpers(mnist_rows: List[TrainingRow], tmp_path) -> N
     assert len(md) == 2 + len(mnist_rows) and md[0].startswith("| model | config |")
     assert len(json.loads(rows_to_json(mnist_rows))) == len(mnist_rows)
     write_plot(mnist_rows, str(tmp_path / "p.png"))
-    assert (tmp_path / "p.png").stat().st_size > 1000
+    write_plot(mnist_rows, str(tmp_path / "q.png"), x="saved")
+    assert (tmp_path / "p.png").stat().st_size > 1000 and (tmp_path / "q.png").stat().st_size > 1000
+    with pytest.raises(ValueError, match="x must be"):
+        write_plot(mnist_rows, str(tmp_path / "r.png"), x="peak")
 
 
 class _Block(nn.Sequential):
@@ -214,6 +232,7 @@ def test_compile_budgets_on_a_tiny_model() -> None:
     by = {r.config: r for r in rows}
     full, low = by["torch.compile budget=1"], by["torch.compile budget=0.1"]
     assert full.saved_bytes and low.saved_bytes and low.saved_bytes < full.saved_bytes
+    assert low.activation_bytes < full.activation_bytes
     assert full.max_out_diff < 1e-4 and full.max_grad_diff < 1e-3
     assert low.max_out_diff < 1e-4 and low.max_grad_diff < 1e-3
 

@@ -17,7 +17,8 @@ optimizer, fed the same input. All run in one process:
 
 Measured per configuration:
 
-* **saved bytes** of one training forward (:func:`convbn.memory.saved_bytes`, SPEC §3);
+* **saved bytes** of one training forward (:func:`convbn.memory.saved_bytes`, SPEC §3), and
+  the same without parameter storages (**act. saved**, see Note: [Activation bytes]);
 * **peak**: peak memory of one training step above the memory in use just before it
   (:class:`convbn.memory.peak_memory`; CUDA allocator, or sampled RSS on CPU), median of
   a few dedicated rounds (the RSS sampler thread would disturb the timed steps);
@@ -78,7 +79,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.dropout import _DropoutNd
 
 from convbn.bench.models import build_model
-from convbn.memory import format_bytes, peak_memory, saved_bytes
+from convbn.memory import format_bytes, peak_memory, track_saved
 from convbn.passes.convert import convert
 
 __all__ = [
@@ -120,12 +121,15 @@ class TrainingRow:
     dtype: str = "float32"
     saved_bytes: Optional[int] = None
     saved_ratio: Optional[float] = None
+    activation_bytes: Optional[int] = None   # saved_bytes without parameter storages
+    activation_ratio: Optional[float] = None
     peak_bytes: Optional[int] = None
     peak_ratio: Optional[float] = None
     median_ms: Optional[float] = None
     time_ratio: Optional[float] = None
     max_out_diff: Optional[float] = None
     max_grad_diff: Optional[float] = None
+    max_grad_rel_diff: Optional[float] = None  # per parameter max|Δgrad| / max|eager grad|, max over parameters
     setup_s: Optional[float] = None  # building + the first (untimed) step, compile included
     note: str = ""
 
@@ -396,6 +400,41 @@ def _max_diff(a: Optional[Tensor], b: Optional[Tensor]) -> float:
     return (a.double() - b.double()).abs().max().item() if a.numel() else 0.0
 
 
+def _max_abs(t: Optional[Tensor]) -> float:
+    return 0.0 if t is None or not t.numel() else t.abs().max().item()
+
+
+class _TrackSaved(track_saved):
+    """:class:`convbn.memory.track_saved` that also sums the bytes of parameter storages."""
+
+    def __init__(self, params: Sequence[Tensor]) -> None:
+        super().__init__()
+        self._param_ptrs = {p.untyped_storage().data_ptr() for p in params}
+        self.param_bytes = 0
+
+    def _pack(self, t: Tensor) -> Tensor:
+        before = self.result.total
+        t = super()._pack(t)
+        if self.result.total != before and t.untyped_storage().data_ptr() in self._param_ptrs:
+            self.param_bytes += self.result.total - before
+        return t
+
+
+def _saved_bytes(cfg: _Config, x: Tensor) -> Tuple[int, int]:
+    """``(saved bytes, saved bytes without parameters)`` of one training forward.
+
+    Note: [Activation bytes]
+        :func:`convbn.memory.saved_bytes` counts a parameter when an op saves it (eager conv
+        saves its weight), but convbn's fused layers hold weights by reference and checkpointed
+        blocks save only their inputs, so at small inputs the totals mostly compare parameter
+        bookkeeping. The activation figure drops parameter storages: memory that grows with the batch.
+    """
+    with torch.enable_grad(), _TrackSaved(cfg.params) as rec:
+        out = cfg.model(x)
+    del out
+    return rec.result.total, rec.result.total - rec.param_bytes
+
+
 # --------------------------------------------------------------------------- the benchmark
 
 
@@ -529,6 +568,8 @@ def run_training_bench(
             else:
                 row.max_out_diff = _max_diff(out, ref_out)
                 row.max_grad_diff = max((_max_diff(g, r) for g, r in zip(grads, ref_grads)), default=0.0)
+                row.max_grad_rel_diff = max((_max_diff(g, r) / max(_max_abs(r), 1e-30)
+                                             for g, r in zip(grads, ref_grads)), default=0.0)
                 buf = max((_max_diff(b, r) for b, r in zip(buffers, ref_buffers)), default=0.0)
                 if buf > 1e-4:
                     cfg.note += f"{'; ' if cfg.note else ''}running stats differ from eager by {buf:.1e}"
@@ -544,7 +585,7 @@ def run_training_bench(
             bar.update(task, description=f"{spec}: {cfg.name}: saved bytes")
             try:
                 with cfg.context():
-                    rows[cfg.name].saved_bytes = saved_bytes(cfg.model, x).total
+                    rows[cfg.name].saved_bytes, rows[cfg.name].activation_bytes = _saved_bytes(cfg, x)
             except Exception as exc:  # noqa: BLE001
                 rows[cfg.name].note += f"{'; ' if rows[cfg.name].note else ''}saved bytes failed: {_short(exc)}"
             bar.advance(task)
@@ -588,6 +629,8 @@ def run_training_bench(
     for row in rows.values():
         if row.saved_bytes is not None and eager.saved_bytes:
             row.saved_ratio = row.saved_bytes / eager.saved_bytes
+        if row.activation_bytes is not None and eager.activation_bytes:
+            row.activation_ratio = row.activation_bytes / eager.activation_bytes
         if row.peak_bytes is not None and eager.peak_bytes:
             row.peak_ratio = row.peak_bytes / eager.peak_bytes
         if row.median_ms is not None and eager.median_ms:
@@ -609,9 +652,9 @@ def _bytes(n: Optional[int]) -> str:
     return "n/a" if n is None else format_bytes(n)
 
 
-_HEADERS = ["model", "config", "input", "saved", "saved ratio", "peak", "peak ratio", "step ms", "time ratio",
-            "max |Δout|", "max |Δgrad|", "setup s", "note"]
-_RIGHT = set(_HEADERS[3:12])
+_HEADERS = ["model", "config", "input", "saved", "saved ratio", "act. saved", "act. ratio", "peak", "peak ratio",
+            "step ms", "time ratio", "max |Δout|", "max |Δgrad|", "Δgrad rel", "setup s", "note"]
+_RIGHT = set(_HEADERS[3:15])
 
 
 def _cells(row: TrainingRow) -> List[str]:
@@ -621,12 +664,15 @@ def _cells(row: TrainingRow) -> List[str]:
         "x".join(map(str, row.input_shape)),
         _bytes(row.saved_bytes),
         _fmt(row.saved_ratio, ".3f"),
+        _bytes(row.activation_bytes),
+        _fmt(row.activation_ratio, ".3f"),
         _bytes(row.peak_bytes),
         _fmt(row.peak_ratio, ".2f"),
         _fmt(row.median_ms, ".1f"),
         _fmt(row.time_ratio, ".2f"),
         "-" if row.config == "eager" else _fmt(row.max_out_diff, ".1e"),
         "-" if row.config == "eager" else _fmt(row.max_grad_diff, ".1e"),
+        "-" if row.config == "eager" else _fmt(row.max_grad_rel_diff, ".1e"),
         _fmt(row.setup_s, ".1f"),
         row.note,
     ]
@@ -666,8 +712,11 @@ def rows_to_json(rows: Sequence[TrainingRow]) -> str:
     return json.dumps([{k: clean(v) for k, v in dataclasses.asdict(r).items()} for r in rows], indent=2)
 
 
-def write_plot(rows: Sequence[TrainingRow], path: str) -> None:
+def write_plot(rows: Sequence[TrainingRow], path: str, x: str = "activation") -> None:
     """Scatter of saved-bytes ratio (x) vs step-time ratio (y), one point per configuration.
+
+    ``x="activation"`` plots :attr:`TrainingRow.activation_ratio` (parameters excluded, see
+    Note: [Activation bytes]); ``x="saved"`` plots :attr:`TrainingRow.saved_ratio`.
 
     Raises:
         ImportError: matplotlib is missing (``pip install matplotlib``).
@@ -679,18 +728,23 @@ def write_plot(rows: Sequence[TrainingRow], path: str) -> None:
         import matplotlib.pyplot as plt
     except ImportError as exc:
         raise ImportError("--plot needs matplotlib: pip install matplotlib (or convbn[plot])") from exc
+    if x not in ("activation", "saved"):
+        raise ValueError(f"x must be 'activation' or 'saved', but got x={x!r}")
+    field = "activation_ratio" if x == "activation" else "saved_ratio"
     fig, ax = plt.subplots(figsize=(8, 6))
     models = list(dict.fromkeys(r.model for r in rows))
     markers = "os^Dv<>pP*X"
     for i, model in enumerate(models):
-        pts = [r for r in rows if r.model == model and r.saved_ratio is not None and r.time_ratio is not None]
-        ax.scatter([r.saved_ratio for r in pts], [r.time_ratio for r in pts], marker=markers[i % len(markers)],
+        pts = [r for r in rows if r.model == model and getattr(r, field) is not None and r.time_ratio is not None]
+        ax.scatter([getattr(r, field) for r in pts], [r.time_ratio for r in pts], marker=markers[i % len(markers)],
                    label=model, s=50)
         for r in pts:
-            ax.annotate(r.config, (r.saved_ratio, r.time_ratio), textcoords="offset points", xytext=(4, 4), fontsize=7)
+            ax.annotate(r.config, (getattr(r, field), r.time_ratio), textcoords="offset points", xytext=(4, 4),
+                        fontsize=7)
     ax.axvline(1.0, color="grey", lw=0.5)
     ax.axhline(1.0, color="grey", lw=0.5)
-    ax.set_xlabel("saved bytes / eager (lower: less memory held for backward)")
+    ax.set_xlabel("saved activation bytes / eager (parameters excluded; lower: less held for backward)"
+                  if x == "activation" else "saved bytes / eager (lower: less memory held for backward)")
     ax.set_ylabel("step time / eager (lower: faster)")
     ax.set_title("Training: memory held for backward vs step time")
     ax.legend(fontsize=8)
