@@ -223,7 +223,7 @@ def _cells(row: InferenceRow) -> List[str]:
     ]
 
 
-_HEADERS = ["model", "variant", "input", "median ms", "IQR ms", "ratio to unfused", "ratio to fx fuse", "max |diff|", "BN left", "note"]
+_HEADERS = ["model", "variant", "input", "median ms", "IQR ms", "ratio to unfused", "ratio to fx fuse", "max abs diff", "BN left", "note"]
 
 
 def print_table(rows: Sequence[InferenceRow]) -> None:
@@ -233,7 +233,7 @@ def print_table(rows: Sequence[InferenceRow]) -> None:
 
     table = Table(title="Inference: unfused vs fx fuse vs convbn.fold (CPU, eval, no grad)")
     for h in _HEADERS:
-        table.add_column(h, justify="right" if h in ("median ms", "IQR ms", "ratio to unfused", "ratio to fx fuse", "max |diff|", "BN left") else "left")
+        table.add_column(h, justify="right" if h in ("median ms", "IQR ms", "ratio to unfused", "ratio to fx fuse", "max abs diff", "BN left") else "left")
     for row in rows:
         table.add_row(*_cells(row))
     console = Console()
