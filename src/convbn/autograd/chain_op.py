@@ -50,6 +50,11 @@ def _specs(key: str, factors: Optional[Tensor], keep_y: Sequence[bool], batch_st
             for (conv, act, eps), m, ky, bs in zip(_STATIC[key], momenta, keep_y, batch_stats)]
 
 
+def _optional(params: Sequence[Tensor], present: Sequence[bool]) -> List[Optional[Tensor]]:
+    """Custom ops take ``Tensor[]`` (``Tensor?[]`` gets no autograd): empty tensors stand for ``None``."""
+    return [p if h else None for p, h in zip(params, present)]
+
+
 def _stats(running: Sequence[Tensor], has_stats: Sequence[bool]) -> List[Tuple[Optional[Tensor], Optional[Tensor]]]:
     it = iter(running)
     return [(next(it), next(it)) if h else (None, None) for h in has_stats]
@@ -57,15 +62,15 @@ def _stats(running: Sequence[Tensor], has_stats: Sequence[bool]) -> List[Tuple[O
 
 @torch.library.custom_op("convbn::chain_fwd", mutates_args=())
 def _chain_fwd(
-    x0: Tensor, params: List[Optional[Tensor]], running: List[Tensor], factors: Tensor, key: str,
-    keep_y: List[bool], batch_stats: List[bool], has_stats: List[bool],
+    x0: Tensor, params: List[Tensor], running: List[Tensor], factors: Tensor, key: str,
+    keep_y: List[bool], batch_stats: List[bool], has_stats: List[bool], present: List[bool],
 ) -> Tuple[Tensor, List[Tensor], List[Tensor]]:
     # functional (an autograd formula needs it): the updated running stats are outputs,
     # copied into the buffers by the caller.
     new_running = [t.clone() for t in running]
     specs, stats = _specs(key, factors, keep_y, batch_stats), _stats(new_running, has_stats)
     with torch.no_grad():
-        out, _, kept, means, invstds = chain_forward(x0, params, specs, stats)
+        out, _, kept, means, invstds = chain_forward(x0, _optional(params, present), specs, stats)
     return out, [*kept, *means, *invstds], new_running
 
 
@@ -76,8 +81,8 @@ def _stat_dtype(x: Tensor, running: Optional[Tensor], batch_stats: bool) -> torc
 
 
 @_chain_fwd.register_fake
-def _(x0: Tensor, params: List[Optional[Tensor]], running: List[Tensor], factors: Tensor, key: str,
-      keep_y: List[bool], batch_stats: List[bool], has_stats: List[bool]) -> Tuple[Tensor, List[Tensor], List[Tensor]]:
+def _(x0: Tensor, params: List[Tensor], running: List[Tensor], factors: Tensor, key: str,
+      keep_y: List[bool], batch_stats: List[bool], has_stats: List[bool], present: List[bool]) -> Tuple[Tensor, List[Tensor], List[Tensor]]:
     specs = _specs(key, None, keep_y, batch_stats)
     fmt = torch.channels_last if x0.dim() == 4 and x0.is_contiguous(memory_format=torch.channels_last) and not x0.is_contiguous() else (
         torch.channels_last_3d if x0.dim() == 5 and x0.is_contiguous(memory_format=torch.channels_last_3d) and not x0.is_contiguous() else torch.contiguous_format)
@@ -106,47 +111,46 @@ def _(x0: Tensor, params: List[Optional[Tensor]], running: List[Tensor], factors
 
 @torch.library.custom_op("convbn::chain_bwd", mutates_args=())
 def _chain_bwd(
-    grad_out: Tensor, x0: Tensor, params: List[Optional[Tensor]], saved: List[Tensor],
-    key: str, keep_y: List[bool], batch_stats: List[bool], needs: List[bool]
+    grad_out: Tensor, x0: Tensor, params: List[Tensor], saved: List[Tensor],
+    key: str, keep_y: List[bool], batch_stats: List[bool], needs: List[bool], present: List[bool],
 ) -> List[Tensor]:
     specs = _specs(key, None, keep_y, batch_stats)  # backward never touches running stats
     kept_idx = [i for i, s in enumerate(specs) if s.keep_y]
     k, n_kept = len(specs), len(kept_idx)
     kept = dict(zip(kept_idx, saved[:n_kept]))
     means, invstds = saved[n_kept: n_kept + k], saved[n_kept + k:]
-    grads = chain_backward(grad_out, x0, params, specs, kept, means, invstds, needs)
+    grads = chain_backward(grad_out, x0, _optional(params, present), specs, kept, means, invstds, needs)
     # custom ops return tensors: an empty tensor stands for "no gradient"
     return [g if g is not None else x0.new_empty(0) for g in grads]
 
 
 @_chain_bwd.register_fake
-def _(grad_out: Tensor, x0: Tensor, params: List[Optional[Tensor]], saved: List[Tensor],
-      key: str, keep_y: List[bool], batch_stats: List[bool], needs: List[bool]) -> List[Tensor]:
+def _(grad_out: Tensor, x0: Tensor, params: List[Tensor], saved: List[Tensor],
+      key: str, keep_y: List[bool], batch_stats: List[bool], needs: List[bool], present: List[bool]) -> List[Tensor]:
     ins = [x0, *params]
-    return [torch.empty_like(t) if (n and t is not None) else x0.new_empty(0) for t, n in zip(ins, needs)]
+    return [torch.empty_like(t) if n else x0.new_empty(0) for t, n in zip(ins, needs)]
 
 
 def _setup_context(ctx: Any, inputs: Tuple[Any, ...], output: Any) -> None:
-    x0, params, running, factors, key, keep_y, batch_stats, has_stats = inputs
+    x0, params, running, factors, key, keep_y, batch_stats, has_stats, present = inputs
     _, saved, _ = output
-    present = [p is not None for p in params]
-    ctx.save_for_backward(x0, *[p for p in params if p is not None], *saved)
+    ctx.save_for_backward(x0, *[p for p, h in zip(params, present) if h], *saved)
     ctx.present = present
     ctx.key, ctx.keep_y, ctx.batch_stats = key, keep_y, batch_stats
     ctx.n_running, ctx.n_layers = len(running), len(keep_y)
     ctx.n_saved = len(saved)
-    ctx.needs = [x0.requires_grad] + [p is not None and p.requires_grad for p in params]
+    ctx.needs = [x0.requires_grad] + [h and p.requires_grad for p, h in zip(params, present)]
 
 
 def _backward(ctx: Any, grad_out: Tensor, grad_saved: Any, grad_running: Any) -> Tuple[Any, ...]:
     x0, *rest = ctx.saved_tensors
     it = iter(rest[: len(rest) - ctx.n_saved])
-    params = [next(it) if p else None for p in ctx.present]
+    params = [next(it) if p else x0.new_empty(0) for p in ctx.present]
     saved = list(rest[len(rest) - ctx.n_saved:])
-    grads = _chain_bwd(grad_out, x0, params, saved, ctx.key, ctx.keep_y, ctx.batch_stats, ctx.needs)
+    grads = _chain_bwd(grad_out, x0, params, saved, ctx.key, ctx.keep_y, ctx.batch_stats, ctx.needs, ctx.present)
     out = [g if n else None for g, n in zip(grads, ctx.needs)]
     # one entry per op argument: x0, params, running stats, factors, key and the flag lists
-    return out[0], out[1:], [None] * ctx.n_running, None, None, None, None, None
+    return out[0], out[1:], [None] * ctx.n_running, None, None, None, None, None, None
 
 
 torch.library.register_autograd("convbn::chain_fwd", _backward, setup_context=_setup_context)
@@ -168,9 +172,11 @@ def chain_op_apply(
         else torch.tensor(float(s.bn.momentum), dtype=torch.float64)
         for s in specs
     ])
+    present = [p is not None for p in params]
+    dense = [p if p is not None else x0.new_empty(0) for p in params]
     out, _, new_running = _chain_fwd(
-        x0, list(params), running, factors, key,
-        [s.keep_y for s in specs], [s.bn.batch_stats for s in specs], has_stats,
+        x0, dense, running, factors, key,
+        [s.keep_y for s in specs], [s.bn.batch_stats for s in specs], has_stats, present,
     )
     with torch.no_grad():
         for old, new in zip(running, new_running):
