@@ -18,14 +18,15 @@ optimizer, fed the same input. All run in one process:
 Measured per configuration:
 
 * **saved bytes** of one training forward (:func:`convbn.memory.saved_bytes`, SPEC §3), and
-  the same without parameter storages (**act. saved**, see Note: [Activation bytes]);
+  the same without parameter storages (**saved excl. params**, see Note: [Activation bytes]);
 * **peak**: peak memory of one training step above the memory in use just before it
   (:class:`convbn.memory.peak_memory`; CUDA allocator, or sampled RSS on CPU), median of
   a few dedicated rounds (the RSS sampler thread would disturb the timed steps);
 * **step time**: forward + loss + backward + ``SGD.step()``, median over ``steps`` timed
   rounds after ``warmup`` untimed ones;
 * **max |Δout|**, **max |Δgrad|**: largest absolute difference of the first step's output
-  and parameter gradients from eager's (same input, same RNG seed, same weights).
+  and parameter gradients from eager's (same input, same RNG seed, same weights);
+  **Δgrad rel** divides the latter by the largest absolute eager gradient.
 
 Note: [Round-robin timing]
     Each round runs one step of every configuration, the order rotated by one each round,
@@ -38,7 +39,9 @@ Note: [Saved bytes under torch.compile]
     ``CompiledFunction``) whose forward calls ``ctx.save_for_backward`` on exactly the
     tensors the partitioner chose to keep, so ``saved_tensors_hooks`` *do* see them
     (checked: the bytes fall as ``activation_memory_budget`` falls, and entering the hooks
-    triggers no recompilation). They are measured exactly like eager.
+    triggers no recompilation). They are measured exactly like eager. What a compiled graph
+    keeps differs in kind, though: on CPU inductor saves channels-last copies of the conv
+    weights (not the parameters' storages), so its "saved excl. params" includes them.
 
 Note: [One dynamo cache entry per budget]
     Dynamo guards do not depend on the module instance (``inline_inbuilt_nn_modules``), so a
@@ -121,7 +124,7 @@ class TrainingRow:
     dtype: str = "float32"
     saved_bytes: Optional[int] = None
     saved_ratio: Optional[float] = None
-    activation_bytes: Optional[int] = None   # saved_bytes without parameter storages
+    activation_bytes: Optional[int] = None   # saved_bytes without parameter storages ("saved excl. params")
     activation_ratio: Optional[float] = None
     peak_bytes: Optional[int] = None
     peak_ratio: Optional[float] = None
@@ -129,7 +132,7 @@ class TrainingRow:
     time_ratio: Optional[float] = None
     max_out_diff: Optional[float] = None
     max_grad_diff: Optional[float] = None
-    max_grad_rel_diff: Optional[float] = None  # per parameter max|Δgrad| / max|eager grad|, max over parameters
+    max_grad_rel_diff: Optional[float] = None  # max_grad_diff / the largest |eager gradient| of any parameter
     setup_s: Optional[float] = None  # building + the first (untimed) step, compile included
     note: str = ""
 
@@ -427,7 +430,9 @@ def _saved_bytes(cfg: _Config, x: Tensor) -> Tuple[int, int]:
         :func:`convbn.memory.saved_bytes` counts a parameter when an op saves it (eager conv
         saves its weight), but convbn's fused layers hold weights by reference and checkpointed
         blocks save only their inputs, so at small inputs the totals mostly compare parameter
-        bookkeeping. The activation figure drops parameter storages: memory that grows with the batch.
+        bookkeeping. The second figure drops parameter storages. It still counts tensors derived
+        from parameters: inductor on CPU saves channels-last copies of conv weights for backward
+        (layout optimization), which are real extra memory held by ``torch.compile`` configurations.
     """
     with torch.enable_grad(), _TrackSaved(cfg.params) as rec:
         out = cfg.model(x)
@@ -568,8 +573,8 @@ def run_training_bench(
             else:
                 row.max_out_diff = _max_diff(out, ref_out)
                 row.max_grad_diff = max((_max_diff(g, r) for g, r in zip(grads, ref_grads)), default=0.0)
-                row.max_grad_rel_diff = max((_max_diff(g, r) / max(_max_abs(r), 1e-30)
-                                             for g, r in zip(grads, ref_grads)), default=0.0)
+                scale = max((_max_abs(r) for r in ref_grads), default=0.0)
+                row.max_grad_rel_diff = row.max_grad_diff / scale if scale > 0 else None
                 buf = max((_max_diff(b, r) for b, r in zip(buffers, ref_buffers)), default=0.0)
                 if buf > 1e-4:
                     cfg.note += f"{'; ' if cfg.note else ''}running stats differ from eager by {buf:.1e}"
@@ -652,8 +657,8 @@ def _bytes(n: Optional[int]) -> str:
     return "n/a" if n is None else format_bytes(n)
 
 
-_HEADERS = ["model", "config", "input", "saved", "saved ratio", "act. saved", "act. ratio", "peak", "peak ratio",
-            "step ms", "time ratio", "max |Δout|", "max |Δgrad|", "Δgrad rel", "setup s", "note"]
+_HEADERS = ["model", "config", "input", "saved", "saved ratio", "saved excl. params", "excl. ratio", "peak",
+            "peak ratio", "step ms", "time ratio", "max |Δout|", "max |Δgrad|", "Δgrad rel", "setup s", "note"]
 _RIGHT = set(_HEADERS[3:15])
 
 
