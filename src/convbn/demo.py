@@ -48,6 +48,7 @@ from convbn.cli import Command
 from convbn.functional.fused import STRATEGIES
 from convbn.memory import format_bytes, peak_memory, saved_bytes
 from convbn.nn.fused import FusedConvBN2d
+from convbn.passes.convert import CONVERT_STRATEGIES, convert
 
 __all__ = [
     "MnistNet",
@@ -271,6 +272,7 @@ class DemoConfig:
     lr: float = 0.3
     gamma: float = 0.7
     progress: bool = True
+    convert: bool = False  # fuse the plain network with convbn.convert() instead of FusedConvBN2d layers
 
 
 @dataclass
@@ -376,8 +378,9 @@ def run_demo(config: DemoConfig, console: Any = None, data: Optional[Dataset] = 
         >>> r.saved["fused"] < r.saved["unfused"]  # doctest: +SKIP
         True
     """
-    if config.strategy not in STRATEGIES:
-        raise ValueError(f"strategy must be one of {STRATEGIES}, but got strategy={config.strategy!r}")
+    allowed = CONVERT_STRATEGIES if config.convert else STRATEGIES
+    if config.strategy not in allowed:
+        raise ValueError(f"strategy must be one of {allowed}, but got strategy={config.strategy!r}")
     if config.epochs < 1 or config.batch_size < 2:
         raise ValueError(f"need epochs >= 1 and batch_size >= 2, got epochs={config.epochs}, batch_size={config.batch_size}")
     device = torch.device(config.device)
@@ -393,7 +396,13 @@ def run_demo(config: DemoConfig, console: Any = None, data: Optional[Dataset] = 
 
     frozen_bn = config.strategy == "frozen"  # the unfused twin then trains with BN in eval mode
     torch.manual_seed(config.seed)
-    fused = MnistNet(fused=True, strategy=config.strategy).to(device)
+    if config.convert:
+        # one call on the plain network; the planner measures on one batch (state restored)
+        plain = MnistNet(fused=False).to(device)
+        example = train_x[:batch] if config.strategy == "auto" else None
+        fused = convert(plain, strategy=config.strategy, example_inputs=example)
+    else:
+        fused = MnistNet(fused=True, strategy=config.strategy).to(device)
     unfused = MnistNet(fused=False).to(device)
     unfused.load_state_dict(fused.state_dict(), strict=True)  # identical initial weights
     models = {"fused": set_training(fused, frozen_bn), "unfused": set_training(unfused, frozen_bn)}
@@ -507,7 +516,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--batch-size", type=int, default=d.batch_size, help=f"batch size, capped by the data size (default {d.batch_size})"
     )
-    parser.add_argument("--strategy", choices=STRATEGIES, default=d.strategy, help=f"fused strategy (default {d.strategy})")
+    parser.add_argument(
+        "--strategy",
+        choices=sorted(set(STRATEGIES) | set(CONVERT_STRATEGIES)),
+        default=d.strategy,
+        help=f"fused strategy (default {d.strategy}; 'auto' needs --convert, 'frozen' needs FusedConvBN2d layers)",
+    )
+    parser.add_argument(
+        "--convert",
+        action="store_true",
+        help="fuse the plain network with convbn.convert() (chains, planner) instead of FusedConvBN2d layers",
+    )
     parser.add_argument("--device", default=d.device, help=f"torch device (default {d.device})")
     parser.add_argument("--seed", type=int, default=d.seed, help=f"random seed (default {d.seed})")
     parser.add_argument("--mnist-dir", default=None, metavar="DIR", help="directory with the MNIST IDX files (raw or .gz); default: scikit-learn digits")
@@ -535,6 +554,7 @@ def run(args: argparse.Namespace) -> int:
         limit=args.limit,
         lr=args.lr,
         progress=not args.no_progress,
+        convert=args.convert,
     )
     run_demo(config, console=Console())
     return 0

@@ -18,8 +18,11 @@ per-channel statistics, whatever the chain length.
 # Backward walks the layers last to first. Layer i needs its input x_i and its conv
 # output y_i. ``_Rebuilder`` produces them lazily: a kept y is returned as is; an
 # unkept y is recomputed from x_i and cached until layer i is done; x_i is
-# act(BN(y_{i-1})) and the z_{i-1} = BN(y_{i-1}) computed on the way is cached so
-# layer i-1's activation backward does not compute it again. At most one segment of
+# act(BN(y_{i-1})). For the ReLU family x_i is computed in place and cached: once layer
+# i is done with it as its conv input, layer i-1 overwrites it with its grad_z (the
+# derivative needs only the output). Smooth activations recompute z when needed. Every
+# activation backward writes into a buffer it consumes, so the transient memory of a
+# layer's backward is about two activation-sized tensors. At most one segment of
 # unkept layers is materialised at a time, as with activation checkpointing.
 """
 from __future__ import annotations
@@ -63,7 +66,7 @@ class _Rebuilder:
         self.params = params
         self.specs = specs
         self.y: Dict[int, Tensor] = dict(kept)
-        self.z: Dict[int, Tensor] = {}
+        self.outs: Dict[int, Tensor] = {}
         self.xs: Dict[int, Tensor] = {}
         self.means = means
         self.invstds = invstds
@@ -80,10 +83,16 @@ class _Rebuilder:
         _, _, g, b = self.layer_params(i - 1)
         z = bn_apply(y, self.means[i - 1], self.invstds[i - 1], g, b)
         act = self.specs[i - 1].act
-        if not act.is_identity:
-            self.z[i - 1] = z
-            z = act(z)
-        return self.specs[i].conv.pad_input(z)
+        if act.output_derivable:
+            # ReLU family: the output alone gives layer i-1's activation derivative, so
+            # one buffer serves as layer i's input and, later, as layer i-1's grad_z.
+            x = act(z, inplace=True)
+            if not act.is_identity:
+                self.outs[i - 1] = x
+        else:
+            x = act(z)
+            del z  # smooth activation: z is recomputed when layer i-1 needs it
+        return self.specs[i].conv.pad_input(x)
 
     def get_y(self, i: int) -> Tensor:
         y = self.y.get(i)
@@ -95,9 +104,20 @@ class _Rebuilder:
             self.xs[i] = x  # layer i's backward needs it next
         return y
 
+    def grad_z(self, i: int, grad_out: Tensor) -> Tensor:
+        """Layer i's activation backward, written into a buffer it no longer needs."""
+        act = self.specs[i].act
+        if act.is_identity:
+            return grad_out
+        out = self.outs.pop(i, None)
+        if out is not None:
+            return act.backward_from_output_(grad_out, out)
+        _, _, g, b = self.layer_params(i)
+        z = bn_apply(self.get_y(i), self.means[i], self.invstds[i], g, b)
+        return act.backward_(grad_out, z)
+
     def release(self, i: int) -> None:
         self.y.pop(i, None)
-        self.z.pop(i, None)
 
 
 def chain_forward(
@@ -155,14 +175,7 @@ def chain_backward(
         nx = needs[0] if i == 0 else True
         y = rb.get_y(i)
         x = rb.x(i)  # rebuilt before the layer's own tensors are released
-        if spec.act.is_identity:
-            grad_z = g
-        else:
-            z = rb.z.get(i)
-            if z is None:
-                z = bn_apply(y, means[i], invstds[i], gamma, beta)
-            grad_z = spec.act.backward(g, z)
-            del z
+        grad_z = rb.grad_z(i, g)
         grad_y, grads[base + 2], grads[base + 3] = bn_backward(
             grad_z, y, gamma, means[i], invstds[i], spec.bn, (nx or nw or nb, ng, nbeta)
         )

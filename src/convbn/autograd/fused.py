@@ -76,9 +76,7 @@ def bn_act_backward(
     if act.is_identity:
         grad_z = grad_out
     else:
-        z = bn_apply(y, mean, invstd, bn_weight, bn_bias)
-        grad_z = act.backward(grad_out, z)
-        del z
+        grad_z = act.backward_(grad_out, bn_apply(y, mean, invstd, bn_weight, bn_bias))
     return bn_backward(grad_z, y, bn_weight, mean, invstd, bn, mask)
 
 
@@ -245,7 +243,7 @@ class FrozenFunction(Function):
         if act.is_identity:
             kept: Optional[Tensor] = None
             out = z
-        elif act.name in ("relu", "relu6") or (act.name == "leaky_relu" and act.negative_slope >= 0):
+        elif act.output_derivable:
             out = act(z, inplace=True)
             kept = out  # derivative from the output; usually kept by the next layer too
         else:
@@ -266,14 +264,10 @@ class FrozenFunction(Function):
         nx, nw, nb, ng, nbeta = _param_mask(ctx)
         if act.is_identity:
             grad_z = grad_out
-        elif act.name == "relu":
-            grad_z = torch.ops.aten.threshold_backward(grad_out, kept, 0)
-        elif act.name == "relu6":
-            grad_z = torch.ops.aten.hardtanh_backward(grad_out, kept, 0.0, 6.0)
-        elif act.name == "leaky_relu" and act.negative_slope >= 0:
-            grad_z = torch.ops.aten.leaky_relu_backward(grad_out, kept, act.negative_slope, True)
+        elif act.output_derivable:
+            grad_z = act.backward(grad_out, kept)  # kept is the output: sign tests agree with z's
         else:
-            grad_z = act.backward(grad_out, kept)
+            grad_z = act.backward(grad_out, kept)  # kept is the pre-activation z
         r = torch.rsqrt(rv + bn.eps)
         s = r if bn_weight is None else r * bn_weight
         w_f = weight * s.to(weight.dtype).reshape(-1, *([1] * (weight.dim() - 1)))

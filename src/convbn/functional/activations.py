@@ -82,6 +82,42 @@ class Activation:
             return aten.gelu_backward(grad_out, z, approximate=self.approximate)
         return aten.hardswish_backward(grad_out, z)
 
+    @property
+    def output_derivable(self) -> bool:
+        """``f'(z)`` is a function of the output ``f(z)`` (ReLU family): backward needs no ``z``."""
+        return self.name in ("identity", "relu", "relu6") or (self.name == "leaky_relu" and self.negative_slope > 0)
+
+    def backward_(self, grad_out: Tensor, z: Tensor) -> Tensor:
+        """:meth:`backward` written into ``z``'s buffer (``z`` is consumed): one fewer
+        activation-sized allocation in the fused layers' backward."""
+        n = self.name
+        if n == "identity":
+            return grad_out
+        if n == "relu":
+            return aten.threshold_backward.grad_input(grad_out, z, 0, grad_input=z)
+        if n == "relu6":
+            return aten.hardtanh_backward.grad_input(grad_out, z, 0.0, 6.0, grad_input=z)
+        if n == "leaky_relu":
+            return aten.leaky_relu_backward.grad_input(grad_out, z, self.negative_slope, False, grad_input=z)
+        if n == "silu":
+            return aten.silu_backward.grad_input(grad_out, z, grad_input=z)
+        if n == "gelu":
+            return aten.gelu_backward.grad_input(grad_out, z, approximate=self.approximate, grad_input=z)
+        return aten.hardswish_backward.out(grad_out, z, out=z)
+
+    def backward_from_output_(self, grad_out: Tensor, out: Tensor) -> Tensor:
+        """``grad_z`` from the activation's *output*, written into ``out`` (see :attr:`output_derivable`)."""
+        n = self.name
+        if n == "identity":
+            return grad_out
+        if n == "relu":
+            return aten.threshold_backward.grad_input(grad_out, out, 0, grad_input=out)
+        if n == "relu6":
+            return aten.hardtanh_backward.grad_input(grad_out, out, 0.0, 6.0, grad_input=out)
+        if n == "leaky_relu" and self.negative_slope > 0:
+            return aten.leaky_relu_backward.grad_input(grad_out, out, self.negative_slope, True, grad_input=out)
+        raise ValueError(f"the derivative of {self} is not a function of its output")
+
     def module(self) -> nn.Module:
         """An equivalent ``nn`` module (for eager baselines and unfused fallbacks)."""
         n = self.name
