@@ -38,10 +38,14 @@ Note: [Round-robin timing]
     the order rotated by one per round; every timed step starts after a barrier so that the
     ranks enter their collectives together.
 
+Started by ``torchrun`` instead (``RANK``/``WORLD_SIZE``/``MASTER_*`` already set), nothing is
+launched: each process is one rank, the results are gathered and rank 0 prints the table.
+
 Run::
 
     convbn bench --ddp 2 --model mnist --batch-size 32 --steps 5
     python -m convbn.bench.ddp --ddp 2 --model mnist --batch-size 32
+    torchrun --nproc-per-node 2 -m convbn.bench.ddp --model mnist --batch-size 32
 """
 from __future__ import annotations
 
@@ -65,6 +69,7 @@ __all__ = [
     "DDPRow",
     "find_free_port",
     "launch_workers",
+    "launched_by_torchrun",
     "swap_sync_batchnorm",
     "run_ddp_bench",
     "print_ddp_table",
@@ -124,6 +129,7 @@ def _worker_main(fn: Callable[..., Any], rank: int, world_size: int, port: int, 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
                       LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))
     path = os.path.join(out_dir, f"rank{rank}.pt")
+    failed_at: Optional[float] = None  # when fn raised: before the group closes and the peers fail in turn
     try:
         if torch.device(device).type == "cuda":
             torch.cuda.set_device(rank)
@@ -131,11 +137,14 @@ def _worker_main(fn: Callable[..., Any], rank: int, world_size: int, port: int, 
                                 timeout=timedelta(seconds=timeout_s))
         try:
             result = fn(rank, world_size, *args)
+        except BaseException:
+            failed_at = time.time()
+            raise
         finally:
             dist.destroy_process_group()
         torch.save({"ok": True, "result": result}, path)
     except BaseException:  # noqa: BLE001 - hand the traceback to the launcher, then fail the process
-        torch.save({"ok": False, "error": traceback.format_exc()}, path)
+        torch.save({"ok": False, "error": traceback.format_exc(), "time": failed_at or time.time()}, path)
         raise SystemExit(1)
 
 
@@ -194,11 +203,13 @@ def launch_workers(
         for rank in range(world_size):
             path = os.path.join(out_dir, f"rank{rank}.pt")
             results.append(torch.load(path, weights_only=False) if os.path.exists(path) else None)
-        errors = {r: p["error"] for r, p in enumerate(results) if p is not None and not p["ok"]}
-        if errors:  # the rank that failed first is the cause; the others usually lost their peer
-            first = failed if failed in errors else min(errors)
-            others = f" (ranks {sorted(set(errors) - {first})} failed too)" if len(errors) > 1 else ""
-            raise RuntimeError(f"distributed worker rank {first} of {world_size} failed{others}:\n{errors[first]}")
+        errors = {r: p for r, p in enumerate(results) if p is not None and not p["ok"]}
+        if errors:  # the rank that raised first is the cause; the others usually lost their peer then
+            first = min(errors, key=lambda r: errors[r]["time"])
+            others = "".join(f"\nrank {r} failed too: {p['error'].strip().splitlines()[-1]}"
+                             for r, p in errors.items() if r != first)
+            raise RuntimeError(f"distributed worker rank {first} of {world_size} failed:\n"
+                               f"{errors[first]['error']}{others}")
         if failed is not None or any(r is None for r in results):
             missing = [r for r, p in enumerate(results) if p is None]
             why = f"rank {failed} exited with code {procs[failed].exitcode}" if failed is not None else \
@@ -264,6 +275,21 @@ class _Config:
     note: str = ""
 
 
+def _timed(fn: Callable[[], None], device: torch.device) -> float:
+    """Milliseconds of ``fn()``: CUDA events after a synchronize on a GPU, ``perf_counter`` on CPU."""
+    if device.type == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize(device)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        return float(start.elapsed_time(end))
+    t0 = time.perf_counter()
+    fn()
+    return (time.perf_counter() - t0) * 1e3
+
+
 def _bench_worker(rank: int, world_size: int, spec: str, batch_size: int, steps: int, warmup: int, device_name: str,
                   seed: int, lr: float, threads: int) -> Dict[str, Any]:
     """One rank of :func:`run_ddp_bench`: returns this rank's measurements."""
@@ -277,7 +303,7 @@ def _bench_worker(rank: int, world_size: int, spec: str, batch_size: int, steps:
     torch.set_num_threads(threads)
     device = torch.device(device_name)
     if device.type == "cuda":
-        device = torch.device("cuda", rank)
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
     torch.manual_seed(seed)
     base, shape = build_model(spec)  # same seed: same weights on every rank
     base = base.train()
@@ -339,14 +365,9 @@ def _bench_worker(rank: int, world_size: int, spec: str, batch_size: int, steps:
             k = r % len(cfgs)
             for cfg in cfgs[k:] + cfgs[:k]:  # see Note: [Round-robin timing]
                 dist.barrier()
-                if device.type == "cuda":
-                    torch.cuda.synchronize(device)
-                t0 = time.perf_counter()
-                step(cfg)
-                if device.type == "cuda":
-                    torch.cuda.synchronize(device)
+                ms = _timed(lambda: step(cfg), device)
                 if timed:
-                    result["configs"][cfg.name]["times"].append((time.perf_counter() - t0) * 1e3)
+                    result["configs"][cfg.name]["times"].append(ms)
 
     rounds(warmup, timed=False)
     rounds(steps, timed=True)
@@ -403,8 +424,11 @@ def run_ddp_bench(
 
     build_model(spec)  # a bad spec or a missing package fails here, before any process starts
     threads = threads or max(1, (os.cpu_count() or 1) // world_size)
-    results = launch_workers(_bench_worker, world_size, spec, batch_size, steps, warmup, device, seed, lr, threads,
-                             device=device, timeout=timeout)
+    bench_args = (spec, batch_size, steps, warmup, device, seed, lr, threads)
+    if launched_by_torchrun():
+        results = _run_in_this_group(world_size, bench_args)
+    else:
+        results = launch_workers(_bench_worker, world_size, *bench_args, device=device, timeout=timeout)
     rows: List[DDPRow] = []
     backend = _default_backend(device)
     for name in DDP_CONFIGS:
@@ -428,6 +452,38 @@ def run_ddp_bench(
         if row.median_ms is not None and eager.median_ms:
             row.time_ratio = row.median_ms / eager.median_ms
     return rows
+
+
+def launched_by_torchrun() -> bool:
+    """Whether this process is one rank of a job started by ``torchrun`` (or already in a process group)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return True
+    return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
+
+
+def _run_in_this_group(world_size: int, bench_args: Tuple[Any, ...]) -> List[Dict[str, Any]]:
+    """Run this rank's share of the benchmark in the current job (``torchrun``); every rank gets all results."""
+    import torch.distributed as dist
+
+    device = bench_args[4]
+    created = not dist.is_initialized()
+    if created:
+        if torch.device(device).type == "cuda":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        dist.init_process_group(_default_backend(device))
+    try:
+        rank, world = dist.get_rank(), dist.get_world_size()
+        if world != world_size:
+            raise ValueError(f"--ddp {world_size} does not match this job's WORLD_SIZE={world}; "
+                             f"leave --ddp out under torchrun or give the same number")
+        everyone: List[Any] = [None] * world
+        dist.all_gather_object(everyone, _bench_worker(rank, world, *bench_args))
+        return everyone
+    finally:
+        if created:
+            dist.destroy_process_group()
 
 
 # --------------------------------------------------------------------------- output
@@ -511,7 +567,9 @@ def main_ddp(args: argparse.Namespace) -> int:
     Returns an exit code: 0; 2 with a message on stderr for a bad spec or option; 1 when a
     worker failed (its traceback on stderr).
     """
-    world_size = 2 if getattr(args, "ddp", None) is None else int(args.ddp)
+    torchrun = launched_by_torchrun()
+    default = int(os.environ.get("WORLD_SIZE", 2)) if torchrun else 2
+    world_size = default if getattr(args, "ddp", None) is None else int(args.ddp)
     models = getattr(args, "model", None) or ["mnist"]
     if isinstance(models, str):
         models = [models]
@@ -527,7 +585,8 @@ def main_ddp(args: argparse.Namespace) -> int:
     except RuntimeError as exc:  # a worker failed: its traceback is in the message
         print(f"convbn bench --ddp: {exc}", file=sys.stderr)
         return 1
-    print_ddp_table(rows)
+    if not torchrun or int(os.environ.get("RANK", "0")) == 0:  # one table per job
+        print_ddp_table(rows)
     return 0
 
 
