@@ -307,18 +307,23 @@ def _bench_worker(rank: int, world_size: int, spec: str, batch_size: int, steps:
     torch.manual_seed(seed)
     base, shape = build_model(spec)  # same seed: same weights on every rank
     base = base.train()
-    synced = nn.SyncBatchNorm.convert_sync_batchnorm(copy.deepcopy(base))
+    synced = nn.SyncBatchNorm.convert_sync_batchnorm(copy.deepcopy(base)).to(device)
     n_bn = sum(isinstance(m, nn.SyncBatchNorm) for m in synced.modules())
 
-    models: Dict[str, Tuple[nn.Module, str]] = {}
+    # name -> (model, note, the unconverted module whose parameter order every config shares)
+    models: Dict[str, Tuple[nn.Module, str, nn.Module]] = {}
     if device.type == "cuda":
-        models["eager"] = (copy.deepcopy(synced), "nn.SyncBatchNorm")
+        eager = copy.deepcopy(synced)
+        models["eager"] = (eager, "nn.SyncBatchNorm", eager)
     else:
-        models["eager"] = (copy.deepcopy(base), "nn.SyncBatchNorm is CUDA-only: per-process BatchNorm, local stats")
-    models[DDP_CONFIGS[1]] = (swap_sync_batchnorm(copy.deepcopy(synced)), f"{n_bn} SyncBN, no fusion")
-    fused = convert(copy.deepcopy(synced), strategy="auto")
+        eager = copy.deepcopy(base)
+        models["eager"] = (eager, "nn.SyncBatchNorm is CUDA-only: per-process BatchNorm, local stats", eager)
+    unfused = swap_sync_batchnorm(copy.deepcopy(synced))
+    models[DDP_CONFIGS[1]] = (unfused, f"{n_bn} SyncBN, no fusion", unfused)
+    before = copy.deepcopy(synced)
+    fused = convert(before, strategy="auto")  # shares before's parameters (same objects, same order)
     report = getattr(fused, "convbn_report", None)
-    models[DDP_CONFIGS[2]] = (fused, "" if report is None else f"{len(report.pairs)} pairs fused")
+    models[DDP_CONFIGS[2]] = (fused, "" if report is None else f"{len(report.pairs)} pairs fused", before)
     reference = "eager" if device.type == "cuda" else DDP_CONFIGS[1]
 
     gen = torch.Generator().manual_seed(seed + 1 + rank)  # each rank its own data
@@ -328,9 +333,9 @@ def _bench_worker(rank: int, world_size: int, spec: str, batch_size: int, steps:
     proj = torch.randn(probe.shape[1:], generator=torch.Generator().manual_seed(seed)).to(device)
 
     cfgs: List[_Config] = []
-    for name, (model, note) in models.items():
+    for name, (model, note, owner) in models.items():
         model = model.to(device)
-        params, buffers = list(model.parameters()), [b for b in model.buffers() if b.is_floating_point()]
+        params, buffers = list(owner.parameters()), [b for b in model.buffers() if b.is_floating_point()]
         ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
         cfgs.append(_Config(name, ddp, params, buffers, torch.optim.SGD(params, lr=lr), note))
 
