@@ -750,8 +750,6 @@ def test_load_state_dict_assign_replaces_the_weights_the_chains_use() -> None:
     assert_same_training(eager, fast, inp(2, 3, 10, 10))
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: a functional conv's weight held by the root module is looked up on the "
-                   "temporary traced GraphModule, so a replaced root Parameter is not seen by the chain")
 def test_load_state_dict_assign_with_root_level_functional_conv_weights() -> None:
     eager = build(FunctionalConv, seed=3)
     fast = convbn.convert(build(FunctionalConv, seed=1))
@@ -899,8 +897,6 @@ def test_report_contents_and_explain_leaves_model_alone() -> None:
     assert rc.saved_bytes < report.saved_bytes
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: when nothing can be fused, convert() returns the user's model itself "
-                   "and sets .convbn_report on it, so explain() adds an attribute to the model")
 def test_explain_adds_nothing_to_a_model_without_pairs() -> None:
     model = build(TransposedThenBN)
     attrs = set(vars(model))

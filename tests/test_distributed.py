@@ -436,8 +436,6 @@ def test_sync_batchnorm_errors_under_process_group(standalone: Any) -> None:
         assert "double backward" in msg and "SyncBatchNorm" in msg and "single process" in msg
 
 
-@pytest.mark.xfail(strict=True, reason="BatchNormFunction is once_differentiable: autograd's generic 'differentiate "
-                                       "twice ... @once_differentiable' message names neither SyncBatchNorm nor a fix")
 def test_standalone_sync_batchnorm_double_backward_message_names_the_cause(standalone: Any) -> None:
     for res in standalone[3]:
         msg = res["double_standalone"]
@@ -490,9 +488,7 @@ def test_monai_resnet_one_ddp_step_equals_single_process() -> None:
 
 
 @pytest.mark.parametrize("key", [
-    pytest.param("one_sample_fused", marks=pytest.mark.xfail(
-        strict=True, reason="convbn.nn.chain.FusedChain.forward checks 'more than 1 value per channel' on the local "
-                            "batch even when the statistics are synchronised (nn.SyncBatchNorm checks the global count)")),
+    "one_sample_fused",
     "one_sample_standalone",
 ])
 def test_one_value_per_channel_per_rank_is_fine_when_synchronised(key: str, standalone: Any) -> None:
@@ -506,8 +502,6 @@ def test_one_value_per_channel_per_rank_is_fine_when_synchronised(key: str, stan
         torch.testing.assert_close(res[key][1], x.grad[rank:rank + 1], **F64)
 
 
-@pytest.mark.xfail(strict=True, reason="convert(example_inputs=...) measures the user's model, whose nn.SyncBatchNorm "
-                                       "refuses CPU tensors inside a process group; measuring the swapped model fixes it")
 def test_convert_with_example_inputs_inside_process_group(standalone: Any) -> None:
     for res in standalone[3]:
         assert res["example_inputs"] == "ok", res["example_inputs"]

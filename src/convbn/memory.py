@@ -22,6 +22,7 @@ __all__ = [
     "saved_bytes",
     "track_saved",
     "peak_memory",
+    "tensor_peak",
     "PeakMemory",
     "format_bytes",
 ]
@@ -268,3 +269,54 @@ class peak_memory:
             self._peak = max(self._peak, now)
             self.result.peak = self._peak - self._start
             self.result.end = now - self._start
+
+
+class tensor_peak:
+    """Context manager: exact peak of live tensor bytes in the block, on any device.
+
+    Counts tensor storages as they are created and freed (through PyTorch's
+    ``MemTracker`` dispatch mode), so unlike sampled RSS it is deterministic and free
+    of allocator caching: on CPU it is the analogue of ``torch.cuda.max_memory_allocated``.
+    It slows the block down, so measure peaks in a step that is not timed.
+
+    Args:
+        *track: modules / optimizers whose existing tensors (parameters, gradients,
+            buffers, optimizer state) count towards the live total from the start.
+
+    Example:
+        >>> net = nn.Linear(8, 8)
+        >>> with tensor_peak(net) as tp:
+        ...     net(torch.randn(4, 8)).sum().backward()
+        >>> tp.result.peak > 0
+        True
+    """
+
+    def __init__(self, *track: Any) -> None:
+        try:
+            from torch.distributed._tools.mem_tracker import MemTracker
+        except ImportError as err:  # pragma: no cover - torch builds without it
+            raise ImportError(
+                "tensor_peak needs torch.distributed._tools.mem_tracker (PyTorch >= 2.5 with distributed); "
+                "use peak_memory() instead"
+            ) from err
+        self._tracker = MemTracker()
+        if track:
+            self._tracker.track_external(*track)
+        self.result = PeakMemory(source="tensors")
+        self._start = 0
+
+    @staticmethod
+    def _total(snapshot: Dict[Any, Dict[Any, int]]) -> int:
+        return sum(int(dev.get("Total", 0)) for dev in snapshot.values())
+
+    def __enter__(self) -> "tensor_peak":
+        self._tracker.__enter__()
+        self._start = self._total(self._tracker.get_tracker_snapshot("current"))
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        end = self._total(self._tracker.get_tracker_snapshot("current"))
+        peak = self._total(self._tracker.get_tracker_snapshot("peak"))
+        self._tracker.__exit__(*exc)
+        self.result.peak = peak - self._start
+        self.result.end = end - self._start

@@ -10,7 +10,6 @@ from typing import Any, Optional, Tuple
 import torch
 from torch import Tensor
 from torch.autograd import Function
-from torch.autograd.function import once_differentiable
 
 from ..functional.batchnorm import BNSpec, bn_backward, bn_forward
 from .saving import load_tensors, save_tensors
@@ -21,8 +20,8 @@ __all__ = ["BatchNormFunction"]
 class BatchNormFunction(Function):
     """``z = BN(y)``; keeps ``y`` and the per-channel statistics; running stats updated once.
 
-    First-order only (``once_differentiable``): cross-process statistics have no
-    differentiable reference here.
+    First-order only: cross-process statistics have no differentiable reference here,
+    and a differentiable backward (``create_graph=True``) raises a clear error.
     """
 
     @staticmethod
@@ -41,8 +40,12 @@ class BatchNormFunction(Function):
         return z
 
     @staticmethod
-    @once_differentiable
     def backward(ctx: Any, grad_z: Tensor) -> Tuple[Optional[Tensor], ...]:  # type: ignore[override]
+        if torch.is_grad_enabled():
+            raise RuntimeError(
+                "double backward (create_graph=True) through cross-process SyncBatchNorm statistics is not "
+                "supported by convbn; compute the penalty on a single process or without SyncBatchNorm"
+            )
         y, weight, mean, invstd = load_tensors(ctx)
         n = ctx.needs_input_grad
         gy, gw, gb = bn_backward(grad_z, y, weight, mean, invstd, ctx.spec, (n[0], n[1], n[2]))

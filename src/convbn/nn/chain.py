@@ -115,7 +115,7 @@ class FusedChain(nn.Module):
             shape = conv_output_shape(shape, l.weight.shape, l.conv)
             if any(s <= 0 for s in shape[2:]):
                 raise RuntimeError(f"input of shape {tuple(input.shape)} is too small for {l.names[0]}: output {tuple(shape)}")
-            if spec.batch_stats and shape[0] * _prod(shape[2:]) <= 1:
+            if spec.batch_stats and spec.process_group is None and shape[0] * _prod(shape[2:]) <= 1:
                 raise ValueError(
                     f"Expected more than 1 value per channel when training, got input size {torch.Size(shape)} at {l.names[1]}"
                 )

@@ -136,15 +136,20 @@ def _absorb_zero_pad(conv: _Conv, gm: fx.GraphModule) -> _Conv:
                  conv.absorbed + (inp,))
 
 
-def _match_conv(node: fx.Node, gm: fx.GraphModule) -> Union[_Conv, str, None]:
-    """A conv node as :class:`_Conv`, a string reason why it cannot be fused, or ``None``."""
-    found = _match_conv_node(node, gm)
+def _match_conv(node: fx.Node, gm: fx.GraphModule, root: nn.Module) -> Union[_Conv, str, None]:
+    """A conv node as :class:`_Conv`, a string reason why it cannot be fused, or ``None``.
+
+    Weight owners are looked up on ``root``, the user's module: the traced GraphModule
+    holds stand-in containers for ``get_attr`` targets, which later re-assignments of
+    the real modules' parameters (``load_state_dict(assign=True)``) would not reach.
+    """
+    found = _match_conv_node(node, gm, root)
     if isinstance(found, _Conv) and found.spec.pre_pad_mode == "constant":
         found = _absorb_zero_pad(found, gm)
     return found
 
 
-def _match_conv_node(node: fx.Node, gm: fx.GraphModule) -> Union[_Conv, str, None]:
+def _match_conv_node(node: fx.Node, gm: fx.GraphModule, root: nn.Module) -> Union[_Conv, str, None]:
     if node.op == "call_module":
         mod = gm.get_submodule(str(node.target))
         if not isinstance(mod, _ConvNd):
@@ -169,7 +174,7 @@ def _match_conv_node(node: fx.Node, gm: fx.GraphModule) -> Union[_Conv, str, Non
         if any(isinstance(a, fx.Node) for a in geo) or not isinstance(inp, fx.Node):
             return "the functional convolution's arguments are not constants"
         wpath, _, wname = str(w.target).rpartition(".")
-        owner = gm.get_submodule(wpath) if wpath else gm
+        owner = root.get_submodule(wpath) if wpath else root
         bname = None
         if b is not None:
             bpath, _, bname = str(b.target).rpartition(".")
@@ -238,7 +243,7 @@ def _describe(node: fx.Node) -> str:
     return f"{node.op} {node.target}"
 
 
-def _find_layers(gm: fx.GraphModule, prefix: str, report: ConvertReport) -> List[_Layer]:
+def _find_layers(gm: fx.GraphModule, root: nn.Module, prefix: str, report: ConvertReport) -> List[_Layer]:
     graph = gm.graph
     bn_calls: Dict[str, int] = {}
     for node in graph.nodes:
@@ -270,7 +275,7 @@ def _find_layers(gm: fx.GraphModule, prefix: str, report: ConvertReport) -> List
         if not isinstance(src, fx.Node):
             skip("its input is not a traced tensor")
             continue
-        conv = _match_conv(src, gm)
+        conv = _match_conv(src, gm, root)
         if conv is None:
             skip(f"its input is not a convolution output (it follows {_describe(src)})")
             continue
@@ -330,8 +335,10 @@ def _graph_module(root: nn.Module, traced: fx.GraphModule, extra: Sequence[Tuple
     gm._modules = OrderedDict(root._modules)
     for name, mod in extra:
         gm._modules[name] = mod
-    gm._parameters = OrderedDict(root._parameters)
-    gm._buffers = OrderedDict(root._buffers)
+    # the very same dicts: a root-level parameter re-assigned on either model is the one
+    # the chains read (they hold ``root`` as the owner of root-level weights)
+    gm._parameters = root._parameters
+    gm._buffers = root._buffers
     gm._non_persistent_buffers_set = set(root._non_persistent_buffers_set)
     gm.training = root.training
     return gm
@@ -401,7 +408,7 @@ def _convert(module: nn.Module, prefix: str, mode: str, chain: bool, inplace: bo
             if new is not child:
                 target._modules[name] = new
         return target
-    layers = _find_layers(gm, prefix, report)
+    layers = _find_layers(gm, module, prefix, report)
     if not layers:
         return module
     return _rewrite(module, gm, _chains(layers, chain), mode, report)
@@ -542,13 +549,16 @@ def convert(
     converted = _convert(root, "", strategy, chain, inplace, report)
     _account_bns(model, report)
     if strategy == "auto" and example_inputs is not None and report.pairs:
-        _plan(model, converted, _as_tuple(example_inputs), memory_budget, report)
+        # measure on ``root``: its SyncBatchNorms are convbn's, which run on CPU too
+        _plan(root, converted, _as_tuple(example_inputs), memory_budget, report)
     elif example_inputs is not None and report.pairs:
         inputs = _as_tuple(example_inputs)
-        with _Restore(model), _Restore(converted):
-            report.eager_saved_bytes = _measure(model, inputs)
+        with _Restore(root), _Restore(converted):
+            report.eager_saved_bytes = _measure(root, inputs)
             report.saved_bytes = _measure(converted, inputs)
     try:
+        if converted is model and not inplace:
+            converted = _shallow_clone(model)  # nothing fused: carry the report without touching ``model``
         converted.convbn_report = report  # type: ignore[assignment]
     except AttributeError:  # pragma: no cover - modules refusing attributes
         pass
