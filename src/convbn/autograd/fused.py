@@ -74,10 +74,9 @@ def bn_act_backward(
         ``(grad_y, grad_bn_weight, grad_bn_bias)`` where ``mask`` asks.
     """
     if act.is_identity:
-        grad_z = grad_out
-    else:
-        grad_z = act.backward_(grad_out, bn_apply(y, mean, invstd, bn_weight, bn_bias))
-    return bn_backward(grad_z, y, bn_weight, mean, invstd, bn, mask)
+        return bn_backward(grad_out, y, bn_weight, mean, invstd, bn, mask)
+    grad_z = act.backward_(grad_out, bn_apply(y, mean, invstd, bn_weight, bn_bias))
+    return bn_backward(grad_z, y, bn_weight, mean, invstd, bn, mask, inplace=True)
 
 
 def differentiable_backward(
