@@ -122,91 +122,79 @@ def _finish(ctx: Any, *grads: Optional[Tensor]) -> Tuple[Optional[Tensor], ...]:
     return tuple(grads) + (None,) * (len(ctx.needs_input_grad) - len(grads))
 
 
+def _batch_stat_forward(
+    ctx: Any,
+    keep_y: bool,
+    x: Tensor,
+    weight: Tensor,
+    bias: Optional[Tensor],
+    bn_weight: Optional[Tensor],
+    bn_bias: Optional[Tensor],
+    running_mean: Optional[Tensor],
+    running_var: Optional[Tensor],
+    conv: ConvSpec,
+    bn: BNSpec,
+    act: Activation,
+) -> Tensor:
+    """Forward shared by the two recompute strategies; they differ in whether ``y`` is kept."""
+    y = conv_forward(x, weight, bias, conv)
+    z, mean, invstd = bn_forward(y, bn_weight, bn_bias, running_mean, running_var, bn)
+    # recompute_conv: the whole point is that the conv output does not outlive forward
+    save_tensors(ctx, (x, y if keep_y else None, weight, bias, bn_weight, bn_bias, mean, invstd))
+    del y
+    ctx.specs = (conv, bn, act)
+    return act(z, inplace=True)
+
+
+def _batch_stat_backward(ctx: Any, grad_out: Tensor) -> Tuple[Optional[Tensor], ...]:
+    x, y, weight, bias, bn_weight, bn_bias, mean, invstd = load_tensors(ctx)
+    conv, bn, act = ctx.specs
+    if torch.is_grad_enabled():
+        rm, rv = (None, None) if bn.batch_stats else (mean, invstd.pow(-2) - bn.eps)
+        return differentiable_backward(
+            ctx, grad_out, (x, weight, bias, bn_weight, bn_bias), _rebuild_with_stats(ctx, rm, rv)
+        )
+    nx, nw, nb, ng, nbeta = _param_mask(ctx)
+    if y is None:
+        y = conv_forward(x, weight, bias, conv)  # recompute_conv
+    grad_y, g_gamma, g_beta = bn_act_backward(
+        grad_out, y, bn_weight, mean, invstd, bn, act, (nx or nw or nb, ng, nbeta), bn_bias
+    )
+    del y
+    gx, gw, gb = conv_backward(grad_y, x, weight, conv, (nx, nw, nb))
+    return _finish(ctx, gx, gw, gb, g_gamma, g_beta)
+
+
 class RecomputeConvFunction(Function):
     """Conv -> BN -> act keeping only the conv input; the conv is recomputed in backward.
 
     This is the method of the PyTorch tutorial "Fusing Convolution and Batch Norm using
     Custom Function", generalised to every conv/BN option.
+    ``apply(x, weight, bias, bn_weight, bn_bias, running_mean, running_var, conv, bn, act)``.
     """
 
     @staticmethod
-    def forward(  # type: ignore[override]
-        ctx: Any,
-        x: Tensor,
-        weight: Tensor,
-        bias: Optional[Tensor],
-        bn_weight: Optional[Tensor],
-        bn_bias: Optional[Tensor],
-        running_mean: Optional[Tensor],
-        running_var: Optional[Tensor],
-        conv: ConvSpec,
-        bn: BNSpec,
-        act: Activation,
-    ) -> Tensor:
-        y = conv_forward(x, weight, bias, conv)
-        z, mean, invstd = bn_forward(y, bn_weight, bn_bias, running_mean, running_var, bn)
-        del y  # the whole point: the conv output does not outlive forward
-        save_tensors(ctx, (x, weight, bias, bn_weight, bn_bias, mean, invstd))
-        ctx.specs = (conv, bn, act)
-        return act(z, inplace=True)
+    def forward(ctx: Any, *args: Any) -> Tensor:  # type: ignore[override]
+        return _batch_stat_forward(ctx, False, *args)
 
     @staticmethod
     def backward(ctx: Any, grad_out: Tensor) -> Tuple[Optional[Tensor], ...]:  # type: ignore[override]
-        x, weight, bias, bn_weight, bn_bias, mean, invstd = load_tensors(ctx)
-        conv, bn, act = ctx.specs
-        if torch.is_grad_enabled():
-            rm, rv = (None, None) if bn.batch_stats else (mean, invstd.pow(-2) - bn.eps)
-            return differentiable_backward(
-                ctx, grad_out, (x, weight, bias, bn_weight, bn_bias), _rebuild_with_stats(ctx, rm, rv)
-            )
-        nx, nw, nb, ng, nbeta = _param_mask(ctx)
-        y = conv_forward(x, weight, bias, conv)
-        grad_y, g_gamma, g_beta = bn_act_backward(
-            grad_out, y, bn_weight, mean, invstd, bn, act, (nx or nw or nb, ng, nbeta), bn_bias
-        )
-        del y
-        gx, gw, gb = conv_backward(grad_y, x, weight, conv, (nx, nw, nb))
-        return _finish(ctx, gx, gw, gb, g_gamma, g_beta)
+        return _batch_stat_backward(ctx, grad_out)
 
 
 class RecomputeBNFunction(Function):
-    """Conv -> BN -> act keeping the conv input and output; BN + act recomputed element-wise."""
+    """Conv -> BN -> act keeping the conv input and output; BN + act recomputed element-wise.
+
+    ``apply(x, weight, bias, bn_weight, bn_bias, running_mean, running_var, conv, bn, act)``.
+    """
 
     @staticmethod
-    def forward(  # type: ignore[override]
-        ctx: Any,
-        x: Tensor,
-        weight: Tensor,
-        bias: Optional[Tensor],
-        bn_weight: Optional[Tensor],
-        bn_bias: Optional[Tensor],
-        running_mean: Optional[Tensor],
-        running_var: Optional[Tensor],
-        conv: ConvSpec,
-        bn: BNSpec,
-        act: Activation,
-    ) -> Tensor:
-        y = conv_forward(x, weight, bias, conv)
-        z, mean, invstd = bn_forward(y, bn_weight, bn_bias, running_mean, running_var, bn)
-        save_tensors(ctx, (x, y, weight, bias, bn_weight, bn_bias, mean, invstd))
-        ctx.specs = (conv, bn, act)
-        return act(z, inplace=True)
+    def forward(ctx: Any, *args: Any) -> Tensor:  # type: ignore[override]
+        return _batch_stat_forward(ctx, True, *args)
 
     @staticmethod
     def backward(ctx: Any, grad_out: Tensor) -> Tuple[Optional[Tensor], ...]:  # type: ignore[override]
-        x, y, weight, bias, bn_weight, bn_bias, mean, invstd = load_tensors(ctx)
-        conv, bn, act = ctx.specs
-        if torch.is_grad_enabled():
-            rm, rv = (None, None) if bn.batch_stats else (mean, invstd.pow(-2) - bn.eps)
-            return differentiable_backward(
-                ctx, grad_out, (x, weight, bias, bn_weight, bn_bias), _rebuild_with_stats(ctx, rm, rv)
-            )
-        nx, nw, nb, ng, nbeta = _param_mask(ctx)
-        grad_y, g_gamma, g_beta = bn_act_backward(
-            grad_out, y, bn_weight, mean, invstd, bn, act, (nx or nw or nb, ng, nbeta), bn_bias
-        )
-        gx, gw, gb = conv_backward(grad_y, x, weight, conv, (nx, nw, nb))
-        return _finish(ctx, gx, gw, gb, g_gamma, g_beta)
+        return _batch_stat_backward(ctx, grad_out)
 
 
 class FrozenFunction(Function):
