@@ -9,7 +9,6 @@ from torch.testing import assert_close
 import convbn
 from convbn.memory import saved_bytes, track_saved
 
-torch.set_num_threads(1)
 
 STRATEGIES = ["auto", "recompute_bn", "recompute_conv"]
 

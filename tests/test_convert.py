@@ -31,13 +31,6 @@ TOL = dict(rtol=1e-10, atol=1e-10)
 STRATS = ("auto", "recompute_bn", "recompute_conv")
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread() -> Any:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
 
 # --------------------------------------------------------------------------- helpers
 

@@ -32,13 +32,6 @@ STRATEGIES: Dict[str, Dict[str, Any]] = {
 }
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread() -> Any:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
 
 def resnet50() -> Tuple[nn.Module, Tuple[int, ...]]:
     return monai_nets.resnet50(spatial_dims=2, n_input_channels=3, conv1_t_stride=2, num_classes=10), (2, 3, 64, 64)

@@ -29,13 +29,6 @@ from convbn.demo import (
 F32 = torch.empty((), dtype=torch.float32).element_size()
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread() -> Any:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
 
 @pytest.fixture(scope="module")
 def digits_small() -> Any:

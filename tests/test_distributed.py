@@ -24,7 +24,6 @@ from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 import convbn
-from convbn.nn.fused import _FusedConvBNNd
 from convbn.nn.sync import SyncBatchNorm
 
 if not dist.is_available() or not dist.is_gloo_available():
@@ -46,13 +45,6 @@ STRATEGIES: Dict[str, Dict[str, Any]] = {
     "recompute_conv-nochain": dict(strategy="recompute_conv", chain=False),
 }
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread() -> Any:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 class Net(nn.Module):

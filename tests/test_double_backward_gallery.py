@@ -1,7 +1,7 @@
 """Tests of the double-backward gallery: first and second derivatives against analytic ones."""
 from __future__ import annotations
 
-from typing import Callable, Iterator
+from typing import Callable
 
 import pytest
 import torch
@@ -23,13 +23,6 @@ from convbn.autograd.double_backward import (
     square,
 )
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread() -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 Fn = Callable[[torch.Tensor], torch.Tensor]

@@ -20,13 +20,6 @@ from convbn.functional.fused import STRATEGIES, conv_bn_act
 from convbn.nn.fused import FusedConvBN1d, FusedConvBN2d, FusedConvBN3d
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread() -> Any:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
 
 def _snapshot(m: nn.Module) -> Dict[str, Tensor]:
     return {k: v.detach().clone() for k, v in m.state_dict().items()}

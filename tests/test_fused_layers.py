@@ -52,14 +52,6 @@ TOL64 = dict(rtol=1e-10, atol=1e-10)
 TOL32 = dict(rtol=1e-4, atol=1e-5)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread() -> Any:
-    """Tiny tensors: intra-op threads only oversubscribe the cores that pytest-xdist workers share."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
 
 # --------------------------------------------------------------------------- helpers
 

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import copy
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -14,13 +14,6 @@ from convbn.gradcheck import GradcheckReport, gradcheck_module
 from convbn.nn.linear import Linear
 from convbn.nn.tutorial import TutorialFusedConvBN2d
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread() -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 class _WrongBackward(torch.autograd.Function):

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
-from typing import Any, Tuple
+from typing import Any
 
 import pytest
 import torch

@@ -12,7 +12,6 @@ import torch.nn as nn
 import convbn
 from convbn.memory import tensor_peak
 
-torch.set_num_threads(1)
 
 
 def _step_peak(model: nn.Module, x: torch.Tensor) -> int:

@@ -30,13 +30,6 @@ monai_nets = pytest.importorskip("monai.networks.nets")
 efficientnet_pytorch = pytest.importorskip("efficientnet_pytorch")
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread() -> Any:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
 
 def resnet18() -> nn.Module:
     return monai_nets.resnet18(spatial_dims=2, n_input_channels=3, num_classes=10)

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import math
-from typing import Any, Iterator, List
+from typing import Any, List
 
 import pytest
 import torch
@@ -25,13 +25,6 @@ from convbn.autograd.tutorial_fused import (
 )
 from convbn.nn.tutorial import TutorialFusedConvBN2d
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread() -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 SHAPES = [(2, 3, 4, 4), (5, 2, 3, 1), (1, 4, 3, 3), (8, 1, 1, 1), (3, 2, 2, 5)]

@@ -1,7 +1,6 @@
 """Tests of the reference Conv2dFunction against eager ``F.conv2d``."""
 from __future__ import annotations
 
-from typing import Iterator
 
 import pytest
 import torch
@@ -16,14 +15,6 @@ from convbn.autograd.conv2d import (
     conv2d_weight_grad,
 )
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread() -> Iterator[None]:
-    # Tiny tensors: worker threads only add overhead (and contention on small machines).
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 # (N, C_in, H, W, C_out, kernel, stride, padding)

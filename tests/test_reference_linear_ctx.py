@@ -1,7 +1,7 @@
 """Tests of LinearFunction / Linear and the ctx-tool Functions, against eager torch."""
 from __future__ import annotations
 
-from typing import Any, Iterator, List, Optional
+from typing import Any, List, Optional
 
 import pytest
 import torch
@@ -21,13 +21,6 @@ from convbn.autograd.ctx_tools import (
 from convbn.autograd.linear import LinearFunction, linear_reference
 from convbn.nn.linear import Linear
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread() -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def _randn(*shape: int, requires_grad: bool = True) -> torch.Tensor:

@@ -19,7 +19,6 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from convbn.memory import SavedBytes, saved_bytes
@@ -31,13 +30,6 @@ BN = {1: nn.BatchNorm1d, 2: nn.BatchNorm2d, 3: nn.BatchNorm3d}
 SPATIAL = {1: (10,), 2: (8, 6), 3: (4, 5, 6)}
 ACT_MODULES = {None: nn.Identity, "relu": nn.ReLU, "relu6": nn.ReLU6, "leaky_relu": nn.LeakyReLU, "silu": nn.SiLU, "gelu": nn.GELU, "hardswish": nn.Hardswish}
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread() -> Any:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def nbytes(shape: Sequence[int], dtype: torch.dtype) -> int:

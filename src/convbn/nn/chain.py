@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from contextlib import nullcontext
 from dataclasses import dataclass, field
-from typing import Any, List, Optional, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor, nn
@@ -17,7 +17,6 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from ..autograd.chain import ChainFunction, ChainLayerSpec, chain_forward_no_grad
 from ..functional.activations import Activation
-from ..functional.batchnorm import BNSpec
 from ..functional.conv import ConvSpec, conv_flops, conv_output_shape
 from ..functional.fused import check_inputs
 from .fused import bn_running_stats, bn_spec_from_module

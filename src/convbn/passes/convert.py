@@ -29,7 +29,7 @@ from ..nn.chain import ChainLayer, FusedChain
 from ..nn.fused import _FusedConvBNNd
 from ..nn.sync import SyncBatchNorm
 from .fold import _resolve_string_annotations
-from .planner import all_keep_bytes, plan_layers, tutorial_bytes
+from .planner import plan_layers, tutorial_bytes
 from .report import ConvertReport, FusedPair, SkippedBN
 
 __all__ = ["convert", "explain", "CONVERT_STRATEGIES"]
