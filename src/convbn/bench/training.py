@@ -69,6 +69,7 @@ import dataclasses
 import gc
 import inspect
 import json
+import math
 import statistics
 import sys
 import time
@@ -712,7 +713,7 @@ def rows_to_markdown(rows: Sequence[TrainingRow]) -> str:
 def rows_to_json(rows: Sequence[TrainingRow]) -> str:
     """The rows as a JSON list of objects (field names of :class:`TrainingRow`)."""
     def clean(v: Any) -> Any:
-        return None if isinstance(v, float) and v != v else v  # NaN is not JSON
+        return None if isinstance(v, float) and not math.isfinite(v) else v  # NaN / inf are not JSON
 
     return json.dumps([{k: clean(v) for k, v in dataclasses.asdict(r).items()} for r in rows], indent=2)
 
