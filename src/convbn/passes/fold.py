@@ -421,6 +421,14 @@ class _BNSite:
 
 
 @dataclass
+class _BNSkip:
+    """A BatchNorm application that cannot be folded whatever its neighbours are."""
+
+    name: str
+    reason: str
+
+
+@dataclass
 class _Layer:
     """A conv / conv-transpose / linear application in a graph, module or functional."""
 
@@ -458,8 +466,8 @@ class _GraphFolder:
         return f"{self.prefix}{target}" if target else self.prefix.rstrip(".") or "<root>"
 
     # -- matching -----------------------------------------------------------------
-    def bn_site(self, node: fx.Node) -> Union[_BNSite, str, None]:
-        """The BN applied by ``node``; a reason string if it is a BN that cannot fold;
+    def bn_site(self, node: fx.Node) -> Union[_BNSite, _BNSkip, None]:
+        """The BN applied by ``node``; a :class:`_BNSkip` if it is a BN that cannot fold;
         None if ``node`` is no BatchNorm."""
         if node.op == "call_module":
             mod = self.modules.get(node.target)
@@ -475,7 +483,7 @@ class _GraphFolder:
             if why is None and (len(node.args) != 1 or node.kwargs):
                 why = "BatchNorm called with extra arguments"
             if why is not None:
-                return f"{name}\0{why}"
+                return _BNSkip(name, why)
             return _BNSite(node, name, node.args[0], mod.running_mean, mod.running_var, mod.eps,
                            mod.weight, mod.bias, mod, ())
         if node.op == "call_function" and node.target in _BN_FNS:
@@ -483,17 +491,17 @@ class _GraphFolder:
             rm_node = args.get("running_mean") if args else None
             name = self._functional_bn_name(node, rm_node)
             if args is None:
-                return f"{name}\0batch_norm call with arguments this pass does not understand"
+                return _BNSkip(name, "batch_norm call with arguments this pass does not understand")
             if args["training"] is not False:
-                return f"{name}\0batch_norm called with training={args['training']!r} (batch statistics)"
+                return _BNSkip(name, f"batch_norm called with training={args['training']!r} (batch statistics)")
             values = {k: _const_tensor(self.gm, args[k]) for k in ("running_mean", "running_var", "weight", "bias")}
             if values["running_mean"] is None or values["running_var"] is None:
-                return f"{name}\0batch_norm called without running statistics"
+                return _BNSkip(name, "batch_norm called without running statistics")
             if any(v is _UNSET for v in values.values()):
-                return f"{name}\0batch_norm statistics/affine parameters are computed in forward, not stored attributes"
+                return _BNSkip(name, "batch_norm statistics/affine parameters are computed in forward, not stored attributes")
             eps = args["eps"]
             if not isinstance(eps, (int, float)):
-                return f"{name}\0batch_norm eps is not a constant"
+                return _BNSkip(name, "batch_norm eps is not a constant")
             attr_nodes = tuple(args[k] for k in ("running_mean", "running_var", "weight", "bias")
                                if isinstance(args[k], fx.Node))
             return _BNSite(node, name, args["input"], values["running_mean"], values["running_var"],
@@ -766,9 +774,8 @@ class _GraphFolder:
             site = self.bn_site(node)
             if site is None:
                 continue
-            if isinstance(site, str):
-                name, why = site.split("\0", 1)
-                self.ctx.report.actions.append(FoldAction(name, False, reason=why))
+            if isinstance(site, _BNSkip):
+                self.ctx.report.actions.append(FoldAction(site.name, False, reason=site.reason))
                 continue
             with torch.no_grad():
                 done, why_pre = self.fold_preceding(site)
