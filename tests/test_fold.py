@@ -648,3 +648,40 @@ def test_inference_bench_smoke() -> None:
     assert by_variant["convbn.fold"].batchnorms_left == 0
     assert by_variant["convbn.fold"].max_abs_diff < 1e-4
     assert "convbn.fold" in rows_to_markdown(rows)
+
+
+class AliasedAndTied(nn.Module):
+    """``a`` and ``b`` are the same conv object; ``c`` shares its weight with ``d``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Conv2d(3, 3, 1)
+        self.b = self.a
+        self.c = nn.Conv2d(3, 3, 1)
+        self.d = nn.Conv2d(3, 3, 1)
+        self.d.weight = self.c.weight
+        self.bn_a, self.bn_c = nn.BatchNorm2d(3), nn.BatchNorm2d(3)
+
+    def forward(self, x):
+        return self.bn_a(self.a(x)) + self.b(x) + self.bn_c(self.c(x)) + self.d(x)
+
+
+@pytest.mark.parametrize("inplace", [False, True])
+def test_aliased_module_and_tied_weights_are_not_mutated(inplace: bool) -> None:
+    model = randomize_bn(AliasedAndTied()).eval()
+    x = torch.randn(2, 3, 5, 5)
+    ref = run(model, x)
+    a_w, c_w = model.a.weight.detach().clone(), model.c.weight.detach().clone()
+    folded = fold(model, inplace=inplace)
+    assert_same(ref, run(folded, x))
+    assert torch.equal(model.a.weight, a_w)  # aliased: called twice, never mutated
+    assert torch.equal(model.d.weight, c_w)  # d still sees the unfolded shared weight
+    assert all(a.folded for a in report_of(folded).actions)
+
+
+def test_conv_bn_bn_chain_folds_twice() -> None:
+    model = randomize_bn(nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.BatchNorm2d(4))).double().eval()
+    x = torch.randn(2, 3, 8, 8, dtype=torch.float64)
+    folded = fold(model)
+    assert_same(run(model, x), run(folded, x))
+    assert [a.layer for a in report_of(folded).actions] == ["0", "0"] and bn_modules(folded) == []
