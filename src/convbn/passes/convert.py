@@ -450,8 +450,10 @@ def _as_tuple(example_inputs: Any) -> Tuple[Any, ...]:
 
 
 def _measure(model: nn.Module, inputs: Tuple[Any, ...]) -> int:
+    """Saved *activation* bytes of one training forward (parameters excluded: eager
+    autograd saves weights, convbn holds them by reference; either way they are alive)."""
     model.train()
-    return saved_bytes(model, *inputs).total
+    return saved_bytes(model, *inputs).activation_bytes
 
 
 def _chain_layers(model: nn.Module) -> List[List[ChainLayer]]:
@@ -523,9 +525,10 @@ def convert(
         strategy: ``"auto"`` (plan per layer), ``"recompute_bn"`` (every layer keeps its
             conv output; element-wise recompute only) or ``"recompute_conv"`` (keep no
             layer's conv output; with ``chain=False`` this is the tutorial's method).
-        memory_budget: with ``"auto"``, the target saved bytes as a fraction of the eager
-            model's (e.g. ``0.35``); ``None`` targets the memory of the tutorial's method.
-            Needs ``example_inputs``. A budget below the reachable floor raises ``ValueError``.
+        memory_budget: with ``"auto"``, the target saved activation bytes (parameters
+            excluded) as a fraction of the eager model's (e.g. ``0.35``); ``None`` targets
+            the memory of the tutorial's method. Needs ``example_inputs``. A budget below
+            the reachable floor raises ``ValueError`` naming the floor.
         example_inputs: a tensor or tuple of inputs for a measuring forward pass (running
             stats, RNG and modes are restored afterwards). Without it, ``"auto"`` plans each
             chain on its first training call.

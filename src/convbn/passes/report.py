@@ -57,8 +57,9 @@ class ConvertReport:
         untraced: ``(module, error)`` for modules that could not be traced whole.
         strategy: the strategy asked for.
         eager_saved_bytes / saved_bytes / floor_saved_bytes / target_saved_bytes:
-            measured (with ``example_inputs``) saved bytes of the eager model, of the
-            converted model, of the lowest-memory plan, and the planner's target.
+            measured (with ``example_inputs``) saved activation bytes -- bytes held for
+            backward, parameters excluded -- of the eager model, of the converted model,
+            of the lowest-memory plan, and the planner's target.
     """
 
     pairs: List[FusedPair] = field(default_factory=list)
@@ -78,7 +79,7 @@ class ConvertReport:
         lines = [f"convbn.convert report (strategy={self.strategy!r}): {len(self.pairs)} pairs fused "
                  f"in {self.num_chains} chains, {len(self.skipped)} BatchNorms skipped"]
         if self.eager_saved_bytes:
-            lines.append(f"  saved bytes: eager {format_bytes(self.eager_saved_bytes)}"
+            lines.append(f"  saved activation bytes: eager {format_bytes(self.eager_saved_bytes)}"
                          + (f", converted {format_bytes(self.saved_bytes)} "
                             f"({self.saved_bytes / self.eager_saved_bytes:.2f}x)" if self.saved_bytes is not None else "")
                          + (f", floor {format_bytes(self.floor_saved_bytes)}" if self.floor_saved_bytes else "")
