@@ -104,7 +104,8 @@ def test_configs_selection_and_errors() -> None:
     assert config_names(["compile"], compile_budgets=[0.5, 0.1]) == [
         "eager", "torch.compile budget=0.5", "torch.compile budget=0.1"]
     assert config_names(["compile"], use_compile=False) == ["eager"]
-    assert len(config_names(None, use_compile=False)) == len(CONFIG_KEYS) - 2  # no budget given, no compile
+    # no budget given, no compile (neither alone nor after convert)
+    assert len(config_names(None, use_compile=False)) == len(CONFIG_KEYS) - 3
     with pytest.raises(ValueError, match=r"unknown configuration.*'bogus'.*choose from"):
         config_names(["bogus"])
     with pytest.raises(ValueError, match="positive"):

@@ -34,10 +34,13 @@ class Command:
     help: str
     add_arguments: Callable[[argparse.ArgumentParser], None]
     run: Callable[[argparse.Namespace], int]
+    #: hand options the subparser does not know to ``run`` as ``args.extra`` (a command
+    #: that dispatches to modes with their own parsers, like ``bench``)
+    passthrough: bool = False
 
 
 #: Modules defining a module-level ``COMMAND: Command``, in the order ``--help`` lists them.
-COMMAND_MODULES: List[str] = ["convbn.demo"]
+COMMAND_MODULES: List[str] = ["convbn.demo", "convbn.bench.command"]
 
 
 def load_commands(modules: Optional[Sequence[str]] = None) -> List[Command]:
@@ -88,5 +91,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         0
     """
     parser = build_parser()
-    args = parser.parse_args(None if argv is None else list(argv))
+    args, extra = parser.parse_known_args(None if argv is None else list(argv))
+    if extra and not args.command_obj.passthrough:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    args.extra = extra
     return int(args.command_obj.run(args))

@@ -19,9 +19,11 @@ Measured per configuration:
 
 * **saved bytes** of one training forward (:func:`convbn.memory.saved_bytes`, SPEC §3), and
   the same without parameter storages (**saved excl. params**, see Note: [Activation bytes]);
-* **peak**: peak memory of one training step above the memory in use just before it
-  (:class:`convbn.memory.peak_memory`; CUDA allocator, or sampled RSS on CPU), median of
-  a few dedicated rounds (the RSS sampler thread would disturb the timed steps);
+* **peak**: peak memory of one training step above the memory in use just before it:
+  the CUDA allocator on GPU; on CPU the exact live-tensor peak
+  (:class:`convbn.memory.tensor_peak`), except for compiled graphs, which run outside
+  Python dispatch and get sampled RSS (:class:`convbn.memory.peak_memory`, noted in the
+  row); median of a few dedicated, untimed rounds;
 * **step time**: forward + loss + backward + ``SGD.step()``, median over ``steps`` timed
   rounds after ``warmup`` untimed ones;
 * **max |Δout|**, **max |Δgrad|**: largest absolute difference of the first step's output
@@ -83,7 +85,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.dropout import _DropoutNd
 
 from convbn.bench.models import build_model
-from convbn.memory import format_bytes, peak_memory, track_saved
+from convbn.memory import format_bytes, peak_memory, tensor_peak, track_saved
 from convbn.passes.convert import convert
 
 __all__ = [
@@ -105,7 +107,7 @@ __all__ = [
 ]
 
 #: Keys accepted by ``configs=`` / ``--configs`` (``eager`` is always run: it is the baseline).
-CONFIG_KEYS = ("eager", "auto", "budget", "tutorial", "recompute_bn", "checkpoint", "compile")
+CONFIG_KEYS = ("eager", "auto", "budget", "tutorial", "recompute_bn", "checkpoint", "compile", "convert+compile")
 DEFAULT_COMPILE_BUDGETS = (0.5, 0.3, 0.1)
 DEFAULT_MODELS = ("mnist",)
 _DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -257,6 +259,8 @@ def config_names(
         names.append("checkpoint per block")
     if "compile" in keys and use_compile:
         names += [f"torch.compile budget={_fmt_budget(b)}" for b in compile_budgets]
+    if "convert+compile" in keys and use_compile:
+        names += [f"convert auto + torch.compile budget={_fmt_budget(b)}" for b in compile_budgets]
     return list(dict.fromkeys(names))
 
 
@@ -299,7 +303,14 @@ def _build(name: str, base: nn.Module, x: Tensor, lr: float) -> _Config:
     params, buffers = list(model.parameters()), list(model.buffers())  # same objects after the transform
     context: Callable[[], ContextManager[Any]] = contextlib.nullcontext
     note = ""
-    if name.startswith("convert"):
+    if name.startswith("convert auto + torch.compile"):
+        budget = float(name.rpartition("=")[2])
+        model = convert(model, strategy="auto", example_inputs=x)
+        report = model.convbn_report
+        note = f"{len(report.pairs)} pairs in {report.num_chains} chains"
+        model = torch.compile(model, backend=_budget_backend(budget))
+        context = lambda: torch._functorch.config.patch(activation_memory_budget=budget)  # noqa: E731
+    elif name.startswith("convert"):
         if "budget=" in name:
             budget = float(name.rpartition("=")[2])
             model = convert(model, strategy="auto", memory_budget=budget, example_inputs=x)
@@ -615,10 +626,19 @@ def run_training_bench(
         peaks: Dict[str, List[int]] = {c.name: [] for c in cfgs}
 
         def measure_peak(cfg: _Config, r: int) -> None:
+            # Note: [peak on CPU] exact live-tensor bytes (tensor_peak) where possible;
+            # compiled graphs run outside Python dispatch, so for them fall back to
+            # sampled process RSS and say so in the row.
             _release_freed_memory(device)
-            with peak_memory(device) as pm:
+            if device.type == "cpu" and "torch.compile" not in cfg.name:
+                meter: Any = tensor_peak(cfg.model, cfg.optimizer)
+            else:
+                meter = peak_memory(device)
+                if device.type == "cpu" and r == 0:
+                    rows[cfg.name].note += f"{'; ' if rows[cfg.name].note else ''}peak: sampled RSS"
+            with meter:
                 _step(cfg, x, proj)
-            peaks[cfg.name].append(pm.result.peak)
+            peaks[cfg.name].append(meter.result.peak)
 
         run_rounds(memory_rounds, "peak memory", measure_peak)
 
@@ -704,7 +724,8 @@ def print_table(rows: Sequence[TrainingRow], title: Optional[str] = None) -> Non
 
 def rows_to_markdown(rows: Sequence[TrainingRow]) -> str:
     """The rows as a GitHub markdown table (for BENCHMARKS.md)."""
-    lines = ["| " + " | ".join(_HEADERS) + " |", "|" + "".join("---:|" if h in _RIGHT else "---|" for h in _HEADERS)]
+    lines = ["| " + " | ".join(h.replace("|", "\\|") for h in _HEADERS) + " |",
+             "|" + "".join("---:|" if h in _RIGHT else "---|" for h in _HEADERS)]
     for row in rows:
         lines.append("| " + " | ".join(c.replace("|", "/") for c in _cells(row)) + " |")
     return "\n".join(lines)
