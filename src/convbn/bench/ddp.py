@@ -65,6 +65,8 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import Tensor, nn
 
+from convbn.bench.table import print_rich_table
+
 __all__ = [
     "DDPRow",
     "find_free_port",
@@ -524,20 +526,10 @@ def _cells(row: DDPRow) -> List[str]:
 
 def print_ddp_table(rows: Sequence[DDPRow], title: Optional[str] = None) -> None:
     """Print the rows as a rich table."""
-    from rich.console import Console
-    from rich.table import Table
-
     where = ", ".join(sorted({f"{r.world_size} x {r.device} ({r.backend})" for r in rows}))
-    table = Table(title=title or f"DDP training step (forward + backward + all-reduce + SGD) with SyncBatchNorm: "
-                                 f"eager vs convbn.convert, {where}")
-    for h in _HEADERS:
-        table.add_column(h, justify="right" if h in _RIGHT else "left", overflow="fold")
-    for row in rows:
-        table.add_row(*_cells(row))
-    console = Console()
-    if not console.is_terminal:
-        console = Console(width=220)  # a pipe or file: do not squeeze the table
-    console.print(table)
+    title = title or (f"DDP training step (forward + backward + all-reduce + SGD) with SyncBatchNorm: "
+                      f"eager vs convbn.convert, {where}")
+    print_rich_table(_HEADERS, _RIGHT, [_cells(r) for r in rows], title)
 
 
 # --------------------------------------------------------------------------- command line

@@ -28,6 +28,7 @@ from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from convbn.bench.models import build_model
+from convbn.bench.table import markdown_table, print_rich_table
 from convbn.passes.fold import fold
 
 __all__ = [
@@ -226,28 +227,18 @@ def _cells(row: InferenceRow) -> List[str]:
 _HEADERS = ["model", "variant", "input", "median ms", "IQR ms", "ratio to unfused", "ratio to fx fuse", "max abs diff", "BN left", "note"]
 
 
+_RIGHT = ("median ms", "IQR ms", "ratio to unfused", "ratio to fx fuse", "max abs diff", "BN left")
+
+
 def print_table(rows: Sequence[InferenceRow]) -> None:
     """Print the rows as a rich table."""
-    from rich.console import Console
-    from rich.table import Table
-
-    table = Table(title="Inference: unfused vs fx fuse vs convbn.fold (CPU, eval, no grad)")
-    for h in _HEADERS:
-        table.add_column(h, justify="right" if h in ("median ms", "IQR ms", "ratio to unfused", "ratio to fx fuse", "max abs diff", "BN left") else "left")
-    for row in rows:
-        table.add_row(*_cells(row))
-    console = Console()
-    if not console.is_terminal:
-        console = Console(width=200)  # a pipe or file: do not squeeze the table into 80 columns
-    console.print(table)
+    title = "Inference: unfused vs fx fuse vs convbn.fold (CPU, eval, no grad)"
+    print_rich_table(_HEADERS, _RIGHT, [_cells(r) for r in rows], title, width=200)
 
 
 def rows_to_markdown(rows: Sequence[InferenceRow]) -> str:
     """The rows as a GitHub markdown table."""
-    lines = ["| " + " | ".join(_HEADERS) + " |", "|" + "---|" * len(_HEADERS)]
-    for row in rows:
-        lines.append("| " + " | ".join(c.replace("|", "/") for c in _cells(row)) + " |")
-    return "\n".join(lines)
+    return markdown_table(_HEADERS, _RIGHT, [_cells(r) for r in rows])
 
 
 def add_inference_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:

@@ -85,6 +85,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.dropout import _DropoutNd
 
 from convbn.bench.models import build_model
+from convbn.bench.table import markdown_table, print_rich_table
 from convbn.memory import format_bytes, peak_memory, tensor_peak, track_saved
 from convbn.passes.convert import convert
 
@@ -706,29 +707,14 @@ def _cells(row: TrainingRow) -> List[str]:
 
 def print_table(rows: Sequence[TrainingRow], title: Optional[str] = None) -> None:
     """Print the rows as a rich table."""
-    from rich.console import Console
-    from rich.table import Table
-
     where = ", ".join(sorted({f"{r.device} {r.dtype}" for r in rows}))
-    table = Table(title=title or f"Training step (forward + backward + SGD): eager vs convbn.convert vs checkpoint "
-                                 f"vs torch.compile ({where})")
-    for h in _HEADERS:
-        table.add_column(h, justify="right" if h in _RIGHT else "left", overflow="fold")
-    for row in rows:
-        table.add_row(*_cells(row))
-    console = Console()
-    if not console.is_terminal:
-        console = Console(width=240)  # a pipe or file: do not squeeze the table
-    console.print(table)
+    title = title or f"Training step (forward + backward + SGD): eager vs convbn.convert vs checkpoint vs torch.compile ({where})"
+    print_rich_table(_HEADERS, _RIGHT, [_cells(r) for r in rows], title, width=240)
 
 
 def rows_to_markdown(rows: Sequence[TrainingRow]) -> str:
     """The rows as a GitHub markdown table (for BENCHMARKS.md)."""
-    lines = ["| " + " | ".join(h.replace("|", "\\|") for h in _HEADERS) + " |",
-             "|" + "".join("---:|" if h in _RIGHT else "---|" for h in _HEADERS)]
-    for row in rows:
-        lines.append("| " + " | ".join(c.replace("|", "/") for c in _cells(row)) + " |")
-    return "\n".join(lines)
+    return markdown_table(_HEADERS, _RIGHT, [_cells(r) for r in rows])
 
 
 def rows_to_json(rows: Sequence[TrainingRow]) -> str:
