@@ -21,6 +21,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from ..functional.batchnorm import BNSpec
 from ..functional.conv import conv_output_shape
@@ -156,6 +157,14 @@ def _backward(ctx: Any, grad_out: Tensor, grad_saved: Any, grad_running: Any) ->
 torch.library.register_autograd("convbn::chain_fwd", _backward, setup_context=_setup_context)
 
 
+def _must_save_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+    return CheckpointPolicy.MUST_SAVE if op is torch.ops.convbn.chain_fwd.default else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _must_save_chain() -> Any:
+    return create_selective_checkpoint_contexts(_must_save_policy)
+
+
 def chain_op_apply(
     key: str,
     x0: Tensor,
@@ -174,9 +183,17 @@ def chain_op_apply(
     ])
     present = [p is not None for p in params]
     dense = [p if p is not None else x0.new_empty(0) for p in params]
-    out, _, new_running = _chain_fwd(
-        x0, dense, running, factors, key,
-        [s.keep_y for s in specs], [s.bn.batch_stats for s in specs], has_stats, present,
+    flags = ([s.keep_y for s in specs], [s.bn.batch_stats for s in specs], has_stats, present)
+
+    def run(x0: Tensor, dense: List[Tensor], running: List[Tensor], factors: Tensor) -> Any:
+        return _chain_fwd(x0, dense, running, factors, key, *flags)
+
+    # Note: [never recomputed by the partitioner] To the partitioner an opaque op is
+    # cheap to re-run, so it may recompute the whole chain in backward instead of keeping
+    # its outputs (every convolution twice: the opposite of the plan). A selective
+    # checkpoint policy marks the op MUST_SAVE; everything else stays the partitioner's call.
+    out, _, new_running = checkpoint(
+        run, x0, dense, running, factors, use_reentrant=False, context_fn=_must_save_chain
     )
     with torch.no_grad():
         for old, new in zip(running, new_running):
