@@ -249,12 +249,8 @@ class FrozenFunction(Function):
                 ctx, grad_out, (x, weight, bias, bn_weight, bn_bias), _rebuild_with_stats(ctx, rm, rv)
             )
         nx, nw, nb, ng, nbeta = _param_mask(ctx)
-        if act.is_identity:
-            grad_z = grad_out
-        elif act.output_derivable:
-            grad_z = act.backward(grad_out, kept)  # kept is the output: sign tests agree with z's
-        else:
-            grad_z = act.backward(grad_out, kept)  # kept is the pre-activation z
+        # kept: the output for the ReLU family (its sign tests agree with z's), else z itself
+        grad_z = grad_out if act.is_identity else act.backward(grad_out, kept)
         r = torch.rsqrt(rv + bn.eps)
         s = r if bn_weight is None else r * bn_weight
         w_f = weight * s.to(weight.dtype).reshape(-1, *([1] * (weight.dim() - 1)))
