@@ -408,6 +408,7 @@ def _convert(module: nn.Module, prefix: str, mode: str, chain: bool, inplace: bo
             if new is not child:
                 target._modules[name] = new
         return target
+    report.traced.append(prefix.rstrip("."))
     layers = _find_layers(gm, module, prefix, report)
     if not layers:
         return module
@@ -593,21 +594,17 @@ def _swap_sync_batchnorm(model: nn.Module, inplace: bool) -> nn.Module:
 def _account_bns(model: nn.Module, report: ConvertReport) -> None:
     """Every BatchNorm module gets a line: fused, skipped with a reason, or not reached."""
     seen = {p.bn for p in report.pairs} | {s.bn for s in report.skipped}
-    untraced = [m for m, _ in report.untraced]
+    outcome = {m: "traced" for m in report.traced} | {m: "untraced" for m, _ in report.untraced}
     for name, m in model.named_modules():
-        if isinstance(m, _BatchNorm) and name not in seen:
-            owner = max((u for u in untraced if name.startswith(u + ".") or u == ""), key=len, default=None)
-            if owner is not None and not any(
-                name.startswith(p + ".") for p, _ in _traced_prefixes(report) if len(p) > len(owner)
-            ):
-                reason = f"it sits in '{owner or '<root>'}', which could not be traced as a whole, outside any traceable child"
-            else:
-                reason = "it is not called in the traced forward pass"
-            report.skipped.append(SkippedBN(name, reason))
-
-
-def _traced_prefixes(report: ConvertReport) -> List[Tuple[str, str]]:
-    return [(p.conv.rpartition(".")[0], p.bn) for p in report.pairs]
+        if not isinstance(m, _BatchNorm) or name in seen:
+            continue
+        # the deepest enclosing module the pass tried to trace ("" is the root)
+        owner = max((o for o in outcome if o == "" or name.startswith(o + ".")), key=len, default="")
+        if outcome.get(owner) == "untraced":
+            reason = f"it is called from '{owner or '<root>'}', which could not be traced as a whole"
+        else:
+            reason = f"it is not called in the traced forward pass of '{owner or '<root>'}'"
+        report.skipped.append(SkippedBN(name, reason))
 
 
 def explain(model: nn.Module, example_inputs: Any = None, **kwargs: Any) -> ConvertReport:

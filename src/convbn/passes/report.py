@@ -55,6 +55,7 @@ class ConvertReport:
         pairs: every fused Conv -> BN (-> act).
         skipped: every BatchNorm not fused, with its reason.
         untraced: ``(module, error)`` for modules that could not be traced whole.
+        traced: modules traced whole (``""`` is the root).
         strategy: the strategy asked for.
         eager_saved_bytes / saved_bytes / floor_saved_bytes / target_saved_bytes:
             measured (with ``example_inputs``) saved activation bytes -- bytes held for
@@ -65,6 +66,7 @@ class ConvertReport:
     pairs: List[FusedPair] = field(default_factory=list)
     skipped: List[SkippedBN] = field(default_factory=list)
     untraced: List[tuple] = field(default_factory=list)
+    traced: List[str] = field(default_factory=list)
     strategy: str = "auto"
     eager_saved_bytes: Optional[int] = None
     saved_bytes: Optional[int] = None
