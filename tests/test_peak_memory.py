@@ -54,7 +54,11 @@ def test_auto_never_peaks_above_eager(make):
     peak_eager = _step_peak(eager, x)
     torch.manual_seed(1)
     peak_auto = _step_peak(auto, x)
-    assert peak_auto <= peak_eager
+    # Equal up to per-channel statistics: a fused layer keeps its batch mean / invstd
+    # (2 x C floats) from forward to backward, and at tiny batches the peak can fall on a
+    # moment where those few KiB are alive in one model and not the other.
+    stats = sum(2 * m.num_features * 4 for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm))
+    assert peak_auto <= peak_eager + stats
 
 
 def test_tensor_peak_counts_a_known_allocation():

@@ -177,8 +177,7 @@ def chain_backward(
         x = rb.x(i)  # rebuilt before the layer's own tensors are released
         grad_z = rb.grad_z(i, g)
         grad_y, grads[base + 2], grads[base + 3] = bn_backward(
-            grad_z, y, gamma, means[i], invstds[i], spec.bn, (nx or nw or nb, ng, nbeta),
-            inplace=grad_z is not g,  # our own buffer: grad_y may overwrite it
+            grad_z, y, gamma, means[i], invstds[i], spec.bn, (nx or nw or nb, ng, nbeta)
         )
         del grad_z, y
         rb.release(i)

@@ -76,7 +76,7 @@ def bn_act_backward(
     if act.is_identity:
         return bn_backward(grad_out, y, bn_weight, mean, invstd, bn, mask)
     grad_z = act.backward_(grad_out, bn_apply(y, mean, invstd, bn_weight, bn_bias))
-    return bn_backward(grad_z, y, bn_weight, mean, invstd, bn, mask, inplace=True)
+    return bn_backward(grad_z, y, bn_weight, mean, invstd, bn, mask)
 
 
 def differentiable_backward(

@@ -102,14 +102,11 @@ def bn_backward(
     invstd: Tensor,
     spec: BNSpec,
     mask: Tuple[bool, bool, bool],
-    inplace: bool = False,
 ) -> Tuple[Optional[Tensor], Optional[Tensor], Optional[Tensor]]:
     """``(grad_y, grad_gamma, grad_beta)`` with ``aten.native_batch_norm_backward``.
 
-    With ``inplace=True`` (``grad_z`` is a buffer the caller owns and no longer needs)
-    ``grad_y`` is written into ``grad_z``'s storage on CPU, where the kernel finishes its
-    per-channel reductions before its element-wise pass (checked bit-exact against the
-    out-of-place result in the tests).
+    (Its ``out=`` overload computes into a temporary and copies, so writing ``grad_y``
+    over ``grad_z`` would save no memory and cost a copy: measured, not used.)
 
     With batch statistics this includes the terms through ``mean`` and ``var``:
     ``grad_y = gamma * invstd * (g - mean(g) - xhat * mean(g * xhat))``; with running
@@ -117,13 +114,6 @@ def bn_backward(
     """
     if spec.batch_stats and spec.process_group is not None:
         out = _sync_backward(grad_z, y, weight, mean, invstd, spec, mask)
-    elif (spec.batch_stats and inplace and all(mask) and weight is not None and grad_z.device.type == "cpu"
-          and grad_z.is_contiguous(memory_format=_layout(y))):
-        # (the out= overload cannot leave an output undefined: all three are asked for)
-        gw, gb = torch.empty_like(weight), torch.empty_like(weight)
-        out = aten.native_batch_norm_backward.out(
-            grad_z, y, weight, None, None, mean, invstd, True, spec.eps, list(mask), out0=grad_z, out1=gw, out2=gb
-        )
     elif spec.batch_stats:
         out = aten.native_batch_norm_backward(
             grad_z, y, weight, None, None, mean, invstd, True, spec.eps, list(mask)
@@ -133,14 +123,6 @@ def bn_backward(
         out = _affine_backward(grad_z, y, weight, mean, invstd, mask)
     gy, gw, gb = out
     return (gy if mask[0] else None), (gw if mask[1] else None), (gb if mask[2] else None)
-
-
-def _layout(t: Tensor) -> torch.memory_format:
-    if t.dim() == 4 and t.is_contiguous(memory_format=torch.channels_last) and not t.is_contiguous():
-        return torch.channels_last
-    if t.dim() == 5 and t.is_contiguous(memory_format=torch.channels_last_3d) and not t.is_contiguous():
-        return torch.channels_last_3d
-    return torch.contiguous_format
 
 
 def _affine_backward(
