@@ -18,7 +18,7 @@ from .batchnorm import BNSpec, bn_forward
 from .conv import ConvSpec, conv_forward, conv_output_shape, make_conv_spec
 from .fold import fold_bn_into_preceding
 
-__all__ = ["STRATEGIES", "check_strategy", "check_inputs", "autocast_inputs", "conv_bn_act", "conv_bn_act_spec"]
+__all__ = ["STRATEGIES", "check_strategy", "check_inputs", "autocast_dtype", "autocast_inputs", "conv_bn_act", "conv_bn_act_spec"]
 
 #: Strategies a single fused layer accepts (``convert`` adds ``"auto"``).
 STRATEGIES = ("recompute_conv", "recompute_bn", "frozen")
@@ -89,17 +89,22 @@ def check_inputs(
     return out_shape
 
 
+def autocast_dtype(x: Tensor) -> Optional[torch.dtype]:
+    """The dtype autocast runs convolutions in for ``x``'s device, or ``None`` when it is off."""
+    dev = x.device.type
+    if dev in ("cpu", "cuda") and torch.is_autocast_enabled(dev) and x.is_floating_point():
+        return torch.get_autocast_dtype(dev)
+    return None
+
+
 def autocast_inputs(
     x: Tensor, weight: Tensor, bias: Optional[Tensor]
 ) -> Tuple[Tensor, Tensor, Optional[Tensor]]:
     """Cast the conv operands the way autocast casts ``conv`` (differentiably, outside
     the Function, so gradients reach the float32 parameters through the cast)."""
-    dev = x.device.type
-    if dev in ("cpu", "cuda") and torch.is_autocast_enabled(dev):
-        dt = torch.get_autocast_dtype(dev)
-        if x.is_floating_point():
-            x = x.to(dt)
-        weight = weight.to(dt)
+    dt = autocast_dtype(x)
+    if dt is not None:
+        x, weight = x.to(dt), weight.to(dt)
         bias = None if bias is None else bias.to(dt)
     return x, weight, bias
 

@@ -18,7 +18,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from ..autograd.chain import ChainFunction, ChainLayerSpec, chain_forward_no_grad
 from ..functional.activations import Activation
 from ..functional.conv import ConvSpec, conv_flops, conv_output_shape
-from ..functional.fused import check_inputs
+from ..functional.fused import autocast_dtype, check_inputs
 from .fused import bn_running_stats, bn_spec_from_module
 
 __all__ = ["ChainLayer", "FusedChain", "LAYER_MODES"]
@@ -107,6 +107,7 @@ class FusedChain(nn.Module):
         stats = [bn_running_stats(l.bn) for l in layers]
         specs0 = [bn_spec_from_module(l.bn) for l in layers]
         # Check every layer before any running statistic moves (a failing call changes nothing).
+        compute_dtype = autocast_dtype(input) or input.dtype  # what the conv outputs will be
         shape: Sequence[int] = input.shape
         check_inputs(input, first.weight, first.conv, specs0[0], (first.bias, first.bn.weight, first.bn.bias, *stats[0]))
         for l, spec in zip(layers, specs0):
@@ -118,28 +119,24 @@ class FusedChain(nn.Module):
                 raise ValueError(
                     f"Expected more than 1 value per channel when training, got input size {torch.Size(shape)} at {l.names[1]}"
                 )
-            l.y_shape = tuple(shape)
+            l.y_shape, l.y_dtype = tuple(shape), compute_dtype
         if self.auto_pending and torch.is_grad_enabled():
             from ..passes.planner import plan_layers, tutorial_bytes
 
-            for l in layers:
-                l.y_dtype = torch.get_autocast_dtype(input.device.type) if _autocast_on(input) else input.dtype
             # the tutorial method's memory for this chain, with the least conv recompute
             plan_layers(layers, tutorial_bytes([layers]))
             self.auto_pending = False
         bn_specs = [bn_spec_from_module(l.bn, advance=True) for l in layers]
-        dev = input.device.type
-        use_autocast = _autocast_on(input)
+        # autocast: every conv's operands cast as eager autocast would (no-op when it is off)
+        dt = autocast_dtype(input)
+        x = input if dt is None else input.to(dt)
         params: List[Optional[Tensor]] = []
         for l in layers:
             w, b = l.weight, l.bias
-            if use_autocast:
-                dt = torch.get_autocast_dtype(dev)
+            if dt is not None:
                 w, b = w.to(dt), (None if b is None else b.to(dt))
             params += [w, b, l.bn.weight, l.bn.bias]
-        x = input.to(torch.get_autocast_dtype(dev)) if use_autocast else input
-        for l in layers:
-            l.y_dtype = x.dtype
+        dev = input.device.type
         specs = tuple(
             ChainLayerSpec(l.conv, bs, l.act, l.mode != "recompute_conv") for l, bs in zip(layers, bn_specs)
         )
@@ -156,11 +153,6 @@ class FusedChain(nn.Module):
     def extra_repr(self) -> str:
         rows = [f"({i}) {l.names[0]} -> {l.names[1]} -> {l.act}: {l.mode}" for i, l in enumerate(self.layers)]
         return "\n".join(rows)
-
-
-def _autocast_on(t: Tensor) -> bool:
-    dev = t.device.type
-    return dev in ("cpu", "cuda") and torch.is_autocast_enabled(dev) and t.is_floating_point()
 
 
 def _prod(xs: Sequence[int]) -> int:
