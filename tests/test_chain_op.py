@@ -1,0 +1,98 @@
+"""The torch.compile path of a chain: the ``convbn::chain_fwd`` custom op.
+
+Under ``torch.compile`` a :class:`convbn.nn.FusedChain` runs as this op; here it is
+checked directly (eager calls of the op): registration (``torch.library.opcheck``:
+schema, fake kernel, autograd registration), gradients against the ChainFunction path
+and ``gradcheck`` in float64.
+"""
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+from torch.testing import assert_close
+
+import convbn
+from convbn.autograd.chain import ChainLayerSpec
+from convbn.autograd.chain_op import _chain_fwd, chain_op_apply, register_chain
+from convbn.functional.activations import Activation
+from convbn.functional.batchnorm import BNSpec
+from convbn.functional.conv import make_conv_spec
+
+
+def _specs(keep):
+    convs = [make_conv_spec(2, (3, 3), padding=1), make_conv_spec(2, (1, 1))]
+    acts = [Activation("relu"), Activation("silu")]
+    return [ChainLayerSpec(c, BNSpec(1e-5, True, 0.1), a, k) for c, a, k in zip(convs, acts, keep)]
+
+
+def _params(dtype=torch.float64):
+    g = torch.Generator().manual_seed(0)
+    shapes = [(6, 3, 3, 3), (6,), (6,), (6,), (4, 6, 1, 1), None, (4,), (4,)]
+    return [None if s is None else torch.randn(s, generator=g, dtype=dtype).requires_grad_() for s in shapes]
+
+
+@pytest.mark.parametrize("keep", [(True, True), (False, True), (True, False), (False, False)])
+def test_opcheck_registration(keep):
+    specs = _specs(keep)
+    key = register_chain([(s.conv, s.act, s.bn.eps) for s in specs])
+    params = _params()
+    dense = [p if p is not None else torch.empty(0, dtype=torch.float64) for p in params]
+    x = torch.randn(3, 3, 5, 5, dtype=torch.float64, requires_grad=True)
+    running = [torch.zeros(6, dtype=torch.float64), torch.ones(6, dtype=torch.float64),
+               torch.zeros(4, dtype=torch.float64), torch.ones(4, dtype=torch.float64)]
+    factors = torch.tensor([0.1, 0.1], dtype=torch.float64)
+    args = (x, dense, running, factors, key, list(keep), [True, True], [True, True], [p is not None for p in params])
+    torch.library.opcheck(_chain_fwd, args, test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
+
+
+@pytest.mark.parametrize("keep", [(True, True), (False, False)])
+def test_op_matches_chain_function_and_gradchecks(keep):
+    specs = _specs(keep)
+    key = register_chain([(s.conv, s.act, s.bn.eps) for s in specs])
+    params = _params()
+    x = torch.randn(3, 3, 5, 5, dtype=torch.float64, requires_grad=True)
+    no_stats = [(None, None), (None, None)]
+
+    def via_op(x, *ps):
+        return chain_op_apply(key, x, list(ps), specs, no_stats)
+
+    def via_function(x, *ps):
+        return convbn.autograd.ChainFunction.apply(x, *ps, tuple(specs), tuple(no_stats))
+
+    out_op, out_fn = via_op(x, *params), via_function(x, *params)
+    assert_close(out_op, out_fn, rtol=1e-12, atol=1e-12)
+    g = torch.randn_like(out_op)
+    grads_op = torch.autograd.grad(out_op, [x] + [p for p in params if p is not None], g)
+    grads_fn = torch.autograd.grad(out_fn, [x] + [p for p in params if p is not None], g)
+    for a, b in zip(grads_op, grads_fn):
+        assert_close(a, b, rtol=1e-12, atol=1e-12)
+    present = [p for p in params if p is not None]
+
+    def fn(x, *ps):
+        it = iter(ps)
+        full = [next(it) if p is not None else None for p in params]
+        return via_op(x, *full)
+
+    assert torch.autograd.gradcheck(fn, (x, *present), eps=1e-6, atol=1e-6)
+
+
+def test_op_updates_running_stats_like_eager():
+    torch.manual_seed(0)
+    eager = nn.Sequential(nn.Conv2d(3, 6, 3, padding=1), nn.BatchNorm2d(6, momentum=None), nn.ReLU(),
+                          nn.Conv2d(6, 4, 1), nn.BatchNorm2d(4)).double()
+    fused = convbn.convert(copy.deepcopy(eager), strategy="recompute_bn")
+    chain = fused.convbn_chain0
+    x = torch.randn(3, 3, 5, 5, dtype=torch.float64)
+    for _ in range(2):
+        from convbn.nn.fused import bn_running_stats, bn_spec_from_module
+
+        layers = chain.layers
+        stats = [bn_running_stats(l.bn) for l in layers]
+        specs = [ChainLayerSpec(l.conv, bn_spec_from_module(l.bn, advance=True), l.act, True) for l in layers]
+        params = [t for l in layers for t in (l.weight, l.bias, l.bn.weight, l.bn.bias)]
+        out = chain_op_apply(chain.op_key, x, params, specs, stats)
+        ref = eager(x)
+    assert_close(out, ref)
+    for b, be in zip(fused.buffers(), eager.buffers()):
+        assert_close(b, be)
