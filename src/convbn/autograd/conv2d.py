@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 __all__ = [
+    "conv2d_grads",
     "Conv2dFunction",
     "conv2d_reference",
     "conv2d_input_grad",
@@ -218,19 +219,20 @@ class Conv2dFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad_output: Tensor) -> Tuple[Optional[Tensor], ...]:
         input, weight = ctx.saved_tensors
-        grad_input = grad_weight = None
-        if ctx.needs_input_grad[0]:
-            grad_input = conv2d_input_grad(
-                grad_output, weight, input.shape, ctx.stride, ctx.padding
-            )
-        if ctx.needs_input_grad[1]:
-            grad_weight = conv2d_weight_grad(
-                input, grad_output, tuple(weight.shape[2:]), ctx.stride, ctx.padding
-            )
-        # One entry per forward argument; stride/padding are not tensors.
-        grads = [grad_input, grad_weight]
-        grads += [None] * (len(ctx.needs_input_grad) - len(grads))
-        return tuple(grads)
+        return conv2d_grads(ctx, grad_output, input, weight)
+
+
+def conv2d_grads(ctx: Any, grad_output: Tensor, input: Tensor, weight: Tensor) -> Tuple[Optional[Tensor], ...]:
+    """``(grad_input, grad_weight, None, ...)`` -- one entry per forward argument -- for a
+    Function whose ``ctx`` holds ``stride``/``padding``; only what ``needs_input_grad`` asks."""
+    grad_input = grad_weight = None
+    if ctx.needs_input_grad[0]:
+        grad_input = conv2d_input_grad(grad_output, weight, input.shape, ctx.stride, ctx.padding)
+    if ctx.needs_input_grad[1]:
+        grad_weight = conv2d_weight_grad(input, grad_output, tuple(weight.shape[2:]), ctx.stride, ctx.padding)
+    grads = [grad_input, grad_weight]
+    grads += [None] * (len(ctx.needs_input_grad) - len(grads))  # stride, padding, ... are not tensors
+    return tuple(grads)
 
 
 def conv2d_reference(

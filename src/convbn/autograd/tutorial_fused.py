@@ -22,12 +22,7 @@ from convbn.autograd.batchnorm2d import (
     batch_norm2d_formula,
     batch_norm2d_stats,
 )
-from convbn.autograd.conv2d import (
-    IntOrPair,
-    _check_conv_args,
-    conv2d_input_grad,
-    conv2d_weight_grad,
-)
+from convbn.autograd.conv2d import IntOrPair, _check_conv_args, conv2d_grads
 
 __all__ = ["TutorialFusedConvBN2dFunction", "tutorial_fused_conv_bn2d", "tutorial_conv_bn2d_formula"]
 
@@ -87,24 +82,12 @@ class TutorialFusedConvBN2dFunction(torch.autograd.Function):
     @once_differentiable
     def backward(ctx: Any, grad_output: Tensor) -> Tuple[Optional[Tensor], ...]:
         input, weight = ctx.saved_tensors
-        grad_input = grad_weight = None
-        if ctx.needs_input_grad[0] or ctx.needs_input_grad[1]:
-            # See Note: [what is kept] -- recompute the conv and its statistics.
-            conv_out = F.conv2d(input, weight, stride=ctx.stride, padding=ctx.padding)
-            mean, sqrt_var = batch_norm2d_stats(conv_out)
-            grad_conv = batch_norm2d_backward(grad_output, conv_out, mean, sqrt_var, ctx.eps)
-            del conv_out  # free the recomputed activation before the conv backward
-            if ctx.needs_input_grad[0]:
-                grad_input = conv2d_input_grad(
-                    grad_conv, weight, input.shape, ctx.stride, ctx.padding
-                )
-            if ctx.needs_input_grad[1]:
-                grad_weight = conv2d_weight_grad(
-                    input, grad_conv, tuple(weight.shape[2:]), ctx.stride, ctx.padding
-                )
-        grads = [grad_input, grad_weight]
-        grads += [None] * (len(ctx.needs_input_grad) - len(grads))
-        return tuple(grads)
+        # See Note: [what is kept] -- recompute the conv and its statistics.
+        conv_out = F.conv2d(input, weight, stride=ctx.stride, padding=ctx.padding)
+        mean, sqrt_var = batch_norm2d_stats(conv_out)
+        grad_conv = batch_norm2d_backward(grad_output, conv_out, mean, sqrt_var, ctx.eps)
+        del conv_out  # free the recomputed activation before the conv backward
+        return conv2d_grads(ctx, grad_conv, input, weight)
 
 
 def tutorial_fused_conv_bn2d(
