@@ -246,39 +246,17 @@ def gradcheck_module(
         module_name=type(module).__name__,
         variables=variables,
     )
-    try:
-        report.first_order = bool(
-            torch.autograd.gradcheck(
-                function,
-                diff_vars,
-                eps=eps,
-                atol=atol,
-                rtol=rtol,
-                nondet_tol=nondet_tol,
-                raise_exception=True,
-            )
-        )
-    except Exception as error:  # noqa: BLE001 - reported to the user, re-raised on request
-        if raise_exception:
-            raise
-        report.errors["first_order"] = f"{type(error).__name__}: {error}"
-
-    if check_grad_grad:
+    def attempt(name: str, check: Callable[..., bool]) -> bool:
         try:
-            report.second_order = bool(
-                torch.autograd.gradgradcheck(
-                    function,
-                    diff_vars,
-                    eps=eps,
-                    atol=atol,
-                    rtol=rtol,
-                    nondet_tol=nondet_tol,
-                    raise_exception=True,
-                )
-            )
-        except Exception as error:  # noqa: BLE001 - as above
+            return bool(check(function, diff_vars, eps=eps, atol=atol, rtol=rtol,
+                              nondet_tol=nondet_tol, raise_exception=True))
+        except Exception as error:  # noqa: BLE001 - reported to the user, re-raised on request
             if raise_exception:
                 raise
-            report.second_order = False
-            report.errors["second_order"] = f"{type(error).__name__}: {error}"
+            report.errors[name] = f"{type(error).__name__}: {error}"
+            return False
+
+    report.first_order = attempt("first_order", torch.autograd.gradcheck)
+    if check_grad_grad:
+        report.second_order = attempt("second_order", torch.autograd.gradgradcheck)
     return report
