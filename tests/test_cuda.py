@@ -32,7 +32,19 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
 ]
 
-CUDA = torch.device("cuda")
+CUDA = torch.device("cuda", 0)
+
+
+@pytest.fixture(autouse=True)
+def _exact_float32_and_deterministic_cudnn():
+    """Compare like with like: no TF32 (eager and fused may get different conv algorithms,
+    whose TF32 rounding differs by ~1e-3) and deterministic cuDNN (its float64 weight
+    gradients otherwise accumulate with atomics, which gradcheck's reentrancy check sees)."""
+    old = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    with torch.backends.cudnn.flags(enabled=True, benchmark=False, deterministic=True, allow_tf32=False):
+        yield
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = old
 F64 = dict(rtol=1e-10, atol=1e-10)
 FUSED = {1: FusedConvBN1d, 2: FusedConvBN2d, 3: FusedConvBN3d}
 CONV = {1: nn.Conv1d, 2: nn.Conv2d, 3: nn.Conv3d}

@@ -176,9 +176,10 @@ def chain_op_apply(
     :class:`convbn.nn.FusedChain` does while compiling)."""
     has_stats = [rm is not None and rv is not None for rm, rv in stats]
     running = [t for (rm, rv), h in zip(stats, has_stats) if h for t in (rm, rv)]  # type: ignore[misc]
+    # one device for all factors: ``momentum=None`` gives a tensor on the buffers' device
     factors = torch.stack([
-        s.bn.momentum.to(torch.float64) if isinstance(s.bn.momentum, Tensor)
-        else torch.tensor(float(s.bn.momentum), dtype=torch.float64)
+        s.bn.momentum.to(device=x0.device, dtype=torch.float64) if isinstance(s.bn.momentum, Tensor)
+        else torch.tensor(float(s.bn.momentum), dtype=torch.float64, device=x0.device)
         for s in specs
     ])
     present = [p is not None for p in params]
