@@ -1,22 +1,47 @@
 """``convbn`` command line: one argparse subcommand per registered :class:`Command`.
 
 Each subcommand lives in its own module, which defines a module-level ``COMMAND`` (a
-:class:`Command`); :data:`COMMAND_MODULES` lists those modules. Adding a subcommand (for
-example ``bench``) is one line there, and the module is only imported when the parser
-is built.
+:class:`Command`); :data:`COMMAND_MODULES` lists those modules, imported only when the
+parser is built.
+
+Errors: every bad option or input ends the command with ONE line on stderr,
+``convbn SUBCOMMAND: error: ...`` naming the value and what is allowed, and exit status 2
+(``--debug`` re-raises to show the traceback). Output paths are checked while parsing,
+before any work starts. Warnings print as one line ``convbn: warning: ...``.
 
 Example:
-    $ python -m convbn demo --epochs 1 --limit 512
+    $ convbn --version
     $ convbn demo --help
+    $ convbn bench --inference --help
 """
 from __future__ import annotations
 
 import argparse
 import importlib
+import os
+import sys
+import warnings
 from dataclasses import dataclass
-from typing import Callable, List, Optional, Sequence
+from typing import Any, Callable, List, Optional, Sequence
 
-__all__ = ["Command", "COMMAND_MODULES", "load_commands", "build_parser", "main"]
+__all__ = [
+    "Command",
+    "COMMAND_MODULES",
+    "load_commands",
+    "build_parser",
+    "main",
+    "positive_int",
+    "non_negative_int",
+    "batch_size",
+    "positive_float",
+    "fraction",
+    "device_arg",
+    "existing_dir",
+    "output_path",
+    "input_shape",
+]
+
+AddArguments = Callable[[argparse.ArgumentParser], None]
 
 
 @dataclass(frozen=True)
@@ -28,19 +53,144 @@ class Command:
         help: one line for ``convbn --help``.
         add_arguments: adds the subcommand's options to its (sub)parser.
         run: runs it with the parsed arguments; returns the process exit code.
+        select: for a command with modes (``bench``): given the subcommand's own arguments,
+            returns the ``add_arguments`` of the chosen mode, so that ``--help`` and the
+            parser show that mode's real options.
     """
 
     name: str
     help: str
-    add_arguments: Callable[[argparse.ArgumentParser], None]
+    add_arguments: AddArguments
     run: Callable[[argparse.Namespace], int]
-    #: hand options the subparser does not know to ``run`` as ``args.extra`` (a command
-    #: that dispatches to modes with their own parsers, like ``bench``)
-    passthrough: bool = False
+    select: Optional[Callable[[Sequence[str]], AddArguments]] = None
 
 
 #: Modules defining a module-level ``COMMAND: Command``, in the order ``--help`` lists them.
-COMMAND_MODULES: List[str] = ["convbn.demo", "convbn.bench.command"]
+COMMAND_MODULES: List[str] = ["convbn.demo", "convbn.bench.command", "convbn.cli_explain", "convbn.cli_fold"]
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """Shows every option's default; keeps the descriptions' line breaks."""
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse with a one-line error: ``PROG: error: MESSAGE (see PROG --help)``, exit status 2."""
+
+    def error(self, message: str) -> "NoReturn":  # type: ignore[name-defined]  # noqa: F821
+        self.exit(2, f"{self.prog}: error: {message} (see '{self.prog} --help')\n")
+
+
+# --------------------------------------------------------------------------- option types
+# Each raises argparse.ArgumentTypeError, which argparse reports as
+# "argument --flag: MESSAGE" on one line.
+
+
+def _int(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, but got {text!r}") from None
+
+
+def positive_int(text: str) -> int:
+    """An integer >= 1."""
+    value = _int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, but got {value}")
+    return value
+
+
+def non_negative_int(text: str) -> int:
+    """An integer >= 0."""
+    value = _int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, but got {value}")
+    return value
+
+
+def batch_size(text: str) -> int:
+    """A training batch size: an integer >= 2 (BatchNorm needs 2 samples per channel)."""
+    value = _int(text)
+    if value < 2:
+        raise argparse.ArgumentTypeError(f"must be at least 2 (BatchNorm in training needs 2 samples), but got {value}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    """A number > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, but got {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be greater than 0, but got {value}")
+    return value
+
+
+def fraction(text: str) -> float:
+    """A number in (0, 1]."""
+    value = positive_float(text)
+    if value > 1:
+        raise argparse.ArgumentTypeError(f"must be a fraction in (0, 1], but got {value}")
+    return value
+
+
+def device_arg(text: str) -> str:
+    """A torch device that exists here: ``cpu``, ``cuda``, ``cuda:N`` (when CUDA is available), ``mps`` ..."""
+    import torch
+
+    try:
+        device = torch.device(text)
+    except RuntimeError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a torch device; use cpu, cuda or cuda:N") from None
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise argparse.ArgumentTypeError(f"{text!r} asked for, but CUDA is not available on this machine; use cpu")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise argparse.ArgumentTypeError(
+                f"{text!r}: this machine has {torch.cuda.device_count()} CUDA device(s) (0..{torch.cuda.device_count() - 1})"
+            )
+    elif device.type == "mps" and not (hasattr(torch.backends, "mps") and torch.backends.mps.is_available()):
+        raise argparse.ArgumentTypeError(f"{text!r} asked for, but MPS is not available on this machine; use cpu")
+    elif device.type not in ("cpu", "cuda", "mps"):
+        raise argparse.ArgumentTypeError(f"device type {device.type!r} is not supported here; use cpu or cuda")
+    return text
+
+
+def existing_dir(text: str) -> str:
+    """A directory that exists."""
+    if not os.path.isdir(text):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a directory")
+    return text
+
+
+def output_path(text: str) -> str:
+    """A file path that can be written (its directory exists and is writable); ``-`` is stdout."""
+    if text == "-":
+        return text
+    if os.path.isdir(text):
+        raise argparse.ArgumentTypeError(f"{text!r} is a directory; give a file path")
+    parent = os.path.dirname(os.path.abspath(text))
+    if not os.path.isdir(parent):
+        raise argparse.ArgumentTypeError(f"cannot write {text!r}: directory {parent!r} does not exist")
+    if not os.access(parent, os.W_OK):
+        raise argparse.ArgumentTypeError(f"cannot write {text!r}: directory {parent!r} is not writable")
+    return text
+
+
+def input_shape(text: str) -> tuple:
+    """``1x3x224x224`` or ``1,3,224,224``: the full input shape, batch included, positive ints."""
+    parts = text.replace(",", "x").split("x")
+    try:
+        shape = tuple(int(p) for p in parts)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a shape like 2x3x224x224, but got {text!r}") from None
+    if len(shape) < 2 or any(s < 1 for s in shape):
+        raise argparse.ArgumentTypeError(f"expected at least 2 positive sizes like 2x3x224x224, but got {text!r}")
+    return shape
+
+
+# --------------------------------------------------------------------------- parser
 
 
 def load_commands(modules: Optional[Sequence[str]] = None) -> List[Command]:
@@ -62,19 +212,54 @@ def load_commands(modules: Optional[Sequence[str]] = None) -> List[Command]:
     return commands
 
 
-def build_parser(commands: Optional[Sequence[Command]] = None) -> argparse.ArgumentParser:
-    """The ``convbn`` parser with one subparser per command (``args.command_obj`` is the chosen one)."""
-    parser = argparse.ArgumentParser(
+def _version() -> str:
+    from . import __version__
+
+    return __version__
+
+
+def build_parser(commands: Optional[Sequence[Command]] = None, argv: Sequence[str] = ()) -> argparse.ArgumentParser:
+    """The ``convbn`` parser with one subparser per command (``args.command_obj`` is the chosen one).
+
+    Args:
+        commands: the commands (default: :func:`load_commands`).
+        argv: the arguments about to be parsed; a command with modes adds the options of
+            the mode they choose.
+    """
+    parser = ArgumentParser(
         prog="convbn",
-        description="Fused Convolution + BatchNorm (+ activation) for PyTorch: demos and measurements.",
+        description="Fused Convolution + BatchNorm (+ activation) for PyTorch: demo, benchmarks, explain, fold.",
+        formatter_class=HelpFormatter,
     )
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    parser.add_argument("--version", action="version", version=f"convbn {_version()}")
+    parser.add_argument("--debug", action="store_true", help="show the traceback of an error")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=ArgumentParser)
     sub.required = True
+    argv = list(argv)
     for command in load_commands() if commands is None else commands:
-        p = sub.add_parser(command.name, help=command.help, description=command.help)
-        command.add_arguments(p)
+        p = sub.add_parser(command.name, help=command.help, description=command.help, formatter_class=HelpFormatter)
+        p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show the traceback of an error")
+        add = command.add_arguments
+        if command.select is not None and command.name in argv:
+            add = command.select(argv[argv.index(command.name) + 1 :])
+        add(p)
         p.set_defaults(command_obj=command)
     return parser
+
+
+def _one_line(exc: BaseException) -> str:
+    text = " ".join(str(exc).split()) or type(exc).__name__
+    if isinstance(exc, KeyError):
+        text = f"KeyError {text}"
+    return text
+
+
+def _format_warning(message: Any, category: Any, filename: str, lineno: int, line: Optional[str] = None) -> str:
+    return f"convbn: warning: {' '.join(str(message).split())} ({category.__name__})\n"
+
+
+#: Errors reported as one line with exit status 2 (bad options, specs, files, missing packages).
+USER_ERRORS = (ValueError, TypeError, OSError, ImportError, argparse.ArgumentTypeError)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -84,15 +269,28 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         argv: arguments without the program name (default ``sys.argv[1:]``).
 
     Returns:
-        The exit code of the subcommand.
+        The exit code of the subcommand; 2 for a bad option or input (one line on stderr).
 
     Example:
-        >>> main(["demo", "--epochs", "1", "--limit", "256"])  # doctest: +SKIP
+        >>> main(["demo", "--epochs", "1", "--limit", "256", "--no-plot"])  # doctest: +SKIP
         0
     """
-    parser = build_parser()
-    args, extra = parser.parse_known_args(None if argv is None else list(argv))
-    if extra and not args.command_obj.passthrough:
-        parser.error(f"unrecognized arguments: {' '.join(extra)}")
-    args.extra = extra
-    return int(args.command_obj.run(args))
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser(argv=argv)
+    args = parser.parse_args(argv)
+    debug = bool(getattr(args, "debug", False))
+    previous = warnings.formatwarning
+    if not debug:
+        warnings.formatwarning = _format_warning  # type: ignore[assignment]
+    try:
+        return int(args.command_obj.run(args))
+    except USER_ERRORS as exc:
+        if debug:
+            raise
+        print(f"convbn {args.command}: error: {_one_line(exc)}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"convbn {args.command}: interrupted", file=sys.stderr)
+        return 130
+    finally:
+        warnings.formatwarning = previous  # type: ignore[assignment]

@@ -1,30 +1,30 @@
-"""Training demo: the MNIST network of the PyTorch tutorial, fused vs unfused.
+"""Training demo: the MNIST network of the PyTorch tutorial, unfused vs fused two ways.
 
 The network (tutorial "Fusing Convolution and Batch Norm using Custom Function")::
 
     conv 1->32 3x3 + BN + ReLU -> conv 32->64 3x3 + BN + ReLU -> max-pool 2 -> dropout 0.25
     -> flatten (9216) -> fc 128 -> ReLU -> dropout 0.5 -> fc 10 -> log-softmax
 
-is built twice from the same weights: once with :class:`convbn.nn.fused.FusedConvBN2d`
-layers (``--strategy``), once with plain ``nn.Conv2d -> nn.BatchNorm2d -> nn.ReLU``. The
-two have the same ``state_dict`` keys, so the unfused model is loaded strictly from the
-fused one. Both are trained step by step on the *same* batches with the *same* dropout
-masks (the RNG state is replayed for the second model), so their losses track each other
-up to float rounding: the maths is the same, only what is kept for backward differs.
+is built once in plain ``torch.nn`` and converted twice from copies with the same
+weights: ``convbn.convert(net, strategy="auto")`` (planned per layer, chained) and
+``convbn.convert(net, strategy="recompute_conv", chain=False)`` (the tutorial's method).
+The three train with Adadelta on the *same* minibatches with the *same* dropout masks (the
+RNG state is replayed), so their losses can be compared step by step; the demo says
+exactly which equality holds (bit-identical, or where float32 rounding first differs).
 
 Data: ``--mnist-dir DIR`` reads the MNIST IDX files (``train-images-idx3-ubyte`` etc.,
 raw or ``.gz``); without it, scikit-learn's bundled 8x8 ``load_digits`` images (real
 handwritten digits, no download) are upscaled to 28x28 with bilinear interpolation.
 
-At the end a table compares, fused vs unfused: the bytes held for backward at the end of
-the forward pass (:func:`convbn.memory.saved_bytes`, deterministic), the peak memory of a
-training step (:class:`convbn.memory.peak_memory`: CUDA allocator, or sampled process RSS
-on CPU) and the median step time, both taken from the training steps themselves after the
-first (warm-up) step.
+The closing table compares, per configuration: the bytes held for backward at the end of
+the forward pass (:func:`convbn.memory.saved_bytes`), the exact peak memory of one
+training step (:class:`convbn.memory.tensor_peak`, live tensor bytes, on CPU; the CUDA
+allocator on a GPU), the median step time of the other steps (measured side by side in
+one process), and the test accuracy. A PNG of the memory figures is written.
 
 Example:
-    $ python -m convbn demo --epochs 2
-    $ python -m convbn demo --mnist-dir ~/data/MNIST/raw --device cuda
+    $ python -m convbn demo
+    $ python -m convbn demo --mnist-dir ~/data/MNIST/raw --device cuda --epochs 14
 """
 from __future__ import annotations
 
@@ -34,6 +34,7 @@ import gzip
 import os
 import statistics
 import struct
+import sys
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -44,11 +45,18 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from convbn.cli import Command
-from convbn.functional.fused import STRATEGIES
-from convbn.memory import format_bytes, peak_memory, saved_bytes
+from convbn.cli import (
+    Command,
+    batch_size,
+    device_arg,
+    existing_dir,
+    output_path,
+    positive_float,
+    positive_int,
+)
+from convbn.memory import format_bytes, peak_memory, saved_bytes, tensor_peak
 from convbn.nn.fused import FusedConvBN2d
-from convbn.passes.convert import CONVERT_STRATEGIES, convert
+from convbn.passes.convert import convert
 
 __all__ = [
     "MnistNet",
@@ -56,9 +64,13 @@ __all__ = [
     "load_mnist",
     "load_digits_28",
     "Dataset",
+    "CONFIGS",
     "DemoConfig",
     "DemoResult",
+    "build_models",
+    "compare_losses",
     "run_demo",
+    "write_plot",
     "set_training",
     "StepStats",
     "results_table",
@@ -257,46 +269,71 @@ def load_digits_28(seed: int = 0, test_fraction: float = 0.2) -> Dataset:
 
 # --------------------------------------------------------------------------- training
 
+#: The demo's three configurations, in table order: eager, ``convert(strategy="auto")`` and
+#: the tutorial's method (``convert(strategy="recompute_conv", chain=False)``).
+CONFIGS: Tuple[str, ...] = ("unfused", "auto", "tutorial")
+CONFIG_HELP = {
+    "unfused": "plain nn.Conv2d -> nn.BatchNorm2d -> nn.ReLU (eager PyTorch)",
+    "auto": "convbn.convert(net, strategy='auto'): planned per layer, chained",
+    "tutorial": "convbn.convert(net, strategy='recompute_conv', chain=False): the tutorial's method",
+}
+
 
 @dataclass
 class DemoConfig:
-    """Options of :func:`run_demo` (the CLI flags)."""
+    """Options of :func:`run_demo` (the CLI flags).
+
+    Attributes:
+        epochs: passes over the training images.
+        batch_size: minibatch size (capped by the number of training images).
+        device: torch device string.
+        seed: seeds the initial weights, the shuffling and the dropout masks.
+        mnist_dir: directory with the MNIST IDX files; ``None``: scikit-learn's digits.
+        limit: use only the first ``limit`` train and test images.
+        lr / gamma: Adadelta learning rate and its per-epoch decay (the tutorial's optimiser).
+        progress: show a progress bar.
+        plot: PNG to write (saved bytes and exact peak per configuration); ``None``: none.
+    """
 
     epochs: int = 3
-    batch_size: int = 2048
-    strategy: str = "recompute_conv"
+    batch_size: int = 64
     device: str = "cuda" if torch.cuda.is_available() else "cpu"
     seed: int = 1
     mnist_dir: Optional[str] = None
     limit: Optional[int] = None
-    lr: float = 0.3
+    lr: float = 1.0
     gamma: float = 0.7
     progress: bool = True
-    convert: bool = False  # fuse the plain network with convbn.convert() instead of FusedConvBN2d layers
+    plot: Optional[str] = None
 
 
 @dataclass
 class DemoResult:
-    """What :func:`run_demo` measured.
+    """What :func:`run_demo` measured, per configuration (keys of :data:`CONFIGS`).
 
     Attributes:
-        step_losses: training loss of every step, ``{"fused": [...], "unfused": [...]}``.
-        epochs: per epoch ``{"fused_loss", "unfused_loss", "fused_acc", "unfused_acc"}``.
-        saved: bytes held for backward at the end of one forward pass.
-        peak: highest peak memory of a training step (bytes above the step's start),
-            over the steps after the first (all steps when there is only one).
-        step_time: median seconds of a training step, over the same steps.
-        batch_size: the batch size used (after capping by the data size).
-        memory_source: ``"rss"`` or ``"cuda"``.
+        step_losses: training loss of every step.
+        accuracy: test accuracy after each epoch.
+        saved: bytes held for backward at the end of one forward pass (parameters included).
+        peak: exact peak memory of one training step above its start: live tensor bytes
+            on CPU (:class:`convbn.memory.tensor_peak`), the CUDA allocator on a GPU.
+        step_time: median seconds of the other training steps (first step left out).
+        equality: one sentence per fused configuration: how its losses compare with unfused.
+        plans: per fused configuration, the strategy of each fused layer.
+        batch_size: the batch size used; memory_source: ``"tensors"`` or ``"cuda"``.
+        plot: the PNG written, if any.
     """
 
-    step_losses: Dict[str, List[float]] = field(default_factory=lambda: {"fused": [], "unfused": []})
-    epochs: List[Dict[str, float]] = field(default_factory=list)
+    step_losses: Dict[str, List[float]] = field(default_factory=lambda: {c: [] for c in CONFIGS})
+    accuracy: Dict[str, List[float]] = field(default_factory=lambda: {c: [] for c in CONFIGS})
     saved: Dict[str, int] = field(default_factory=dict)
     peak: Dict[str, int] = field(default_factory=dict)
     step_time: Dict[str, float] = field(default_factory=dict)
+    equality: Dict[str, str] = field(default_factory=dict)
+    plans: Dict[str, str] = field(default_factory=dict)
     batch_size: int = 0
-    memory_source: str = "rss"
+    memory_source: str = "tensors"
+    plot: Optional[str] = None
 
 
 def _rng_state(device: torch.device) -> Tuple[Tensor, Optional[Tensor]]:
@@ -309,7 +346,7 @@ def _set_rng_state(state: Tuple[Tensor, Optional[Tensor]], device: torch.device)
         torch.cuda.set_rng_state(state[1], device)
 
 
-def set_training(model: nn.Module, frozen_bn: bool) -> nn.Module:
+def set_training(model: nn.Module, frozen_bn: bool = False) -> nn.Module:
     """``model.train()``; with ``frozen_bn`` every BatchNorm normalises with its running
     statistics (eval mode) while the rest trains: the eager meaning of ``strategy='frozen'``."""
     model.train()
@@ -322,48 +359,107 @@ def set_training(model: nn.Module, frozen_bn: bool) -> nn.Module:
 
 @dataclass
 class StepStats:
-    """One measured training step: loss, seconds, peak memory above the start (bytes) and its source."""
+    """One training step: loss, seconds, and its exact peak (bytes above the start) when measured."""
 
     loss: float
     seconds: float
-    peak: int
-    source: str
+    peak: Optional[int] = None
 
 
-def _train_step(model: nn.Module, opt: torch.optim.Optimizer, x: Tensor, y: Tensor, device: torch.device) -> StepStats:
-    """Forward, NLL loss, backward, optimizer step; timed (CUDA events on GPU, ``perf_counter``
-    on CPU) and watched by :class:`convbn.memory.peak_memory`."""
+def _train_step(
+    model: nn.Module, opt: torch.optim.Optimizer, x: Tensor, y: Tensor, device: torch.device, measure_peak: bool
+) -> StepStats:
+    """Forward, NLL loss, backward, optimizer step. A timed step runs bare; a ``measure_peak``
+    step runs under :class:`convbn.memory.tensor_peak` (CPU; exact, but slower, so not timed)
+    or :class:`convbn.memory.peak_memory` (CUDA allocator)."""
     cuda = device.type == "cuda"
+    meter: Any = None
+    if measure_peak:
+        meter = peak_memory(device) if cuda else tensor_peak(model, opt)
     if cuda:
         torch.cuda.synchronize(device)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    with peak_memory(device) as pm:
-        t0 = time.perf_counter()
-        if cuda:
-            start.record()
+    t0 = time.perf_counter()
+    with meter if meter is not None else _nullcontext():
         opt.zero_grad(set_to_none=True)
         loss = F.nll_loss(model(x), y)
         loss.backward()
         opt.step()
         if cuda:
-            end.record()
-            end.synchronize()
-        seconds = start.elapsed_time(end) / 1000.0 if cuda else time.perf_counter() - t0
-    return StepStats(float(loss.detach()), seconds, pm.result.peak, pm.result.source)
+            torch.cuda.synchronize(device)
+    seconds = time.perf_counter() - t0
+    return StepStats(float(loss.detach()), seconds, None if meter is None else int(meter.result.peak))
+
+
+class _nullcontext:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: Any) -> None:
+        return None
 
 
 @torch.no_grad()
-def _accuracy(model: nn.Module, x: Tensor, y: Tensor, batch: int, frozen_bn: bool) -> float:
+def _accuracy(model: nn.Module, x: Tensor, y: Tensor, batch: int) -> float:
     model.eval()
     correct = 0
     for i in range(0, len(y), batch):
         correct += int((model(x[i : i + batch]).argmax(1) == y[i : i + batch]).sum())
-    set_training(model, frozen_bn)
+    model.train()
     return correct / max(len(y), 1)
 
 
+def build_models(example: Tensor, seed: int, device: torch.device) -> Dict[str, nn.Module]:
+    """The three configurations of :data:`CONFIGS`, with identical initial weights.
+
+    The unfused network is built with ``seed``; the fused ones are converted from deep
+    copies of it (``example`` is the planner's measuring batch for ``auto``).
+    """
+    torch.manual_seed(seed)
+    plain = MnistNet(fused=False).to(device)
+    models = {
+        "unfused": plain,
+        "auto": convert(copy.deepcopy(plain), strategy="auto", example_inputs=example),
+        "tutorial": convert(copy.deepcopy(plain), strategy="recompute_conv", chain=False),
+    }
+    for m in models.values():
+        m.train()
+    return models
+
+
+def _plan(model: nn.Module) -> str:
+    report = getattr(model, "convbn_report", None)
+    if report is None:
+        return "eager"
+    chained = report.num_chains < len(report.pairs)
+    layers = ", ".join(f"{p.conv.split('.')[0]} {p.strategy}" for p in report.pairs)
+    return layers + (" (chained)" if chained else "")
+
+
+def compare_losses(name: str, losses: Sequence[float], reference: Sequence[float]) -> str:
+    """One sentence saying exactly how ``losses`` compare with the unfused ``reference``.
+
+    Bit-identical at every step when it is so; otherwise the first step that differs, the
+    difference there and the largest one, measured, not assumed.
+    """
+    n = len(reference)
+    diffs = [abs(a - b) for a, b in zip(losses, reference)]
+    first = next((i for i, d in enumerate(diffs) if d != 0.0), None)
+    if first is None:
+        return f"{name}: loss bit-identical to unfused at every one of the {n} steps"
+    return (
+        f"{name}: loss bit-identical to unfused for the first {first} of {n} steps; from step {first + 1} "
+        f"it differs in float32 rounding (|diff| {diffs[first]:.1e} there, at most {max(diffs):.1e}): this "
+        f"configuration's backward sums the same gradient terms in a different order, and training amplifies "
+        f"last-bit differences step by step"
+    )
+
+
 def run_demo(config: DemoConfig, console: Any = None, data: Optional[Dataset] = None) -> DemoResult:
-    """Train the fused and the unfused MNIST network side by side and measure both.
+    """Train the unfused, ``auto`` and tutorial-fused MNIST networks side by side and measure them.
+
+    Every step feeds the same minibatch and the same dropout masks (the RNG state is
+    replayed) to the three networks in turn. The second step of each is measured for its
+    exact peak memory; the others are timed.
 
     Args:
         config: options (see :class:`DemoConfig`).
@@ -373,16 +469,21 @@ def run_demo(config: DemoConfig, console: Any = None, data: Optional[Dataset] = 
     Returns:
         :class:`DemoResult`.
 
+    Raises:
+        ValueError: a bad option (the message names it and what is allowed).
+        FileNotFoundError: ``mnist_dir`` lacks the MNIST files.
+
     Example:
         >>> r = run_demo(DemoConfig(epochs=1, limit=64, batch_size=32, progress=False))  # doctest: +SKIP
-        >>> r.saved["fused"] < r.saved["unfused"]  # doctest: +SKIP
+        >>> r.saved["tutorial"] < r.saved["unfused"]  # doctest: +SKIP
         True
     """
-    allowed = CONVERT_STRATEGIES if config.convert else STRATEGIES
-    if config.strategy not in allowed:
-        raise ValueError(f"strategy must be one of {allowed}, but got strategy={config.strategy!r}")
-    if config.epochs < 1 or config.batch_size < 2:
-        raise ValueError(f"need epochs >= 1 and batch_size >= 2, got epochs={config.epochs}, batch_size={config.batch_size}")
+    if config.epochs < 1:
+        raise ValueError(f"epochs must be at least 1, but got {config.epochs}")
+    if config.batch_size < 2:
+        raise ValueError(f"batch size must be at least 2 (BatchNorm needs 2 samples), but got {config.batch_size}")
+    if config.mnist_dir is not None and not os.path.isdir(config.mnist_dir):
+        raise FileNotFoundError(f"--mnist-dir {config.mnist_dir!r} is not a directory")
     device = torch.device(config.device)
     if data is None:
         data = load_mnist(config.mnist_dir) if config.mnist_dir else load_digits_28(config.seed)
@@ -392,87 +493,73 @@ def run_demo(config: DemoConfig, console: Any = None, data: Optional[Dataset] = 
     n = len(train_y)
     batch = min(config.batch_size, n)
     steps = n // batch  # drop the last partial batch: BatchNorm needs > 1 sample, shapes stay fixed
-    result = DemoResult(batch_size=batch)
+    total = config.epochs * steps
+    peak_step = 1 if total > 1 else 0  # the second step: gradients and optimizer state exist
+    result = DemoResult(batch_size=batch, memory_source="cuda" if device.type == "cuda" else "tensors")
 
-    frozen_bn = config.strategy == "frozen"  # the unfused twin then trains with BN in eval mode
-    torch.manual_seed(config.seed)
-    if config.convert:
-        # one call on the plain network; the planner measures on one batch (state restored)
-        plain = MnistNet(fused=False).to(device)
-        example = train_x[:batch] if config.strategy == "auto" else None
-        fused = convert(plain, strategy=config.strategy, example_inputs=example)
-    else:
-        fused = MnistNet(fused=True, strategy=config.strategy).to(device)
-    unfused = MnistNet(fused=False).to(device)
-    unfused.load_state_dict(fused.state_dict(), strict=True)  # identical initial weights
-    models = {"fused": set_training(fused, frozen_bn), "unfused": set_training(unfused, frozen_bn)}
+    models = build_models(train_x[:batch], config.seed, device)
     opts = {k: torch.optim.Adadelta(m.parameters(), lr=config.lr) for k, m in models.items()}
     scheds = {k: torch.optim.lr_scheduler.StepLR(o, step_size=1, gamma=config.gamma) for k, o in opts.items()}
+    result.plans = {k: _plan(m) for k, m in models.items()}
     shuffle = torch.Generator().manual_seed(config.seed)
     stats: Dict[str, List[StepStats]] = {k: [] for k in models}
 
     if console is not None:
         console.print(
-            f"[bold]convbn demo[/bold]: {data.source}; {n} train / {len(test_y)} test images; "
-            f"batch {batch}; {config.epochs} epoch(s) x {steps} step(s); strategy={config.strategy!r}; device={device}"
+            f"[bold]convbn demo[/bold]: {data.source}; {n} train / {len(test_y)} test images; batch {batch}; "
+            f"{config.epochs} epoch(s) x {steps} step(s); Adadelta lr {config.lr}; device {device}"
         )
+        for k in CONFIGS:
+            console.print(f"  {k:<9} {CONFIG_HELP[k]}" + (f" -> {result.plans[k]}" if k != "unfused" else ""))
     progress = _progress(console) if (console is not None and config.progress) else None
-    task = progress.add_task("training", total=config.epochs * steps) if progress is not None else None
+    task = progress.add_task("training", total=total) if progress is not None else None
     if progress is not None:
         progress.start()
     try:
+        step_no = 0
         for epoch in range(1, config.epochs + 1):
             perm = torch.randperm(n, generator=shuffle).to(device)
-            sums = {k: 0.0 for k in models}
             for step in range(steps):
                 idx = perm[step * batch : (step + 1) * batch]
                 x, y = train_x[idx], train_y[idx]
                 state = _rng_state(device)
                 for name, model in models.items():
-                    _set_rng_state(state, device)  # same dropout masks for both
-                    st = _train_step(model, opts[name], x, y, device)
+                    _set_rng_state(state, device)  # same dropout masks for all
+                    st = _train_step(model, opts[name], x, y, device, measure_peak=step_no == peak_step)
                     stats[name].append(st)
                     result.step_losses[name].append(st.loss)
-                    sums[name] += st.loss
+                step_no += 1
                 if progress is not None:
-                    progress.update(
-                        task,
-                        advance=1,
-                        description=f"epoch {epoch} loss fused {result.step_losses['fused'][-1]:.4f} "
-                        f"unfused {result.step_losses['unfused'][-1]:.4f}",
-                    )
+                    progress.update(task, advance=1, description=f"epoch {epoch} loss {result.step_losses['unfused'][-1]:.4f}")
             for s in scheds.values():
                 s.step()
-            row = {
-                "fused_loss": sums["fused"] / steps,
-                "unfused_loss": sums["unfused"] / steps,
-                "fused_acc": _accuracy(fused, test_x, test_y, batch, frozen_bn),
-                "unfused_acc": _accuracy(unfused, test_x, test_y, batch, frozen_bn),
-            }
-            result.epochs.append(row)
+            for name, model in models.items():
+                result.accuracy[name].append(_accuracy(model, test_x, test_y, batch))
             if console is not None:
-                console.print(
-                    f"epoch {epoch}: train loss fused {row['fused_loss']:.5f} unfused {row['unfused_loss']:.5f} "
-                    f"(|diff| {abs(row['fused_loss'] - row['unfused_loss']):.1e}); test accuracy fused "
-                    f"{100 * row['fused_acc']:.1f}% unfused {100 * row['unfused_acc']:.1f}%"
-                )
+                accs = ", ".join(f"{k} {100 * result.accuracy[k][-1]:.1f}%" for k in CONFIGS)
+                console.print(f"epoch {epoch}: last train loss {result.step_losses['unfused'][-1]:.4f}; test accuracy {accs}")
     finally:
         if progress is not None:
             progress.stop()
 
-    # End-of-forward bytes: one training-mode forward of a copy (the trained models' running
-    # statistics stay as they are). Peak memory and step time: the training steps themselves,
-    # both models alternating on the same batches, the first step of each (warm-up:
-    # optimizer state, allocator pools) left out when there are more.
-    x = train_x[:batch]
+    # End-of-forward bytes: one training-mode forward of a copy (the trained models'
+    # running statistics stay as they are).
     for name, model in models.items():
-        result.saved[name] = saved_bytes(set_training(copy.deepcopy(model), frozen_bn), x).total
-        warm = stats[name][1:] or stats[name]
-        result.peak[name] = max(st.peak for st in warm)
-        result.step_time[name] = statistics.median(st.seconds for st in warm)
-        result.memory_source = warm[-1].source
+        result.saved[name] = saved_bytes(copy.deepcopy(model).train(), train_x[:batch]).total
+        result.peak[name] = int(stats[name][peak_step].peak or 0)
+        timed = [st.seconds for i, st in enumerate(stats[name]) if i not in (0, peak_step)] or [stats[name][-1].seconds]
+        result.step_time[name] = statistics.median(timed)
+    for name in CONFIGS[1:]:
+        result.equality[name] = compare_losses(name, result.step_losses[name], result.step_losses["unfused"])
+    if config.plot:
+        write_plot(result, config.plot, device)
+        result.plot = config.plot
     if console is not None:
-        console.print(results_table(result, config.strategy, device))
+        console.print(results_table(result, device))
+        for name in CONFIGS[1:]:
+            console.print(result.equality[name])
+        if result.plot:
+            console.print(f"plot written to {os.path.abspath(result.plot)}")
     return result
 
 
@@ -480,30 +567,67 @@ def _progress(console: Any) -> Any:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     return Progress(
-        TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=console
+        TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+        console=console, transient=True,
     )
 
 
-def results_table(result: DemoResult, strategy: str, device: torch.device) -> Any:
-    """A ``rich.table.Table``: saved bytes, peak step memory and median step time, fused vs unfused."""
+def _meter(result: DemoResult) -> str:
+    return "CUDA allocator" if result.memory_source == "cuda" else "live tensors, exact"
+
+
+def results_table(result: DemoResult, device: torch.device) -> Any:
+    """A ``rich.table.Table``, one row per configuration: saved bytes, exact peak, step time, accuracy."""
     from rich.table import Table
 
     def ratio(a: float, b: float) -> str:
         return f"{a / b:.2f}x" if b else "n/a"
 
-    mem = "CUDA allocator" if result.memory_source == "cuda" else "process RSS, sampled"
-    table = Table(title=f"MNIST net, batch {result.batch_size}, {device}: fused ({strategy}) vs unfused")
-    table.add_column("metric")
-    table.add_column("fused", justify="right")
-    table.add_column("unfused", justify="right")
-    table.add_column("fused/unfused", justify="right")
+    table = Table(title=f"MNIST net, batch {result.batch_size}, {device}, float32 (ratios: / unfused)")
+    for col in ("configuration", "saved for backward", "ratio", f"peak of a step ({_meter(result)})", "ratio",
+                "step time", "ratio", "test acc"):
+        table.add_column(col, justify="left" if col == "configuration" else "right")
     s, p, t = result.saved, result.peak, result.step_time
-    table.add_row("saved bytes at end of forward", format_bytes(s["fused"]), format_bytes(s["unfused"]), ratio(s["fused"], s["unfused"]))
-    table.add_row(f"peak memory of a step ({mem})", format_bytes(p["fused"]), format_bytes(p["unfused"]), ratio(p["fused"], p["unfused"]))
-    table.add_row(
-        "median step time", f"{1000 * t['fused']:.1f} ms", f"{1000 * t['unfused']:.1f} ms", ratio(t["fused"], t["unfused"])
-    )
+    for k in CONFIGS:
+        table.add_row(
+            k, format_bytes(s[k]), ratio(s[k], s["unfused"]), format_bytes(p[k]), ratio(p[k], p["unfused"]),
+            f"{1000 * t[k]:.1f} ms", ratio(t[k], t["unfused"]), f"{100 * result.accuracy[k][-1]:.1f}%",
+        )
     return table
+
+
+def write_plot(result: DemoResult, path: str, device: torch.device) -> None:
+    """Bar chart PNG: saved bytes and exact step peak (MiB) per configuration.
+
+    Raises:
+        ImportError: matplotlib is missing (``pip install matplotlib``).
+    """
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4))
+    xs = np.arange(len(CONFIGS))
+    mib = 1024.0 ** 2
+    for offset, values, label in ((-0.2, result.saved, "saved for backward"),
+                                  (0.2, result.peak, f"peak of a step ({_meter(result)})")):
+        bars = ax.bar(xs + offset, [values[k] / mib for k in CONFIGS], width=0.4, label=label)
+        ax.bar_label(bars, labels=[f"{values[k] / values['unfused']:.2f}x" for k in CONFIGS], fontsize=8)
+    ax.set_xticks(xs, list(CONFIGS))
+    ax.set_ylabel("MiB")
+    ax.set_title(f"convbn demo: MNIST net, batch {result.batch_size}, {device}, float32")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _pyplot() -> Any:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as exc:
+        raise ImportError("the demo's plot needs matplotlib: pip install matplotlib (or pass --no-plot)") from exc
+    return plt
 
 
 # --------------------------------------------------------------------------- CLI
@@ -512,31 +636,18 @@ def results_table(result: DemoResult, strategy: str, device: torch.device) -> An
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The demo's options (shared by ``python -m convbn demo`` and :func:`main`)."""
     d = DemoConfig()
-    parser.add_argument("--epochs", type=int, default=d.epochs, help=f"training epochs (default {d.epochs})")
-    parser.add_argument(
-        "--batch-size", type=int, default=d.batch_size, help=f"batch size, capped by the data size (default {d.batch_size})"
-    )
-    parser.add_argument(
-        "--strategy",
-        choices=sorted(set(STRATEGIES) | set(CONVERT_STRATEGIES)),
-        default=d.strategy,
-        help=f"fused strategy (default {d.strategy}; 'auto' needs --convert, 'frozen' needs FusedConvBN2d layers)",
-    )
-    parser.add_argument(
-        "--convert",
-        action="store_true",
-        help="fuse the plain network with convbn.convert() (chains, planner) instead of FusedConvBN2d layers",
-    )
-    parser.add_argument("--device", default=d.device, help=f"torch device (default {d.device})")
-    parser.add_argument("--seed", type=int, default=d.seed, help=f"random seed (default {d.seed})")
-    parser.add_argument("--mnist-dir", default=None, metavar="DIR", help="directory with the MNIST IDX files (raw or .gz); default: scikit-learn digits")
-    parser.add_argument("--limit", type=int, default=None, metavar="N", help="use only the first N train and N test images")
-    parser.add_argument(
-        "--lr",
-        type=float,
-        default=d.lr,
-        help=f"Adadelta learning rate (default {d.lr}; the tutorial's 1.0 suits many steps on full MNIST)",
-    )
+    parser.add_argument("--epochs", type=positive_int, default=d.epochs, help="training epochs")
+    parser.add_argument("--batch-size", type=batch_size, default=d.batch_size,
+                        help="minibatch size, capped by the number of training images")
+    parser.add_argument("--device", type=device_arg, default=d.device, help="torch device: cpu, cuda, cuda:1 ...")
+    parser.add_argument("--seed", type=int, default=d.seed, help="seeds weights, shuffling and dropout")
+    parser.add_argument("--mnist-dir", type=existing_dir, default=None, metavar="DIR",
+                        help="directory with the four MNIST IDX files (raw or .gz); default: scikit-learn digits")
+    parser.add_argument("--limit", type=batch_size, default=None, metavar="N", help="use only the first N train and N test images")
+    parser.add_argument("--lr", type=positive_float, default=d.lr, help="Adadelta learning rate")
+    parser.add_argument("--plot", type=output_path, default="convbn-demo.png", metavar="PATH",
+                        help="PNG of saved bytes and exact peak per configuration")
+    parser.add_argument("--no-plot", action="store_true", help="write no PNG")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
@@ -544,17 +655,12 @@ def run(args: argparse.Namespace) -> int:
     """Run the demo from parsed arguments; returns the exit code."""
     from rich.console import Console
 
+    plot = None if args.no_plot else args.plot
+    if plot:
+        _pyplot()  # fail before training, not after
     config = DemoConfig(
-        epochs=args.epochs,
-        batch_size=args.batch_size,
-        strategy=args.strategy,
-        device=args.device,
-        seed=args.seed,
-        mnist_dir=args.mnist_dir,
-        limit=args.limit,
-        lr=args.lr,
-        progress=not args.no_progress,
-        convert=args.convert,
+        epochs=args.epochs, batch_size=args.batch_size, device=args.device, seed=args.seed, mnist_dir=args.mnist_dir,
+        limit=args.limit, lr=args.lr, progress=not args.no_progress, plot=plot,
     )
     run_demo(config, console=Console())
     return 0
@@ -567,20 +673,21 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         argv: command-line arguments without the program name.
 
     Returns:
-        The exit code (0 on success).
+        The exit code (0 on success, 2 for a bad option).
 
     Example:
-        >>> main(["--epochs", "1", "--limit", "256", "--no-progress"])  # doctest: +SKIP
+        >>> main(["--epochs", "1", "--limit", "256", "--no-progress", "--no-plot"])  # doctest: +SKIP
         0
     """
-    parser = argparse.ArgumentParser(prog="convbn demo", description=COMMAND.help)
-    add_arguments(parser)
-    return run(parser.parse_args(None if argv is None else list(argv)))
+    from convbn.cli import main as cli_main
+
+    return cli_main(["demo", *(sys.argv[1:] if argv is None else list(argv))])
 
 
 COMMAND = Command(
     name="demo",
-    help="train the tutorial's MNIST network fused vs unfused; print losses, memory and step time",
+    help="train the tutorial's MNIST network unfused, fused 'auto' and fused the tutorial's way; "
+    "compare losses, saved bytes, exact peak memory and step time (about a minute on 2 CPU cores)",
     add_arguments=add_arguments,
     run=run,
 )

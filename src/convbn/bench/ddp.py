@@ -548,13 +548,15 @@ def add_ddp_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
         if flag not in existing:
             parser.add_argument(flag, **kwargs)
 
-    add("--ddp", type=int, default=None, metavar="N",
+    from convbn.cli import batch_size, device_arg, non_negative_int, positive_int
+
+    add("--ddp", type=positive_int, default=None, metavar="N",
         help="run the data-parallel SyncBatchNorm benchmark on N processes (gloo on CPU, nccl on CUDA)")
     add("--model", action="append", default=None, metavar="SPEC", help="model spec, repeatable (default: mnist)")
-    add("--batch-size", type=int, default=64, help="batch size (per rank with --ddp)")
-    add("--steps", type=int, default=10, help="timed rounds (median reported)")
-    add("--warmup", type=int, default=2, help="untimed rounds before the timed ones")
-    add("--device", default="cpu")
+    add("--batch-size", type=batch_size, default=64, help="batch size (per rank with --ddp)")
+    add("--steps", type=positive_int, default=10, help="timed rounds (median reported)")
+    add("--warmup", type=non_negative_int, default=2, help="untimed rounds before the timed ones")
+    add("--device", type=device_arg, default="cpu", help="torch device: cpu or cuda")
     return parser
 
 

@@ -10,16 +10,18 @@ BatchNorm modules are left.
 
 Run::
 
-    python -m convbn.bench.inference --models monai:resnet18 mnist --batch-size 8
+    convbn bench --inference --model monai:resnet18 --model mnist --batch-size 8
 
-or, once wired into the CLI, ``convbn bench --inference ...`` (see
-:func:`add_inference_arguments` / :func:`main_inference`).
+(see :func:`add_inference_arguments` / :func:`main_inference`).
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
 import statistics
 import time
+import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -36,6 +38,8 @@ __all__ = [
     "run_inference_bench",
     "print_table",
     "rows_to_markdown",
+    "rows_to_json",
+    "write_plot",
     "add_inference_arguments",
     "main_inference",
     "DEFAULT_MODELS",
@@ -131,6 +135,8 @@ def run_inference_bench(
     use_compile: bool = False,
     seed: int = 0,
     progress: bool = True,
+    device: str = "cpu",
+    dtype: torch.dtype = torch.float32,
 ) -> List[InferenceRow]:
     """Benchmark inference of each model spec (see :mod:`convbn.bench.models`).
 
@@ -143,6 +149,7 @@ def run_inference_bench(
         use_compile: also time ``torch.compile`` of the folded model (slow to compile).
         seed: seed of the weights, BatchNorm statistics and input.
         progress: show a rich progress bar.
+        device / dtype: where and in which dtype the model and input live.
 
     Returns:
         One :class:`InferenceRow` per (model, variant).
@@ -158,15 +165,16 @@ def run_inference_bench(
             torch.manual_seed(seed)
             model, shape = build_model(spec)
             _randomize_bn(model, seed)
-            model.eval()
-            x = torch.randn(batch_size, *shape)
+            model.eval().to(device=device, dtype=dtype)
+            x = torch.randn(batch_size, *shape).to(device=device, dtype=dtype)
             if image_size is not None and len(shape) > 1:
-                resized = torch.randn(batch_size, shape[0], *((image_size,) * (len(shape) - 1)))
+                resized = torch.randn(batch_size, shape[0], *((image_size,) * (len(shape) - 1))).to(device=device, dtype=dtype)
                 try:
                     model(resized[:1])
                     x = resized
-                except Exception:  # noqa: BLE001 - fixed-size model (e.g. mnist): keep its size
-                    pass
+                except Exception as exc:  # noqa: BLE001 - fixed-size model (e.g. mnist): keep its size, say so
+                    warnings.warn(f"{spec}: --image-size {image_size} does not fit this model ({_short(exc)}); "
+                                  f"using its own input size {tuple(shape)}", stacklevel=2)
             variants = _make_variants(model, x, use_compile)
             reference = _first_tensor(model(x))
             times: Dict[str, List[float]] = {name: [] for name, fn, _ in variants if fn is not None}
@@ -175,12 +183,15 @@ def run_inference_bench(
                 if fn is not None:
                     diffs[name] = (_first_tensor(fn(x)) - reference).abs().max().item()
             live = [(name, fn) for name, fn, _ in variants if fn is not None]
+            sync = torch.cuda.synchronize if x.is_cuda else (lambda: None)
             for round_ in range(warmup + repeats):
                 bar.update(task, description=f"{spec}: round {round_ + 1}/{warmup + repeats}")
                 shift = round_ % len(live)  # rotate the order: no variant always runs first
                 for name, fn in live[shift:] + live[:shift]:
+                    sync()
                     start = time.perf_counter()
                     fn(x)
+                    sync()
                     elapsed = time.perf_counter() - start
                     if round_ >= warmup:
                         times[name].append(elapsed * 1e3)
@@ -230,10 +241,51 @@ _HEADERS = ["model", "variant", "input", "median ms", "IQR ms", "ratio to unfuse
 _RIGHT = ("median ms", "IQR ms", "ratio to unfused", "ratio to fx fuse", "max abs diff", "BN left")
 
 
-def print_table(rows: Sequence[InferenceRow]) -> None:
-    """Print the rows as a rich table."""
-    title = "Inference: unfused vs fx fuse vs convbn.fold (CPU, eval, no grad)"
-    print_rich_table(_HEADERS, _RIGHT, [_cells(r) for r in rows], title, width=200)
+_KEY = ["model", "variant", "median ms", "ratio to unfused", "ratio to fx fuse", "max abs diff", "BN left"]
+
+
+def print_table(rows: Sequence[InferenceRow], title: Optional[str] = None, wide: bool = False) -> None:
+    """Print the rows as a rich table: the key columns (fits 120 columns), every column with ``wide``."""
+    title = title or "Inference: unfused vs fx fuse vs convbn.fold (eval, no grad)"
+    headers = _HEADERS if wide else _KEY
+    keep = [_HEADERS.index(h) for h in headers]
+    print_rich_table(headers, _RIGHT, [[c[i] for i in keep] for c in map(_cells, rows)], title,
+                     width=200 if wide else 120)
+
+
+def rows_to_json(rows: Sequence[InferenceRow]) -> str:
+    """The rows as a JSON list of objects (field names of :class:`InferenceRow`)."""
+    return json.dumps([dataclasses.asdict(r) for r in rows], indent=2)
+
+
+def write_plot(rows: Sequence[InferenceRow], path: str) -> None:
+    """Bar chart PNG of each variant's time relative to unfused, grouped by model (colour per variant).
+
+    Raises:
+        ImportError: matplotlib is missing.
+    """
+    from .training import _pyplot
+
+    plt = _pyplot()
+    models = list(dict.fromkeys(r.model for r in rows))
+    variants = [v for v in VARIANTS if any(r.variant == v for r in rows)]
+    fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(models) + 2), 4.5))
+    width = 0.8 / max(len(variants), 1)
+    for j, v in enumerate(variants):
+        vals = [next((r.ratio or 0.0 for r in rows if r.model == m and r.variant == v), 0.0) for m in models]
+        ax.bar([i + (j - (len(variants) - 1) / 2) * width for i in range(len(models))], vals, width=width, label=v)
+    ax.axhline(1.0, color="grey", lw=0.5)
+    ax.set_xticks(range(len(models)), models, fontsize=8)
+    ax.set_ylabel("time / unfused (lower: faster)")
+    batch = ", ".join(sorted({str(r.input_shape[0]) for r in rows}))
+    import platform
+
+    ax.set_title(f"Inference on {platform.node() or 'this machine'} ({torch.get_num_threads()} threads), batch {batch}",
+                 fontsize=9)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 def rows_to_markdown(rows: Sequence[InferenceRow]) -> str:
@@ -243,32 +295,62 @@ def rows_to_markdown(rows: Sequence[InferenceRow]) -> str:
 
 def add_inference_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add the inference benchmark's options to ``parser`` (for ``convbn bench --inference``)."""
-    parser.add_argument("--models", nargs="+", default=list(DEFAULT_MODELS), metavar="SPEC",
-                        help="model specs, e.g. monai:resnet18 'monai:resnet50(spatial_dims=2)' efficientnet:b0 mnist")
-    parser.add_argument("--batch-size", type=int, default=8)
-    parser.add_argument("--image-size", type=int, default=None, help="override the spatial size of every input")
-    parser.add_argument("--repeats", type=int, default=20, help="timed rounds (median reported)")
-    parser.add_argument("--warmup", type=int, default=3, help="untimed rounds before timing")
+    from convbn.cli import device_arg, non_negative_int, output_path, positive_int
+
+    from .training import _DTYPES
+
+    parser.add_argument("--model", action="append", default=None, metavar="SPEC",
+                        help="model spec, repeatable, e.g. monai:resnet18 'monai:resnet50(spatial_dims=2)' "
+                             f"efficientnet:b0 mnist (default: {' '.join(DEFAULT_MODELS)})")
+    parser.add_argument("--batch-size", type=positive_int, default=8, help="batch size")
+    parser.add_argument("--image-size", type=positive_int, default=None,
+                        help="override the spatial size of every input (a warning where a model does not allow it)")
+    parser.add_argument("--device", type=device_arg, default="cpu", help="torch device: cpu, cuda, cuda:N")
+    parser.add_argument("--dtype", choices=sorted(_DTYPES), default="float32", help="parameter and input dtype")
+    parser.add_argument("--repeats", type=positive_int, default=20, help="timed rounds (median reported)")
+    parser.add_argument("--warmup", type=non_negative_int, default=3, help="untimed rounds before timing")
     parser.add_argument("--compile", action="store_true", help="also time torch.compile of the folded model (slow)")
-    parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads before timing")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--markdown", default=None, metavar="PATH", help="also write the table as markdown")
+    parser.add_argument("--threads", type=positive_int, default=None, help="torch.set_num_threads before timing")
+    parser.add_argument("--seed", type=int, default=0, help="seed of weights, BatchNorm statistics and input")
+    parser.add_argument("--plot", type=output_path, default=None, metavar="PATH", help="write a time-ratio bar chart PNG")
+    parser.add_argument("--json", type=output_path, default=None, metavar="PATH", help="write the rows as JSON ('-': stdout)")
+    parser.add_argument("--markdown", type=output_path, default=None, metavar="PATH",
+                        help="write all columns as a markdown table ('-': stdout)")
+    parser.add_argument("--wide", action="store_true", help="print every column (default: the key columns, 120 wide)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     return parser
 
 
 def main_inference(args: argparse.Namespace) -> int:
-    """Run the benchmark from parsed arguments, print the table; returns an exit code."""
+    """Run the benchmark from parsed arguments, print the table; returns an exit code.
+
+    Raises:
+        ValueError / ImportError: a bad spec (``convbn`` prints it as one line, exit 2).
+    """
+    from .models import build_model as _check
+    from .training import _DTYPES, _pyplot, _write
+
+    specs = args.model or list(DEFAULT_MODELS)
+    for spec in specs:  # a bad spec fails before any timing
+        _check(spec)
+    if args.plot:
+        _pyplot()
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     rows = run_inference_bench(
-        args.models, args.batch_size, args.repeats, args.warmup, image_size=args.image_size,
+        specs, args.batch_size, args.repeats, args.warmup, image_size=args.image_size,
         use_compile=args.compile, seed=args.seed, progress=not args.no_progress,
+        device=args.device, dtype=_DTYPES[args.dtype],
     )
-    print_table(rows)
+    print_table(rows, title=f"Inference: unfused vs fx fuse vs convbn.fold ({args.device} {args.dtype}, eval, no grad)",
+                wide=args.wide)
     if args.markdown:
-        with open(args.markdown, "w") as fh:
-            fh.write(rows_to_markdown(rows) + "\n")
+        _write(args.markdown, rows_to_markdown(rows))
+    if args.json:
+        _write(args.json, rows_to_json(rows))
+    if args.plot:
+        write_plot(rows, args.plot)
+        print(f"plot written to {args.plot}")
     return 0
 
 

@@ -98,7 +98,7 @@ def _import(package: str, install: str) -> Any:
 def _monai(name: str, kwargs: Dict[str, Any]) -> Tuple[nn.Module, Shape]:
     nets = _import("monai.networks.nets", "monai")
     if not hasattr(nets, name):
-        raise ValueError(f"monai.networks.nets has no network {name!r}")
+        raise ValueError(f"monai.networks.nets has no network {name!r} (e.g. resnet18, resnet50, DenseNet121, UNet)")
     defaults, shape = MODEL_DEFAULTS.get(name, ({}, None))
     merged = {**defaults, **kwargs}
     if shape is None or merged.get("spatial_dims", 2) != defaults.get("spatial_dims", 2):
@@ -158,4 +158,10 @@ def build_model(spec: str) -> Tuple[nn.Module, Shape]:
             f"unknown model source {source!r} in spec {spec!r}; expected 'mnist' or one of "
             f"{sorted(_BUILDERS)} followed by ':NAME'"
         )
-    return _BUILDERS[source](name, kwargs)
+    try:
+        return _BUILDERS[source](name, kwargs)
+    except (ValueError, ImportError):
+        raise
+    except Exception as exc:  # noqa: BLE001 - the library's own error for arguments it cannot build
+        detail = " ".join(str(exc).split()) or type(exc).__name__
+        raise ValueError(f"model spec {spec!r} could not be built: {type(exc).__name__}: {detail}") from exc

@@ -682,9 +682,23 @@ def _bytes(n: Optional[int]) -> str:
 _HEADERS = ["model", "config", "input", "saved", "saved ratio", "saved excl. params", "excl. ratio", "peak",
             "peak ratio", "step ms", "time ratio", "max |Δout|", "max |Δgrad|", "Δgrad rel", "setup s", "note"]
 _RIGHT = set(_HEADERS[3:15])
+#: The default table's columns (fits 120 columns); ``--wide`` prints all of :data:`_HEADERS`.
+KEY_HEADERS = ["model", "config", "saved excl. params", "excl. ratio", "peak", "peak ratio", "step ms", "time ratio",
+               "max |Δgrad|"]
+_RSS_NOTE = "peak: sampled RSS"
+
+
+def peak_meter(rows: Sequence[TrainingRow]) -> str:
+    """The one peak meter a table of ``rows`` shows: the CUDA allocator or exact live tensors."""
+    return "CUDA allocator" if any(r.device.startswith("cuda") for r in rows) else "live tensors, exact"
 
 
 def _cells(row: TrainingRow) -> List[str]:
+    # Note: [one peak meter per table] on CPU, compiled graphs run outside Python dispatch,
+    # so their peak could only be sampled RSS: a different meter, not comparable with the
+    # exact live-tensor peaks of the other rows. The table leaves those cells empty ("n/a");
+    # the JSON keeps the RSS figure with its note.
+    rss = _RSS_NOTE in row.note
     return [
         row.model,
         row.config,
@@ -693,8 +707,8 @@ def _cells(row: TrainingRow) -> List[str]:
         _fmt(row.saved_ratio, ".3f"),
         _bytes(row.activation_bytes),
         _fmt(row.activation_ratio, ".3f"),
-        _bytes(row.peak_bytes),
-        _fmt(row.peak_ratio, ".2f"),
+        "n/a" if rss else _bytes(row.peak_bytes),
+        "n/a" if rss else _fmt(row.peak_ratio, ".2f"),
         _fmt(row.median_ms, ".1f"),
         _fmt(row.time_ratio, ".2f"),
         "-" if row.config == "eager" else _fmt(row.max_out_diff, ".1e"),
@@ -705,16 +719,29 @@ def _cells(row: TrainingRow) -> List[str]:
     ]
 
 
-def print_table(rows: Sequence[TrainingRow], title: Optional[str] = None) -> None:
-    """Print the rows as a rich table."""
+def _columns(rows: Sequence[TrainingRow], wide: bool) -> Tuple[List[str], List[List[str]]]:
+    headers = _HEADERS if wide else KEY_HEADERS
+    keep = [_HEADERS.index(h) for h in headers]
+    cells = [[c[i] for i in keep] for c in (_cells(r) for r in rows)]
+    return [f"peak ({peak_meter(rows)})" if h == "peak" else h for h in headers], cells
+
+
+def print_table(rows: Sequence[TrainingRow], title: Optional[str] = None, wide: bool = False) -> None:
+    """Print the rows as a rich table: the key columns (fits 120 columns), all with ``wide``."""
     where = ", ".join(sorted({f"{r.device} {r.dtype}" for r in rows}))
-    title = title or f"Training step (forward + backward + SGD): eager vs convbn.convert vs checkpoint vs torch.compile ({where})"
-    print_rich_table(_HEADERS, _RIGHT, [_cells(r) for r in rows], title, width=240)
+    title = title or f"Training step: eager vs convbn.convert vs checkpoint vs torch.compile ({where}; ratios: / eager)"
+    headers, cells = _columns(rows, wide)
+    right = {h for h in headers if h not in ("model", "config", "note")}
+    print_rich_table(headers, right, cells, title, width=240 if wide else 120)
+    if any(_RSS_NOTE in r.note for r in rows) and not wide:
+        print("peak n/a: compiled graphs on CPU run outside Python dispatch, so their exact peak cannot be counted "
+              "(their sampled-RSS figure is in --json)")
 
 
-def rows_to_markdown(rows: Sequence[TrainingRow]) -> str:
-    """The rows as a GitHub markdown table (for BENCHMARKS.md)."""
-    return markdown_table(_HEADERS, _RIGHT, [_cells(r) for r in rows])
+def rows_to_markdown(rows: Sequence[TrainingRow], wide: bool = True) -> str:
+    """The rows as a GitHub markdown table (for BENCHMARKS.md); all columns unless ``wide=False``."""
+    headers, cells = _columns(rows, wide)
+    return markdown_table(headers, {h for h in headers if h not in ("model", "config", "note")}, cells)
 
 
 def rows_to_json(rows: Sequence[TrainingRow]) -> str:
@@ -728,12 +755,54 @@ def rows_to_json(rows: Sequence[TrainingRow]) -> str:
 def write_plot(rows: Sequence[TrainingRow], path: str, x: str = "activation") -> None:
     """Scatter of saved-bytes ratio (x) vs step-time ratio (y), one point per configuration.
 
+    Colour per configuration (method), marker per model; labels are the legend's, so
+    nothing is written over the points. The title names the machine, dtype and batch.
     ``x="activation"`` plots :attr:`TrainingRow.activation_ratio` (parameters excluded, see
     Note: [Activation bytes]); ``x="saved"`` plots :attr:`TrainingRow.saved_ratio`.
 
     Raises:
         ImportError: matplotlib is missing (``pip install matplotlib``).
     """
+    plt = _pyplot()
+    import platform
+
+    if x not in ("activation", "saved"):
+        raise ValueError(f"x must be 'activation' or 'saved', but got x={x!r}")
+    field = "activation_ratio" if x == "activation" else "saved_ratio"
+    fig, ax = plt.subplots(figsize=(9, 6))
+    models = list(dict.fromkeys(r.model for r in rows))
+    configs = list(dict.fromkeys(r.config for r in rows))
+    markers = "os^Dv<>pP*X"
+    colours = plt.get_cmap("tab20").colors
+    for r in rows:
+        if getattr(r, field) is None or r.time_ratio is None:
+            continue
+        ax.scatter(getattr(r, field), r.time_ratio, s=60, alpha=0.85,
+                   color=colours[configs.index(r.config) % len(colours)],
+                   marker=markers[models.index(r.model) % len(markers)], edgecolors="black", linewidths=0.4)
+    from matplotlib.lines import Line2D
+
+    handles = [Line2D([], [], ls="", marker="o", color=colours[i % len(colours)], label=c) for i, c in enumerate(configs)]
+    handles += [Line2D([], [], ls="", marker=markers[i % len(markers)], color="grey", label=m) for i, m in enumerate(models)]
+    ax.legend(handles=handles, fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5), title="colour: config, marker: model",
+              title_fontsize=7)
+    ax.axvline(1.0, color="grey", lw=0.5)
+    ax.axhline(1.0, color="grey", lw=0.5)
+    ax.set_xlabel("saved activation bytes / eager (parameters excluded; lower: less held for backward)"
+                  if x == "activation" else "saved bytes / eager (lower: less memory held for backward)")
+    ax.set_ylabel("step time / eager (lower: faster)")
+    devices = ", ".join(sorted({r.device for r in rows}))
+    dtypes = ", ".join(sorted({r.dtype for r in rows}))
+    batches = ", ".join(sorted({str(r.input_shape[0]) for r in rows if r.input_shape}))
+    ax.set_title(f"Training: memory held for backward vs step time\n{platform.node() or 'this machine'} "
+                 f"({devices}, {torch.get_num_threads()} threads), {dtypes}, batch {batches}", fontsize=9)
+    ax.grid(True, alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120, bbox_inches="tight")
+    plt.close(fig)
+
+
+def _pyplot() -> Any:
     try:
         import matplotlib
 
@@ -741,30 +810,7 @@ def write_plot(rows: Sequence[TrainingRow], path: str, x: str = "activation") ->
         import matplotlib.pyplot as plt
     except ImportError as exc:
         raise ImportError("--plot needs matplotlib: pip install matplotlib (or convbn[plot])") from exc
-    if x not in ("activation", "saved"):
-        raise ValueError(f"x must be 'activation' or 'saved', but got x={x!r}")
-    field = "activation_ratio" if x == "activation" else "saved_ratio"
-    fig, ax = plt.subplots(figsize=(8, 6))
-    models = list(dict.fromkeys(r.model for r in rows))
-    markers = "os^Dv<>pP*X"
-    for i, model in enumerate(models):
-        pts = [r for r in rows if r.model == model and getattr(r, field) is not None and r.time_ratio is not None]
-        ax.scatter([getattr(r, field) for r in pts], [r.time_ratio for r in pts], marker=markers[i % len(markers)],
-                   label=model, s=50)
-        for r in pts:
-            ax.annotate(r.config, (getattr(r, field), r.time_ratio), textcoords="offset points", xytext=(4, 4),
-                        fontsize=7)
-    ax.axvline(1.0, color="grey", lw=0.5)
-    ax.axhline(1.0, color="grey", lw=0.5)
-    ax.set_xlabel("saved activation bytes / eager (parameters excluded; lower: less held for backward)"
-                  if x == "activation" else "saved bytes / eager (lower: less memory held for backward)")
-    ax.set_ylabel("step time / eager (lower: faster)")
-    ax.set_title("Training: memory held for backward vs step time")
-    ax.legend(fontsize=8)
-    ax.grid(True, alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    return plt
 
 
 # --------------------------------------------------------------------------- command line
@@ -772,65 +818,86 @@ def write_plot(rows: Sequence[TrainingRow], path: str, x: str = "activation") ->
 
 def add_training_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add the training benchmark's options to ``parser`` (for ``convbn bench``)."""
+    from convbn.cli import batch_size, device_arg, fraction, non_negative_int, output_path, positive_float, positive_int
+
     parser.add_argument("--model", action="append", default=None, metavar="SPEC",
                         help="model spec, repeatable: mnist, monai:resnet18, 'monai:resnet50(spatial_dims=2)', "
                              f"efficientnet:b0 ... (default: {' '.join(DEFAULT_MODELS)})")
-    parser.add_argument("--batch-size", type=int, default=64)
-    parser.add_argument("--image-size", type=int, default=None, help="override the spatial size where the model allows")
-    parser.add_argument("--steps", type=int, default=10, help="timed rounds (median reported)")
-    parser.add_argument("--warmup", type=int, default=2, help="untimed rounds after the first (compiling) step")
-    parser.add_argument("--memory-rounds", type=int, default=3, help="rounds measuring peak memory (median)")
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--dtype", choices=sorted(_DTYPES), default="float32")
-    parser.add_argument("--budget", type=float, action="append", default=[], metavar="X",
-                        help="add 'convert auto budget=X' (fraction of eager saved bytes), repeatable")
-    parser.add_argument("--compile-budget", type=float, action="append", default=None, metavar="B",
-                        help="torch.compile activation_memory_budget values, repeatable "
+    parser.add_argument("--batch-size", type=batch_size, default=64, help="batch size")
+    parser.add_argument("--image-size", type=positive_int, default=None,
+                        help="override the spatial size where the model allows (a warning where it does not)")
+    parser.add_argument("--steps", type=positive_int, default=10, help="timed rounds (median reported)")
+    parser.add_argument("--warmup", type=non_negative_int, default=2, help="untimed rounds after the first (compiling) step")
+    parser.add_argument("--memory-rounds", type=positive_int, default=3, help="rounds measuring peak memory (median)")
+    parser.add_argument("--device", type=device_arg, default="cpu", help="torch device: cpu, cuda, cuda:N")
+    parser.add_argument("--dtype", choices=sorted(_DTYPES), default="float32", help="parameter and input dtype")
+    parser.add_argument("--budget", type=fraction, action="append", default=[], metavar="X",
+                        help="add 'convert auto budget=X' (fraction in (0, 1] of eager saved bytes), repeatable")
+    parser.add_argument("--compile-budget", type=fraction, action="append", default=None, metavar="B",
+                        help="torch.compile activation_memory_budget values in (0, 1], repeatable "
                              f"(default: {' '.join(map(str, DEFAULT_COMPILE_BUDGETS))})")
     parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile configurations")
     parser.add_argument("--configs", default=None, metavar="LIST",
                         help=f"comma list of configurations to run, from {','.join(CONFIG_KEYS)} (default: all)")
-    parser.add_argument("--lr", type=float, default=1e-3)
-    parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads before running")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--plot", default=None, metavar="PATH", help="write a saved-ratio vs time-ratio PNG")
-    parser.add_argument("--json", default=None, metavar="PATH", help="write the rows as JSON")
-    parser.add_argument("--markdown", nargs="?", const="-", default=None, metavar="PATH",
-                        help="print the table as markdown (or write it to PATH)")
+    parser.add_argument("--lr", type=positive_float, default=1e-3, help="SGD learning rate")
+    parser.add_argument("--threads", type=positive_int, default=None, help="torch.set_num_threads before running")
+    parser.add_argument("--seed", type=int, default=0, help="seed of weights and inputs")
+    parser.add_argument("--plot", type=output_path, default=None, metavar="PATH",
+                        help="write a saved-ratio vs time-ratio PNG")
+    parser.add_argument("--json", type=output_path, default=None, metavar="PATH", help="write all rows as JSON ('-': stdout)")
+    parser.add_argument("--markdown", type=output_path, default=None, metavar="PATH",
+                        help="write all columns as a markdown table ('-': stdout)")
+    parser.add_argument("--wide", action="store_true", help="print every column (default: the key columns, 120 wide)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     return parser
 
 
+def _check_configs(text: Optional[str]) -> Optional[List[str]]:
+    if text is None:
+        return None
+    names = [c.strip() for c in text.split(",") if c.strip()]
+    bad = [c for c in names if c not in CONFIG_KEYS]
+    if bad or not names:
+        raise ValueError(f"--configs {text!r}: unknown configuration(s) {bad}; choose from {','.join(CONFIG_KEYS)}")
+    return names
+
+
+def _write(path: str, text: str) -> None:
+    if path == "-":
+        print(text)
+    else:
+        with open(path, "w") as fh:
+            fh.write(text + "\n")
+
+
 def main_training(args: argparse.Namespace) -> int:
-    """Run the benchmark from parsed arguments and print the table; returns an exit code
-    (2 with a message on stderr for a bad spec or option)."""
+    """Run the benchmark from parsed arguments and print the table; returns an exit code.
+
+    Raises:
+        ValueError / ImportError: a bad spec or option (``convbn`` prints it as one line, exit 2).
+    """
+    configs = _check_configs(args.configs)
+    if args.plot:
+        _pyplot()  # fail before the run, not after it
     if args.threads is not None:
         torch.set_num_threads(args.threads)
-    configs = None if args.configs is None else args.configs.split(",")
     rows: List[TrainingRow] = []
-    try:
-        for spec in args.model or list(DEFAULT_MODELS):
-            rows += run_training_bench(
-                spec, args.batch_size, configs, args.steps, args.warmup, args.device, _DTYPES[args.dtype],
-                budgets=args.budget,
-                compile_budgets=DEFAULT_COMPILE_BUDGETS if args.compile_budget is None else args.compile_budget,
-                use_compile=not args.no_compile, image_size=args.image_size, memory_rounds=args.memory_rounds,
-                lr=args.lr, seed=args.seed, progress=not args.no_progress,
-            )
-    except (ValueError, ImportError) as exc:
-        print(f"convbn bench: error: {exc}", file=sys.stderr)
-        return 2
-    print_table(rows)
-    if args.markdown == "-":
-        print(rows_to_markdown(rows))
-    elif args.markdown:
-        with open(args.markdown, "w") as fh:
-            fh.write(rows_to_markdown(rows) + "\n")
+    for spec in args.model or list(DEFAULT_MODELS):
+        rows += run_training_bench(
+            spec, args.batch_size, configs, args.steps, args.warmup, args.device, _DTYPES[args.dtype],
+            budgets=args.budget,
+            compile_budgets=DEFAULT_COMPILE_BUDGETS if args.compile_budget is None else args.compile_budget,
+            use_compile=not args.no_compile, image_size=args.image_size, memory_rounds=args.memory_rounds,
+            lr=args.lr, seed=args.seed, progress=not args.no_progress,
+        )
+    print_table(rows, wide=args.wide)
+    if args.markdown:
+        _write(args.markdown, rows_to_markdown(rows))
     if args.json:
-        with open(args.json, "w") as fh:
-            fh.write(rows_to_json(rows) + "\n")
+        _write(args.json, rows_to_json(rows))
     if args.plot:
         write_plot(rows, args.plot)
+        print(f"plot written to {args.plot}")
     return 0
 
 
