@@ -28,15 +28,19 @@ __all__ = ["load_model", "add_arguments", "run", "COMMAND"]
 def load_model(spec: str) -> Tuple[nn.Module, Optional[Tuple[int, ...]]]:
     """The model named by ``spec`` and its default input shape without batch (``None`` if unknown).
 
-    ``module.path:callable`` (a dotted module, a colon, a name) imports the module and calls
-    the callable with no arguments; anything else is a :func:`convbn.bench.models.build_model` spec.
+    ``module:callable`` (a module that is not one of the spec sources ``mnist``, ``monai``,
+    ``efficientnet``, ``torchvision``, ``timm``; a colon; a name) imports the module and
+    calls the callable with no arguments; anything else is a
+    :func:`convbn.bench.models.build_model` spec.
 
     Raises:
         ValueError: the module has no such callable, or it did not return an ``nn.Module``.
         ImportError: the module does not import.
     """
     head, sep, name = spec.partition(":")
-    if sep and "." in head and name.isidentifier():
+    from .bench.models import SOURCES
+
+    if sep and head not in SOURCES and name.isidentifier():
         try:
             module = importlib.import_module(head)
         except ImportError as exc:

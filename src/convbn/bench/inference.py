@@ -99,10 +99,16 @@ def _make_variants(model: nn.Module, x: Tensor, use_compile: bool) -> List[Tuple
     report = folded.fold_report
     variants.append(("convbn.fold", folded, f"{len(report.folded)} folded, {len(report.skipped)} skipped"))
     try:
-        variants.append(("fold + jit.script", torch.jit.script(folded), ""))
+        with warnings.catch_warnings():
+            # TorchScript's compiler warns about annotations it cannot use (and that it is
+            # deprecated); the variant's note says when it fell back, which is what matters here.
+            warnings.simplefilter("ignore")
+            scripted = torch.jit.script(folded)
+        variants.append(("fold + jit.script", scripted, ""))
     except Exception as exc:  # noqa: BLE001 - fall back to tracing and say so
         try:
-            with torch.no_grad():
+            with torch.no_grad(), warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # TracerWarnings: the note says it was traced
                 traced = torch.jit.trace(folded, (x,), check_trace=False)
             variants.append(("fold + jit.script", traced, f"script failed ({_short(exc)}); used jit.trace"))
         except Exception as exc2:  # noqa: BLE001

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-__all__ = ["MNISTNet", "build_model", "parse_spec", "MODEL_DEFAULTS"]
+__all__ = ["MNISTNet", "build_model", "parse_spec", "MODEL_DEFAULTS", "SOURCES"]
 
 Shape = Tuple[int, ...]
 
@@ -137,6 +137,9 @@ _BUILDERS: Dict[str, Callable[[str, Dict[str, Any]], Tuple[nn.Module, Shape]]] =
     "torchvision": _torchvision,
     "timm": _timm,
 }
+
+#: The spec sources: ``mnist`` and those before a colon.
+SOURCES = ("mnist",) + tuple(sorted(_BUILDERS))
 
 
 def build_model(spec: str) -> Tuple[nn.Module, Shape]:

@@ -729,7 +729,8 @@ def _columns(rows: Sequence[TrainingRow], wide: bool) -> Tuple[List[str], List[L
 def print_table(rows: Sequence[TrainingRow], title: Optional[str] = None, wide: bool = False) -> None:
     """Print the rows as a rich table: the key columns (fits 120 columns), all with ``wide``."""
     where = ", ".join(sorted({f"{r.device} {r.dtype}" for r in rows}))
-    title = title or f"Training step: eager vs convbn.convert vs checkpoint vs torch.compile ({where}; ratios: / eager)"
+    title = title or (f"Training step: eager vs convbn.convert vs checkpoint vs torch.compile ({where}; "
+                      f"peak meter: {peak_meter(rows)}; ratios: / eager)")
     headers, cells = _columns(rows, wide)
     right = {h for h in headers if h not in ("model", "config", "note")}
     print_rich_table(headers, right, cells, title, width=240 if wide else 120)
