@@ -172,3 +172,17 @@ def test_fold_reports_checks_and_saves(tmp_path, capsys):
     assert not any("bn" in k for k in sd)
     loaded = torch.jit.load(str(script))
     assert loaded(torch.randn(2, 1, 28, 28)).shape == (2, 10)
+
+
+def test_convert_that_fuses_nothing_warns():
+    import warnings
+
+    import torch.nn as nn
+
+    from convbn import convert
+
+    with pytest.warns(UserWarning, match=r"convbn.convert fused nothing in Sequential"):
+        convert(nn.Sequential(nn.Linear(4, 4), nn.ReLU()))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a model with a pair converts without a warning
+        convert(nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU()))

@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import math
 import operator
+import warnings
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, TypeVar, Union
@@ -566,6 +567,11 @@ def convert(
         converted.convbn_report = report  # type: ignore[assignment]
     except AttributeError:  # pragma: no cover - modules refusing attributes
         pass
+    if not report.pairs:
+        why = "; ".join([f"{s.bn}: {s.reason}" for s in report.skipped[:3]]
+                        + [f"{m or '<root>'} not traceable: {e}" for m, e in report.untraced[:2]])
+        warnings.warn(f"convbn.convert fused nothing in {type(model).__name__} (no Conv -> BatchNorm pair found"
+                      f"{': ' + why if why else ''}); it computes exactly as before", stacklevel=2)
     return converted
 
 
