@@ -61,11 +61,13 @@ def test_main_ddp_two_processes_mnist_prints_table(capsys: Any, monkeypatch: Any
 
 
 def test_main_ddp_bad_options_exit_2_without_launching(capsys: Any) -> None:
-    assert main_ddp(_parse(["--ddp", "0"])) == 2
-    assert "world_size >= 1" in capsys.readouterr().err
+    for bad in (["--ddp", "0"], ["--ddp", "2", "--device", "meta"]):  # rejected while parsing
+        with pytest.raises(SystemExit) as err:
+            _parse(bad)
+        assert err.value.code == 2
+    assert "must be a positive integer, but got 0" in capsys.readouterr().err
     assert main_ddp(_parse(["--ddp", "2", "--model", "nosuch:thing"])) == 2
     assert "unknown model source" in capsys.readouterr().err
-    assert main_ddp(_parse(["--ddp", "2", "--device", "meta"])) == 2
 
 
 def test_add_ddp_arguments_shares_options_with_the_training_bench() -> None:

@@ -112,26 +112,36 @@ def test_debug_shows_the_traceback():
 
 
 def test_bench_training_mode_runs(tmp_path, capsys):
-    md, js = tmp_path / "t.md", tmp_path / "t.json"
+    md, js, png = tmp_path / "t.md", tmp_path / "t.json", tmp_path / "t.png"
     code = main(["bench", "--model", "mnist", "--batch-size", "8", "--steps", "1", "--warmup", "0",
                  "--memory-rounds", "1", "--no-compile", "--configs", "eager,auto", "--no-progress",
-                 "--markdown", str(md), "--json", str(js)])
+                 "--markdown", str(md), "--json", str(js), "--plot", str(png)])
     assert code == 0
     out = capsys.readouterr().out
     assert "peak meter: live tensors, exact" in " ".join(out.split())
     assert max(len(line) for line in out.splitlines()) <= 120
     assert "| mnist | convert auto |" in md.read_text() and "\\|Δout\\|" in md.read_text()
     assert {r["config"] for r in json.loads(js.read_text())} == {"eager", "convert auto"}
+    assert png.stat().st_size > 1000
 
 
 def test_bench_inference_mode_runs(tmp_path, capsys):
-    js = tmp_path / "i.json"
-    code = main(["bench", "--inference", "--model", "mnist", "--batch-size", "2", "--repeats", "1",
-                 "--warmup", "0", "--no-progress", "--json", str(js), "--image-size", "32"])
+    js, png = tmp_path / "i.json", tmp_path / "i.png"
+    with pytest.warns(UserWarning, match="--image-size 32 does not fit"):
+        code = main(["bench", "--inference", "--model", "mnist", "--batch-size", "2", "--repeats", "1",
+                     "--warmup", "0", "--no-progress", "--json", str(js), "--image-size", "32", "--plot", str(png)])
     assert code == 0
     assert "convbn.fold" in capsys.readouterr().out
+    assert png.stat().st_size > 1000
     rows = json.loads(js.read_text())
     assert rows[0]["model"] == "mnist" and rows[0]["input_shape"] == [2, 1, 28, 28]
+
+
+def test_inference_old_models_flag_still_works(capsys):
+    with pytest.warns(FutureWarning, match="repeat --model"):
+        code = main(["bench", "--inference", "--models", "mnist", "--batch-size", "2", "--repeats", "1",
+                     "--warmup", "0", "--no-progress", "--markdown"])
+    assert code == 0 and "| mnist | convbn.fold |" in capsys.readouterr().out
 
 
 def test_inference_ignored_image_size_warns():

@@ -299,6 +299,15 @@ def rows_to_markdown(rows: Sequence[InferenceRow]) -> str:
     return markdown_table(_HEADERS, _RIGHT, [_cells(r) for r in rows])
 
 
+class _DeprecatedModels(argparse.Action):
+    """``--models A B`` (the old spelling): adds to ``--model`` and warns once."""
+
+    def __call__(self, parser: Any, namespace: Any, values: Any, option_string: Optional[str] = None) -> None:
+        warnings.warn("--models SPEC... is deprecated; repeat --model SPEC instead (the same flag in every bench mode)",
+                      FutureWarning, stacklevel=2)
+        namespace.model = list(getattr(namespace, "model", None) or []) + list(values)
+
+
 def add_inference_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add the inference benchmark's options to ``parser`` (for ``convbn bench --inference``)."""
     from convbn.cli import device_arg, non_negative_int, output_path, positive_int
@@ -308,6 +317,7 @@ def add_inference_arguments(parser: argparse.ArgumentParser) -> argparse.Argumen
     parser.add_argument("--model", action="append", default=None, metavar="SPEC",
                         help="model spec, repeatable, e.g. monai:resnet18 'monai:resnet50(spatial_dims=2)' "
                              f"efficientnet:b0 mnist (default: {' '.join(DEFAULT_MODELS)})")
+    parser.add_argument("--models", nargs="+", action=_DeprecatedModels, metavar="SPEC", help=argparse.SUPPRESS)
     parser.add_argument("--batch-size", type=positive_int, default=8, help="batch size")
     parser.add_argument("--image-size", type=positive_int, default=None,
                         help="override the spatial size of every input (a warning where a model does not allow it)")
@@ -319,9 +329,10 @@ def add_inference_arguments(parser: argparse.ArgumentParser) -> argparse.Argumen
     parser.add_argument("--threads", type=positive_int, default=None, help="torch.set_num_threads before timing")
     parser.add_argument("--seed", type=int, default=0, help="seed of weights, BatchNorm statistics and input")
     parser.add_argument("--plot", type=output_path, default=None, metavar="PATH", help="write a time-ratio bar chart PNG")
-    parser.add_argument("--json", type=output_path, default=None, metavar="PATH", help="write the rows as JSON ('-': stdout)")
-    parser.add_argument("--markdown", type=output_path, default=None, metavar="PATH",
-                        help="write all columns as a markdown table ('-': stdout)")
+    parser.add_argument("--json", type=output_path, nargs="?", const="-", default=None, metavar="PATH",
+                        help="write all rows as JSON to PATH (no PATH or '-': stdout)")
+    parser.add_argument("--markdown", type=output_path, nargs="?", const="-", default=None, metavar="PATH",
+                        help="write all columns as a markdown table to PATH (no PATH or '-': stdout)")
     parser.add_argument("--wide", action="store_true", help="print every column (default: the key columns, 120 wide)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     return parser

@@ -845,9 +845,10 @@ def add_training_arguments(parser: argparse.ArgumentParser) -> argparse.Argument
     parser.add_argument("--seed", type=int, default=0, help="seed of weights and inputs")
     parser.add_argument("--plot", type=output_path, default=None, metavar="PATH",
                         help="write a saved-ratio vs time-ratio PNG")
-    parser.add_argument("--json", type=output_path, default=None, metavar="PATH", help="write all rows as JSON ('-': stdout)")
-    parser.add_argument("--markdown", type=output_path, default=None, metavar="PATH",
-                        help="write all columns as a markdown table ('-': stdout)")
+    parser.add_argument("--json", type=output_path, nargs="?", const="-", default=None, metavar="PATH",
+                        help="write all rows as JSON to PATH (no PATH or '-': stdout)")
+    parser.add_argument("--markdown", type=output_path, nargs="?", const="-", default=None, metavar="PATH",
+                        help="write all columns as a markdown table to PATH (no PATH or '-': stdout)")
     parser.add_argument("--wide", action="store_true", help="print every column (default: the key columns, 120 wide)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     return parser
