@@ -7,7 +7,8 @@ parser is built.
 Errors: every bad option or input ends the command with ONE line on stderr,
 ``convbn SUBCOMMAND: error: ...`` naming the value and what is allowed, and exit status 2
 (``--debug`` re-raises to show the traceback). Output paths are checked while parsing,
-before any work starts. Warnings print as one line ``convbn: warning: ...``.
+before any work starts. Warnings print as one line ``convbn: warning: ...``; torch's own
+log lines (``torch.compile`` recompiles and fallbacks) are kept below ERROR unless ``--debug``.
 
 Example:
     $ convbn --version
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import logging
 import os
 import sys
 import warnings
@@ -280,8 +282,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parser.parse_args(argv)
     debug = bool(getattr(args, "debug", False))
     previous = warnings.formatwarning
+    torch_logger = logging.getLogger("torch")
+    level = torch_logger.level
     if not debug:
         warnings.formatwarning = _format_warning  # type: ignore[assignment]
+        # torch.compile / checkpoint log lines (recompiles, graph breaks, fallbacks) are not the
+        # command's output; --debug shows them
+        torch_logger.setLevel(logging.ERROR)
     try:
         return int(args.command_obj.run(args))
     except USER_ERRORS as exc:
@@ -294,3 +301,4 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 130
     finally:
         warnings.formatwarning = previous  # type: ignore[assignment]
+        torch_logger.setLevel(level)
