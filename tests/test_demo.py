@@ -20,6 +20,7 @@ from convbn.demo import (
     COMMAND,
     DemoConfig,
     compare_losses,
+    grad_difference,
     MnistNet,
     load_digits_28,
     load_mnist,
@@ -57,9 +58,11 @@ def test_demo_reduced_size_accuracy_exact_peak_identical_losses(digits_small: An
     assert r.step_losses["auto"][:2] == r.step_losses["unfused"][:2]
     np.testing.assert_allclose(r.step_losses["auto"][:4], r.step_losses["unfused"][:4], rtol=1e-5, atol=1e-6)
     for name in ("auto", "tutorial"):
-        assert r.equality[name].startswith(f"{name}: loss bit-identical to unfused"), r.equality[name]
-        if r.step_losses[name] != r.step_losses["unfused"]:
-            assert "Why: from identical weights one step gives a bit-identical loss" in r.equality[name]
+        text = r.equality[name]
+        if r.step_losses[name] == r.step_losses["unfused"]:
+            assert "bit-identical" in text and "differ" not in text.split("Loss")[-1], text
+        else:  # the losses only part after the gradients did, and the sentence says where
+            assert "gradients bit-identical to unfused for the first" in text and "it differs" in text, text
     # exact live-tensor peaks: deterministic, so a second run gives the same bytes
     assert r.memory_source == "tensors"
     small = DemoConfig(epochs=1, batch_size=16, limit=32, device="cpu", progress=False)
@@ -75,9 +78,22 @@ def test_demo_reduced_size_accuracy_exact_peak_identical_losses(digits_small: An
 
 
 def test_compare_losses_sentences() -> None:
-    assert compare_losses("x", [1.0, 2.0], [1.0, 2.0]) == "x: loss bit-identical to unfused at every one of the 2 steps"
-    text = compare_losses("x", [1.0, 2.0, 3.5], [1.0, 2.0, 3.0])
-    assert "first 2 of 3 steps" in text and "from step 3" in text and "5.0e-01" in text
+    same = compare_losses("x", [1.0, 2.0], [1.0, 2.0])
+    assert same == "x: loss and gradients bit-identical to unfused at every one of the 2 steps"
+    text = compare_losses("x", [1.0, 2.0, 3.5], [1.0, 2.0, 3.0], (1, 3e-8))
+    assert "gradients bit-identical to unfused for the first 1 of 3 steps; at step 2" in text and "3.0e-08" in text
+    assert "Loss bit-identical for the first 2 steps; from step 3" in text and "5.0e-01" in text
+
+
+def test_grad_difference() -> None:
+    a, b = nn.Linear(2, 2), nn.Linear(2, 2)
+    b.load_state_dict(a.state_dict())
+    x = torch.randn(3, 2)
+    a(x).sum().backward()
+    b(x).sum().backward()
+    assert grad_difference(a, b) == 0.0
+    b.weight.grad += 0.5
+    assert grad_difference(a, b) == 0.5
 
 
 def test_python_m_convbn_demo_prints_table(tmp_path: Any) -> None:
@@ -91,7 +107,7 @@ def test_python_m_convbn_demo_prints_table(tmp_path: Any) -> None:
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = " ".join(proc.stdout.split())  # rich wraps at the console width
-    for text in ("epoch 1:", "saved for backward", "live tensors, exact", "tutorial: loss bit-identical",
+    for text in ("epoch 1:", "saved for backward", "live tensors, exact", "tutorial:", "bit-identical",
                  f"plot written to {png}"):
         assert text in out, text
     assert png.exists() and "Traceback" not in proc.stderr
@@ -213,7 +229,7 @@ def test_demo_on_mnist_dir(tmp_path: Any, capsys: Any) -> None:
     assert rc == 0
     out = " ".join(capsys.readouterr().out.split())  # rich wraps at the console width
     assert "MNIST (" in out and "32 train / 8 test" in out
-    assert "tutorial: loss bit-identical" in out and "test accuracy" in out
+    assert "tutorial:" in out and "bit-identical" in out and "test accuracy" in out
 
 
 def test_load_digits_28(digits_small: Any) -> None:
