@@ -650,9 +650,10 @@ def write_plot(result: DemoResult, path: str, device: torch.device) -> None:
         bars = ax.bar(xs + offset, [values[k] / mib for k in CONFIGS], width=0.4, label=label)
         ax.bar_label(bars, labels=[f"{values[k] / values['unfused']:.2f}x" for k in CONFIGS], fontsize=8)
     ax.set_xticks(xs, list(CONFIGS))
+    ax.set_ylim(0, 1.3 * max(max(result.saved.values()), max(result.peak.values())) / mib)  # room for the legend
     ax.set_ylabel("MiB")
     ax.set_title(f"convbn demo: MNIST net, batch {result.batch_size}, {device}, float32")
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=8, loc="upper center", ncol=2)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
