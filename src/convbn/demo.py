@@ -682,8 +682,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", type=device_arg, default=d.device, help="torch device: cpu, cuda, cuda:1 ...")
     parser.add_argument("--seed", type=int, default=d.seed, help="seeds weights, shuffling and dropout")
     parser.add_argument("--mnist-dir", type=existing_dir, default=None, metavar="DIR",
-                        help="directory with the four MNIST IDX files (raw or .gz); default: scikit-learn digits")
-    parser.add_argument("--limit", type=batch_size, default=None, metavar="N", help="use only the first N train and N test images")
+                        help="directory with the four MNIST IDX files (raw or .gz); None: scikit-learn's built-in digits")
+    parser.add_argument("--limit", type=batch_size, default=None, metavar="N", help="use only the first N train and N test images (None: all)")
     parser.add_argument("--lr", type=positive_float, default=d.lr, help="Adadelta learning rate")
     parser.add_argument("--plot", type=output_path, default="convbn-demo.png", metavar="PATH",
                         help="PNG of saved bytes and exact peak per configuration")
