@@ -196,3 +196,28 @@ def test_convert_that_fuses_nothing_warns():
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # a model with a pair converts without a warning
         convert(nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU()))
+
+
+def test_ignored_bench_options_warn(tmp_path):
+    from convbn.bench.command import _add_training
+    from convbn.bench.training import main_training
+    from convbn.cli import ArgumentParser
+
+    parser = ArgumentParser()
+    _add_training(parser)
+    args = parser.parse_args(["--model", "nosuch:net", "--no-compile", "--compile-budget", "0.5", "--configs", "eager",
+                              "--budget", "0.4"])
+    with pytest.warns(UserWarning) as record, pytest.raises(ValueError, match="unknown model source"):
+        main_training(args)
+    text = " ".join(str(w.message) for w in record)
+    assert "--compile-budget is ignored with --no-compile" in text and "--budget is ignored" in text
+
+
+def test_fold_saves_an_exported_program(tmp_path, capsys):
+    import torch
+
+    path = tmp_path / "m.pt2"
+    assert main(["fold", "mnist", "--batch-size", "2", "--save-export", str(path)]) == 0
+    assert "torch.export program written" in capsys.readouterr().out
+    program = torch.export.load(str(path))
+    assert program.module()(torch.randn(2, 1, 28, 28)).shape == (2, 10)

@@ -879,6 +879,12 @@ def main_training(args: argparse.Namespace) -> int:
         ValueError / ImportError: a bad spec or option (``convbn`` prints it as one line, exit 2).
     """
     configs = _check_configs(args.configs)
+    if args.no_compile and args.compile_budget is not None:
+        warnings.warn("--compile-budget is ignored with --no-compile", stacklevel=2)
+    if args.budget and configs is not None and "budget" not in configs:
+        warnings.warn(f"--budget is ignored: --configs {args.configs} does not include 'budget'", stacklevel=2)
+    if args.compile_budget is not None and configs is not None and not {"compile", "convert+compile"} & set(configs):
+        warnings.warn(f"--compile-budget is ignored: --configs {args.configs} has no compile configuration", stacklevel=2)
     if args.plot:
         _pyplot()  # fail before the run, not after it
     if args.threads is not None:
