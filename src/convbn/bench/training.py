@@ -774,7 +774,7 @@ def write_plot(rows: Sequence[TrainingRow], path: str, x: str = "activation") ->
     models = list(dict.fromkeys(r.model for r in rows))
     configs = list(dict.fromkeys(r.config for r in rows))
     markers = "os^Dv<>pP*X"
-    colours = plt.get_cmap("tab20").colors
+    colours = plt.get_cmap("tab10").colors  # 10 clearly different colours, one per configuration
     for r in rows:
         if getattr(r, field) is None or r.time_ratio is None:
             continue
