@@ -26,7 +26,7 @@ def _parse(argv: List[str]) -> argparse.Namespace:
     return add_ddp_arguments(argparse.ArgumentParser()).parse_args(argv)
 
 
-def test_main_ddp_two_processes_mnist_prints_table(capsys: Any, monkeypatch: Any) -> None:
+def test_main_ddp_two_processes_mnist_prints_table(capsys: Any, monkeypatch: Any, tmp_path: Any) -> None:
     returned: List[DDPRow] = []
     run = ddp.run_ddp_bench
 
@@ -36,13 +36,19 @@ def test_main_ddp_two_processes_mnist_prints_table(capsys: Any, monkeypatch: Any
         return rows
 
     monkeypatch.setattr(ddp, "run_ddp_bench", spy)
-    args = _parse(["--ddp", "2", "--model", "mnist", "--batch-size", "4", "--steps", "2", "--warmup", "0"])
+    js = tmp_path / "ddp.json"
+    args = _parse(["--ddp", "2", "--model", "mnist", "--batch-size", "4", "--steps", "2", "--warmup", "0",
+                   "--json", str(js), "--markdown"])
     assert main_ddp(args) == 0
+    import json
+
+    assert [r["config"] for r in json.loads(js.read_text())] == list(DDP_CONFIGS)
 
     out = capsys.readouterr().out
     assert "DDP training step" in out and "2 x cpu (gloo)" in out
     for name in ("eager", "SyncBatchNorm (unfused)", "convert auto", "saved ratio", "time ratio"):
         assert name in out, name
+    assert "| mnist | convert auto |" in out  # --markdown without PATH: stdout
 
     assert [r.config for r in returned] == list(DDP_CONFIGS)
     eager, unfused, fused = returned

@@ -33,7 +33,7 @@ def test_version():
                            "--device", "--dtype", "--image-size", "--wide"]),
     (["bench", "--inference", "--help"], ["--model", "(default: 8)", "--json", "--markdown", "--plot", "--device",
                                           "--dtype", "--image-size", "--repeats"]),
-    (["bench", "--ddp", "2", "--help"], ["--model", "--batch-size", "--steps", "--device"]),
+    (["bench", "--ddp", "2", "--help"], ["--model", "--batch-size", "--steps", "--device", "--json", "--markdown"]),
     (["explain", "--help"], ["SPEC", "--input-shape", "--strategy", "(default: auto)", "--budget"]),
     (["fold", "--help"], ["SPEC", "--input-shape", "--save-state", "--save-script", "--save-export"]),
 ])

@@ -548,7 +548,7 @@ def add_ddp_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
         if flag not in existing:
             parser.add_argument(flag, **kwargs)
 
-    from convbn.cli import batch_size, device_arg, non_negative_int, positive_int
+    from convbn.cli import batch_size, device_arg, non_negative_int, output_path, positive_int
 
     add("--ddp", type=positive_int, default=None, metavar="N",
         help="run the data-parallel SyncBatchNorm benchmark on N processes (gloo on CPU, nccl on CUDA)")
@@ -557,6 +557,10 @@ def add_ddp_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     add("--steps", type=positive_int, default=10, help="timed rounds (median reported)")
     add("--warmup", type=non_negative_int, default=2, help="untimed rounds before the timed ones")
     add("--device", type=device_arg, default="cpu", help="torch device: cpu or cuda")
+    add("--json", type=output_path, nargs="?", const="-", default=None, metavar="PATH",
+        help="write the rows as JSON to PATH (no PATH or '-': stdout)")
+    add("--markdown", type=output_path, nargs="?", const="-", default=None, metavar="PATH",
+        help="write the table as markdown to PATH (no PATH or '-': stdout)")
     return parser
 
 
@@ -586,6 +590,17 @@ def main_ddp(args: argparse.Namespace) -> int:
         return 1
     if not torchrun or int(os.environ.get("RANK", "0")) == 0:  # one table per job
         print_ddp_table(rows)
+        from convbn.bench.training import _write
+
+        if getattr(args, "markdown", None):
+            from convbn.bench.table import markdown_table
+
+            _write(args.markdown, markdown_table(_HEADERS, _RIGHT, [_cells(r) for r in rows]))
+        if getattr(args, "json", None):
+            import dataclasses
+            import json
+
+            _write(args.json, json.dumps([dataclasses.asdict(r) for r in rows], indent=2))
     return 0
 
 
