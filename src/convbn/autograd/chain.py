@@ -66,8 +66,8 @@ class _Rebuilder:
         self.params = params
         self.specs = specs
         self.y: Dict[int, Tensor] = dict(kept)
+        self.kept_idx = set(kept)
         self.outs: Dict[int, Tensor] = {}
-        self.xs: Dict[int, Tensor] = {}
         self.means = means
         self.invstds = invstds
 
@@ -75,10 +75,9 @@ class _Rebuilder:
         return self.params[PER_LAYER * i: PER_LAYER * (i + 1)]
 
     def x(self, i: int) -> Tensor:
+        """Layer i's conv input, rebuilt element-wise from ``y_{i-1}`` (kept or cached)."""
         if i == 0:
             return self.x0
-        if i in self.xs:
-            return self.xs.pop(i)
         y = self.get_y(i - 1)
         _, _, g, b = self.layer_params(i - 1)
         z = bn_apply(y, self.means[i - 1], self.invstds[i - 1], g, b)
@@ -95,17 +94,19 @@ class _Rebuilder:
         return self.specs[i].conv.pad_input(x)
 
     def get_y(self, i: int) -> Tensor:
+        """Layer i's conv output: kept, or recomputed from a rebuilt ``x_i`` that is dropped at
+        once (Note: [chain backward order]: ``x_i`` is rebuilt again after BN backward)."""
         y = self.y.get(i)
         if y is None:
             w, b, _, _ = self.layer_params(i)
-            x = self.x(i)
-            y = conv_forward(x, w, b, self.specs[i].conv)  # type: ignore[arg-type]
+            y = conv_forward(self.x(i), w, b, self.specs[i].conv)  # type: ignore[arg-type]
+            self.outs.pop(i - 1, None)
             self.y[i] = y
-            self.xs[i] = x  # layer i's backward needs it next
         return y
 
-    def grad_z(self, i: int, grad_out: Tensor) -> Tensor:
-        """Layer i's activation backward, written into a buffer it no longer needs."""
+    def grad_z(self, i: int, grad_out: Tensor, writable: bool) -> Tensor:
+        """Layer i's activation backward, written into a buffer it no longer needs: the cached
+        output (ReLU family), ``grad_out`` itself when ``writable``, else a recomputed ``z``."""
         act = self.specs[i].act
         if act.is_identity:
             return grad_out
@@ -113,11 +114,80 @@ class _Rebuilder:
         if out is not None:
             return act.backward_from_output_(grad_out, out)
         _, _, g, b = self.layer_params(i)
-        z = bn_apply(self.get_y(i), self.means[i], self.invstds[i], g, b)
-        return act.backward_(grad_out, z)
+        y, mean, invstd = self.get_y(i), self.means[i], self.invstds[i]
+        if not writable:
+            return act.backward_(grad_out, bn_apply(y, mean, invstd, g, b))
+        # Note: [recompute z in slices] z is needed only element by element: slice the
+        # batch so the recomputed z never exists whole; the result lands in grad_out.
+        step = max(1, -(-y.shape[0] // _Z_SLICES))
+        for lo in range(0, y.shape[0], step):
+            g_s = grad_out[lo: lo + step]
+            g_s.copy_(act.backward_(g_s, bn_apply(y[lo: lo + step], mean, invstd, g, b)))
+        return grad_out
 
-    def release(self, i: int) -> None:
-        self.y.pop(i, None)
+    def release(self, i: int, free_kept: bool) -> None:
+        """Drop layer i's conv output after its BN backward; a *kept* one is freed too when
+        ``free_kept`` (Note: [freeing kept tensors early])."""
+        y = self.y.pop(i, None)
+        if free_kept and i in self.kept_idx and y is not None:
+            _free_storage(y)
+
+
+#: batch slices of the recomputed ``z`` in the last layer's activation backward
+_Z_SLICES = 8
+
+
+def _free_storage(t: Tensor) -> None:
+    """Give ``t``'s memory back now, although autograd's saved-variable slot still refers
+    to it.
+
+    # Note: [freeing kept tensors early]
+    # A tensor saved with ``save_for_backward`` lives until the node's backward returns,
+    # so a chain's kept conv outputs would all stay alive to the end of the chain's
+    # backward. Each is dead once its layer's BN backward is done; when the graph is not
+    # being retained (``retain_graph=False``: no later backward will unpack it) its storage
+    # is resized to zero, as FSDP frees parameter shards. A tensor whose storage is larger
+    # than itself (a view) is left alone.
+    """
+    st = t.untyped_storage()
+    if st.nbytes() == t.numel() * t.element_size() and t.storage_offset() == 0:
+        st.resize_(0)
+
+
+def _keeping_graph() -> bool:
+    """Whether the running backward retains the graph (``retain_graph=True``); ``True`` when unknown."""
+    try:
+        return bool(torch._C._autograd._get_current_graph_task_keep_graph())
+    except (AttributeError, RuntimeError):  # pragma: no cover - private API moved / no graph task
+        return True
+
+
+def _sole_owner(t: Tensor) -> bool:
+    """Whether ``t`` (an incoming gradient) may be overwritten: no other tensor, view or
+    autograd buffer refers to its storage, which it covers exactly.
+
+    # Note: [reusing the incoming gradient]
+    # The engine keeps a Function's incoming gradient alive until backward returns, so
+    # an activation-sized grad_z written elsewhere costs one buffer more than needed.
+    # When the gradient is ours alone (use count 1: not shared with another branch's
+    # input buffer, not held by a hook or by the caller of ``backward(gradient)``; its
+    # storage not shared with a view) it is written in place, as AccumulateGrad steals
+    # a gradient it alone holds. Once consumed (after the last layer's BN backward) its
+    # storage is freed as well (when the graph is not retained): the engine only drops
+    # it afterwards. A post-hook registered on the chain's own ``grad_fn`` would then
+    # find an empty gradient and raise; module backward hooks hold their own reference,
+    # which makes the gradient shared, so they are unaffected.
+    """
+    if t.requires_grad or t.dim() == 0 or t._use_count() != 1:
+        return False
+    try:
+        st = t.untyped_storage()
+        # one reference from t's TensorImpl, one from ``st`` itself
+        shared = torch._C._storage_Use_Count(st._cdata) != 2
+    except (AttributeError, RuntimeError, NotImplementedError):  # pragma: no cover - private API moved
+        return False
+    return (not shared and st.nbytes() == t.numel() * t.element_size() and t.storage_offset() == 0
+            and t.is_contiguous(memory_format=torch.contiguous_format))
 
 
 def chain_forward(
@@ -158,15 +228,25 @@ def chain_backward(
     means: Sequence[Tensor],
     invstds: Sequence[Tensor],
     needs: Sequence[bool],
+    overwrite_grad_out: bool = False,
+    free_kept: bool = False,
 ) -> List[Optional[Tensor]]:
     """First-order backward of :func:`chain_forward` (Note: [chain backward order]).
 
     ``needs`` has one flag for ``x0`` then one per entry of ``params``; the result
-    has the same layout.
+    has the same layout. With ``overwrite_grad_out`` the incoming gradient's buffer is
+    reused when nothing else refers to it (Note: [reusing the incoming gradient]); a
+    caller whose contract forbids mutating inputs (a custom op) leaves it ``False``.
+    With ``free_kept`` each kept conv output's memory is returned right after its
+    last use (Note: [freeing kept tensors early]); only for a graph that is not retained.
     """
     grads: List[Optional[Tensor]] = [None] * len(needs)
     rb = _Rebuilder(x0, params, specs, kept, means, invstds)
-    g = grad_out
+    g: Optional[Tensor] = grad_out
+    writable = overwrite_grad_out and _sole_owner(grad_out)  # Note: [reusing the incoming gradient]
+    # the engine holds grad_out until backward returns: once consumed, free it (when ours alone)
+    engine_grad: Optional[Tensor] = grad_out if writable and free_kept else None
+    del grad_out
     for i in reversed(range(len(specs))):
         spec = specs[i]
         w, b, gamma, beta = rb.layer_params(i)
@@ -174,18 +254,22 @@ def chain_backward(
         nw, nb, ng, nbeta = needs[base: base + PER_LAYER]
         nx = needs[0] if i == 0 else True
         y = rb.get_y(i)
-        x = rb.x(i)  # rebuilt before the layer's own tensors are released
-        grad_z = rb.grad_z(i, g)
+        grad_z = rb.grad_z(i, g, writable)  # type: ignore[arg-type]
+        g = None  # consumed: only grad_z (possibly its own buffer) lives on
         grad_y, grads[base + 2], grads[base + 3] = bn_backward(
             grad_z, y, gamma, means[i], invstds[i], spec.bn, (nx or nw or nb, ng, nbeta)
         )
         del grad_z, y
-        rb.release(i)
+        if engine_grad is not None:
+            _free_storage(engine_grad)  # its content (grad_z) is consumed; Note: [reusing the incoming gradient]
+            engine_grad = None
+        rb.release(i, free_kept)
+        x = rb.x(i)  # rebuilt now that y_i and grad_z are gone (Note: [chain backward order])
         gx, grads[base], grads[base + 1] = conv_backward(grad_y, x, w, spec.conv, (nx, nw, nb))  # type: ignore[arg-type]
         del grad_y, x
         if i > 0 and spec.conv.pre_pad:
             gx = _unpad(gx, spec.conv.pre_pad)  # type: ignore[arg-type]
-        g = gx  # type: ignore[assignment]
+        g, writable = gx, True
     grads[0] = g if needs[0] else None
     return grads
 
@@ -223,7 +307,8 @@ class ChainFunction(Function):
         if torch.is_grad_enabled():  # Note: [double backward] in autograd/fused.py
             return differentiable_backward(ctx, grad_out, (x0, *params), _rebuild(specs, means, invstds))
         needs = ctx.needs_input_grad
-        grads = chain_backward(grad_out, x0, params, specs, kept, means, invstds, needs[: 1 + n])  # type: ignore[arg-type]
+        grads = chain_backward(grad_out, x0, params, specs, kept, means, invstds, needs[: 1 + n],  # type: ignore[arg-type]
+                               overwrite_grad_out=True, free_kept=not _keeping_graph())
         return tuple(grads) + (None,) * (len(needs) - len(grads))
 
 
