@@ -25,12 +25,12 @@ from torch.nn.modules.conv import _ConvNd
 
 from ..functional.activations import Activation, activation_from_module
 from ..functional.conv import ConvSpec, conv_spec_from_module, make_conv_spec
-from ..memory import saved_bytes
+from ..memory import saved_bytes, timeline
 from ..nn.chain import ChainLayer, FusedChain
 from ..nn.fused import _FusedConvBNNd
 from ..nn.sync import SyncBatchNorm
 from .fold import _resolve_string_annotations
-from .planner import plan_layers, tutorial_bytes
+from .planner import ChainCost, plan_for_peak, plan_layers, step_peak, tutorial_bytes
 from .report import ConvertReport, FusedPair, SkippedBN
 
 __all__ = ["convert", "explain", "CONVERT_STRATEGIES"]
@@ -462,6 +462,43 @@ def _chain_layers(model: nn.Module) -> List[List[ChainLayer]]:
     return [m.layers for m in model.modules() if isinstance(m, FusedChain)]
 
 
+def _act_kind(act: Activation) -> str:
+    return "identity" if act.is_identity else "output" if act.output_derivable else "smooth"
+
+
+def _chain_costs(converted: nn.Module, inputs: Tuple[Any, ...]) -> Tuple[List[FusedChain], List[ChainCost], int]:
+    """The chains in forward order with their :class:`ChainCost`, and the floor's saved bytes
+    (parameters included, as the prefixes are); measured with every layer keeping nothing."""
+    converted.train()
+    rec = saved_bytes(converted, *inputs, per_module=True)
+    names = {id(m): n for n, m in converted.named_modules()}
+    first: Dict[str, int] = {}
+    before = 0
+    for mod, _, _, nbytes in rec.shapes:
+        first.setdefault(mod, before)
+        before += nbytes
+    chains = [m for m in converted.modules() if isinstance(m, FusedChain) and names.get(id(m)) in first]
+    chains.sort(key=lambda m: first[names[id(m)]])
+    costs = [
+        ChainCost(
+            y_bytes=tuple(l.y_bytes() for l in c.layers),
+            x_bytes=tuple(_bytes_of_shape(l.x_shape, l) for l in c.layers),
+            macs=tuple(l.flops() for l in c.layers),
+            acts=tuple(_act_kind(l.act) for l in c.layers),
+            prefix=first[names[id(c)]],
+        )
+        for c in chains
+    ]
+    return chains, costs, rec.total
+
+
+def _bytes_of_shape(shape: Optional[Sequence[int]], layer: ChainLayer) -> int:
+    n = 1
+    for s in shape or ():
+        n *= int(s)
+    return n * (layer.y_bytes() // max(1, math.prod(layer.y_shape or (1,))))
+
+
 def _plan(original: nn.Module, converted: nn.Module, inputs: Tuple[Any, ...], memory_budget: Optional[float],
           report: ConvertReport) -> None:
     chains = _chain_layers(converted)
@@ -474,6 +511,7 @@ def _plan(original: nn.Module, converted: nn.Module, inputs: Tuple[Any, ...], me
             if isinstance(m, FusedChain):
                 m.auto_pending = False
         floor = _measure(converted, inputs)
+        ordered, costs, floor_total = _chain_costs(converted, inputs)
     report.eager_saved_bytes, report.floor_saved_bytes = eager, floor
     if memory_budget is None:
         extra = tutorial_bytes(chains)
@@ -488,8 +526,35 @@ def _plan(original: nn.Module, converted: nn.Module, inputs: Tuple[Any, ...], me
             )
         extra = target - floor
     plan_layers(layers, extra)
+    if memory_budget is None:
+        # the default plans for the step's peak within the tutorial's memory (planner docstring)
+        keeps = plan_for_peak(costs, [[l.mode == "recompute_bn" for l in c.layers] for c in ordered],
+                              floor_total, extra)
+        for c, kp in zip(ordered, keeps):
+            for l, k in zip(c.layers, kp):
+                l.mode = "recompute_bn" if k else "recompute_conv"
+    keeps = [[l.mode == "recompute_bn" for l in c.layers] for c in ordered]
+    peak, where = step_peak(costs, keeps, floor_total)
+    report.predicted_peak_bytes = peak
+    report.predicted_peak_where = "end of forward" if where < 0 else f"backward of chain {where} ({ordered[where].layers[0].names[0]} ...)"
     report.target_saved_bytes = floor + extra
     report.saved_bytes = floor + sum(l.y_bytes() for l in layers if l.mode == "recompute_bn")
+
+
+def _measure_peak(model: nn.Module, inputs: Tuple[Any, ...]) -> Any:
+    """Timeline of one training step of ``model`` (loss: mean output); gradients, buffers,
+    modes and RNG are put back afterwards."""
+    params = list(model.parameters())
+    grads = [p.grad for p in params]
+    for p in params:
+        p.grad = None
+    try:
+        with _Restore(model):
+            model.train()
+            return timeline(model, *inputs)
+    finally:
+        for p, g in zip(params, grads):
+            p.grad = g
 
 
 def _check_args(model: Any, strategy: str, memory_budget: Optional[float], example_inputs: Any) -> None:
@@ -623,7 +688,18 @@ def explain(model: nn.Module, example_inputs: Any = None, **kwargs: Any) -> Conv
 
     Returns:
         The :class:`ConvertReport`: each pair with its strategy, kept bytes and extra
-        MACs, and each BatchNorm skipped with its reason.
+        MACs, and each BatchNorm skipped with its reason. With ``example_inputs`` it also
+        has the measured peak of one training step (:func:`convbn.memory.timeline`, loss:
+        the output's mean) of the converted and the eager model, and where the converted
+        one peaks; with ``strategy="auto"`` the planner's predicted peak too.
     """
     converted = convert(model, example_inputs=example_inputs, inplace=False, **kwargs)
-    return converted.convbn_report  # type: ignore[return-value]
+    report: ConvertReport = converted.convbn_report  # type: ignore[assignment]
+    if example_inputs is not None and report.pairs:
+        inputs = _as_tuple(example_inputs)
+        with _Restore(model):
+            eager = _measure_peak(model, inputs)
+        tl = _measure_peak(converted, inputs)
+        report.eager_peak_bytes = eager.peak
+        report.measured_peak_bytes, report.measured_peak_where = tl.peak, tl.where()
+    return report

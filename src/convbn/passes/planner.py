@@ -15,16 +15,30 @@ any dropped layer that still fits (largest MACs first).
 
 The default target is the memory of the tutorial's method (every layer keeps its own
 input), ``M_floor + sum(bytes(x_i))`` over layers whose input is produced inside their
-chain: the planner reaches that memory with the least convolution recompute.
+chain. Within that memory the default plan is chosen for the step's *peak*
+(:func:`plan_for_peak`): of the plans that fit, the one whose predicted peak is lowest,
+and of those the one recomputing fewest MACs. An explicit ``memory_budget`` (saved bytes)
+gets the least recompute that fits (:func:`plan_layers`).
+
+# Note: [predicting the peak of a step]
+# A step's live memory peaks either at the end of forward (everything saved) or inside
+# some chain's backward: the bytes saved *before* that chain (still alive) plus the
+# chain's own transient. :func:`chain_backward_peak` replays the chain's backward order
+# (autograd/chain.py, Note: [chain backward order]) on buffer sizes only: kept and
+# recomputed conv outputs, rebuilt inputs, the incoming gradient, grad_y and grad_x.
+# Everything else in the step (parameters, gradients of earlier layers, the loss) is the
+# same for every plan, so plans are compared on these bytes alone.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, List, Optional, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, List, Optional, Sequence, Tuple
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..nn.chain import ChainLayer
 
-__all__ = ["plan_layers", "tutorial_bytes", "all_keep_bytes"]
+__all__ = ["plan_layers", "tutorial_bytes", "all_keep_bytes", "ChainCost", "chain_backward_peak",
+           "step_peak", "plan_for_peak"]
 
 
 def _bytes_of(shape: Optional[Sequence[int]], layer: "ChainLayer") -> int:
@@ -84,3 +98,168 @@ def plan_layers(layers: Sequence["ChainLayer"], extra_budget: int) -> int:
             l.mode = "recompute_bn"
             used += l.y_bytes()
     return used
+
+
+# --------------------------------------------------------------------------- planning for the peak
+
+
+@dataclass(frozen=True)
+class ChainCost:
+    """What the peak planner knows of one chain (all plain numbers: the planner is pure).
+
+    Attributes:
+        y_bytes: bytes of each layer's conv output.
+        x_bytes: bytes of each layer's conv input (``x_bytes[0]`` is the chain input, always kept).
+        macs: each layer's convolution multiply-accumulates (recomputed when ``y`` is not kept).
+        acts: each layer's activation kind: ``"identity"``, ``"output"`` (derivative from the
+            output: the ReLU family) or ``"smooth"``.
+        prefix: bytes saved for backward before the chain ran (alive during its backward)
+            with every earlier chain keeping nothing.
+        z_slices: batch slices of the last layer's recomputed ``z`` (autograd/chain.py).
+    """
+
+    y_bytes: Tuple[int, ...]
+    x_bytes: Tuple[int, ...]
+    macs: Tuple[int, ...]
+    acts: Tuple[str, ...]
+    prefix: int = 0
+    z_slices: int = 8
+
+
+def chain_backward_peak(cost: ChainCost, keep: Sequence[bool]) -> Tuple[int, int]:
+    """Peak bytes during the chain's backward under ``keep`` (Note: [predicting the peak of a step]).
+
+    Counts the kept conv outputs, the incoming gradient and every buffer the backward
+    creates (not the chain input, not parameters).
+
+    Returns:
+        ``(peak_bytes, layer)``: the peak and the layer whose backward reaches it.
+    """
+    k = len(cost.y_bytes)
+    live: dict = {("y", i): cost.y_bytes[i] for i in range(k) if keep[i]}
+    live["g"] = cost.y_bytes[-1]
+    peak, where, cur = [0], [k - 1], [k - 1]
+
+    def alloc(name: Any, n: int) -> None:
+        live[name] = n
+        total = sum(live.values())
+        if total > peak[0]:
+            peak[0], where[0] = total, cur[0]
+
+    def free(name: Any) -> None:
+        live.pop(name, None)
+
+    def build_x(i: int) -> None:  # layer i's input from y_{i-1}; stays live as ("x", i)
+        get_y(i - 1)
+        if cost.acts[i - 1] == "smooth":
+            alloc(("z", i - 1), cost.y_bytes[i - 1])
+            alloc(("x", i), cost.x_bytes[i])
+            free(("z", i - 1))
+        else:
+            alloc(("x", i), cost.x_bytes[i])
+
+    def get_y(i: int) -> None:
+        if ("y", i) in live:
+            return
+        if i > 0:
+            build_x(i)
+        alloc(("y", i), cost.y_bytes[i])
+        free(("x", i))
+
+    grad = "g"
+    for i in reversed(range(k)):
+        cur[0] = i
+        get_y(i)
+        act = cost.acts[i]
+        if act == "output" and ("x", i + 1) in live:
+            free(grad)
+            grad = ("x", i + 1)  # grad_z written into the rebuilt output
+        elif act != "identity":
+            alloc("zs", -(-cost.y_bytes[i] // max(1, cost.z_slices)))  # z, one batch slice at a time
+            free("zs")
+        alloc("gy", cost.y_bytes[i])  # BN backward
+        free(grad)
+        free(("y", i))
+        if i > 0:
+            build_x(i)
+        alloc("gx", cost.x_bytes[i])  # conv backward
+        free("gy")
+        if i > 0 and cost.acts[i - 1] != "output":
+            free(("x", i))
+        live["g2"] = live.pop("gx")
+        grad = "g2"
+    return peak[0], where[0]
+
+
+def step_peak(costs: Sequence[ChainCost], keeps: Sequence[Sequence[bool]], floor: int) -> Tuple[int, int]:
+    """Predicted peak of a step's plan-dependent bytes: the end of forward
+    (``floor`` + every kept conv output) or a chain's backward (its prefix, the kept
+    outputs of the chains before it, its own transient). Chains in forward order.
+
+    Returns:
+        ``(peak_bytes, where)``: ``where`` is ``-1`` for the end of forward, else the chain index.
+    """
+    kept = [sum(y for y, f in zip(c.y_bytes, kp) if f) for c, kp in zip(costs, keeps)]
+    best, where = floor + sum(kept), -1
+    before = 0
+    for j, (c, kp) in enumerate(zip(costs, keeps)):
+        p = c.prefix + before + chain_backward_peak(c, kp)[0]
+        if p > best:
+            best, where = p, j
+        before += kept[j]
+    return best, where
+
+
+def plan_for_peak(costs: Sequence[ChainCost], start: Sequence[Sequence[bool]], floor: int,
+                  extra_budget: int, max_rounds: int = 8) -> List[List[bool]]:
+    """The plan of least predicted peak, then least recompute, whose kept bytes stay within
+    ``extra_budget`` above the floor, by local search from ``start`` (e.g. the
+    least-recompute plan of :func:`plan_layers`): a move re-plans one chain (every plan of a short chain, one flipped flag of a long
+    one) and is taken when it lowers the peak, or keeps it and recomputes less.
+
+    Args:
+        costs: the chains in forward order.
+        start: a plan within the budget (one keep flag per layer of each chain).
+        floor: saved bytes with nothing kept (the end-of-forward baseline).
+        extra_budget: bytes allowed for kept conv outputs.
+        max_rounds: passes over all layers.
+
+    Returns:
+        The keep flags, chain by chain.
+
+    Example:
+        >>> c = ChainCost((4, 8), (1, 4), (10, 100), ("output", "output"))
+        >>> plan_for_peak([c], [[False, False]], 0, 8)
+        [[False, True]]
+    """
+    keeps = [list(k) for k in start]
+
+    def score(ks: List[List[bool]]) -> Tuple[int, int]:
+        recompute = sum(m for c, kp in zip(costs, ks) for m, f in zip(c.macs, kp) if not f)
+        return step_peak(costs, ks, floor)[0], recompute
+
+    def kept(ks: List[List[bool]]) -> int:
+        return sum(y for c, kp in zip(costs, ks) for y, f in zip(c.y_bytes, kp) if f)
+
+    best = score(keeps)
+    for _ in range(max_rounds):
+        improved = False
+        for j, c in enumerate(costs):
+            for move in _moves(keeps[j]):
+                old, keeps[j] = keeps[j], move
+                s = score(keeps)
+                if kept(keeps) <= extra_budget and s < best:
+                    best, improved = s, True
+                else:
+                    keeps[j] = old
+        if not improved:
+            break
+    return keeps
+
+
+def _moves(keep: List[bool], exhaustive: int = 10) -> List[List[bool]]:
+    """Every other plan of a chain of up to ``exhaustive`` layers, else single flips."""
+    k = len(keep)
+    if k <= exhaustive:
+        return [[bool(m >> i & 1) for i in range(k)] for m in range(1 << k)]
+    return [[f if i != j else not f for i, f in enumerate(keep)] for j in range(k)]

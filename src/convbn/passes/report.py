@@ -61,6 +61,13 @@ class ConvertReport:
             measured (with ``example_inputs``) saved activation bytes -- bytes held for
             backward, parameters excluded -- of the eager model, of the converted model,
             of the lowest-memory plan, and the planner's target.
+        predicted_peak_bytes / predicted_peak_where: the ``auto`` planner's prediction of
+            the plan-dependent bytes alive at the step's peak (saved tensors plus a chain's
+            backward transient; parameters' gradients and the loss excluded) and where.
+        measured_peak_bytes / measured_peak_where / eager_peak_bytes: from
+            :func:`convbn.explain` with example inputs, one training step's measured peak
+            (:func:`convbn.memory.timeline`) of the converted model, where it occurs, and
+            the eager model's.
     """
 
     pairs: List[FusedPair] = field(default_factory=list)
@@ -72,6 +79,11 @@ class ConvertReport:
     saved_bytes: Optional[int] = None
     floor_saved_bytes: Optional[int] = None
     target_saved_bytes: Optional[int] = None
+    predicted_peak_bytes: Optional[int] = None
+    predicted_peak_where: Optional[str] = None
+    measured_peak_bytes: Optional[int] = None
+    measured_peak_where: Optional[str] = None
+    eager_peak_bytes: Optional[int] = None
 
     @property
     def num_chains(self) -> int:
@@ -86,6 +98,14 @@ class ConvertReport:
                             f"({self.saved_bytes / self.eager_saved_bytes:.2f}x)" if self.saved_bytes is not None else "")
                          + (f", floor {format_bytes(self.floor_saved_bytes)}" if self.floor_saved_bytes else "")
                          + (f", target {format_bytes(self.target_saved_bytes)}" if self.target_saved_bytes else ""))
+        if self.predicted_peak_bytes is not None:
+            lines.append(f"  predicted peak: {format_bytes(self.predicted_peak_bytes)} (saved + backward transient) "
+                         f"at {self.predicted_peak_where}")
+        if self.measured_peak_bytes is not None:
+            ratio = f" ({self.measured_peak_bytes / self.eager_peak_bytes:.2f}x eager " \
+                    f"{format_bytes(self.eager_peak_bytes)})" if self.eager_peak_bytes else ""
+            lines.append(f"  measured step peak: {format_bytes(self.measured_peak_bytes)}{ratio} "
+                         f"at {self.measured_peak_where}")
         lines.append(f"  {'chain.pos':>9}  {'conv':<32} {'bn':<32} {'act':<12} {'strategy':<15} {'kept':>10} {'extra MACs':>12}")
         for p in self.pairs:
             lines.append(
