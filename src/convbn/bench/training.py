@@ -851,6 +851,8 @@ def add_training_arguments(parser: argparse.ArgumentParser) -> argparse.Argument
                         help="write all columns as a markdown table to PATH (no PATH or '-': stdout)")
     parser.add_argument("--wide", action="store_true", help="print every column (default: the key columns, 120 wide)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument("--timeline", default=None, metavar="PATH",
+                        help="also write a memory-timeline PNG of one step per configuration (convbn.bench.timeline)")
     return parser
 
 
@@ -906,6 +908,11 @@ def main_training(args: argparse.Namespace) -> int:
     if args.plot:
         write_plot(rows, args.plot)
         print(f"plot written to {args.plot}")
+    if getattr(args, "timeline", None):
+        from convbn.bench.timeline import write_bench_timeline
+
+        write_bench_timeline(args.model or list(DEFAULT_MODELS), args.batch_size, args.timeline,
+                             image_size=args.image_size, seed=args.seed)
     return 0
 
 
