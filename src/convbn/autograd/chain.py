@@ -15,15 +15,20 @@ it). Saved bytes are therefore ``x0 + sum(y_i for kept i)`` plus parameters and
 per-channel statistics, whatever the chain length.
 
 # Note: [chain backward order]
-# Backward walks the layers last to first. Layer i needs its input x_i and its conv
-# output y_i. ``_Rebuilder`` produces them lazily: a kept y is returned as is; an
-# unkept y is recomputed from x_i and cached until layer i is done; x_i is
-# act(BN(y_{i-1})). For the ReLU family x_i is computed in place and cached: once layer
-# i is done with it as its conv input, layer i-1 overwrites it with its grad_z (the
-# derivative needs only the output). Smooth activations recompute z when needed. Every
-# activation backward writes into a buffer it consumes, so the transient memory of a
-# layer's backward is about two activation-sized tensors. At most one segment of
-# unkept layers is materialised at a time, as with activation checkpointing.
+# Backward walks the layers last to first. Layer i needs its conv output y_i for its
+# BN backward, then its input x_i for its conv backward. ``_Rebuilder`` produces them
+# lazily: a kept y is returned as is; an unkept y is recomputed from a rebuilt x_i, which
+# is dropped at once and rebuilt (element-wise, from y_{i-1}) only after the BN backward
+# has released y_i, so y_i and x_i are never alive together. x_i is act(BN(y_{i-1})): for
+# the ReLU family it is computed in place and cached, and once layer i is done with it as
+# its conv input, layer i-1 overwrites it with its grad_z (the derivative needs only the
+# output). Smooth activations recompute z when needed. Every activation backward writes
+# into a buffer it consumes; the incoming gradient and every kept y are freed as soon as
+# they are consumed (Notes: [freeing the incoming gradient], [freeing kept tensors early]),
+# so a layer's backward holds its grad_y, y_i or x_i, and grad_x beyond what earlier
+# layers keep. At most one segment of unkept layers is materialised at a time, as with
+# activation checkpointing. ``convbn.passes.planner.chain_backward_peak`` replays this
+# order on sizes to predict a plan's peak.
 """
 from __future__ import annotations
 
@@ -104,9 +109,9 @@ class _Rebuilder:
             self.y[i] = y
         return y
 
-    def grad_z(self, i: int, grad_out: Tensor, writable: bool) -> Tensor:
-        """Layer i's activation backward, written into a buffer it no longer needs: the cached
-        output (ReLU family), ``grad_out`` itself when ``writable``, else a recomputed ``z``."""
+    def grad_z(self, i: int, grad_out: Tensor) -> Tensor:
+        """Layer i's activation backward, written into a buffer it no longer needs: the
+        cached output (ReLU family) or a recomputed ``z``."""
         act = self.specs[i].act
         if act.is_identity:
             return grad_out
@@ -114,16 +119,8 @@ class _Rebuilder:
         if out is not None:
             return act.backward_from_output_(grad_out, out)
         _, _, g, b = self.layer_params(i)
-        y, mean, invstd = self.get_y(i), self.means[i], self.invstds[i]
-        if not writable:
-            return act.backward_(grad_out, bn_apply(y, mean, invstd, g, b))
-        # Note: [recompute z in slices] z is needed only element by element: slice the
-        # batch so the recomputed z never exists whole; the result lands in grad_out.
-        step = max(1, -(-y.shape[0] // _Z_SLICES))
-        for lo in range(0, y.shape[0], step):
-            g_s = grad_out[lo: lo + step]
-            g_s.copy_(act.backward_(g_s, bn_apply(y[lo: lo + step], mean, invstd, g, b)))
-        return grad_out
+        z = bn_apply(self.get_y(i), self.means[i], self.invstds[i], g, b)
+        return act.backward_(grad_out, z)
 
     def release(self, i: int, free_kept: bool) -> None:
         """Drop layer i's conv output after its BN backward; a *kept* one is freed too when
@@ -131,10 +128,6 @@ class _Rebuilder:
         y = self.y.pop(i, None)
         if free_kept and i in self.kept_idx and y is not None:
             _free_storage(y)
-
-
-#: batch slices of the recomputed ``z`` in the last layer's activation backward
-_Z_SLICES = 8
 
 
 def _free_storage(t: Tensor) -> None:
@@ -163,20 +156,20 @@ def _keeping_graph() -> bool:
 
 
 def _sole_owner(t: Tensor) -> bool:
-    """Whether ``t`` (an incoming gradient) may be overwritten: no other tensor, view or
-    autograd buffer refers to its storage, which it covers exactly.
+    """Whether ``t`` (an incoming gradient) is referred to by nothing but the engine's
+    slot for this call: no other tensor, view or autograd buffer shares its storage, which
+    it covers exactly.
 
-    # Note: [reusing the incoming gradient]
-    # The engine keeps a Function's incoming gradient alive until backward returns, so
-    # an activation-sized grad_z written elsewhere costs one buffer more than needed.
-    # When the gradient is ours alone (use count 1: not shared with another branch's
-    # input buffer, not held by a hook or by the caller of ``backward(gradient)``; its
-    # storage not shared with a view) it is written in place, as AccumulateGrad steals
-    # a gradient it alone holds. Once consumed (after the last layer's BN backward) its
-    # storage is freed as well (when the graph is not retained): the engine only drops
-    # it afterwards. A post-hook registered on the chain's own ``grad_fn`` would then
-    # find an empty gradient and raise; module backward hooks hold their own reference,
-    # which makes the gradient shared, so they are unaffected.
+    # Note: [freeing the incoming gradient]
+    # The engine keeps a Function's incoming gradient alive until backward returns, but
+    # the chain is done with it as soon as the last layer's activation backward has read
+    # it: an activation-sized buffer held through the whole chain for nothing. When the
+    # gradient is ours alone (use count 1: not shared with another branch's input buffer,
+    # not held by a hook or by the caller of ``backward(gradient)``; its storage not
+    # shared with a view) its storage is freed right there, as AccumulateGrad steals a
+    # gradient it alone holds. A post-hook registered on the chain's own ``grad_fn``
+    # would then find an empty gradient and raise; module backward hooks hold their own
+    # reference, which makes the gradient shared, so they are unaffected.
     """
     if t.requires_grad or t.dim() == 0 or t._use_count() != 1:
         return False
@@ -228,24 +221,24 @@ def chain_backward(
     means: Sequence[Tensor],
     invstds: Sequence[Tensor],
     needs: Sequence[bool],
-    overwrite_grad_out: bool = False,
+    free_grad_out: bool = False,
     free_kept: bool = False,
 ) -> List[Optional[Tensor]]:
     """First-order backward of :func:`chain_forward` (Note: [chain backward order]).
 
     ``needs`` has one flag for ``x0`` then one per entry of ``params``; the result
-    has the same layout. With ``overwrite_grad_out`` the incoming gradient's buffer is
-    reused when nothing else refers to it (Note: [reusing the incoming gradient]); a
-    caller whose contract forbids mutating inputs (a custom op) leaves it ``False``.
+    has the same layout. With ``free_grad_out`` the incoming gradient's memory is
+    returned once consumed when nothing else refers to it (Note: [freeing the incoming
+    gradient]); a caller whose contract forbids touching its inputs (a custom op) leaves
+    it ``False``.
     With ``free_kept`` each kept conv output's memory is returned right after its
     last use (Note: [freeing kept tensors early]); only for a graph that is not retained.
     """
     grads: List[Optional[Tensor]] = [None] * len(needs)
     rb = _Rebuilder(x0, params, specs, kept, means, invstds)
     g: Optional[Tensor] = grad_out
-    writable = overwrite_grad_out and _sole_owner(grad_out)  # Note: [reusing the incoming gradient]
-    # the engine holds grad_out until backward returns: once consumed, free it (when ours alone)
-    engine_grad: Optional[Tensor] = grad_out if writable and free_kept else None
+    # Note: [freeing the incoming gradient]: the engine holds grad_out until backward returns
+    engine_grad: Optional[Tensor] = grad_out if free_grad_out and _sole_owner(grad_out) else None
     del grad_out
     for i in reversed(range(len(specs))):
         spec = specs[i]
@@ -254,14 +247,17 @@ def chain_backward(
         nw, nb, ng, nbeta = needs[base: base + PER_LAYER]
         nx = needs[0] if i == 0 else True
         y = rb.get_y(i)
-        grad_z = rb.grad_z(i, g, writable)  # type: ignore[arg-type]
-        g = None  # consumed: only grad_z (possibly its own buffer) lives on
+        grad_z = rb.grad_z(i, g)  # type: ignore[arg-type]
+        g = None  # consumed: only grad_z lives on
+        if engine_grad is not None and grad_z is not engine_grad:
+            _free_storage(engine_grad)
+            engine_grad = None
         grad_y, grads[base + 2], grads[base + 3] = bn_backward(
             grad_z, y, gamma, means[i], invstds[i], spec.bn, (nx or nw or nb, ng, nbeta)
         )
         del grad_z, y
-        if engine_grad is not None:
-            _free_storage(engine_grad)  # its content (grad_z) is consumed; Note: [reusing the incoming gradient]
+        if engine_grad is not None:  # identity activation: grad_z was the incoming gradient
+            _free_storage(engine_grad)
             engine_grad = None
         rb.release(i, free_kept)
         x = rb.x(i)  # rebuilt now that y_i and grad_z are gone (Note: [chain backward order])
@@ -269,7 +265,7 @@ def chain_backward(
         del grad_y, x
         if i > 0 and spec.conv.pre_pad:
             gx = _unpad(gx, spec.conv.pre_pad)  # type: ignore[arg-type]
-        g, writable = gx, True
+        g = gx
     grads[0] = g if needs[0] else None
     return grads
 
@@ -308,7 +304,7 @@ class ChainFunction(Function):
             return differentiable_backward(ctx, grad_out, (x0, *params), _rebuild(specs, means, invstds))
         needs = ctx.needs_input_grad
         grads = chain_backward(grad_out, x0, params, specs, kept, means, invstds, needs[: 1 + n],  # type: ignore[arg-type]
-                               overwrite_grad_out=True, free_kept=not _keeping_graph())
+                               free_grad_out=True, free_kept=not _keeping_graph())
         return tuple(grads) + (None,) * (len(needs) - len(grads))
 
 

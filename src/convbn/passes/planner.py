@@ -15,10 +15,11 @@ any dropped layer that still fits (largest MACs first).
 
 The default target is the memory of the tutorial's method (every layer keeps its own
 input), ``M_floor + sum(bytes(x_i))`` over layers whose input is produced inside their
-chain. Within that memory the default plan is chosen for the step's *peak*
-(:func:`plan_for_peak`): of the plans that fit, the one whose predicted peak is lowest,
-and of those the one recomputing fewest MACs. An explicit ``memory_budget`` (saved bytes)
-gets the least recompute that fits (:func:`plan_layers`).
+chain. Within that memory the default plan is also checked for the step's *peak*
+(:func:`plan_for_peak`): where a chain's backward transient would push the step above
+the memory asked, layers are re-planned to the least recompute whose predicted peak is
+lowest. An explicit ``memory_budget`` (saved bytes) gets the least recompute that fits
+(:func:`plan_layers`).
 
 # Note: [predicting the peak of a step]
 # A step's live memory peaks either at the end of forward (everything saved) or inside
@@ -115,7 +116,6 @@ class ChainCost:
             output: the ReLU family) or ``"smooth"``.
         prefix: bytes saved for backward before the chain ran (alive during its backward)
             with every earlier chain keeping nothing.
-        z_slices: batch slices of the last layer's recomputed ``z`` (autograd/chain.py).
     """
 
     y_bytes: Tuple[int, ...]
@@ -123,7 +123,6 @@ class ChainCost:
     macs: Tuple[int, ...]
     acts: Tuple[str, ...]
     prefix: int = 0
-    z_slices: int = 8
 
 
 def chain_backward_peak(cost: ChainCost, keep: Sequence[bool]) -> Tuple[int, int]:
@@ -175,8 +174,9 @@ def chain_backward_peak(cost: ChainCost, keep: Sequence[bool]) -> Tuple[int, int
             free(grad)
             grad = ("x", i + 1)  # grad_z written into the rebuilt output
         elif act != "identity":
-            alloc("zs", -(-cost.y_bytes[i] // max(1, cost.z_slices)))  # z, one batch slice at a time
-            free("zs")
+            alloc(("z", i), cost.y_bytes[i])  # recomputed z, overwritten by grad_z
+            free(grad)  # the incoming gradient is freed once consumed (sole owner)
+            grad = ("z", i)
         alloc("gy", cost.y_bytes[i])  # BN backward
         free(grad)
         free(("y", i))
@@ -212,49 +212,63 @@ def step_peak(costs: Sequence[ChainCost], keeps: Sequence[Sequence[bool]], floor
 
 def plan_for_peak(costs: Sequence[ChainCost], start: Sequence[Sequence[bool]], floor: int,
                   extra_budget: int, max_rounds: int = 8) -> List[List[bool]]:
-    """The plan of least predicted peak, then least recompute, whose kept bytes stay within
-    ``extra_budget`` above the floor, by local search from ``start`` (e.g. the
-    least-recompute plan of :func:`plan_layers`): a move re-plans one chain (every plan of a short chain, one flipped flag of a long
-    one) and is taken when it lowers the peak, or keeps it and recomputes less.
+    """The least-recompute plan whose predicted step peak is lowest for the memory asked.
+
+    The memory asked is ``floor + extra_budget`` (saved bytes with kept conv outputs up to
+    the budget); the peak allowed is that, or the lowest peak any plan within the budget
+    reaches where that is higher (a chain's backward transient can exceed the end of
+    forward). ``start`` is the least-recompute plan within the budget (:func:`plan_layers`);
+    it is returned when its peak is allowed. Otherwise a local search first finds a plan
+    of lowest peak, then trades recompute back while the peak stays allowed; a move
+    re-plans one chain (every plan of a short chain, one flipped flag of a long one).
 
     Args:
         costs: the chains in forward order.
-        start: a plan within the budget (one keep flag per layer of each chain).
+        start: the least-recompute plan within the budget (one keep flag per layer per chain).
         floor: saved bytes with nothing kept (the end-of-forward baseline).
         extra_budget: bytes allowed for kept conv outputs.
-        max_rounds: passes over all layers.
+        max_rounds: passes over the chains per search.
 
     Returns:
         The keep flags, chain by chain.
 
     Example:
         >>> c = ChainCost((4, 8), (1, 4), (10, 100), ("output", "output"))
-        >>> plan_for_peak([c], [[False, False]], 0, 8)
+        >>> plan_for_peak([c], [[False, True]], 0, 8)
         [[False, True]]
     """
-    keeps = [list(k) for k in start]
-
-    def score(ks: List[List[bool]]) -> Tuple[int, int]:
-        recompute = sum(m for c, kp in zip(costs, ks) for m, f in zip(c.macs, kp) if not f)
-        return step_peak(costs, ks, floor)[0], recompute
+    def recompute(ks: List[List[bool]]) -> int:
+        return sum(m for c, kp in zip(costs, ks) for m, f in zip(c.macs, kp) if not f)
 
     def kept(ks: List[List[bool]]) -> int:
         return sum(y for c, kp in zip(costs, ks) for y, f in zip(c.y_bytes, kp) if f)
 
-    best = score(keeps)
-    for _ in range(max_rounds):
-        improved = False
-        for j, c in enumerate(costs):
-            for move in _moves(keeps[j]):
-                old, keeps[j] = keeps[j], move
-                s = score(keeps)
-                if kept(keeps) <= extra_budget and s < best:
-                    best, improved = s, True
-                else:
-                    keeps[j] = old
-        if not improved:
-            break
-    return keeps
+    def peak(ks: List[List[bool]]) -> int:
+        return step_peak(costs, ks, floor)[0]
+
+    def search(ks: List[List[bool]], key: Any, allowed: Any) -> List[List[bool]]:
+        ks = [list(k) for k in ks]
+        best = key(ks)
+        for _ in range(max_rounds):
+            improved = False
+            for j in range(len(costs)):
+                for move in _moves(ks[j]):
+                    old, ks[j] = ks[j], move
+                    s = key(ks)
+                    if kept(ks) <= extra_budget and allowed(ks) and s < best:
+                        best, improved = s, True
+                    else:
+                        ks[j] = old
+            if not improved:
+                break
+        return ks
+
+    keeps = [list(k) for k in start]
+    lowest = search(keeps, lambda ks: (peak(ks), recompute(ks)), lambda ks: True)
+    cap = max(peak(lowest), floor + extra_budget)
+    if peak(keeps) <= cap:
+        return keeps
+    return search(lowest, lambda ks: (recompute(ks), peak(ks)), lambda ks: peak(ks) <= cap)
 
 
 def _moves(keep: List[bool], exhaustive: int = 10) -> List[List[bool]]:
