@@ -70,3 +70,131 @@ def test_tensor_peak_counts_a_known_allocation():
     assert tp.result.end == 1 << 20
     assert tp.result.source == "tensors"
     del b
+
+
+# --------------------------------------------------------------------------- backward transients
+#
+# One test per transient cut in the chain backward (autograd/chain.py). Each measures the
+# exact live-tensor peak of a step with the cut and with it switched off, and asserts the
+# difference is exactly the tensor it frees, so a regression fails. A projection loss
+# gives the chain a fresh, unshared incoming gradient (as a real loss does).
+
+import convbn.autograd.chain as chain_mod  # noqa: E402
+from convbn.autograd.chain import _Rebuilder  # noqa: E402
+from convbn.memory import timeline  # noqa: E402
+from convbn.passes.planner import ChainCost, chain_backward_peak  # noqa: E402
+
+
+def _chain_net(channels, act=nn.ReLU):
+    layers = []
+    for cin, cout in zip(channels, channels[1:]):
+        layers += [nn.Conv2d(cin, cout, 3, padding=1), nn.BatchNorm2d(cout), act()]
+    return nn.Sequential(*layers)
+
+
+def _projected_step(model, x, proj, **backward_kw):
+    """Peak of one step (``(out * proj).sum()`` loss) and the gradients it produced."""
+    def loss(out):
+        return (out * proj).sum()
+
+    loss(model(x)).backward(**backward_kw)  # warm: gradients exist afterwards
+    for p in model.parameters():
+        p.grad = None
+    tl = timeline(model, x, loss_fn=loss)
+    return tl, [p.grad.clone() for p in model.parameters()]
+
+
+def _bytes(*shape):
+    n = 4
+    for s in shape:
+        n *= s
+    return n
+
+
+# (With an identity tail the incoming gradient *is* BN's grad_z: it is freed after BN
+# backward, which lowers the conv-backward moment only, not this model's peak.)
+@pytest.mark.parametrize("act", [nn.ReLU, nn.SiLU])
+@pytest.mark.parametrize("strategy", ["recompute_bn", "recompute_conv"])
+def test_chain_frees_the_incoming_gradient_once_consumed(monkeypatch, act, strategy):
+    torch.manual_seed(0)
+    base = _chain_net((4, 8, 16), act)
+    x, proj = torch.randn(8, 4, 16, 16), torch.randn(8, 16, 16, 16)
+    fused = convbn.convert(copy.deepcopy(base), strategy=strategy)
+    tl, grads = _projected_step(fused, x, proj)
+    monkeypatch.setattr(chain_mod, "_sole_owner", lambda t: False)
+    tl_off, grads_off = _projected_step(fused, x, proj)
+    assert tl_off.peak - tl.peak == _bytes(8, 16, 16, 16)  # the chain's output gradient
+    for a, b in zip(grads, grads_off):
+        assert torch.equal(a, b)
+    eager = copy.deepcopy(base)
+    _, grads_eager = _projected_step(eager, x, proj)
+    for a, b in zip(grads, grads_eager):
+        torch.testing.assert_close(a, b)
+
+
+def test_incoming_gradient_that_is_shared_is_left_alone():
+    """A gradient the caller still holds (``backward(gradient)``) is never freed or written."""
+    torch.manual_seed(0)
+    fused = convbn.convert(_chain_net((3, 4, 4)), strategy="recompute_bn")
+    x = torch.randn(2, 3, 6, 6)
+    g = torch.randn(2, 4, 6, 6)
+    keep = g.clone()
+    fused(x).backward(g)
+    assert torch.equal(g, keep)
+
+
+def test_chain_frees_kept_outputs_after_their_last_use(monkeypatch):
+    torch.manual_seed(0)
+    # the last layer narrows 16 -> 4 channels: its conv backward (x, grad_x of 16 channels)
+    # is the peak, where the kept 4-channel output is already dead
+    base = _chain_net((4, 16, 4))
+    x, proj = torch.randn(8, 4, 16, 16), torch.randn(8, 4, 16, 16)
+    fused = convbn.convert(copy.deepcopy(base), strategy="recompute_bn")
+    tl, grads = _projected_step(fused, x, proj)
+    assert "convolution_backward" in tl.peak_point.op
+    monkeypatch.setattr(_Rebuilder, "release", lambda self, i, free_kept: self.y.pop(i, None))
+    tl_off, grads_off = _projected_step(fused, x, proj)
+    assert tl_off.peak - tl.peak == _bytes(8, 4, 16, 16)  # the last layer's kept conv output
+    for a, b in zip(grads, grads_off):
+        assert torch.equal(a, b)
+
+
+def test_retain_graph_keeps_the_kept_outputs():
+    """With ``retain_graph=True`` nothing saved is freed: a second backward gives the same gradients."""
+    torch.manual_seed(0)
+    fused = convbn.convert(_chain_net((3, 8, 8)), strategy="recompute_bn")
+    x, proj = torch.randn(4, 3, 8, 8), torch.randn(4, 8, 8, 8)
+    loss = (fused(x) * proj).sum()
+    first = torch.autograd.grad(loss, list(fused.parameters()), retain_graph=True)
+    second = torch.autograd.grad(loss, list(fused.parameters()))
+    for a, b in zip(first, second):
+        assert torch.equal(a, b)
+
+
+def _chain_cost(fused):
+    layers = [l for m in fused.modules() if isinstance(m, convbn.nn.FusedChain) for l in m.layers]
+    kinds = ["identity" if l.act.is_identity else "output" if l.act.output_derivable else "smooth" for l in layers]
+    x_bytes = [_bytes(*l.x_shape) for l in layers]
+    return ChainCost(tuple(l.y_bytes() for l in layers), tuple(x_bytes), tuple(l.flops() for l in layers),
+                     tuple(kinds)), [l.mode == "recompute_bn" for l in layers]
+
+
+@pytest.mark.parametrize("act", [nn.ReLU, nn.SiLU])
+@pytest.mark.parametrize("plan", ["recompute_bn", "recompute_conv", "auto"])
+def test_measured_chain_backward_matches_the_planner_prediction(act, plan):
+    """The planner's replay of the chain backward (sizes only) predicts the measured
+    transient to within the chain's parameter gradients: rebuilt inputs never live beside
+    the conv output they were recomputed into, consumed gradients are dropped at once."""
+    torch.manual_seed(0)
+    base = _chain_net((4, 8, 16, 8), act)
+    x, proj = torch.randn(8, 4, 16, 16), torch.randn(8, 8, 16, 16)
+    fused = convbn.convert(copy.deepcopy(base), strategy=plan, **({"example_inputs": x} if plan == "auto" else {}))
+    tl, _ = _projected_step(fused, x, proj)
+    cost, keep = _chain_cost(fused)
+    predicted, _ = chain_backward_peak(cost, keep)
+    idx = [i for i, p in enumerate(tl.points) if p.op.startswith("ChainFunctionBackward/")]
+    before = tl.points[idx[0] - 1].bytes  # the incoming gradient and the kept outputs are alive
+    alive = sum(y for y, k in zip(cost.y_bytes, keep) if k) + cost.y_bytes[-1]
+    measured = max(tl.points[i].bytes for i in idx) - (before - alive)
+    params = sum(p.numel() * 4 for p in fused.parameters())
+    assert predicted <= measured <= predicted + params, (predicted, measured)

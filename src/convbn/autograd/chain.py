@@ -266,6 +266,7 @@ def chain_backward(
         if i > 0 and spec.conv.pre_pad:
             gx = _unpad(gx, spec.conv.pre_pad)  # type: ignore[arg-type]
         g = gx
+        del gx  # only g refers to it: dropped as soon as the next layer has consumed it
     grads[0] = g if needs[0] else None
     return grads
 
