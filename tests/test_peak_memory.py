@@ -198,3 +198,35 @@ def test_measured_chain_backward_matches_the_planner_prediction(act, plan):
     measured = max(tl.points[i].bytes for i in idx) - (before - alive)
     params = sum(p.numel() * 4 for p in fused.parameters())
     assert predicted <= measured <= predicted + params, (predicted, measured)
+
+
+@pytest.mark.parametrize("strategy", ["recompute_bn", "recompute_conv"])
+def test_fused_layer_frees_the_incoming_gradient_and_kept_output(monkeypatch, strategy):
+    """The single-layer Functions (``FusedConvBN2d``) free the consumed incoming gradient and
+    (``recompute_bn``) the kept conv output before their conv backward."""
+    import convbn.autograd.fused as fused_mod
+
+    torch.manual_seed(0)
+    # 16 -> 4 channels: the conv backward (16-channel x and grad_x) is the layer's peak
+    layer = convbn.nn.FusedConvBN2d(16, 4, 3, padding=1, activation="relu", strategy=strategy)
+    x = torch.randn(8, 16, 16, 16, requires_grad=True)
+    proj = torch.randn(8, 4, 16, 16)
+
+    def peak():
+        loss = (layer(x) * proj).sum()
+        loss.backward()
+        x.grad = None
+        for p in layer.parameters():
+            p.grad = None
+        tl = timeline(layer, x, loss_fn=lambda out: (out * proj).sum())
+        return tl.peak, [x.grad.clone()] + [p.grad.clone() for p in layer.parameters()]
+
+    with_cuts, grads = peak()
+    monkeypatch.setattr(fused_mod, "sole_owner", lambda t: False)
+    monkeypatch.setattr(fused_mod, "keeping_graph", lambda: True)
+    without, grads_off = peak()
+    out_bytes = _bytes(8, 4, 16, 16)
+    # the incoming gradient, and for recompute_bn the kept output, are gone at the conv backward
+    assert without - with_cuts == (2 if strategy == "recompute_bn" else 1) * out_bytes
+    for a, b in zip(grads, grads_off):
+        assert torch.equal(a, b)

@@ -42,6 +42,7 @@ from ..functional.batchnorm import BNSpec, bn_apply, bn_backward, bn_forward
 from ..functional.conv import ConvSpec, conv_backward, conv_forward
 from ..functional.fold import fold_bn_into_preceding
 from ..functional.reference import conv_bn_act_reference
+from .release import free_storage, keeping_graph, sole_owner
 from .saving import load_tensors, save_tensors
 
 __all__ = [
@@ -155,11 +156,22 @@ def _batch_stat_backward(ctx: Any, grad_out: Tensor) -> Tuple[Optional[Tensor], 
             ctx, grad_out, (x, weight, bias, bn_weight, bn_bias), _rebuild_with_stats(ctx, rm, rv)
         )
     nx, nw, nb, ng, nbeta = _param_mask(ctx)
+    kept = y is not None
     if y is None:
         y = conv_forward(x, weight, bias, conv)  # recompute_conv
-    grad_y, g_gamma, g_beta = bn_act_backward(
-        grad_out, y, bn_weight, mean, invstd, bn, act, (nx or nw or nb, ng, nbeta), bn_bias
-    )
+    # Notes: [freeing the incoming gradient], [freeing kept tensors early] (autograd/release.py)
+    engine_grad = grad_out if sole_owner(grad_out) else None
+    grad_z = grad_out if act.is_identity else act.backward_(grad_out, bn_apply(y, mean, invstd, bn_weight, bn_bias))
+    del grad_out
+    if engine_grad is not None and grad_z is not engine_grad:
+        free_storage(engine_grad)
+        engine_grad = None
+    grad_y, g_gamma, g_beta = bn_backward(grad_z, y, bn_weight, mean, invstd, bn, (nx or nw or nb, ng, nbeta))
+    del grad_z
+    if engine_grad is not None:
+        free_storage(engine_grad)
+    if kept and not keeping_graph():
+        free_storage(y)
     del y
     gx, gw, gb = conv_backward(grad_y, x, weight, conv, (nx, nw, nb))
     return _finish(ctx, gx, gw, gb, g_gamma, g_beta)
