@@ -230,3 +230,76 @@ def test_fused_layer_frees_the_incoming_gradient_and_kept_output(monkeypatch, st
     assert without - with_cuts == (2 if strategy == "recompute_bn" else 1) * out_bytes
     for a, b in zip(grads, grads_off):
         assert torch.equal(a, b)
+
+
+# --------------------------------------------------------------------------- the planner's peak model
+
+from convbn.passes.planner import plan_for_peak, step_peak  # noqa: E402
+
+
+def test_chain_backward_peak_by_hand():
+    """Two ReLU layers, y = (4, 8) bytes, x = (1, 4); only y_1 kept. Layer 1's backward:
+    kept y_1 (8) + incoming gradient (8) + recomputed z (8) = 24, then the gradient is freed
+    and grad_y (8) takes its place: 24 again. Layer 0 never exceeds that."""
+    c = ChainCost((4, 8), (1, 4), (10, 100), ("output", "output"))
+    assert chain_backward_peak(c, [False, True]) == (24, 1)
+    # keeping y_0 as well adds it to layer 1's moments
+    assert chain_backward_peak(c, [True, True]) == (28, 1)
+    # keeping nothing: y_1 is recomputed from a rebuilt x_1 (y_0 cached for layer 0)
+    assert chain_backward_peak(c, [False, False]) == (28, 1)
+
+
+def test_step_peak_takes_the_prefix_and_earlier_chains_into_account():
+    a = ChainCost((4,), (1,), (5,), ("output",), prefix=0)
+    b = ChainCost((4,), (4,), (5,), ("output",), prefix=100)
+    # b's backward: its prefix (100) + a's kept output (4) + its own transient
+    own = chain_backward_peak(b, [False])[0]
+    assert step_peak([a, b], [[True], [False]], floor=50) == (100 + 4 + own, 1)
+    # a big floor puts the peak at the end of forward
+    assert step_peak([a, b], [[True], [False]], floor=10_000) == (10_004, -1)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_plan_for_peak_is_least_recompute_at_the_allowed_peak(seed):
+    """On one chain (every plan is a move) the result is exact: within the budget, no plan
+    reaches a lower peak than the allowed one, and none allowed recomputes less."""
+    import itertools
+    import random
+
+    rnd = random.Random(seed)
+    k = rnd.randint(1, 4)
+    ys = tuple(rnd.randint(1, 20) for _ in range(k))
+    xs = (rnd.randint(1, 20),) + ys[:-1]
+    macs = tuple(rnd.randint(1, 100) for _ in range(k))
+    acts = tuple(rnd.choice(["identity", "output", "smooth"]) for _ in range(k))
+    c = ChainCost(ys, xs, macs, acts, prefix=rnd.randint(0, 30))
+    floor, budget = rnd.randint(0, 60), rnd.randint(0, sum(ys))
+    plans = [list(p) for p in itertools.product([False, True], repeat=k)]
+    feasible = [p for p in plans if sum(y for y, f in zip(ys, p) if f) <= budget]
+
+    def peak(p):
+        return step_peak([c], [p], floor)[0]
+
+    def recompute(p):
+        return sum(m for m, f in zip(macs, p) if not f)
+
+    start = min(feasible, key=lambda p: (recompute(p), peak(p)))  # the least-recompute plan
+    got = plan_for_peak([c], [start], floor, budget)[0]
+    assert got in feasible
+    cap = max(min(peak(p) for p in feasible), floor + budget)
+    assert peak(got) <= cap
+    assert recompute(got) == min(recompute(p) for p in feasible if peak(p) <= cap)
+
+
+def test_explain_reports_predicted_and_measured_peak():
+    from convbn.bench.models import MNISTNet
+
+    torch.manual_seed(0)
+    report = convbn.explain(MNISTNet(), torch.randn(16, 1, 28, 28))
+    assert report.predicted_peak_bytes > 0 and "chain" in report.predicted_peak_where
+    assert 0 < report.measured_peak_bytes < report.eager_peak_bytes
+    # the prediction leaves out only parameter-sized odds and ends (statistics, the loss)
+    assert abs(report.predicted_peak_bytes - report.measured_peak_bytes) <= 0.02 * report.measured_peak_bytes
+    assert report.measured_peak_where.startswith("backward")
+    text = str(report)
+    assert "predicted peak" in text and "measured step peak" in text

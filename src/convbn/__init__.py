@@ -7,7 +7,7 @@ fewer activations for backward (same outputs, gradients, running stats, paramete
 from .functional.activations import ACTIVATIONS, Activation
 from .functional.fused import STRATEGIES, conv_bn_act
 from .gradcheck import GradcheckReport, gradcheck_module
-from .memory import PeakMemory, SavedBytes, peak_memory, saved_bytes, tensor_peak, track_saved
+from .memory import PeakMemory, SavedBytes, Timeline, peak_memory, saved_bytes, tensor_peak, timeline, track_saved
 from .nn.chain import FusedChain
 from .nn.fused import FusedConvBN1d, FusedConvBN2d, FusedConvBN3d
 from .passes.convert import CONVERT_STRATEGIES, convert, explain
@@ -39,5 +39,7 @@ __all__ = [
     "peak_memory",
     "saved_bytes",
     "tensor_peak",
+    "timeline",
+    "Timeline",
     "track_saved",
 ]

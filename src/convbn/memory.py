@@ -59,6 +59,7 @@ class SavedBytes:
             storage was first saved (``""`` is the root / outside any module).
         count: number of distinct storages.
         shapes: ``(module, shape, dtype, nbytes)`` of each distinct storage, in save order.
+        is_param: for each entry of ``shapes``, whether it is one of the model's parameters.
         param_bytes: bytes of those storages that are the model's parameters (known only
             when a model is given). ``total - param_bytes`` is what backward keeps beyond
             the weights the model holds anyway: compare *that* across methods that keep
@@ -71,6 +72,7 @@ class SavedBytes:
     per_module: Dict[str, int] = field(default_factory=dict)
     count: int = 0
     shapes: List[Tuple[str, Tuple[int, ...], torch.dtype, int]] = field(default_factory=list)
+    is_param: List[bool] = field(default_factory=list)
 
     @property
     def activation_bytes(self) -> int:
@@ -119,6 +121,7 @@ class track_saved:
                 self.result.param_bytes += nbytes
             self.result.per_module[mod] = self.result.per_module.get(mod, 0) + nbytes
             self.result.shapes.append((mod, tuple(t.shape), t.dtype, nbytes))
+            self.result.is_param.append(key in self._params)
         return t
 
     @staticmethod

@@ -467,16 +467,27 @@ def _act_kind(act: Activation) -> str:
 
 
 def _chain_costs(converted: nn.Module, inputs: Tuple[Any, ...]) -> Tuple[List[FusedChain], List[ChainCost], int]:
-    """The chains in forward order with their :class:`ChainCost`, and the floor's saved bytes
-    (parameters included, as the prefixes are); measured with every layer keeping nothing."""
+    """The chains in forward order with their :class:`ChainCost`, and the floor's saved
+    activation bytes; measured with every layer keeping nothing.
+
+    A chain's ``prefix`` is what is alive besides it when its backward runs: activations
+    saved before it, and the gradients of the parameters saved after it (their layers'
+    backward has run by then; with ``zero_grad(set_to_none=True)`` they did not exist
+    at the end of forward).
+    """
     converted.train()
     rec = saved_bytes(converted, *inputs, per_module=True)
     names = {id(m): n for n, m in converted.named_modules()}
     first: Dict[str, int] = {}
-    before = 0
-    for mod, _, _, nbytes in rec.shapes:
-        first.setdefault(mod, before)
-        before += nbytes
+    acts_before, params_before = 0, 0
+    for (mod, _, _, nbytes), is_param in zip(rec.shapes, rec.is_param):
+        first.setdefault(mod, acts_before - params_before)
+        if is_param:
+            params_before += nbytes
+        else:
+            acts_before += nbytes
+    for mod in first:  # activations before + parameter gradients after = acts_before_mod + (P - params_before_mod)
+        first[mod] += rec.param_bytes
     chains = [m for m in converted.modules() if isinstance(m, FusedChain) and names.get(id(m)) in first]
     chains.sort(key=lambda m: first[names[id(m)]])
     costs = [
@@ -489,7 +500,7 @@ def _chain_costs(converted: nn.Module, inputs: Tuple[Any, ...]) -> Tuple[List[Fu
         )
         for c in chains
     ]
-    return chains, costs, rec.total
+    return chains, costs, rec.activation_bytes
 
 
 def _bytes_of_shape(shape: Optional[Sequence[int]], layer: ChainLayer) -> int:
@@ -592,10 +603,15 @@ def convert(
         strategy: ``"auto"`` (plan per layer), ``"recompute_bn"`` (every layer keeps its
             conv output; element-wise recompute only) or ``"recompute_conv"`` (keep no
             layer's conv output; with ``chain=False`` this is the tutorial's method).
-        memory_budget: with ``"auto"``, the target saved activation bytes (parameters
-            excluded) as a fraction of the eager model's (e.g. ``0.35``); ``None`` targets
-            the memory of the tutorial's method. Needs ``example_inputs``. A budget below
-            the reachable floor raises ``ValueError`` naming the floor.
+        memory_budget: with ``"auto"``, the target *saved* activation bytes (held from
+            forward to backward, parameters excluded) as a fraction of the eager model's
+            (e.g. ``0.35``): the plan recomputes least within it. ``None`` targets the
+            memory of the tutorial's method and also plans for the step's *peak*: where a
+            chain's backward transient would push the step above that memory, layers are
+            re-planned to the least recompute at the lowest predicted peak (see
+            :mod:`convbn.passes.planner`; ``explain`` shows predicted and measured peaks).
+            Needs ``example_inputs``. A budget below the reachable floor raises
+            ``ValueError`` naming the floor.
         example_inputs: a tensor or tuple of inputs for a measuring forward pass (running
             stats, RNG and modes are restored afterwards). Without it, ``"auto"`` plans each
             chain on its first training call.

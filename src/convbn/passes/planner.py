@@ -27,8 +27,9 @@ lowest. An explicit ``memory_budget`` (saved bytes) gets the least recompute tha
 # chain's own transient. :func:`chain_backward_peak` replays the chain's backward order
 # (autograd/chain.py, Note: [chain backward order]) on buffer sizes only: kept and
 # recomputed conv outputs, rebuilt inputs, the incoming gradient, grad_y and grad_x.
-# Everything else in the step (parameters, gradients of earlier layers, the loss) is the
-# same for every plan, so plans are compared on these bytes alone.
+# The bytes alive beside a chain (activations saved before it, gradients of the layers
+# after it) are measured once (``ChainCost.prefix``); parameters and the loss are the
+# same for every plan and left out.
 """
 from __future__ import annotations
 
@@ -114,8 +115,9 @@ class ChainCost:
         macs: each layer's convolution multiply-accumulates (recomputed when ``y`` is not kept).
         acts: each layer's activation kind: ``"identity"``, ``"output"`` (derivative from the
             output: the ReLU family) or ``"smooth"``.
-        prefix: bytes saved for backward before the chain ran (alive during its backward)
-            with every earlier chain keeping nothing.
+        prefix: bytes alive besides the chain during its backward that no plan changes:
+            activations saved before it (every earlier chain keeping nothing) and the
+            gradients of the parameters used after it.
     """
 
     y_bytes: Tuple[int, ...]
