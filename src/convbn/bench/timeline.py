@@ -132,7 +132,7 @@ def plot_timelines(timelines: Sequence[Timeline], path: str, title: Optional[str
                 label=f"{tl.label or f'config {k}'}: peak {format_bytes(tl.peak)} ({tl.peak / base:.2f}x) at {where}")
         ax.plot([xs[i]], [ys[i]], marker="o", color=c, ms=7, markeredgecolor="black", markeredgewidth=0.5)
         ax.annotate(f"{format_bytes(tl.peak)} ({tl.peak / base:.2f}x)", (xs[i], ys[i]), textcoords="offset points",
-                    xytext=(6, 4), fontsize=8, color=c, fontweight="bold")
+                    xytext=(6, 4 + 11 * k), fontsize=8, color=c, fontweight="bold")  # staggered: peaks may tie
     first = timelines[0]
     for phase, (x0, _) in segments.items():
         ax.axvline(x0, color="grey", lw=0.4, ls=":")
