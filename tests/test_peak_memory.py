@@ -143,6 +143,23 @@ def test_incoming_gradient_that_is_shared_is_left_alone():
     assert torch.equal(g, keep)
 
 
+def test_hooks_that_read_the_incoming_gradient_see_it_intact():
+    """A post-hook on the chain's grad_fn and a module backward hook read the gradient after
+    (or beside) the chain's backward: the engine / hook hold it, so it is never freed."""
+    torch.manual_seed(0)
+    fused = convbn.convert(_chain_net((3, 4, 4)), strategy="recompute_bn")
+    x, proj = torch.randn(2, 3, 6, 6), torch.randn(2, 4, 6, 6)
+    out = fused(x)
+    seen = []
+    out.grad_fn.register_hook(lambda grad_in, grad_out: seen.append(grad_out[0].clone()))
+    (out * proj).sum().backward()
+    assert torch.equal(seen[0], proj)
+    module_seen = []
+    fused.register_full_backward_hook(lambda m, gi, go: module_seen.append(go[0].clone()))
+    (fused(x) * proj).sum().backward()
+    assert torch.equal(module_seen[0], proj)
+
+
 def test_chain_frees_kept_outputs_after_their_last_use(monkeypatch):
     torch.manual_seed(0)
     # the last layer narrows 16 -> 4 channels: its conv backward (x, grad_x of 16 channels)

@@ -49,9 +49,10 @@ def sole_owner(t: Tensor) -> bool:
     # gradient is ours alone (use count 1: not shared with another branch's input buffer,
     # not held by a hook or by the caller of ``backward(gradient)``; its storage not
     # shared with a view) its storage is freed right there, as AccumulateGrad steals a
-    # gradient it alone holds. A post-hook registered on the chain's own ``grad_fn``
-    # would then find an empty gradient and raise; module backward hooks hold their own
-    # reference, which makes the gradient shared, so they are unaffected.
+    # gradient it alone holds. Whoever may still read it holds a reference, which makes
+    # it shared: module backward hooks keep their own, and the engine copies a node's
+    # inputs when the node has post-hooks (``grad_fn.register_hook``), exactly so that
+    # stealing checks like this one see them.
     """
     if t.requires_grad or t.dim() == 0 or t._use_count() != 1:
         return False
