@@ -148,7 +148,7 @@ def test_hooks_that_read_the_incoming_gradient_see_it_intact():
     (or beside) the chain's backward: the engine / hook hold it, so it is never freed."""
     torch.manual_seed(0)
     fused = convbn.convert(_chain_net((3, 4, 4)), strategy="recompute_bn")
-    x, proj = torch.randn(2, 3, 6, 6), torch.randn(2, 4, 6, 6)
+    x, proj = torch.randn(2, 3, 6, 6, requires_grad=True), torch.randn(2, 4, 6, 6)
     out = fused(x)
     seen = []
     out.grad_fn.register_hook(lambda grad_in, grad_out: seen.append(grad_out[0].clone()))
