@@ -121,7 +121,7 @@ def test_chain_frees_the_incoming_gradient_once_consumed(monkeypatch, act, strat
     x, proj = torch.randn(8, 4, 16, 16), torch.randn(8, 16, 16, 16)
     fused = convbn.convert(copy.deepcopy(base), strategy=strategy)
     tl, grads = _projected_step(fused, x, proj)
-    monkeypatch.setattr(chain_mod, "_sole_owner", lambda t: False)
+    monkeypatch.setattr(chain_mod, "_sole_owner", lambda t, refs: False)
     tl_off, grads_off = _projected_step(fused, x, proj)
     assert tl_off.peak - tl.peak == _bytes(8, 16, 16, 16)  # the chain's output gradient
     for a, b in zip(grads, grads_off):
@@ -155,9 +155,15 @@ def test_hooks_that_read_the_incoming_gradient_see_it_intact():
     (out * proj).sum().backward()
     assert torch.equal(seen[0], proj)
     module_seen = []
-    fused.register_full_backward_hook(lambda m, gi, go: module_seen.append(go[0].clone()))
+    handle = fused.register_full_backward_hook(lambda m, gi, go: module_seen.append(go[0].clone()))
     (fused(x) * proj).sum().backward()
     assert torch.equal(module_seen[0], proj)
+    handle.remove()
+    kept = []
+    out = fused(x)
+    out.register_hook(lambda g: kept.append(g))  # a tensor hook keeping the gradient itself
+    (out * proj).sum().backward()
+    assert torch.equal(kept[0], proj)
 
 
 def test_chain_frees_kept_outputs_after_their_last_use(monkeypatch):
@@ -239,7 +245,7 @@ def test_fused_layer_frees_the_incoming_gradient_and_kept_output(monkeypatch, st
         return tl.peak, [x.grad.clone()] + [p.grad.clone() for p in layer.parameters()]
 
     with_cuts, grads = peak()
-    monkeypatch.setattr(fused_mod, "sole_owner", lambda t: False)
+    monkeypatch.setattr(fused_mod, "sole_owner", lambda t, refs: False)
     monkeypatch.setattr(fused_mod, "keeping_graph", lambda: True)
     without, grads_off = peak()
     out_bytes = _bytes(8, 4, 16, 16)

@@ -45,6 +45,7 @@ from ..functional.conv import ConvSpec, conv_backward, conv_forward
 from ..functional.reference import conv_bn_act_reference
 from .fused import differentiable_backward
 from .release import free_storage as _free_storage
+from .release import incoming_refs
 from .release import keeping_graph as _keeping_graph
 from .release import sole_owner as _sole_owner
 from .saving import load_tensors, save_tensors
@@ -177,10 +178,10 @@ def chain_backward(
     """First-order backward of :func:`chain_forward` (Note: [chain backward order]).
 
     ``needs`` has one flag for ``x0`` then one per entry of ``params``; the result
-    has the same layout. With ``free_grad_out`` the incoming gradient's memory is
-    returned once consumed when nothing else refers to it (Note: [freeing the incoming
-    gradient]); a caller whose contract forbids touching its inputs (a custom op) leaves
-    it ``False``.
+    has the same layout. ``free_grad_out`` says the incoming gradient is the caller's
+    alone (``autograd.release.sole_owner``): its memory is then returned once consumed
+    (Note: [freeing the incoming gradient]); a caller whose contract forbids touching its
+    inputs (a custom op) leaves it ``False``.
     With ``free_kept`` each kept conv output's memory is returned right after its
     last use (Note: [freeing kept tensors early]); only for a graph that is not retained.
     """
@@ -188,7 +189,7 @@ def chain_backward(
     rb = _Rebuilder(x0, params, specs, kept, means, invstds)
     g: Optional[Tensor] = grad_out
     # Note: [freeing the incoming gradient]: the engine holds grad_out until backward returns
-    engine_grad: Optional[Tensor] = grad_out if free_grad_out and _sole_owner(grad_out) else None
+    engine_grad: Optional[Tensor] = grad_out if free_grad_out else None
     del grad_out
     for i in reversed(range(len(specs))):
         spec = specs[i]
@@ -243,6 +244,7 @@ class ChainFunction(Function):
 
     @staticmethod
     def backward(ctx: Any, grad_out: Tensor) -> Tuple[Optional[Tensor], ...]:  # type: ignore[override]
+        refs = incoming_refs(grad_out)  # first: Note: [freeing the incoming gradient]
         saved = load_tensors(ctx)
         specs: Tuple[ChainLayerSpec, ...] = ctx.specs
         n, k = ctx.n_params, len(specs)
@@ -255,7 +257,7 @@ class ChainFunction(Function):
             return differentiable_backward(ctx, grad_out, (x0, *params), _rebuild(specs, means, invstds))
         needs = ctx.needs_input_grad
         grads = chain_backward(grad_out, x0, params, specs, kept, means, invstds, needs[: 1 + n],  # type: ignore[arg-type]
-                               free_grad_out=True, free_kept=not _keeping_graph())
+                               free_grad_out=_sole_owner(grad_out, refs), free_kept=not _keeping_graph())
         return tuple(grads) + (None,) * (len(needs) - len(grads))
 
 

@@ -42,7 +42,7 @@ from ..functional.batchnorm import BNSpec, bn_apply, bn_backward, bn_forward
 from ..functional.conv import ConvSpec, conv_backward, conv_forward
 from ..functional.fold import fold_bn_into_preceding
 from ..functional.reference import conv_bn_act_reference
-from .release import free_storage, keeping_graph, sole_owner
+from .release import free_storage, incoming_refs, keeping_graph, sole_owner
 from .saving import load_tensors, save_tensors
 
 __all__ = [
@@ -147,7 +147,7 @@ def _batch_stat_forward(
     return act(z, inplace=True)
 
 
-def _batch_stat_backward(ctx: Any, grad_out: Tensor) -> Tuple[Optional[Tensor], ...]:
+def _batch_stat_backward(ctx: Any, grad_out: Tensor, refs: int) -> Tuple[Optional[Tensor], ...]:
     x, y, weight, bias, bn_weight, bn_bias, mean, invstd = load_tensors(ctx)
     conv, bn, act = ctx.specs
     if torch.is_grad_enabled():
@@ -160,7 +160,7 @@ def _batch_stat_backward(ctx: Any, grad_out: Tensor) -> Tuple[Optional[Tensor], 
     if y is None:
         y = conv_forward(x, weight, bias, conv)  # recompute_conv
     # Notes: [freeing the incoming gradient], [freeing kept tensors early] (autograd/release.py)
-    engine_grad = grad_out if sole_owner(grad_out) else None
+    engine_grad = grad_out if sole_owner(grad_out, refs) else None
     grad_z = grad_out if act.is_identity else act.backward_(grad_out, bn_apply(y, mean, invstd, bn_weight, bn_bias))
     del grad_out
     if engine_grad is not None and grad_z is not engine_grad:
@@ -191,7 +191,8 @@ class RecomputeConvFunction(Function):
 
     @staticmethod
     def backward(ctx: Any, grad_out: Tensor) -> Tuple[Optional[Tensor], ...]:  # type: ignore[override]
-        return _batch_stat_backward(ctx, grad_out)
+        refs = incoming_refs(grad_out)  # first: Note: [freeing the incoming gradient]
+        return _batch_stat_backward(ctx, grad_out, refs)
 
 
 class RecomputeBNFunction(Function):
@@ -206,7 +207,8 @@ class RecomputeBNFunction(Function):
 
     @staticmethod
     def backward(ctx: Any, grad_out: Tensor) -> Tuple[Optional[Tensor], ...]:  # type: ignore[override]
-        return _batch_stat_backward(ctx, grad_out)
+        refs = incoming_refs(grad_out)  # first: Note: [freeing the incoming gradient]
+        return _batch_stat_backward(ctx, grad_out, refs)
 
 
 class FrozenFunction(Function):

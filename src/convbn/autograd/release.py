@@ -6,10 +6,14 @@ incoming gradient].
 """
 from __future__ import annotations
 
+import sys
+import threading
+from typing import Any, Optional
+
 import torch
 from torch import Tensor
 
-__all__ = ["free_storage", "keeping_graph", "sole_owner"]
+__all__ = ["free_storage", "keeping_graph", "sole_owner", "incoming_refs"]
 
 
 def free_storage(t: Tensor) -> None:
@@ -37,24 +41,62 @@ def keeping_graph() -> bool:
         return True
 
 
-def sole_owner(t: Tensor) -> bool:
-    """Whether ``t`` (an incoming gradient) is referred to by nothing but the engine's
-    slot for this call: no other tensor, view or autograd buffer shares its storage, which
-    it covers exactly.
+def incoming_refs(grad: Tensor) -> int:
+    """Python references to ``grad``; call it on the first line of a Function's backward
+    and pass the result to :func:`sole_owner`."""
+    return sys.getrefcount(grad)
+
+
+_BASELINE: Optional[int] = None
+_LOCK = threading.Lock()
+
+
+class _Probe(torch.autograd.Function):
+    """Measures :func:`incoming_refs` of a fresh, unshared incoming gradient."""
+
+    seen: Optional[int] = None
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor) -> Tensor:  # type: ignore[override]
+        return x * 1
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> Tensor:  # type: ignore[override]
+        refs = incoming_refs(grad)
+        _Probe.seen = refs
+        return grad * 1
+
+
+def _baseline() -> int:
+    global _BASELINE
+    with _LOCK:
+        if _BASELINE is None:
+            with torch.enable_grad():
+                x = torch.zeros(2, requires_grad=True)
+                (_Probe.apply(x) * 2).sum().backward()  # MulBackward hands over a fresh gradient
+            _BASELINE = _Probe.seen if _Probe.seen is not None else -1
+    return _BASELINE
+
+
+def sole_owner(t: Tensor, refs: int) -> bool:
+    """Whether ``t``, a Function's incoming gradient with ``refs`` Python references at the
+    start of backward (:func:`incoming_refs`), is referred to by nothing but this call: no
+    other tensor, view, autograd buffer or Python object holds it or shares its storage,
+    which it covers exactly.
 
     # Note: [freeing the incoming gradient]
     # The engine keeps a Function's incoming gradient alive until backward returns, but
     # a fused layer or chain is done with it as soon as the (last) layer's activation
-    # backward has read it: an activation-sized buffer held through the whole chain for nothing. When the
-    # gradient is ours alone (use count 1: not shared with another branch's input buffer,
-    # not held by a hook or by the caller of ``backward(gradient)``; its storage not
-    # shared with a view) its storage is freed right there, as AccumulateGrad steals a
-    # gradient it alone holds. Whoever may still read it holds a reference, which makes
-    # it shared: module backward hooks keep their own, and the engine copies a node's
-    # inputs when the node has post-hooks (``grad_fn.register_hook``), exactly so that
-    # stealing checks like this one see them.
+    # backward has read it: an activation-sized buffer held for nothing. When the
+    # gradient is ours alone its storage is freed right there, as AccumulateGrad steals a
+    # gradient it alone holds. "Ours alone" is checked on both sides: the C++ use count
+    # (1: not shared with another branch's input buffer, nor copied by the engine for the
+    # node's post-hooks, nor held by a caller of ``backward(gradient)``), and the Python
+    # reference count at the start of backward, equal to that of a fresh gradient measured
+    # once the same way (a tensor hook or module backward hook that keeps the gradient
+    # adds a reference). Anything else keeps the gradient.
     """
-    if t.requires_grad or t.dim() == 0 or t._use_count() != 1:
+    if t.requires_grad or t.dim() == 0 or t._use_count() != 1 or refs != _baseline():
         return False
     try:
         st = t.untyped_storage()
