@@ -17,21 +17,23 @@ per-channel statistics, whatever the chain length.
 # Note: [chain backward order]
 # Backward walks the layers last to first. Layer i needs its conv output y_i for its
 # BN backward, then its input x_i for its conv backward. ``_Rebuilder`` produces them
-# lazily: a kept y is returned as is; an unkept y is recomputed from a rebuilt x_i, which
-# is dropped at once and rebuilt (element-wise, from y_{i-1}) only after the BN backward
-# has released y_i, so y_i and x_i are never alive together. x_i is act(BN(y_{i-1})): for
-# the ReLU family it is computed in place and cached, and once layer i is done with it as
-# its conv input, layer i-1 overwrites it with its grad_z (the derivative needs only the
-# output). Smooth activations recompute z when needed. Every activation backward writes
-# into a buffer it consumes; the incoming gradient and every kept y are freed as soon as
-# they are consumed (Notes: [freeing the incoming gradient], [freeing kept tensors early]),
-# so a layer's backward holds its grad_y, y_i or x_i, and grad_x beyond what earlier
-# layers keep. At most one segment of unkept layers is materialised at a time, as with
-# activation checkpointing. ``convbn.passes.planner.chain_backward_peak`` replays this
-# order on sizes to predict a plan's peak.
+# lazily: a kept y is returned as is; an unkept y is recomputed from a rebuilt x_i.
+# x_i is act(BN(y_{i-1})): for the ReLU family it is computed in place and cached, and
+# once layer i is done with it as its conv input, layer i-1 overwrites it with its grad_z
+# (the derivative needs only the output). Smooth activations recompute z when needed.
+# A rebuilt x_i is held until layer i's conv backward, or -- where ``choose_drops``
+# (autograd/chain_memory.py, a replay of this order on sizes) finds it lowers the peak --
+# dropped right after recomputing y_i and rebuilt element-wise after the BN backward has
+# released y_i, so y_i and x_i are never alive together. Every activation backward writes
+# into a buffer it consumes; the incoming gradient, each kept y and each layer's grad_x
+# are freed as soon as they are consumed (Notes: [freeing the incoming gradient],
+# [freeing kept tensors early] in autograd/release.py). At most one segment of unkept
+# layers is materialised at a time, as with activation checkpointing.
 """
 from __future__ import annotations
 
+import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -41,8 +43,9 @@ from torch.autograd import Function
 
 from ..functional.activations import Activation
 from ..functional.batchnorm import BNSpec, bn_apply, bn_backward, bn_forward
-from ..functional.conv import ConvSpec, conv_backward, conv_forward
+from ..functional.conv import ConvSpec, conv_backward, conv_forward, conv_output_shape
 from ..functional.reference import conv_bn_act_reference
+from .chain_memory import choose_drops
 from .fused import differentiable_backward
 from .release import free_storage as _free_storage
 from .release import incoming_refs
@@ -70,15 +73,18 @@ class _Rebuilder:
     """Lazily rebuilds layer inputs / conv outputs in backward (Note: [chain backward order])."""
 
     def __init__(self, x0: Tensor, params: Sequence[Optional[Tensor]], specs: Sequence[ChainLayerSpec],
-                 kept: Dict[int, Tensor], means: Sequence[Tensor], invstds: Sequence[Tensor]) -> None:
+                 kept: Dict[int, Tensor], means: Sequence[Tensor], invstds: Sequence[Tensor],
+                 drop: Optional[Sequence[bool]] = None) -> None:
         self.x0 = x0
         self.params = params
         self.specs = specs
         self.y: Dict[int, Tensor] = dict(kept)
         self.kept_idx = set(kept)
         self.outs: Dict[int, Tensor] = {}
+        self.xs: Dict[int, Tensor] = {}
         self.means = means
         self.invstds = invstds
+        self.drop = [False] * len(specs) if drop is None else list(drop)
 
     def layer_params(self, i: int) -> Sequence[Optional[Tensor]]:
         return self.params[PER_LAYER * i: PER_LAYER * (i + 1)]
@@ -87,6 +93,8 @@ class _Rebuilder:
         """Layer i's conv input, rebuilt element-wise from ``y_{i-1}`` (kept or cached)."""
         if i == 0:
             return self.x0
+        if i in self.xs:
+            return self.xs.pop(i)
         y = self.get_y(i - 1)
         _, _, g, b = self.layer_params(i - 1)
         z = bn_apply(y, self.means[i - 1], self.invstds[i - 1], g, b)
@@ -103,13 +111,19 @@ class _Rebuilder:
         return self.specs[i].conv.pad_input(x)
 
     def get_y(self, i: int) -> Tensor:
-        """Layer i's conv output: kept, or recomputed from a rebuilt ``x_i`` that is dropped at
-        once (Note: [chain backward order]: ``x_i`` is rebuilt again after BN backward)."""
+        """Layer i's conv output: kept, or recomputed from a rebuilt ``x_i`` that is held for
+        the conv backward or, where ``drop[i]``, dropped at once and rebuilt after BN
+        backward (Note: [chain backward order])."""
         y = self.y.get(i)
         if y is None:
             w, b, _, _ = self.layer_params(i)
-            y = conv_forward(self.x(i), w, b, self.specs[i].conv)  # type: ignore[arg-type]
-            self.outs.pop(i - 1, None)
+            x = self.x(i)
+            y = conv_forward(x, w, b, self.specs[i].conv)  # type: ignore[arg-type]
+            if self.drop[i]:
+                self.outs.pop(i - 1, None)
+            elif i > 0:
+                self.xs[i] = x
+            del x
             self.y[i] = y
         return y
 
@@ -186,7 +200,9 @@ def chain_backward(
     last use (Note: [freeing kept tensors early]); only for a graph that is not retained.
     """
     grads: List[Optional[Tensor]] = [None] * len(needs)
-    rb = _Rebuilder(x0, params, specs, kept, means, invstds)
+    ys, xs = _layer_sizes(x0, params, specs)
+    drop = choose_drops(ys, xs, [s.keep_y for s in specs], [_act_kind(s.act) for s in specs])
+    rb = _Rebuilder(x0, params, specs, kept, means, invstds, drop)
     g: Optional[Tensor] = grad_out
     # Note: [freeing the incoming gradient]: the engine holds grad_out until backward returns
     engine_grad: Optional[Tensor] = grad_out if free_grad_out else None
@@ -278,6 +294,26 @@ def _rebuild(specs: Sequence[ChainLayerSpec], means: Sequence[Tensor], invstds: 
         return x
 
     return rebuild
+
+
+def _act_kind(act: Activation) -> str:
+    """The activation's kind in :data:`convbn.autograd.chain_memory.ACT_KINDS`."""
+    return "identity" if act.is_identity else "output" if act.output_derivable else "smooth"
+
+
+def _layer_sizes(x0: Tensor, params: Sequence[Optional[Tensor]],
+                 specs: Sequence[ChainLayerSpec]) -> Tuple[List[int], List[int]]:
+    """Element counts of each layer's conv output and (unpadded) input; ``x0`` arrives padded."""
+    shape: Sequence[int] = x0.shape
+    ys: List[int] = []
+    xs: List[int] = []
+    for i, spec in enumerate(specs):
+        conv = spec.conv if i > 0 else dataclasses.replace(spec.conv, pre_pad=())
+        out = conv_output_shape(shape, params[PER_LAYER * i].shape, conv)  # type: ignore[union-attr]
+        xs.append(math.prod(shape))
+        ys.append(math.prod(out))
+        shape = out
+    return ys, xs
 
 
 def _unpad(t: Tensor, pads: Sequence[int]) -> Tensor:

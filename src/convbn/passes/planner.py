@@ -36,6 +36,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, List, Optional, Sequence, Tuple
 
+from ..autograd.chain_memory import choose_drops, replay
+
 if TYPE_CHECKING:  # pragma: no cover
     from ..nn.chain import ChainLayer
 
@@ -128,69 +130,16 @@ class ChainCost:
 
 
 def chain_backward_peak(cost: ChainCost, keep: Sequence[bool]) -> Tuple[int, int]:
-    """Peak bytes during the chain's backward under ``keep`` (Note: [predicting the peak of a step]).
-
-    Counts the kept conv outputs, the incoming gradient and every buffer the backward
-    creates (not the chain input, not parameters).
+    """Peak bytes during the chain's backward under ``keep`` (Note: [predicting the peak of a
+    step]): :func:`convbn.autograd.chain_memory.replay` with the drops the backward itself
+    chooses. Counts the kept conv outputs, the incoming gradient and every buffer the
+    backward creates (not the chain input, not parameters).
 
     Returns:
         ``(peak_bytes, layer)``: the peak and the layer whose backward reaches it.
     """
-    k = len(cost.y_bytes)
-    live: dict = {("y", i): cost.y_bytes[i] for i in range(k) if keep[i]}
-    live["g"] = cost.y_bytes[-1]
-    peak, where, cur = [0], [k - 1], [k - 1]
-
-    def alloc(name: Any, n: int) -> None:
-        live[name] = n
-        total = sum(live.values())
-        if total > peak[0]:
-            peak[0], where[0] = total, cur[0]
-
-    def free(name: Any) -> None:
-        live.pop(name, None)
-
-    def build_x(i: int) -> None:  # layer i's input from y_{i-1}; stays live as ("x", i)
-        get_y(i - 1)
-        if cost.acts[i - 1] == "smooth":
-            alloc(("z", i - 1), cost.y_bytes[i - 1])
-            alloc(("x", i), cost.x_bytes[i])
-            free(("z", i - 1))
-        else:
-            alloc(("x", i), cost.x_bytes[i])
-
-    def get_y(i: int) -> None:
-        if ("y", i) in live:
-            return
-        if i > 0:
-            build_x(i)
-        alloc(("y", i), cost.y_bytes[i])
-        free(("x", i))
-
-    grad = "g"
-    for i in reversed(range(k)):
-        cur[0] = i
-        get_y(i)
-        act = cost.acts[i]
-        if act == "output" and ("x", i + 1) in live:
-            free(grad)
-            grad = ("x", i + 1)  # grad_z written into the rebuilt output
-        elif act != "identity":
-            alloc(("z", i), cost.y_bytes[i])  # recomputed z, overwritten by grad_z
-            free(grad)  # the incoming gradient is freed once consumed (sole owner)
-            grad = ("z", i)
-        alloc("gy", cost.y_bytes[i])  # BN backward
-        free(grad)
-        free(("y", i))
-        if i > 0:
-            build_x(i)
-        alloc("gx", cost.x_bytes[i])  # conv backward
-        free("gy")
-        if i > 0 and cost.acts[i - 1] != "output":
-            free(("x", i))
-        live["g2"] = live.pop("gx")
-        grad = "g2"
-    return peak[0], where[0]
+    drop = choose_drops(cost.y_bytes, cost.x_bytes, keep, cost.acts)
+    return replay(cost.y_bytes, cost.x_bytes, keep, cost.acts, drop)
 
 
 def step_peak(costs: Sequence[ChainCost], keeps: Sequence[Sequence[bool]], floor: int) -> Tuple[int, int]:
