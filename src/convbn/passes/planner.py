@@ -142,7 +142,8 @@ def chain_backward_peak(cost: ChainCost, keep: Sequence[bool]) -> Tuple[int, int
     return replay(cost.y_bytes, cost.x_bytes, keep, cost.acts, drop)
 
 
-def step_peak(costs: Sequence[ChainCost], keeps: Sequence[Sequence[bool]], floor: int) -> Tuple[int, int]:
+def step_peak(costs: Sequence[ChainCost], keeps: Sequence[Sequence[bool]], floor: int,
+              _cache: Optional[dict] = None) -> Tuple[int, int]:
     """Predicted peak of a step's plan-dependent bytes: the end of forward
     (``floor`` + every kept conv output) or a chain's backward (its prefix, the kept
     outputs of the chains before it, its own transient). Chains in forward order.
@@ -154,7 +155,13 @@ def step_peak(costs: Sequence[ChainCost], keeps: Sequence[Sequence[bool]], floor
     best, where = floor + sum(kept), -1
     before = 0
     for j, (c, kp) in enumerate(zip(costs, keeps)):
-        p = c.prefix + before + chain_backward_peak(c, kp)[0]
+        key = (j, tuple(kp))
+        own = _cache.get(key) if _cache is not None else None
+        if own is None:
+            own = chain_backward_peak(c, kp)[0]
+            if _cache is not None:
+                _cache[key] = own
+        p = c.prefix + before + own
         if p > best:
             best, where = p, j
         before += kept[j]
@@ -194,8 +201,10 @@ def plan_for_peak(costs: Sequence[ChainCost], start: Sequence[Sequence[bool]], f
     def kept(ks: List[List[bool]]) -> int:
         return sum(y for c, kp in zip(costs, ks) for y, f in zip(c.y_bytes, kp) if f)
 
+    cache: dict = {}  # (chain, plan) -> its backward peak
+
     def peak(ks: List[List[bool]]) -> int:
-        return step_peak(costs, ks, floor)[0]
+        return step_peak(costs, ks, floor, cache)[0]
 
     def search(ks: List[List[bool]], key: Any, allowed: Any) -> List[List[bool]]:
         ks = [list(k) for k in ks]
