@@ -471,36 +471,49 @@ def _chain_costs(converted: nn.Module, inputs: Tuple[Any, ...]) -> Tuple[List[Fu
     activation bytes; measured with every layer keeping nothing.
 
     A chain's ``prefix`` is what is alive besides it when its backward runs: activations
-    saved before it, and the gradients of the parameters saved after it (their layers'
-    backward has run by then; with ``zero_grad(set_to_none=True)`` they did not exist
-    at the end of forward).
+    saved before it, and the gradients of the parameters used after it (saved by later
+    layers, or held by later chains; their backward has run by then, and with
+    ``zero_grad(set_to_none=True)`` they did not exist at the end of forward). The chain's
+    own parameter gradients, made during its backward, are left out.
     """
     converted.train()
     rec = saved_bytes(converted, *inputs, per_module=True)
     names = {id(m): n for n, m in converted.named_modules()}
-    first: Dict[str, int] = {}
+    chain_params = {names[id(m)]: _chain_param_bytes(m) for m in converted.modules() if isinstance(m, FusedChain)}
+    # walk the saves in forward order: a chain's prefix = activations saved before it +
+    # gradients of every parameter used after it (saved ones, and later chains' own)
+    first: Dict[str, Tuple[int, int]] = {}
+    order: Dict[str, int] = {}
     acts_before, params_before = 0, 0
     for (mod, _, _, nbytes), is_param in zip(rec.shapes, rec.is_param):
-        first.setdefault(mod, acts_before - params_before)
+        if mod not in first:
+            first[mod], order[mod] = (acts_before, params_before), len(order)
+            params_before += chain_params.get(mod, 0)
         if is_param:
             params_before += nbytes
         else:
             acts_before += nbytes
-    for mod in first:  # activations before + parameter gradients after = acts_before_mod + (P - params_before_mod)
-        first[mod] += rec.param_bytes
+    total_params = params_before
+    prefix = {m: a + total_params - p - chain_params.get(m, 0) for m, (a, p) in first.items()}
     chains = [m for m in converted.modules() if isinstance(m, FusedChain) and names.get(id(m)) in first]
-    chains.sort(key=lambda m: first[names[id(m)]])
+    chains.sort(key=lambda m: order[names[id(m)]])  # forward order
     costs = [
         ChainCost(
             y_bytes=tuple(l.y_bytes() for l in c.layers),
             x_bytes=tuple(_bytes_of_shape(l.x_shape, l) for l in c.layers),
             macs=tuple(l.flops() for l in c.layers),
             acts=tuple(_act_kind(l.act) for l in c.layers),
-            prefix=first[names[id(c)]],
+            prefix=prefix[names[id(c)]],
         )
         for c in chains
     ]
     return chains, costs, rec.activation_bytes
+
+
+def _chain_param_bytes(chain: FusedChain) -> int:
+    """Bytes of the gradients a chain's parameters get (conv weight and bias, BN weight and bias)."""
+    ts = [t for l in chain.layers for t in (l.weight, l.bias, l.bn.weight, l.bn.bias)]
+    return sum(t.numel() * t.element_size() for t in ts if t is not None and t.requires_grad)
 
 
 def _bytes_of_shape(shape: Optional[Sequence[int]], layer: ChainLayer) -> int:
@@ -547,7 +560,9 @@ def _plan(original: nn.Module, converted: nn.Module, inputs: Tuple[Any, ...], me
     keeps = [[l.mode == "recompute_bn" for l in c.layers] for c in ordered]
     peak, where = step_peak(costs, keeps, floor_total)
     report.predicted_peak_bytes = peak
-    report.predicted_peak_where = "end of forward" if where < 0 else f"backward of chain {where} ({ordered[where].layers[0].names[0]} ...)"
+    names = {id(m): n for n, m in converted.named_modules()}
+    report.predicted_peak_where = "end of forward" if where < 0 else (
+        f"backward, in {names.get(id(ordered[where]), '?')!r} ({ordered[where].layers[0].names[0]} ...)")
     report.target_saved_bytes = floor + extra
     report.saved_bytes = floor + sum(l.y_bytes() for l in layers if l.mode == "recompute_bn")
 
