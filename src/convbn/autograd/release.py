@@ -28,6 +28,8 @@ def free_storage(t: Tensor) -> None:
     # is resized to zero, as FSDP frees parameter shards. A tensor whose storage is larger
     # than itself (a view) is left alone.
     """
+    if type(t) is not Tensor or torch.compiler.is_compiling():  # fake / traced tensors: nothing to free
+        return
     st = t.untyped_storage()
     if st.nbytes() == t.numel() * t.element_size() and t.storage_offset() == 0:
         st.resize_(0)
@@ -43,7 +45,9 @@ def keeping_graph() -> bool:
 
 def incoming_refs(grad: Tensor) -> int:
     """Python references to ``grad``; call it on the first line of a Function's backward
-    and pass the result to :func:`sole_owner`."""
+    and pass the result to :func:`sole_owner` (``-1`` while compiling: never freed)."""
+    if torch.compiler.is_compiling():
+        return -1
     return sys.getrefcount(grad)
 
 
@@ -96,6 +100,8 @@ def sole_owner(t: Tensor, refs: int) -> bool:
     # once the same way (a tensor hook or module backward hook that keeps the gradient
     # adds a reference). Anything else keeps the gradient.
     """
+    if type(t) is not Tensor or torch.compiler.is_compiling():  # traced: the compiler plans memory
+        return False
     if t.requires_grad or t.dim() == 0 or t._use_count() != 1 or refs != _baseline():
         return False
     try:
