@@ -36,7 +36,10 @@ def free_storage(t: Tensor) -> None:
 
 
 def keeping_graph() -> bool:
-    """Whether the running backward retains the graph (``retain_graph=True``); ``True`` when unknown."""
+    """Whether the running backward retains the graph (``retain_graph=True``); ``True`` when
+    unknown or while compiling."""
+    if torch.compiler.is_compiling():
+        return True
     try:
         return bool(torch._C._autograd._get_current_graph_task_keep_graph())
     except (AttributeError, RuntimeError):  # pragma: no cover - private API moved / no graph task
