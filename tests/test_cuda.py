@@ -269,3 +269,27 @@ def test_one_process_nccl_syncbatchnorm_ddp_matches_eager():
             assert_close(b, be, **F64)
     finally:
         dist.destroy_process_group()
+
+
+def test_cuda_timeline_maximum_is_the_allocator_peak_of_the_step():
+    torch.manual_seed(0)
+    model = convbn.convert(_net().to(CUDA))
+    x = torch.randn(16, 3, 32, 32, device=CUDA)
+
+    def step() -> int:
+        for p in model.parameters():
+            p.grad = None
+        torch.cuda.synchronize()
+        start = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        model(x).float().mean().backward()
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated() - start
+
+    step()  # warm-up: cuDNN handles and workspaces
+    peak = step()
+    for p in model.parameters():
+        p.grad = None
+    tl = convbn.memory.timeline(model, x)
+    assert tl.source == "cuda"
+    assert tl.peak == peak

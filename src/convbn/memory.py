@@ -426,6 +426,20 @@ class _TimelineMode(TorchDispatchMode):
         return out
 
 
+def _cuda_peak_reader(dev: torch.device, start: int) -> Callable[[], int]:
+    """Reads the allocator's peak since the previous reading, then resets it: each point is
+    the most that was allocated *during* its operator (cuDNN workspaces included), so the
+    timeline's maximum is ``torch.cuda.max_memory_allocated`` over the step (host-side
+    allocator counters: no synchronisation needed)."""
+
+    def read() -> int:
+        peak = torch.cuda.max_memory_allocated(dev) - start
+        torch.cuda.reset_peak_memory_stats(dev)
+        return peak
+
+    return read
+
+
 def timeline(
     model: nn.Module,
     *inputs: Any,
@@ -440,7 +454,8 @@ def timeline(
     ``optimizer.step()``, each point labelled with its phase, module and operator. On CPU
     the bytes are exact live tensor storages (the same accounting as :class:`tensor_peak`,
     so ``timeline(...).peak`` equals ``tensor_peak``'s ``peak`` on the same step); on CUDA
-    they are ``torch.cuda.memory_allocated`` readings. Bytes are relative to the start of
+    each point is the allocator's peak during its operator (workspaces included, see
+    :func:`_cuda_peak_reader`). Bytes are relative to the start of
     the step. Recording slows the step down; do not time it.
 
     Args:
@@ -474,8 +489,9 @@ def timeline(
         dev = next(t.device for t in (*inputs, *model.parameters()) if isinstance(t, Tensor) and t.is_cuda)
         torch.cuda.synchronize(dev)
         start = torch.cuda.memory_allocated(dev)
+        torch.cuda.reset_peak_memory_stats(dev)
         meter: Any = ModTracker()
-        mode = _TimelineMode(lambda: torch.cuda.memory_allocated(dev) - start, lambda: _innermost(meter.parents))
+        mode = _TimelineMode(_cuda_peak_reader(dev, start), lambda: _innermost(meter.parents))
         source = "cuda"
     else:
         tp = tensor_peak(*track)
