@@ -241,3 +241,12 @@ def test_bad_constructor_options() -> None:
         FusedConvBN2d(3, 4, 3, padding="same", stride=2)
     with pytest.raises(ValueError, match="groups"):
         FusedConvBN2d(3, 4, 3, groups=2)
+
+
+@pytest.mark.parametrize("budget", (0, -0.5, 1.5, 5, True, "0.5"))
+def test_convert_memory_budget_outside_0_1_is_an_error_naming_it(budget) -> None:
+    import convbn
+
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU())
+    with pytest.raises(ValueError, match=r"memory_budget must be a fraction .* in \(0, 1\], but got " + repr(budget).replace(".", r"\.")):
+        convbn.convert(model, example_inputs=torch.randn(2, 3, 8, 8), memory_budget=budget)

@@ -591,8 +591,10 @@ def _check_args(model: Any, strategy: str, memory_budget: Optional[float], examp
     if memory_budget is not None:
         if strategy != "auto":
             raise ValueError(f"memory_budget is used by strategy='auto' only, but got strategy={strategy!r}")
-        if not isinstance(memory_budget, (int, float)) or not memory_budget > 0:
-            raise ValueError(f"memory_budget must be a positive fraction of eager saved bytes, but got {memory_budget!r}")
+        if isinstance(memory_budget, bool) or not isinstance(memory_budget, (int, float)) or not 0 < memory_budget <= 1:
+            raise ValueError(
+                f"memory_budget must be a fraction of eager saved activation bytes in (0, 1], but got {memory_budget!r}"
+            )
         if example_inputs is None:
             raise ValueError("memory_budget needs example_inputs: the planner measures eager saved bytes on them")
 
