@@ -14,10 +14,11 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
+from torch.nn.modules.conv import _ConvNd
 
 from ..autograd.chain import ChainFunction, ChainLayerSpec, chain_forward_no_grad
 from ..functional.activations import Activation
-from ..functional.conv import ConvSpec, conv_flops, conv_output_shape
+from ..functional.conv import ConvSpec, conv_flops, conv_forward, conv_output_shape, conv_spec_from_module
 from ..functional.fused import autocast_dtype, check_inputs
 from .fused import bn_running_stats, bn_spec_from_module
 
@@ -98,11 +99,56 @@ class FusedChain(nn.Module):
         from ..autograd.chain_op import register_chain
 
         self.op_key = register_chain([(l.conv, l.act, float(l.bn.eps)) for l in self.layers])
+        # per layer, the model's modules whose own calls this chain replaces (see ``watch``)
+        object.__setattr__(self, "watched", [[l.bn] for l in self.layers])
 
     layers: List[ChainLayer]
+    watched: List[List[nn.Module]]
+
+    def watch(self, modules: Sequence[Sequence[nn.Module]]) -> None:
+        """Per layer, the modules (conv, BatchNorm, activation) whose hooks must be honoured.
+
+        Note: [hooks on fused modules]
+        A fused chain computes conv, BN and activation without calling those modules, so
+        their hooks would be skipped. ``convert`` leaves hooked modules unfused; hooks
+        registered *after* conversion (or global module hooks) are seen here at call time:
+        the chain then runs its layers unfused, as eager modules (``_forward_eager``).
+        """
+        if len(modules) != len(self.layers):
+            raise ValueError(f"watch expects one module list per layer ({len(self.layers)}), but got {len(modules)}")
+        object.__setattr__(self, "watched", [list(m) for m in modules])
+
+    def _hooked(self) -> bool:
+        from torch.nn.modules import module as _m
+
+        if _m._global_forward_pre_hooks or _m._global_forward_hooks or _m._global_backward_hooks:
+            return True
+        return any(m._forward_pre_hooks or m._forward_hooks or m._backward_hooks or m._backward_pre_hooks
+                   for ms in self.watched for m in ms)
+
+    def _forward_eager(self, x: Tensor) -> Tensor:
+        """The chain as eager modules: conv modules and BatchNorms are *called* (hooks run,
+        eager's own checks and bookkeeping apply), activations applied as eager does."""
+        for l, mods in zip(self.layers, self.watched):
+            conv = next((m for m in mods if isinstance(m, _ConvNd) and m is l.conv_owner), None)
+            if conv is not None and l.weight_name == "weight" and conv_spec_from_module(conv) == l.conv:
+                y = conv(x)
+            elif conv is not None and (conv._forward_pre_hooks or conv._forward_hooks or conv._backward_hooks):
+                raise RuntimeError(
+                    f"{l.names[0]} has hooks but its padding was merged into the fused chain, so they cannot "
+                    "run as in eager; register the hooks before convbn.convert (it then leaves the layer unfused)"
+                )
+            else:
+                y = conv_forward(l.conv.pad_input(x), l.weight, l.bias, l.conv)
+            z = l.bn(y)
+            act = next((m for m in mods if m is not l.bn and m is not conv), None)
+            x = act(z) if act is not None else l.act(z)
+        return x
 
     def forward(self, input: Tensor) -> Tensor:
         layers = self.layers
+        if input.numel() == 0 or self._hooked():
+            return self._forward_eager(input)
         first = layers[0]
         stats = [bn_running_stats(l.bn) for l in layers]
         specs0 = [bn_spec_from_module(l.bn) for l in layers]
@@ -115,7 +161,7 @@ class FusedChain(nn.Module):
             shape = conv_output_shape(shape, l.weight.shape, l.conv)
             if any(s <= 0 for s in shape[2:]):
                 raise RuntimeError(f"input of shape {tuple(input.shape)} is too small for {l.names[0]}: output {tuple(shape)}")
-            if spec.batch_stats and spec.process_group is None and shape[0] * _prod(shape[2:]) <= 1:
+            if spec.batch_stats and spec.process_group is None and shape[0] * _prod(shape[2:]) == 1:
                 raise ValueError(
                     f"Expected more than 1 value per channel when training, got input size {torch.Size(shape)} at {l.names[1]}"
                 )

@@ -29,9 +29,10 @@ from ..memory import saved_bytes, timeline
 from ..nn.chain import ChainLayer, FusedChain
 from ..nn.fused import _FusedConvBNNd
 from ..nn.sync import SyncBatchNorm
-from .fold import _resolve_string_annotations
 from .planner import ChainCost, plan_for_peak, plan_layers, step_peak, tutorial_bytes
 from .report import ConvertReport, FusedPair, SkippedBN
+from .trace import (ConvbnGraphModule, StateSnapshot, compare_outputs, hook_reason, preserve_module_state,
+                    run_step, short_reason, trace)
 
 __all__ = ["convert", "explain", "CONVERT_STRATEGIES"]
 
@@ -331,8 +332,10 @@ def _chains(layers: List[_Layer], chain: bool) -> List[List[_Layer]]:
 
 def _graph_module(root: nn.Module, traced: fx.GraphModule, extra: Sequence[Tuple[str, nn.Module]]) -> fx.GraphModule:
     """A GraphModule running ``traced.graph`` whose module tree is ``root``'s own (same
-    objects, same order) plus ``extra``, so ``state_dict()`` keys and parameters are unchanged."""
-    gm = fx.GraphModule(traced, traced.graph, class_name=type(root).__name__)
+    objects, same order) plus ``extra``, so ``state_dict()`` keys and parameters are unchanged;
+    ``root``'s plain attributes, hooks and ``_version`` come along (see
+    :func:`convbn.passes.trace.preserve_module_state`)."""
+    gm = ConvbnGraphModule(traced, traced.graph, class_name=type(root).__name__)
     gm._modules = OrderedDict(root._modules)
     for name, mod in extra:
         gm._modules[name] = mod
@@ -342,6 +345,7 @@ def _graph_module(root: nn.Module, traced: fx.GraphModule, extra: Sequence[Tuple
     gm._buffers = root._buffers
     gm._non_persistent_buffers_set = set(root._non_persistent_buffers_set)
     gm.training = root.training
+    preserve_module_state(root, gm)
     return gm
 
 
@@ -384,13 +388,76 @@ def _rewrite(root: nn.Module, gm: fx.GraphModule, chains: List[List[_Layer]], mo
 
 
 def _shallow_clone(module: nn.Module) -> nn.Module:
+    """A copy of ``module`` sharing its parameters, buffers and children, with its own child
+    list and hook dictionaries (hooks registered on either later stay on that one)."""
     clone = copy.copy(module)
     clone._modules = OrderedDict(module._modules)
+    for key, value in vars(module).items():
+        if "hook" in key and isinstance(value, dict):
+            clone.__dict__[key] = copy.copy(value)
     return clone
 
 
+def _set_submodule(root: nn.Module, path: str, new: nn.Module, inplace: bool) -> nn.Module:
+    """Put ``new`` at ``path`` under ``root``; containers on the way are shallow-copied
+    unless ``inplace`` (the user's own modules stay untouched). Returns ``root``."""
+    *parents, leaf = path.split(".")
+    mod = root
+    for name in parents:
+        child = mod._modules[name]
+        if not inplace:
+            child = _shallow_clone(child)
+            mod._modules[name] = child
+        mod = child
+    mod._modules[leaf] = new
+    return root
+
+
+def _hooked_modules(layer: _Layer, gm: fx.GraphModule) -> List[Tuple[str, nn.Module]]:
+    """The modules of a matched layer whose own call the fused chain would replace."""
+    found: List[Tuple[str, nn.Module]] = []
+    if layer.conv.node.op == "call_module":
+        found.append((layer.conv.name, layer.conv.owner))
+    found.append((layer.bn_name, layer.bn))
+    if layer.act_node is not None and layer.act_node.op == "call_module":
+        found.append((str(layer.act_node.target), gm.get_submodule(str(layer.act_node.target))))
+    return found
+
+
+def _drop_hooked(layers: List[_Layer], gm: fx.GraphModule, report: ConvertReport) -> List[_Layer]:
+    """Leave unfused every layer one of whose modules has hooks (or a hook-based
+    parametrization / pruning), with the reason: a fused chain would bypass them."""
+    kept = []
+    for l in layers:
+        hooked = [(n, hook_reason(m)) for n, m in _hooked_modules(l, gm) if hook_reason(m)]
+        if hooked:
+            name, why = hooked[0]
+            report.skipped.append(SkippedBN(l.bn_name, f"'{name}' has hooks ({why}), which a fused chain would "
+                                            "bypass; left unfused so they run", l.conv.name))
+        else:
+            kept.append(l)
+    return kept
+
+
+def _watch_hooks(gm: fx.GraphModule, chains: List[List[_Layer]], before: Sequence[str]) -> None:
+    """Tell each new FusedChain which modules' hooks it must honour at call time."""
+    new = [m for n, m in gm.named_children() if isinstance(m, FusedChain) and n not in before]
+    for fused, chain in zip(new, chains):
+        fused.watch([[m for _, m in _hooked_modules(l, gm)] for l in chain])
+
+
+def _tolerance(dtype: torch.dtype) -> float:
+    """Relative tolerance for validating a rewrite: rounding differences pass, a changed computation not."""
+    return {torch.float64: 1e-7, torch.float32: 1e-3}.get(dtype, 5e-2)
+
+
 def _convert(module: nn.Module, prefix: str, mode: str, chain: bool, inplace: bool,
-             report: ConvertReport) -> nn.Module:
+             report: ConvertReport, lazy: bool = False) -> nn.Module:
+    """Convert ``module`` (qualified name ``prefix``). Traced with partial tracing: a
+    submodule that cannot be traced, would trace misleadingly or has hooks is a leaf of
+    ``module``'s trace and is converted on its own; when ``module``'s own forward cannot be
+    traced, each child is converted instead. ``lazy``: rewritten GraphModules validate
+    themselves against the module they replace on their first call."""
     if isinstance(module, (FusedChain, _FusedConvBNNd)) or not any(
         isinstance(m, _BatchNorm) for m in module.modules()
     ):
@@ -398,49 +465,122 @@ def _convert(module: nn.Module, prefix: str, mode: str, chain: bool, inplace: bo
     if isinstance(module, _BatchNorm) and prefix:  # a lone BatchNorm child: nothing to fuse, nothing to trace
         return module
     try:
-        graph = _Tracer().trace(module)
-        _resolve_string_annotations(graph, module)  # else torch.save of the result fails
-        gm = fx.GraphModule(module, graph)
+        traced = trace(module, _Tracer)
     except Exception as err:  # any tracing failure: convert the children instead
-        report.untraced.append((prefix.rstrip("."), f"{type(err).__name__}: {str(err).splitlines()[0][:120]}"))
+        report.untraced.append((prefix.rstrip("."), short_reason(err, 120)))
         target = module if inplace else _shallow_clone(module)
         for name, child in module.named_children():
-            new = _convert(child, f"{prefix}{name}.", mode, chain, inplace, report)
+            new = _convert(child, f"{prefix}{name}.", mode, chain, inplace, report, lazy)
             if new is not child:
                 target._modules[name] = new
         return target
     report.traced.append(prefix.rstrip("."))
-    layers = _find_layers(gm, module, prefix, report)
+    gm = traced.gm
+    replaced: List[Tuple[str, nn.Module]] = []
+    for name, why in traced.descend().items():
+        if name in traced.opaque:
+            report.untraced.append((prefix + name, f"{why} (a leaf of the enclosing trace; converted on its own)"))
+        sub = module.get_submodule(name)
+        new = _convert(sub, f"{prefix}{name}.", mode, chain, inplace, report, lazy)
+        if new is not sub:
+            replaced.append((name, new))
+    layers = _drop_hooked(_find_layers(gm, module, prefix, report), gm, report)
     if not layers:
+        if not replaced:
+            return module
+        target = module if inplace else _shallow_clone(module)
+        for name, new in replaced:
+            _set_submodule(target, name, new, inplace)
+        return target
+    chains = _chains(layers, chain)
+    before = [n for n, _ in gm.named_children()]
+    out = _rewrite(module, gm, chains, mode, report)
+    _watch_hooks(out, chains, before)
+    for name, new in replaced:
+        _set_submodule(out, name, new, inplace)
+    if lazy and isinstance(out, ConvbnGraphModule):
+        out.validate_on_first_call(module, _tolerance)
+    return out
+
+
+def _validated_convert(module: nn.Module, prefix: str, args: Tuple[Any, ...], kwargs: Dict[str, Any], mode: str,
+                       chain: bool, inplace: bool, report: ConvertReport) -> nn.Module:
+    """:func:`_convert`, then run ``module`` and the result on the inputs (forward and a
+    backward with a random upstream gradient, state restored) and compare outputs,
+    gradients and buffers. On a mismatch, convert finer: each child on its own inputs
+    (recorded from an eager run), each validated the same way."""
+    mark = (len(report.pairs), len(report.skipped), len(report.untraced), len(report.traced))
+    converted = _convert(module, prefix, mode, chain, inplace, report)
+    if converted is module:
         return module
-    return _rewrite(module, gm, _chains(layers, chain), mode, report)
+    params = list(module.parameters())
+    buffers = list(module.buffers())
+    runs = []
+    for model in (module, converted):
+        with StateSnapshot(module), StateSnapshot(converted):
+            try:
+                out, grads = run_step(_Bound(model, kwargs), args, params, seed=0)
+            except Exception as exc:  # noqa: BLE001 - the original must run; the rewrite must not fail
+                if model is module:
+                    raise
+                out, grads = exc, []
+            runs.append((out, grads, [b.detach().clone() for b in buffers]))
+    if isinstance(runs[1][0], Exception):
+        result_note = f"the rewrite fails: {short_reason(runs[1][0])}"
+        ok = False
+    else:
+        result = compare_outputs(runs[0], runs[1], _tolerance, relative=True)
+        ok, result_note = result.ok, result.describe()
+    if ok:
+        report.validated.append(prefix.rstrip("."))
+        return converted
+    del report.pairs[mark[0]:], report.skipped[mark[1]:], report.untraced[mark[2]:], report.traced[mark[3]:]
+    report.untraced.append((prefix.rstrip("."), f"the traced rewrite differs from eager ({result_note}); "
+                            "converted child by child"))
+    inputs = _child_inputs(module, args, kwargs)
+    target = module if inplace else _shallow_clone(module)
+    for name, child in module.named_children():
+        if name not in inputs:
+            continue
+        new = _validated_convert(child, f"{prefix}{name}.", *inputs[name], mode, chain, inplace, report)
+        if new is not child:
+            target._modules[name] = new
+    return target
+
+
+class _Bound:
+    """``model`` called with fixed keyword arguments (for :func:`run_step`)."""
+
+    def __init__(self, model: nn.Module, kwargs: Dict[str, Any]) -> None:
+        self.model, self.kwargs = model, kwargs
+
+    def __call__(self, *args: Any) -> Any:
+        return self.model(*args, **self.kwargs)
+
+
+def _child_inputs(module: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any]
+                  ) -> Dict[str, Tuple[Tuple[Any, ...], Dict[str, Any]]]:
+    """Each direct child's inputs at its first call in one eager forward of ``module`` (state restored)."""
+    seen: Dict[str, Tuple[Tuple[Any, ...], Dict[str, Any]]] = {}
+    clone = lambda t: t.detach().clone() if isinstance(t, Tensor) else t  # noqa: E731
+
+    def record(name: str) -> Callable[..., None]:
+        def hook(mod: nn.Module, a: Tuple[Any, ...], k: Dict[str, Any]) -> None:
+            if name not in seen:
+                seen[name] = (tuple(torch.utils._pytree.tree_map(clone, a)), torch.utils._pytree.tree_map(clone, k))
+        return hook
+
+    handles = [c.register_forward_pre_hook(record(n), with_kwargs=True) for n, c in module.named_children()]
+    try:
+        with StateSnapshot(module), torch.no_grad():
+            module(*args, **kwargs)
+    finally:
+        for h in handles:
+            h.remove()
+    return seen
 
 
 # --------------------------------------------------------------------------- measuring and planning
-
-
-class _Restore:
-    """Snapshot buffers, modes and RNG; put them back on exit (measurement has no side effects)."""
-
-    def __init__(self, model: nn.Module) -> None:
-        self.model = model
-
-    def __enter__(self) -> "_Restore":
-        self.buffers = [(b, b.detach().clone()) for b in self.model.buffers()]
-        self.modes = [(m, m.training) for m in self.model.modules()]
-        self.rng = torch.get_rng_state()
-        self.cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        with torch.no_grad():
-            for b, v in self.buffers:
-                b.copy_(v)
-        for m, t in self.modes:
-            m.training = t
-        torch.set_rng_state(self.rng)
-        if self.cuda_rng is not None:
-            torch.cuda.set_rng_state_all(self.cuda_rng)
 
 
 def _as_tuple(example_inputs: Any) -> Tuple[Any, ...]:
@@ -527,7 +667,7 @@ def _plan(original: nn.Module, converted: nn.Module, inputs: Tuple[Any, ...], me
           report: ConvertReport) -> None:
     chains = _chain_layers(converted)
     layers = [l for c in chains for l in c]
-    with _Restore(original), _Restore(converted):
+    with StateSnapshot(original), StateSnapshot(converted):
         eager = _measure(original, inputs)
         for l in layers:
             l.mode = "recompute_conv"
@@ -629,9 +769,15 @@ def convert(
             :mod:`convbn.passes.planner`; ``explain`` shows predicted and measured peaks).
             Needs ``example_inputs``. A budget below the reachable floor raises
             ``ValueError`` naming the floor.
-        example_inputs: a tensor or tuple of inputs for a measuring forward pass (running
-            stats, RNG and modes are restored afterwards). Without it, ``"auto"`` plans each
-            chain on its first training call.
+        example_inputs: a tensor or tuple of inputs. The result is *validated* on them:
+            the original and the rewrite each run one forward and one backward (random
+            upstream gradient) and outputs, gradients and running statistics are compared;
+            where a part differs (a trace that misleads), that part is converted finer,
+            child by child, and the report says so. Also used to measure and plan. Running
+            stats, ``num_batches_tracked``, RNG and modes are restored exactly afterwards.
+            Without it, each rewritten part validates its outputs against the original on
+            its first call (a mismatch warns and runs that part unfused from then on), and
+            ``"auto"`` plans each chain on its first training call.
         inplace: modify ``model`` itself where the pass replaces children of modules that
             could not be traced whole; by default those containers are shallow-copied.
         chain: group consecutive fused layers into chains (see :mod:`convbn.autograd.chain`).
@@ -649,14 +795,17 @@ def convert(
     _check_args(model, strategy, memory_budget, example_inputs)
     report = ConvertReport(strategy=strategy)
     root = _swap_sync_batchnorm(model, inplace)
-    converted = _convert(root, "", strategy, chain, inplace, report)
+    if example_inputs is not None:
+        converted = _validated_convert(root, "", _as_tuple(example_inputs), {}, strategy, chain, inplace, report)
+    else:
+        converted = _convert(root, "", strategy, chain, inplace, report, lazy=True)
     _account_bns(model, report)
     if strategy == "auto" and example_inputs is not None and report.pairs:
         # measure on ``root``: its SyncBatchNorms are convbn's, which run on CPU too
         _plan(root, converted, _as_tuple(example_inputs), memory_budget, report)
     elif example_inputs is not None and report.pairs:
         inputs = _as_tuple(example_inputs)
-        with _Restore(root), _Restore(converted):
+        with StateSnapshot(root), StateSnapshot(converted):
             report.eager_saved_bytes = _measure(root, inputs)
             report.saved_bytes = _measure(converted, inputs)
     try:

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import copy
 import math
-import typing
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Set, Tuple, TypeVar, Union
 
@@ -38,7 +37,8 @@ from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.utils import _pytree as pytree
 
-from convbn.functional.fold import fold_bn_into_following, fold_bn_into_preceding
+from ..functional.fold import fold_bn_into_following, fold_bn_into_preceding
+from .trace import compare_outputs, preserve_module_state, short_reason, trace
 
 __all__ = ["fold", "fold_conv_bn_modules", "FoldReport", "FoldAction", "FoldCheck"]
 
@@ -262,70 +262,19 @@ def _has_standard_forward(m: nn.Module) -> bool:
 
 
 class _FoldTracer(fx.Tracer):
-    """``fx.Tracer`` with two changes.
-
-    * Conv/linear/BatchNorm subclasses that keep torch's ``forward`` are leaves (the
-      default tracer traces into user subclasses, and ``_BatchNorm`` cannot be traced into:
-      ``_check_input_dim`` branches on the input's rank).
-    * A submodule whose forward cannot be traced (data-dependent control flow, ...)
-      becomes an opaque leaf: the partial trace is rolled back and a ``call_module`` node
-      emitted instead; :func:`fold` then folds inside it on its own.
-    """
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.opaque: Dict[str, str] = {}
-        self._param_cache: Optional[Dict[str, Any]] = None
+    """fold's leaf policy: conv/linear/BatchNorm modules (subclasses too) that keep torch's
+    ``forward`` are leaves (the default tracer traces into user subclasses, and
+    ``_BatchNorm`` cannot be traced into: ``_check_input_dim`` branches on the input's
+    rank). Partial tracing, hooks and hazards: :func:`convbn.passes.trace.trace`."""
 
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
-        if module_qualified_name in self.opaque:
-            return True
         if isinstance(m, (_BatchNorm,) + _LAYER_MODULES) and _has_standard_forward(m):
             return True
         return super().is_leaf_module(m, module_qualified_name)
 
-    def getattr(self, attr: str, attr_val: Any, parameter_proxy_cache: Dict[str, Any]) -> Any:
-        self._param_cache = parameter_proxy_cache  # kept so a rollback can drop stale proxies
-        return super().getattr(attr, attr_val, parameter_proxy_cache)
-
-    def call_module(self, m: nn.Module, forward: Callable[..., Any], args: Tuple[Any, ...],
-                    kwargs: Dict[str, Any]) -> Any:
-        name = self.path_of_module(m)
-        if self.is_leaf_module(m, name) or m is self.root:
-            return super().call_module(m, forward, args, kwargs)
-        last_node = self.graph._root._prev  # everything after it belongs to this call
-        stack = list(self.module_stack.items())
-        num_calls = dict(self.num_calls)
-        try:
-            return super().call_module(m, forward, args, kwargs)
-        except Exception as exc:  # noqa: BLE001 - any failure makes the module opaque
-            self._rollback(last_node)
-            self.module_stack.clear()
-            self.module_stack.update(stack)
-            self.num_calls = num_calls
-            self.opaque[name] = _short_reason(exc)
-            return super().call_module(m, forward, args, kwargs)
-
-    def _rollback(self, last_node: fx.Node) -> None:
-        created: List[fx.Node] = []
-        node = last_node._next
-        while node is not self.graph._root:
-            created.append(node)
-            node = node._next
-        erased = set(created)
-        for node in reversed(created):
-            self.graph.erase_node(node)
-        if self._param_cache:
-            for key in [k for k, p in self._param_cache.items() if p.node in erased]:
-                del self._param_cache[key]
-
 
 def _short_reason(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    first = text[0] if text else ""
-    if len(first) > 160:
-        first = first[:157] + "..."
-    return f"{type(exc).__name__}: {first}"
+    return short_reason(exc)
 
 
 # --------------------------------------------------------------------------------------
@@ -799,23 +748,22 @@ def _fold_module(module: nn.Module, prefix: str, ctx: _Ctx) -> nn.Module:
     if _is_container_only(module):
         _fold_children(module, prefix, ctx)
         return module
-    tracer = _FoldTracer()
     try:
-        graph = tracer.trace(module)
-        graph.lint()
+        traced = trace(module, _FoldTracer)
     except Exception as exc:  # noqa: BLE001 - untraceable: fold its children one by one
         ctx.report.untraceable.append((prefix.rstrip("."), f"{_short_reason(exc)} (folded part by part)"))
         _fold_children(module, prefix, ctx)
         return module
-    _resolve_string_annotations(graph, module)
-    gm = fx.GraphModule(tracer.root, graph, type(module).__name__)
+    gm = traced.gm
+    preserve_module_state(module, gm)
     folder = _GraphFolder(gm, module, prefix, ctx)
     folder.run()
     changed = folder.changed
-    for target, why in tracer.opaque.items():
+    for target, why in traced.descend().items():
         if target not in dict(gm.named_modules()):
             continue
-        ctx.report.untraceable.append((prefix + target, f"{why} (kept as an opaque module)"))
+        if target in traced.opaque:
+            ctx.report.untraceable.append((prefix + target, f"{why} (kept as an opaque module)"))
         sub = gm.get_submodule(target)
         new = _fold_module(sub, f"{prefix}{target}.", ctx)
         if new is not sub:
@@ -823,21 +771,6 @@ def _fold_module(module: nn.Module, prefix: str, ctx: _Ctx) -> nn.Module:
             setattr(gm.get_submodule(parent), attr, new)
             changed = True
     return gm if changed else module
-
-
-def _resolve_string_annotations(graph: fx.Graph, module: nn.Module) -> None:
-    """Replace string annotations (``from __future__ import annotations``) on the graph's
-    inputs/output by the types they name, or drop them: FX writes them into the generated
-    code under names TorchScript cannot resolve."""
-    try:
-        hints = typing.get_type_hints(type(module).forward)
-    except Exception:  # noqa: BLE001 - unresolvable names: just drop them
-        hints = {}
-    for node in graph.nodes:
-        if node.op == "placeholder" and isinstance(node.type, str):
-            node.type = hints.get(node.target.lstrip("*"))
-        elif node.op == "output" and isinstance(node.type, str):
-            node.type = hints.get("return")
 
 
 def _fold_children(module: nn.Module, prefix: str, ctx: _Ctx) -> None:

@@ -56,6 +56,8 @@ class ConvertReport:
         skipped: every BatchNorm not fused, with its reason.
         untraced: ``(module, error)`` for modules that could not be traced whole.
         traced: modules traced whole (``""`` is the root).
+        validated: modules whose rewrite was run against the original on ``example_inputs``
+            (outputs, gradients, running statistics) and matched.
         strategy: the strategy asked for.
         eager_saved_bytes / saved_bytes / floor_saved_bytes / target_saved_bytes:
             measured (with ``example_inputs``) saved activation bytes -- bytes held for
@@ -74,6 +76,7 @@ class ConvertReport:
     skipped: List[SkippedBN] = field(default_factory=list)
     untraced: List[tuple] = field(default_factory=list)
     traced: List[str] = field(default_factory=list)
+    validated: List[str] = field(default_factory=list)
     strategy: str = "auto"
     eager_saved_bytes: Optional[int] = None
     saved_bytes: Optional[int] = None
@@ -116,4 +119,6 @@ class ConvertReport:
             lines.append(f"  skipped {s.bn}: {s.reason}")
         for mod, err in self.untraced:
             lines.append(f"  not traced as a whole: {mod or '<root>'}: {err}")
+        for mod in self.validated:
+            lines.append(f"  validated against eager on example_inputs: {mod or '<root>'}")
         return "\n".join(lines)
