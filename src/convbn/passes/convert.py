@@ -477,9 +477,7 @@ def _convert(module: nn.Module, prefix: str, mode: str, chain: bool, inplace: bo
     report.traced.append(prefix.rstrip("."))
     gm = traced.gm
     replaced: List[Tuple[str, nn.Module]] = []
-    for name, why in traced.descend().items():
-        if name in traced.opaque:
-            report.untraced.append((prefix + name, f"{why} (a leaf of the enclosing trace; converted on its own)"))
+    for name in traced.descend():
         sub = module.get_submodule(name)
         new = _convert(sub, f"{prefix}{name}.", mode, chain, inplace, report, lazy)
         if new is not sub:
@@ -498,8 +496,11 @@ def _convert(module: nn.Module, prefix: str, mode: str, chain: bool, inplace: bo
     _watch_hooks(out, chains, before)
     for name, new in replaced:
         _set_submodule(out, name, new, inplace)
-    if lazy and isinstance(out, ConvbnGraphModule):
-        out.validate_on_first_call(module, _tolerance)
+    if isinstance(out, ConvbnGraphModule):
+        if traced.mode_dependent:  # traced in one mode; the other runs the original (eager) code
+            out.guard_modes(module, traced.modes)
+        if lazy:
+            out.validate_on_first_call(module, _tolerance)
     return out
 
 

@@ -26,7 +26,6 @@ not part of ``state_dict``). See :func:`fold` for the full contract.
 from __future__ import annotations
 
 import copy
-import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Set, Tuple, TypeVar, Union
 
@@ -871,34 +870,42 @@ def _reference_run(model: nn.Module, example_inputs: Any, ctx: _Ctx) -> Tuple[Op
             h.remove()
 
 
-def _compare(reference: Any, folded: Any) -> Tuple[float, float, bool, str]:
-    ref_leaves, ref_spec = pytree.tree_flatten(reference)
-    new_leaves, new_spec = pytree.tree_flatten(folded)
-    if ref_spec != new_spec:
-        return math.inf, 0.0, False, f"output structure changed: {ref_spec} vs {new_spec}"
-    worst_ratio, worst_diff, worst_tol = 0.0, 0.0, 0.0
-    for a, b in zip(ref_leaves, new_leaves):
-        if not isinstance(a, Tensor):
-            continue
-        if not isinstance(b, Tensor) or a.shape != b.shape:
-            return math.inf, 0.0, False, "an output tensor changed shape"
-        if not a.is_floating_point():
-            if not torch.equal(a, b):
-                return math.inf, 0.0, False, "a non-floating output changed"
-            continue
-        tol = CHECK_TOLERANCE.get(a.dtype, _DEFAULT_TOLERANCE)
-        finite = torch.isfinite(a)
-        if not torch.equal(finite, torch.isfinite(b)):
-            return math.inf, 0.0, False, "non-finite values appeared or disappeared"
-        if not finite.any():
-            continue
-        a64, b64 = a[finite].double(), b[finite].double()
-        scale = max(1.0, a64.abs().max().item())
-        diff = (a64 - b64).abs().max().item()
-        allowed = tol * scale
-        if diff / allowed >= worst_ratio:
-            worst_ratio, worst_diff, worst_tol = diff / allowed, diff, allowed
-    return worst_diff, worst_tol, worst_ratio <= 1.0, ""
+def _float64_errors(model: nn.Module, args: Tuple[Any, ...], reference: Any) -> Optional[List[float]]:
+    """Per floating output of ``reference`` (the model's own run), ``max|reference - exact|``
+    where ``exact`` is a float64 run of a copy of ``model`` on the same inputs: what eager
+    itself gets wrong in its dtype. ``None`` if the model does not run in float64."""
+    leaves = [t for t in pytree.tree_leaves(reference) if isinstance(t, Tensor) and t.is_floating_point()]
+    if all(t.dtype == torch.float64 for t in leaves):
+        return [0.0] * len(leaves)
+    try:
+        model64 = copy.deepcopy(model).double()
+        args64 = pytree.tree_map(lambda t: t.double() if isinstance(t, Tensor) and t.is_floating_point() else t, args)
+        exact = [t for t in pytree.tree_leaves(_run(model64, args64)) if isinstance(t, Tensor) and t.is_floating_point()]
+    except Exception:  # noqa: BLE001 - e.g. a kernel without float64: fall back to the fixed tolerance
+        return None
+    if len(exact) != len(leaves):
+        return None
+    errs = []
+    for a, e in zip(leaves, exact):
+        finite = torch.isfinite(a) & torch.isfinite(e)
+        errs.append((a.double() - e)[finite].abs().max().item() if finite.any() else 0.0)
+    return errs
+
+
+# Note: [fold's tolerance follows eager's own rounding]
+# A fixed relative tolerance is tighter than float32 itself on deep nets: folding only
+# reorders rounding, but eager's float32 result is already off the exact one by an amount
+# that grows with depth and with the BN scales. So the check runs the *original* once more
+# in float64 and allows, per output, ``tol * max(1, max|ref|)`` plus ``EAGER_ERROR_FACTOR``
+# times eager's own distance to that float64 result: a fold as accurate as eager differs
+# from eager by at most twice it; a wrong fold differs by far more.
+EAGER_ERROR_FACTOR = 4.0
+
+
+def _compare(reference: Any, folded: Any, eager_errors: Optional[List[float]] = None) -> Tuple[float, float, bool, str]:
+    slack = None if eager_errors is None else [EAGER_ERROR_FACTOR * e for e in eager_errors]
+    result = compare_outputs(reference, folded, lambda dt: CHECK_TOLERANCE.get(dt, _DEFAULT_TOLERANCE), slack)
+    return result.max_abs_diff, result.allowed, result.ok, result.note
 
 
 # --------------------------------------------------------------------------------------
@@ -945,8 +952,10 @@ def fold(
             possible (the report says when it is not).
         check: run the sample input through the model before and after folding (eval,
             no grad, same RNG seed) and raise if the outputs differ by more than
-            ``tol * max(1, max|reference|)``, ``tol`` = 1e-4 for float32, 1e-10 for
-            float64 (see ``CHECK_TOLERANCE``).
+            ``tol * max(1, max|reference|)`` (``tol`` = 1e-4 for float32, 1e-10 for
+            float64, see ``CHECK_TOLERANCE``) plus 4x what the original itself gets wrong
+            in its dtype, measured against a float64 run of a copy (see Note: [fold's
+            tolerance follows eager's own rounding]).
 
     Returns:
         The folded model (a ``torch.fx.GraphModule`` when ``model`` traced whole and
@@ -984,6 +993,7 @@ def fold(
     args, reference, note = (None, None, "")
     if check or example_inputs is not None:
         args, reference, note = _reference_run(work, example_inputs, ctx)
+    eager_errors = _float64_errors(work, args, reference) if check and args is not None else None
 
     folded = _fold_module(work, "", ctx)
 
@@ -1010,7 +1020,10 @@ def fold(
             except Exception as exc:
                 report.check = FoldCheck(ran=True, note=f"folded model failed: {_short_reason(exc)}", passed=False)
                 raise RuntimeError(f"fold(): the folded model fails on the sample input.\n{report}") from exc
-            diff, tol, ok, why = _compare(reference, out)
+            diff, tol, ok, why = _compare(reference, out, eager_errors)
+            if eager_errors is not None and any(eager_errors):
+                note = "; ".join(x for x in (note, f"allowed includes {EAGER_ERROR_FACTOR:g}x eager's own error vs a "
+                                             f"float64 run (max {max(eager_errors):.3g})") if x)
             shapes = tuple(tuple(a.shape) for a in args if isinstance(a, Tensor))
             report.check = FoldCheck(True, "; ".join(x for x in (note, why) if x), shapes, diff, tol, ok)
             if not ok:

@@ -179,7 +179,10 @@ class _PartialTracing:
         hooked: qualified name -> hooks, for submodules kept as leaves for their hooks.
     """
 
-    def __init__(self, *args: Any, leaves: Sequence[str] = (), **kwargs: Any) -> None:
+    def __init__(self, *args: Any, leaves: Sequence[str] = (), wrapped: Sequence[Callable[..., Any]] = (),
+                 **kwargs: Any) -> None:
+        if wrapped:
+            kwargs["autowrap_functions"] = tuple(wrapped)
         super().__init__(*args, **kwargs)  # type: ignore[call-arg]
         self.opaque: Dict[str, str] = {name: "asked to be a leaf" for name in leaves}
         self.hooked: Dict[str, str] = {}
@@ -212,7 +215,12 @@ class _PartialTracing:
         num_calls = dict(self.num_calls)  # type: ignore[attr-defined]
         try:
             return super().call_module(m, forward, args, kwargs)  # type: ignore[misc]
+        except _Retrace:
+            raise
         except Exception as exc:  # noqa: BLE001 - any failure or hazard makes the module a leaf
+            fn = _plain_function_of(exc)
+            if fn is not None and id(fn) not in self._autowrap_function_ids:  # type: ignore[attr-defined]
+                raise _Retrace(fn) from exc
             self._rollback(last_node)
             self.module_stack.clear()  # type: ignore[attr-defined]
             self.module_stack.update(stack)  # type: ignore[attr-defined]
@@ -243,6 +251,34 @@ class _PartialTracing:
             torch.jit.isinstance = original  # type: ignore[assignment]
 
 
+class _Retrace(Exception):
+    """Restart the trace with ``fn`` recorded as one call instead of traced through."""
+
+    def __init__(self, fn: Callable[..., Any]) -> None:
+        super().__init__(getattr(fn, "__qualname__", repr(fn)))
+        self.fn = fn
+
+
+def _plain_function_of(exc: BaseException) -> Optional[Callable[..., Any]]:
+    """The module-level Python function (called from a module's ``forward``) in which tracing
+    failed, if the failure happened inside one: e.g. a helper calling ``len(x.shape)``.
+
+    Such a function can run as one opaque ``call_function`` node (FX's ``autowrap``): at
+    call time it then runs for real, exactly as in eager.
+    """
+    frames = [f for f, _ in __import__("traceback").walk_tb(exc.__traceback__)]
+    user = [f for f in frames if not _trusted(f.f_code.co_filename)]
+    if not user or isinstance(exc, TraceHazard):
+        return None
+    found = None
+    for frame in reversed(user):  # innermost first
+        fn = frame.f_globals.get(frame.f_code.co_name)
+        if getattr(fn, "__code__", None) is not frame.f_code or "self" in frame.f_code.co_varnames[:1]:
+            break  # a method (a module's forward): stop at the first non-plain frame
+        found = fn
+    return found
+
+
 _PARTIAL_CLASSES: Dict[type, type] = {}
 
 
@@ -261,12 +297,18 @@ class Traced:
         graph: its graph.
         opaque: submodules rolled back to leaves, with the reason (failed or misleading trace).
         hooked: submodules kept as leaves because they have hooks, with the hooks.
+        wrapped: helper functions recorded as single calls (their trace failed inside).
+        mode_dependent: the graph differs when traced with ``training`` flipped.
+        modes: every module's ``training`` flag when traced.
     """
 
     gm: fx.GraphModule
     graph: fx.Graph
     opaque: Dict[str, str] = field(default_factory=dict)
     hooked: Dict[str, str] = field(default_factory=dict)
+    wrapped: List[str] = field(default_factory=list)
+    mode_dependent: bool = False
+    modes: List[Tuple[nn.Module, bool]] = field(default_factory=list, repr=False)
 
     def descend(self) -> Dict[str, str]:
         """Leaves the caller should work inside on their own (opaque and hooked), outermost first."""
@@ -281,6 +323,12 @@ class Traced:
 
 def trace(module: nn.Module, tracer_cls: Type[fx.Tracer] = fx.Tracer, *, leaves: Sequence[str] = ()) -> Traced:
     """Trace ``module`` with ``tracer_cls``'s leaf policy plus partial tracing and hazard checks.
+
+    A failure inside a module-level helper function (not a module) restarts the trace with
+    that function recorded as one call (it then runs for real at call time); a failure or
+    hazard inside a submodule makes that submodule a leaf. The trace is repeated with every
+    module's ``training`` flag flipped: where the two graphs differ (code that branches on
+    ``self.training``, or passes it to a recorded call) the result is *mode dependent*.
 
     Args:
         module: the module to trace.
@@ -300,15 +348,44 @@ def trace(module: nn.Module, tracer_cls: Type[fx.Tracer] = fx.Tracer, *, leaves:
         >>> [n.op for n in t.graph.nodes]
         ['placeholder', 'call_module', 'call_module', 'output']
     """
-    tracer = _partial_class(tracer_cls)(leaves=leaves)
-    graph = tracer.trace(module)
+    wrapped: List[Callable[..., Any]] = []
+    for _ in range(16):
+        tracer = _partial_class(tracer_cls)(leaves=leaves, wrapped=wrapped)
+        try:
+            graph = tracer.trace(module)
+            break
+        except _Retrace as again:
+            wrapped.append(again.fn)
+    else:  # pragma: no cover - 16 nested helpers failing one after the other
+        raise RuntimeError(f"tracing {type(module).__name__} kept failing in helper functions {wrapped}")
     graph._tracer_cls = tracer_cls  # picklable (torch.save re-traces the generated code with it)
     graph.lint()
     resolve_string_annotations(graph, module)
     gm = ConvbnGraphModule(tracer.root, graph, type(module).__name__)
     opaque = {k: v for k, v in tracer.opaque.items() if k not in leaves or v != "asked to be a leaf"}
     opaque.update({k: "asked to be a leaf" for k in leaves})
-    return Traced(gm, graph, opaque, dict(tracer.hooked))
+    traced = Traced(gm, graph, opaque, dict(tracer.hooked), [getattr(f, "__qualname__", repr(f)) for f in wrapped])
+    traced.modes = [(m, m.training) for m in module.modules()]
+    traced.mode_dependent = _mode_dependent(module, tracer_cls, leaves, wrapped, gm.code)
+    return traced
+
+
+def _mode_dependent(module: nn.Module, tracer_cls: Type[fx.Tracer], leaves: Sequence[str],
+                    wrapped: Sequence[Callable[..., Any]], code: str) -> bool:
+    modes = [(m, m.training) for m in module.modules()]
+    try:
+        for m, t in modes:
+            m.training = not t
+        tracer = _partial_class(tracer_cls)(leaves=leaves, wrapped=wrapped)
+        graph = tracer.trace(module)
+        resolve_string_annotations(graph, module)
+        other = fx.GraphModule(tracer.root, graph).code
+    except Exception:  # noqa: BLE001 - the other mode does not even trace: surely dependent
+        return True
+    finally:
+        for m, t in modes:
+            m.training = t
+    return other != code
 
 
 def resolve_string_annotations(graph: fx.Graph, module: nn.Module) -> None:
@@ -387,7 +464,7 @@ class ConvbnGraphModule(fx.GraphModule):
     def __deepcopy__(self, memo: Dict[int, Any]) -> "ConvbnGraphModule":
         res = super().__deepcopy__(memo)
         _restore_preserved(res, self.__dict__, memo)
-        for key in ("_convbn_fallback", "_convbn_pending"):
+        for key in ("_convbn_fallback", "_convbn_pending", "_convbn_mode_guard"):
             if self.__dict__.get(key) is not None:
                 res.__dict__[key] = copy.deepcopy(self.__dict__[key], memo)
         return res
@@ -402,18 +479,28 @@ class ConvbnGraphModule(fx.GraphModule):
     def validate_on_first_call(self, original: nn.Module, tolerance: Callable[[torch.dtype], float]) -> None:
         self.__dict__["_convbn_pending"] = _Pending(original, tolerance)
 
+    def guard_modes(self, original: nn.Module, modes: Sequence[Tuple[nn.Module, bool]]) -> None:
+        """Run ``original`` instead whenever a module's ``training`` flag differs from ``modes``
+        (for a graph traced in one mode that would differ in the other)."""
+        self.__dict__["_convbn_mode_guard"] = _ModeGuard(original, list(modes))
+
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         fallback = self.__dict__.get("_convbn_fallback")
         if fallback is not None:
             return fallback.module(*args, **kwargs)
+        guard = self.__dict__.get("_convbn_mode_guard")
+        if guard is not None and any(m.training != t for m, t in guard.modes):
+            return guard.module(*args, **kwargs)
         pending = self.__dict__.get("_convbn_pending")
         if pending is not None and not torch.compiler.is_compiling():
             self.__dict__["_convbn_pending"] = None
             with StateSnapshot(pending.module), StateSnapshot(self):
                 seed = int(torch.randint(0, 2**31 - 1, (), generator=torch.Generator().manual_seed(0)))
-                with torch.no_grad(), _seeded(seed):
-                    ref = pending.module(*_clone(args), **_clone(kwargs))
-                    out = super().__call__(*_clone(args), **_clone(kwargs))
+                with torch.no_grad():
+                    with _seeded(seed):
+                        ref = pending.module(*_clone(args), **_clone(kwargs))
+                    with _seeded(seed):
+                        out = super().__call__(*_clone(args), **_clone(kwargs))
             result = compare_outputs(ref, out, pending.tolerance)
             if not result.ok:
                 self.__dict__["_convbn_fallback"] = pending
@@ -441,6 +528,12 @@ class _Pending:
 
     def __deepcopy__(self, memo: Dict[int, Any]) -> "_Pending":
         return _Pending(copy.deepcopy(self.module, memo), self.tolerance)
+
+
+@dataclass
+class _ModeGuard:
+    module: nn.Module
+    modes: List[Tuple[nn.Module, bool]]
 
 
 def _clone(tree: Any) -> Any:
