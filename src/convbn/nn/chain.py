@@ -13,6 +13,7 @@ from typing import List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor, nn
+from torch.nn.utils import parametrize
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.conv import _ConvNd
 
@@ -146,9 +147,16 @@ class FusedChain(nn.Module):
         return x
 
     def forward(self, input: Tensor) -> Tensor:
-        layers = self.layers
         if input.numel() == 0 or self._hooked():
             return self._forward_eager(input)
+        # The chain reads a layer's weight several times (checks, planning, the Function);
+        # eager's conv reads it once. Under ``parametrize.cached()`` a parametrization (e.g.
+        # spectral_norm's power iteration, which updates its buffers) runs once per call too.
+        with parametrize.cached():
+            return self._forward_fused(input)
+
+    def _forward_fused(self, input: Tensor) -> Tensor:
+        layers = self.layers
         first = layers[0]
         stats = [bn_running_stats(l.bn) for l in layers]
         specs0 = [bn_spec_from_module(l.bn) for l in layers]

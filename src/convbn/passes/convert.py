@@ -796,10 +796,13 @@ def convert(
     _check_args(model, strategy, memory_budget, example_inputs)
     report = ConvertReport(strategy=strategy)
     root = _swap_sync_batchnorm(model, inplace)
-    if example_inputs is not None:
-        converted = _validated_convert(root, "", _as_tuple(example_inputs), {}, strategy, chain, inplace, report)
-    else:
-        converted = _convert(root, "", strategy, chain, inplace, report, lazy=True)
+    # Conversion changes no state: reading a parametrized weight (spectral_norm's power
+    # iteration) or tracing must not move buffers or the RNG.
+    with StateSnapshot(root):
+        if example_inputs is not None:
+            converted = _validated_convert(root, "", _as_tuple(example_inputs), {}, strategy, chain, inplace, report)
+        else:
+            converted = _convert(root, "", strategy, chain, inplace, report, lazy=True)
     _account_bns(model, report)
     if strategy == "auto" and example_inputs is not None and report.pairs:
         # measure on ``root``: its SyncBatchNorms are convbn's, which run on CPU too

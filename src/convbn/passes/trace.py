@@ -494,13 +494,15 @@ class ConvbnGraphModule(fx.GraphModule):
         pending = self.__dict__.get("_convbn_pending")
         if pending is not None and not torch.compiler.is_compiling():
             self.__dict__["_convbn_pending"] = None
-            with StateSnapshot(pending.module), StateSnapshot(self):
-                seed = int(torch.randint(0, 2**31 - 1, (), generator=torch.Generator().manual_seed(0)))
-                with torch.no_grad():
-                    with _seeded(seed):
-                        ref = pending.module(*_clone(args), **_clone(kwargs))
-                    with _seeded(seed):
-                        out = super().__call__(*_clone(args), **_clone(kwargs))
+            if global_hooks() or any(hook_reason(m) for m in pending.module.modules()):
+                # hooks may have side effects (collected features, counters): never call them
+                # more often than eager would; such models are validated with example_inputs only
+                return super().__call__(*args, **kwargs)
+            with torch.no_grad():
+                with StateSnapshot(pending.module), StateSnapshot(self), _seeded(0):
+                    ref = pending.module(*_clone(args), **_clone(kwargs))
+                with StateSnapshot(pending.module), StateSnapshot(self), _seeded(0):
+                    out = super().__call__(*_clone(args), **_clone(kwargs))
             result = compare_outputs(ref, out, pending.tolerance)
             if not result.ok:
                 self.__dict__["_convbn_fallback"] = pending
