@@ -21,7 +21,7 @@ from ..autograd.chain import ChainFunction, ChainLayerSpec, chain_forward_no_gra
 from ..functional.activations import Activation
 from ..functional.conv import ConvSpec, conv_flops, conv_forward, conv_output_shape, conv_spec_from_module
 from ..functional.fused import autocast_dtype, check_inputs
-from .fused import bn_running_stats, bn_spec_from_module
+from .fused import bn_running_stats, bn_spec_from_module, module_hooked
 
 __all__ = ["ChainLayer", "FusedChain", "LAYER_MODES"]
 
@@ -120,12 +120,7 @@ class FusedChain(nn.Module):
         object.__setattr__(self, "watched", [list(m) for m in modules])
 
     def _hooked(self) -> bool:
-        from torch.nn.modules import module as _m
-
-        if _m._global_forward_pre_hooks or _m._global_forward_hooks or _m._global_backward_hooks:
-            return True
-        return any(m._forward_pre_hooks or m._forward_hooks or m._backward_hooks or m._backward_pre_hooks
-                   for ms in self.watched for m in ms)
+        return module_hooked(*(m for ms in self.watched for m in ms))
 
     def _forward_eager(self, x: Tensor) -> Tensor:
         """The chain as eager modules: conv modules and BatchNorms are *called* (hooks run,

@@ -14,13 +14,15 @@ import torch
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.conv import _ConvNd
+from torch.nn.utils import parametrize
 
 from ..functional.activations import Activation, get_activation
 from ..functional.batchnorm import BNSpec
 from ..functional.conv import ConvSpec, conv_spec_from_module
 from ..functional.fused import check_inputs, check_strategy, conv_bn_act_spec
 
-__all__ = ["FusedConvBN1d", "FusedConvBN2d", "FusedConvBN3d", "bn_spec_from_module", "bn_running_stats", "sync_group"]
+__all__ = ["FusedConvBN1d", "FusedConvBN2d", "FusedConvBN3d", "bn_spec_from_module", "bn_running_stats", "sync_group",
+           "module_hooked"]
 
 T = TypeVar("T", bound="_FusedConvBNNd")
 
@@ -71,6 +73,15 @@ def sync_group(bn: _BatchNorm) -> Any:
         return None
     group = bn.process_group or dist.group.WORLD
     return group if dist.get_world_size(group) > 1 else None
+
+
+def module_hooked(*modules: nn.Module) -> bool:
+    """Whether any of ``modules`` has forward/backward (pre-)hooks, or global module hooks exist."""
+    from torch.nn.modules import module as _m
+
+    if _m._global_forward_pre_hooks or _m._global_forward_hooks or _m._global_backward_hooks:
+        return True
+    return any(m._forward_pre_hooks or m._forward_hooks or m._backward_hooks or m._backward_pre_hooks for m in modules)
 
 
 class _FusedConvBNNd(nn.Module):
@@ -156,6 +167,29 @@ class _FusedConvBNNd(nn.Module):
         return conv_spec_from_module(self.conv)
 
     def forward(self, input: Tensor) -> Tensor:
+        if input.numel() == 0 or module_hooked(self.conv, self.bn):
+            return self._forward_eager(input)
+        with parametrize.cached():  # a parametrized weight is computed once per call, as in eager
+            return self._forward_fused(input)
+
+    def _forward_eager(self, input: Tensor) -> Tensor:
+        """Conv and BatchNorm *called* as modules (their hooks run, eager's checks apply).
+
+        Used for empty batches and whenever ``conv`` / ``bn`` (or global module hooks) have
+        hooks, which the fused computation would bypass (see Note: [hooks on fused modules]).
+        ``frozen`` runs the BatchNorm in eval mode for the call, which is what it computes.
+        """
+        y = self.conv(input)
+        if self.strategy != "frozen" or not self.bn.training:
+            return self.activation(self.bn(y))
+        self.bn.training = False
+        try:
+            z = self.bn(y)
+        finally:
+            self.bn.training = True
+        return self.activation(z)
+
+    def _forward_fused(self, input: Tensor) -> Tensor:
         conv, bn = self.conv, self.bn
         cspec = conv_spec_from_module(conv)
         rm, rv = bn_running_stats(bn)
