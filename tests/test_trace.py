@@ -22,7 +22,9 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 import convbn
 from convbn import FusedChain
-from convbn.passes.trace import TraceHazard, hook_reason, preserve_module_state, trace
+from convbn.passes.graph_module import preserve_module_state
+from convbn.passes.hooks import hook_reason
+from convbn.passes.trace import TraceHazard, trace
 
 DT = torch.float64
 TOL = dict(rtol=1e-10, atol=1e-10)

@@ -14,6 +14,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.conv import _ConvNd
+from torch.nn.modules import module as _module
 from torch.nn.utils import parametrize
 
 from ..functional.activations import Activation, get_activation
@@ -77,9 +78,7 @@ def sync_group(bn: _BatchNorm) -> Any:
 
 def module_hooked(*modules: nn.Module) -> bool:
     """Whether any of ``modules`` has forward/backward (pre-)hooks, or global module hooks exist."""
-    from torch.nn.modules import module as _m
-
-    if _m._global_forward_pre_hooks or _m._global_forward_hooks or _m._global_backward_hooks:
+    if _module._global_forward_pre_hooks or _module._global_forward_hooks or _module._global_backward_hooks:
         return True
     return any(m._forward_pre_hooks or m._forward_hooks or m._backward_hooks or m._backward_pre_hooks for m in modules)
 

@@ -31,8 +31,10 @@ from ..nn.fused import _FusedConvBNNd
 from ..nn.sync import SyncBatchNorm
 from .planner import ChainCost, plan_for_peak, plan_layers, step_peak, tutorial_bytes
 from .report import ConvertReport, FusedPair, SkippedBN
-from .trace import (ConvbnGraphModule, StateSnapshot, compare_outputs, hook_reason, preserve_module_state,
-                    run_step, short_reason, trace)
+from .graph_module import ConvbnGraphModule, preserve_module_state
+from .hooks import hook_reason
+from .trace import short_reason, trace
+from .validate import StateSnapshot, compare_outputs, run_step
 
 __all__ = ["convert", "explain", "CONVERT_STRATEGIES"]
 
@@ -716,7 +718,7 @@ def _measure_peak(model: nn.Module, inputs: Tuple[Any, ...]) -> Any:
     for p in params:
         p.grad = None
     try:
-        with _Restore(model):
+        with StateSnapshot(model):
             model.train()
             return timeline(model, *inputs)
     finally:
@@ -883,7 +885,7 @@ def explain(model: nn.Module, example_inputs: Any = None, **kwargs: Any) -> Conv
     report: ConvertReport = converted.convbn_report  # type: ignore[assignment]
     if example_inputs is not None and report.pairs:
         inputs = _as_tuple(example_inputs)
-        with _Restore(model):
+        with StateSnapshot(model):
             eager = _measure_peak(model, inputs)
         tl = _measure_peak(converted, inputs)
         report.eager_peak_bytes = eager.peak

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Set, Tuple, TypeVar, Union
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Set, Tuple, TypeVar, Union
 
 import torch
 import torch.fx as fx
@@ -37,7 +37,9 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from torch.utils import _pytree as pytree
 
 from ..functional.fold import fold_bn_into_following, fold_bn_into_preceding
-from .trace import compare_outputs, preserve_module_state, short_reason, trace
+from .graph_module import preserve_module_state
+from .trace import short_reason, trace
+from .validate import compare_outputs
 
 __all__ = ["fold", "fold_conv_bn_modules", "FoldReport", "FoldAction", "FoldCheck"]
 

@@ -16,47 +16,29 @@ goes back into a module without changing what the user built:
   While tracing, both checks on a traced value raise :class:`TraceHazard` inside the
   module that made them, which partial tracing turns into a leaf. Python control flow on
   shapes already fails under ``torch.fx`` and is handled the same way.
-* **What a module carries** (:func:`preserve_module_state`): a GraphModule that replaces
-  a user's module keeps its plain attributes (``self.window = 4``), its hooks and its
-  ``_version`` (``state_dict()._metadata``), across ``copy.deepcopy`` and ``torch.save``.
-* **Validation** (:func:`compare_outputs`, :class:`StateSnapshot`, :func:`run_step`):
-  run the original and the rewrite on the same inputs with the model state restored
-  exactly afterwards, and compare outputs (and gradients).
+* **Mode dependence**: the trace is repeated with ``training`` flipped; a graph that
+  differs runs the original code in the other mode (:mod:`convbn.passes.graph_module`).
+
+What a replaced module keeps is :mod:`convbn.passes.graph_module`; running and comparing
+the original and a rewrite is :mod:`convbn.passes.validate`; hooks: :mod:`convbn.passes.hooks`.
 """
 from __future__ import annotations
 
-import contextlib
-import copy
-import math
 import os
 import sys
+import traceback
 import typing
-import warnings
-from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Set, Tuple, Type
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Type
 
 import torch
 import torch.fx as fx
-from torch import Tensor, nn
-from torch.fx.graph_module import _deserialize_graph_module, _format_import_block, _forward_from_src
-from torch.utils import _pytree as pytree
+from torch import nn
 
-__all__ = [
-    "TraceHazard",
-    "Traced",
-    "trace",
-    "hook_reason",
-    "resolve_string_annotations",
-    "preserve_module_state",
-    "ConvbnGraphModule",
-    "StateSnapshot",
-    "Comparison",
-    "compare_outputs",
-    "run_step",
-    "short_reason",
-    "as_args",
-]
+from .graph_module import ConvbnGraphModule
+from .hooks import hook_reason
+
+__all__ = ["TraceHazard", "Traced", "trace", "resolve_string_annotations", "short_reason"]
 
 
 class TraceHazard(RuntimeError):
@@ -71,60 +53,6 @@ def short_reason(exc: BaseException, limit: int = 160) -> str:
         first = first[: limit - 3] + "..."
     return f"{type(exc).__name__}: {first}"
 
-
-def as_args(example_inputs: Any) -> Tuple[Any, ...]:
-    """``example_inputs`` as positional arguments: a tuple/list is spread, anything else is one argument."""
-    if isinstance(example_inputs, tuple):
-        return example_inputs
-    if isinstance(example_inputs, list):
-        return tuple(example_inputs)
-    return (example_inputs,)
-
-
-# --------------------------------------------------------------------------- hooks
-
-
-_OLD_STYLE_PARAMETRIZATIONS = {
-    "WeightNorm": "torch.nn.utils.weight_norm (hook-based)",
-    "SpectralNorm": "torch.nn.utils.spectral_norm (hook-based)",
-}
-
-
-def _hook_name(hook: Any) -> str:
-    cls = type(hook).__name__
-    if cls in _OLD_STYLE_PARAMETRIZATIONS:
-        return _OLD_STYLE_PARAMETRIZATIONS[cls]
-    if any(k.__name__ == "BasePruningMethod" for k in type(hook).__mro__):
-        return "torch.nn.utils.prune"
-    return getattr(hook, "__qualname__", None) or cls
-
-
-def hook_reason(m: nn.Module) -> Optional[str]:
-    """Why ``m``'s forward must run as a module call: the hooks it has, or ``None``.
-
-    Forward pre-hooks, forward hooks and backward hooks all see (or change) what the
-    module computes; hook-based parametrizations (old-style ``weight_norm`` /
-    ``spectral_norm``) and pruning are forward pre-hooks that recompute ``weight``.
-    State-dict hooks are not listed: the module stays registered, so they keep running.
-    """
-    found = []
-    for attr, what in (("_forward_pre_hooks", "forward pre-hook"), ("_forward_hooks", "forward hook"),
-                       ("_backward_pre_hooks", "backward pre-hook"), ("_backward_hooks", "backward hook")):
-        hooks = getattr(m, attr, None)
-        if hooks:
-            found += [f"{what} {_hook_name(h)}" for h in hooks.values()]
-    return ", ".join(found) if found else None
-
-
-def global_hooks() -> bool:
-    """Whether global module hooks (``nn.modules.module.register_module_*_hook``) are registered."""
-    from torch.nn.modules import module as _m
-
-    return bool(_m._global_forward_pre_hooks or _m._global_forward_hooks or _m._global_backward_hooks
-                or getattr(_m, "_global_backward_pre_hooks", None))
-
-
-# --------------------------------------------------------------------------- tracing
 
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 _OWN_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
@@ -266,7 +194,7 @@ def _plain_function_of(exc: BaseException) -> Optional[Callable[..., Any]]:
     Such a function can run as one opaque ``call_function`` node (FX's ``autowrap``): at
     call time it then runs for real, exactly as in eager.
     """
-    frames = [f for f, _ in __import__("traceback").walk_tb(exc.__traceback__)]
+    frames = [f for f, _ in traceback.walk_tb(exc.__traceback__)]
     user = [f for f in frames if not _trusted(f.f_code.co_filename)]
     if not user or isinstance(exc, TraceHazard):
         return None
@@ -401,273 +329,3 @@ def resolve_string_annotations(graph: fx.Graph, module: nn.Module) -> None:
             node.type = hints.get(node.target.lstrip("*"))
         elif node.op == "output" and isinstance(node.type, str):
             node.type = hints.get("return")
-
-
-# --------------------------------------------------------------------------- what a module carries
-
-_MODULE_DEFAULTS = frozenset(vars(nn.Module()))
-_TREE = frozenset({"_parameters", "_buffers", "_modules", "_non_persistent_buffers_set", "training"})
-_PRESERVED_KEY = "_convbn_preserved"
-
-
-def preserve_module_state(src: nn.Module, dst: nn.Module) -> None:
-    """Give ``dst`` (a module replacing ``src``) ``src``'s plain attributes, hooks and ``_version``.
-
-    Plain attributes are those in ``src.__dict__`` that are not parameters, buffers or
-    submodules and that ``dst`` does not define itself. Hook dictionaries are copied (the
-    same hooks, new containers). ``_version`` (written to ``state_dict()._metadata``, read
-    by ``_load_from_state_dict`` overrides) is copied when it differs.
-    """
-    keep: Dict[str, Any] = {}
-    for key, value in vars(src).items():
-        if key in _TREE or key == _PRESERVED_KEY:
-            continue
-        if key in _MODULE_DEFAULTS:  # hooks and other per-instance nn.Module state
-            keep[key] = copy.copy(value) if isinstance(value, (dict, set, list)) else value
-        elif key not in vars(dst) and not hasattr(type(dst), key):
-            keep[key] = value
-    version = getattr(src, "_version", 1)
-    if version != getattr(dst, "_version", 1):
-        keep["_version"] = version
-    for key, value in keep.items():
-        object.__setattr__(dst, key, value)
-    dst.__dict__[_PRESERVED_KEY] = tuple(keep)
-
-
-def _restore_preserved(dst: nn.Module, body: Dict[str, Any], memo: Optional[Dict[int, Any]]) -> None:
-    for key in body.get(_PRESERVED_KEY, ()):
-        if key in body:
-            value = body[key] if memo is None else copy.deepcopy(body[key], memo)
-            object.__setattr__(dst, key, value)
-    dst.__dict__[_PRESERVED_KEY] = tuple(body.get(_PRESERVED_KEY, ()))
-
-
-def _rebuild(body: Dict[str, Any], import_block: str) -> nn.Module:
-    fn_src = body.get("_code") or body["code"]
-    forward = _forward_from_src(import_block + fn_src, {})
-    gm = _deserialize_graph_module(forward, dict(body), graph_module_cls=ConvbnGraphModule)
-    _restore_preserved(gm, body, None)
-    return gm
-
-
-class ConvbnGraphModule(fx.GraphModule):
-    """A GraphModule that keeps what :func:`preserve_module_state` gave it through
-    ``copy.deepcopy`` and ``torch.save`` (plain ``fx.GraphModule`` drops attributes the
-    graph does not use, hooks and ``_version``), and can validate itself on its first call.
-
-    ``validate_on_first_call(original)``: the first call also runs ``original`` (the module
-    this one replaced, sharing its parameters and buffers) with the model state restored
-    exactly, and compares outputs. On a mismatch it warns and from then on runs
-    ``original`` (eager) instead: the result is never a silently different model.
-    """
-
-    def __deepcopy__(self, memo: Dict[int, Any]) -> "ConvbnGraphModule":
-        res = super().__deepcopy__(memo)
-        _restore_preserved(res, self.__dict__, memo)
-        for key in ("_convbn_fallback", "_convbn_pending", "_convbn_mode_guard"):
-            if self.__dict__.get(key) is not None:
-                res.__dict__[key] = copy.deepcopy(self.__dict__[key], memo)
-        return res
-
-    def __reduce__(self) -> Tuple[Any, ...]:
-        body = self.__dict__.copy()
-        python_code = self.recompile()
-        import_block = _format_import_block(python_code.globals, _importer())
-        del body["_graph"]
-        return (_rebuild, (body, import_block))
-
-    def validate_on_first_call(self, original: nn.Module, tolerance: Callable[[torch.dtype], float]) -> None:
-        self.__dict__["_convbn_pending"] = _Pending(original, tolerance)
-
-    def guard_modes(self, original: nn.Module, modes: Sequence[Tuple[nn.Module, bool]]) -> None:
-        """Run ``original`` instead whenever a module's ``training`` flag differs from ``modes``
-        (for a graph traced in one mode that would differ in the other)."""
-        self.__dict__["_convbn_mode_guard"] = _ModeGuard(original, list(modes))
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        fallback = self.__dict__.get("_convbn_fallback")
-        if fallback is not None:
-            return fallback.module(*args, **kwargs)
-        guard = self.__dict__.get("_convbn_mode_guard")
-        if guard is not None and any(m.training != t for m, t in guard.modes):
-            return guard.module(*args, **kwargs)
-        pending = self.__dict__.get("_convbn_pending")
-        if pending is not None and not torch.compiler.is_compiling():
-            self.__dict__["_convbn_pending"] = None
-            if global_hooks() or any(hook_reason(m) for m in pending.module.modules()):
-                # hooks may have side effects (collected features, counters): never call them
-                # more often than eager would; such models are validated with example_inputs only
-                return super().__call__(*args, **kwargs)
-            with torch.no_grad():
-                with StateSnapshot(pending.module), StateSnapshot(self), _seeded(0):
-                    ref = pending.module(*_clone(args), **_clone(kwargs))
-                with StateSnapshot(pending.module), StateSnapshot(self), _seeded(0):
-                    out = super().__call__(*_clone(args), **_clone(kwargs))
-            result = compare_outputs(ref, out, pending.tolerance)
-            if not result.ok:
-                self.__dict__["_convbn_fallback"] = pending
-                warnings.warn(
-                    f"convbn: the rewritten {type(pending.module).__name__} differs from the original on its "
-                    f"first call ({result.describe()}); running the original (unfused) module from now on. "
-                    "Pass example_inputs=... to convert/fold to validate (and convert finer) up front.",
-                    RuntimeWarning,
-                    stacklevel=2,
-                )
-                return pending.module(*args, **kwargs)
-        return super().__call__(*args, **kwargs)
-
-
-def _importer() -> Any:
-    from torch.package import sys_importer
-
-    return sys_importer
-
-
-@dataclass
-class _Pending:
-    module: nn.Module
-    tolerance: Callable[[torch.dtype], float]
-
-    def __deepcopy__(self, memo: Dict[int, Any]) -> "_Pending":
-        return _Pending(copy.deepcopy(self.module, memo), self.tolerance)
-
-
-@dataclass
-class _ModeGuard:
-    module: nn.Module
-    modes: List[Tuple[nn.Module, bool]]
-
-
-def _clone(tree: Any) -> Any:
-    return pytree.tree_map(lambda t: t.clone() if isinstance(t, Tensor) else t, tree)
-
-
-# --------------------------------------------------------------------------- validation
-
-
-class StateSnapshot:
-    """Snapshot buffers, ``training`` flags and RNG states of ``model``; put them back on exit.
-
-    Example:
-        >>> with StateSnapshot(model):
-        ...     model(x)   # running statistics, num_batches_tracked, RNG: unchanged afterwards
-    """
-
-    def __init__(self, model: nn.Module) -> None:
-        self.model = model
-
-    def __enter__(self) -> "StateSnapshot":
-        self.buffers = [(b, b.detach().clone()) for b in self.model.buffers()]
-        self.modes = [(m, m.training) for m in self.model.modules()]
-        self.rng = torch.get_rng_state()
-        self.cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        with torch.no_grad():
-            for b, v in self.buffers:
-                if not b.is_inference():
-                    b.copy_(v)
-        for m, t in self.modes:
-            m.training = t
-        torch.set_rng_state(self.rng)
-        if self.cuda_rng is not None:
-            torch.cuda.set_rng_state_all(self.cuda_rng)
-
-
-@contextlib.contextmanager
-def _seeded(seed: int) -> Iterator[None]:
-    devices = list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []
-    with torch.random.fork_rng(devices=devices):
-        torch.manual_seed(seed)
-        yield
-
-
-@dataclass
-class Comparison:
-    """Result of :func:`compare_outputs`: ``ok``, the worst difference and its allowance, and why not."""
-
-    ok: bool
-    max_abs_diff: float = 0.0
-    allowed: float = 0.0
-    note: str = ""
-
-    def describe(self) -> str:
-        if self.note:
-            return self.note
-        return f"max |difference| {self.max_abs_diff:.3g} > allowed {self.allowed:.3g}"
-
-
-def compare_outputs(reference: Any, candidate: Any, tolerance: Callable[[torch.dtype], float],
-                    slack: Optional[Sequence[float]] = None, relative: bool = False) -> Comparison:
-    """Compare two pytrees of outputs leaf by leaf.
-
-    A floating tensor passes when ``max|candidate - reference| <= tol * scale + slack[i]``
-    (``tol = tolerance(dtype)``, ``slack`` per floating leaf, default 0), with the same
-    non-finite values. ``scale`` is ``max(1, max|reference|)``, or with ``relative`` the
-    leaf's own ``max|reference|`` but at least 1e-3 of the largest leaf's (gradients are
-    often far below 1). Other tensors must be equal, other values equal.
-    """
-    ref_leaves, ref_spec = pytree.tree_flatten(reference)
-    floor = 0.0
-    if relative:
-        mags = [t.detach().abs().nan_to_num(posinf=0.0, neginf=0.0).max().item() for t in ref_leaves
-                if isinstance(t, Tensor) and t.is_floating_point() and t.numel()]
-        floor = 1e-3 * max(mags, default=0.0)
-    new_leaves, new_spec = pytree.tree_flatten(candidate)
-    if ref_spec != new_spec:
-        return Comparison(False, math.inf, 0.0, f"output structure changed: {ref_spec} vs {new_spec}")
-    worst = Comparison(True)
-    worst_ratio = -1.0
-    k = 0
-    for a, b in zip(ref_leaves, new_leaves):
-        if not isinstance(a, Tensor):
-            if isinstance(b, Tensor) or (a != b and not (a is b)):
-                return Comparison(False, math.inf, 0.0, "a non-tensor output changed")
-            continue
-        if not isinstance(b, Tensor) or a.shape != b.shape:
-            return Comparison(False, math.inf, 0.0, f"an output tensor changed shape: {tuple(a.shape)} vs "
-                              f"{tuple(b.shape) if isinstance(b, Tensor) else type(b).__name__}")
-        if not a.is_floating_point() and not a.is_complex():
-            if not torch.equal(a, b):
-                return Comparison(False, math.inf, 0.0, "a non-floating output changed")
-            continue
-        extra = slack[k] if slack is not None and k < len(slack) else 0.0
-        k += 1
-        finite = torch.isfinite(a)
-        if not torch.equal(finite, torch.isfinite(b)) or not torch.equal(a[~finite].nan_to_num(), b[~finite].nan_to_num()):
-            return Comparison(False, math.inf, 0.0, "non-finite values appeared, disappeared or changed")
-        if not finite.any():
-            continue
-        a64, b64 = a[finite].detach().double(), b[finite].detach().double()
-        scale = max(floor, a64.abs().max().item()) if relative else max(1.0, a64.abs().max().item())
-        diff = (a64 - b64).abs().max().item()
-        allowed = tolerance(a.dtype) * scale + extra
-        ratio = diff / allowed if allowed > 0 else (0.0 if diff == 0 else math.inf)
-        if ratio > worst_ratio:
-            worst_ratio = ratio
-            worst = Comparison(ratio <= 1.0, diff, allowed)
-    return worst
-
-
-def run_step(model: nn.Module, args: Tuple[Any, ...], params: Sequence[Tensor], seed: int,
-             backward: bool = True) -> Tuple[Any, List[Optional[Tensor]]]:
-    """One forward (RNG seeded with ``seed``) and, where possible, one backward with a random
-    upstream gradient (also from ``seed``), returning outputs and the gradients of ``params``
-    and of the floating tensor inputs. ``.grad`` fields are left alone (``torch.autograd.grad``);
-    the caller restores state (:class:`StateSnapshot`)."""
-    inputs = [a.detach().clone().requires_grad_(a.is_floating_point()) if isinstance(a, Tensor) else a
-              for a in pytree.tree_leaves(args)]
-    leaves, spec = pytree.tree_flatten(args)
-    it = iter(inputs)
-    call_args = pytree.tree_unflatten([next(it) for _ in leaves], spec)
-    with _seeded(seed):
-        out = model(*call_args)
-    outs = [o for o in pytree.tree_leaves(out) if isinstance(o, Tensor) and o.requires_grad]
-    wrt = [p for p in params if p.requires_grad] + [t for t in inputs if isinstance(t, Tensor) and t.requires_grad]
-    if not backward or not outs or not wrt or not torch.is_grad_enabled():
-        return pytree.tree_map(lambda t: t.detach() if isinstance(t, Tensor) else t, out), []
-    gen = torch.Generator().manual_seed(seed + 1)
-    ups = [torch.randn(o.shape, generator=gen, dtype=torch.float64).to(o) for o in outs]
-    grads = torch.autograd.grad(outs, wrt, ups, allow_unused=True)
-    return pytree.tree_map(lambda t: t.detach() if isinstance(t, Tensor) else t, out), list(grads)

@@ -1,0 +1,153 @@
+"""Validation shared by :func:`convbn.convert` and :func:`convbn.fold`: run a model with its
+state restored exactly afterwards (:class:`StateSnapshot`), run one training step without
+touching ``.grad`` (:func:`run_step`), and compare two outputs leaf by leaf
+(:func:`compare_outputs`)."""
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple
+
+import torch
+from torch import Tensor, nn
+from torch.utils import _pytree as pytree
+
+__all__ = ["StateSnapshot", "Comparison", "compare_outputs", "run_step", "seeded", "as_args"]
+
+
+def as_args(example_inputs: Any) -> Tuple[Any, ...]:
+    """``example_inputs`` as positional arguments: a tuple/list is spread, anything else is one argument."""
+    if isinstance(example_inputs, tuple):
+        return example_inputs
+    if isinstance(example_inputs, list):
+        return tuple(example_inputs)
+    return (example_inputs,)
+
+
+class StateSnapshot:
+    """Snapshot buffers, ``training`` flags and RNG states of ``model``; put them back on exit.
+
+    Example:
+        >>> with StateSnapshot(model):
+        ...     model(x)   # running statistics, num_batches_tracked, RNG: unchanged afterwards
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+
+    def __enter__(self) -> "StateSnapshot":
+        self.buffers = [(b, b.detach().clone()) for b in self.model.buffers()]
+        self.modes = [(m, m.training) for m in self.model.modules()]
+        self.rng = torch.get_rng_state()
+        self.cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        with torch.no_grad():
+            for b, v in self.buffers:
+                if not b.is_inference():
+                    b.copy_(v)
+        for m, t in self.modes:
+            m.training = t
+        torch.set_rng_state(self.rng)
+        if self.cuda_rng is not None:
+            torch.cuda.set_rng_state_all(self.cuda_rng)
+
+
+@contextlib.contextmanager
+def seeded(seed: int) -> Iterator[None]:
+    devices = list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []
+    with torch.random.fork_rng(devices=devices):
+        torch.manual_seed(seed)
+        yield
+
+
+@dataclass
+class Comparison:
+    """Result of :func:`compare_outputs`: ``ok``, the worst difference and its allowance, and why not."""
+
+    ok: bool
+    max_abs_diff: float = 0.0
+    allowed: float = 0.0
+    note: str = ""
+
+    def describe(self) -> str:
+        if self.note:
+            return self.note
+        return f"max |difference| {self.max_abs_diff:.3g} > allowed {self.allowed:.3g}"
+
+
+def compare_outputs(reference: Any, candidate: Any, tolerance: Callable[[torch.dtype], float],
+                    slack: Optional[Sequence[float]] = None, relative: bool = False) -> Comparison:
+    """Compare two pytrees of outputs leaf by leaf.
+
+    A floating tensor passes when ``max|candidate - reference| <= tol * scale + slack[i]``
+    (``tol = tolerance(dtype)``, ``slack`` per floating leaf, default 0), with the same
+    non-finite values. ``scale`` is ``max(1, max|reference|)``, or with ``relative`` the
+    leaf's own ``max|reference|`` but at least 1e-3 of the largest leaf's (gradients are
+    often far below 1). Other tensors must be equal, other values equal.
+    """
+    ref_leaves, ref_spec = pytree.tree_flatten(reference)
+    floor = 0.0
+    if relative:
+        mags = [t.detach().abs().nan_to_num(posinf=0.0, neginf=0.0).max().item() for t in ref_leaves
+                if isinstance(t, Tensor) and t.is_floating_point() and t.numel()]
+        floor = 1e-3 * max(mags, default=0.0)
+    new_leaves, new_spec = pytree.tree_flatten(candidate)
+    if ref_spec != new_spec:
+        return Comparison(False, math.inf, 0.0, f"output structure changed: {ref_spec} vs {new_spec}")
+    worst = Comparison(True)
+    worst_ratio = -1.0
+    k = 0
+    for a, b in zip(ref_leaves, new_leaves):
+        if not isinstance(a, Tensor):
+            if isinstance(b, Tensor) or (a != b and not (a is b)):
+                return Comparison(False, math.inf, 0.0, "a non-tensor output changed")
+            continue
+        if not isinstance(b, Tensor) or a.shape != b.shape:
+            return Comparison(False, math.inf, 0.0, f"an output tensor changed shape: {tuple(a.shape)} vs "
+                              f"{tuple(b.shape) if isinstance(b, Tensor) else type(b).__name__}")
+        if not a.is_floating_point() and not a.is_complex():
+            if not torch.equal(a, b):
+                return Comparison(False, math.inf, 0.0, "a non-floating output changed")
+            continue
+        extra = slack[k] if slack is not None and k < len(slack) else 0.0
+        k += 1
+        finite = torch.isfinite(a)
+        if not torch.equal(finite, torch.isfinite(b)) or not torch.equal(a[~finite].nan_to_num(), b[~finite].nan_to_num()):
+            return Comparison(False, math.inf, 0.0, "non-finite values appeared, disappeared or changed")
+        if not finite.any():
+            continue
+        a64, b64 = a[finite].detach().double(), b[finite].detach().double()
+        scale = max(floor, a64.abs().max().item()) if relative else max(1.0, a64.abs().max().item())
+        diff = (a64 - b64).abs().max().item()
+        allowed = tolerance(a.dtype) * scale + extra
+        ratio = diff / allowed if allowed > 0 else (0.0 if diff == 0 else math.inf)
+        if ratio > worst_ratio:
+            worst_ratio = ratio
+            worst = Comparison(ratio <= 1.0, diff, allowed)
+    return worst
+
+
+def run_step(model: nn.Module, args: Tuple[Any, ...], params: Sequence[Tensor], seed: int,
+             backward: bool = True) -> Tuple[Any, List[Optional[Tensor]]]:
+    """One forward (RNG seeded with ``seed``) and, where possible, one backward with a random
+    upstream gradient (also from ``seed``), returning outputs and the gradients of ``params``
+    and of the floating tensor inputs. ``.grad`` fields are left alone (``torch.autograd.grad``);
+    the caller restores state (:class:`StateSnapshot`)."""
+    inputs = [a.detach().clone().requires_grad_(a.is_floating_point()) if isinstance(a, Tensor) else a
+              for a in pytree.tree_leaves(args)]
+    leaves, spec = pytree.tree_flatten(args)
+    it = iter(inputs)
+    call_args = pytree.tree_unflatten([next(it) for _ in leaves], spec)
+    with seeded(seed):
+        out = model(*call_args)
+    outs = [o for o in pytree.tree_leaves(out) if isinstance(o, Tensor) and o.requires_grad]
+    wrt = [p for p in params if p.requires_grad] + [t for t in inputs if isinstance(t, Tensor) and t.requires_grad]
+    if not backward or not outs or not wrt or not torch.is_grad_enabled():
+        return pytree.tree_map(lambda t: t.detach() if isinstance(t, Tensor) else t, out), []
+    gen = torch.Generator().manual_seed(seed + 1)
+    ups = [torch.randn(o.shape, generator=gen, dtype=torch.float64).to(o) for o in outs]
+    grads = torch.autograd.grad(outs, wrt, ups, allow_unused=True)
+    return pytree.tree_map(lambda t: t.detach() if isinstance(t, Tensor) else t, out), list(grads)
