@@ -529,3 +529,14 @@ def test_real_monai_networks_convert_and_fold_exactly(name: str) -> None:
     assert len(folded.fold_report.folded) >= pairs
     with torch.no_grad():
         close_scaled(folded(x), eager.eval()(x), "folded output", rtol=1e-4)
+
+
+def test_fold_falls_back_to_child_by_child_where_the_whole_fold_differs() -> None:
+    eager = build(lambda: Outer2(TypeCheckSkip())).eval()
+    x = inp(2, 3, 6, 6)
+    with pytest.warns(RuntimeWarning, match="child by child"):
+        folded = convbn.fold(eager, example_inputs=x)
+    report = folded.fold_report
+    assert any("folded child by child" in why for _, why in report.untraceable), report
+    assert report.check.passed and len(report.folded) >= 2
+    torch.testing.assert_close(folded(x), eager(x), **TOL)

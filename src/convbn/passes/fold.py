@@ -26,6 +26,7 @@ not part of ``state_dict``). See :func:`fold` for the full contract.
 from __future__ import annotations
 
 import copy
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Set, Tuple, TypeVar, Union
 
@@ -915,6 +916,56 @@ def _compare(reference: Any, folded: Any, eager_errors: Optional[List[float]] = 
 # --------------------------------------------------------------------------------------
 
 
+def _fold_finer(model: nn.Module, args: Tuple[Any, ...], reference: Any, eager_errors: Optional[List[float]],
+                why: str) -> Optional[nn.Module]:
+    """Where the whole-model fold differs from eager (a trace that misleads in a way no
+    hazard check saw), fold each child of a fresh copy on its own -- each validated on the
+    inputs it received in an eager run, recursively finer where it differs too -- and keep
+    the model's own forward. ``None`` if that is not closer to eager either."""
+    work = copy.deepcopy(model)
+    inputs: Dict[str, Tuple[Any, ...]] = {}
+    handles = []
+    for name, child in work.named_children():
+        def record(mod: nn.Module, a: Tuple[Any, ...], k: Dict[str, Any], name: str = name) -> None:
+            if name not in inputs and not k:
+                inputs[name] = pytree.tree_map(lambda t: t.detach().clone() if isinstance(t, Tensor) else t, a)
+        handles.append(child.register_forward_pre_hook(record, with_kwargs=True))
+    try:
+        _run(work, args)
+    finally:
+        for h in handles:
+            h.remove()
+    report = FoldReport()
+    report.untraceable.append(("", f"folding the whole model changed its outputs ({why}); folded child by child"))
+    for name, child in list(work.named_children()):
+        if name not in inputs or not any(isinstance(m, _BatchNorm) for m in child.modules()):
+            continue
+        try:
+            new = fold(child, example_inputs=inputs[name])
+        except RuntimeError as exc:  # this child cannot be folded faithfully: keep it as it is
+            report.untraceable.append((name, f"left unfolded: {_short_reason(exc)}"))
+            continue
+        sub = new.fold_report
+        report.actions += [FoldAction(f"{name}.{a.batchnorm}", a.folded, a.layer and f"{name}.{a.layer}", a.direction,
+                                      a.reason) for a in sub.actions]
+        report.untraceable += [(f"{name}.{n}" if n else name, w) for n, w in sub.untraceable]
+        work._modules[name] = new
+    seen = {a.batchnorm for a in report.actions}
+    for bn_name, m in work.named_modules():
+        if isinstance(m, _BatchNorm) and bn_name not in seen:
+            report.actions.append(FoldAction(bn_name, False, reason="called by the model's own forward, which is kept"))
+    out = _run(work, args)
+    diff, tol, ok, note = _compare(reference, out, eager_errors)
+    shapes = tuple(tuple(a.shape) for a in args if isinstance(a, Tensor))
+    report.check = FoldCheck(True, note, shapes, diff, tol, ok)
+    if not ok or not report.folded:  # nothing gained: report the whole-model failure instead
+        return None
+    warnings.warn(f"fold(): folding the whole model changed its outputs ({why}); folded it child by child "
+                  "instead (see fold_report)", RuntimeWarning, stacklevel=3)
+    work.fold_report = report
+    return work
+
+
 def _bn_modules(model: nn.Module) -> Dict[int, Tuple[nn.Module, List[str]]]:
     found: Dict[int, Tuple[nn.Module, List[str]]] = {}
     for name, m in model.named_modules(remove_duplicate=False):
@@ -1021,8 +1072,15 @@ def fold(
                 out = _run(folded, args)
             except Exception as exc:
                 report.check = FoldCheck(ran=True, note=f"folded model failed: {_short_reason(exc)}", passed=False)
+                finer = None if inplace else _fold_finer(model, args, reference, eager_errors, _short_reason(exc))
+                if finer is not None:
+                    return finer
                 raise RuntimeError(f"fold(): the folded model fails on the sample input.\n{report}") from exc
             diff, tol, ok, why = _compare(reference, out, eager_errors)
+            if not ok and not inplace:
+                finer = _fold_finer(model, args, reference, eager_errors, f"max abs diff {diff:.3g} > {tol:.3g}")
+                if finer is not None:
+                    return finer
             if eager_errors is not None and any(eager_errors):
                 note = "; ".join(x for x in (note, f"allowed includes {EAGER_ERROR_FACTOR:g}x eager's own error vs a "
                                              f"float64 run (max {max(eager_errors):.3g})") if x)
