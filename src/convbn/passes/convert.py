@@ -499,11 +499,21 @@ def _convert(module: nn.Module, prefix: str, mode: str, chain: bool, inplace: bo
     for name, new in replaced:
         _set_submodule(out, name, new, inplace)
     if isinstance(out, ConvbnGraphModule):
+        out.watch_inlined(module, _inlined_modules(module, out))
         if traced.mode_dependent:  # traced in one mode; the other runs the original (eager) code
             out.guard_modes(module, traced.modes)
         if lazy:
             out.validate_on_first_call(module, _tolerance)
     return out
+
+
+def _inlined_modules(module: nn.Module, gm: fx.GraphModule) -> List[nn.Module]:
+    """Submodules of ``module`` that ``gm``'s graph never calls: traced through (their code
+    inlined) and not watched by a FusedChain (which handles its own modules' hooks)."""
+    called = [str(n.target) for n in gm.graph.nodes if n.op == "call_module"]
+    watched = {id(m) for c in gm.modules() if isinstance(c, FusedChain) for ms in c.watched for m in ms}
+    return [m for name, m in module.named_modules() if name and id(m) not in watched
+            and not any(name == t or name.startswith(t + ".") for t in called)]
 
 
 def _validated_convert(module: nn.Module, prefix: str, args: Tuple[Any, ...], kwargs: Dict[str, Any], mode: str,

@@ -80,7 +80,7 @@ class ConvbnGraphModule(fx.GraphModule):
     def __deepcopy__(self, memo: Dict[int, Any]) -> "ConvbnGraphModule":
         res = super().__deepcopy__(memo)
         _restore_preserved(res, self.__dict__, memo)
-        for key in ("_convbn_fallback", "_convbn_pending", "_convbn_mode_guard"):
+        for key in ("_convbn_fallback", "_convbn_pending", "_convbn_mode_guard", "_convbn_inlined"):
             if self.__dict__.get(key) is not None:
                 res.__dict__[key] = copy.deepcopy(self.__dict__[key], memo)
         return res
@@ -100,6 +100,12 @@ class ConvbnGraphModule(fx.GraphModule):
         (for a graph traced in one mode that would differ in the other)."""
         self.__dict__["_convbn_mode_guard"] = _ModeGuard(original, list(modes))
 
+    def watch_inlined(self, original: nn.Module, modules: Sequence[nn.Module]) -> None:
+        """Run ``original`` instead whenever one of ``modules`` -- modules whose forward was
+        traced *through*, so the graph never calls them -- has hooks, or global module hooks
+        exist: hooks registered after conversion are then called as in eager."""
+        self.__dict__["_convbn_inlined"] = _ModeGuard(original, [(m, m.training) for m in modules])
+
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         fallback = self.__dict__.get("_convbn_fallback")
         if fallback is not None:
@@ -107,6 +113,9 @@ class ConvbnGraphModule(fx.GraphModule):
         guard = self.__dict__.get("_convbn_mode_guard")
         if guard is not None and any(m.training != t for m, t in guard.modes):
             return guard.module(*args, **kwargs)
+        inlined = self.__dict__.get("_convbn_inlined")
+        if inlined is not None and (global_hooks() or any(_has_hooks(m) for m, _ in inlined.modes)):
+            return inlined.module(*args, **kwargs)
         pending = self.__dict__.get("_convbn_pending")
         if pending is not None and not torch.compiler.is_compiling():
             self.__dict__["_convbn_pending"] = None
@@ -146,6 +155,10 @@ class _Pending:
 
     def __deepcopy__(self, memo: Dict[int, Any]) -> "_Pending":
         return _Pending(copy.deepcopy(self.module, memo), self.tolerance)
+
+
+def _has_hooks(m: nn.Module) -> bool:
+    return bool(m._forward_pre_hooks or m._forward_hooks or m._backward_hooks or m._backward_pre_hooks)
 
 
 @dataclass
