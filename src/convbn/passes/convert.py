@@ -606,8 +606,11 @@ def _as_tuple(example_inputs: Any) -> Tuple[Any, ...]:
 
 def _measure(model: nn.Module, inputs: Tuple[Any, ...]) -> int:
     """Saved *activation* bytes of one training forward (parameters excluded: eager
-    autograd saves weights, convbn holds them by reference; either way they are alive)."""
-    model.train()
+    autograd saves weights, convbn holds them by reference; either way they are alive).
+    A model already in training mode is measured as it is: BatchNorms the user froze
+    (``.eval()`` inside a training model) stay frozen."""
+    if not model.training:
+        model.train()
     return saved_bytes(model, *inputs).activation_bytes
 
 
