@@ -404,6 +404,8 @@ def test_state_dict_metadata_versions_kept_and_checkpoints_load_both_ways(factor
         assert meta_f[key] == value, key
     for clone in (copy.deepcopy(fast), _saved_and_loaded(fast)):
         assert {k: clone.state_dict()._metadata[k] for k in meta_e} == dict(meta_e)
+    folded = convbn.fold(copy.deepcopy(eager).eval(), example_inputs=inp(2, 3, 6, 6))
+    assert folded.state_dict()._metadata[""]["version"] == meta_e[""]["version"]
     other = build(factory, seed=5)
     other.load_state_dict(fast.state_dict(), strict=True)  # converted -> original
     fast.load_state_dict(build(factory, seed=6).state_dict(), strict=True)  # original -> converted
