@@ -24,6 +24,7 @@ the original and a rewrite is :mod:`convbn.passes.validate`; hooks: :mod:`convbn
 """
 from __future__ import annotations
 
+import linecache
 import os
 import sys
 import traceback
@@ -65,6 +66,11 @@ def _trusted(filename: str) -> bool:
     return (filename.startswith(_TORCH_DIR) and filename != _IS_TENSOR_FILE) or filename.startswith(_OWN_DIR)
 
 
+def _asks_type(filename: str, lineno: int) -> bool:
+    line = linecache.getline(filename, lineno)
+    return "isinstance" in line or "is_tensor" in line or "issubclass" in line
+
+
 class _WatchedProxy(fx.Proxy):
     """A proxy that notices ``isinstance`` checks made on it by the model's own code.
 
@@ -77,7 +83,9 @@ class _WatchedProxy(fx.Proxy):
     def __class__(self) -> type:  # noqa: D401
         frame = sys._getframe(1)
         filename = frame.f_code.co_filename
-        if not _trusted(filename):
+        # C code (a torch op's argument parser) also reads ``__class__``; only an
+        # ``isinstance`` / ``is_tensor`` written on the calling line is the model's question.
+        if not _trusted(filename) and _asks_type(filename, frame.f_lineno):
             raise TraceHazard(
                 f"isinstance() on a traced value at {os.path.basename(filename)}:{frame.f_lineno} "
                 "(torch.fx would record the non-tensor branch)"
