@@ -18,6 +18,8 @@ import torch
 from torch import Tensor, nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from .nn.fused import OBSERVER_ATTR
+
 __all__ = [
     "SavedBytes",
     "saved_bytes",
@@ -143,11 +145,14 @@ class track_saved:
         def pre(module: nn.Module, args: Any) -> None:
             self._stack.append(name)
 
+        setattr(pre, OBSERVER_ATTR, True)  # attribution only: fused modules stay fused
         return pre
 
     def _post(self, module: nn.Module, args: Any, out: Any) -> None:
         if len(self._stack) > 1:
             self._stack.pop()
+
+    setattr(_post, OBSERVER_ATTR, True)
 
     def __exit__(self, *exc: Any) -> None:
         if self._hooks is not None:

@@ -23,7 +23,7 @@ from ..functional.conv import ConvSpec, conv_spec_from_module
 from ..functional.fused import check_inputs, check_strategy, conv_bn_act_spec
 
 __all__ = ["FusedConvBN1d", "FusedConvBN2d", "FusedConvBN3d", "bn_spec_from_module", "bn_running_stats", "sync_group",
-           "module_hooked"]
+           "module_hooked", "hooks_of", "OBSERVER_ATTR"]
 
 T = TypeVar("T", bound="_FusedConvBNNd")
 
@@ -76,11 +76,25 @@ def sync_group(bn: _BatchNorm) -> Any:
     return group if dist.get_world_size(group) > 1 else None
 
 
+#: Hooks carrying this attribute (set to ``True``) only observe which module runs --
+#: convbn's own measuring tools -- and do not make a fused module run its layers eagerly.
+OBSERVER_ATTR = "convbn_observer"
+
+
+def hooks_of(m: nn.Module) -> List[Any]:
+    """The forward (pre-)hooks and backward (pre-)hooks of ``m`` that are not observers."""
+    found = []
+    for d in (m._forward_pre_hooks, m._forward_hooks, m._backward_hooks, m._backward_pre_hooks):
+        if d:
+            found += [h for h in d.values() if not getattr(h, OBSERVER_ATTR, False)]
+    return found
+
+
 def module_hooked(*modules: nn.Module) -> bool:
-    """Whether any of ``modules`` has forward/backward (pre-)hooks, or global module hooks exist."""
+    """Whether any of ``modules`` has (non-observer) hooks, or global module hooks exist."""
     if _module._global_forward_pre_hooks or _module._global_forward_hooks or _module._global_backward_hooks:
         return True
-    return any(m._forward_pre_hooks or m._forward_hooks or m._backward_hooks or m._backward_pre_hooks for m in modules)
+    return any(hooks_of(m) for m in modules)
 
 
 class _FusedConvBNNd(nn.Module):

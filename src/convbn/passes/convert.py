@@ -467,7 +467,7 @@ def _convert(module: nn.Module, prefix: str, mode: str, chain: bool, inplace: bo
     if isinstance(module, _BatchNorm) and prefix:  # a lone BatchNorm child: nothing to fuse, nothing to trace
         return module
     try:
-        traced = trace(module, _Tracer)
+        traced = trace(module, _Tracer, training=True)  # the graph convert builds is for training
     except Exception as err:  # any tracing failure: convert the children instead
         report.untraced.append((prefix.rstrip("."), short_reason(err, 120)))
         target = module if inplace else _shallow_clone(module)

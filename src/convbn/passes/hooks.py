@@ -6,6 +6,8 @@ from typing import Any, Optional
 from torch import nn
 from torch.nn.modules import module as _module
 
+from ..nn.fused import OBSERVER_ATTR
+
 __all__ = ["hook_reason", "global_hooks"]
 
 _OLD_STYLE_PARAMETRIZATIONS = {
@@ -30,13 +32,15 @@ def hook_reason(m: nn.Module) -> Optional[str]:
     module computes; hook-based parametrizations (old-style ``weight_norm`` /
     ``spectral_norm``) and pruning are forward pre-hooks that recompute ``weight``.
     State-dict hooks are not listed: the module stays registered, so they keep running.
+    Observer hooks (``convbn_observer = True``, e.g. :func:`convbn.saved_bytes` with
+    ``per_module``) are not listed either.
     """
     found = []
     for attr, what in (("_forward_pre_hooks", "forward pre-hook"), ("_forward_hooks", "forward hook"),
                        ("_backward_pre_hooks", "backward pre-hook"), ("_backward_hooks", "backward hook")):
         hooks = getattr(m, attr, None)
         if hooks:
-            found += [f"{what} {_hook_name(h)}" for h in hooks.values()]
+            found += [f"{what} {_hook_name(h)}" for h in hooks.values() if not getattr(h, OBSERVER_ATTR, False)]
     return ", ".join(found) if found else None
 
 

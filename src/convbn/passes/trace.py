@@ -257,7 +257,8 @@ class Traced:
         return kept
 
 
-def trace(module: nn.Module, tracer_cls: Type[fx.Tracer] = fx.Tracer, *, leaves: Sequence[str] = ()) -> Traced:
+def trace(module: nn.Module, tracer_cls: Type[fx.Tracer] = fx.Tracer, *, leaves: Sequence[str] = (),
+          training: Optional[bool] = None) -> Traced:
     """Trace ``module`` with ``tracer_cls``'s leaf policy plus partial tracing and hazard checks.
 
     A failure inside a module-level helper function (not a module) restarts the trace with
@@ -271,6 +272,8 @@ def trace(module: nn.Module, tracer_cls: Type[fx.Tracer] = fx.Tracer, *, leaves:
         tracer_cls: the caller's ``fx.Tracer`` subclass (its ``is_leaf_module`` decides
             the ordinary leaves).
         leaves: qualified names of submodules to keep as leaves regardless.
+        training: trace as if ``module.train(training)`` had been called (flags restored
+            afterwards); ``None`` traces the modes as they are.
 
     Returns:
         A :class:`Traced`.
@@ -284,6 +287,17 @@ def trace(module: nn.Module, tracer_cls: Type[fx.Tracer] = fx.Tracer, *, leaves:
         >>> [n.op for n in t.graph.nodes]
         ['placeholder', 'call_module', 'call_module', 'output']
     """
+    flags = [(m, m.training) for m in module.modules()]
+    if training is not None and module.training != training:
+        module.train(training)
+    try:
+        return _trace(module, tracer_cls, leaves)
+    finally:
+        for m, t in flags:
+            m.training = t
+
+
+def _trace(module: nn.Module, tracer_cls: Type[fx.Tracer], leaves: Sequence[str]) -> Traced:
     wrapped: List[Callable[..., Any]] = []
     for _ in range(16):
         tracer = _partial_class(tracer_cls)(leaves=leaves, wrapped=wrapped)

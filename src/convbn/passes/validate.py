@@ -5,6 +5,7 @@ touching ``.grad`` (:func:`run_step`), and compare two outputs leaf by leaf
 from __future__ import annotations
 
 import contextlib
+import copy
 import math
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple
@@ -13,7 +14,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils import _pytree as pytree
 
-__all__ = ["StateSnapshot", "Comparison", "compare_outputs", "run_step", "seeded", "as_args"]
+__all__ = ["StateSnapshot", "Comparison", "compare_outputs", "run_step", "seeded", "as_args", "float64_slack"]
 
 
 def as_args(example_inputs: Any) -> Tuple[Any, ...]:
@@ -151,3 +152,33 @@ def run_step(model: nn.Module, args: Tuple[Any, ...], params: Sequence[Tensor], 
     ups = [torch.randn(o.shape, generator=gen, dtype=torch.float64).to(o) for o in outs]
     grads = torch.autograd.grad(outs, wrt, ups, allow_unused=True)
     return pytree.tree_map(lambda t: t.detach() if isinstance(t, Tensor) else t, out), list(grads)
+
+
+def float64_slack(model: nn.Module, run: Callable[[nn.Module], Any], reference: Any,
+                  factor: float = 4.0) -> Optional[List[float]]:
+    """``factor`` times what ``reference`` (``run(model)``'s result in the model's dtype) gets
+    wrong against ``run`` of a float64 copy, per floating leaf: the slack a comparison of
+    two float32 computations needs where rounding is amplified (see Note: [validation
+    tolerance follows eager's own rounding] in convert.py). ``None`` where everything is
+    float64 already or no float64 copy can be made or run."""
+    leaves = [t for t in pytree.tree_leaves(reference) if isinstance(t, Tensor) and t.is_floating_point()]
+    if all(t.dtype == torch.float64 for t in leaves):
+        return None
+    try:
+        model64 = copy.deepcopy(model).double()
+        with StateSnapshot(model64):
+            exact = run(model64)
+    except Exception:  # noqa: BLE001 - no float64 reference: the caller's tolerance alone
+        return None
+    exact_leaves = [t for t in pytree.tree_leaves(exact) if isinstance(t, Tensor) and t.is_floating_point()]
+    if len(exact_leaves) != len(leaves):
+        return None
+    slack = []
+    for a, e in zip(leaves, exact_leaves):
+        if a.shape != e.shape:
+            slack.append(0.0)
+            continue
+        finite = torch.isfinite(a) & torch.isfinite(e)
+        err = (a.detach().double() - e.detach().double())[finite].abs().max().item() if finite.any() else 0.0
+        slack.append(factor * err)
+    return slack
