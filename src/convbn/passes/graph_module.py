@@ -135,8 +135,11 @@ class ConvbnGraphModule(fx.GraphModule):
                 with torch.no_grad(), seeded(0):
                     return model64(*pytree.tree_map(to64, args), **pytree.tree_map(to64, kwargs))
 
-            slack = float64_slack(pending.module, exact_run, ref)
-            result = compare_outputs(ref, out, pending.tolerance, slack=slack)
+            result = compare_outputs(ref, out, pending.tolerance)
+            if not result.ok:  # rounding amplified by the model itself? ask a float64 copy (only now)
+                slack = float64_slack(pending.module, exact_run, ref)
+                if slack is not None:
+                    result = compare_outputs(ref, out, pending.tolerance, slack=slack)
             if not result.ok:
                 self.__dict__["_convbn_fallback"] = pending
                 warnings.warn(
