@@ -839,6 +839,11 @@ def convert(
             could not be traced whole; by default those containers are shallow-copied.
         chain: group consecutive fused layers into chains (see :mod:`convbn.autograd.chain`).
 
+    Hooks and parametrizations (see README "What convert preserves"): a conv, BatchNorm or
+    activation module with hooks (including old-style ``weight_norm`` / ``spectral_norm`` and
+    pruning) is left unfused and reported; hooks registered later are honoured at call time
+    (the affected chain, or the affected part of the model, then runs as eager modules).
+
     Returns:
         The converted model (a ``torch.fx.GraphModule`` where the model traced, with the
         report in ``.convbn_report``), or ``model``'s structure with converted children.

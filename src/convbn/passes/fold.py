@@ -40,7 +40,7 @@ from torch.utils import _pytree as pytree
 from ..functional.fold import fold_bn_into_following, fold_bn_into_preceding
 from .graph_module import preserve_module_state
 from .trace import short_reason, trace
-from .validate import compare_outputs
+from .validate import as_args, compare_outputs
 
 __all__ = ["fold", "fold_conv_bn_modules", "FoldReport", "FoldAction", "FoldCheck"]
 
@@ -273,10 +273,6 @@ class _FoldTracer(fx.Tracer):
         if isinstance(m, (_BatchNorm,) + _LAYER_MODULES) and _has_standard_forward(m):
             return True
         return super().is_leaf_module(m, module_qualified_name)
-
-
-def _short_reason(exc: BaseException) -> str:
-    return short_reason(exc)
 
 
 # --------------------------------------------------------------------------------------
@@ -753,7 +749,7 @@ def _fold_module(module: nn.Module, prefix: str, ctx: _Ctx) -> nn.Module:
     try:
         traced = trace(module, _FoldTracer)
     except Exception as exc:  # noqa: BLE001 - untraceable: fold its children one by one
-        ctx.report.untraceable.append((prefix.rstrip("."), f"{_short_reason(exc)} (folded part by part)"))
+        ctx.report.untraceable.append((prefix.rstrip("."), f"{short_reason(exc)} (folded part by part)"))
         _fold_children(module, prefix, ctx)
         return module
     gm = traced.gm
@@ -790,14 +786,6 @@ def _fold_children(module: nn.Module, prefix: str, ctx: _Ctx) -> None:
 # --------------------------------------------------------------------------------------
 # Sample inputs and the check
 # --------------------------------------------------------------------------------------
-
-
-def _as_args(example_inputs: Any) -> Tuple[Any, ...]:
-    if isinstance(example_inputs, tuple):
-        return example_inputs
-    if isinstance(example_inputs, list):
-        return tuple(example_inputs)
-    return (example_inputs,)
 
 
 def _candidate_inputs(model: nn.Module) -> Iterator[Tuple[Tensor, ...]]:
@@ -851,7 +839,7 @@ def _reference_run(model: nn.Module, example_inputs: Any, ctx: _Ctx) -> Tuple[Op
             handles.append(m.register_forward_hook(record(ctx.linear_out_ranks, True)))
     try:
         if example_inputs is not None:
-            args = _as_args(example_inputs)
+            args = as_args(example_inputs)
             out = _run(model, args)
             return args, out, ""
         tried = []
@@ -859,7 +847,7 @@ def _reference_run(model: nn.Module, example_inputs: Any, ctx: _Ctx) -> Tuple[Op
             try:
                 out = _run(model, args)
             except Exception as exc:  # noqa: BLE001 - wrong guess, try the next one
-                tried.append(f"{tuple(args[0].shape)} ({_short_reason(exc)[:60]})")
+                tried.append(f"{tuple(args[0].shape)} ({short_reason(exc)[:60]})")
                 ctx.bn_input_ranks.clear()
                 ctx.linear_out_ranks.clear()
                 continue
@@ -943,7 +931,7 @@ def _fold_finer(model: nn.Module, args: Tuple[Any, ...], reference: Any, eager_e
         try:
             new = fold(child, example_inputs=inputs[name])
         except RuntimeError as exc:  # this child cannot be folded faithfully: keep it as it is
-            report.untraceable.append((name, f"left unfolded: {_short_reason(exc)}"))
+            report.untraceable.append((name, f"left unfolded: {short_reason(exc)}"))
             continue
         sub = new.fold_report
         report.actions += [FoldAction(f"{name}.{a.batchnorm}", a.folded, a.layer and f"{name}.{a.layer}", a.direction,
@@ -1073,8 +1061,8 @@ def fold(
             try:
                 out = _run(folded, args)
             except Exception as exc:
-                report.check = FoldCheck(ran=True, note=f"folded model failed: {_short_reason(exc)}", passed=False)
-                finer = None if inplace else _fold_finer(model, args, reference, None, _short_reason(exc))
+                report.check = FoldCheck(ran=True, note=f"folded model failed: {short_reason(exc)}", passed=False)
+                finer = None if inplace else _fold_finer(model, args, reference, None, short_reason(exc))
                 if finer is not None:
                     return finer
                 raise RuntimeError(f"fold(): the folded model fails on the sample input.\n{report}") from exc
