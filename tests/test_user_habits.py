@@ -192,15 +192,14 @@ def test_removing_a_hook_restores_the_fused_path_and_global_hooks_are_seen() -> 
     from torch.nn.modules.module import register_module_forward_hook
 
     def count(m: nn.Module, i: Any, o: Any) -> None:
-        if isinstance(m, _BatchNorm):
-            calls[type(m).__name__] = calls.get(type(m).__name__, 0) + 1
+        calls[type(m).__name__] = calls.get(type(m).__name__, 0) + 1
 
     g = register_module_forward_hook(count)
-    try:
+    try:  # global hooks (tracking tools) see the modules the converted model calls: the chain
         same_training(eager, fast, X, steps=1)
     finally:
         g.remove()
-    assert calls == {"BatchNorm2d": 4}  # two BatchNorms, eager and converted each
+    assert calls["BatchNorm2d"] == 2 and calls["FusedChain"] == 1
 
 
 OLD_STYLE: Dict[str, Callable[[nn.Module], Any]] = {

@@ -112,8 +112,9 @@ class FusedChain(nn.Module):
         Note: [hooks on fused modules]
         A fused chain computes conv, BN and activation without calling those modules, so
         their hooks would be skipped. ``convert`` leaves hooked modules unfused; hooks
-        registered *after* conversion (or global module hooks) are seen here at call time:
-        the chain then runs its layers unfused, as eager modules (``_forward_eager``).
+        registered *after* conversion are seen here at call time: the chain then runs its
+        layers unfused, as eager modules (``_forward_eager``). Global module hooks (tracking
+        tools such as ``MemTracker``) see the chain's own call and keep it fused.
         """
         if len(modules) != len(self.layers):
             raise ValueError(f"watch expects one module list per layer ({len(self.layers)}), but got {len(modules)}")

@@ -14,7 +14,6 @@ import torch
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.conv import _ConvNd
-from torch.nn.modules import module as _module
 from torch.nn.utils import parametrize
 
 from ..functional.activations import Activation, get_activation
@@ -91,9 +90,12 @@ def hooks_of(m: nn.Module) -> List[Any]:
 
 
 def module_hooked(*modules: nn.Module) -> bool:
-    """Whether any of ``modules`` has (non-observer) hooks, or global module hooks exist."""
-    if _module._global_forward_pre_hooks or _module._global_forward_hooks or _module._global_backward_hooks:
-        return True
+    """Whether any of ``modules`` has (non-observer) hooks.
+
+    Global module hooks (``register_module_forward_hook``) do not count: they are what
+    tracking tools use (``torch.distributed._tools.MemTracker``, ``ModTracker``), and they
+    still see every module the converted model calls -- the fused module itself.
+    """
     return any(hooks_of(m) for m in modules)
 
 

@@ -103,8 +103,9 @@ class ConvbnGraphModule(fx.GraphModule):
 
     def watch_inlined(self, original: nn.Module, modules: Sequence[nn.Module]) -> None:
         """Run ``original`` instead whenever one of ``modules`` -- modules whose forward was
-        traced *through*, so the graph never calls them -- has hooks, or global module hooks
-        exist: hooks registered after conversion are then called as in eager."""
+        traced *through*, so the graph never calls them -- has hooks: hooks registered after
+        conversion are then called as in eager. (Global module hooks see the modules the
+        converted model calls; see :func:`convbn.nn.fused.module_hooked`.)"""
         self.__dict__["_convbn_inlined"] = _ModeGuard(original, [(m, m.training) for m in modules])
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -115,7 +116,7 @@ class ConvbnGraphModule(fx.GraphModule):
         if guard is not None and any(m.training != t for m, t in guard.modes):
             return guard.module(*args, **kwargs)
         inlined = self.__dict__.get("_convbn_inlined")
-        if inlined is not None and (global_hooks() or any(_has_hooks(m) for m, _ in inlined.modes)):
+        if inlined is not None and any(_has_hooks(m) for m, _ in inlined.modes):
             return inlined.module(*args, **kwargs)
         pending = self.__dict__.get("_convbn_pending")
         if pending is not None and not torch.compiler.is_compiling():
