@@ -422,6 +422,14 @@ def test_preserve_module_state_copies_hooks_into_new_containers() -> None:
     assert dst._forward_hooks is not src._forward_hooks
 
 
+def test_preserve_module_state_never_carries_what_runs_the_module() -> None:
+    src, dst = Windowed(), nn.Module()
+    src.compile()  # sets _compiled_call_impl on the instance
+    src.forward = lambda x: x  # an instance-level forward override
+    preserve_module_state(src, dst)
+    assert "forward" not in vars(dst) and "_compiled_call_impl" not in vars(dst) and dst.window == 4
+
+
 def test_hook_reason_names_parametrizations_and_pruning() -> None:
     conv = nn.Conv2d(3, 4, 3)
     assert hook_reason(conv) is None

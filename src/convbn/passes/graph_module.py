@@ -24,6 +24,8 @@ __all__ = ["preserve_module_state", "ConvbnGraphModule"]
 
 _MODULE_DEFAULTS = frozenset(vars(nn.Module()))
 _TREE = frozenset({"_parameters", "_buffers", "_modules", "_non_persistent_buffers_set", "training"})
+# what makes a module *run* something: never carried over (the replacement runs its graph)
+_CALLS = frozenset({"forward", "_compiled_call_impl", "__call__"})
 _PRESERVED_KEY = "_convbn_preserved"
 
 
@@ -37,7 +39,7 @@ def preserve_module_state(src: nn.Module, dst: nn.Module) -> None:
     """
     keep: Dict[str, Any] = {}
     for key, value in vars(src).items():
-        if key in _TREE or key == _PRESERVED_KEY:
+        if key in _TREE or key in _CALLS or key == _PRESERVED_KEY:
             continue
         if key in _MODULE_DEFAULTS:  # hooks and other per-instance nn.Module state
             keep[key] = copy.copy(value) if isinstance(value, (dict, set, list)) else value
