@@ -795,9 +795,9 @@ def test_non_module_is_a_type_error() -> None:
         (dict(memory_budget=0.5), "example_inputs"),
         (dict(memory_budget=0.5, strategy="recompute_bn", example=True), "strategy='auto' only"),
         (dict(memory_budget=0.5, strategy="recompute_conv", example=True), "strategy='auto' only"),
-        (dict(memory_budget=0.0, example=True), "positive"),
-        (dict(memory_budget=-0.3, example=True), "positive"),
-        (dict(memory_budget=float("nan"), example=True), "positive"),
+        (dict(memory_budget=0.0, example=True), r"in \(0, 1\]"),
+        (dict(memory_budget=-0.3, example=True), r"in \(0, 1\]"),
+        (dict(memory_budget=float("nan"), example=True), r"in \(0, 1\]"),
         (dict(memory_budget=1e-6, example=True), r"below the lowest reachable.*use memory_budget >= 0\.\d+"),
     ],
 )
