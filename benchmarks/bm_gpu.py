@@ -243,8 +243,11 @@ def _fits(make: Callable[[], nn.Module], shape: tuple, out_shape: tuple, batch: 
         _free()
 
 
-def run_max_batch(spec: str, image_size: Optional[int], amp: str, start: int, step_size: int) -> List[Row]:
-    """The largest batch (multiple of ``step_size``) that trains two steps without OOM, per config."""
+def run_max_batch(spec: str, image_size: Optional[int], amp: str, start: int, step_size: int,
+                  only: Optional[str] = None) -> List[Row]:
+    """The largest batch (multiple of ``step_size``) that trains two steps without OOM, per config
+    (``only``: one of eager / auto / budget / checkpoint). Run one configuration per process
+    (``main`` does): memory held after failed out-of-memory trials skews later ones."""
     torch.manual_seed(0)
     base, shape = build_model(spec)
     if image_size is not None:
@@ -260,6 +263,8 @@ def run_max_batch(spec: str, image_size: Optional[int], amp: str, start: int, st
                                                         memory_budget=floor),
         "checkpoint": lambda: checkpoint_blocks(copy.deepcopy(base)),
     }
+    if only is not None:
+        makers = {k: v for k, v in makers.items() if k.split(" ")[0].split("=")[0] == only}
     rows = []
     for name, make in makers.items():
         lo, hi = 0, start
@@ -299,13 +304,16 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--max-batch-start", type=int, default=256)
     p.add_argument("--max-batch-step", type=int, default=16)
+    p.add_argument("--max-batch-config", choices=("eager", "auto", "budget", "checkpoint"), default=None,
+                   help="max-batch: search this configuration only (in this process)")
     p.add_argument("--json", default=None, metavar="PATH")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("bm_gpu: needs a CUDA device", file=sys.stderr)
         return 2
     torch.backends.cudnn.benchmark = False
-    print(f"# {torch.cuda.get_device_name()} | torch {torch.__version__} | convbn {convbn.__version__}")
+    if args.max_batch_config is None:
+        print(f"# {torch.cuda.get_device_name()} | torch {torch.__version__} | convbn {convbn.__version__}")
     if args.mode == "table":
         print(HEADER)
         rows = run_table(args.model, args.batch_size, args.image_size, args.amp, args.configs, args.steps, args.warmup)
@@ -313,10 +321,21 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(HEADER)
         rows = run_mnist(args.batch_size, args.steps, args.warmup)
     else:
-        print("| model | amp | config | largest batch | OOM at |\n|---|---|---|---:|---:|")
         rows = []
-        for amp in args.amp:
-            rows += run_max_batch(args.model, args.image_size, amp, args.max_batch_start, args.max_batch_step)
+        if args.max_batch_config is None:  # one fresh process per configuration
+            print("| model | amp | config | largest batch | OOM at |\n|---|---|---|---:|---:|", flush=True)
+            import subprocess
+
+            for amp in args.amp:
+                for cfg in ("eager", "auto", "budget", "checkpoint"):
+                    subprocess.run([sys.executable, __file__, "max-batch", "--model", args.model, "--amp", amp,
+                                    "--max-batch-start", str(args.max_batch_start),
+                                    "--max-batch-step", str(args.max_batch_step), "--max-batch-config", cfg]
+                                   + (["--image-size", str(args.image_size)] if args.image_size else []), check=False)
+        else:
+            for amp in args.amp:
+                rows += run_max_batch(args.model, args.image_size, amp, args.max_batch_start, args.max_batch_step,
+                                      args.max_batch_config)
     if args.json:
         with open(args.json, "w") as f:
             json.dump([asdict(r) for r in rows], f, indent=1)
