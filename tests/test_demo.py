@@ -75,6 +75,9 @@ def test_demo_reduced_size_accuracy_exact_peak_identical_losses(digits_small: An
     assert r.peak["tutorial"] < r.peak["unfused"], r.peak
     assert all(t > 0 for t in r.step_time.values())
     assert r.plot and os.path.getsize(r.plot) > 1000
+    assert r.timeline_plot and r.timeline_plot.endswith("d-timeline.png") and os.path.getsize(r.timeline_plot) > 1000
+    # the peak-aware plan: auto peaks lower than unfused too
+    assert r.peak["auto"] < r.peak["unfused"], r.peak
 
 
 def test_compare_losses_sentences() -> None:

@@ -184,6 +184,7 @@ class DemoResult:
         plans: per fused configuration, the strategy of each fused layer.
         batch_size: the batch size used; memory_source: ``"tensors"`` or ``"cuda"``.
         plot: the PNG written, if any.
+        timeline_plot: the memory-timeline PNG written next to it, if any.
     """
 
     step_losses: Dict[str, List[float]] = field(default_factory=lambda: {c: [] for c in CONFIGS})
@@ -196,6 +197,7 @@ class DemoResult:
     batch_size: int = 0
     memory_source: str = "tensors"
     plot: Optional[str] = None
+    timeline_plot: Optional[str] = None
 
 
 def _rng_state(device: torch.device) -> Tuple[Tensor, Optional[Tensor]]:
@@ -453,12 +455,15 @@ def run_demo(config: DemoConfig, console: Any = None, data: Optional[Dataset] = 
     if config.plot:
         write_plot(result, config.plot, device)
         result.plot = config.plot
+        result.timeline_plot = write_timeline_plot(models, train_x[:batch], config.plot, device)
     if console is not None:
         console.print(results_table(result, device))
         for name in CONFIGS[1:]:
             console.print(result.equality[name])
         if result.plot:
             console.print(f"plot written to {os.path.abspath(result.plot)}")
+        if result.timeline_plot:
+            console.print(f"memory timeline of one step written to {os.path.abspath(result.timeline_plot)}")
     return result
 
 
@@ -517,6 +522,32 @@ def write_plot(result: DemoResult, path: str, device: torch.device) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def write_timeline_plot(models: Dict[str, nn.Module], x: Tensor, plot: str, device: torch.device) -> str:
+    """One training step of each trained configuration recorded with
+    :func:`convbn.memory.timeline` (exact live tensors on CPU, the CUDA allocator on a GPU)
+    and drawn on one chart, each peak marked; written next to ``plot`` as ``*-timeline.png``.
+
+    Copies of the models are stepped (forward, NLL loss, backward): the trained models and
+    their running statistics are left as they are.
+
+    Returns:
+        The path written.
+    """
+    from convbn.bench.timeline import plot_timelines
+    from convbn.memory import timeline
+
+    stem, ext = os.path.splitext(plot)
+    path = f"{stem}-timeline{ext or '.png'}"
+    target = torch.zeros(x.shape[0], dtype=torch.long, device=device)
+    tls = []
+    for name, model in models.items():
+        m = copy.deepcopy(model).train()
+        tls.append(timeline(m, x, loss_fn=lambda out: F.nll_loss(out, target), label=name))
+        del m
+    plot_timelines(tls, path, title=f"convbn demo: one training step, MNIST net, batch {x.shape[0]}, {device}")
+    return path
 
 
 def _pyplot() -> Any:
