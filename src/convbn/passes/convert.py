@@ -85,6 +85,7 @@ class _Layer:
     act: Activation
     act_node: Optional[fx.Node]
     act_extra: Tuple[fx.Node, ...] = ()  # e.g. the sigmoid of x * sigmoid(x)
+    shape_uses: Tuple[fx.Node, ...] = ()  # x.shape / x.ndim / x.size() of the conv or BN output
 
     @property
     def out(self) -> fx.Node:
@@ -237,6 +238,31 @@ def _match_swish(node: fx.Node) -> Optional[Tuple[fx.Node, fx.Node]]:
     return mul, sig
 
 
+_SHAPE_ATTRS = ("shape", "ndim")
+_SHAPE_METHODS = ("size", "dim", "ndimension")
+
+
+def _is_shape_use(node: fx.Node, of: fx.Node) -> bool:
+    """True if ``node`` reads only the shape of ``of`` (``of.shape``, ``of.ndim``, ``of.size()``).
+
+    Note: [shape-only uses]
+    Norm-act layers and user code check ``x.ndim`` / ``x.shape`` of a conv output before
+    normalising it. Such a use reads metadata, not values, and every tensor of a fused
+    layer (conv output, BN output, activation output) has the same shape, so the use can
+    be re-pointed to the chain's output without changing anything it computes.
+    """
+    if node.op == "call_function" and node.target is getattr:
+        return len(node.args) == 2 and node.args[0] is of and node.args[1] in _SHAPE_ATTRS
+    if node.op == "call_method" and node.target in _SHAPE_METHODS:
+        return len(node.args) >= 1 and node.args[0] is of and all(
+            not isinstance(a, fx.Node) for a in list(node.args[1:]) + list(node.kwargs.values()))
+    return False
+
+
+def _value_users(node: fx.Node) -> List[fx.Node]:
+    return [u for u in node.users if not _is_shape_use(u, node)]
+
+
 def _describe(node: fx.Node) -> str:
     if node.op == "placeholder":
         return f"the model input '{node.name}'"
@@ -287,8 +313,8 @@ def _find_layers(gm: fx.GraphModule, root: nn.Module, prefix: str, report: Conve
             skip(conv)
             continue
         conv.name = prefix + conv.name
-        if len(src.users) != 1:
-            others = ", ".join(_describe(u) for u in src.users if u is not node)
+        if len(_value_users(src)) != 1:
+            others = ", ".join(_describe(u) for u in _value_users(src) if u is not node)
             skip(f"the convolution's output is also used by {others}", conv.name)
             continue
         dims_ok = _BN_DIMS.get(type(bn))
@@ -299,16 +325,19 @@ def _find_layers(gm: fx.GraphModule, root: nn.Module, prefix: str, report: Conve
             skip("BatchNorm num_features does not match the convolution's output channels", conv.name)
             continue
         act, act_node, act_extra = Activation("identity"), None, ()
-        if len(node.users) == 1:
-            user = next(iter(node.users))
-            found = _match_act(user, node, gm)
+        shape_uses = tuple(u for u in src.users if u is not node)
+        bn_users = _value_users(node)
+        if len(bn_users) == 1:
+            found = _match_act(bn_users[0], node, gm)
             if found is not None:
-                act, act_node = found, user
-        elif len(node.users) == 2:
+                act, act_node = found, bn_users[0]
+        elif len(bn_users) == 2:
             swish = _match_swish(node)
             if swish is not None:
                 act, act_node, act_extra = Activation("silu"), swish[0], (swish[1],)
-        layers.append(_Layer(conv, node, bn, name, act, act_node, act_extra))
+        if act_node is not None:  # else the BN output stays the layer's output, its users re-pointed as a whole
+            shape_uses += tuple(u for u in node.users if _is_shape_use(u, node))
+        layers.append(_Layer(conv, node, bn, name, act, act_node, act_extra, shape_uses))
     return layers
 
 
@@ -318,8 +347,10 @@ def _chains(layers: List[_Layer], chain: bool) -> List[List[_Layer]]:
     where: Dict[int, List[_Layer]] = {}
     for l in layers:  # graph (topological) order
         prev = by_out.get(l.conv.input)
+        # a layer whose inner tensors' shapes are read must end its chain: only the
+        # chain's output exists to read them from (see Note: [shape-only uses])
         if (chain and prev is not None and id(prev) in where and len(prev.out.users) == 1
-                and l.conv.spec.pre_pad_mode == "constant"):
+                and not prev.shape_uses and l.conv.spec.pre_pad_mode == "constant"):
             c = where[id(prev)]
         else:
             c = []
@@ -373,11 +404,17 @@ def _rewrite(root: nn.Module, gm: fx.GraphModule, chains: List[List[_Layer]], mo
         built.append((name, fused))
         gm.add_module(name, fused)
         last = chain[-1].out
-        with graph.inserting_after(last):
+        # inserted where the chain's first conv ran: its only input is ``x0``, and shape
+        # uses between the conv and the chain's output can then read the chain's output
+        with graph.inserting_before(chain[0].conv.node):
             x0 = chain[0].conv.input
             new = graph.call_module(name, (replaced.get(x0, x0),))
         last.replace_all_uses_with(new)
         replaced[last] = new
+        for l in chain:
+            for u in l.shape_uses:
+                for old in (l.conv.node, l.bn_node):
+                    u.replace_input_with(old, new)
         for l in reversed(chain):
             for n in (l.act_node, *l.act_extra, l.bn_node, l.conv.node, *reversed(l.conv.absorbed)):
                 if n is not None:
