@@ -9,6 +9,8 @@ import pytest
 import torch
 from torch import Tensor, nn
 
+from convbn import fold
+from convbn.passes.fold import FoldReport
 from test_convert import STRATS, assert_every_bn_once, assert_same_training, convert_pair, fused, inp
 
 
@@ -60,3 +62,21 @@ def test_shape_use_of_a_chain_output(strategy: str) -> None:
     eager, fast = convert_pair(ShapeOfBNWithoutAct, strategy=strategy)
     assert fused(fast.convbn_report) == [("conv1", "bn1", "identity"), ("conv2", "bn2", "identity")]
     assert_same_training(eager, fast, inp(2, 3, 6, 5))
+
+
+def test_shape_only_uses_do_not_block_folding() -> None:
+    torch.manual_seed(0)
+    model = ShapeChecks().double()
+    with torch.no_grad():
+        for bn in (model.bn1, model.bn2):
+            bn.running_mean.uniform_(-0.2, 0.2)
+            bn.running_var.uniform_(0.5, 2.0)
+            bn.weight.uniform_(0.5, 1.5)
+    model.eval()
+    x = inp(2, 3, 6, 5)
+    folded = fold(model)
+    report = folded.fold_report
+    assert isinstance(report, FoldReport)
+    assert sorted(a.batchnorm for a in report.folded) == ["bn1", "bn2"], report
+    with torch.no_grad():
+        torch.testing.assert_close(folded(x), model(x), rtol=1e-10, atol=1e-10)

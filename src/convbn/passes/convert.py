@@ -31,6 +31,7 @@ from ..nn.fused import _FusedConvBNNd
 from ..nn.sync import SyncBatchNorm
 from .planner import ChainCost, plan_for_peak, plan_layers, step_peak, tutorial_bytes
 from .report import ConvertReport, FusedPair, SkippedBN
+from .shape_uses import is_shape_use, value_users
 from .graph_module import ConvbnGraphModule, preserve_module_state
 from .hooks import hook_reason
 from .trace import short_reason, trace
@@ -238,31 +239,6 @@ def _match_swish(node: fx.Node) -> Optional[Tuple[fx.Node, fx.Node]]:
     return mul, sig
 
 
-_SHAPE_ATTRS = ("shape", "ndim")
-_SHAPE_METHODS = ("size", "dim", "ndimension")
-
-
-def _is_shape_use(node: fx.Node, of: fx.Node) -> bool:
-    """True if ``node`` reads only the shape of ``of`` (``of.shape``, ``of.ndim``, ``of.size()``).
-
-    Note: [shape-only uses]
-    Norm-act layers and user code check ``x.ndim`` / ``x.shape`` of a conv output before
-    normalising it. Such a use reads metadata, not values, and every tensor of a fused
-    layer (conv output, BN output, activation output) has the same shape, so the use can
-    be re-pointed to the chain's output without changing anything it computes.
-    """
-    if node.op == "call_function" and node.target is getattr:
-        return len(node.args) == 2 and node.args[0] is of and node.args[1] in _SHAPE_ATTRS
-    if node.op == "call_method" and node.target in _SHAPE_METHODS:
-        return len(node.args) >= 1 and node.args[0] is of and all(
-            not isinstance(a, fx.Node) for a in list(node.args[1:]) + list(node.kwargs.values()))
-    return False
-
-
-def _value_users(node: fx.Node) -> List[fx.Node]:
-    return [u for u in node.users if not _is_shape_use(u, node)]
-
-
 def _describe(node: fx.Node) -> str:
     if node.op == "placeholder":
         return f"the model input '{node.name}'"
@@ -313,8 +289,8 @@ def _find_layers(gm: fx.GraphModule, root: nn.Module, prefix: str, report: Conve
             skip(conv)
             continue
         conv.name = prefix + conv.name
-        if len(_value_users(src)) != 1:
-            others = ", ".join(_describe(u) for u in _value_users(src) if u is not node)
+        if len(value_users(src)) != 1:
+            others = ", ".join(_describe(u) for u in value_users(src) if u is not node)
             skip(f"the convolution's output is also used by {others}", conv.name)
             continue
         dims_ok = _BN_DIMS.get(type(bn))
@@ -326,7 +302,7 @@ def _find_layers(gm: fx.GraphModule, root: nn.Module, prefix: str, report: Conve
             continue
         act, act_node, act_extra = Activation("identity"), None, ()
         shape_uses = tuple(u for u in src.users if u is not node)
-        bn_users = _value_users(node)
+        bn_users = value_users(node)
         if len(bn_users) == 1:
             found = _match_act(bn_users[0], node, gm)
             if found is not None:
@@ -336,7 +312,7 @@ def _find_layers(gm: fx.GraphModule, root: nn.Module, prefix: str, report: Conve
             if swish is not None:
                 act, act_node, act_extra = Activation("silu"), swish[0], (swish[1],)
         if act_node is not None:  # else the BN output stays the layer's output, its users re-pointed as a whole
-            shape_uses += tuple(u for u in node.users if _is_shape_use(u, node))
+            shape_uses += tuple(u for u in node.users if is_shape_use(u, node))
         layers.append(_Layer(conv, node, bn, name, act, act_node, act_extra, shape_uses))
     return layers
 
@@ -348,7 +324,7 @@ def _chains(layers: List[_Layer], chain: bool) -> List[List[_Layer]]:
     for l in layers:  # graph (topological) order
         prev = by_out.get(l.conv.input)
         # a layer whose inner tensors' shapes are read must end its chain: only the
-        # chain's output exists to read them from (see Note: [shape-only uses])
+        # chain's output exists to read them from (see Note: [shape-only uses] in shape_uses.py)
         if (chain and prev is not None and id(prev) in where and len(prev.out.users) == 1
                 and not prev.shape_uses and l.conv.spec.pre_pad_mode == "constant"):
             c = where[id(prev)]

@@ -39,6 +39,7 @@ from torch.utils import _pytree as pytree
 
 from ..functional.fold import fold_bn_into_following, fold_bn_into_preceding
 from .graph_module import preserve_module_state
+from .shape_uses import value_users
 from .trace import short_reason, trace
 from .validate import as_args, compare_outputs
 
@@ -648,8 +649,8 @@ class _GraphFolder:
         layer = self.layer(site.input)
         if isinstance(layer, str):
             return False, f"before it: {layer}"
-        if len(layer.node.users) != 1:
-            others = ", ".join(f"'{u.name}'" for u in layer.node.users if u is not site.node)
+        if len(value_users(layer.node)) != 1:  # x.shape / x.ndim reads stay valid after folding
+            others = ", ".join(f"'{u.name}'" for u in value_users(layer.node) if u is not site.node)
             return False, (f"before it: output of {layer.name} is also used by {others} "
                            "(folding would change it for them)")
         if layer.out_channels != site.running_mean.numel():
@@ -674,7 +675,7 @@ class _GraphFolder:
     # element-wise, so pad(BN(x)) == BN(pad(x)): also exact. Transposed convs insert zeros
     # (stride and padding), so they are never folded this way.
     def fold_following(self, site: _BNSite) -> Tuple[bool, str]:
-        users = list(site.node.users)
+        users = value_users(site.node)
         if len(users) != 1:
             return False, f"after it: BN output has {len(users)} users"
         layer = self.layer(users[0])
