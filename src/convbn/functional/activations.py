@@ -8,7 +8,7 @@ that recomputes ``z`` in backward never needs the activation's output.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Optional, Union
+from typing import Any, Callable, Dict, Optional, Tuple, Union
 
 import torch
 import torch.nn.functional as F
@@ -18,31 +18,173 @@ __all__ = ["Activation", "ACTIVATIONS", "get_activation", "activation_from_modul
 
 aten = torch.ops.aten
 
+# Note: [one table of activations]
+# Every activation is ONE record in ``_TABLE``: its forward (optionally in place), its
+# backward against the pre-activation ``z`` with PyTorch's native derivative kernel
+# (written into ``z``'s buffer where the kernel has an ``out=`` form), its backward from
+# the output where f'(z) is a function of f(z), its nn module classes and how to read a
+# module's parameters. A name missing here is a KeyError-style ValueError listing the
+# known names, never a silent fallback. Modules match by ``isinstance`` on the record's
+# classes only when the subclass keeps the base's ``forward`` (a subclass that computes
+# something else is not that activation); ``nn.Hardtanh(0, 6)`` is ``relu6``.
+
+_SELU_ALPHA = 1.6732632423543772848170429916717
+_SELU_SCALE = 1.0507009873554804934193349852946
+
+
+@dataclass(frozen=True)
+class _Record:
+    forward: Callable[["Activation", Tensor, bool], Tensor]
+    backward: Callable[["Activation", Tensor, Tensor], Tensor]
+    backward_: Callable[["Activation", Tensor, Tensor], Tensor]
+    modules: Tuple[type, ...] = ()
+    from_module: Optional[Callable[[Any], Dict[str, Any]]] = None
+    backward_from_output_: Optional[Callable[["Activation", Tensor, Tensor], Tensor]] = None
+    make_module: Optional[Callable[["Activation"], nn.Module]] = None
+
+
+def _elu_args(a: "Activation") -> Tuple[float, float, float]:
+    """(alpha, scale, input_scale) of ``aten.elu_backward`` for elu / celu / selu."""
+    if a.name == "selu":
+        return _SELU_ALPHA, _SELU_SCALE, 1.0
+    if a.name == "celu":  # as PyTorch's own celu: input_scale = 1 / float32(alpha)
+        return a.alpha, 1.0, 1.0 / float(torch.tensor(a.alpha, dtype=torch.float32))
+    return a.alpha, 1.0, 1.0
+
+
+def _elu_bwd(a: "Activation", g: Tensor, z: Tensor) -> Tensor:
+    return aten.elu_backward(g, *_elu_args(a), False, z)
+
+
+def _elu_bwd_(a: "Activation", g: Tensor, z: Tensor) -> Tensor:
+    return aten.elu_backward.grad_input(g, *_elu_args(a), False, z, grad_input=z)
+
+
+def _sigmoid_bwd_(a: "Activation", g: Tensor, z: Tensor) -> Tensor:
+    return aten.sigmoid_backward.grad_input(g, torch.sigmoid_(z), grad_input=z)
+
+
+def _tanh_bwd_(a: "Activation", g: Tensor, z: Tensor) -> Tensor:
+    return aten.tanh_backward.grad_input(g, torch.tanh_(z), grad_input=z)
+
+
+_TABLE: Dict[str, _Record] = {
+    "identity": _Record(
+        lambda a, z, ip: z, lambda a, g, z: g, lambda a, g, z: g, (nn.Identity,), lambda m: {},
+        lambda a, g, o: g, lambda a: nn.Identity()),
+    "relu": _Record(
+        lambda a, z, ip: torch.relu_(z) if ip else torch.relu(z),
+        lambda a, g, z: aten.threshold_backward(g, z, 0),
+        lambda a, g, z: aten.threshold_backward.grad_input(g, z, 0, grad_input=z),
+        (nn.ReLU,), lambda m: {},
+        lambda a, g, o: aten.threshold_backward.grad_input(g, o, 0, grad_input=o), lambda a: nn.ReLU()),
+    "relu6": _Record(
+        lambda a, z, ip: F.hardtanh(z, 0.0, 6.0, inplace=ip),
+        lambda a, g, z: aten.hardtanh_backward(g, z, 0.0, 6.0),
+        lambda a, g, z: aten.hardtanh_backward.grad_input(g, z, 0.0, 6.0, grad_input=z),
+        (nn.ReLU6,), lambda m: {},
+        lambda a, g, o: aten.hardtanh_backward.grad_input(g, o, 0.0, 6.0, grad_input=o), lambda a: nn.ReLU6()),
+    "leaky_relu": _Record(
+        lambda a, z, ip: F.leaky_relu(z, a.negative_slope, inplace=ip),
+        lambda a, g, z: aten.leaky_relu_backward(g, z, a.negative_slope, False),
+        lambda a, g, z: aten.leaky_relu_backward.grad_input(g, z, a.negative_slope, False, grad_input=z),
+        (nn.LeakyReLU,), lambda m: {"negative_slope": float(m.negative_slope)},
+        lambda a, g, o: aten.leaky_relu_backward.grad_input(g, o, a.negative_slope, True, grad_input=o),
+        lambda a: nn.LeakyReLU(a.negative_slope)),
+    "silu": _Record(
+        lambda a, z, ip: F.silu(z, inplace=ip),
+        lambda a, g, z: aten.silu_backward(g, z),
+        lambda a, g, z: aten.silu_backward.grad_input(g, z, grad_input=z),
+        (nn.SiLU,), lambda m: {}, None, lambda a: nn.SiLU()),
+    "gelu": _Record(
+        lambda a, z, ip: F.gelu(z, approximate=a.approximate),
+        lambda a, g, z: aten.gelu_backward(g, z, approximate=a.approximate),
+        lambda a, g, z: aten.gelu_backward.grad_input(g, z, approximate=a.approximate, grad_input=z),
+        (nn.GELU,), lambda m: {"approximate": str(m.approximate)}, None,
+        lambda a: nn.GELU(approximate=a.approximate)),
+    "hardswish": _Record(
+        lambda a, z, ip: F.hardswish(z, inplace=ip),
+        lambda a, g, z: aten.hardswish_backward(g, z),
+        lambda a, g, z: aten.hardswish_backward.out(g, z, out=z),
+        (nn.Hardswish,), lambda m: {}, None, lambda a: nn.Hardswish()),
+    "hardsigmoid": _Record(
+        lambda a, z, ip: F.hardsigmoid(z, inplace=ip),
+        lambda a, g, z: aten.hardsigmoid_backward(g, z),
+        lambda a, g, z: aten.hardsigmoid_backward.grad_input(g, z, grad_input=z),
+        (nn.Hardsigmoid,), lambda m: {}, None, lambda a: nn.Hardsigmoid()),
+    "sigmoid": _Record(
+        lambda a, z, ip: torch.sigmoid_(z) if ip else torch.sigmoid(z),
+        lambda a, g, z: aten.sigmoid_backward(g, torch.sigmoid(z)),
+        _sigmoid_bwd_, (nn.Sigmoid,), lambda m: {},
+        lambda a, g, o: aten.sigmoid_backward.grad_input(g, o, grad_input=o), lambda a: nn.Sigmoid()),
+    "tanh": _Record(
+        lambda a, z, ip: torch.tanh_(z) if ip else torch.tanh(z),
+        lambda a, g, z: aten.tanh_backward(g, torch.tanh(z)),
+        _tanh_bwd_, (nn.Tanh,), lambda m: {},
+        lambda a, g, o: aten.tanh_backward.grad_input(g, o, grad_input=o), lambda a: nn.Tanh()),
+    "elu": _Record(
+        lambda a, z, ip: F.elu(z, a.alpha, inplace=ip), _elu_bwd, _elu_bwd_,
+        (nn.ELU,), lambda m: {"alpha": float(m.alpha)}, None, lambda a: nn.ELU(a.alpha)),
+    "celu": _Record(
+        lambda a, z, ip: F.celu(z, a.alpha, inplace=ip), _elu_bwd, _elu_bwd_,
+        (nn.CELU,), lambda m: {"alpha": float(m.alpha)}, None, lambda a: nn.CELU(a.alpha)),
+    "selu": _Record(
+        lambda a, z, ip: F.selu(z, inplace=ip), _elu_bwd, _elu_bwd_,
+        (nn.SELU,), lambda m: {}, None, lambda a: nn.SELU()),
+    "mish": _Record(
+        lambda a, z, ip: F.mish(z, inplace=ip),
+        lambda a, g, z: aten.mish_backward(g, z),
+        lambda a, g, z: aten.mish_backward(g, z),  # no out= form of the kernel
+        (nn.Mish,), lambda m: {}, None, lambda a: nn.Mish()),
+    "softplus": _Record(
+        lambda a, z, ip: F.softplus(z, a.beta, a.threshold),
+        lambda a, g, z: aten.softplus_backward(g, z, a.beta, a.threshold),
+        lambda a, g, z: aten.softplus_backward.grad_input(g, z, a.beta, a.threshold, grad_input=z),
+        (nn.Softplus,), lambda m: {"beta": float(m.beta), "threshold": float(m.threshold)}, None,
+        lambda a: nn.Softplus(a.beta, a.threshold)),
+}
+
 #: Names accepted wherever an activation is asked for.
-ACTIVATIONS = ("identity", "relu", "relu6", "leaky_relu", "silu", "gelu", "hardswish")
+ACTIVATIONS = tuple(_TABLE)
 
 
 @dataclass(frozen=True)
 class Activation:
-    """An element-wise activation ``out = f(z)`` with its derivative.
+    """An element-wise activation ``out = f(z)`` with its derivative (one record of ``_TABLE``).
 
     Attributes:
         name: one of :data:`ACTIVATIONS`.
         negative_slope: slope of ``leaky_relu`` for ``z < 0``.
         approximate: ``gelu``'s approximation (``"none"`` or ``"tanh"``).
+        alpha: ``elu`` / ``celu``'s alpha.
+        beta: ``softplus``'s beta.
+        threshold: ``softplus``'s threshold.
+
+    Example:
+        >>> Activation("elu", alpha=0.5).module()
+        ELU(alpha=0.5)
     """
 
     name: str = "identity"
     negative_slope: float = 0.01
     approximate: str = "none"
+    alpha: float = 1.0
+    beta: float = 1.0
+    threshold: float = 20.0
 
     def __post_init__(self) -> None:
-        if self.name not in ACTIVATIONS:
+        if self.name not in _TABLE:
             raise ValueError(
                 f"activation must be one of {ACTIVATIONS} (or None), but got activation={self.name!r}"
             )
         if self.approximate not in ("none", "tanh"):
             raise ValueError(f"gelu approximate must be 'none' or 'tanh', but got {self.approximate!r}")
+        if self.name == "celu" and self.alpha == 0:
+            raise ValueError("celu alpha must be non-zero, but got alpha=0")
+
+    @property
+    def _record(self) -> _Record:
+        return _TABLE[self.name]
 
     @property
     def is_identity(self) -> bool:
@@ -50,119 +192,59 @@ class Activation:
 
     def __call__(self, z: Tensor, inplace: bool = False) -> Tensor:
         """Apply the activation (differentiable unless ``inplace``)."""
-        n = self.name
-        if n == "identity":
-            return z
-        if n == "relu":
-            return torch.relu_(z) if inplace else torch.relu(z)
-        if n == "relu6":
-            return F.hardtanh(z, 0.0, 6.0, inplace=inplace)
-        if n == "leaky_relu":
-            return F.leaky_relu(z, self.negative_slope, inplace=inplace)
-        if n == "silu":
-            return F.silu(z, inplace=inplace)
-        if n == "gelu":
-            return F.gelu(z, approximate=self.approximate)
-        return F.hardswish(z, inplace=inplace)
+        return self._record.forward(self, z, inplace)
 
     def backward(self, grad_out: Tensor, z: Tensor) -> Tensor:
         """``grad_z = grad_out * f'(z)`` with native derivative kernels (first order only)."""
-        n = self.name
-        if n == "identity":
-            return grad_out
-        if n == "relu":
-            return aten.threshold_backward(grad_out, z, 0)
-        if n == "relu6":
-            return aten.hardtanh_backward(grad_out, z, 0.0, 6.0)
-        if n == "leaky_relu":
-            return aten.leaky_relu_backward(grad_out, z, self.negative_slope, False)
-        if n == "silu":
-            return aten.silu_backward(grad_out, z)
-        if n == "gelu":
-            return aten.gelu_backward(grad_out, z, approximate=self.approximate)
-        return aten.hardswish_backward(grad_out, z)
+        return self._record.backward(self, grad_out, z)
 
     @property
     def output_derivable(self) -> bool:
-        """``f'(z)`` is a function of the output ``f(z)`` (ReLU family): backward needs no ``z``."""
-        return self.name in ("identity", "relu", "relu6") or (self.name == "leaky_relu" and self.negative_slope > 0)
+        """``f'(z)`` is a function of the output ``f(z)`` (ReLU family, sigmoid, tanh): backward needs no ``z``."""
+        if self.name == "leaky_relu":
+            return self.negative_slope > 0
+        return self._record.backward_from_output_ is not None
 
     def backward_(self, grad_out: Tensor, z: Tensor) -> Tensor:
         """:meth:`backward` written into ``z``'s buffer (``z`` is consumed): one fewer
         activation-sized allocation in the fused layers' backward."""
-        n = self.name
-        if n == "identity":
-            return grad_out
-        if n == "relu":
-            return aten.threshold_backward.grad_input(grad_out, z, 0, grad_input=z)
-        if n == "relu6":
-            return aten.hardtanh_backward.grad_input(grad_out, z, 0.0, 6.0, grad_input=z)
-        if n == "leaky_relu":
-            return aten.leaky_relu_backward.grad_input(grad_out, z, self.negative_slope, False, grad_input=z)
-        if n == "silu":
-            return aten.silu_backward.grad_input(grad_out, z, grad_input=z)
-        if n == "gelu":
-            return aten.gelu_backward.grad_input(grad_out, z, approximate=self.approximate, grad_input=z)
-        return aten.hardswish_backward.out(grad_out, z, out=z)
+        return self._record.backward_(self, grad_out, z)
 
     def backward_from_output_(self, grad_out: Tensor, out: Tensor) -> Tensor:
         """``grad_z`` from the activation's *output*, written into ``out`` (see :attr:`output_derivable`)."""
-        n = self.name
-        if n == "identity":
-            return grad_out
-        if n == "relu":
-            return aten.threshold_backward.grad_input(grad_out, out, 0, grad_input=out)
-        if n == "relu6":
-            return aten.hardtanh_backward.grad_input(grad_out, out, 0.0, 6.0, grad_input=out)
-        if n == "leaky_relu" and self.negative_slope > 0:
-            return aten.leaky_relu_backward.grad_input(grad_out, out, self.negative_slope, True, grad_input=out)
-        raise ValueError(f"the derivative of {self} is not a function of its output")
+        if not self.output_derivable:
+            raise ValueError(f"the derivative of {self} is not a function of its output")
+        return self._record.backward_from_output_(self, grad_out, out)  # type: ignore[misc]
 
     def module(self) -> nn.Module:
         """An equivalent ``nn`` module (for eager baselines and unfused fallbacks)."""
-        n = self.name
-        if n == "identity":
-            return nn.Identity()
-        if n == "relu":
-            return nn.ReLU()
-        if n == "relu6":
-            return nn.ReLU6()
-        if n == "leaky_relu":
-            return nn.LeakyReLU(self.negative_slope)
-        if n == "silu":
-            return nn.SiLU()
-        if n == "gelu":
-            return nn.GELU(approximate=self.approximate)
-        return nn.Hardswish()
+        return self._record.make_module(self)  # type: ignore[misc]
 
     def __str__(self) -> str:
         if self.name == "leaky_relu":
             return f"leaky_relu({self.negative_slope})"
         if self.name == "gelu" and self.approximate != "none":
             return f"gelu({self.approximate})"
+        if self.name in ("elu", "celu") and self.alpha != 1.0:
+            return f"{self.name}({self.alpha})"
+        if self.name == "softplus" and (self.beta, self.threshold) != (1.0, 20.0):
+            return f"softplus({self.beta}, {self.threshold})"
         return self.name
-
-
-_MODULE_TYPES: Dict[type, Callable[[Any], Activation]] = {
-    nn.Identity: lambda m: Activation("identity"),
-    nn.ReLU: lambda m: Activation("relu"),
-    nn.ReLU6: lambda m: Activation("relu6"),
-    nn.LeakyReLU: lambda m: Activation("leaky_relu", negative_slope=float(m.negative_slope)),
-    nn.SiLU: lambda m: Activation("silu"),
-    nn.GELU: lambda m: Activation("gelu", approximate=m.approximate),
-    nn.Hardswish: lambda m: Activation("hardswish"),
-}
 
 
 def activation_from_module(module: nn.Module) -> Optional[Activation]:
     """The :class:`Activation` equivalent to ``module``, or ``None`` if it has none.
 
-    ``nn.Hardtanh(0, 6)`` is recognised as ``relu6``. Subclasses match their base.
+    ``nn.Hardtanh(0, 6)`` is recognised as ``relu6``. A subclass matches its base
+    class's record when it keeps the base's ``forward`` (e.g. a renamed ``nn.ReLU``);
+    one with its own ``forward`` computes something else and matches nothing.
     """
-    for cls, make in _MODULE_TYPES.items():
-        if type(module) is cls:
-            return make(module)
-    if type(module) is nn.Hardtanh and module.min_val == 0.0 and module.max_val == 6.0:
+    for name, rec in _TABLE.items():
+        for cls in rec.modules:
+            if isinstance(module, cls) and type(module).forward is cls.forward:
+                return Activation(name, **rec.from_module(module))  # type: ignore[misc]
+    if (isinstance(module, nn.Hardtanh) and type(module).forward is nn.Hardtanh.forward
+            and module.min_val == 0.0 and module.max_val == 6.0):
         return Activation("relu6")
     return None
 

@@ -203,8 +203,22 @@ _ACT_FUNCS: Dict[Any, Callable[[fx.Node], Optional[Activation]]] = {
     F.gelu: lambda n: Activation("gelu", approximate=str(_arg(n, 1, "approximate", "none"))),
     F.hardswish: lambda n: Activation("hardswish"),
     F.hardtanh: lambda n: Activation("relu6") if (_arg(n, 1, "min_val", -1.0), _arg(n, 2, "max_val", 1.0)) == (0.0, 6.0) else None,
+    F.hardsigmoid: lambda n: Activation("hardsigmoid"),
+    F.elu: lambda n: Activation("elu", alpha=float(_arg(n, 1, "alpha", 1.0))),
+    F.celu: lambda n: Activation("celu", alpha=float(_arg(n, 1, "alpha", 1.0))),
+    F.selu: lambda n: Activation("selu"),
+    F.mish: lambda n: Activation("mish"),
+    F.softplus: lambda n: Activation("softplus", beta=float(_arg(n, 1, "beta", 1.0)),
+                                     threshold=float(_arg(n, 2, "threshold", 20.0))),
+    torch.sigmoid: lambda n: Activation("sigmoid"),
+    torch.sigmoid_: lambda n: Activation("sigmoid"),
+    F.sigmoid: lambda n: Activation("sigmoid"),
+    torch.tanh: lambda n: Activation("tanh"),
+    torch.tanh_: lambda n: Activation("tanh"),
+    F.tanh: lambda n: Activation("tanh"),
 }
-_ACT_METHODS = {"relu": "relu", "relu_": "relu"}
+_ACT_METHODS = {"relu": "relu", "relu_": "relu", "sigmoid": "sigmoid", "sigmoid_": "sigmoid",
+                "tanh": "tanh", "tanh_": "tanh"}
 
 
 def _match_act(node: fx.Node, src: fx.Node, gm: fx.GraphModule) -> Optional[Activation]:
