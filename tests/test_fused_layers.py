@@ -44,6 +44,14 @@ ACTIVATIONS: List[Tuple[str, Any, Any]] = [
     ("gelu", "gelu", nn.GELU),
     ("gelu_tanh", nn.GELU(approximate="tanh"), lambda: nn.GELU(approximate="tanh")),
     ("hardswish", "hardswish", nn.Hardswish),
+    ("hardsigmoid", "hardsigmoid", nn.Hardsigmoid),
+    ("sigmoid", "sigmoid", nn.Sigmoid),
+    ("tanh", nn.Tanh(), nn.Tanh),
+    ("elu0.5", nn.ELU(0.5), lambda: nn.ELU(0.5)),
+    ("celu0.7", nn.CELU(0.7), lambda: nn.CELU(0.7)),
+    ("selu", "selu", nn.SELU),
+    ("mish", "mish", nn.Mish),
+    ("softplus", nn.Softplus(2.0, 1.0), lambda: nn.Softplus(2.0, 1.0)),
 ]
 ACT_IDS = [a[0] for a in ACTIVATIONS]
 ACT_BY_ID = {a[0]: a for a in ACTIVATIONS}
