@@ -38,7 +38,7 @@ from torch import Tensor, nn
 
 import convbn
 from convbn.bench.models import build_model
-from convbn.bench.training import checkpoint_blocks
+from convbn.bench.training import budget_backend, checkpoint_blocks
 
 AMP = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 CONFIGS = ("eager", "auto", "budget", "tutorial", "checkpoint", "compile", "compile0.5", "compile0.1",
@@ -62,18 +62,6 @@ class Row:
     extra: Dict[str, Any] = field(default_factory=dict)
 
 
-def _budget_backend(budget: float) -> Callable[..., Any]:
-    """Inductor with ``activation_memory_budget=budget`` (one callable per budget: one dynamo cache entry each)."""
-
-    def backend(gm: torch.fx.GraphModule, example_inputs: List[Tensor]) -> Any:
-        from torch._inductor.compile_fx import compile_fx
-
-        with torch._functorch.config.patch(activation_memory_budget=budget):
-            return compile_fx(gm, example_inputs)
-
-    return backend
-
-
 def _floor_budget(model: nn.Module, x: Tensor) -> float:
     """The lowest ``memory_budget`` convert accepts on this model (its floor, rounded up)."""
     report = convbn.explain(model, example_inputs=x)
@@ -95,7 +83,7 @@ def build_config(name: str, base: nn.Module, x_plan: Tensor) -> nn.Module:
     if name == "compile":
         return torch.compile(model)
     if name.startswith("compile"):
-        return torch.compile(model, backend=_budget_backend(float(name[len("compile"):])))
+        return torch.compile(model, backend=budget_backend(float(name[len("compile"):])))
     if name == "convert+compile":
         return torch.compile(convbn.convert(model, example_inputs=x_plan))
     raise ValueError(f"unknown configuration {name!r}; choose from {CONFIGS}")

@@ -52,6 +52,7 @@ from convbn.cli import (
     positive_float,
     positive_int,
 )
+from convbn.bench.plotting import pyplot
 from convbn.demo_data import Dataset, load_digits_28, load_mnist, read_idx
 from convbn.memory import format_bytes, peak_memory, saved_bytes, tensor_peak
 from convbn.nn.fused import FusedConvBN2d
@@ -551,14 +552,7 @@ def write_timeline_plot(models: Dict[str, nn.Module], x: Tensor, plot: str, devi
 
 
 def _pyplot() -> Any:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError as exc:
-        raise ImportError("the demo's plot needs matplotlib: pip install matplotlib (or pass --no-plot)") from exc
-    return plt
+    return pyplot("the demo's plot", "pip install matplotlib (or pass --no-plot)")
 
 
 # --------------------------------------------------------------------------- CLI

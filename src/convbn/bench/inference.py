@@ -30,6 +30,7 @@ from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from convbn.bench.models import build_model
+from convbn.bench.plotting import pyplot
 from convbn.bench.table import markdown_table, print_rich_table
 from convbn.passes.fold import fold
 
@@ -270,9 +271,7 @@ def write_plot(rows: Sequence[InferenceRow], path: str) -> None:
     Raises:
         ImportError: matplotlib is missing.
     """
-    from .training import _pyplot
-
-    plt = _pyplot()
+    plt = pyplot("--plot")
     models = list(dict.fromkeys(r.model for r in rows))
     variants = [v for v in VARIANTS if any(r.variant == v for r in rows)]
     fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(models) + 2), 4.5))
@@ -345,13 +344,13 @@ def main_inference(args: argparse.Namespace) -> int:
         ValueError / ImportError: a bad spec (``convbn`` prints it as one line, exit 2).
     """
     from .models import build_model as _check
-    from .training import _DTYPES, _pyplot, _write
+    from .training import _DTYPES, _write
 
     specs = args.model or list(DEFAULT_MODELS)
     for spec in specs:  # a bad spec fails before any timing
         _check(spec)
     if args.plot:
-        _pyplot()
+        pyplot("--plot")
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     rows = run_inference_bench(

@@ -22,6 +22,7 @@ import torch
 from torch import Tensor, nn
 
 from ..memory import Timeline, format_bytes, timeline
+from .plotting import pyplot
 from ..passes.convert import convert
 
 __all__ = ["TIMELINE_CONFIGS", "record_timelines", "plot_timelines", "write_bench_timeline"]
@@ -109,13 +110,7 @@ def plot_timelines(timelines: Sequence[Timeline], path: str, title: Optional[str
     """
     if not timelines:
         raise ValueError("plot_timelines needs at least one timeline")
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError as exc:
-        raise ImportError("--timeline needs matplotlib: pip install matplotlib (or convbn[plot])") from exc
+    plt = pyplot("--timeline")
     mib = float(1 << 20)
     base = timelines[0].peak or 1
     fig, ax = plt.subplots(figsize=(10, 6.5))

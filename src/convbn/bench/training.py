@@ -49,7 +49,7 @@ Note: [One dynamo cache entry per budget]
     Dynamo guards do not depend on the module instance (``inline_inbuilt_nn_modules``), so a
     second ``torch.compile`` of a deep copy silently reuses the first copy's compiled graph,
     whatever ``activation_memory_budget`` says. Each budget therefore gets its own backend
-    callable (:func:`_budget_backend`): dynamo's BACKEND_MATCH guard keeps one cache entry per
+    callable (:func:`budget_backend`): dynamo's BACKEND_MATCH guard keeps one cache entry per
     backend, and the backend applies the budget while AOTAutograd partitions the graph.
 
 Note: [Checkpoint and BatchNorm]
@@ -85,6 +85,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.dropout import _DropoutNd
 
 from convbn.bench.models import build_model
+from convbn.bench.plotting import pyplot
 from convbn.bench.table import markdown_table, print_rich_table
 from convbn.memory import format_bytes, peak_memory, tensor_peak, track_saved
 from convbn.passes.convert import convert
@@ -93,6 +94,7 @@ __all__ = [
     "TrainingRow",
     "CheckpointBlock",
     "find_blocks",
+    "budget_backend",
     "checkpoint_blocks",
     "config_names",
     "run_training_bench",
@@ -265,7 +267,7 @@ def config_names(
     return list(dict.fromkeys(names))
 
 
-def _budget_backend(budget: float) -> Callable[..., Any]:
+def budget_backend(budget: float) -> Callable[..., Any]:
     """An inductor backend that partitions with ``activation_memory_budget=budget``.
 
     A distinct callable per configuration (see Note: [One dynamo cache entry per budget]).
@@ -309,7 +311,7 @@ def _build(name: str, base: nn.Module, x: Tensor, lr: float) -> _Config:
         model = convert(model, strategy="auto", example_inputs=x)
         report = model.convbn_report
         note = f"{len(report.pairs)} pairs in {report.num_chains} chains"
-        model = torch.compile(model, backend=_budget_backend(budget))
+        model = torch.compile(model, backend=budget_backend(budget))
         context = lambda: torch._functorch.config.patch(activation_memory_budget=budget)  # noqa: E731
     elif name.startswith("convert"):
         if "budget=" in name:
@@ -334,7 +336,7 @@ def _build(name: str, base: nn.Module, x: Tensor, lr: float) -> _Config:
         note = f"{len(blocks)} blocks" + (f" ({n_bn} BN inside)" if n_bn else "")
     elif name.startswith("torch.compile"):
         budget = float(name.rpartition("=")[2])
-        model = torch.compile(model, backend=_budget_backend(budget))
+        model = torch.compile(model, backend=budget_backend(budget))
         # see Note: [One dynamo cache entry per budget]; the patch also covers lazy (re)compiles
         context = lambda: torch._functorch.config.patch(activation_memory_budget=budget)  # noqa: E731
     elif name != "eager":
@@ -764,7 +766,7 @@ def write_plot(rows: Sequence[TrainingRow], path: str, x: str = "activation") ->
     Raises:
         ImportError: matplotlib is missing (``pip install matplotlib``).
     """
-    plt = _pyplot()
+    plt = pyplot("--plot")
     import platform
 
     if x not in ("activation", "saved"):
@@ -801,17 +803,6 @@ def write_plot(rows: Sequence[TrainingRow], path: str, x: str = "activation") ->
     fig.tight_layout()
     fig.savefig(path, dpi=120, bbox_inches="tight")
     plt.close(fig)
-
-
-def _pyplot() -> Any:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError as exc:
-        raise ImportError("--plot needs matplotlib: pip install matplotlib (or convbn[plot])") from exc
-    return plt
 
 
 # --------------------------------------------------------------------------- command line
@@ -888,7 +879,7 @@ def main_training(args: argparse.Namespace) -> int:
     if args.compile_budget is not None and configs is not None and not {"compile", "convert+compile"} & set(configs):
         warnings.warn(f"--compile-budget is ignored: --configs {args.configs} has no compile configuration", stacklevel=2)
     if args.plot:
-        _pyplot()  # fail before the run, not after it
+        pyplot("--plot")  # fail before the run, not after it
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     rows: List[TrainingRow] = []
