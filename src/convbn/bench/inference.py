@@ -344,7 +344,7 @@ def main_inference(args: argparse.Namespace) -> int:
         ValueError / ImportError: a bad spec (``convbn`` prints it as one line, exit 2).
     """
     from .models import build_model as _check
-    from .training import _DTYPES, _write
+    from .training import _DTYPES, write_outputs
 
     specs = args.model or list(DEFAULT_MODELS)
     for spec in specs:  # a bad spec fails before any timing
@@ -360,13 +360,7 @@ def main_inference(args: argparse.Namespace) -> int:
     )
     print_table(rows, title=f"Inference: unfused vs fx fuse vs convbn.fold ({args.device} {args.dtype}, eval, no grad)",
                 wide=args.wide)
-    if args.markdown:
-        _write(args.markdown, rows_to_markdown(rows))
-    if args.json:
-        _write(args.json, rows_to_json(rows))
-    if args.plot:
-        write_plot(rows, args.plot)
-        print(f"plot written to {args.plot}")
+    write_outputs(args, rows, rows_to_markdown, rows_to_json, write_plot)
     return 0
 
 

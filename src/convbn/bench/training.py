@@ -865,6 +865,18 @@ def _write(path: str, text: str) -> None:
             fh.write(text + "\n")
 
 
+def write_outputs(args: argparse.Namespace, rows: Sequence[Any], to_markdown: Callable[[Sequence[Any]], str],
+                  to_json: Callable[[Sequence[Any]], str], plot: Callable[[Sequence[Any], str], None]) -> None:
+    """Write ``rows`` where ``--markdown`` / ``--json`` / ``--plot`` ask (``-``: standard output)."""
+    if args.markdown:
+        _write(args.markdown, to_markdown(rows))
+    if args.json:
+        _write(args.json, to_json(rows))
+    if args.plot:
+        plot(rows, args.plot)
+        print(f"plot written to {args.plot}")
+
+
 def main_training(args: argparse.Namespace) -> int:
     """Run the benchmark from parsed arguments and print the table; returns an exit code.
 
@@ -892,13 +904,7 @@ def main_training(args: argparse.Namespace) -> int:
             lr=args.lr, seed=args.seed, progress=not args.no_progress,
         )
     print_table(rows, wide=args.wide)
-    if args.markdown:
-        _write(args.markdown, rows_to_markdown(rows))
-    if args.json:
-        _write(args.json, rows_to_json(rows))
-    if args.plot:
-        write_plot(rows, args.plot)
-        print(f"plot written to {args.plot}")
+    write_outputs(args, rows, rows_to_markdown, rows_to_json, write_plot)
     if getattr(args, "timeline", None):
         from convbn.bench.timeline import write_bench_timeline
 
