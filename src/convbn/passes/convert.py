@@ -9,31 +9,22 @@ where they were (the chains only reference them), so parameters, buffers and
 from __future__ import annotations
 
 import copy
-import math
-import operator
 import warnings
-from collections import OrderedDict
-from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, TypeVar, Union
+from typing import Any, Callable, Dict, List, Optional, Tuple, TypeVar
 
 import torch
 import torch.fx as fx
-import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
-from torch.nn.modules.conv import _ConvNd
 
-from ..functional.activations import Activation, activation_from_module
-from ..functional.conv import ConvSpec, conv_spec_from_module, make_conv_spec
-from ..memory import saved_bytes, timeline
-from ..nn.chain import ChainLayer, FusedChain
+from ..nn.chain import FusedChain
 from ..nn.fused import _FusedConvBNNd
 from ..nn.sync import SyncBatchNorm
-from .planner import ChainCost, plan_for_peak, plan_layers, step_peak, tutorial_bytes
-from .report import ConvertReport, FusedPair, SkippedBN
-from .shape_uses import is_shape_use, value_users
-from .graph_module import ConvbnGraphModule, preserve_module_state
-from .hooks import hook_reason
+from .auto_plan import as_inputs, measure_peak, measure_saved, plan_auto
+from .graph_module import ConvbnGraphModule
+from .match import MatchTracer, find_layers, group_chains
+from .report import ConvertReport, SkippedBN
+from .rewrite import drop_hooked, rewrite_chains, set_submodule, shallow_clone, watch_hooks
 from .trace import short_reason, trace
 from .validate import StateSnapshot, compare_outputs, run_step
 
@@ -43,436 +34,6 @@ M = TypeVar("M", bound=nn.Module)
 
 #: Strategies :func:`convert` accepts.
 CONVERT_STRATEGIES = ("auto", "recompute_bn", "recompute_conv")
-
-_STD_CONV_FORWARDS = {nn.Conv1d.forward, nn.Conv2d.forward, nn.Conv3d.forward}
-_FUNCTIONAL_CONVS = {F.conv1d: 1, F.conv2d: 2, F.conv3d: 3, torch.conv1d: 1, torch.conv2d: 2, torch.conv3d: 3}
-_BN_DIMS = {nn.BatchNorm1d: (1,), nn.BatchNorm2d: (2,), nn.BatchNorm3d: (3,)}
-
-
-class _Tracer(fx.Tracer):
-    """Keeps convolutions (with the standard forward), BatchNorms and convbn's own
-    modules as leaves; traces through everything else, including conv subclasses
-    with their own forward (their ``F.convNd`` call is matched instead)."""
-
-    def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
-        if isinstance(m, (_BatchNorm, FusedChain, _FusedConvBNNd)):
-            return True
-        if isinstance(m, _ConvNd):
-            return type(m).forward in _STD_CONV_FORWARDS or m.transposed and m.__module__.startswith("torch.nn")
-        return super().is_leaf_module(m, qualname)
-
-
-# --------------------------------------------------------------------------- matching
-
-
-@dataclass
-class _Conv:
-    node: fx.Node
-    input: fx.Node
-    owner: nn.Module
-    weight_name: str
-    bias_name: Optional[str]
-    spec: ConvSpec
-    name: str
-    absorbed: Tuple[fx.Node, ...] = ()  # zero-padding nodes folded into ``spec``
-
-
-@dataclass
-class _Layer:
-    conv: _Conv
-    bn_node: fx.Node
-    bn: _BatchNorm
-    bn_name: str
-    act: Activation
-    act_node: Optional[fx.Node]
-    act_extra: Tuple[fx.Node, ...] = ()  # e.g. the sigmoid of x * sigmoid(x)
-    shape_uses: Tuple[fx.Node, ...] = ()  # x.shape / x.ndim / x.size() of the conv or BN output
-
-    @property
-    def out(self) -> fx.Node:
-        return self.act_node if self.act_node is not None else self.bn_node
-
-
-def _arg(node: fx.Node, i: int, name: str, default: Any) -> Any:
-    if len(node.args) > i:
-        return node.args[i]
-    return node.kwargs.get(name, default)
-
-
-_ZERO_PADS = (nn.ZeroPad1d, nn.ZeroPad2d, nn.ZeroPad3d, nn.ConstantPad1d, nn.ConstantPad2d, nn.ConstantPad3d)
-
-
-def _zero_pad_of(node: fx.Node, gm: fx.GraphModule) -> Optional[Tuple[int, ...]]:
-    """``F.pad``-style amounts if ``node`` only zero-pads its input (``()`` for an Identity)."""
-    if node.op == "call_module":
-        mod = gm.get_submodule(str(node.target))
-        if type(mod) is nn.Identity:
-            return ()
-        if isinstance(mod, _ZERO_PADS) and float(getattr(mod, "value", 0.0)) == 0.0:
-            return tuple(int(p) for p in mod.padding)
-        return None
-    if node.op == "call_function" and node.target is F.pad:
-        pad, mode, value = _arg(node, 1, "pad", None), _arg(node, 2, "mode", "constant"), _arg(node, 3, "value", None)
-        if mode == "constant" and not value and isinstance(pad, (list, tuple)) and all(isinstance(p, int) for p in pad):
-            return tuple(pad)
-    return None
-
-
-def _absorb_zero_pad(conv: _Conv, gm: fx.GraphModule) -> _Conv:
-    """Fold a zero-padding op that only feeds this conv into its spec (exact: zeros are zeros)."""
-    inp = conv.input
-    if conv.spec.pre_pad or len(inp.users) != 1:
-        return conv
-    pads = _zero_pad_of(inp, gm)
-    src = _arg(inp, 0, "input", None)
-    if pads is None or not isinstance(src, fx.Node) or len(pads) > 2 * conv.spec.dims or any(p < 0 for p in pads):
-        return conv
-    pads = tuple(pads) + (0,) * (2 * conv.spec.dims - len(pads))
-    padding, pre = [], []
-    for i in range(conv.spec.dims):  # natural order; F.pad lists the last dim first
-        j = conv.spec.dims - 1 - i
-        left, right = conv.spec.padding[i] + pads[2 * j], conv.spec.padding[i] + pads[2 * j + 1]
-        padding.append(min(left, right))
-    for j in range(conv.spec.dims):
-        i = conv.spec.dims - 1 - j
-        pre += [conv.spec.padding[i] + pads[2 * j] - padding[i], conv.spec.padding[i] + pads[2 * j + 1] - padding[i]]
-    spec = ConvSpec(conv.spec.dims, conv.spec.stride, tuple(padding), conv.spec.dilation, conv.spec.groups,
-                    tuple(pre) if any(pre) else (), "constant")
-    return _Conv(conv.node, src, conv.owner, conv.weight_name, conv.bias_name, spec, conv.name,
-                 conv.absorbed + (inp,))
-
-
-def _match_conv(node: fx.Node, gm: fx.GraphModule, root: nn.Module) -> Union[_Conv, str, None]:
-    """A conv node as :class:`_Conv`, a string reason why it cannot be fused, or ``None``.
-
-    Weight owners are looked up on ``root``, the user's module: the traced GraphModule
-    holds stand-in containers for ``get_attr`` targets, which later re-assignments of
-    the real modules' parameters (``load_state_dict(assign=True)``) would not reach.
-    """
-    found = _match_conv_node(node, gm, root)
-    if isinstance(found, _Conv) and found.spec.pre_pad_mode == "constant":
-        found = _absorb_zero_pad(found, gm)
-    return found
-
-
-def _match_conv_node(node: fx.Node, gm: fx.GraphModule, root: nn.Module) -> Union[_Conv, str, None]:
-    if node.op == "call_module":
-        mod = gm.get_submodule(str(node.target))
-        if not isinstance(mod, _ConvNd):
-            return None
-        if mod.transposed:
-            return f"its input is a transposed convolution ({node.target}), not fused for training"
-        if type(mod).forward not in _STD_CONV_FORWARDS:
-            return f"its input comes from {type(mod).__name__}, a convolution with a custom forward"
-        inp = _arg(node, 0, "input", None)
-        if not isinstance(inp, fx.Node):
-            return "the convolution's input is not a traced tensor"
-        return _Conv(node, inp, mod, "weight", "bias" if mod.bias is not None else None,
-                     conv_spec_from_module(mod), str(node.target))
-    if node.op == "call_function" and node.target in _FUNCTIONAL_CONVS:
-        dims = _FUNCTIONAL_CONVS[node.target]  # type: ignore[index]
-        inp, w, b = _arg(node, 0, "input", None), _arg(node, 1, "weight", None), _arg(node, 2, "bias", None)
-        if not isinstance(w, fx.Node) or w.op != "get_attr":
-            return "the functional convolution's weight is not a module parameter"
-        if b is not None and (not isinstance(b, fx.Node) or b.op != "get_attr"):
-            return "the functional convolution's bias is not a module parameter"
-        geo = [_arg(node, i, n, d) for i, n, d in ((3, "stride", 1), (4, "padding", 0), (5, "dilation", 1), (6, "groups", 1))]
-        if any(isinstance(a, fx.Node) for a in geo) or not isinstance(inp, fx.Node):
-            return "the functional convolution's arguments are not constants"
-        wpath, _, wname = str(w.target).rpartition(".")
-        owner = root.get_submodule(wpath) if wpath else root
-        bname = None
-        if b is not None:
-            bpath, _, bname = str(b.target).rpartition(".")
-            if bpath != wpath:
-                return "the functional convolution's weight and bias live in different modules"
-        weight = getattr(owner, wname)
-        spec = make_conv_spec(dims, weight.shape[2:], *geo)
-        return _Conv(node, inp, owner, wname, bname, spec, wpath or str(w.target))
-    return None
-
-
-_ACT_FUNCS: Dict[Any, Callable[[fx.Node], Optional[Activation]]] = {
-    torch.relu: lambda n: Activation("relu"),
-    torch.relu_: lambda n: Activation("relu"),
-    F.relu: lambda n: Activation("relu"),
-    F.relu_: lambda n: Activation("relu"),
-    F.relu6: lambda n: Activation("relu6"),
-    F.leaky_relu: lambda n: Activation("leaky_relu", negative_slope=float(_arg(n, 1, "negative_slope", 0.01))),
-    F.silu: lambda n: Activation("silu"),
-    F.gelu: lambda n: Activation("gelu", approximate=str(_arg(n, 1, "approximate", "none"))),
-    F.hardswish: lambda n: Activation("hardswish"),
-    F.hardtanh: lambda n: Activation("relu6") if (_arg(n, 1, "min_val", -1.0), _arg(n, 2, "max_val", 1.0)) == (0.0, 6.0) else None,
-    F.hardsigmoid: lambda n: Activation("hardsigmoid"),
-    F.elu: lambda n: Activation("elu", alpha=float(_arg(n, 1, "alpha", 1.0))),
-    F.celu: lambda n: Activation("celu", alpha=float(_arg(n, 1, "alpha", 1.0))),
-    F.selu: lambda n: Activation("selu"),
-    F.mish: lambda n: Activation("mish"),
-    F.softplus: lambda n: Activation("softplus", beta=float(_arg(n, 1, "beta", 1.0)),
-                                     threshold=float(_arg(n, 2, "threshold", 20.0))),
-    torch.sigmoid: lambda n: Activation("sigmoid"),
-    torch.sigmoid_: lambda n: Activation("sigmoid"),
-    F.sigmoid: lambda n: Activation("sigmoid"),
-    torch.tanh: lambda n: Activation("tanh"),
-    torch.tanh_: lambda n: Activation("tanh"),
-    F.tanh: lambda n: Activation("tanh"),
-}
-_ACT_METHODS = {"relu": "relu", "relu_": "relu", "sigmoid": "sigmoid", "sigmoid_": "sigmoid",
-                "tanh": "tanh", "tanh_": "tanh"}
-
-
-def _match_act(node: fx.Node, src: fx.Node, gm: fx.GraphModule) -> Optional[Activation]:
-    if _arg(node, 0, "input", None) is not src:
-        return None
-    if node.op == "call_module":
-        act = activation_from_module(gm.get_submodule(str(node.target)))
-        return None if act is None or act.is_identity else act
-    if node.op == "call_function" and node.target in _ACT_FUNCS:
-        if any(isinstance(a, fx.Node) for a in list(node.args[1:]) + list(node.kwargs.values())):
-            return None
-        return _ACT_FUNCS[node.target](node)
-    if node.op == "call_method" and node.target in _ACT_METHODS:
-        return Activation(_ACT_METHODS[str(node.target)])
-    return None
-
-
-_SIGMOIDS = {torch.sigmoid, F.sigmoid}
-_MULS = {operator.mul, torch.mul}
-
-
-def _match_swish(node: fx.Node) -> Optional[Tuple[fx.Node, fx.Node]]:
-    """``(mul, sigmoid)`` if ``node``'s two users compute ``node * sigmoid(node)`` (SiLU / Swish)."""
-    sig = next((u for u in node.users if (u.op == "call_function" and u.target in _SIGMOIDS)
-                or (u.op == "call_method" and u.target == "sigmoid")), None)
-    if sig is None or len(sig.users) != 1 or sig.kwargs or _arg(sig, 0, "input", None) is not node:
-        return None
-    mul = next(iter(sig.users))
-    ok = (mul.op == "call_function" and mul.target in _MULS) or (mul.op == "call_method" and mul.target == "mul")
-    if not ok or mul.kwargs or len(mul.args) != 2 or set(mul.args) != {node, sig} or mul not in node.users:
-        return None
-    return mul, sig
-
-
-def _describe(node: fx.Node) -> str:
-    if node.op == "placeholder":
-        return f"the model input '{node.name}'"
-    if node.op == "call_module":
-        return f"module '{node.target}'"
-    if node.op == "call_function":
-        return f"function {getattr(node.target, '__name__', node.target)}"
-    return f"{node.op} {node.target}"
-
-
-def _find_layers(gm: fx.GraphModule, root: nn.Module, prefix: str, report: ConvertReport) -> List[_Layer]:
-    graph = gm.graph
-    bn_calls: Dict[str, int] = {}
-    for node in graph.nodes:
-        if node.op == "call_module" and isinstance(gm.get_submodule(str(node.target)), _BatchNorm):
-            bn_calls[str(node.target)] = bn_calls.get(str(node.target), 0) + 1
-    layers: List[_Layer] = []
-    for node in graph.nodes:
-        if node.op != "call_module":
-            continue
-        bn = gm.get_submodule(str(node.target))
-        if not isinstance(bn, _BatchNorm):
-            continue
-        name = prefix + str(node.target)
-
-        def skip(reason: str, conv: Optional[str] = None) -> None:
-            report.skipped.append(SkippedBN(name, reason, conv))
-
-        if type(bn).forward not in (_BatchNorm.forward, SyncBatchNorm.forward):
-            skip(f"{type(bn).__name__} has its own forward (e.g. cross-process statistics); left as is")
-            continue
-        if bn_calls[str(node.target)] > 1:
-            if not any(s.bn == name for s in report.skipped):  # one line per module, not per call
-                skip(f"the BatchNorm module is called {bn_calls[str(node.target)]} times (shared running statistics)")
-            continue
-        if bn.running_mean is not None and bn.running_mean.is_meta:
-            skip("the BatchNorm's buffers are on the meta device")
-            continue
-        src = _arg(node, 0, "input", None)
-        if not isinstance(src, fx.Node):
-            skip("its input is not a traced tensor")
-            continue
-        conv = _match_conv(src, gm, root)
-        if conv is None:
-            skip(f"its input is not a convolution output (it follows {_describe(src)})")
-            continue
-        if isinstance(conv, str):
-            skip(conv)
-            continue
-        conv.name = prefix + conv.name
-        if len(value_users(src)) != 1:
-            others = ", ".join(_describe(u) for u in value_users(src) if u is not node)
-            skip(f"the convolution's output is also used by {others}", conv.name)
-            continue
-        dims_ok = _BN_DIMS.get(type(bn))
-        if dims_ok is not None and conv.spec.dims not in dims_ok:
-            skip(f"{type(bn).__name__} after a {conv.spec.dims}-D convolution", conv.name)
-            continue
-        if bn.num_features != getattr(conv.owner, conv.weight_name).shape[0]:
-            skip("BatchNorm num_features does not match the convolution's output channels", conv.name)
-            continue
-        act, act_node, act_extra = Activation("identity"), None, ()
-        shape_uses = tuple(u for u in src.users if u is not node)
-        bn_users = value_users(node)
-        if len(bn_users) == 1:
-            found = _match_act(bn_users[0], node, gm)
-            if found is not None:
-                act, act_node = found, bn_users[0]
-        elif len(bn_users) == 2:
-            swish = _match_swish(node)
-            if swish is not None:
-                act, act_node, act_extra = Activation("silu"), swish[0], (swish[1],)
-        if act_node is not None:  # else the BN output stays the layer's output, its users re-pointed as a whole
-            shape_uses += tuple(u for u in node.users if is_shape_use(u, node))
-        layers.append(_Layer(conv, node, bn, name, act, act_node, act_extra, shape_uses))
-    return layers
-
-
-def _chains(layers: List[_Layer], chain: bool) -> List[List[_Layer]]:
-    by_out = {l.out: l for l in layers}
-    chains: List[List[_Layer]] = []
-    where: Dict[int, List[_Layer]] = {}
-    for l in layers:  # graph (topological) order
-        prev = by_out.get(l.conv.input)
-        # a layer whose inner tensors' shapes are read must end its chain: only the
-        # chain's output exists to read them from (see Note: [shape-only uses] in shape_uses.py)
-        if (chain and prev is not None and id(prev) in where and len(prev.out.users) == 1
-                and not prev.shape_uses and l.conv.spec.pre_pad_mode == "constant"):
-            c = where[id(prev)]
-        else:
-            c = []
-            chains.append(c)
-        c.append(l)
-        where[id(l)] = c
-    return chains
-
-
-# --------------------------------------------------------------------------- rewriting
-
-
-def _graph_module(root: nn.Module, traced: fx.GraphModule, extra: Sequence[Tuple[str, nn.Module]]) -> fx.GraphModule:
-    """A GraphModule running ``traced.graph`` whose module tree is ``root``'s own (same
-    objects, same order) plus ``extra``, so ``state_dict()`` keys and parameters are unchanged;
-    ``root``'s plain attributes, hooks and ``_version`` come along (see
-    :func:`convbn.passes.trace.preserve_module_state`)."""
-    gm = ConvbnGraphModule(traced, traced.graph, class_name=type(root).__name__)
-    gm._modules = OrderedDict(root._modules)
-    for name, mod in extra:
-        gm._modules[name] = mod
-    # the very same dicts: a root-level parameter re-assigned on either model is the one
-    # the chains read (they hold ``root`` as the owner of root-level weights)
-    gm._parameters = root._parameters
-    gm._buffers = root._buffers
-    gm._non_persistent_buffers_set = set(root._non_persistent_buffers_set)
-    gm.training = root.training
-    preserve_module_state(root, gm)
-    return gm
-
-
-def _rewrite(root: nn.Module, gm: fx.GraphModule, chains: List[List[_Layer]], mode: str,
-             report: ConvertReport) -> fx.GraphModule:
-    graph = gm.graph
-    built: List[Tuple[str, FusedChain]] = []
-    base = len({p.chain for p in report.pairs})
-    replaced: Dict[fx.Node, fx.Node] = {}
-    for ci, chain in enumerate(chains):
-        layers = []
-        for pos, l in enumerate(chain):
-            cl = ChainLayer(l.conv.owner, l.conv.weight_name, l.conv.bias_name, l.conv.spec, l.bn, l.act,
-                            "recompute_bn" if mode == "auto" else mode,
-                            (l.conv.name, l.bn_name, str(l.act)))
-            layers.append(cl)
-            report.pairs.append(FusedPair(l.conv.name, l.bn_name, str(l.act), base + ci, pos, cl))
-        fused = FusedChain(layers)
-        fused.auto_pending = mode == "auto"
-        name = f"convbn_chain{ci}"
-        while hasattr(root, name) or hasattr(gm, name):
-            name += "_"
-        built.append((name, fused))
-        gm.add_module(name, fused)
-        last = chain[-1].out
-        # inserted where the chain's first conv ran: its only input is ``x0``, and shape
-        # uses between the conv and the chain's output can then read the chain's output
-        with graph.inserting_before(chain[0].conv.node):
-            x0 = chain[0].conv.input
-            new = graph.call_module(name, (replaced.get(x0, x0),))
-        last.replace_all_uses_with(new)
-        replaced[last] = new
-        for l in chain:
-            for u in l.shape_uses:
-                for old in (l.conv.node, l.bn_node):
-                    u.replace_input_with(old, new)
-        for l in reversed(chain):
-            for n in (l.act_node, *l.act_extra, l.bn_node, l.conv.node, *reversed(l.conv.absorbed)):
-                if n is not None:
-                    graph.erase_node(n)
-    for node in list(graph.nodes):
-        if node.op == "get_attr" and not node.users:
-            graph.erase_node(node)
-    graph.lint()
-    return _graph_module(root, gm, built)
-
-
-def _shallow_clone(module: nn.Module) -> nn.Module:
-    """A copy of ``module`` sharing its parameters, buffers and children, with its own child
-    list and hook dictionaries (hooks registered on either later stay on that one)."""
-    clone = copy.copy(module)
-    clone._modules = OrderedDict(module._modules)
-    for key, value in vars(module).items():
-        if "hook" in key and isinstance(value, dict):
-            clone.__dict__[key] = copy.copy(value)
-    return clone
-
-
-def _set_submodule(root: nn.Module, path: str, new: nn.Module, inplace: bool) -> nn.Module:
-    """Put ``new`` at ``path`` under ``root``; containers on the way are shallow-copied
-    unless ``inplace`` (the user's own modules stay untouched). Returns ``root``."""
-    *parents, leaf = path.split(".")
-    mod = root
-    for name in parents:
-        child = mod._modules[name]
-        if not inplace:
-            child = _shallow_clone(child)
-            mod._modules[name] = child
-        mod = child
-    mod._modules[leaf] = new
-    return root
-
-
-def _hooked_modules(layer: _Layer, gm: fx.GraphModule) -> List[Tuple[str, nn.Module]]:
-    """The modules of a matched layer whose own call the fused chain would replace."""
-    found: List[Tuple[str, nn.Module]] = []
-    if layer.conv.node.op == "call_module":
-        found.append((layer.conv.name, layer.conv.owner))
-    found.append((layer.bn_name, layer.bn))
-    if layer.act_node is not None and layer.act_node.op == "call_module":
-        found.append((str(layer.act_node.target), gm.get_submodule(str(layer.act_node.target))))
-    return found
-
-
-def _drop_hooked(layers: List[_Layer], gm: fx.GraphModule, report: ConvertReport) -> List[_Layer]:
-    """Leave unfused every layer one of whose modules has hooks (or a hook-based
-    parametrization / pruning), with the reason: a fused chain would bypass them."""
-    kept = []
-    for l in layers:
-        hooked = [(n, hook_reason(m)) for n, m in _hooked_modules(l, gm) if hook_reason(m)]
-        if hooked:
-            name, why = hooked[0]
-            report.skipped.append(SkippedBN(l.bn_name, f"'{name}' has hooks ({why}), which a fused chain would "
-                                            "bypass; left unfused so they run", l.conv.name))
-        else:
-            kept.append(l)
-    return kept
-
-
-def _watch_hooks(gm: fx.GraphModule, chains: List[List[_Layer]], before: Sequence[str]) -> None:
-    """Tell each new FusedChain which modules' hooks it must honour at call time."""
-    new = [m for n, m in gm.named_children() if isinstance(m, FusedChain) and n not in before]
-    for fused, chain in zip(new, chains):
-        fused.watch([[m for _, m in _hooked_modules(l, gm)] for l in chain])
 
 
 def _tolerance(dtype: torch.dtype) -> float:
@@ -494,10 +55,10 @@ def _convert(module: nn.Module, prefix: str, mode: str, chain: bool, inplace: bo
     if isinstance(module, _BatchNorm) and prefix:  # a lone BatchNorm child: nothing to fuse, nothing to trace
         return module
     try:
-        traced = trace(module, _Tracer, training=True)  # the graph convert builds is for training
+        traced = trace(module, MatchTracer, training=True)  # the graph convert builds is for training
     except Exception as err:  # any tracing failure: convert the children instead
         report.untraced.append((prefix.rstrip("."), short_reason(err, 120)))
-        target = module if inplace else _shallow_clone(module)
+        target = module if inplace else shallow_clone(module)
         for name, child in module.named_children():
             new = _convert(child, f"{prefix}{name}.", mode, chain, inplace, report, lazy)
             if new is not child:
@@ -511,20 +72,20 @@ def _convert(module: nn.Module, prefix: str, mode: str, chain: bool, inplace: bo
         new = _convert(sub, f"{prefix}{name}.", mode, chain, inplace, report, lazy)
         if new is not sub:
             replaced.append((name, new))
-    layers = _drop_hooked(_find_layers(gm, module, prefix, report), gm, report)
+    layers = drop_hooked(find_layers(gm, module, prefix, report), gm, report)
     if not layers:
         if not replaced:
             return module
-        target = module if inplace else _shallow_clone(module)
+        target = module if inplace else shallow_clone(module)
         for name, new in replaced:
-            _set_submodule(target, name, new, inplace)
+            set_submodule(target, name, new, inplace)
         return target
-    chains = _chains(layers, chain)
+    chains = group_chains(layers, chain)
     before = [n for n, _ in gm.named_children()]
-    out = _rewrite(module, gm, chains, mode, report)
-    _watch_hooks(out, chains, before)
+    out = rewrite_chains(module, gm, chains, mode, report)
+    watch_hooks(out, chains, before)
     for name, new in replaced:
-        _set_submodule(out, name, new, inplace)
+        set_submodule(out, name, new, inplace)
     if isinstance(out, ConvbnGraphModule):
         out.watch_inlined(module, _inlined_modules(module, out))
         if traced.mode_dependent:  # traced in one mode; the other runs the original (eager) code
@@ -582,7 +143,7 @@ def _validated_convert(module: nn.Module, prefix: str, args: Tuple[Any, ...], kw
     report.untraced.append((prefix.rstrip("."), f"the traced rewrite differs from eager ({result_note}); "
                             "converted child by child"))
     inputs = _child_inputs(module, args, kwargs)
-    target = module if inplace else _shallow_clone(module)
+    target = module if inplace else shallow_clone(module)
     for name, child in module.named_children():
         if name not in inputs:
             continue
@@ -659,152 +220,6 @@ def _child_inputs(module: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, An
         for h in handles:
             h.remove()
     return seen
-
-
-# --------------------------------------------------------------------------- measuring and planning
-
-
-def _as_tuple(example_inputs: Any) -> Tuple[Any, ...]:
-    if isinstance(example_inputs, Tensor):
-        return (example_inputs,)
-    if isinstance(example_inputs, (tuple, list)):
-        return tuple(example_inputs)
-    raise TypeError(f"example_inputs must be a Tensor or a tuple of inputs, but got {type(example_inputs).__name__}")
-
-
-def _measure(model: nn.Module, inputs: Tuple[Any, ...]) -> int:
-    """Saved *activation* bytes of one training forward (parameters excluded: eager
-    autograd saves weights, convbn holds them by reference; either way they are alive).
-    A model already in training mode is measured as it is: BatchNorms the user froze
-    (``.eval()`` inside a training model) stay frozen."""
-    if not model.training:
-        model.train()
-    return saved_bytes(model, *inputs).activation_bytes
-
-
-def _chain_layers(model: nn.Module) -> List[List[ChainLayer]]:
-    return [m.layers for m in model.modules() if isinstance(m, FusedChain)]
-
-
-def _act_kind(act: Activation) -> str:
-    return "identity" if act.is_identity else "output" if act.output_derivable else "smooth"
-
-
-def _chain_costs(converted: nn.Module, inputs: Tuple[Any, ...]) -> Tuple[List[FusedChain], List[ChainCost], int]:
-    """The chains in forward order with their :class:`ChainCost`, and the floor's saved
-    activation bytes; measured with every layer keeping nothing.
-
-    A chain's ``prefix`` is what is alive besides it when its backward runs: activations
-    saved before it, and the gradients of the parameters used after it (saved by later
-    layers, or held by later chains; their backward has run by then, and with
-    ``zero_grad(set_to_none=True)`` they did not exist at the end of forward). The chain's
-    own parameter gradients, made during its backward, are left out.
-    """
-    converted.train()
-    rec = saved_bytes(converted, *inputs, per_module=True)
-    names = {id(m): n for n, m in converted.named_modules()}
-    chain_params = {names[id(m)]: _chain_param_bytes(m) for m in converted.modules() if isinstance(m, FusedChain)}
-    # walk the saves in forward order: a chain's prefix = activations saved before it +
-    # gradients of every parameter used after it (saved ones, and later chains' own)
-    first: Dict[str, Tuple[int, int]] = {}
-    order: Dict[str, int] = {}
-    acts_before, params_before = 0, 0
-    for (mod, _, _, nbytes), is_param in zip(rec.shapes, rec.is_param):
-        if mod not in first:
-            first[mod], order[mod] = (acts_before, params_before), len(order)
-            params_before += chain_params.get(mod, 0)
-        if is_param:
-            params_before += nbytes
-        else:
-            acts_before += nbytes
-    total_params = params_before
-    prefix = {m: a + total_params - p - chain_params.get(m, 0) for m, (a, p) in first.items()}
-    chains = [m for m in converted.modules() if isinstance(m, FusedChain) and names.get(id(m)) in first]
-    chains.sort(key=lambda m: order[names[id(m)]])  # forward order
-    costs = [
-        ChainCost(
-            y_bytes=tuple(l.y_bytes() for l in c.layers),
-            x_bytes=tuple(_bytes_of_shape(l.x_shape, l) for l in c.layers),
-            macs=tuple(l.flops() for l in c.layers),
-            acts=tuple(_act_kind(l.act) for l in c.layers),
-            prefix=prefix[names[id(c)]],
-        )
-        for c in chains
-    ]
-    return chains, costs, rec.activation_bytes
-
-
-def _chain_param_bytes(chain: FusedChain) -> int:
-    """Bytes of the gradients a chain's parameters get (conv weight and bias, BN weight and bias)."""
-    ts = [t for l in chain.layers for t in (l.weight, l.bias, l.bn.weight, l.bn.bias)]
-    return sum(t.numel() * t.element_size() for t in ts if t is not None and t.requires_grad)
-
-
-def _bytes_of_shape(shape: Optional[Sequence[int]], layer: ChainLayer) -> int:
-    n = 1
-    for s in shape or ():
-        n *= int(s)
-    return n * (layer.y_bytes() // max(1, math.prod(layer.y_shape or (1,))))
-
-
-def _plan(original: nn.Module, converted: nn.Module, inputs: Tuple[Any, ...], memory_budget: Optional[float],
-          report: ConvertReport) -> None:
-    chains = _chain_layers(converted)
-    layers = [l for c in chains for l in c]
-    with StateSnapshot(original), StateSnapshot(converted):
-        eager = _measure(original, inputs)
-        for l in layers:
-            l.mode = "recompute_conv"
-        for m in converted.modules():
-            if isinstance(m, FusedChain):
-                m.auto_pending = False
-        floor = _measure(converted, inputs)
-        ordered, costs, floor_total = _chain_costs(converted, inputs)
-    report.eager_saved_bytes, report.floor_saved_bytes = eager, floor
-    if memory_budget is None:
-        extra = tutorial_bytes(chains)
-    else:
-        target = int(round(memory_budget * eager, 6))  # budget == floor / eager must reach the floor
-        if target < floor:
-            least = math.ceil(floor / eager * 1000) / 1000  # rounded *up*: the suggestion must work
-            raise ValueError(
-                f"memory_budget={memory_budget} asks for {target} saved bytes, below the lowest reachable with "
-                f"per-layer strategies: {floor} bytes = {floor / eager:.3f} of eager ({eager} bytes); "
-                f"use memory_budget >= {least:.3f}"
-            )
-        extra = target - floor
-    plan_layers(layers, extra)
-    if memory_budget is None:
-        # the default plans for the step's peak within the tutorial's memory (planner docstring)
-        keeps = plan_for_peak(costs, [[l.mode == "recompute_bn" for l in c.layers] for c in ordered],
-                              floor_total, extra)
-        for c, kp in zip(ordered, keeps):
-            for l, k in zip(c.layers, kp):
-                l.mode = "recompute_bn" if k else "recompute_conv"
-    keeps = [[l.mode == "recompute_bn" for l in c.layers] for c in ordered]
-    peak, where = step_peak(costs, keeps, floor_total)
-    report.predicted_peak_bytes = peak
-    names = {id(m): n for n, m in converted.named_modules()}
-    report.predicted_peak_where = "end of forward" if where < 0 else (
-        f"backward, in {names.get(id(ordered[where]), '?')!r} ({ordered[where].layers[0].names[0]} ...)")
-    report.target_saved_bytes = floor + extra
-    report.saved_bytes = floor + sum(l.y_bytes() for l in layers if l.mode == "recompute_bn")
-
-
-def _measure_peak(model: nn.Module, inputs: Tuple[Any, ...]) -> Any:
-    """Timeline of one training step of ``model`` (loss: mean output); gradients, buffers,
-    modes and RNG are put back afterwards."""
-    params = list(model.parameters())
-    grads = [p.grad for p in params]
-    for p in params:
-        p.grad = None
-    try:
-        with StateSnapshot(model):
-            model.train()
-            return timeline(model, *inputs)
-    finally:
-        for p, g in zip(params, grads):
-            p.grad = g
 
 
 def _check_args(model: Any, strategy: str, memory_budget: Optional[float], example_inputs: Any) -> None:
@@ -888,21 +303,21 @@ def convert(
     # iteration) or tracing must not move buffers or the RNG.
     with StateSnapshot(root):
         if example_inputs is not None:
-            converted = _validated_convert(root, "", _as_tuple(example_inputs), {}, strategy, chain, inplace, report)
+            converted = _validated_convert(root, "", as_inputs(example_inputs), {}, strategy, chain, inplace, report)
         else:
             converted = _convert(root, "", strategy, chain, inplace, report, lazy=True)
     _account_bns(model, report)
     if strategy == "auto" and example_inputs is not None and report.pairs:
         # measure on ``root``: its SyncBatchNorms are convbn's, which run on CPU too
-        _plan(root, converted, _as_tuple(example_inputs), memory_budget, report)
+        plan_auto(root, converted, as_inputs(example_inputs), memory_budget, report)
     elif example_inputs is not None and report.pairs:
-        inputs = _as_tuple(example_inputs)
+        inputs = as_inputs(example_inputs)
         with StateSnapshot(root), StateSnapshot(converted):
-            report.eager_saved_bytes = _measure(root, inputs)
-            report.saved_bytes = _measure(converted, inputs)
+            report.eager_saved_bytes = measure_saved(root, inputs)
+            report.saved_bytes = measure_saved(converted, inputs)
     try:
         if converted is model and not inplace:
-            converted = _shallow_clone(model)  # nothing fused: carry the report without touching ``model``
+            converted = shallow_clone(model)  # nothing fused: carry the report without touching ``model``
         converted.convbn_report = report  # type: ignore[assignment]
     except AttributeError:  # pragma: no cover - modules refusing attributes
         pass
@@ -921,7 +336,7 @@ def _swap_sync_batchnorm(model: nn.Module, inplace: bool) -> nn.Module:
     paths = [n for n, m in model.named_modules() if type(m) is nn.SyncBatchNorm]
     if not paths:
         return model
-    root = model if inplace else _shallow_clone(model)
+    root = model if inplace else shallow_clone(model)
     clones = {id(model): root}
     for path in paths:
         parent, parent_new = model, root
@@ -929,7 +344,7 @@ def _swap_sync_batchnorm(model: nn.Module, inplace: bool) -> nn.Module:
         for name in parents:
             child = parent._modules[name]
             if id(child) not in clones:
-                clones[id(child)] = child if inplace else _shallow_clone(child)
+                clones[id(child)] = child if inplace else shallow_clone(child)
                 parent_new._modules[name] = clones[id(child)]
             parent, parent_new = child, clones[id(child)]
         parent_new._modules[leaf] = SyncBatchNorm.from_module(parent._modules[leaf])
@@ -970,10 +385,10 @@ def explain(model: nn.Module, example_inputs: Any = None, **kwargs: Any) -> Conv
     converted = convert(model, example_inputs=example_inputs, inplace=False, **kwargs)
     report: ConvertReport = converted.convbn_report  # type: ignore[assignment]
     if example_inputs is not None and report.pairs:
-        inputs = _as_tuple(example_inputs)
+        inputs = as_inputs(example_inputs)
         with StateSnapshot(model):
-            eager = _measure_peak(model, inputs)
-        tl = _measure_peak(converted, inputs)
+            eager = measure_peak(model, inputs)
+        tl = measure_peak(converted, inputs)
         report.eager_peak_bytes = eager.peak
         report.measured_peak_bytes, report.measured_peak_where = tl.peak, tl.where()
     return report

@@ -1,0 +1,162 @@
+"""Planning glue for ``convert(strategy="auto")``: measure a converted model's chains
+(saved bytes, shapes, MACs, what is alive around each chain's backward) and hand them to
+the pure planner in :mod:`convbn.passes.planner`, then write the chosen modes back.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+from torch import Tensor, nn
+
+from ..functional.activations import Activation
+from ..memory import saved_bytes, timeline
+from ..nn.chain import ChainLayer, FusedChain
+from .planner import ChainCost, plan_for_peak, plan_layers, step_peak, tutorial_bytes
+from .report import ConvertReport
+from .validate import StateSnapshot
+
+__all__ = ["as_inputs", "measure_saved", "plan_auto", "measure_peak"]
+
+
+def as_inputs(example_inputs: Any) -> Tuple[Any, ...]:
+    if isinstance(example_inputs, Tensor):
+        return (example_inputs,)
+    if isinstance(example_inputs, (tuple, list)):
+        return tuple(example_inputs)
+    raise TypeError(f"example_inputs must be a Tensor or a tuple of inputs, but got {type(example_inputs).__name__}")
+
+
+def measure_saved(model: nn.Module, inputs: Tuple[Any, ...]) -> int:
+    """Saved *activation* bytes of one training forward (parameters excluded: eager
+    autograd saves weights, convbn holds them by reference; either way they are alive).
+    A model already in training mode is measured as it is: BatchNorms the user froze
+    (``.eval()`` inside a training model) stay frozen."""
+    if not model.training:
+        model.train()
+    return saved_bytes(model, *inputs).activation_bytes
+
+
+def _chain_layers(model: nn.Module) -> List[List[ChainLayer]]:
+    return [m.layers for m in model.modules() if isinstance(m, FusedChain)]
+
+
+def _act_kind(act: Activation) -> str:
+    return "identity" if act.is_identity else "output" if act.output_derivable else "smooth"
+
+
+def _chain_costs(converted: nn.Module, inputs: Tuple[Any, ...]) -> Tuple[List[FusedChain], List[ChainCost], int]:
+    """The chains in forward order with their :class:`ChainCost`, and the floor's saved
+    activation bytes; measured with every layer keeping nothing.
+
+    A chain's ``prefix`` is what is alive besides it when its backward runs: activations
+    saved before it, and the gradients of the parameters used after it (saved by later
+    layers, or held by later chains; their backward has run by then, and with
+    ``zero_grad(set_to_none=True)`` they did not exist at the end of forward). The chain's
+    own parameter gradients, made during its backward, are left out.
+    """
+    converted.train()
+    rec = saved_bytes(converted, *inputs, per_module=True)
+    names = {id(m): n for n, m in converted.named_modules()}
+    chain_params = {names[id(m)]: _chain_param_bytes(m) for m in converted.modules() if isinstance(m, FusedChain)}
+    # walk the saves in forward order: a chain's prefix = activations saved before it +
+    # gradients of every parameter used after it (saved ones, and later chains' own)
+    first: Dict[str, Tuple[int, int]] = {}
+    order: Dict[str, int] = {}
+    acts_before, params_before = 0, 0
+    for (mod, _, _, nbytes), is_param in zip(rec.shapes, rec.is_param):
+        if mod not in first:
+            first[mod], order[mod] = (acts_before, params_before), len(order)
+            params_before += chain_params.get(mod, 0)
+        if is_param:
+            params_before += nbytes
+        else:
+            acts_before += nbytes
+    total_params = params_before
+    prefix = {m: a + total_params - p - chain_params.get(m, 0) for m, (a, p) in first.items()}
+    chains = [m for m in converted.modules() if isinstance(m, FusedChain) and names.get(id(m)) in first]
+    chains.sort(key=lambda m: order[names[id(m)]])  # forward order
+    costs = [
+        ChainCost(
+            y_bytes=tuple(l.y_bytes() for l in c.layers),
+            x_bytes=tuple(_bytes_of_shape(l.x_shape, l) for l in c.layers),
+            macs=tuple(l.flops() for l in c.layers),
+            acts=tuple(_act_kind(l.act) for l in c.layers),
+            prefix=prefix[names[id(c)]],
+        )
+        for c in chains
+    ]
+    return chains, costs, rec.activation_bytes
+
+
+def _chain_param_bytes(chain: FusedChain) -> int:
+    """Bytes of the gradients a chain's parameters get (conv weight and bias, BN weight and bias)."""
+    ts = [t for l in chain.layers for t in (l.weight, l.bias, l.bn.weight, l.bn.bias)]
+    return sum(t.numel() * t.element_size() for t in ts if t is not None and t.requires_grad)
+
+
+def _bytes_of_shape(shape: Optional[Sequence[int]], layer: ChainLayer) -> int:
+    n = 1
+    for s in shape or ():
+        n *= int(s)
+    return n * (layer.y_bytes() // max(1, math.prod(layer.y_shape or (1,))))
+
+
+def plan_auto(original: nn.Module, converted: nn.Module, inputs: Tuple[Any, ...], memory_budget: Optional[float],
+          report: ConvertReport) -> None:
+    chains = _chain_layers(converted)
+    layers = [l for c in chains for l in c]
+    with StateSnapshot(original), StateSnapshot(converted):
+        eager = measure_saved(original, inputs)
+        for l in layers:
+            l.mode = "recompute_conv"
+        for m in converted.modules():
+            if isinstance(m, FusedChain):
+                m.auto_pending = False
+        floor = measure_saved(converted, inputs)
+        ordered, costs, floor_total = _chain_costs(converted, inputs)
+    report.eager_saved_bytes, report.floor_saved_bytes = eager, floor
+    if memory_budget is None:
+        extra = tutorial_bytes(chains)
+    else:
+        target = int(round(memory_budget * eager, 6))  # budget == floor / eager must reach the floor
+        if target < floor:
+            least = math.ceil(floor / eager * 1000) / 1000  # rounded *up*: the suggestion must work
+            raise ValueError(
+                f"memory_budget={memory_budget} asks for {target} saved bytes, below the lowest reachable with "
+                f"per-layer strategies: {floor} bytes = {floor / eager:.3f} of eager ({eager} bytes); "
+                f"use memory_budget >= {least:.3f}"
+            )
+        extra = target - floor
+    plan_layers(layers, extra)
+    if memory_budget is None:
+        # the default plans for the step's peak within the tutorial's memory (planner docstring)
+        keeps = plan_for_peak(costs, [[l.mode == "recompute_bn" for l in c.layers] for c in ordered],
+                              floor_total, extra)
+        for c, kp in zip(ordered, keeps):
+            for l, k in zip(c.layers, kp):
+                l.mode = "recompute_bn" if k else "recompute_conv"
+    keeps = [[l.mode == "recompute_bn" for l in c.layers] for c in ordered]
+    peak, where = step_peak(costs, keeps, floor_total)
+    report.predicted_peak_bytes = peak
+    names = {id(m): n for n, m in converted.named_modules()}
+    report.predicted_peak_where = "end of forward" if where < 0 else (
+        f"backward, in {names.get(id(ordered[where]), '?')!r} ({ordered[where].layers[0].names[0]} ...)")
+    report.target_saved_bytes = floor + extra
+    report.saved_bytes = floor + sum(l.y_bytes() for l in layers if l.mode == "recompute_bn")
+
+
+def measure_peak(model: nn.Module, inputs: Tuple[Any, ...]) -> Any:
+    """Timeline of one training step of ``model`` (loss: mean output); gradients, buffers,
+    modes and RNG are put back afterwards."""
+    params = list(model.parameters())
+    grads = [p.grad for p in params]
+    for p in params:
+        p.grad = None
+    try:
+        with StateSnapshot(model):
+            model.train()
+            return timeline(model, *inputs)
+    finally:
+        for p, g in zip(params, grads):
+            p.grad = g

@@ -1,0 +1,145 @@
+"""Rewriting: replace each matched chain by one :class:`~convbn.nn.chain.FusedChain` call.
+
+The rewritten ``GraphModule`` keeps the user's module tree (same objects, same order) plus
+the new chain modules, so ``state_dict()`` keys and parameters are unchanged. Layers whose
+modules carry hooks are left unfused here (a fused chain would bypass them), and each new
+chain learns which modules' hooks it must honour when they are registered later.
+"""
+from __future__ import annotations
+
+import copy
+from collections import OrderedDict
+from typing import Dict, List, Sequence, Tuple
+
+import torch.fx as fx
+from torch import nn
+
+from ..nn.chain import ChainLayer, FusedChain
+from .graph_module import ConvbnGraphModule, preserve_module_state
+from .hooks import hook_reason
+from .match import MatchedLayer
+from .report import ConvertReport, FusedPair, SkippedBN
+
+__all__ = ["rewrite_chains", "graph_module_like", "shallow_clone", "set_submodule", "drop_hooked", "watch_hooks"]
+
+
+def graph_module_like(root: nn.Module, traced: fx.GraphModule, extra: Sequence[Tuple[str, nn.Module]]) -> fx.GraphModule:
+    """A GraphModule running ``traced.graph`` whose module tree is ``root``'s own (same
+    objects, same order) plus ``extra``, so ``state_dict()`` keys and parameters are unchanged;
+    ``root``'s plain attributes, hooks and ``_version`` come along (see
+    :func:`convbn.passes.trace.preserve_module_state`)."""
+    gm = ConvbnGraphModule(traced, traced.graph, class_name=type(root).__name__)
+    gm._modules = OrderedDict(root._modules)
+    for name, mod in extra:
+        gm._modules[name] = mod
+    # the very same dicts: a root-level parameter re-assigned on either model is the one
+    # the chains read (they hold ``root`` as the owner of root-level weights)
+    gm._parameters = root._parameters
+    gm._buffers = root._buffers
+    gm._non_persistent_buffers_set = set(root._non_persistent_buffers_set)
+    gm.training = root.training
+    preserve_module_state(root, gm)
+    return gm
+
+
+def rewrite_chains(root: nn.Module, gm: fx.GraphModule, chains: List[List[MatchedLayer]], mode: str,
+             report: ConvertReport) -> fx.GraphModule:
+    graph = gm.graph
+    built: List[Tuple[str, FusedChain]] = []
+    base = len({p.chain for p in report.pairs})
+    replaced: Dict[fx.Node, fx.Node] = {}
+    for ci, chain in enumerate(chains):
+        layers = []
+        for pos, l in enumerate(chain):
+            cl = ChainLayer(l.conv.owner, l.conv.weight_name, l.conv.bias_name, l.conv.spec, l.bn, l.act,
+                            "recompute_bn" if mode == "auto" else mode,
+                            (l.conv.name, l.bn_name, str(l.act)))
+            layers.append(cl)
+            report.pairs.append(FusedPair(l.conv.name, l.bn_name, str(l.act), base + ci, pos, cl))
+        fused = FusedChain(layers)
+        fused.auto_pending = mode == "auto"
+        name = f"convbn_chain{ci}"
+        while hasattr(root, name) or hasattr(gm, name):
+            name += "_"
+        built.append((name, fused))
+        gm.add_module(name, fused)
+        last = chain[-1].out
+        # inserted where the chain's first conv ran: its only input is ``x0``, and shape
+        # uses between the conv and the chain's output can then read the chain's output
+        with graph.inserting_before(chain[0].conv.node):
+            x0 = chain[0].conv.input
+            new = graph.call_module(name, (replaced.get(x0, x0),))
+        last.replace_all_uses_with(new)
+        replaced[last] = new
+        for l in chain:
+            for u in l.shape_uses:
+                for old in (l.conv.node, l.bn_node):
+                    u.replace_input_with(old, new)
+        for l in reversed(chain):
+            for n in (l.act_node, *l.act_extra, l.bn_node, l.conv.node, *reversed(l.conv.absorbed)):
+                if n is not None:
+                    graph.erase_node(n)
+    for node in list(graph.nodes):
+        if node.op == "get_attr" and not node.users:
+            graph.erase_node(node)
+    graph.lint()
+    return graph_module_like(root, gm, built)
+
+
+def shallow_clone(module: nn.Module) -> nn.Module:
+    """A copy of ``module`` sharing its parameters, buffers and children, with its own child
+    list and hook dictionaries (hooks registered on either later stay on that one)."""
+    clone = copy.copy(module)
+    clone._modules = OrderedDict(module._modules)
+    for key, value in vars(module).items():
+        if "hook" in key and isinstance(value, dict):
+            clone.__dict__[key] = copy.copy(value)
+    return clone
+
+
+def set_submodule(root: nn.Module, path: str, new: nn.Module, inplace: bool) -> nn.Module:
+    """Put ``new`` at ``path`` under ``root``; containers on the way are shallow-copied
+    unless ``inplace`` (the user's own modules stay untouched). Returns ``root``."""
+    *parents, leaf = path.split(".")
+    mod = root
+    for name in parents:
+        child = mod._modules[name]
+        if not inplace:
+            child = shallow_clone(child)
+            mod._modules[name] = child
+        mod = child
+    mod._modules[leaf] = new
+    return root
+
+
+def _hooked_modules(layer: MatchedLayer, gm: fx.GraphModule) -> List[Tuple[str, nn.Module]]:
+    """The modules of a matched layer whose own call the fused chain would replace."""
+    found: List[Tuple[str, nn.Module]] = []
+    if layer.conv.node.op == "call_module":
+        found.append((layer.conv.name, layer.conv.owner))
+    found.append((layer.bn_name, layer.bn))
+    if layer.act_node is not None and layer.act_node.op == "call_module":
+        found.append((str(layer.act_node.target), gm.get_submodule(str(layer.act_node.target))))
+    return found
+
+
+def drop_hooked(layers: List[MatchedLayer], gm: fx.GraphModule, report: ConvertReport) -> List[MatchedLayer]:
+    """Leave unfused every layer one of whose modules has hooks (or a hook-based
+    parametrization / pruning), with the reason: a fused chain would bypass them."""
+    kept = []
+    for l in layers:
+        hooked = [(n, hook_reason(m)) for n, m in _hooked_modules(l, gm) if hook_reason(m)]
+        if hooked:
+            name, why = hooked[0]
+            report.skipped.append(SkippedBN(l.bn_name, f"'{name}' has hooks ({why}), which a fused chain would "
+                                            "bypass; left unfused so they run", l.conv.name))
+        else:
+            kept.append(l)
+    return kept
+
+
+def watch_hooks(gm: fx.GraphModule, chains: List[List[MatchedLayer]], before: Sequence[str]) -> None:
+    """Tell each new FusedChain which modules' hooks it must honour at call time."""
+    new = [m for n, m in gm.named_children() if isinstance(m, FusedChain) and n not in before]
+    for fused, chain in zip(new, chains):
+        fused.watch([[m for _, m in _hooked_modules(l, gm)] for l in chain])
