@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-import convbn.passes.fold as fold_mod
+import convbn.passes.fold_graph as fold_mod  # where the graph folder calls the fold maths
 from convbn.bench.models import MNISTNet
 from convbn.passes.fold import FoldReport, fold, fold_conv_bn_modules
 

@@ -1,0 +1,467 @@
+"""The graph folder: in one traced GraphModule, find each BatchNorm's neighbouring layer
+and fold it (into the layer before, or where exact the layer after), recursing into
+submodules that were traced on their own."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Dict, Optional, Set, Tuple, Union
+
+import torch
+import torch.fx as fx
+from torch import Tensor, nn
+from torch.nn.modules.batchnorm import _BatchNorm
+from torch.utils import _pytree as pytree
+
+from ..functional.fold import fold_bn_into_following, fold_bn_into_preceding
+from .fold_layers import BN_FNS, CONVT_FNS, CONVT_MODULES, CONVT_SIG, CONV_FNS, CONV_SIG, FoldTracer, LAYER_MODULES, LINEAR_FNS, LINEAR_SIG, UNSET, check_bn_foldable, clone_with, const_tensor, free_name, get_attr_value, has_standard_forward, is_zero_padding, normalize_args, owner_path
+from .fold_report import FoldAction, FoldReport
+from .graph_module import preserve_module_state
+from .shape_uses import value_users
+from .trace import short_reason, trace
+
+__all__ = ["FoldContext", "fold_module"]
+
+
+# --------------------------------------------------------------------------------------
+# The pass
+# --------------------------------------------------------------------------------------
+
+
+@dataclass
+class FoldContext:
+    report: FoldReport
+    inplace: bool
+    bn_input_ranks: Dict[int, Set[int]]   # id(BN module) -> ranks of its inputs (sample run)
+    linear_out_ranks: Dict[int, Set[int]]  # id(Linear module) -> ranks of its outputs
+
+
+@dataclass
+class _BNSite:
+    """One BatchNorm application in a graph, module or functional."""
+
+    node: fx.Node
+    name: str
+    input: Any
+    running_mean: Tensor
+    running_var: Tensor
+    eps: float
+    weight: Optional[Tensor]
+    bias: Optional[Tensor]
+    module: Optional[nn.Module]
+    attr_nodes: Tuple[fx.Node, ...]  # get_attr nodes only this site may use
+
+
+@dataclass
+class _BNSkip:
+    """A BatchNorm application that cannot be folded whatever its neighbours are."""
+
+    name: str
+    reason: str
+
+
+@dataclass
+class _Layer:
+    """A conv / conv-transpose / linear application in a graph, module or functional."""
+
+    node: fx.Node
+    name: str
+    kind: str  # "conv", "convt", "linear"
+    weight: Tensor
+    bias: Optional[Tensor]
+    groups: int
+    module: Optional[nn.Module]
+    args: Optional[Dict[str, Any]]  # normalised args for functional layers
+
+    @property
+    def out_channels(self) -> int:
+        return self.weight.shape[1] * self.groups if self.kind == "convt" else self.weight.shape[0]
+
+    @property
+    def in_channels(self) -> int:
+        return self.weight.shape[0] if self.kind == "convt" else self.weight.shape[1] * self.groups
+
+
+class _GraphFolder:
+    """Folds the BatchNorms of one traced GraphModule (``prefix``: its qualified name)."""
+
+    def __init__(self, gm: fx.GraphModule, root: nn.Module, prefix: str, ctx: FoldContext) -> None:
+        self.gm = gm
+        self.root = root  # the traced module (gm only holds the parts the graph uses)
+        self.prefix = prefix
+        self.ctx = ctx
+        self.modules = dict(gm.named_modules())
+        self.changed = False
+
+    # -- naming -------------------------------------------------------------------
+    def qual(self, target: str) -> str:
+        return f"{self.prefix}{target}" if target else self.prefix.rstrip(".") or "<root>"
+
+    # -- matching -----------------------------------------------------------------
+    def bn_site(self, node: fx.Node) -> Union[_BNSite, _BNSkip, None]:
+        """The BN applied by ``node``; a :class:`_BNSkip` if it is a BN that cannot fold;
+        None if ``node`` is no BatchNorm."""
+        if node.op == "call_module":
+            mod = self.modules.get(node.target)
+            if not isinstance(mod, _BatchNorm):
+                return None
+            name = self.qual(node.target)
+            why = check_bn_foldable(mod)
+            if why is None and not has_standard_forward(mod):
+                why = (f"{type(mod).__name__} overrides forward() in a way that could not be traced "
+                       "into, so it may do more than batch norm")
+            if why is None and (mod._forward_hooks or mod._forward_pre_hooks):
+                why = "BatchNorm has forward hooks, which folding would drop"
+            if why is None and (len(node.args) != 1 or node.kwargs):
+                why = "BatchNorm called with extra arguments"
+            if why is not None:
+                return _BNSkip(name, why)
+            return _BNSite(node, name, node.args[0], mod.running_mean, mod.running_var, mod.eps,
+                           mod.weight, mod.bias, mod, ())
+        if node.op == "call_function" and node.target in BN_FNS:
+            args = normalize_args(node, BN_FNS[node.target])
+            rm_node = args.get("running_mean") if args else None
+            name = self._functional_bn_name(node, rm_node)
+            if args is None:
+                return _BNSkip(name, "batch_norm call with arguments this pass does not understand")
+            if args["training"] is not False:
+                return _BNSkip(name, f"batch_norm called with training={args['training']!r} (batch statistics)")
+            values = {k: const_tensor(self.gm, args[k]) for k in ("running_mean", "running_var", "weight", "bias")}
+            if values["running_mean"] is None or values["running_var"] is None:
+                return _BNSkip(name, "batch_norm called without running statistics")
+            if any(v is UNSET for v in values.values()):
+                return _BNSkip(name, "batch_norm statistics/affine parameters are computed in forward, not stored attributes")
+            eps = args["eps"]
+            if not isinstance(eps, (int, float)):
+                return _BNSkip(name, "batch_norm eps is not a constant")
+            attr_nodes = tuple(args[k] for k in ("running_mean", "running_var", "weight", "bias")
+                               if isinstance(args[k], fx.Node))
+            return _BNSite(node, name, args["input"], values["running_mean"], values["running_var"],
+                           float(eps), values["weight"], values["bias"], None, attr_nodes)
+        return None
+
+    def _functional_bn_name(self, node: fx.Node, rm_node: Any) -> str:
+        if isinstance(rm_node, fx.Node) and rm_node.op == "get_attr":
+            owner = owner_path(rm_node.target)
+            try:
+                owner_module = self.root.get_submodule(owner)
+            except AttributeError:
+                owner_module = None
+            if owner and isinstance(owner_module, _BatchNorm):
+                return self.qual(owner)  # a BatchNorm subclass whose forward was traced into
+        where = self.prefix.rstrip(".") or "<root>"
+        return f"{node.target.__name__}() call '{node.name}' in {where}"
+
+    def layer(self, node: Any) -> Union[_Layer, str]:
+        """The conv/linear applied by ``node``, or a reason string why it is none."""
+        if not isinstance(node, fx.Node):
+            return "the input is not a graph value"
+        if node.op == "call_module":
+            mod = self.modules.get(node.target)
+            if not isinstance(mod, LAYER_MODULES):
+                return f"'{node.name}' is a {type(mod).__name__}, not a conv/linear layer"
+            name = self.qual(node.target)
+            if not has_standard_forward(mod):
+                return f"{name} ({type(mod).__name__}) overrides forward()"
+            if mod._forward_hooks or mod._forward_pre_hooks:
+                return f"{name} has forward hooks"
+            if torch.nn.utils.parametrize.is_parametrized(mod):
+                return f"{name} is parametrized"
+            kind = "convt" if isinstance(mod, CONVT_MODULES) else "linear" if isinstance(mod, nn.Linear) else "conv"
+            return _Layer(node, name, kind, mod.weight, mod.bias, getattr(mod, "groups", 1), mod, None)
+        if node.op == "call_function" and node.target in (CONV_FNS | CONVT_FNS | LINEAR_FNS):
+            if node.target in CONV_FNS:
+                kind, sig = "conv", CONV_SIG
+            elif node.target in CONVT_FNS:
+                kind, sig = "convt", CONVT_SIG
+            else:
+                kind, sig = "linear", LINEAR_SIG
+            args = normalize_args(node, sig)
+            if args is None:
+                return f"'{node.name}' has arguments this pass does not understand"
+            weight = const_tensor(self.gm, args["weight"])
+            bias = const_tensor(self.gm, args["bias"])
+            if not isinstance(weight, Tensor) or bias is UNSET:
+                return f"'{node.name}' uses a weight/bias computed in forward, not a stored parameter"
+            groups = args.get("groups", 1)
+            if not isinstance(groups, int):
+                return f"'{node.name}' has non-constant groups"
+            wt = args["weight"].target
+            name = self.qual(owner_path(wt)) if owner_path(wt) else self.qual(wt)
+            return _Layer(node, name, kind, weight, bias, groups, None, args)
+        what = node.op if node.op != "call_function" else getattr(node.target, "__name__", str(node.target))
+        return f"'{node.name}' ({what}) is not a conv/linear layer"
+
+    # -- sharing ------------------------------------------------------------------
+    def _module_exclusive(self, target: str) -> bool:
+        """Module ``target`` is used by exactly one graph node and reachable by one name."""
+        calls = 0
+        for n in self.gm.graph.nodes:
+            if n.op == "call_module":
+                if n.target == target:
+                    calls += 1
+                elif target.startswith(n.target + "."):
+                    return False  # used inside an opaque module too
+            elif n.op == "get_attr" and n.target.startswith(target + "."):
+                return False
+        if calls != 1:
+            return False
+        mod = self.modules[target]
+        return sum(1 for _, m in self.gm.named_modules(remove_duplicate=False) if m is mod) == 1
+
+    def _attr_exclusive(self, attr_node: fx.Node, user: fx.Node) -> bool:
+        target = attr_node.target
+        if set(attr_node.users) != {user}:
+            return False
+        owner = owner_path(target)
+        for n in self.gm.graph.nodes:
+            if n is attr_node:
+                continue
+            if n.op == "get_attr" and n.target == target:
+                return False
+            if n.op == "call_module" and (owner == n.target or owner.startswith(n.target + ".")):
+                return False
+        value = get_attr_value(self.gm, target)
+        return sum(1 for _, p in self.gm.named_parameters(remove_duplicate=False) if p is value) <= 1
+
+    @staticmethod
+    def _tied(module: nn.Module, root: nn.Module) -> bool:
+        ids = {id(p) for p in module.parameters(recurse=False)}
+        count = sum(1 for _, p in root.named_parameters(remove_duplicate=False) if id(p) in ids)
+        return count != len(ids)
+
+    # -- rewriting ----------------------------------------------------------------
+    def install(self, layer: _Layer, weight: Tensor, bias: Tensor) -> str:
+        """Make ``layer.node`` compute with ``weight``/``bias``; returns a note."""
+        requires_grad = layer.weight.requires_grad
+        if layer.module is not None:
+            target = layer.node.target
+            if self._module_exclusive(target):
+                if self.ctx.inplace and not self._tied(layer.module, self.gm):
+                    # inplace=True: overwrite the existing parameters (saves memory).
+                    layer.module.weight.data = weight.detach().to(layer.module.weight.dtype)
+                    if layer.module.bias is None:
+                        layer.module.bias = nn.Parameter(bias.detach(), requires_grad=requires_grad)
+                    else:
+                        layer.module.bias.data = bias.detach().to(layer.module.bias.dtype)
+                    return ""
+                new = clone_with(layer.module, weight, bias)
+                parent, _, attr = target.rpartition(".")
+                setattr(self.gm.get_submodule(parent), attr, new)
+                self.modules[target] = new
+                return ""
+            new_target = free_name(self.gm, target + "_bnfold")
+            new = clone_with(layer.module, weight, bias)
+            self.gm.add_submodule(new_target, new)
+            self.modules[new_target] = new
+            layer.node.target = new_target
+            return f"fresh copy '{self.qual(new_target)}': the layer is also used elsewhere"
+        # Functional layer: point the call at new parameters.
+        args = dict(layer.args)
+        w_node, b_node = args["weight"], args["bias"]
+        notes = []
+        w_excl = self._attr_exclusive(w_node, layer.node)
+        if w_excl:
+            self._replace_attr(w_node.target, weight, requires_grad)
+            new_w = w_node
+        else:
+            new_w = self._new_param_node(w_node.target, weight, requires_grad, layer.node)
+            notes.append(f"new weight '{self.qual(new_w.target)}' (the original is shared)")
+        owner = owner_path(w_node.target)
+        if b_node is not None and self._attr_exclusive(b_node, layer.node):
+            self._replace_attr(b_node.target, bias, requires_grad)
+            new_b = b_node
+        elif b_node is None and w_excl and not hasattr(self.gm.get_submodule(owner), "bias"):
+            self.gm.get_submodule(owner).register_parameter(
+                "bias", nn.Parameter(bias.detach().clone(), requires_grad=requires_grad))
+            with self.gm.graph.inserting_before(layer.node):
+                new_b = self.gm.graph.get_attr(f"{owner}.bias" if owner else "bias")
+        else:
+            base = b_node.target if b_node is not None else (f"{owner}.bias" if owner else "bias")
+            new_b = self._new_param_node(base, bias, requires_grad, layer.node)
+        args["weight"], args["bias"] = new_w, new_b
+        sig = CONV_SIG if layer.kind == "conv" else CONVT_SIG if layer.kind == "convt" else LINEAR_SIG
+        layer.node.args = tuple(args[n] for n, _ in sig)
+        layer.node.kwargs = {}
+        for old in (w_node, b_node):
+            if isinstance(old, fx.Node) and not old.users and not old._erased:
+                self.gm.graph.erase_node(old)
+        return "; ".join(notes)
+
+    def _replace_attr(self, target: str, value: Tensor, requires_grad: bool) -> None:
+        current = get_attr_value(self.gm, target)
+        if self.ctx.inplace and isinstance(current, nn.Parameter):
+            current.data = value.detach().to(current.dtype)  # inplace=True: overwrite
+            return
+        owner, _, attr = target.rpartition(".")
+        setattr(self.gm.get_submodule(owner), attr, nn.Parameter(value.detach().clone(), requires_grad=requires_grad))
+
+    def _new_param_node(self, base: str, value: Tensor, requires_grad: bool, before: fx.Node) -> fx.Node:
+        name = free_name(self.gm, base.replace(".", "_") + "_bnfold")
+        self.gm.register_parameter(name, nn.Parameter(value.detach().clone(), requires_grad=requires_grad))
+        with self.gm.graph.inserting_before(before):
+            return self.gm.graph.get_attr(name)
+
+    def remove_bn(self, site: _BNSite, replacement: fx.Node) -> None:
+        site.node.replace_all_uses_with(replacement)
+        self.gm.graph.erase_node(site.node)
+        for n in site.attr_nodes:
+            if not n.users and not n._erased:
+                self.gm.graph.erase_node(n)
+        self.changed = True
+
+    # -- the two directions -------------------------------------------------------
+    def _rank_ok(self, site: _BNSite, layer: _Layer) -> Optional[str]:
+        """None if the BN surely normalises the layer's channel dimension, else why not."""
+        want = layer.weight.dim()  # batched rank of the layer's output (= its input for conv)
+        ranks: Optional[Set[int]] = None
+        if site.module is not None:
+            ranks = self.ctx.bn_input_ranks.get(id(site.module))
+        elif layer.kind == "linear" and layer.module is not None:
+            ranks = self.ctx.linear_out_ranks.get(id(layer.module))
+        if ranks:
+            if ranks != {want}:
+                return (f"BatchNorm sees {sorted(ranks)}-D inputs but {layer.name} works on "
+                        f"{want}-D batches, so BN's channel dim is not the layer's")
+            return None
+        if layer.kind == "linear":
+            return ("cannot tell whether the BatchNorm normalises the Linear's features (2-D input) "
+                    "or dim 1 of a 3-D input; pass example_inputs to fold() so it can see the shapes")
+        return None
+
+    def fold_preceding(self, site: _BNSite) -> Tuple[bool, str]:
+        layer = self.layer(site.input)
+        if isinstance(layer, str):
+            return False, f"before it: {layer}"
+        if len(value_users(layer.node)) != 1:  # x.shape / x.ndim reads stay valid after folding
+            others = ", ".join(f"'{u.name}'" for u in value_users(layer.node) if u is not site.node)
+            return False, (f"before it: output of {layer.name} is also used by {others} "
+                           "(folding would change it for them)")
+        if layer.out_channels != site.running_mean.numel():
+            return False, f"before it: {layer.name} has {layer.out_channels} output channels, BN {site.running_mean.numel()}"
+        why = self._rank_ok(site, layer)
+        if why:
+            return False, f"before it: {why}"
+        w, b = fold_bn_into_preceding(layer.weight, layer.bias, site.running_mean, site.running_var,
+                                      site.eps, site.weight, site.bias,
+                                      transposed=layer.kind == "convt", groups=layer.groups)
+        note = self.install(layer, w, b)
+        self.remove_bn(site, layer.node)
+        self.ctx.report.actions.append(FoldAction(site.name, True, layer.name, "preceding", note))
+        return True, ""
+
+    # Note: [folding into the following conv]
+    # conv(BN(x)) == conv'(x) with W' = W * s (per input channel) and b' = b + sum(W * t)
+    # holds wherever the kernel only reads real input pixels. Zero padding breaks it: the
+    # border reads 0, which would have to become BN(0)-equivalent t. With padding 0 /
+    # 'valid' there is no border; with padding_mode 'reflect'/'replicate'/'circular' the
+    # border is copied from real pixels of the same channel, and BN is per channel and
+    # element-wise, so pad(BN(x)) == BN(pad(x)): also exact. Transposed convs insert zeros
+    # (stride and padding), so they are never folded this way.
+    def fold_following(self, site: _BNSite) -> Tuple[bool, str]:
+        users = value_users(site.node)
+        if len(users) != 1:
+            return False, f"after it: BN output has {len(users)} users"
+        layer = self.layer(users[0])
+        if isinstance(layer, str):
+            return False, f"after it: {layer}"
+        if layer.kind == "convt":
+            return False, f"after it: {layer.name} is a transposed conv (inserts zeros), not exact"
+        first = layer.node.args[0] if layer.node.args else layer.node.kwargs.get("input")
+        if first is not site.node or sum(a is site.node for a in pytree.tree_leaves((layer.node.args, layer.node.kwargs))) != 1:
+            return False, f"after it: BN output is not (only) the input of {layer.name}"
+        if layer.kind == "conv":
+            if layer.module is not None:
+                m = layer.module
+                zero_pad = m.padding_mode == "zeros" and not is_zero_padding(m.padding)
+                if m.padding == "same":
+                    zero_pad = m.padding_mode == "zeros" and any(d * (k - 1) for d, k in zip(m.dilation, m.kernel_size))
+            else:
+                pad = layer.args["padding"]
+                zero_pad = not is_zero_padding(pad)
+                if pad == "same":
+                    dil = layer.args["dilation"]
+                    ks = layer.weight.shape[2:]
+                    dil = [dil] * len(ks) if isinstance(dil, int) else dil
+                    zero_pad = any(d * (k - 1) for d, k in zip(dil, ks))
+            if zero_pad:
+                return False, (f"after it: {layer.name} zero-pads its input, so folding the BN into it "
+                               "would be inexact at the border")
+        if layer.in_channels != site.running_mean.numel():
+            return False, f"after it: {layer.name} has {layer.in_channels} input channels, BN {site.running_mean.numel()}"
+        why = self._rank_ok(site, layer)
+        if why:
+            return False, f"after it: {why}"
+        w, b = fold_bn_into_following(layer.weight, layer.bias, site.running_mean, site.running_var,
+                                      site.eps, site.weight, site.bias, groups=layer.groups)
+        note = self.install(layer, w, b)
+        self.remove_bn(site, site.input)
+        self.ctx.report.actions.append(FoldAction(site.name, True, layer.name, "following", note))
+        return True, ""
+
+    def run(self) -> None:
+        for node in list(self.gm.graph.nodes):
+            if node._erased or node.op not in ("call_module", "call_function"):
+                continue
+            site = self.bn_site(node)
+            if site is None:
+                continue
+            if isinstance(site, _BNSkip):
+                self.ctx.report.actions.append(FoldAction(site.name, False, reason=site.reason))
+                continue
+            with torch.no_grad():
+                done, why_pre = self.fold_preceding(site)
+                if done:
+                    continue
+                done, why_post = self.fold_following(site)
+            if not done:
+                self.ctx.report.actions.append(FoldAction(site.name, False, reason=f"{why_pre}; {why_post}"))
+        if self.changed:
+            self.gm.graph.lint()
+            self.gm.delete_all_unused_submodules()
+            self.gm.recompile()
+
+
+def _is_container_only(m: nn.Module) -> bool:
+    return isinstance(m, (nn.ModuleList, nn.ModuleDict))
+
+
+def fold_module(module: nn.Module, prefix: str, ctx: FoldContext) -> nn.Module:
+    """Fold inside ``module`` (qualified name ``prefix``); returns its replacement."""
+    if _is_container_only(module):
+        fold_children(module, prefix, ctx)
+        return module
+    try:
+        traced = trace(module, FoldTracer)
+    except Exception as exc:  # noqa: BLE001 - untraceable: fold its children one by one
+        ctx.report.untraceable.append((prefix.rstrip("."), f"{short_reason(exc)} (folded part by part)"))
+        fold_children(module, prefix, ctx)
+        return module
+    gm = traced.gm
+    preserve_module_state(module, gm)
+    folder = _GraphFolder(gm, module, prefix, ctx)
+    folder.run()
+    changed = folder.changed
+    for target, why in traced.descend().items():
+        if target not in dict(gm.named_modules()):
+            continue
+        if target in traced.opaque:
+            ctx.report.untraceable.append((prefix + target, f"{why} (kept as an opaque module)"))
+        sub = gm.get_submodule(target)
+        new = fold_module(sub, f"{prefix}{target}.", ctx)
+        if new is not sub:
+            parent, _, attr = target.rpartition(".")
+            setattr(gm.get_submodule(parent), attr, new)
+            changed = True
+    return gm if changed else module
+
+
+def fold_children(module: nn.Module, prefix: str, ctx: FoldContext) -> None:
+    for name, child in list(module.named_children()):
+        if isinstance(child, (_BatchNorm,) + LAYER_MODULES):
+            continue  # a lone layer: nothing to fold inside
+        if type(child).__module__.startswith("torch.nn.") and not isinstance(
+                child, (nn.Sequential, nn.ModuleList, nn.ModuleDict)):
+            continue  # a torch leaf (activation, pooling...): nothing to fold inside
+        new = fold_module(child, f"{prefix}{name}.", ctx)
+        if new is not child:
+            setattr(module, name, new)

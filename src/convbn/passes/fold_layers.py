@@ -1,0 +1,208 @@
+"""What fold recognises: layer and BatchNorm modules and functions, their signatures, the
+module-level fold of one (layer, BatchNorm) pair, and the tracer and graph helpers the
+graph folder uses."""
+from __future__ import annotations
+
+import copy
+from typing import Any, Dict, Optional, Sequence, Tuple, TypeVar, Union
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.nn.modules.batchnorm import _BatchNorm
+
+from ..functional.fold import fold_bn_into_preceding
+
+__all__ = ["fold_conv_bn_modules"]
+
+
+LayerT = TypeVar("LayerT", bound=nn.Module)
+
+CONV_MODULES: Tuple[type, ...] = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
+CONVT_MODULES: Tuple[type, ...] = (nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)
+LAYER_MODULES: Tuple[type, ...] = CONV_MODULES + CONVT_MODULES + (nn.Linear,)
+
+# Argument names of the functional layers / batch norms we understand, in positional order,
+# with the defaults the functions use.
+CONV_FNS = {F.conv1d, F.conv2d, F.conv3d}
+CONVT_FNS = {F.conv_transpose1d, F.conv_transpose2d, F.conv_transpose3d}
+LINEAR_FNS = {F.linear}
+CONV_SIG = (("input", None), ("weight", None), ("bias", None), ("stride", 1), ("padding", 0),
+             ("dilation", 1), ("groups", 1))
+CONVT_SIG = (("input", None), ("weight", None), ("bias", None), ("stride", 1), ("padding", 0),
+              ("output_padding", 0), ("groups", 1), ("dilation", 1))
+LINEAR_SIG = (("input", None), ("weight", None), ("bias", None))
+F_BN_SIG = (("input", None), ("running_mean", None), ("running_var", None), ("weight", None),
+             ("bias", None), ("training", False), ("momentum", 0.1), ("eps", 1e-5))
+TORCH_BN_SIG = (("input", None), ("weight", None), ("bias", None), ("running_mean", None),
+                 ("running_var", None), ("training", None), ("momentum", None), ("eps", None),
+                 ("cudnn_enabled", None))
+BN_FNS = {F.batch_norm: F_BN_SIG, torch.batch_norm: TORCH_BN_SIG}
+
+UNSET = object()
+
+
+def check_bn_foldable(bn: nn.Module) -> Optional[str]:
+    """Why ``bn`` (a ``_BatchNorm``) cannot be folded, or ``None``."""
+    if bn.training:
+        return "BatchNorm is in training mode (it normalises with batch statistics); call .eval() on it to fold"
+    if bn.running_mean is None or bn.running_var is None:
+        return ("BatchNorm has no running statistics (track_running_stats=False): it normalises "
+                "with batch statistics even in eval mode")
+    if isinstance(bn.running_mean, nn.parameter.UninitializedTensorMixin):
+        return "lazy BatchNorm is not initialised yet; run one forward pass first"
+    return None
+
+
+def _layer_out_channels(layer: nn.Module) -> int:
+    if isinstance(layer, CONVT_MODULES):
+        return layer.weight.shape[1] * layer.groups
+    return layer.weight.shape[0]
+
+
+def clone_with(layer: LayerT, weight: Tensor, bias: Tensor) -> LayerT:
+    """A deep copy of ``layer`` with NEW ``weight`` / ``bias`` parameters.
+
+    The old parameters are not copied (they are replaced straight away)."""
+    memo: Dict[int, Any] = {id(layer.weight): None}
+    if layer.bias is not None:
+        memo[id(layer.bias)] = None
+    new = copy.deepcopy(layer, memo)
+    requires_grad = layer.weight.requires_grad
+    new.weight = nn.Parameter(weight.detach(), requires_grad=requires_grad)
+    new.bias = nn.Parameter(bias.detach(), requires_grad=requires_grad)
+    return new
+
+
+def fold_conv_bn_modules(layer: LayerT, bn: nn.Module) -> LayerT:
+    """A fresh copy of ``layer`` with the eval-mode BatchNorm ``bn`` (applied after it)
+    folded into its weight and bias: ``result(x) == bn(layer(x))``.
+
+    Args:
+        layer: ``nn.Conv{1,2,3}d``, ``nn.ConvTranspose{1,2,3}d`` or ``nn.Linear``
+            (subclasses too); not modified.
+        bn: a ``_BatchNorm`` (``BatchNorm1d/2d/3d``, ``SyncBatchNorm``...) in eval mode
+            with running statistics; not modified.
+
+    Returns:
+        A new module of ``layer``'s type with new parameters (``bias`` always present).
+
+    Raises:
+        TypeError: unsupported module types.
+        ValueError: ``bn`` in training mode / without running stats, or channel mismatch.
+    """
+    if not isinstance(layer, LAYER_MODULES):
+        raise TypeError(
+            "fold_conv_bn_modules expects an nn.Conv1d/2d/3d, nn.ConvTranspose1d/2d/3d or "
+            f"nn.Linear as `layer`, but got {type(layer).__name__}"
+        )
+    if not isinstance(bn, _BatchNorm):
+        raise TypeError(f"fold_conv_bn_modules expects a BatchNorm module as `bn`, but got {type(bn).__name__}")
+    why = check_bn_foldable(bn)
+    if why is not None:
+        raise ValueError(f"cannot fold {type(bn).__name__}: {why}")
+    if bn.running_mean.numel() != _layer_out_channels(layer):
+        raise ValueError(
+            f"{type(bn).__name__} has {bn.running_mean.numel()} channels but "
+            f"{type(layer).__name__} produces {_layer_out_channels(layer)}"
+        )
+    transposed = isinstance(layer, CONVT_MODULES)
+    with torch.no_grad():
+        w, b = fold_bn_into_preceding(
+            layer.weight, layer.bias, bn.running_mean, bn.running_var, bn.eps, bn.weight, bn.bias,
+            transposed=transposed, groups=getattr(layer, "groups", 1),
+        )
+    return clone_with(layer, w, b)
+
+
+# --------------------------------------------------------------------------------------
+# Tracing: a tracer that turns submodules it cannot trace into opaque leaves
+# --------------------------------------------------------------------------------------
+
+
+def _defining_module(cls: type, attr: str) -> str:
+    for klass in cls.__mro__:
+        if attr in vars(klass):
+            return klass.__module__
+    return ""
+
+
+def has_standard_forward(m: nn.Module) -> bool:
+    """``m``'s forward is one of torch.nn's own (not overridden by a user subclass)."""
+    return _defining_module(type(m), "forward").startswith("torch.nn.")
+
+
+class FoldTracer(fx.Tracer):
+    """fold's leaf policy: conv/linear/BatchNorm modules (subclasses too) that keep torch's
+    ``forward`` are leaves (the default tracer traces into user subclasses, and
+    ``_BatchNorm`` cannot be traced into: ``_check_input_dim`` branches on the input's
+    rank). Partial tracing, hooks and hazards: :func:`convbn.passes.trace.trace`."""
+
+    def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
+        if isinstance(m, (_BatchNorm,) + LAYER_MODULES) and has_standard_forward(m):
+            return True
+        return super().is_leaf_module(m, module_qualified_name)
+
+
+# --------------------------------------------------------------------------------------
+# Graph helpers
+# --------------------------------------------------------------------------------------
+
+
+def normalize_args(node: fx.Node, sig: Sequence[Tuple[str, Any]]) -> Optional[Dict[str, Any]]:
+    """Arguments of a call_function node by name (defaults filled in), or None if odd."""
+    if len(node.args) > len(sig):
+        return None
+    names = [n for n, _ in sig]
+    out = dict(sig)
+    for name, value in zip(names, node.args):
+        out[name] = value
+    for key, value in node.kwargs.items():
+        if key not in out:
+            return None
+        out[key] = value
+    return out
+
+
+def get_attr_value(gm: fx.GraphModule, target: str) -> Any:
+    obj: Any = gm
+    for atom in target.split("."):
+        obj = getattr(obj, atom)
+    return obj
+
+
+def const_tensor(gm: fx.GraphModule, arg: Any) -> Union[Tensor, None, object]:
+    """The tensor a ``get_attr`` argument refers to; ``None`` for None; UNSET otherwise."""
+    if arg is None:
+        return None
+    if isinstance(arg, fx.Node) and arg.op == "get_attr":
+        value = get_attr_value(gm, arg.target)
+        if isinstance(value, Tensor):
+            return value
+    return UNSET
+
+
+def owner_path(target: str) -> str:
+    return target.rsplit(".", 1)[0] if "." in target else ""
+
+
+def is_zero_padding(padding: Any) -> bool:
+    if isinstance(padding, str):
+        return padding == "valid"
+    if isinstance(padding, int):
+        return padding == 0
+    if isinstance(padding, (tuple, list)):
+        return all(isinstance(p, int) and p == 0 for p in padding)
+    return False
+
+
+def free_name(gm: fx.GraphModule, base: str) -> str:
+    name, i = base, 1
+    while True:
+        try:
+            get_attr_value(gm, name)
+        except AttributeError:
+            return name
+        i += 1
+        name = f"{base}{i}"
