@@ -13,6 +13,11 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ constraints-dev.txt
     # torch first, from the pinned CPU build, so no dependency can pull another torch.
     python -m pip install -q -c constraints-dev.txt "torch==2.13.0"
     python -m pip install -q -c constraints-dev.txt -e ".[dev]"
+    # torchvision / timm model code for the real-model tests and benchmarks: installed without
+    # dependencies (pip would otherwise resolve another torch); torchvision's compiled ops do
+    # not load on this CPU torch, so tests import it through tests/zoo.py (see there).
+    python -m pip install -q -c constraints-dev.txt huggingface_hub pyyaml safetensors
+    python -m pip install -q --no-deps -c constraints-dev.txt torchvision timm
     touch "$stamp"
 fi
 # graphviz's `dot` draws the autograd graphs of the examples; optional, best effort.
