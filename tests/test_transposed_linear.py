@@ -1,0 +1,200 @@
+"""Transposed convolutions and ``nn.Linear`` as the convolution of a fused layer or chain.
+
+Every check trains a fused copy and the eager model side by side for several steps
+(random upstream gradients, then ``.sum()``), applies the same SGD update to both, and
+compares outputs, the input gradient, every parameter gradient, the running statistics
+and ``num_batches_tracked`` (float64 at 1e-10; float32 tolerance on real models).
+"""
+from __future__ import annotations
+
+import copy
+import itertools
+from typing import Any, Callable, List, Optional, Sequence, Tuple
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from torch import Tensor, nn
+from torch.autograd import gradcheck, gradgradcheck
+
+from convbn.autograd.fused import FrozenFunction, RecomputeBNFunction, RecomputeConvFunction
+from convbn.functional.activations import Activation, activation_from_module
+from convbn.functional.batchnorm import BNSpec
+from convbn.functional.conv import conv_flops, conv_output_shape, conv_spec_from_module
+from convbn.nn.chain import ChainLayer, FusedChain
+from convbn.nn.fused import FusedConvBN1d, FusedConvBN2d, FusedConvBN3d
+
+TOL64 = dict(rtol=1e-10, atol=1e-10)
+CONVT = {1: nn.ConvTranspose1d, 2: nn.ConvTranspose2d, 3: nn.ConvTranspose3d}
+CONV = {1: nn.Conv1d, 2: nn.Conv2d, 3: nn.Conv3d}
+BN = {1: nn.BatchNorm1d, 2: nn.BatchNorm2d, 3: nn.BatchNorm3d}
+FUSED = {1: FusedConvBN1d, 2: FusedConvBN2d, 3: FusedConvBN3d}
+SPATIAL = {1: (5,), 2: (4, 3), 3: (3, 2, 3)}
+LAYER_STRATEGIES = ("recompute_conv", "recompute_bn", "frozen")
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def randomise(model: nn.Module, seed: int = 3) -> nn.Module:
+    """Non-default BatchNorm parameters and running statistics (so every term matters)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, nn.modules.batchnorm._BatchNorm):
+                if m.affine:
+                    m.weight.copy_(torch.rand(m.weight.shape, generator=g) + 0.5)
+                    m.bias.copy_(torch.rand(m.bias.shape, generator=g) - 0.5)
+                if m.track_running_stats:
+                    m.running_mean.copy_(torch.rand(m.num_features, generator=g) * 0.6 - 0.3)
+                    m.running_var.copy_(torch.rand(m.num_features, generator=g) * 1.5 + 0.5)
+    return model
+
+
+def _param_pairs(eager: nn.Module, fused: nn.Module) -> List[Tuple[str, Tensor, Tensor]]:
+    pe = dict(eager.named_parameters())
+    pf = dict(fused.named_parameters())
+    assert list(pe) == list(pf)
+    return [(n, pf[n], pe[n]) for n in pe]
+
+
+def train_side_by_side(eager: nn.Module, fused: nn.Module, run: Callable[[nn.Module, Tensor], Tensor],
+                       make_x: Callable[[torch.Generator], Tensor], steps: int = 3,
+                       tol: Optional[dict] = None, lr: float = 0.1) -> None:
+    """``steps`` steps with random upstream gradients, then one with ``.sum()``; compare everything.
+
+    ``run(model, x)`` is the forward (``fused`` may differ from ``eager`` in how it runs; its
+    parameters and buffers are named as ``eager``'s).
+    """
+    tol = tol or TOL64
+    gen = torch.Generator().manual_seed(0)
+    for step in range(steps + 1):
+        x = make_x(gen)
+        xe, xf = x.clone().requires_grad_(), x.clone().requires_grad_()
+        out_e, out_f = run(eager, xe), run(fused, xf)
+        torch.testing.assert_close(out_f, out_e, **tol, msg=lambda m: f"step {step} output: {m}")
+        if step < steps:
+            grad = torch.randn(out_e.shape, generator=gen, dtype=out_e.dtype)
+            out_e.backward(grad)
+            out_f.backward(grad)
+        else:
+            out_e.sum().backward()
+            out_f.sum().backward()
+        torch.testing.assert_close(xf.grad, xe.grad, **tol, msg=lambda m: f"step {step} input grad: {m}")
+        for name, pf, pe in _param_pairs(eager, fused):
+            assert (pf.grad is None) == (pe.grad is None), f"{name}.grad presence"
+            if pe.grad is not None:
+                torch.testing.assert_close(pf.grad, pe.grad, **tol, msg=lambda m: f"step {step} {name}.grad: {m}")
+        be, bf = dict(eager.named_buffers()), dict(fused.named_buffers())
+        assert list(be) == list(bf)
+        for name in be:
+            if name.endswith("num_batches_tracked"):
+                assert int(bf[name]) == int(be[name]), f"step {step} {name}"
+            else:
+                torch.testing.assert_close(bf[name], be[name], **tol, msg=lambda m: f"step {step} {name}: {m}")
+        with torch.no_grad():
+            for _, pf, pe in _param_pairs(eager, fused):
+                if pe.grad is not None:
+                    pf -= lr * pf.grad
+                    pe -= lr * pe.grad
+                pf.grad = pe.grad = None
+
+
+class Chained(nn.Module):
+    """``body``'s modules run as one :class:`FusedChain` (each conv/linear, its BN, its activation).
+
+    ``body`` stays registered under the same name as in the eager twin, so parameters and
+    buffers are named alike; the chain only references them.
+    """
+
+    def __init__(self, body: nn.Sequential, modes: Sequence[str]) -> None:
+        super().__init__()
+        self.body = body
+        mods = list(body)
+        layers, watched = [], []
+        i = 0
+        while i < len(mods):
+            conv, bn = mods[i], mods[i + 1]
+            act_mod = mods[i + 2] if i + 2 < len(mods) and not isinstance(
+                mods[i + 2], (nn.modules.conv._ConvNd, nn.Linear)) else None
+            act = activation_from_module(act_mod) if act_mod is not None else Activation("identity")
+            layers.append(ChainLayer(conv, "weight", "bias" if conv.bias is not None else None,
+                                     conv_spec_from_module(conv), bn, act, modes[len(layers)]))
+            watched.append([m for m in (conv, bn, act_mod) if m is not None])
+            i += 3 if act_mod is not None else 2
+        self.chain = FusedChain(layers)
+        self.chain.watch(watched)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.chain(x)
+
+
+def _call(m: nn.Module, x: Tensor) -> Tensor:
+    return m(x)
+
+
+def convt_layer(dims: int, cin: int, cout: int, k: int, stride: int, padding: int, output_padding: int,
+                groups: int, dilation: int, bias: bool = True) -> nn.Module:
+    return CONVT[dims](cin, cout, k, stride=stride, padding=padding, output_padding=output_padding,
+                       groups=groups, bias=bias, dilation=dilation)
+
+
+def _x(shape: Tuple[int, ...]) -> Callable[[torch.Generator], Tensor]:
+    return lambda gen: torch.randn(*shape, generator=gen, dtype=torch.float64)
+
+
+# --------------------------------------------------------------------------- geometry
+
+
+GEOMETRY = [
+    (dims, stride, op, groups, dilation)
+    for dims, stride, groups, dilation in itertools.product((1, 2, 3), (1, 2, 3), (1, 2), (1, 2))
+    for op in sorted({0, max(stride, dilation) - 1})
+]
+
+
+def _geo_id(g: Tuple[int, ...]) -> str:
+    return "d{}-s{}-op{}-g{}-dil{}".format(*g)
+
+
+@pytest.mark.parametrize("geo", GEOMETRY, ids=_geo_id)
+def test_output_shape_and_flops_match_torch(geo: Tuple[int, int, int, int, int]) -> None:
+    dims, stride, op, groups, dilation = geo
+    conv = convt_layer(dims, 4, 6, 3, stride, 1, op, groups, dilation).double()
+    x = torch.randn(2, 4, *SPATIAL[dims], dtype=torch.float64)
+    spec = conv_spec_from_module(conv)
+    y = conv(x)
+    assert conv_output_shape(x.shape, conv.weight.shape, spec) == tuple(y.shape)
+    # MACs: each input element meets C_out/groups * prod(k) weights
+    assert conv_flops(y.shape, conv.weight.shape, spec, x.shape) == x.numel() * (6 // groups) * 3 ** dims
+
+
+# --------------------------------------------------------------------------- single layers
+
+
+@pytest.mark.parametrize("strategy", LAYER_STRATEGIES)
+@pytest.mark.parametrize("geo", GEOMETRY, ids=_geo_id)
+def test_single_transposed_layer_matches_eager(geo: Tuple[int, int, int, int, int], strategy: str) -> None:
+    dims, stride, op, groups, dilation = geo
+    torch.manual_seed(0)
+    eager = randomise(nn.Sequential(convt_layer(dims, 4, 6, 3, stride, 1, op, groups, dilation),
+                                    BN[dims](6), nn.ReLU()).double())
+    if strategy == "frozen":
+        eager[1].eval()  # what the frozen strategy computes: BN with running statistics
+    body = copy.deepcopy(eager)
+
+    class Single(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.body = body
+            object.__setattr__(self, "fused", FUSED[dims].from_modules(body[0], body[1], "relu", strategy))
+
+        def forward(self, x: Tensor) -> Tensor:
+            return self.fused(x)
+
+    fused = Single()
+    eager_wrapped = nn.Module()
+    eager_wrapped.body = eager  # same parameter names as ``fused``
+    train_side_by_side(eager_wrapped, fused, lambda m, x: m.body(x) if m is eager_wrapped else m(x),
+                       _x((3, 4, *SPATIAL[dims])))
