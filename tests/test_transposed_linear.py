@@ -198,3 +198,192 @@ def test_single_transposed_layer_matches_eager(geo: Tuple[int, int, int, int, in
     eager_wrapped.body = eager  # same parameter names as ``fused``
     train_side_by_side(eager_wrapped, fused, lambda m, x: m.body(x) if m is eager_wrapped else m(x),
                        _x((3, 4, *SPATIAL[dims])))
+
+
+# --------------------------------------------------------------------------- chains
+
+
+CHAIN_MODES = [("recompute_bn",) * 2, ("recompute_conv",) * 2, ("recompute_conv", "recompute_bn"),
+               ("recompute_bn", "recompute_conv")]
+
+
+def conv_then_convt(dims: int, stride: int, op: int, groups: int, dilation: int, act: Callable[[], nn.Module]) -> nn.Sequential:
+    """conv -> BN -> act -> convT -> BN -> act (a decoder's up-sampling step after a conv)."""
+    return nn.Sequential(
+        CONV[dims](2, 4, 3, padding=1), BN[dims](4), act(),
+        convt_layer(dims, 4, 6, 3, stride, 1, op, groups, dilation, bias=False), BN[dims](6), act(),
+    )
+
+
+@pytest.mark.parametrize("modes", CHAIN_MODES, ids="-".join)
+@pytest.mark.parametrize("geo", GEOMETRY, ids=_geo_id)
+def test_chain_conv_then_transposed_matches_eager(geo: Tuple[int, int, int, int, int], modes: Tuple[str, ...]) -> None:
+    dims, stride, op, groups, dilation = geo
+    torch.manual_seed(1)
+    eager = randomise(conv_then_convt(dims, stride, op, groups, dilation, nn.ReLU).double())
+    fused = Chained(copy.deepcopy(eager), modes)
+    wrapped = nn.Module()
+    wrapped.body = eager
+    train_side_by_side(wrapped, fused, lambda m, x: m.body(x) if m is wrapped else m(x), _x((3, 2, *SPATIAL[dims])))
+
+
+@pytest.mark.parametrize("act", [nn.ReLU, nn.SiLU, nn.Identity, lambda: nn.LeakyReLU(0.2)], ids=["relu", "silu", "id", "leaky"])
+@pytest.mark.parametrize("modes", CHAIN_MODES + [("recompute_conv",) * 3, ("recompute_bn", "recompute_conv", "recompute_bn")],
+                         ids="-".join)
+def test_decoder_step_chain(modes: Tuple[str, ...], act: Callable[[], nn.Module]) -> None:
+    """A U-Net-like decoder step: convT (x2) -> BN -> act -> conv -> BN -> act (-> conv -> BN)."""
+    torch.manual_seed(2)
+    mods: List[nn.Module] = [nn.ConvTranspose2d(6, 4, 3, stride=2, padding=1, output_padding=1), nn.BatchNorm2d(4), act(),
+                             nn.Conv2d(4, 4, 3, padding=1, bias=False), nn.BatchNorm2d(4, momentum=None), act()]
+    if len(modes) == 3:
+        mods += [nn.ConvTranspose2d(4, 2, 2, stride=2, groups=2), nn.BatchNorm2d(2)]
+    eager = randomise(nn.Sequential(*mods).double())
+    fused = Chained(copy.deepcopy(eager), modes)
+    wrapped = nn.Module()
+    wrapped.body = eager
+    train_side_by_side(wrapped, fused, lambda m, x: m.body(x) if m is wrapped else m(x), _x((2, 6, 3, 4)))
+
+
+def test_transposed_chain_in_eval_and_no_grad() -> None:
+    torch.manual_seed(3)
+    eager = randomise(conv_then_convt(2, 2, 1, 2, 1, nn.ReLU).double())
+    fused = Chained(copy.deepcopy(eager), ("recompute_conv", "recompute_bn"))
+    x = torch.randn(2, 2, 4, 3, dtype=torch.float64)
+    with torch.no_grad():
+        torch.testing.assert_close(fused(x), eager(x), **TOL64)  # training mode: stats move alike
+    eager.eval()
+    fused.eval()
+    torch.testing.assert_close(fused(x), eager(x), **TOL64)
+    for (n, b), be in zip(fused.body.named_buffers(), eager.buffers()):
+        torch.testing.assert_close(b, be, **TOL64, msg=n)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    dims=st.integers(1, 3),
+    k=st.integers(1, 3),
+    stride=st.integers(1, 3),
+    dilation=st.integers(1, 2),
+    padding=st.integers(0, 2),
+    op_frac=st.integers(0, 2),
+    groups=st.sampled_from([1, 2]),
+    bias=st.booleans(),
+    modes=st.tuples(st.sampled_from(["recompute_bn", "recompute_conv"]), st.sampled_from(["recompute_bn", "recompute_conv"])),
+    act=st.sampled_from(["relu", "silu", "gelu", "identity"]),
+)
+def test_transposed_geometry_property(dims: int, k: int, stride: int, dilation: int, padding: int, op_frac: int,
+                                      groups: int, bias: bool, modes: Tuple[str, str], act: str) -> None:
+    """Any valid transposed geometry, as the second layer of a two-layer chain, equals eager."""
+    op = min(op_frac, max(stride, dilation) - 1)
+    spatial = (3,) * dims
+    out = [(s - 1) * stride - 2 * padding + dilation * (k - 1) + op + 1 for s in spatial]
+    if any(o <= 0 for o in out):
+        return  # eager refuses this geometry too
+    act_mod = {"relu": nn.ReLU, "silu": nn.SiLU, "gelu": nn.GELU, "identity": nn.Identity}[act]
+    torch.manual_seed(4)
+    eager = randomise(nn.Sequential(
+        CONV[dims](2, 4, 1), BN[dims](4), act_mod(),
+        CONVT[dims](4, 4, k, stride, padding, op, groups, bias, dilation), BN[dims](4), act_mod(),
+    ).double())
+    fused = Chained(copy.deepcopy(eager), modes)
+    wrapped = nn.Module()
+    wrapped.body = eager
+    train_side_by_side(wrapped, fused, lambda m, x: m.body(x) if m is wrapped else m(x), _x((2, 2, *spatial)), steps=2)
+
+
+# --------------------------------------------------------------------------- Linear -> BatchNorm1d
+
+
+def mlp_head(act: Callable[[], nn.Module]) -> nn.Sequential:
+    return nn.Sequential(nn.Linear(5, 8), nn.BatchNorm1d(8), act(),
+                         nn.Linear(8, 6, bias=False), nn.BatchNorm1d(6, momentum=None), act(),
+                         nn.Linear(6, 3), nn.BatchNorm1d(3, affine=False))
+
+
+@pytest.mark.parametrize("act", [nn.ReLU, nn.GELU, nn.Tanh, lambda: nn.ELU(0.5)], ids=["relu", "gelu", "tanh", "elu"])
+@pytest.mark.parametrize("modes", [("recompute_bn",) * 3, ("recompute_conv",) * 3,
+                                   ("recompute_conv", "recompute_bn", "recompute_conv")], ids="-".join)
+def test_linear_bn1d_chain_matches_eager(modes: Tuple[str, ...], act: Callable[[], nn.Module]) -> None:
+    torch.manual_seed(5)
+    eager = randomise(mlp_head(act).double())
+    fused = Chained(copy.deepcopy(eager), modes)
+    wrapped = nn.Module()
+    wrapped.body = eager
+    train_side_by_side(wrapped, fused, lambda m, x: m.body(x) if m is wrapped else m(x), _x((7, 5)))
+
+
+@pytest.mark.parametrize("strategy", LAYER_STRATEGIES)
+@pytest.mark.parametrize("bias", [True, False])
+def test_single_linear_layer_matches_eager(strategy: str, bias: bool) -> None:
+    torch.manual_seed(6)
+    eager = randomise(nn.Sequential(nn.Linear(5, 4, bias=bias), nn.BatchNorm1d(4), nn.SiLU()).double())
+    if strategy == "frozen":
+        eager[1].eval()
+    body = copy.deepcopy(eager)
+
+    class Single(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.body = body
+            object.__setattr__(self, "fused", FusedConvBN1d.from_modules(body[0], body[1], "silu", strategy))
+
+        def forward(self, x: Tensor) -> Tensor:
+            return self.fused(x)
+
+    wrapped = nn.Module()
+    wrapped.body = eager
+    train_side_by_side(wrapped, Single(), lambda m, x: m.body(x) if m is wrapped else m(x), _x((6, 5)))
+
+
+def test_linear_chain_on_3d_input_runs_as_eager() -> None:
+    """Linear on (N, L, C) then BatchNorm1d(L) normalises over L: not the fused pattern; the
+    chain computes it as eager does (here L == out_features, so eager accepts it)."""
+    torch.manual_seed(7)
+    eager = randomise(nn.Sequential(nn.Linear(5, 4), nn.BatchNorm1d(4), nn.ReLU()).double())
+    fused = Chained(copy.deepcopy(eager), ("recompute_conv",))
+    wrapped = nn.Module()
+    wrapped.body = eager
+    train_side_by_side(wrapped, fused, lambda m, x: m.body(x) if m is wrapped else m(x), _x((3, 4, 5)))
+
+
+def test_linear_layer_errors_name_the_shape() -> None:
+    fused = FusedConvBN1d.from_modules(nn.Linear(5, 4), nn.BatchNorm1d(4))
+    with pytest.raises(ValueError, match=r"expected 2D input \(N, C\) for a fused Linear\+BatchNorm1d"):
+        fused(torch.randn(3, 2, 5))
+    with pytest.raises(RuntimeError, match="to have 5 channels, but got 6"):
+        fused(torch.randn(3, 6))
+    with pytest.raises(ValueError, match="more than 1 value per channel"):
+        fused(torch.randn(1, 5))
+    with pytest.raises(TypeError, match=r"expects an nn.Conv2d, nn.ConvTranspose2d, but got Linear"):
+        FusedConvBN2d.from_modules(nn.Linear(5, 4), nn.BatchNorm2d(4))
+    with pytest.raises(ValueError, match="num_features=3 does not match the conv's out_channels=4"):
+        FusedConvBN2d.from_modules(nn.ConvTranspose2d(2, 4, 2), nn.BatchNorm2d(3))
+
+
+# --------------------------------------------------------------------------- gradcheck
+
+
+@pytest.mark.parametrize("fn", [RecomputeConvFunction, RecomputeBNFunction, FrozenFunction], ids=lambda f: f.__name__)
+@pytest.mark.parametrize("kind", ["transposed", "linear"])
+def test_gradcheck_and_gradgradcheck(fn: Any, kind: str) -> None:
+    torch.manual_seed(8)
+    if kind == "transposed":
+        conv = nn.ConvTranspose2d(4, 4, 2, stride=2, padding=0, output_padding=1, groups=2, dilation=2).double()
+        x = torch.randn(2, 4, 2, 3, dtype=torch.float64, requires_grad=True)
+    else:
+        conv = nn.Linear(3, 4).double()
+        x = torch.randn(5, 3, dtype=torch.float64, requires_grad=True)
+    spec = conv_spec_from_module(conv)
+    w = conv.weight.detach().clone().requires_grad_()
+    b = conv.bias.detach().clone().requires_grad_()
+    g = (torch.rand(4, dtype=torch.float64) + 0.5).requires_grad_()
+    beta = torch.randn(4, dtype=torch.float64, requires_grad=True)
+    frozen = fn is FrozenFunction
+    rm, rv = torch.randn(4, dtype=torch.float64), torch.rand(4, dtype=torch.float64) + 0.5
+    bn = BNSpec(1e-5, not frozen, 0.0)  # momentum 0: repeated calls see the same running stats
+
+    def f(x: Tensor, w: Tensor, b: Tensor, g: Tensor, beta: Tensor) -> Tensor:
+        return fn.apply(x, w, b, g, beta, rm, rv, spec, bn, Activation("silu"))
+
+    assert gradcheck(f, (x, w, b, g, beta))
+    assert gradgradcheck(f, (x, w, b, g, beta))
