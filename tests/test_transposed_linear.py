@@ -387,3 +387,158 @@ def test_gradcheck_and_gradgradcheck(fn: Any, kind: str) -> None:
 
     assert gradcheck(f, (x, w, b, g, beta))
     assert gradgradcheck(f, (x, w, b, g, beta))
+
+
+# --------------------------------------------------------------------------- convert()
+
+import convbn  # noqa: E402  (below the layer tests on purpose: they need only the layers)
+import torch.nn.functional as F  # noqa: E402
+from convbn.memory import saved_bytes  # noqa: E402
+
+CONVERT_STRATEGIES = ("auto", "recompute_bn", "recompute_conv")
+
+
+class Decoder(nn.Module):
+    """A small encoder-decoder: down conv, transposed up-sampling (module and functional
+    forms), a skip concatenation, and an MLP head on pooled features (Linear -> BN1d)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.enc1 = nn.Sequential(nn.Conv2d(2, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU())
+        self.enc2 = nn.Sequential(nn.Conv2d(4, 8, 3, stride=2, padding=1, bias=False), nn.BatchNorm2d(8), nn.ReLU())
+        self.up = nn.Sequential(nn.ConvTranspose2d(8, 4, 3, stride=2, padding=1, output_padding=1, groups=2),
+                                nn.BatchNorm2d(4), nn.SiLU())
+        self.fuse = nn.Sequential(nn.Conv2d(8, 4, 1), nn.BatchNorm2d(4), nn.ReLU())
+        self.up2_weight = nn.Parameter(torch.randn(4, 3, 2, 2) * 0.3)
+        self.bn2 = nn.BatchNorm2d(3)
+        self.head = nn.Sequential(nn.Linear(3, 6), nn.BatchNorm1d(6), nn.GELU())
+        self.fc_weight = nn.Parameter(torch.randn(5, 6) * 0.3)
+        self.bn_fc = nn.BatchNorm1d(5)
+
+    def forward(self, x: Tensor) -> Tensor:
+        skip = self.enc1(x)
+        y = self.up(self.enc2(skip))
+        y = self.fuse(torch.cat([y, skip], 1))
+        y = F.relu(self.bn2(F.conv_transpose2d(y, self.up2_weight, None, 2)))
+        feats = self.head(y.mean((2, 3)))
+        return torch.tanh(self.bn_fc(F.linear(feats, self.fc_weight))).sum(1) + y.flatten(1).mean(1)
+
+
+def _double_model(factory: Callable[[], nn.Module], seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return randomise(factory().double())
+
+
+def _convert_and_train(eager: nn.Module, x: Tensor, strategy: str, tol: dict, **kw: Any) -> nn.Module:
+    fast = convbn.convert(copy.deepcopy(eager), strategy=strategy, **kw)
+    train_side_by_side(eager, fast, _call, lambda gen: x + 0.1 * torch.randn(x.shape, generator=gen, dtype=x.dtype),
+                       steps=2, tol=tol)
+    return fast
+
+
+@pytest.mark.parametrize("example", [False, True], ids=["lazy", "example_inputs"])
+@pytest.mark.parametrize("strategy", CONVERT_STRATEGIES)
+def test_convert_decoder_fuses_transposed_and_linear(strategy: str, example: bool) -> None:
+    eager = _double_model(Decoder)
+    x = torch.randn(3, 2, 6, 4, dtype=torch.float64)
+    fast = _convert_and_train(eager, x, strategy, TOL64, example_inputs=x if example else None)
+    report = fast.convbn_report
+    pairs = {(p.conv, p.bn, p.activation) for p in report.pairs}
+    assert ("up.0", "up.1", "silu") in pairs
+    assert ("", "bn2", "relu") in pairs or ("up2_weight", "bn2", "relu") in pairs, pairs
+    assert ("head.0", "head.1", "gelu") in pairs
+    assert any(p.bn == "bn_fc" and p.activation == "tanh" for p in report.pairs), pairs
+    assert len(report.pairs) == 7 and not report.skipped, report
+
+
+def test_convert_leaves_output_size_call_unfused_with_reason() -> None:
+    class OutputSize(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.up = nn.ConvTranspose2d(3, 4, 3, stride=2, padding=1)
+            self.bn = nn.BatchNorm2d(4)
+
+        def forward(self, x: Tensor) -> Tensor:
+            return F.relu(self.bn(self.up(x, output_size=[2 * x.shape[2], 2 * x.shape[3]])))
+
+    eager = _double_model(OutputSize)
+    x = torch.randn(2, 3, 4, 5, dtype=torch.float64)
+    with pytest.warns(UserWarning, match="fused nothing"):
+        fast = convbn.convert(copy.deepcopy(eager))
+    (skip,) = fast.convbn_report.skipped
+    assert skip.bn == "bn" and "output_size=" in skip.reason and "output_padding" in skip.reason
+    train_side_by_side(eager, fast, _call, _x(tuple(x.shape)), steps=1)
+
+
+def test_convert_linear_on_sequences_runs_as_eager() -> None:
+    """Linear on (N, L, C) -> BatchNorm1d(L) normalises over L, a different computation:
+    when the shapes happen to line up (L == out_features) the matched chain runs it as eager."""
+    eager = _double_model(lambda: nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.ReLU()))
+    fast = convbn.convert(copy.deepcopy(eager))
+    train_side_by_side(eager, fast, _call, _x((2, 4, 3)))
+    train_side_by_side(eager, fast, _call, _x((5, 3)))  # and (N, C) inputs fused
+
+
+def test_saved_bytes_of_a_transposed_chain_exact() -> None:
+    """Saved bytes of conv -> BN -> ReLU -> convT -> BN -> ReLU: the chain input, each kept conv
+    output, and two (C,) statistics per layer -- derived from shapes, per plan."""
+    torch.manual_seed(9)
+    eager = conv_then_convt(2, 2, 1, 2, 1, nn.ReLU)
+    x = torch.randn(2, 2, 5, 4)
+    y0 = (2, 4, 5, 4)
+    y1 = conv_output_shape(y0, eager[3].weight.shape, conv_spec_from_module(eager[3]))
+    assert y1 == (2, 6, 10, 8)
+    f32 = 4
+    stats = 2 * (4 + 6) * f32
+    for modes, kept in [(("recompute_conv",) * 2, []), (("recompute_bn",) * 2, [y0, y1]),
+                        (("recompute_conv", "recompute_bn"), [y1]), (("recompute_bn", "recompute_conv"), [y0])]:
+        fused = Chained(copy.deepcopy(eager), modes)
+        rec = saved_bytes(fused, x)
+        acts = sorted(s for (_, s, _, _), p in zip(rec.shapes, rec.is_param) if not p and len(s) == 4)
+        assert acts == sorted([tuple(x.shape), *kept]), (modes, acts)
+        expect = (x.numel() + sum(torch.Size(k).numel() for k in kept)) * f32 + stats
+        assert rec.activation_bytes == expect, modes
+    # eager keeps more: conv outputs, BN outputs and ReLU outputs
+    assert saved_bytes(eager, x).activation_bytes > expect
+
+
+@pytest.mark.parametrize("num_res_units", [0, 2])
+@pytest.mark.parametrize("strategy", CONVERT_STRATEGIES)
+def test_monai_unet_transposed_batchnorms_fused(num_res_units: int, strategy: str) -> None:
+    nets = pytest.importorskip("monai.networks.nets")
+    torch.manual_seed(0)
+    eager = randomise(nets.UNet(spatial_dims=2, in_channels=1, out_channels=2, channels=(4, 8, 16), strides=(2, 2),
+                                num_res_units=num_res_units, norm="batch"))
+    x = torch.randn(2, 1, 16, 16)
+    fast = _convert_and_train(eager, x, strategy, dict(rtol=1e-4, atol=1e-5), example_inputs=x)
+    report = fast.convbn_report
+    transposed = {n for n, m in eager.named_modules() if isinstance(m, nn.modules.conv._ConvNd) and m.transposed}
+    fused_after_transposed = [p for p in report.pairs if p.conv in transposed]
+    # every transposed conv followed by a BatchNorm (all but the output layer without residual units)
+    expected = {n for n in transposed if not (num_res_units == 0 and n.startswith("model.2"))}
+    assert {p.conv for p in fused_after_transposed} == expected and expected
+    assert not report.skipped, report.skipped
+    bns = [n for n, m in eager.named_modules() if isinstance(m, nn.BatchNorm2d)]
+    assert sorted(p.bn for p in report.pairs) == sorted(bns)
+    assert report.saved_bytes < report.eager_saved_bytes
+
+
+@pytest.mark.slow
+def test_torch_compile_fullgraph_transposed_chain() -> None:
+    torch.manual_seed(10)
+    eager = conv_then_convt(2, 2, 1, 1, 1, nn.ReLU)
+    fused = copy.deepcopy(eager)
+    conv = convbn.convert(fused, strategy="recompute_bn")
+    compiled = torch.compile(conv, fullgraph=True)  # any graph break raises
+    x = torch.randn(2, 2, 5, 4)
+    for _ in range(2):
+        out, out_e = compiled(x), eager(x)
+        g = torch.randn_like(out)
+        out.backward(g)
+        out_e.backward(g)
+        torch.testing.assert_close(out, out_e, rtol=1e-4, atol=1e-5)
+    for p, pe in zip(fused.parameters(), eager.parameters()):
+        torch.testing.assert_close(p.grad, pe.grad, rtol=1e-3, atol=1e-4 * max(1.0, pe.grad.abs().max().item()))
+    for b, be in zip(fused.buffers(), eager.buffers()):
+        torch.testing.assert_close(b, be, rtol=1e-4, atol=1e-6)
+    assert saved_bytes(compiled, x).activation_bytes <= saved_bytes(conv, x).activation_bytes
