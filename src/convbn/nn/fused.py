@@ -165,9 +165,9 @@ class _FusedConvBNNd(nn.Module):
         """
         linear = isinstance(conv, nn.Linear) and cls._dims == 1
         if not linear and (not isinstance(conv, _ConvNd) or len(conv.kernel_size) != cls._dims):
-            also = " or nn.Linear" if cls._dims == 1 else ""
-            raise TypeError(f"{cls.__name__}.from_modules expects an nn.Conv{cls._dims}d, nn.ConvTranspose{cls._dims}d"
-                            f"{also}, but got {type(conv).__name__}")
+            kinds = f"nn.Conv{cls._dims}d, nn.ConvTranspose{cls._dims}d or nn.Linear" if cls._dims == 1 else \
+                f"nn.Conv{cls._dims}d or nn.ConvTranspose{cls._dims}d"
+            raise TypeError(f"{cls.__name__}.from_modules expects an {kinds}, but got {type(conv).__name__}")
         out_channels = conv.out_features if linear else conv.out_channels
         if not isinstance(bn, _BatchNorm):
             raise TypeError(f"{cls.__name__}.from_modules expects a BatchNorm module, but got {type(bn).__name__}")
