@@ -542,3 +542,40 @@ def test_torch_compile_fullgraph_transposed_chain() -> None:
     for b, be in zip(fused.buffers(), eager.buffers()):
         torch.testing.assert_close(b, be, rtol=1e-4, atol=1e-6)
     assert saved_bytes(compiled, x).activation_bytes <= saved_bytes(conv, x).activation_bytes
+
+
+def test_planner_costs_of_transposed_and_linear_layers() -> None:
+    """The report's recompute MACs and kept bytes of a transposed conv and a linear layer are
+    derived from their own geometry (a transposed conv's MACs follow its *input*)."""
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.up = nn.Sequential(nn.ConvTranspose2d(4, 6, 3, stride=2, groups=2), nn.BatchNorm2d(6), nn.ReLU())
+            self.fc = nn.Sequential(nn.Linear(6, 5), nn.BatchNorm1d(5))
+
+        def forward(self, x: Tensor) -> Tensor:
+            return self.fc(self.up(x).mean((2, 3)))
+
+    x = torch.randn(2, 4, 3, 5)
+    fast = convbn.convert(Net(), strategy="recompute_conv", example_inputs=x)
+    up, fc = sorted(fast.convbn_report.pairs, key=lambda p: p.conv != "up.0")
+    assert (up.conv, fc.conv) == ("up.0", "fc.0")
+    assert up.extra_flops == x.numel() * (6 // 2) * 3 * 3
+    assert fc.extra_flops == 2 * 6 * 5
+    assert up.layer.y_bytes() == 2 * 6 * 7 * 11 * 4
+
+
+@pytest.mark.parametrize("kind", ["transposed", "linear"])
+def test_chain_gradcheck_and_gradgradcheck(kind: str) -> None:
+    """The chain Function's first and second derivatives (w.r.t. the input) with a transposed
+    conv or linear layers inside, in float64."""
+    torch.manual_seed(11)
+    if kind == "transposed":
+        body = conv_then_convt(1, 2, 1, 2, 1, nn.SiLU).double()
+        x = torch.randn(2, 2, 3, dtype=torch.float64, requires_grad=True)
+    else:
+        body = mlp_head(nn.Tanh).double()
+        x = torch.randn(4, 5, dtype=torch.float64, requires_grad=True)
+    fused = Chained(body, ["recompute_conv"] + ["recompute_bn"] * 2)
+    assert gradcheck(fused, (x,))
+    assert gradgradcheck(fused, (x,))
