@@ -354,7 +354,7 @@ def test_linear_layer_errors_name_the_shape() -> None:
         fused(torch.randn(3, 6))
     with pytest.raises(ValueError, match="more than 1 value per channel"):
         fused(torch.randn(1, 5))
-    with pytest.raises(TypeError, match=r"expects an nn.Conv2d, nn.ConvTranspose2d, but got Linear"):
+    with pytest.raises(TypeError, match=r"expects an nn.Conv2d or nn.ConvTranspose2d, but got Linear"):
         FusedConvBN2d.from_modules(nn.Linear(5, 4), nn.BatchNorm2d(4))
     with pytest.raises(ValueError, match="num_features=3 does not match the conv's out_channels=4"):
         FusedConvBN2d.from_modules(nn.ConvTranspose2d(2, 4, 2), nn.BatchNorm2d(3))
