@@ -579,3 +579,17 @@ def test_chain_gradcheck_and_gradgradcheck(kind: str) -> None:
     fused = Chained(body, ["recompute_conv"] + ["recompute_bn"] * 2)
     assert gradcheck(fused, (x,))
     assert gradgradcheck(fused, (x,))
+
+
+@pytest.mark.parametrize("modes", CHAIN_MODES, ids="-".join)
+def test_frozen_batchnorm_after_transposed_and_linear_in_training(modes: Tuple[str, ...]) -> None:
+    """A BatchNorm in eval mode inside a training model (fine-tuning with frozen statistics)
+    after a transposed conv and after a linear layer."""
+    torch.manual_seed(12)
+    for body, shape in ((conv_then_convt(2, 2, 1, 2, 2, nn.GELU), (2, 2, 4, 3)), (mlp_head(nn.ReLU)[:6], (5, 5))):
+        eager = randomise(body.double())
+        eager[4].eval()
+        fused = Chained(copy.deepcopy(eager), modes)
+        wrapped = nn.Module()
+        wrapped.body = eager
+        train_side_by_side(wrapped, fused, lambda m, x: m.body(x) if m is wrapped else m(x), _x(shape))
