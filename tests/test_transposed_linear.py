@@ -13,15 +13,18 @@ from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import pytest
 import torch
+import torch.nn.functional as F
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch import Tensor, nn
 from torch.autograd import gradcheck, gradgradcheck
 
+import convbn
 from convbn.autograd.fused import FrozenFunction, RecomputeBNFunction, RecomputeConvFunction
 from convbn.functional.activations import Activation, activation_from_module
 from convbn.functional.batchnorm import BNSpec
 from convbn.functional.conv import conv_flops, conv_output_shape, conv_spec_from_module
+from convbn.memory import saved_bytes
 from convbn.nn.chain import ChainLayer, FusedChain
 from convbn.nn.fused import FusedConvBN1d, FusedConvBN2d, FusedConvBN3d
 
@@ -391,10 +394,6 @@ def test_gradcheck_and_gradgradcheck(fn: Any, kind: str) -> None:
 
 # --------------------------------------------------------------------------- convert()
 
-import convbn  # noqa: E402  (below the layer tests on purpose: they need only the layers)
-import torch.nn.functional as F  # noqa: E402
-from convbn.memory import saved_bytes  # noqa: E402
-
 CONVERT_STRATEGIES = ("auto", "recompute_bn", "recompute_conv")
 
 
@@ -443,12 +442,14 @@ def test_convert_decoder_fuses_transposed_and_linear(strategy: str, example: boo
     x = torch.randn(3, 2, 6, 4, dtype=torch.float64)
     fast = _convert_and_train(eager, x, strategy, TOL64, example_inputs=x if example else None)
     report = fast.convbn_report
-    pairs = {(p.conv, p.bn, p.activation) for p in report.pairs}
-    assert ("up.0", "up.1", "silu") in pairs
-    assert ("", "bn2", "relu") in pairs or ("up2_weight", "bn2", "relu") in pairs, pairs
-    assert ("head.0", "head.1", "gelu") in pairs
-    assert any(p.bn == "bn_fc" and p.activation == "tanh" for p in report.pairs), pairs
-    assert len(report.pairs) == 7 and not report.skipped, report
+    # (conv, bn, activation, chain, position): the transposed convs and linears chain with what feeds them
+    assert [(p.conv, p.bn, p.activation, p.chain, p.position) for p in report.pairs] == [
+        ("enc1.0", "enc1.1", "relu", 0, 0),
+        ("enc2.0", "enc2.1", "relu", 1, 0), ("up.0", "up.1", "silu", 1, 1),
+        ("fuse.0", "fuse.1", "relu", 2, 0), ("up2_weight", "bn2", "relu", 2, 1),  # F.conv_transpose2d
+        ("head.0", "head.1", "gelu", 3, 0), ("fc_weight", "bn_fc", "tanh", 3, 1),  # nn.Linear, F.linear
+    ]
+    assert not report.skipped, report.skipped
 
 
 def test_convert_leaves_output_size_call_unfused_with_reason() -> None:
