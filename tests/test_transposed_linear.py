@@ -594,3 +594,33 @@ def test_frozen_batchnorm_after_transposed_and_linear_in_training(modes: Tuple[s
         wrapped = nn.Module()
         wrapped.body = eager
         train_side_by_side(wrapped, fused, lambda m, x: m.body(x) if m is wrapped else m(x), _x(shape))
+
+
+class PaddedFunctionalUp(nn.Module):
+    """Zero padding before a transposed conv (not absorbed: a transposed conv's ``padding``
+    crops its output), and ``F.conv_transpose1d`` with every geometry argument as a keyword."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pad = nn.ZeroPad1d((1, 2))
+        self.up = nn.ConvTranspose1d(4, 4, 3, stride=2, padding=1)
+        self.bn = nn.BatchNorm1d(4)
+        self.weight = nn.Parameter(torch.randn(4, 3, 2) * 0.4)
+        self.bias = nn.Parameter(torch.randn(6) * 0.1)
+        self.bn2 = nn.BatchNorm1d(6)
+
+    def forward(self, x: Tensor) -> Tensor:
+        y = F.relu(self.bn(self.up(self.pad(x))))
+        y = F.conv_transpose1d(y, self.weight, self.bias, stride=3, padding=1, output_padding=2, groups=2, dilation=2)
+        return F.silu(self.bn2(y))
+
+
+@pytest.mark.parametrize("strategy", CONVERT_STRATEGIES)
+def test_convert_padded_and_keyword_functional_transposed(strategy: str) -> None:
+    eager = _double_model(PaddedFunctionalUp)
+    x = torch.randn(3, 4, 5, dtype=torch.float64)
+    fast = _convert_and_train(eager, x, strategy, TOL64)
+    report = fast.convbn_report
+    assert [(p.conv, p.bn, p.activation, p.chain) for p in report.pairs] == [
+        ("up", "bn", "relu", 0), ("weight", "bn2", "silu", 0)]
+    assert "pad" in [str(n.target) for n in fast.graph.nodes if n.op == "call_module"]
