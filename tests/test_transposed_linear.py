@@ -624,3 +624,36 @@ def test_convert_padded_and_keyword_functional_transposed(strategy: str) -> None
     assert [(p.conv, p.bn, p.activation, p.chain) for p in report.pairs] == [
         ("up", "bn", "relu", 0), ("weight", "bn2", "silu", 0)]
     assert "pad" in [str(n.target) for n in fast.graph.nodes if n.op == "call_module"]
+
+
+@pytest.mark.parametrize("kind", ["transposed", "linear"])
+def test_autocast_bf16_and_channels_last(kind: str) -> None:
+    """Under CPU bf16 autocast the fused transposed/linear chains compute eager's outputs and
+    stay within eager's own bf16 gradient error (measured against float32); channels_last
+    inputs give channels_last outputs, as eager's."""
+    torch.manual_seed(13)
+    if kind == "transposed":
+        ref32 = conv_then_convt(2, 2, 1, 2, 1, nn.SiLU)
+        x = torch.randn(4, 2, 6, 5)
+    else:
+        ref32 = mlp_head(nn.ReLU)
+        x = torch.randn(16, 5)
+    eager, fused = copy.deepcopy(ref32), copy.deepcopy(ref32)
+    conv = convbn.convert(fused, strategy="auto")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out, out_e = conv(x), eager(x)
+    out32 = ref32(x)
+    assert out.dtype == out_e.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), out_e.float(), rtol=0, atol=0)
+    g = torch.randn_like(out32)
+    out.backward(g.to(out.dtype))
+    out_e.backward(g.to(out_e.dtype))
+    out32.backward(g)
+    for p, pe, p32 in zip(fused.parameters(), eager.parameters(), ref32.parameters()):
+        assert p.grad.dtype == torch.float32
+        assert (p.grad - pe.grad).abs().max() <= 2 * (pe.grad - p32.grad).abs().max() + 2e-2 * p32.grad.abs().max()
+    if kind == "transposed":
+        xc = x.to(memory_format=torch.channels_last)
+        out, out_e = conv(xc), eager(xc)
+        assert out.is_contiguous(memory_format=torch.channels_last) == out_e.is_contiguous(memory_format=torch.channels_last)
+        torch.testing.assert_close(out, out_e, rtol=1e-4, atol=1e-5)
