@@ -520,14 +520,16 @@ class SharedBN(nn.Module):
         return self.bn(self.c2(F.relu(self.bn(self.c1(x)))))
 
 
-class TransposedThenBN(nn.Module):
+class TransposedOutputSizeThenBN(nn.Module):
+    """A transposed conv called with ``output_size=``: its output_padding depends on the input."""
+
     def __init__(self) -> None:
         super().__init__()
-        self.up = nn.ConvTranspose2d(3, 4, 2, stride=2)
+        self.up = nn.ConvTranspose2d(3, 4, 3, stride=2, padding=1)
         self.bn = nn.BatchNorm2d(4)
 
     def forward(self, x: Tensor) -> Tensor:
-        return F.relu(self.bn(self.up(x)))
+        return F.relu(self.bn(self.up(x, output_size=[2 * x.shape[2], 2 * x.shape[3]])))
 
 
 class ScaledBN(nn.BatchNorm2d):
@@ -553,7 +555,7 @@ NEGATIVE: Dict[str, Tuple[Callable[[], nn.Module], Dict[str, str], List[str]]] =
     "conv-output-used-twice": (ConvUsedTwice, {"bn": "also used by"}, []),
     "bn-input-not-a-conv": (BNAfterPool, {"bn": "not a convolution output", "bn_in": "not a convolution output"}, ["a.1"]),
     "same-bn-called-twice": (SharedBN, {"bn": "called 2 times"}, []),
-    "conv-transpose": (TransposedThenBN, {"bn": "transposed"}, []),
+    "conv-transpose-output-size": (TransposedOutputSizeThenBN, {"bn": "output_size="}, []),
     "bn-subclass-with-own-forward": (SubclassBN, {"bn": "own forward"}, ["tail.1"]),
 }
 
@@ -891,7 +893,7 @@ def test_report_contents_and_explain_leaves_model_alone() -> None:
 
 
 def test_explain_adds_nothing_to_a_model_without_pairs() -> None:
-    model = build(TransposedThenBN)
+    model = build(TransposedOutputSizeThenBN)
     attrs = set(vars(model))
     report = convbn.explain(model, inp(2, 3, 6, 6))
     assert not report.pairs and report.skipped

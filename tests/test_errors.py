@@ -204,10 +204,10 @@ def test_errors_match_eager_types() -> None:
 
 def test_from_modules_wrong_types() -> None:
     bn = nn.BatchNorm2d(4)
-    with pytest.raises(TypeError, match="expects an nn.Conv2d, but got Conv1d"):
+    with pytest.raises(TypeError, match="expects an nn.Conv2d or nn.ConvTranspose2d, but got Conv1d"):
         FusedConvBN2d.from_modules(nn.Conv1d(3, 4, 3), bn)
-    with pytest.raises(TypeError, match="ConvTranspose2d"):
-        FusedConvBN2d.from_modules(nn.ConvTranspose2d(3, 4, 3), bn)
+    with pytest.raises(TypeError, match="but got ConvTranspose1d"):
+        FusedConvBN2d.from_modules(nn.ConvTranspose1d(3, 4, 3), bn)
     with pytest.raises(TypeError, match="Linear"):
         FusedConvBN2d.from_modules(nn.Linear(3, 4), bn)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="expects a BatchNorm module, but got GroupNorm"):

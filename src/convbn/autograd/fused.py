@@ -39,7 +39,7 @@ from torch.autograd import Function
 
 from ..functional.activations import Activation
 from ..functional.batchnorm import BNSpec, bn_apply, bn_backward, bn_forward
-from ..functional.conv import ConvSpec, conv_backward, conv_forward
+from ..functional.conv import ConvSpec, conv_backward, conv_forward, scale_out_channels, sum_per_out_channel
 from ..functional.fold import fold_bn_into_preceding
 from ..functional.reference import conv_bn_act_reference
 from .release import free_storage, incoming_refs, keeping_graph, sole_owner
@@ -239,7 +239,8 @@ class FrozenFunction(Function):
         if running_mean is None or running_var is None:
             raise ValueError("the frozen strategy normalises with running statistics, but the BatchNorm has none")
         rm, rv = running_mean.clone(), running_var.clone()
-        w_f, b_f = fold_bn_into_preceding(weight, bias, rm, rv, bn.eps, bn_weight, bn_bias)
+        w_f, b_f = fold_bn_into_preceding(weight, bias, rm, rv, bn.eps, bn_weight, bn_bias,
+                                          transposed=conv.transposed, groups=conv.groups)
         z = conv_forward(x, w_f, b_f, conv)
         if act.is_identity:
             kept: Optional[Tensor] = None
@@ -267,17 +268,17 @@ class FrozenFunction(Function):
         grad_z = grad_out if act.is_identity else act.backward(grad_out, kept)
         r = torch.rsqrt(rv + bn.eps)
         s = r if bn_weight is None else r * bn_weight
-        w_f = weight * s.to(weight.dtype).reshape(-1, *([1] * (weight.dim() - 1)))
+        w_f = scale_out_channels(weight, s.to(weight.dtype), conv)
         any_param = nw or nb or ng or nbeta
         gx, gw_f, gb_f = conv_backward(grad_z, x, w_f, conv, (nx, nw or ng, any_param))
         gw = gb = g_gamma = g_beta = None
         if nw:
-            gw = gw_f * s.to(gw_f.dtype).reshape(-1, *([1] * (weight.dim() - 1)))
+            gw = scale_out_channels(gw_f, s.to(gw_f.dtype), conv)
         if nb:
             gb = gb_f * s.to(gb_f.dtype)
         if ng:
             centred = -rm if bias is None else bias - rm
-            g_s = (gw_f * weight).flatten(1).sum(1) + gb_f * centred
+            g_s = sum_per_out_channel(gw_f * weight, conv) + gb_f * centred
             g_gamma = (g_s * r).to(bn_weight.dtype)
         if nbeta:
             g_beta = gb_f.to(bn_bias.dtype)

@@ -4,6 +4,19 @@ A fused layer resolves ``nn.ConvNd``'s options once into a :class:`ConvSpec`: th
 symmetric padding the kernel applies itself, plus an optional *pre-pad* (asymmetric
 ``"same"`` padding, or a non-``zeros`` ``padding_mode``) applied to the input first,
 exactly as ``nn.ConvNd`` does.
+
+# Note: [three kinds of convolution]
+# One spec describes every linear map a fused layer may start with, so single layers,
+# chains, the custom op and the planner handle them alike:
+#   * a convolution ``nn.Conv{1,2,3}d``: weight ``(C_out, C_in/g, *k)``;
+#   * a transposed convolution ``nn.ConvTranspose{1,2,3}d`` (``transposed=True``, with its
+#     ``output_padding``): weight ``(C_in, C_out/g, *k)``, so output channel
+#     ``o = group * C_out/g + j`` sits on dim 1 of its group's block of rows;
+#   * a linear layer ``nn.Linear`` on ``(N, C_in)`` (``dims == 0``: a convolution with no
+#     spatial dimensions): weight ``(C_out, C_in)``, ``y = x W^T + b``.
+# Every place that needs the output channels of a weight (bias gradient, BatchNorm
+# folding, per-channel sums) goes through :func:`conv_out_channels`,
+# :func:`scale_out_channels` and :func:`sum_per_out_channel`.
 """
 from __future__ import annotations
 
@@ -14,7 +27,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-__all__ = ["ConvSpec", "make_conv_spec", "conv_spec_from_module", "conv_forward", "conv_backward", "conv_output_shape", "conv_flops"]
+__all__ = ["ConvSpec", "make_conv_spec", "make_linear_spec", "conv_spec_from_module", "conv_forward", "conv_backward",
+           "conv_output_shape", "conv_flops", "conv_in_channels", "conv_out_channels", "scale_out_channels",
+           "sum_per_out_channel"]
 
 aten = torch.ops.aten
 
@@ -23,14 +38,18 @@ PADDING_MODES = ("zeros", "reflect", "replicate", "circular")
 
 @dataclass(frozen=True)
 class ConvSpec:
-    """Resolved geometry of a convolution.
+    """Resolved geometry of a convolution, transposed convolution or linear layer.
 
     Attributes:
-        dims: spatial dimensions (1, 2 or 3).
+        dims: spatial dimensions (1, 2 or 3; 0 for a linear layer, see
+            Note: [three kinds of convolution]).
         stride, padding, dilation: per-dimension ints given to the kernel.
         groups: channel groups.
         pre_pad: ``F.pad`` amounts applied to the input first (last dim first), or ``()``.
         pre_pad_mode: ``F.pad`` mode for ``pre_pad`` (``"constant"`` for zeros).
+        transposed: a transposed convolution (``nn.ConvTranspose{N}d``).
+        output_padding: the transposed convolution's extra output size per dimension
+            (``()`` for none).
     """
 
     dims: int
@@ -40,6 +59,24 @@ class ConvSpec:
     groups: int = 1
     pre_pad: Tuple[int, ...] = ()
     pre_pad_mode: str = "constant"
+    transposed: bool = False
+    output_padding: Tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.transposed and (self.pre_pad or self.dims == 0):
+            raise ValueError(f"a transposed convolution has {self.dims} spatial dims and pre-pad {self.pre_pad}; "
+                             "expected 1-3 dims and no pre-pad (ConvTranspose pads with zeros only)")
+        if self.output_padding and not self.transposed:
+            raise ValueError(f"output_padding={self.output_padding} is for transposed convolutions only")
+
+    @property
+    def is_linear(self) -> bool:
+        """A linear layer (``dims == 0``)."""
+        return self.dims == 0
+
+    def kernel_output_padding(self) -> List[int]:
+        """``output_padding`` as the native kernel takes it (zeros when there is none)."""
+        return list(self.output_padding) if self.output_padding else [0] * self.dims
 
     def pad_input(self, x: Tensor) -> Tensor:
         """Apply the pre-pad (differentiable); identity when there is none."""
@@ -109,10 +146,31 @@ def make_conv_spec(
     return ConvSpec(dims, s, pad, d, int(groups), pre, mode)
 
 
-def conv_spec_from_module(conv: nn.modules.conv._ConvNd) -> ConvSpec:
-    """The :class:`ConvSpec` of an ``nn.Conv1d/2d/3d``."""
+def make_linear_spec() -> ConvSpec:
+    """The :class:`ConvSpec` of a linear layer (Note: [three kinds of convolution])."""
+    return ConvSpec(0, (), (), ())
+
+
+def conv_spec_from_module(conv: Union[nn.modules.conv._ConvNd, nn.Linear]) -> ConvSpec:
+    """The :class:`ConvSpec` of an ``nn.Conv{1,2,3}d``, ``nn.ConvTranspose{1,2,3}d`` or ``nn.Linear``.
+
+    Raises:
+        TypeError: another module.
+        ValueError: a transposed convolution with a ``padding_mode`` other than ``"zeros"``.
+    """
+    if isinstance(conv, nn.Linear):
+        return make_linear_spec()
+    if not isinstance(conv, nn.modules.conv._ConvNd):
+        raise TypeError(f"expected a convolution or nn.Linear module, but got {type(conv).__name__}")
     if conv.transposed:
-        raise TypeError(f"transposed convolutions are not fusable for training, got {type(conv).__name__}")
+        if conv.padding_mode != "zeros":
+            raise ValueError(f"only 'zeros' padding mode is supported for {type(conv).__name__}, "
+                             f"but got padding_mode={conv.padding_mode!r}")
+        dims = len(conv.kernel_size)
+        op = _ntuple(conv.output_padding, dims, "output_padding")
+        return ConvSpec(dims, _ntuple(conv.stride, dims, "stride"), _ntuple(conv.padding, dims, "padding"),  # type: ignore[arg-type]
+                        _ntuple(conv.dilation, dims, "dilation"), int(conv.groups), transposed=True,
+                        output_padding=op if any(op) else ())
     return make_conv_spec(
         len(conv.kernel_size),
         conv.kernel_size,
@@ -125,9 +183,12 @@ def conv_spec_from_module(conv: nn.modules.conv._ConvNd) -> ConvSpec:
 
 
 def conv_forward(x: Tensor, weight: Tensor, bias: Optional[Tensor], spec: ConvSpec) -> Tensor:
-    """``y = conv(x, W) + b`` on an already pre-padded input (native kernel)."""
+    """``y = conv(x, W) + b`` on an already pre-padded input (native kernel; ``F.linear`` for a linear layer)."""
+    if spec.is_linear:
+        return F.linear(x, weight, bias)
     return torch.convolution(
-        x, weight, bias, list(spec.stride), list(spec.padding), list(spec.dilation), False, [0] * spec.dims, spec.groups
+        x, weight, bias, list(spec.stride), list(spec.padding), list(spec.dilation), spec.transposed,
+        spec.kernel_output_padding(), spec.groups
     )
 
 
@@ -142,11 +203,19 @@ def conv_backward(
 
     Uses ``aten.convolution_backward``: ``grad_x`` is the transposed convolution of
     ``grad_y`` with ``W`` and ``grad_W`` the convolution of ``x`` with ``grad_y`` with
-    batch and channel roles swapped.
+    batch and channel roles swapped (the roles of the two swap for a transposed
+    convolution). A linear layer: ``grad_x = G W``, ``grad_W = G^T x``, ``grad_b = sum_rows G``
+    (the matrix products eager's ``addmm`` backward runs).
     """
     if not any(mask):
         return None, None, None
-    bias_sizes: Optional[List[int]] = [weight.shape[0]] if mask[2] else None
+    if spec.is_linear:
+        g2 = grad_y.reshape(-1, grad_y.shape[-1])
+        gx = grad_y.matmul(weight) if mask[0] else None
+        gw = g2.t().mm(x.reshape(-1, x.shape[-1])) if mask[1] else None
+        gb = g2.sum(0) if mask[2] else None
+        return gx, gw, gb
+    bias_sizes: Optional[List[int]] = [conv_out_channels(weight.shape, spec)] if mask[2] else None
     gx, gw, gb = aten.convolution_backward(
         grad_y,
         x,
@@ -155,17 +224,56 @@ def conv_backward(
         list(spec.stride),
         list(spec.padding),
         list(spec.dilation),
-        False,
-        [0] * spec.dims,
+        spec.transposed,
+        spec.kernel_output_padding(),
         spec.groups,
         list(mask),
     )
     return gx, gw, gb
 
 
+def conv_in_channels(weight_shape: Sequence[int], spec: ConvSpec) -> int:
+    """Input channels (features) the layer with this weight expects."""
+    return int(weight_shape[0]) if spec.transposed else int(weight_shape[1]) * spec.groups
+
+
+def conv_out_channels(weight_shape: Sequence[int], spec: ConvSpec) -> int:
+    """Output channels (features) of the layer with this weight."""
+    return int(weight_shape[1]) * spec.groups if spec.transposed else int(weight_shape[0])
+
+
+def _out_channel_blocks(weight: Tensor, spec: ConvSpec) -> Tensor:
+    """A transposed weight ``(C_in, C_out/g, *k)`` as ``(g, C_in/g, C_out/g, *k)``."""
+    return weight.reshape(spec.groups, weight.shape[0] // spec.groups, *weight.shape[1:])
+
+
+def scale_out_channels(weight: Tensor, scale: Tensor, spec: ConvSpec) -> Tensor:
+    """``weight`` with every output channel's slice multiplied by ``scale`` (``(C_out,)``)."""
+    if not spec.transposed:
+        return weight * scale.reshape(-1, *([1] * (weight.dim() - 1)))
+    s = scale.reshape(spec.groups, 1, weight.shape[1], *([1] * (weight.dim() - 2)))
+    return (_out_channel_blocks(weight, spec) * s).reshape(weight.shape)
+
+
+def sum_per_out_channel(t: Tensor, spec: ConvSpec) -> Tensor:
+    """Sum of a weight-shaped tensor over everything but the output channel: ``(C_out,)``."""
+    if not spec.transposed:
+        return t.flatten(1).sum(1)
+    blocks = _out_channel_blocks(t, spec)  # (g, C_in/g, C_out/g, *k)
+    return blocks.sum([1, *range(3, blocks.dim())]).flatten()
+
+
 def conv_output_shape(in_shape: Sequence[int], weight_shape: Sequence[int], spec: ConvSpec) -> Tuple[int, ...]:
-    """Output shape ``(N, C_out, *spatial)`` of the convolution of an (unpadded) input."""
+    """Output shape ``(N, C_out, *spatial)`` of the convolution of an (unpadded) input
+    (``(*, C_out)`` for a linear layer on ``(*, C_in)``)."""
+    if spec.is_linear:
+        return (*(int(s) for s in in_shape[:-1]), int(weight_shape[0]))
     n, _, *sp = in_shape
+    if spec.transposed:
+        op = spec.kernel_output_padding()
+        out = [(sp[i] - 1) * spec.stride[i] - 2 * spec.padding[i] + spec.dilation[i] * (weight_shape[2 + i] - 1)
+               + op[i] + 1 for i in range(spec.dims)]
+        return (n, conv_out_channels(weight_shape, spec), *out)
     pre = list(spec.pre_pad)
     out = []
     for i in range(spec.dims):
@@ -179,8 +287,15 @@ def conv_output_shape(in_shape: Sequence[int], weight_shape: Sequence[int], spec
     return (n, weight_shape[0], *out)
 
 
-def conv_flops(out_shape: Sequence[int], weight_shape: Sequence[int]) -> int:
-    """Multiply-accumulates of a forward convolution: ``numel(y) * C_in/groups * prod(k)``."""
+def conv_flops(out_shape: Sequence[int], weight_shape: Sequence[int], spec: Optional[ConvSpec] = None,
+               in_shape: Optional[Sequence[int]] = None) -> int:
+    """Multiply-accumulates of a forward convolution: ``numel(y) * C_in/groups * prod(k)``;
+    for a transposed one (``spec`` and ``in_shape`` given) ``numel(x) * C_out/groups * prod(k)``
+    (each input element meets ``C_out/groups * prod(k)`` weights); a linear layer ``numel(y) * C_in``."""
+    if spec is not None and spec.transposed:
+        if in_shape is None:
+            raise ValueError("conv_flops of a transposed convolution needs in_shape")
+        out_shape = in_shape  # the roles of input and output swap
     numel = 1
     for s in out_shape:
         numel *= int(s)

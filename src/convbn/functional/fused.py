@@ -15,7 +15,7 @@ from torch import Tensor
 
 from .activations import Activation, get_activation
 from .batchnorm import BNSpec, bn_forward
-from .conv import ConvSpec, conv_forward, conv_output_shape, make_conv_spec
+from .conv import ConvSpec, conv_forward, conv_in_channels, conv_output_shape, make_conv_spec
 from .fold import fold_bn_into_preceding
 
 __all__ = ["STRATEGIES", "check_strategy", "check_inputs", "autocast_dtype", "autocast_inputs", "conv_bn_act", "conv_bn_act_spec"]
@@ -48,11 +48,13 @@ def check_inputs(
         raise TypeError(f"input must be a Tensor, but got {type(x).__name__}")
     want = conv.dims + 2
     if x.dim() != want:
+        layer = ("Linear+BatchNorm1d" if conv.is_linear
+                 else f"Conv{'Transpose' if conv.transposed else ''}{conv.dims}d+BatchNorm{conv.dims}d")
+        axes = "".join(", " + a for a in "DHW"[3 - conv.dims:])
         raise ValueError(
-            f"expected {want}D input (N, C, {', '.join('DHW'[3 - conv.dims:])}) for a fused "
-            f"Conv{conv.dims}d+BatchNorm{conv.dims}d, but got {x.dim()}D input of shape {tuple(x.shape)}"
+            f"expected {want}D input (N, C{axes}) for a fused {layer}, but got {x.dim()}D input of shape {tuple(x.shape)}"
         )
-    c_in = weight.shape[1] * conv.groups
+    c_in = conv_in_channels(weight.shape, conv)
     if x.shape[1] != c_in:
         raise RuntimeError(
             f"expected input of shape {tuple(x.shape)} to have {c_in} channels, but got {x.shape[1]} channels instead"
@@ -166,7 +168,8 @@ def _forward_no_grad(
         y = conv_forward(x, weight, bias, conv)
         z = bn_forward(y, bn_weight, bn_bias, running_mean, running_var, bn)[0]
     else:
-        w_f, b_f = fold_bn_into_preceding(weight, bias, running_mean, running_var, bn.eps, bn_weight, bn_bias)  # type: ignore[arg-type]
+        w_f, b_f = fold_bn_into_preceding(weight, bias, running_mean, running_var, bn.eps, bn_weight, bn_bias,  # type: ignore[arg-type]
+                                          transposed=conv.transposed, groups=conv.groups)
         z = conv_forward(x, w_f, b_f, conv)
     return act(z, inplace=True)
 

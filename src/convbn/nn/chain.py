@@ -76,7 +76,9 @@ class ChainLayer:
 
     def flops(self) -> int:
         """Multiply-accumulates of the conv at the last call."""
-        return 0 if self.y_shape is None else conv_flops(self.y_shape, self.weight.shape)
+        if self.y_shape is None:
+            return 0
+        return conv_flops(self.y_shape, self.weight.shape, self.conv, self.x_shape)
 
 
 class FusedChain(nn.Module):
@@ -127,7 +129,7 @@ class FusedChain(nn.Module):
         """The chain as eager modules: conv modules and BatchNorms are *called* (hooks run,
         eager's own checks and bookkeeping apply), activations applied as eager does."""
         for l, mods in zip(self.layers, self.watched):
-            conv = next((m for m in mods if isinstance(m, _ConvNd) and m is l.conv_owner), None)
+            conv = next((m for m in mods if isinstance(m, (_ConvNd, nn.Linear)) and m is l.conv_owner), None)
             if conv is not None and l.weight_name == "weight" and conv_spec_from_module(conv) == l.conv:
                 y = conv(x)
             elif conv is not None and (conv._forward_pre_hooks or conv._forward_hooks or conv._backward_hooks):
@@ -142,8 +144,17 @@ class FusedChain(nn.Module):
             x = act(z) if act is not None else l.act(z)
         return x
 
+    def _linear_on_other_shape(self, input: Tensor) -> bool:
+        """Whether a linear layer of the chain gets an input other than ``(N, C)``.
+
+        ``nn.Linear`` maps the last dimension of any input, but a BatchNorm1d after it
+        normalises those features only on ``(N, C)``: on ``(N, L, C)`` it would normalise
+        over ``L``, another computation, which the chain then runs as eager does.
+        """
+        return any(l.conv.is_linear for l in self.layers) and any(l.conv.dims + 2 != input.dim() for l in self.layers)
+
     def forward(self, input: Tensor) -> Tensor:
-        if input.numel() == 0 or self._hooked():
+        if input.numel() == 0 or self._hooked() or self._linear_on_other_shape(input):
             return self._forward_eager(input)
         # The chain reads a layer's weight several times (checks, planning, the Function);
         # eager's conv reads it once. Under ``parametrize.cached()`` a parametrization (e.g.

@@ -147,7 +147,8 @@ class _FusedConvBNNd(nn.Module):
         """Fuse existing modules, *sharing* their parameters and buffers (no copies).
 
         Args:
-            conv: an ``nn.Conv{N}d`` (any subclass; not transposed).
+            conv: an ``nn.Conv{N}d`` or ``nn.ConvTranspose{N}d`` (any subclass with the
+                standard forward), or, for ``FusedConvBN1d``, an ``nn.Linear`` (inputs ``(N, C)``).
             bn: an ``nn.BatchNorm{N}d`` or another ``_BatchNorm`` subclass with
                 ``num_features == conv.out_channels``.
             activation: as in the constructor.
@@ -162,13 +163,17 @@ class _FusedConvBNNd(nn.Module):
             >>> fused.conv.weight is conv.weight
             True
         """
-        if not isinstance(conv, _ConvNd) or conv.transposed or len(conv.kernel_size) != cls._dims:
-            raise TypeError(f"{cls.__name__}.from_modules expects an nn.Conv{cls._dims}d, but got {type(conv).__name__}")
+        linear = isinstance(conv, nn.Linear) and cls._dims == 1
+        if not linear and (not isinstance(conv, _ConvNd) or len(conv.kernel_size) != cls._dims):
+            kinds = f"nn.Conv{cls._dims}d, nn.ConvTranspose{cls._dims}d or nn.Linear" if cls._dims == 1 else \
+                f"nn.Conv{cls._dims}d or nn.ConvTranspose{cls._dims}d"
+            raise TypeError(f"{cls.__name__}.from_modules expects an {kinds}, but got {type(conv).__name__}")
+        out_channels = conv.out_features if linear else conv.out_channels
         if not isinstance(bn, _BatchNorm):
             raise TypeError(f"{cls.__name__}.from_modules expects a BatchNorm module, but got {type(bn).__name__}")
-        if bn.num_features != conv.out_channels:
+        if bn.num_features != out_channels:
             raise ValueError(
-                f"BatchNorm num_features={bn.num_features} does not match the conv's out_channels={conv.out_channels}"
+                f"BatchNorm num_features={bn.num_features} does not match the conv's out_channels={out_channels}"
             )
         self = cls.__new__(cls)
         nn.Module.__init__(self)

@@ -9,6 +9,7 @@ rewrite (:mod:`convbn.passes.rewrite`) replaces each chain by one fused module.
 """
 from __future__ import annotations
 
+import dataclasses
 import operator
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Tuple, Union
@@ -21,7 +22,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.conv import _ConvNd
 
 from ..functional.activations import Activation, activation_from_module
-from ..functional.conv import ConvSpec, conv_spec_from_module, make_conv_spec
+from ..functional.conv import ConvSpec, conv_out_channels, conv_spec_from_module, make_conv_spec, make_linear_spec
 from ..nn.chain import FusedChain
 from ..nn.fused import _FusedConvBNNd
 from .bn_sites import find_bn_sites
@@ -30,9 +31,14 @@ from .shape_uses import is_shape_use, value_users
 
 __all__ = ["MatchTracer", "MatchedConv", "MatchedLayer", "find_layers", "group_chains", "node_arg", "describe_node"]
 
-_STD_CONV_FORWARDS = {nn.Conv1d.forward, nn.Conv2d.forward, nn.Conv3d.forward}
+_STD_CONV_FORWARDS = {nn.Conv1d.forward, nn.Conv2d.forward, nn.Conv3d.forward,
+                      nn.ConvTranspose1d.forward, nn.ConvTranspose2d.forward, nn.ConvTranspose3d.forward}
 _FUNCTIONAL_CONVS = {F.conv1d: 1, F.conv2d: 2, F.conv3d: 3, torch.conv1d: 1, torch.conv2d: 2, torch.conv3d: 3}
-_BN_DIMS = {nn.BatchNorm1d: (1,), nn.BatchNorm2d: (2,), nn.BatchNorm3d: (3,)}
+_FUNCTIONAL_CONVTS = {F.conv_transpose1d: 1, F.conv_transpose2d: 2, F.conv_transpose3d: 3,
+                      torch.conv_transpose1d: 1, torch.conv_transpose2d: 2, torch.conv_transpose3d: 3}
+_FUNCTIONAL_LINEARS = {F.linear}
+# a linear layer is a 0-D convolution (Note: [three kinds of convolution] in functional/conv.py)
+_BN_DIMS = {nn.BatchNorm1d: (0, 1), nn.BatchNorm2d: (2,), nn.BatchNorm3d: (3,)}
 
 
 class MatchTracer(fx.Tracer):
@@ -136,7 +142,9 @@ def _match_conv(node: fx.Node, gm: fx.GraphModule, root: nn.Module) -> Union[Mat
     the real modules' parameters (``load_state_dict(assign=True)``) would not reach.
     """
     found = _match_conv_node(node, gm, root)
-    if isinstance(found, MatchedConv) and found.spec.pre_pad_mode == "constant":
+    # zero padding before a transposed conv is not its ``padding`` (which crops the output)
+    if (isinstance(found, MatchedConv) and found.spec.pre_pad_mode == "constant" and found.spec.dims > 0
+            and not found.spec.transposed):
         found = _absorb_zero_pad(found, gm)
     return found
 
@@ -144,10 +152,19 @@ def _match_conv(node: fx.Node, gm: fx.GraphModule, root: nn.Module) -> Union[Mat
 def _match_conv_node(node: fx.Node, gm: fx.GraphModule, root: nn.Module) -> Union[MatchedConv, str, None]:
     if node.op == "call_module":
         mod = gm.get_submodule(str(node.target))
+        if isinstance(mod, nn.Linear) and type(mod).forward is nn.Linear.forward:
+            inp = node_arg(node, 0, "input", None)
+            if not isinstance(inp, fx.Node):
+                return "the linear layer's input is not a traced tensor"
+            return MatchedConv(node, inp, mod, "weight", "bias" if mod.bias is not None else None,
+                               make_linear_spec(), str(node.target))
         if not isinstance(mod, _ConvNd):
             return None
-        if mod.transposed:
-            return f"its input is a transposed convolution ({node.target}), not fused for training"
+        if mod.transposed and node_arg(node, 1, "output_size", None) is not None:
+            # its output_padding then follows the input's size at run time: not a fixed geometry
+            return (f"its input is a transposed convolution ({node.target}) called with output_size=, which "
+                    "sets its output_padding from each input's shape; left unfused (give the module "
+                    "output_padding instead to fuse it)")
         if type(mod).forward not in _STD_CONV_FORWARDS:
             return f"its input comes from {type(mod).__name__}, a convolution with a custom forward"
         inp = node_arg(node, 0, "input", None)
@@ -175,7 +192,41 @@ def _match_conv_node(node: fx.Node, gm: fx.GraphModule, root: nn.Module) -> Unio
         weight = getattr(owner, wname)
         spec = make_conv_spec(dims, weight.shape[2:], *geo)
         return MatchedConv(node, inp, owner, wname, bname, spec, wpath or str(w.target))
+    if node.op == "call_function" and (node.target in _FUNCTIONAL_CONVTS or node.target in _FUNCTIONAL_LINEARS):
+        return _match_functional_convt_or_linear(node, root)
     return None
+
+
+def _match_functional_convt_or_linear(node: fx.Node, root: nn.Module) -> Union[MatchedConv, str]:
+    """``F.conv_transposeNd(x, W, b, stride, padding, output_padding, groups, dilation)`` or
+    ``F.linear(x, W, b)`` on module parameters."""
+    linear = node.target in _FUNCTIONAL_LINEARS
+    what = "linear" if linear else "transposed convolution"
+    inp, w, b = node_arg(node, 0, "input", None), node_arg(node, 1, "weight", None), node_arg(node, 2, "bias", None)
+    if not isinstance(w, fx.Node) or w.op != "get_attr":
+        return f"the functional {what}'s weight is not a module parameter"
+    if b is not None and (not isinstance(b, fx.Node) or b.op != "get_attr"):
+        return f"the functional {what}'s bias is not a module parameter"
+    names = () if linear else ((3, "stride", 1), (4, "padding", 0), (5, "output_padding", 0), (6, "groups", 1),
+                               (7, "dilation", 1))
+    geo = [node_arg(node, i, n, d) for i, n, d in names]
+    if any(isinstance(a, fx.Node) for a in geo) or not isinstance(inp, fx.Node):
+        return f"the functional {what}'s arguments are not constants"
+    wpath, _, wname = str(w.target).rpartition(".")
+    owner = root.get_submodule(wpath) if wpath else root
+    bname = None
+    if b is not None:
+        bpath, _, bname = str(b.target).rpartition(".")
+        if bpath != wpath:
+            return f"the functional {what}'s weight and bias live in different modules"
+    if linear:
+        return MatchedConv(node, inp, owner, wname, bname, make_linear_spec(), wpath or str(w.target))
+    dims = _FUNCTIONAL_CONVTS[node.target]  # type: ignore[index]
+    stride, padding, output_padding, groups, dilation = geo
+    spec = make_conv_spec(dims, getattr(owner, wname).shape[2:], stride, padding, dilation, groups)
+    op = tuple(output_padding) if isinstance(output_padding, (list, tuple)) else (int(output_padding),) * dims
+    spec = dataclasses.replace(spec, transposed=True, output_padding=op if any(op) else ())
+    return MatchedConv(node, inp, owner, wname, bname, spec, wpath or str(w.target))
 
 
 _ACT_FUNCS: Dict[Any, Callable[[fx.Node], Optional[Activation]]] = {
@@ -273,9 +324,10 @@ def find_layers(gm: fx.GraphModule, root: nn.Module, prefix: str, report: Conver
             continue
         dims_ok = _BN_DIMS.get(type(bn))
         if dims_ok is not None and conv.spec.dims not in dims_ok:
-            skip(f"{type(bn).__name__} after a {conv.spec.dims}-D convolution", conv.name)
+            what = "a linear layer" if conv.spec.is_linear else f"a {conv.spec.dims}-D convolution"
+            skip(f"{type(bn).__name__} after {what}", conv.name)
             continue
-        if bn.num_features != getattr(conv.owner, conv.weight_name).shape[0]:
+        if bn.num_features != conv_out_channels(getattr(conv.owner, conv.weight_name).shape, conv.spec):
             skip("BatchNorm num_features does not match the convolution's output channels", conv.name)
             continue
         act, act_node, act_extra = Activation("identity"), None, ()
