@@ -83,6 +83,7 @@ DOCUMENTED_MODULES = [
     "convbn.reference.ctx_tools",
     "convbn.reference.double_backward",
     "convbn.gradcheck",
+    "convbn.functional.strategies",
 ]
 
 

@@ -6,7 +6,7 @@ fewer activations for backward (same outputs, gradients, running stats, paramete
 """
 from .autograd.dispatch import conv_bn_act
 from .functional.activations import ACTIVATIONS, Activation
-from .functional.fused import STRATEGIES
+from .functional.strategies import STRATEGIES, ConvertStrategy, LayerMode, Strategy
 from .gradcheck import GradcheckReport, gradcheck_module
 from .memory import PeakMemory, SavedBytes, Timeline, peak_memory, saved_bytes, tensor_peak, timeline, track_saved
 from .nn.chain import FusedChain
@@ -22,15 +22,18 @@ __all__ = [
     "Activation",
     "CONVERT_STRATEGIES",
     "ConvertReport",
+    "ConvertStrategy",
     "FoldReport",
     "FusedChain",
     "FusedConvBN1d",
     "FusedConvBN2d",
     "FusedConvBN3d",
     "GradcheckReport",
+    "LayerMode",
     "PeakMemory",
     "STRATEGIES",
     "SavedBytes",
+    "Strategy",
     "conv_bn_act",
     "convert",
     "explain",

@@ -18,7 +18,8 @@ from torch import Tensor
 from ..functional.activations import Activation, get_activation
 from ..functional.batchnorm import BNSpec
 from ..functional.conv import ConvSpec, make_conv_spec
-from ..functional.fused import autocast_inputs, check_inputs, check_strategy, conv_bn_act_no_grad
+from ..functional.fused import autocast_inputs, check_inputs, conv_bn_act_no_grad
+from ..functional.strategies import Strategy, check_strategy
 from .fused import FrozenFunction, RecomputeBNFunction, RecomputeConvFunction
 
 __all__ = ["conv_bn_act", "conv_bn_act_spec", "conv_bn_act_prechecked"]
@@ -35,7 +36,7 @@ def conv_bn_act_spec(
     conv: ConvSpec,
     bn: BNSpec,
     act: Activation,
-    strategy: str,
+    strategy: Strategy,
 ) -> Tensor:
     """:func:`conv_bn_act` on resolved specs: checks the strategy and the inputs, then dispatches."""
     check_strategy(strategy)
@@ -54,7 +55,7 @@ def conv_bn_act_prechecked(
     conv: ConvSpec,
     bn: BNSpec,
     act: Activation,
-    strategy: str,
+    strategy: Strategy,
 ) -> Tensor:
     """:func:`conv_bn_act_spec` for a caller that has run :func:`check_inputs` itself.
 
@@ -76,7 +77,7 @@ def _dispatch(
     conv: ConvSpec,
     bn: BNSpec,
     act: Activation,
-    strategy: str,
+    strategy: Strategy,
 ) -> Tensor:
     frozen = strategy == "frozen" or not bn.batch_stats
     if frozen:
@@ -118,7 +119,7 @@ def conv_bn_act(
     momentum: float = 0.1,
     eps: float = 1e-5,
     activation: Union[None, str, Activation, torch.nn.Module] = None,
-    strategy: str = "recompute_bn",
+    strategy: Strategy = "recompute_bn",
 ) -> Tensor:
     """Fused ``act(batch_norm(conv(x)))``, numerically ``F.convNd`` -> ``F.batch_norm`` -> act.
 

@@ -17,18 +17,7 @@ from .batchnorm import BNSpec, bn_forward
 from .conv import ConvSpec, conv_forward, conv_output_shape
 from .fold import fold_bn_into_preceding
 
-__all__ = ["STRATEGIES", "check_strategy", "check_inputs", "autocast_dtype", "autocast_inputs", "conv_bn_act_no_grad"]
-
-#: Strategies a single fused layer accepts (``convert`` adds ``"auto"``).
-STRATEGIES = ("recompute_conv", "recompute_bn", "frozen")
-
-
-def check_strategy(strategy: str, allowed: Sequence[str] = STRATEGIES) -> str:
-    """Return ``strategy`` or raise ``ValueError`` listing the allowed names."""
-    if not isinstance(strategy, str) or strategy not in allowed:
-        raise ValueError(f"strategy must be one of {tuple(allowed)}, but got strategy={strategy!r}")
-    return strategy
-
+__all__ = ["check_inputs", "autocast_dtype", "autocast_inputs", "conv_bn_act_no_grad"]
 
 def check_inputs(
     x: Tensor,

@@ -20,7 +20,8 @@ from ..functional.activations import Activation, get_activation
 from ..functional.batchnorm import BNSpec
 from ..functional.conv import ConvSpec, conv_spec_from_module
 from ..autograd.dispatch import conv_bn_act_prechecked
-from ..functional.fused import check_inputs, check_strategy
+from ..functional.fused import check_inputs
+from ..functional.strategies import Strategy, check_strategy
 from .sync import bn_running_stats, bn_spec_from_module, sync_group
 
 __all__ = ["FusedConvBN1d", "FusedConvBN2d", "FusedConvBN3d", "bn_spec_from_module", "bn_running_stats", "sync_group",
@@ -77,7 +78,7 @@ class _FusedConvBNNd(nn.Module):
         affine: bool = True,
         track_running_stats: bool = True,
         activation: Union[None, str, Activation, nn.Module] = None,
-        strategy: str = "recompute_bn",
+        strategy: Strategy = "recompute_bn",
         device: Any = None,
         dtype: Optional[torch.dtype] = None,
     ) -> None:
@@ -96,7 +97,7 @@ class _FusedConvBNNd(nn.Module):
         conv: _ConvNd,
         bn: _BatchNorm,
         activation: Union[None, str, Activation, nn.Module] = None,
-        strategy: str = "recompute_bn",
+        strategy: Strategy = "recompute_bn",
     ) -> T:
         """Fuse existing modules, *sharing* their parameters and buffers (no copies).
 
