@@ -22,7 +22,7 @@ from ..functional.fused import autocast_inputs, check_inputs, conv_bn_act_no_gra
 from ..functional.strategies import Strategy, check_strategy
 from .fused import FrozenFunction, RecomputeBNFunction, RecomputeConvFunction
 
-__all__ = ["conv_bn_act", "conv_bn_act_spec", "conv_bn_act_prechecked"]
+__all__ = ["conv_bn_act", "conv_bn_act_spec"]
 
 
 def conv_bn_act_spec(
@@ -37,48 +37,25 @@ def conv_bn_act_spec(
     bn: BNSpec,
     act: Activation,
     strategy: Strategy,
+    *,
+    inputs_checked: bool = False,
 ) -> Tensor:
-    """:func:`conv_bn_act` on resolved specs: checks the strategy and the inputs, then dispatches."""
-    check_strategy(strategy)
-    check_inputs(x, weight, conv, bn, (bias, bn_weight, bn_bias, running_mean, running_var))
-    return _dispatch(x, weight, bias, bn_weight, bn_bias, running_mean, running_var, conv, bn, act, strategy)
+    """:func:`conv_bn_act` on resolved specs: checks the call, then dispatches.
 
+    Args:
+        x, weight, bias, bn_weight, bn_bias, running_mean, running_var: as :func:`conv_bn_act`.
+        conv, bn, act: the resolved layer specs.
+        strategy: a :data:`~convbn.functional.strategies.Strategy`.
+        inputs_checked: the caller has run :func:`~convbn.functional.fused.check_inputs`
+            on exactly these arguments (the fused modules do, before advancing
+            ``num_batches_tracked``, so a failing call changes no state); skips it here.
 
-def conv_bn_act_prechecked(
-    x: Tensor,
-    weight: Tensor,
-    bias: Optional[Tensor],
-    bn_weight: Optional[Tensor],
-    bn_bias: Optional[Tensor],
-    running_mean: Optional[Tensor],
-    running_var: Optional[Tensor],
-    conv: ConvSpec,
-    bn: BNSpec,
-    act: Activation,
-    strategy: Strategy,
-) -> Tensor:
-    """:func:`conv_bn_act_spec` for a caller that has run :func:`check_inputs` itself.
-
-    The fused modules check the call before advancing ``num_batches_tracked`` (so a
-    failing call changes no state); this skips the second, identical check.
+    Returns:
+        The activation output.
     """
     check_strategy(strategy)
-    return _dispatch(x, weight, bias, bn_weight, bn_bias, running_mean, running_var, conv, bn, act, strategy)
-
-
-def _dispatch(
-    x: Tensor,
-    weight: Tensor,
-    bias: Optional[Tensor],
-    bn_weight: Optional[Tensor],
-    bn_bias: Optional[Tensor],
-    running_mean: Optional[Tensor],
-    running_var: Optional[Tensor],
-    conv: ConvSpec,
-    bn: BNSpec,
-    act: Activation,
-    strategy: Strategy,
-) -> Tensor:
+    if not inputs_checked:
+        check_inputs(x, weight, conv, bn, (bias, bn_weight, bn_bias, running_mean, running_var))
     frozen = strategy == "frozen" or not bn.batch_stats
     if frozen:
         if running_mean is None or running_var is None:

@@ -4,7 +4,7 @@ The module is thin: it owns a real ``nn.ConvNd`` child named ``conv`` and a real
 ``nn.BatchNormNd`` child named ``bn`` (so ``state_dict()`` keys are those of
 ``nn.Sequential(OrderedDict(conv=..., bn=...))`` and checkpoints load both ways), does
 BatchNorm's bookkeeping (``num_batches_tracked``, momentum), and hands the maths to
-:func:`convbn.autograd.dispatch.conv_bn_act_prechecked`.
+:func:`convbn.autograd.dispatch.conv_bn_act_spec`.
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from torch.nn.utils import parametrize
 from ..functional.activations import Activation, get_activation
 from ..functional.batchnorm import BNSpec
 from ..functional.conv import ConvSpec, conv_spec_from_module
-from ..autograd.dispatch import conv_bn_act_prechecked
+from ..autograd.dispatch import conv_bn_act_spec
 from ..functional.fused import check_inputs
 from ..functional.strategies import Strategy, check_strategy
 from .sync import bn_running_stats, bn_spec_from_module, sync_group
@@ -168,8 +168,9 @@ class _FusedConvBNNd(nn.Module):
         check_inputs(input, conv.weight, cspec, bspec, (conv.bias, bn.weight, bn.bias, rm, rv))
         if not frozen:
             bspec = bn_spec_from_module(bn, advance=True)
-        return conv_bn_act_prechecked(
-            input, conv.weight, conv.bias, bn.weight, bn.bias, rm, rv, cspec, bspec, self.activation, self.strategy
+        return conv_bn_act_spec(
+            input, conv.weight, conv.bias, bn.weight, bn.bias, rm, rv, cspec, bspec, self.activation, self.strategy,
+            inputs_checked=True,
         )
 
     def extra_repr(self) -> str:
