@@ -84,6 +84,9 @@ DOCUMENTED_MODULES = [
     "convbn.reference.double_backward",
     "convbn.gradcheck",
     "convbn.functional.strategies",
+    "convbn.memory.saved",
+    "convbn.memory.peaks",
+    "convbn.memory.timelines",
 ]
 
 
