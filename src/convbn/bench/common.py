@@ -15,8 +15,11 @@ from typing import Any, Callable, Dict, Optional, Sequence
 import torch
 from torch import Tensor
 
+from convbn.cli import output_path
+
 __all__ = [
     "DTYPES",
+    "add_output_arguments",
     "first_tensor",
     "fmt",
     "projection_loss",
@@ -94,6 +97,22 @@ def write_text(path: str, text: str) -> None:
     else:
         with open(path, "w") as fh:
             fh.write(text + "\n")
+
+
+def add_output_arguments(parser: argparse.ArgumentParser, plot_help: str) -> None:
+    """Add ``--plot``, ``--json``, ``--markdown``, ``--wide`` and ``--no-progress`` (read by :func:`write_outputs`).
+
+    Args:
+        parser: the benchmark's parser.
+        plot_help: what ``--plot PATH`` draws.
+    """
+    parser.add_argument("--plot", type=output_path, default=None, metavar="PATH", help=plot_help)
+    parser.add_argument("--json", type=output_path, nargs="?", const="-", default=None, metavar="PATH",
+                        help="write all rows as JSON to PATH (no PATH or '-': stdout)")
+    parser.add_argument("--markdown", type=output_path, nargs="?", const="-", default=None, metavar="PATH",
+                        help="write all columns as a markdown table to PATH (no PATH or '-': stdout)")
+    parser.add_argument("--wide", action="store_true", help="print every column (default: the key columns, 120 wide)")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
 def write_outputs(args: argparse.Namespace, rows: Sequence[Any], to_markdown: Callable[[Sequence[Any]], str],

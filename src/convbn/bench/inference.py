@@ -27,7 +27,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from convbn.bench.common import DTYPES, first_tensor, fmt, rows_to_json, short_error, write_outputs
+from convbn.bench.common import DTYPES, add_output_arguments, first_tensor, fmt, rows_to_json, short_error, write_outputs
 from convbn.bench.models import build_model
 from convbn.bench.plotting import pyplot
 from convbn.bench.table import markdown_table, print_rich_table
@@ -287,7 +287,7 @@ class _DeprecatedModels(argparse.Action):
 
 def add_inference_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add the inference benchmark's options to ``parser`` (for ``convbn bench --inference``)."""
-    from convbn.cli import device_arg, non_negative_int, output_path, positive_int
+    from convbn.cli import device_arg, non_negative_int, positive_int
 
     parser.add_argument("--model", action="append", default=None, metavar="SPEC",
                         help="model spec, repeatable, e.g. monai:resnet18 'monai:resnet50(spatial_dims=2)' "
@@ -303,13 +303,7 @@ def add_inference_arguments(parser: argparse.ArgumentParser) -> argparse.Argumen
     parser.add_argument("--compile", action="store_true", help="also time torch.compile of the folded model (slow)")
     parser.add_argument("--threads", type=positive_int, default=None, help="torch.set_num_threads before timing")
     parser.add_argument("--seed", type=int, default=0, help="seed of weights, BatchNorm statistics and input")
-    parser.add_argument("--plot", type=output_path, default=None, metavar="PATH", help="write a time-ratio bar chart PNG")
-    parser.add_argument("--json", type=output_path, nargs="?", const="-", default=None, metavar="PATH",
-                        help="write all rows as JSON to PATH (no PATH or '-': stdout)")
-    parser.add_argument("--markdown", type=output_path, nargs="?", const="-", default=None, metavar="PATH",
-                        help="write all columns as a markdown table to PATH (no PATH or '-': stdout)")
-    parser.add_argument("--wide", action="store_true", help="print every column (default: the key columns, 120 wide)")
-    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_output_arguments(parser, plot_help="write a time-ratio bar chart PNG")
     return parser
 
 

@@ -77,7 +77,7 @@ from torch import Tensor, nn
 from torch.nn.modules.dropout import _DropoutNd
 
 from convbn.bench.checkpointing import CheckpointBlock, checkpoint_blocks, find_blocks
-from convbn.bench.common import DTYPES, first_tensor, projection_loss, short_error, timed_ms, write_outputs
+from convbn.bench.common import DTYPES, add_output_arguments, first_tensor, projection_loss, short_error, timed_ms, write_outputs
 from convbn.bench.models import build_model
 from convbn.bench.plotting import pyplot
 from convbn.bench.training_configs import (
@@ -395,7 +395,7 @@ def run_training_bench(
 
 def add_training_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add the training benchmark's options to ``parser`` (for ``convbn bench``)."""
-    from convbn.cli import batch_size, device_arg, fraction, non_negative_int, output_path, positive_float, positive_int
+    from convbn.cli import batch_size, device_arg, fraction, non_negative_int, positive_float, positive_int
 
     parser.add_argument("--model", action="append", default=None, metavar="SPEC",
                         help="model spec, repeatable: mnist, monai:resnet18, 'monai:resnet50(spatial_dims=2)', "
@@ -419,14 +419,7 @@ def add_training_arguments(parser: argparse.ArgumentParser) -> argparse.Argument
     parser.add_argument("--lr", type=positive_float, default=1e-3, help="SGD learning rate")
     parser.add_argument("--threads", type=positive_int, default=None, help="torch.set_num_threads before running")
     parser.add_argument("--seed", type=int, default=0, help="seed of weights and inputs")
-    parser.add_argument("--plot", type=output_path, default=None, metavar="PATH",
-                        help="write a saved-ratio vs time-ratio PNG")
-    parser.add_argument("--json", type=output_path, nargs="?", const="-", default=None, metavar="PATH",
-                        help="write all rows as JSON to PATH (no PATH or '-': stdout)")
-    parser.add_argument("--markdown", type=output_path, nargs="?", const="-", default=None, metavar="PATH",
-                        help="write all columns as a markdown table to PATH (no PATH or '-': stdout)")
-    parser.add_argument("--wide", action="store_true", help="print every column (default: the key columns, 120 wide)")
-    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_output_arguments(parser, plot_help="write a saved-ratio vs time-ratio PNG")
     parser.add_argument("--timeline", default=None, metavar="PATH",
                         help="also write a memory-timeline PNG of one step per configuration (convbn.bench.timeline)")
     return parser
