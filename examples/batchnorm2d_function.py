@@ -1,6 +1,6 @@
 """The tutorial's training-mode BatchNorm2d as a custom Function with a lean backward.
 
-Checks :class:`~convbn.autograd.batchnorm2d.BatchNorm2dFunction` (eps outside the
+Checks :class:`~convbn.reference.batchnorm2d.BatchNorm2dFunction` (eps outside the
 square root, unbiased variance, affine=False) against the same formula written with
 plain differentiable ops, for outputs and input gradients; runs ``gradcheck``; shows
 that its in-place backward is ``once_differentiable`` (double backward raises); and
@@ -11,7 +11,7 @@ Usage: ``python examples/batchnorm2d_function.py [--out DIR]``
 import torch
 from _common import check, draw_graph, finish, parse_out_dir
 
-from convbn.autograd.batchnorm2d import (
+from convbn.reference.batchnorm2d import (
     BatchNorm2dFunction,
     batch_norm2d_formula,
     batch_norm2d_reference,

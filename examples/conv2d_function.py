@@ -1,6 +1,6 @@
 """Conv2d as a custom autograd Function, checked against ``F.conv2d``.
 
-Runs the reference :class:`~convbn.autograd.conv2d.Conv2dFunction` (backward written
+Runs the reference :class:`~convbn.reference.conv2d.Conv2dFunction` (backward written
 as ``conv2d(X^T, G^T)^T`` for the weight and ``conv_transpose2d(G, W)`` for the input),
 compares output and both gradients with eager ``F.conv2d`` for a random upstream
 gradient, runs ``gradcheck`` and ``gradgradcheck`` in float64, and draws the graph.
@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from _common import check, draw_graph, finish, parse_out_dir
 
-from convbn.autograd.conv2d import Conv2dFunction, conv2d_reference
+from convbn.reference.conv2d import Conv2dFunction, conv2d_reference
 
 __all__ = ["main"]
 

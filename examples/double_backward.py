@@ -1,6 +1,6 @@
 """Double backward through custom Functions: the cases that work and the mistake.
 
-For each Function of :mod:`convbn.autograd.double_backward` this runs ``gradcheck`` and
+For each Function of :mod:`convbn.reference.double_backward` this runs ``gradcheck`` and
 ``gradgradcheck``, compares the second derivative with the analytic one, and draws the
 graph of the first derivative (built with ``create_graph=True``), which is the graph
 autograd differentiates the second time:
@@ -18,7 +18,7 @@ Usage: ``python examples/double_backward.py [--out DIR]``
 import torch
 from _common import check, draw_graph, finish, parse_out_dir
 
-from convbn.autograd.double_backward import (
+from convbn.reference.double_backward import (
     CubeOnceDifferentiable,
     cube,
     exp,

@@ -1,6 +1,6 @@
 """The tutorial's fused Conv2d + BatchNorm2d: keep the conv input, recompute the conv.
 
-Builds :class:`~convbn.nn.tutorial.TutorialFusedConvBN2d`, compares it with the same
+Builds :class:`~convbn.reference.tutorial_fused.TutorialFusedConvBN2d`, compares it with the same
 maths run unfused in eager ops (outputs and the gradients of input and weight, for a
 random upstream gradient), runs :func:`convbn.gradcheck.gradcheck_module` on it, shows
 how much less it keeps alive for backward, and draws its graph.
@@ -10,10 +10,9 @@ Usage: ``python examples/fused_conv_bn_function.py [--out DIR]``
 import torch
 from _common import check, draw_graph, finish, parse_out_dir
 
-from convbn.autograd.tutorial_fused import tutorial_conv_bn2d_formula
 from convbn.gradcheck import gradcheck_module
 from convbn.memory import format_bytes, track_saved
-from convbn.nn.tutorial import TutorialFusedConvBN2d
+from convbn.reference.tutorial_fused import TutorialFusedConvBN2d, tutorial_conv_bn2d_formula
 
 __all__ = ["main"]
 

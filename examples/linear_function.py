@@ -1,6 +1,6 @@
 """A custom Linear Function and module, and the ``ctx`` tools of custom Functions.
 
-* :class:`~convbn.nn.linear.Linear` (through ``LinearFunction``) against ``F.linear``:
+* :class:`~convbn.reference.linear.Linear` (through ``LinearFunction``) against ``F.linear``:
   outputs and all gradients, with and without bias; ``gradcheck``/``gradgradcheck``.
 * ``ctx.needs_input_grad``: a frozen weight gets no gradient computed.
 * ``ctx.mark_dirty``: an in-place scaled ReLU.
@@ -13,9 +13,8 @@ import torch
 import torch.nn.functional as F
 from _common import check, draw_graph, finish, parse_out_dir
 
-from convbn.autograd.ctx_tools import scaled_relu_, sin_cos, sort_with_indices
-from convbn.autograd.linear import LinearFunction
-from convbn.nn.linear import Linear
+from convbn.reference.ctx_tools import scaled_relu_, sin_cos, sort_with_indices
+from convbn.reference.linear import Linear, LinearFunction
 
 __all__ = ["main"]
 

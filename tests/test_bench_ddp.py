@@ -19,7 +19,8 @@ if not dist.is_available() or not dist.is_gloo_available():
                 allow_module_level=True)
 
 from convbn.bench import ddp  # noqa: E402 - needs torch.distributed
-from convbn.bench.ddp import DDP_CONFIGS, DDPRow, add_ddp_arguments, launch_workers, main_ddp  # noqa: E402
+from convbn.bench.ddp import DDP_CONFIGS, DDPRow, add_ddp_arguments, main_ddp  # noqa: E402
+from convbn.bench.launch import launch_workers  # noqa: E402
 
 
 def _parse(argv: List[str]) -> argparse.Namespace:

@@ -26,6 +26,8 @@ import convbn
 from convbn import ConvertReport, FusedChain
 from convbn.passes.planner import tutorial_bytes
 
+from adversarial_models import BNDoingMore, ConvOutputUsedTwice, DataDependent, FunctionalConv, SharedBN  # shared with test_fold
+
 DT = torch.float64
 TOL = dict(rtol=1e-10, atol=1e-10)
 STRATS = ("auto", "recompute_bn", "recompute_conv")
@@ -268,21 +270,6 @@ def test_conv1d_and_conv3d(dims: int, shape: Tuple[int, ...], strategy: str) -> 
     assert_same_training(eager, fast, inp(*shape))
 
 
-class FunctionalConv(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.w1 = nn.Parameter(torch.randn(4, 3, 3, 3) * 0.3)
-        self.b1 = nn.Parameter(torch.randn(4))
-        self.bn1 = nn.BatchNorm2d(4)
-        self.inner = nn.Module()
-        self.inner.w = nn.Parameter(torch.randn(6, 2, 1, 3) * 0.3)
-        self.bn2 = nn.BatchNorm2d(6)
-
-    def forward(self, x: Tensor) -> Tensor:
-        y = F.relu(self.bn1(F.conv2d(x, self.w1, self.b1, 2, 1)))
-        return self.bn2(torch.conv2d(y, self.inner.w, None, 1, (0, 1), 1, 2))
-
-
 @pytest.mark.parametrize("strategy", STRATS)
 def test_functional_conv_with_module_parameters(strategy: str) -> None:
     eager, fast = convert_pair(FunctionalConv, strategy=strategy)
@@ -486,17 +473,6 @@ def test_lazy_auto_plans_on_first_training_call() -> None:
 # --------------------------------------------------------------------------- patterns that must not fuse
 
 
-class ConvUsedTwice(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.conv = nn.Conv2d(3, 4, 3, padding=1)
-        self.bn = nn.BatchNorm2d(4)
-
-    def forward(self, x: Tensor) -> Tensor:
-        y = self.conv(x)
-        return F.relu(self.bn(y)) + y
-
-
 class BNAfterPool(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -507,17 +483,6 @@ class BNAfterPool(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         return self.bn(self.pool(self.a(self.bn_in(x))))
-
-
-class SharedBN(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.c1 = nn.Conv2d(3, 3, 3, padding=1)
-        self.c2 = nn.Conv2d(3, 3, 3, padding=1)
-        self.bn = nn.BatchNorm2d(3)
-
-    def forward(self, x: Tensor) -> Tensor:
-        return self.bn(self.c2(F.relu(self.bn(self.c1(x)))))
 
 
 class TransposedOutputSizeThenBN(nn.Module):
@@ -532,18 +497,11 @@ class TransposedOutputSizeThenBN(nn.Module):
         return F.relu(self.bn(self.up(x, output_size=[2 * x.shape[2], 2 * x.shape[3]])))
 
 
-class ScaledBN(nn.BatchNorm2d):
-    """A BatchNorm subclass with its own forward: convert cannot know what it computes."""
-
-    def forward(self, x: Tensor) -> Tensor:
-        return super().forward(x) * 2.0 + 1.0
-
-
 class SubclassBN(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.conv = nn.Conv2d(3, 4, 3)
-        self.bn = ScaledBN(4)
+        self.bn = BNDoingMore(4)  # its own forward: convert cannot know what it computes
         self.tail = cbr(4, 4)
 
     def forward(self, x: Tensor) -> Tensor:
@@ -552,7 +510,7 @@ class SubclassBN(nn.Module):
 
 NEGATIVE: Dict[str, Tuple[Callable[[], nn.Module], Dict[str, str], List[str]]] = {
     # name: (factory, {bn: words its skip reason must contain}, fused bn names)
-    "conv-output-used-twice": (ConvUsedTwice, {"bn": "also used by"}, []),
+    "conv-output-used-twice": (ConvOutputUsedTwice, {"bn": "also used by"}, []),
     "bn-input-not-a-conv": (BNAfterPool, {"bn": "not a convolution output", "bn_in": "not a convolution output"}, ["a.1"]),
     "same-bn-called-twice": (SharedBN, {"bn": "called 2 times"}, []),
     "conv-transpose-output-size": (TransposedOutputSizeThenBN, {"bn": "output_size="}, []),
@@ -621,20 +579,6 @@ def test_sync_batchnorm_fused_or_reported() -> None:
 # --------------------------------------------------------------------------- untraceable models
 
 
-class DataDependent(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.a = nn.Sequential(cbr(3, 4), cbr(4, 4))
-        self.b = Wrapper(cbr(4, 4))
-        self.bn = nn.BatchNorm2d(4)
-
-    def forward(self, x: Tensor) -> Tensor:
-        y = self.a(x)
-        if x.sum() > 0:
-            y = self.b(y)
-        return self.bn(y)
-
-
 @pytest.mark.parametrize("inplace", [False, True])
 def test_untraceable_top_level_converts_children(inplace: bool) -> None:
     eager = build(DataDependent)
@@ -645,7 +589,7 @@ def test_untraceable_top_level_converts_children(inplace: bool) -> None:
     assert type(fast) is DataDependent
     assert [u for u, _ in report.untraced] == [""]  # only the root: a lone BatchNorm child is not "untraced"
     assert "control flow" in report.untraced[0][1] or "TraceError" in report.untraced[0][1]
-    assert fused(report) == [("a.0.0", "a.0.1", "relu"), ("a.1.0", "a.1.1", "relu"), ("b.body.0", "b.body.1", "relu")]
+    assert fused(report) == [("a.0.0", "a.0.1", "relu"), ("a.1.0", "a.1.1", "relu"), ("b.0.0", "b.0.1", "relu")]
     assert isinstance(fast.a, fx.GraphModule) and isinstance(fast.b, fx.GraphModule)
     assert "it is called from '<root>', which could not be traced" in {s.bn: s.reason for s in report.skipped}["bn"]
     assert_every_bn_once(eager, report)

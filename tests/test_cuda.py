@@ -24,7 +24,7 @@ import convbn
 from convbn.functional.conv import make_conv_spec
 from convbn.functional.batchnorm import BNSpec
 from convbn.functional.activations import get_activation
-from convbn.functional.fused import conv_bn_act_spec
+from convbn.autograd.dispatch import conv_bn_act_spec
 from convbn.nn.fused import FusedConvBN1d, FusedConvBN2d, FusedConvBN3d
 
 pytestmark = [

@@ -1,6 +1,6 @@
 """Cross-process BatchNorm: SyncBatchNorm models converted by convbn, under DistributedDataParallel.
 
-Each distributed test launches two CPU processes on ``gloo`` (:func:`convbn.bench.ddp.launch_workers`:
+Each distributed test launches two CPU processes on ``gloo`` (:func:`convbn.bench.launch.launch_workers`:
 ``spawn``, a free port, results handed back by file) and compares what the ranks computed with
 a single process running the *plain eager* ``nn`` model (``nn.BatchNorm``, no sync) on the
 concatenated batch. The split is uneven (3 + 5 samples) and each rank's loss is scaled by
@@ -30,7 +30,7 @@ if not dist.is_available() or not dist.is_gloo_available():
     pytest.skip("torch.distributed with the gloo backend is not available in this torch build",
                 allow_module_level=True)
 
-from convbn.bench.ddp import launch_workers  # noqa: E402 - needs torch.distributed
+from convbn.bench.launch import launch_workers  # noqa: E402 - needs torch.distributed
 
 WORLD = 2
 SPLIT = (3, 5)  # samples per rank: uneven on purpose

@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from convbn.autograd.double_backward import (
+from convbn.reference.double_backward import (
     Cube,
     CubeBackward,
     CubeOnceDifferentiable,

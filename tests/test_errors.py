@@ -16,7 +16,8 @@ import torch
 from torch import Tensor, nn
 
 from convbn.functional.activations import ACTIVATIONS
-from convbn.functional.fused import STRATEGIES, conv_bn_act
+from convbn.autograd.dispatch import conv_bn_act
+from convbn.functional.strategies import STRATEGIES
 from convbn.nn.fused import FusedConvBN1d, FusedConvBN2d, FusedConvBN3d
 
 

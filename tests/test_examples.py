@@ -76,15 +76,17 @@ def test_examples_have_docstrings() -> None:
 
 
 DOCUMENTED_MODULES = [
-    "convbn.autograd.conv2d",
-    "convbn.autograd.batchnorm2d",
-    "convbn.autograd.tutorial_fused",
-    "convbn.autograd.linear",
-    "convbn.autograd.ctx_tools",
-    "convbn.autograd.double_backward",
-    "convbn.nn.tutorial",
-    "convbn.nn.linear",
+    "convbn.reference.conv2d",
+    "convbn.reference.batchnorm2d",
+    "convbn.reference.tutorial_fused",
+    "convbn.reference.linear",
+    "convbn.reference.ctx_tools",
+    "convbn.reference.double_backward",
     "convbn.gradcheck",
+    "convbn.functional.strategies",
+    "convbn.memory.saved",
+    "convbn.memory.peaks",
+    "convbn.memory.timelines",
 ]
 
 

@@ -13,6 +13,8 @@ import convbn.passes.fold_graph as fold_mod  # where the graph folder calls the 
 from convbn.bench.models import MNISTNet
 from convbn.passes.fold import FoldReport, fold, fold_conv_bn_modules
 
+from adversarial_models import BNDoingMore, ConvOutputUsedTwice, DataDependent, FunctionalConv, SharedBN  # shared with test_convert
+
 TOL = {torch.float32: 1e-4, torch.float64: 1e-10}
 
 
@@ -194,19 +196,8 @@ def test_reused_conv_never_mutated_even_inplace(inplace: bool) -> None:
     assert_same(ref, run(folded, x))
 
 
-class ConvOutputShared(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.conv = nn.Conv2d(3, 4, 3)
-        self.bn = nn.BatchNorm2d(4)
-
-    def forward(self, x):
-        y = self.conv(x)
-        return self.bn(y) + torch.sigmoid(y)
-
-
 def test_conv_output_with_other_users_is_not_folded() -> None:
-    model = randomize_bn(ConvOutputShared()).eval()
+    model = randomize_bn(ConvOutputUsedTwice()).eval()
     x = torch.randn(2, 3, 8, 8)
     folded = fold(model)
     assert_same(run(model, x), run(folded, x))
@@ -346,26 +337,14 @@ def test_functional_batch_norm_folds(torch_op: bool) -> None:
     assert all(n.target not in (F.batch_norm, torch.batch_norm) for n in folded.graph.nodes)
 
 
-class FunctionalConv(nn.Module):
-    """efficientnet_pytorch style: the conv is F.conv2d on a module's weight."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.randn(4, 3, 3, 3) * 0.2)
-        self.bn = nn.BatchNorm2d(4)
-
-    def forward(self, x):
-        return self.bn(F.conv2d(x, self.weight, None, 1, 0))
-
-
 def test_functional_conv_folds() -> None:
     model = randomize_bn(FunctionalConv()).eval()
     x = torch.randn(2, 3, 8, 8)
-    w = model.weight.detach().clone()
+    weights = [p.detach().clone() for p in model.parameters()]
     folded = fold(model)
     assert_same(run(model, x), run(folded, x))
-    assert report_of(folded).folded
-    assert torch.equal(model.weight, w)
+    assert [a.folded for a in report_of(folded).actions] == [True, True]
+    assert all(torch.equal(p, w) for p, w in zip(model.parameters(), weights))
     assert bn_modules(folded) == []
 
 
@@ -379,13 +358,6 @@ class MyBNAct(nn.BatchNorm2d):
     def forward(self, x):
         x = F.batch_norm(x, self.running_mean, self.running_var, self.weight, self.bias, False, 0.0, self.eps)
         return F.relu(x)
-
-
-class MyBNTimesTwo(nn.BatchNorm2d):
-    """A subclass doing more than BN, through super().forward (which FX cannot trace)."""
-
-    def forward(self, x):
-        return super().forward(x) * 2
 
 
 class WrapsBN(nn.Module):
@@ -407,22 +379,6 @@ def test_wrapped_and_subclassed_bn_fold(make_bn) -> None:
     accounted(model, report)
     assert [a.folded for a in report.actions] == [True], str(report)
     assert bn_modules(folded) == []
-
-
-class DataDependent(nn.Module):
-    """Top-level forward with data-dependent control flow: cannot be traced whole."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.a = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU())
-        self.b = nn.Sequential(nn.Conv2d(4, 4, 1), nn.BatchNorm2d(4))
-        self.lone_bn = nn.BatchNorm2d(4)
-
-    def forward(self, x):
-        y = self.a(x)
-        if y.mean() > 0:
-            y = self.b(y)
-        return self.lone_bn(y)
 
 
 class HasUntraceableChild(nn.Module):
@@ -447,8 +403,8 @@ def test_untraceable_top_level_is_folded_part_by_part() -> None:
     accounted(model, report)
     assert report.untraceable and report.untraceable[0][0] == ""
     by_name = {a.batchnorm: a for a in report.actions}
-    assert by_name["a.1"].folded and by_name["b.1"].folded
-    assert not by_name["lone_bn"].folded and "could not be traced" in by_name["lone_bn"].reason
+    assert by_name["a.0.1"].folded and by_name["a.1.1"].folded and by_name["b.0.1"].folded
+    assert not by_name["bn"].folded and "could not be traced" in by_name["bn"].reason
     assert isinstance(folded, DataDependent) and len(bn_modules(folded)) == 1
 
 
@@ -461,8 +417,8 @@ def test_untraceable_submodule_stays_opaque_and_is_folded_inside() -> None:
     accounted(model, report)
     by_name = {a.batchnorm: a for a in report.actions}
     assert by_name["stem.1"].folded and by_name["bn"].folded
-    assert by_name["branchy.a.1"].folded and by_name["branchy.b.1"].folded
-    assert not by_name["branchy.lone_bn"].folded
+    assert by_name["branchy.a.0.1"].folded and by_name["branchy.a.1.1"].folded and by_name["branchy.b.0.1"].folded
+    assert not by_name["branchy.bn"].folded
     assert any(name == "branchy" for name, _ in report.untraceable)
 
 
@@ -473,16 +429,6 @@ def test_nested_sequentials() -> None:
     folded = fold(model)
     assert_same(run(model, x), run(folded, x))
     assert len(report_of(folded).folded) == 2 and bn_modules(folded) == []
-
-
-class SharedBN(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.c1, self.c2 = nn.Conv2d(3, 4, 3), nn.Conv2d(3, 4, 3)
-        self.bn = nn.BatchNorm2d(4)
-
-    def forward(self, x):
-        return self.bn(self.c1(x)) * self.bn(self.c2(x))
 
 
 def test_bn_module_called_twice() -> None:
@@ -498,7 +444,7 @@ def test_bn_module_called_twice() -> None:
 
 
 def test_bn_subclass_doing_more_is_not_folded() -> None:
-    model = randomize_bn(nn.Sequential(nn.Conv2d(3, 4, 3), MyBNTimesTwo(4))).eval()
+    model = randomize_bn(nn.Sequential(nn.Conv2d(3, 4, 3), BNDoingMore(4))).eval()  # super().forward: FX cannot trace it
     x = torch.randn(2, 3, 8, 8)
     folded = fold(model)
     assert_same(run(model, x), run(folded, x))

@@ -26,7 +26,7 @@ from convbn.autograd.fused import FrozenFunction, RecomputeBNFunction, Recompute
 from convbn.functional.activations import get_activation
 from convbn.functional.batchnorm import BNSpec
 from convbn.functional.conv import make_conv_spec
-from convbn.functional.fused import conv_bn_act
+from convbn.autograd.dispatch import conv_bn_act
 from convbn.nn.fused import FusedConvBN1d, FusedConvBN2d, FusedConvBN3d
 
 STRATEGIES = ("recompute_conv", "recompute_bn", "frozen")

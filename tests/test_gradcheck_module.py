@@ -9,10 +9,10 @@ import torch
 from torch import Tensor, nn
 from torch.autograd.gradcheck import GradcheckError
 
-from convbn.autograd.double_backward import SinhWrong
+from convbn.reference.double_backward import SinhWrong
 from convbn.gradcheck import GradcheckReport, gradcheck_module
-from convbn.nn.linear import Linear
-from convbn.nn.tutorial import TutorialFusedConvBN2d
+from convbn.reference.linear import Linear
+from convbn.reference.tutorial_fused import TutorialFusedConvBN2d
 
 
 

@@ -26,16 +26,17 @@ from convbn.memory import saved_bytes
 from convbn.nn.chain import ChainLayer
 from convbn.passes.planner import all_keep_bytes, plan_layers, tutorial_bytes
 
-monai_nets = pytest.importorskip("monai.networks.nets")
-efficientnet_pytorch = pytest.importorskip("efficientnet_pytorch")
 
 
-
+# The third-party models skip only their own cases when the models extra is missing;
+# the small model and the pure knapsack tests below always run.
 def resnet18() -> nn.Module:
+    monai_nets = pytest.importorskip("monai.networks.nets")
     return monai_nets.resnet18(spatial_dims=2, n_input_channels=3, num_classes=10)
 
 
 def efficientnet_b0() -> nn.Module:
+    efficientnet_pytorch = pytest.importorskip("efficientnet_pytorch")
     return efficientnet_pytorch.EfficientNet.from_name("efficientnet-b0", num_classes=10)
 
 

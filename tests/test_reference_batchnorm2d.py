@@ -11,19 +11,19 @@ from torch.testing import assert_close
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from convbn.autograd.batchnorm2d import (
+from convbn.reference.batchnorm2d import (
     BatchNorm2dFunction,
     batch_norm2d_backward,
     batch_norm2d_formula,
     batch_norm2d_reference,
     batch_norm2d_stats,
 )
-from convbn.autograd.tutorial_fused import (
+from convbn.reference.tutorial_fused import (
+    TutorialFusedConvBN2d,
     TutorialFusedConvBN2dFunction,
     tutorial_conv_bn2d_formula,
     tutorial_fused_conv_bn2d,
 )
-from convbn.nn.tutorial import TutorialFusedConvBN2d
 
 
 

@@ -7,8 +7,8 @@ import torch
 import torch.nn.functional as F
 from torch.testing import assert_close
 
-import convbn.autograd.conv2d as conv_module
-from convbn.autograd.conv2d import (
+import convbn.reference.conv2d as conv_module
+from convbn.reference.conv2d import (
     Conv2dFunction,
     conv2d_input_grad,
     conv2d_reference,

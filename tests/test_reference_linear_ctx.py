@@ -10,7 +10,7 @@ from torch import nn
 from torch.testing import assert_close
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from convbn.autograd.ctx_tools import (
+from convbn.reference.ctx_tools import (
     ScaledReLUInplace,
     SinCos,
     SortWithIndices,
@@ -18,8 +18,7 @@ from convbn.autograd.ctx_tools import (
     sin_cos,
     sort_with_indices,
 )
-from convbn.autograd.linear import LinearFunction, linear_reference
-from convbn.nn.linear import Linear
+from convbn.reference.linear import Linear, LinearFunction, linear_reference
 
 
 

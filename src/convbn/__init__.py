@@ -4,8 +4,9 @@ Training: :func:`convert` turns a CNN into one whose Conv -> BN (-> act) layers 
 fewer activations for backward (same outputs, gradients, running stats, parameters and
 ``state_dict``). Inference: :func:`fold` folds BatchNorm into neighbouring layers.
 """
+from .autograd.dispatch import conv_bn_act
 from .functional.activations import ACTIVATIONS, Activation
-from .functional.fused import STRATEGIES, conv_bn_act
+from .functional.strategies import STRATEGIES, ConvertStrategy, LayerMode, Strategy
 from .gradcheck import GradcheckReport, gradcheck_module
 from .memory import PeakMemory, SavedBytes, Timeline, peak_memory, saved_bytes, tensor_peak, timeline, track_saved
 from .nn.chain import FusedChain
@@ -21,15 +22,18 @@ __all__ = [
     "Activation",
     "CONVERT_STRATEGIES",
     "ConvertReport",
+    "ConvertStrategy",
     "FoldReport",
     "FusedChain",
     "FusedConvBN1d",
     "FusedConvBN2d",
     "FusedConvBN3d",
     "GradcheckReport",
+    "LayerMode",
     "PeakMemory",
     "STRATEGIES",
     "SavedBytes",
+    "Strategy",
     "conv_bn_act",
     "convert",
     "explain",

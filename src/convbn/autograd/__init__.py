@@ -1,18 +1,15 @@
-"""convbn.autograd: the ``torch.autograd.Function``s (fast paths and tutorial references)."""
-from .batchnorm2d import BatchNorm2dFunction
+"""convbn.autograd: the ``torch.autograd.Function``s of the fast paths, and ``conv_bn_act``.
+
+The tutorial's reference Functions live in :mod:`convbn.reference`.
+"""
 from .chain import ChainFunction
-from .conv2d import Conv2dFunction
+from .dispatch import conv_bn_act
 from .fused import FrozenFunction, RecomputeBNFunction, RecomputeConvFunction
-from .linear import LinearFunction
-from .tutorial_fused import TutorialFusedConvBN2dFunction
 
 __all__ = [
-    "BatchNorm2dFunction",
     "ChainFunction",
-    "Conv2dFunction",
     "FrozenFunction",
-    "LinearFunction",
     "RecomputeBNFunction",
     "RecomputeConvFunction",
-    "TutorialFusedConvBN2dFunction",
+    "conv_bn_act",
 ]

@@ -44,6 +44,7 @@ from torch.autograd import Function
 from ..functional.activations import Activation
 from ..functional.batchnorm import BNSpec, bn_apply, bn_backward, bn_forward
 from ..functional.conv import ConvSpec, conv_backward, conv_forward, conv_output_shape
+from ..functional.fused import conv_bn_act_no_grad as _forward_no_grad
 from ..functional.reference import conv_bn_act_reference
 from .chain_memory import choose_drops
 from .fused import differentiable_backward
@@ -332,8 +333,6 @@ def chain_forward_no_grad(
     stats: Sequence[Tuple[Optional[Tensor], Optional[Tensor]]],
 ) -> Tensor:
     """The chain's forward when nothing needs gradients (running stats still update)."""
-    from ..functional.fused import _forward_no_grad
-
     with torch.no_grad():
         for i, spec in enumerate(specs):
             w, b, g, beta = params[PER_LAYER * i: PER_LAYER * (i + 1)]

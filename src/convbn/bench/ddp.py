@@ -52,31 +52,29 @@ from __future__ import annotations
 import argparse
 import copy
 import os
-import socket
 import statistics
 import sys
-import tempfile
-import time
-import traceback
 from dataclasses import dataclass, field
-from datetime import timedelta
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor, nn
 
-from convbn.bench.table import print_rich_table
+from convbn.bench.common import first_tensor, fmt, projection_loss, rows_to_json, timed_ms, write_text
+from convbn.bench.launch import default_backend, launch_workers, launched_by_torchrun
+from convbn.bench.table import markdown_table, print_rich_table
+from convbn.memory import format_bytes
+from convbn.nn.sync import SyncBatchNorm
 
 __all__ = [
     "DDPRow",
-    "find_free_port",
-    "launch_workers",
-    "launched_by_torchrun",
     "swap_sync_batchnorm",
     "run_ddp_bench",
     "print_ddp_table",
     "add_ddp_arguments",
     "main_ddp",
+    "rows_to_markdown",
+    "rows_to_json",
     "DDP_CONFIGS",
 ]
 
@@ -109,156 +107,17 @@ class DDPRow:
     note: str = ""
 
 
-# --------------------------------------------------------------------------- launching
-
-
-def find_free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that was free a moment ago (bind to port 0 and release it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
-
-
-def _default_backend(device: str) -> str:
-    return "nccl" if torch.device(device).type == "cuda" else "gloo"
-
-
-def _worker_main(fn: Callable[..., Any], rank: int, world_size: int, port: int, backend: str, device: str,
-                 out_dir: str, args: Tuple[Any, ...], timeout_s: float) -> None:
-    """Entry point of one spawned rank: torchrun's environment, the process group, ``fn``, the result file."""
-    import torch.distributed as dist
-
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
-                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))
-    path = os.path.join(out_dir, f"rank{rank}.pt")
-    failed_at: Optional[float] = None  # when fn raised: before the group closes and the peers fail in turn
-    try:
-        if torch.device(device).type == "cuda":
-            torch.cuda.set_device(rank)
-        dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world_size,
-                                timeout=timedelta(seconds=timeout_s))
-        try:
-            result = fn(rank, world_size, *args)
-        except BaseException:
-            failed_at = time.time()
-            raise
-        finally:
-            dist.destroy_process_group()
-        torch.save({"ok": True, "result": result}, path)
-    except BaseException:  # noqa: BLE001 - hand the traceback to the launcher, then fail the process
-        torch.save({"ok": False, "error": traceback.format_exc(), "time": failed_at or time.time()}, path)
-        raise SystemExit(1)
-
-
-def launch_workers(
-    fn: Callable[..., Any],
-    world_size: int,
-    *args: Any,
-    device: str = "cpu",
-    backend: Optional[str] = None,
-    timeout: float = 300.0,
-) -> List[Any]:
-    """Run ``fn(rank, world_size, *args)`` in ``world_size`` fresh processes with a process group.
-
-    Like ``torchrun``: ``spawn``ed processes whose environment holds ``MASTER_ADDR``,
-    ``MASTER_PORT`` (a free port), ``RANK``, ``WORLD_SIZE`` and ``LOCAL_RANK``; the default
-    process group is initialised before ``fn`` runs (``gloo`` on CPU, ``nccl`` on CUDA with
-    ``cuda:rank`` as the current device) and destroyed after. ``fn`` must be importable
-    (module level) and its result picklable by ``torch.save``.
-
-    Returns:
-        ``fn``'s result of every rank, in rank order.
-
-    Raises:
-        ValueError: ``world_size < 1``, or more CUDA ranks than visible GPUs.
-        RuntimeError: a rank failed (its traceback is in the message; the other ranks are
-            terminated) or ``timeout`` seconds passed (all ranks are terminated).
-    """
-    import torch.multiprocessing as mp
-
-    if world_size < 1:
-        raise ValueError(f"world_size must be >= 1, but got {world_size}")
-    if torch.device(device).type == "cuda" and world_size > torch.cuda.device_count():
-        raise ValueError(f"{world_size} CUDA ranks need {world_size} GPUs, but {torch.cuda.device_count()} are visible; "
-                         f"use --device cpu or fewer processes")
-    backend = backend or _default_backend(device)
-    ctx = mp.get_context("spawn")
-    with tempfile.TemporaryDirectory(prefix="convbn-ddp-") as out_dir:
-        port = find_free_port()
-        procs = [ctx.Process(target=_worker_main, daemon=True,
-                             args=(fn, rank, world_size, port, backend, device, out_dir, args, timeout))
-                 for rank in range(world_size)]
-        for p in procs:
-            p.start()
-        failed: Optional[int] = None
-        deadline = time.monotonic() + timeout
-        try:
-            while any(p.is_alive() for p in procs):
-                failed = next((r for r, p in enumerate(procs) if p.exitcode not in (None, 0)), None)
-                if failed is not None or time.monotonic() > deadline:
-                    break
-                time.sleep(0.05)
-            failed = next((r for r, p in enumerate(procs) if p.exitcode not in (None, 0)), failed)
-        finally:
-            _stop(procs)
-        results = []
-        for rank in range(world_size):
-            path = os.path.join(out_dir, f"rank{rank}.pt")
-            results.append(torch.load(path, weights_only=False) if os.path.exists(path) else None)
-        errors = {r: p for r, p in enumerate(results) if p is not None and not p["ok"]}
-        if errors:  # the rank that raised first is the cause; the others usually lost their peer then
-            first = min(errors, key=lambda r: errors[r]["time"])
-            others = "".join(f"\nrank {r} failed too: {p['error'].strip().splitlines()[-1]}"
-                             for r, p in errors.items() if r != first)
-            raise RuntimeError(f"distributed worker rank {first} of {world_size} failed:\n"
-                               f"{errors[first]['error']}{others}")
-        if failed is not None or any(r is None for r in results):
-            missing = [r for r, p in enumerate(results) if p is None]
-            why = f"rank {failed} exited with code {procs[failed].exitcode}" if failed is not None else \
-                f"timed out after {timeout:.0f} s"
-            raise RuntimeError(f"distributed workers did not finish ({why}); ranks without a result: {missing}")
-        return [p["result"] for p in results]
-
-
-def _stop(procs: Sequence[Any]) -> None:
-    """Terminate (then kill) the launcher's own worker processes that are still running."""
-    for p in procs:
-        if p.is_alive():
-            p.terminate()
-    for p in procs:
-        p.join(5)
-        if p.is_alive():
-            p.kill()
-            p.join(5)
-
-
 # --------------------------------------------------------------------------- the benchmark
 
 
 def swap_sync_batchnorm(model: nn.Module) -> nn.Module:
     """Replace, in place, every ``nn.SyncBatchNorm`` of ``model`` by :class:`convbn.nn.sync.SyncBatchNorm`
     sharing its parameters and buffers (no fusion); returns ``model``."""
-    from convbn.nn.sync import SyncBatchNorm
-
     for parent in list(model.modules()):
         for name, child in list(parent._modules.items()):
             if type(child) is nn.SyncBatchNorm:
                 parent._modules[name] = SyncBatchNorm.from_module(child)
     return model
-
-
-def _first_tensor(out: Any) -> Tensor:
-    if isinstance(out, Tensor):
-        return out
-    for t in torch.utils._pytree.tree_leaves(out):
-        if isinstance(t, Tensor):
-            return t
-    raise TypeError(f"the model returned no tensor (got {type(out).__name__})")
-
-
-def _loss(out: Tensor, proj: Tensor) -> Tensor:
-    """A fixed random projection per sample (O(1) gradients for any output shape)."""
-    return (out.float() * proj).sum() / out.shape[0]
 
 
 def _flat(tensors: Sequence[Tensor]) -> Tensor:
@@ -275,21 +134,6 @@ class _Config:
     buffers: List[Tensor]
     optimizer: torch.optim.Optimizer
     note: str = ""
-
-
-def _timed(fn: Callable[[], None], device: torch.device) -> float:
-    """Milliseconds of ``fn()``: CUDA events after a synchronize on a GPU, ``perf_counter`` on CPU."""
-    if device.type == "cuda":
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda.synchronize(device)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        return float(start.elapsed_time(end))
-    t0 = time.perf_counter()
-    fn()
-    return (time.perf_counter() - t0) * 1e3
 
 
 def _bench_worker(rank: int, world_size: int, spec: str, batch_size: int, steps: int, warmup: int, device_name: str,
@@ -331,7 +175,7 @@ def _bench_worker(rank: int, world_size: int, spec: str, batch_size: int, steps:
     gen = torch.Generator().manual_seed(seed + 1 + rank)  # each rank its own data
     x = torch.randn(batch_size, *shape, generator=gen).to(device)
     with torch.no_grad():
-        probe = _first_tensor(copy.deepcopy(base).eval()(x[:1].cpu()))
+        probe = first_tensor(copy.deepcopy(base).eval()(x[:1].cpu()))
     proj = torch.randn(probe.shape[1:], generator=torch.Generator().manual_seed(seed)).to(device)
 
     cfgs: List[_Config] = []
@@ -344,11 +188,11 @@ def _bench_worker(rank: int, world_size: int, spec: str, batch_size: int, steps:
     def step(cfg: _Config, saved: Optional[track_saved] = None) -> None:
         cfg.optimizer.zero_grad(set_to_none=True)
         if saved is None:
-            out = _first_tensor(cfg.ddp(x))
+            out = first_tensor(cfg.ddp(x))
         else:
             with saved:
-                out = _first_tensor(cfg.ddp(x))
-        _loss(out, proj).backward()
+                out = first_tensor(cfg.ddp(x))
+        projection_loss(out, proj).backward()
         cfg.optimizer.step()
 
     result: Dict[str, Any] = {"input_shape": tuple(x.shape), "configs": {}}
@@ -372,7 +216,7 @@ def _bench_worker(rank: int, world_size: int, spec: str, batch_size: int, steps:
             k = r % len(cfgs)
             for cfg in cfgs[k:] + cfgs[:k]:  # see Note: [Round-robin timing]
                 dist.barrier()
-                ms = _timed(lambda: step(cfg), device)
+                ms = timed_ms(lambda: step(cfg), device)
                 if timed:
                     result["configs"][cfg.name]["times"].append(ms)
 
@@ -437,7 +281,7 @@ def run_ddp_bench(
     else:
         results = launch_workers(_bench_worker, world_size, *bench_args, device=device, timeout=timeout)
     rows: List[DDPRow] = []
-    backend = _default_backend(device)
+    backend = default_backend(device)
     for name in DDP_CONFIGS:
         per = [r["configs"][name] for r in results]
         row = DDPRow(spec, name, world_size, results[0]["input_shape"], str(device), backend, note=per[0]["note"])
@@ -461,15 +305,6 @@ def run_ddp_bench(
     return rows
 
 
-def launched_by_torchrun() -> bool:
-    """Whether this process is one rank of a job started by ``torchrun`` (or already in a process group)."""
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        return True
-    return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
-
-
 def _run_in_this_group(world_size: int, bench_args: Tuple[Any, ...]) -> List[Dict[str, Any]]:
     """Run this rank's share of the benchmark in the current job (``torchrun``); every rank gets all results."""
     import torch.distributed as dist
@@ -479,7 +314,7 @@ def _run_in_this_group(world_size: int, bench_args: Tuple[Any, ...]) -> List[Dic
     if created:
         if torch.device(device).type == "cuda":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        dist.init_process_group(_default_backend(device))
+        dist.init_process_group(default_backend(device))
     try:
         rank, world = dist.get_rank(), dist.get_world_size()
         if world != world_size:
@@ -496,32 +331,31 @@ def _run_in_this_group(world_size: int, bench_args: Tuple[Any, ...]) -> List[Dic
 # --------------------------------------------------------------------------- output
 
 
-def _fmt(value: Optional[float], spec: str) -> str:
-    return "-" if value is None else format(value, spec)
-
-
 _HEADERS = ["model", "config", "ranks", "input/rank", "saved/rank", "saved ratio", "step ms", "time ratio",
             "max |Δgrad|", "rank Δparam", "rank Δbuffer", "note"]
 _RIGHT = set(_HEADERS[2:11]) - {"input/rank"}
 
 
 def _cells(row: DDPRow) -> List[str]:
-    from convbn.memory import format_bytes
-
     return [
         row.model,
         row.config,
         str(row.world_size),
         "x".join(map(str, row.input_shape)),
         "n/a" if row.saved_bytes is None else format_bytes(row.saved_bytes),
-        _fmt(row.saved_ratio, ".3f"),
-        _fmt(row.median_ms, ".1f"),
-        _fmt(row.time_ratio, ".2f"),
-        _fmt(row.max_grad_diff, ".1e"),
-        _fmt(row.rank_param_diff, ".1e"),
-        _fmt(row.rank_buffer_diff, ".1e"),
+        fmt(row.saved_ratio, ".3f"),
+        fmt(row.median_ms, ".1f"),
+        fmt(row.time_ratio, ".2f"),
+        fmt(row.max_grad_diff, ".1e"),
+        fmt(row.rank_param_diff, ".1e"),
+        fmt(row.rank_buffer_diff, ".1e"),
         row.note,
     ]
+
+
+def rows_to_markdown(rows: Sequence[DDPRow]) -> str:
+    """The rows as a GitHub markdown table."""
+    return markdown_table(_HEADERS, _RIGHT, [_cells(r) for r in rows])
 
 
 def print_ddp_table(rows: Sequence[DDPRow], title: Optional[str] = None) -> None:
@@ -590,17 +424,10 @@ def main_ddp(args: argparse.Namespace) -> int:
         return 1
     if not torchrun or int(os.environ.get("RANK", "0")) == 0:  # one table per job
         print_ddp_table(rows)
-        from convbn.bench.training import _write
-
         if getattr(args, "markdown", None):
-            from convbn.bench.table import markdown_table
-
-            _write(args.markdown, markdown_table(_HEADERS, _RIGHT, [_cells(r) for r in rows]))
+            write_text(args.markdown, rows_to_markdown(rows))
         if getattr(args, "json", None):
-            import dataclasses
-            import json
-
-            _write(args.json, json.dumps([dataclasses.asdict(r) for r in rows], indent=2))
+            write_text(args.json, rows_to_json(rows))
     return 0
 
 

@@ -17,8 +17,6 @@ Run::
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import json
 import statistics
 import time
 import warnings
@@ -29,6 +27,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
+from convbn.bench.common import DTYPES, add_output_arguments, first_tensor, fmt, rows_to_json, short_error, write_outputs
 from convbn.bench.models import build_model
 from convbn.bench.plotting import pyplot
 from convbn.bench.table import markdown_table, print_rich_table
@@ -82,11 +81,6 @@ def _count_bn(model: Any) -> Optional[int]:
     return sum(isinstance(m, _BatchNorm) for m in model.modules())
 
 
-def _short(exc: BaseException) -> str:
-    text = (str(exc).strip().splitlines() or [""])[0]
-    return f"{type(exc).__name__}: {text[:100]}"
-
-
 def _make_variants(model: nn.Module, x: Tensor, use_compile: bool) -> List[Tuple[str, Optional[Callable], str]]:
     """``(name, callable or None, note)`` for each variant; building is not timed."""
     from torch.fx.experimental.optimization import fuse
@@ -95,7 +89,7 @@ def _make_variants(model: nn.Module, x: Tensor, use_compile: bool) -> List[Tuple
     try:
         variants.append(("fx fuse", fuse(model), ""))
     except Exception as exc:  # noqa: BLE001 - record why fuse cannot handle the model
-        variants.append(("fx fuse", None, _short(exc)))
+        variants.append(("fx fuse", None, short_error(exc, 100)))
     folded = fold(model, example_inputs=x, check=False)
     report = folded.fold_report
     variants.append(("convbn.fold", folded, f"{len(report.folded)} folded, {len(report.skipped)} skipped"))
@@ -111,9 +105,9 @@ def _make_variants(model: nn.Module, x: Tensor, use_compile: bool) -> List[Tuple
             with torch.no_grad(), warnings.catch_warnings():
                 warnings.simplefilter("ignore")  # TracerWarnings: the note says it was traced
                 traced = torch.jit.trace(folded, (x,), check_trace=False)
-            variants.append(("fold + jit.script", traced, f"script failed ({_short(exc)}); used jit.trace"))
+            variants.append(("fold + jit.script", traced, f"script failed ({short_error(exc, 100)}); used jit.trace"))
         except Exception as exc2:  # noqa: BLE001
-            variants.append(("fold + jit.script", None, f"script and trace failed: {_short(exc2)}"))
+            variants.append(("fold + jit.script", None, f"script and trace failed: {short_error(exc2, 100)}"))
     if use_compile:
         try:
             compiled = torch.compile(folded)
@@ -121,15 +115,8 @@ def _make_variants(model: nn.Module, x: Tensor, use_compile: bool) -> List[Tuple
                 compiled(x)  # compile now, outside the timed rounds
             variants.append(("fold + torch.compile", compiled, ""))
         except Exception as exc:  # noqa: BLE001
-            variants.append(("fold + torch.compile", None, _short(exc)))
+            variants.append(("fold + torch.compile", None, short_error(exc, 100)))
     return variants
-
-
-def _first_tensor(out: Any) -> Tensor:
-    if isinstance(out, Tensor):
-        return out
-    leaves = torch.utils._pytree.tree_leaves(out)
-    return next(t for t in leaves if isinstance(t, Tensor))
 
 
 def run_inference_bench(
@@ -180,15 +167,15 @@ def run_inference_bench(
                     model(resized[:1])
                     x = resized
                 except Exception as exc:  # noqa: BLE001 - fixed-size model (e.g. mnist): keep its size, say so
-                    warnings.warn(f"{spec}: --image-size {image_size} does not fit this model ({_short(exc)}); "
+                    warnings.warn(f"{spec}: --image-size {image_size} does not fit this model ({short_error(exc, 100)}); "
                                   f"using its own input size {tuple(shape)}", stacklevel=2)
             variants = _make_variants(model, x, use_compile)
-            reference = _first_tensor(model(x))
+            reference = first_tensor(model(x))
             times: Dict[str, List[float]] = {name: [] for name, fn, _ in variants if fn is not None}
             diffs: Dict[str, float] = {}
             for name, fn, _ in variants:
                 if fn is not None:
-                    diffs[name] = (_first_tensor(fn(x)) - reference).abs().max().item()
+                    diffs[name] = (first_tensor(fn(x)) - reference).abs().max().item()
             live = [(name, fn) for name, fn, _ in variants if fn is not None]
             sync = torch.cuda.synchronize if x.is_cuda else (lambda: None)
             for round_ in range(warmup + repeats):
@@ -223,20 +210,16 @@ def run_inference_bench(
     return rows
 
 
-def _fmt(value: Optional[float], spec: str) -> str:
-    return "-" if value is None else format(value, spec)
-
-
 def _cells(row: InferenceRow) -> List[str]:
     return [
         row.model,
         row.variant,
         "x".join(map(str, row.input_shape)),
-        _fmt(row.median_ms, ".2f"),
+        fmt(row.median_ms, ".2f"),
         "-" if row.iqr_ms is None else f"{row.iqr_ms[0]:.2f}-{row.iqr_ms[1]:.2f}",
-        _fmt(row.ratio, ".3f"),
-        _fmt(row.ratio_to_fuse, ".3f"),
-        _fmt(row.max_abs_diff, ".2e"),
+        fmt(row.ratio, ".3f"),
+        fmt(row.ratio_to_fuse, ".3f"),
+        fmt(row.max_abs_diff, ".2e"),
         "-" if row.batchnorms_left is None else str(row.batchnorms_left),
         row.note,
     ]
@@ -258,11 +241,6 @@ def print_table(rows: Sequence[InferenceRow], title: Optional[str] = None, wide:
     keep = [_HEADERS.index(h) for h in headers]
     print_rich_table(headers, _RIGHT, [[c[i] for i in keep] for c in map(_cells, rows)], title,
                      width=200 if wide else 120)
-
-
-def rows_to_json(rows: Sequence[InferenceRow]) -> str:
-    """The rows as a JSON list of objects (field names of :class:`InferenceRow`)."""
-    return json.dumps([dataclasses.asdict(r) for r in rows], indent=2)
 
 
 def write_plot(rows: Sequence[InferenceRow], path: str) -> None:
@@ -309,9 +287,7 @@ class _DeprecatedModels(argparse.Action):
 
 def add_inference_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add the inference benchmark's options to ``parser`` (for ``convbn bench --inference``)."""
-    from convbn.cli import device_arg, non_negative_int, output_path, positive_int
-
-    from .training import _DTYPES
+    from convbn.cli import device_arg, non_negative_int, positive_int
 
     parser.add_argument("--model", action="append", default=None, metavar="SPEC",
                         help="model spec, repeatable, e.g. monai:resnet18 'monai:resnet50(spatial_dims=2)' "
@@ -321,19 +297,13 @@ def add_inference_arguments(parser: argparse.ArgumentParser) -> argparse.Argumen
     parser.add_argument("--image-size", type=positive_int, default=None,
                         help="override the spatial size of every input (a warning where a model does not allow it)")
     parser.add_argument("--device", type=device_arg, default="cpu", help="torch device: cpu, cuda, cuda:N")
-    parser.add_argument("--dtype", choices=sorted(_DTYPES), default="float32", help="parameter and input dtype")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="parameter and input dtype")
     parser.add_argument("--repeats", type=positive_int, default=20, help="timed rounds (median reported)")
     parser.add_argument("--warmup", type=non_negative_int, default=3, help="untimed rounds before timing")
     parser.add_argument("--compile", action="store_true", help="also time torch.compile of the folded model (slow)")
     parser.add_argument("--threads", type=positive_int, default=None, help="torch.set_num_threads before timing")
     parser.add_argument("--seed", type=int, default=0, help="seed of weights, BatchNorm statistics and input")
-    parser.add_argument("--plot", type=output_path, default=None, metavar="PATH", help="write a time-ratio bar chart PNG")
-    parser.add_argument("--json", type=output_path, nargs="?", const="-", default=None, metavar="PATH",
-                        help="write all rows as JSON to PATH (no PATH or '-': stdout)")
-    parser.add_argument("--markdown", type=output_path, nargs="?", const="-", default=None, metavar="PATH",
-                        help="write all columns as a markdown table to PATH (no PATH or '-': stdout)")
-    parser.add_argument("--wide", action="store_true", help="print every column (default: the key columns, 120 wide)")
-    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_output_arguments(parser, plot_help="write a time-ratio bar chart PNG")
     return parser
 
 
@@ -344,7 +314,6 @@ def main_inference(args: argparse.Namespace) -> int:
         ValueError / ImportError: a bad spec (``convbn`` prints it as one line, exit 2).
     """
     from .models import build_model as _check
-    from .training import _DTYPES, write_outputs
 
     specs = args.model or list(DEFAULT_MODELS)
     for spec in specs:  # a bad spec fails before any timing
@@ -356,7 +325,7 @@ def main_inference(args: argparse.Namespace) -> int:
     rows = run_inference_bench(
         specs, args.batch_size, args.repeats, args.warmup, image_size=args.image_size,
         use_compile=args.compile, seed=args.seed, progress=not args.no_progress,
-        device=args.device, dtype=_DTYPES[args.dtype],
+        device=args.device, dtype=DTYPES[args.dtype],
     )
     print_table(rows, title=f"Inference: unfused vs fx fuse vs convbn.fold ({args.device} {args.dtype}, eval, no grad)",
                 wide=args.wide)

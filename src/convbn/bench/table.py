@@ -1,9 +1,27 @@
 """Printing benchmark rows: one rich table / markdown table shape for every runner."""
 from __future__ import annotations
 
+import importlib
 from typing import Collection, List, Optional, Sequence
 
-__all__ = ["print_rich_table", "markdown_table"]
+__all__ = ["print_rich_table", "markdown_table", "require_rich"]
+
+
+def require_rich(needed_by: str) -> None:
+    """Raise a clear ``ImportError`` when ``rich`` (the tables and progress bars) is missing.
+
+    The library itself does not need rich; ``convbn bench`` and ``convbn demo`` do.
+
+    Args:
+        needed_by: what needs it, for the message.
+
+    Raises:
+        ImportError: rich is not installed; the message names the package to install.
+    """
+    try:
+        importlib.import_module("rich")
+    except ImportError as exc:
+        raise ImportError(f"{needed_by} needs rich: pip install rich (or convbn[cli])") from exc
 
 
 def print_rich_table(
@@ -14,6 +32,7 @@ def print_rich_table(
     Printed to a pipe or file the console is ``width`` columns wide, so tables are not
     squeezed into 80.
     """
+    require_rich("printing a benchmark table")
     from rich.console import Console
     from rich.table import Table
 

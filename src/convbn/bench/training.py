@@ -64,32 +64,35 @@ Run::
 from __future__ import annotations
 
 import argparse
-import contextlib
 import copy
 import ctypes
-import dataclasses
 import gc
-import inspect
-import json
-import math
 import statistics
-import sys
 import time
 import warnings
-from dataclasses import dataclass
-from typing import Any, Callable, ContextManager, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor, nn
-from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.dropout import _DropoutNd
 
+from convbn.bench.checkpointing import CheckpointBlock, checkpoint_blocks, find_blocks
+from convbn.bench.common import DTYPES, add_output_arguments, first_tensor, projection_loss, short_error, timed_ms, write_outputs
 from convbn.bench.models import build_model
 from convbn.bench.plotting import pyplot
-from convbn.bench.table import markdown_table, print_rich_table
-from convbn.memory import format_bytes, peak_memory, tensor_peak, track_saved
-from convbn.passes.convert import convert
+from convbn.bench.training_configs import (
+    CONFIG_KEYS,
+    DEFAULT_COMPILE_BUDGETS,
+    TrainingConfig,
+    budget_backend,
+    build_config,
+    config_names,
+)
+from convbn.bench.training_output import TrainingRow, print_table, rows_to_json, rows_to_markdown, write_plot
+from convbn.memory import peak_memory, tensor_peak, track_saved
 
+# The runner's public API; the configurations, checkpointing and output live in
+# training_configs.py, checkpointing.py and training_output.py.
 __all__ = [
     "TrainingRow",
     "CheckpointBlock",
@@ -109,287 +112,19 @@ __all__ = [
     "DEFAULT_MODELS",
 ]
 
-#: Keys accepted by ``configs=`` / ``--configs`` (``eager`` is always run: it is the baseline).
-CONFIG_KEYS = ("eager", "auto", "budget", "tutorial", "recompute_bn", "checkpoint", "compile", "convert+compile")
-DEFAULT_COMPILE_BUDGETS = (0.5, 0.3, 0.1)
 DEFAULT_MODELS = ("mnist",)
-_DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-@dataclass
-class TrainingRow:
-    """One (model, configuration) measurement; a field is ``None`` where it could not be measured.
-
-    Ratios are to the ``eager`` row of the same model and run (< 1: less memory / faster).
-    """
-
-    model: str
-    config: str
-    input_shape: Tuple[int, ...]
-    device: str = "cpu"
-    dtype: str = "float32"
-    saved_bytes: Optional[int] = None
-    saved_ratio: Optional[float] = None
-    activation_bytes: Optional[int] = None   # saved_bytes without parameter storages ("saved excl. params")
-    activation_ratio: Optional[float] = None
-    peak_bytes: Optional[int] = None
-    peak_ratio: Optional[float] = None
-    median_ms: Optional[float] = None
-    time_ratio: Optional[float] = None
-    max_out_diff: Optional[float] = None
-    max_grad_diff: Optional[float] = None
-    max_grad_rel_diff: Optional[float] = None  # max_grad_diff / the largest |eager gradient| of any parameter
-    setup_s: Optional[float] = None  # building + the first (untimed) step, compile included
-    note: str = ""
-
-
-# --------------------------------------------------------------------------- checkpointing
-
-
-class CheckpointBlock(nn.Module):
-    """Runs ``block`` under non-reentrant :func:`torch.utils.checkpoint.checkpoint` when grad is on.
-
-    The block stays a child named ``block`` (its parameters are the same objects).
-    """
-
-    def __init__(self, block: nn.Module) -> None:
-        super().__init__()
-        self.block = block
-
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        if not torch.is_grad_enabled():
-            return self.block(*args, **kwargs)
-        from torch.utils.checkpoint import checkpoint
-
-        return checkpoint(self.block, *args, use_reentrant=False, **kwargs)
-
-
-_CONTAINERS = (nn.Sequential, nn.ModuleList)
-
-
-def _has_params(m: nn.Module) -> bool:
-    return any(True for _ in m.parameters())
-
-
-def _takes_one_tensor(m: nn.Module) -> bool:
-    try:
-        params = list(inspect.signature(m.forward).parameters.values())
-    except (TypeError, ValueError):  # pragma: no cover - builtins without a signature
-        return False
-    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-    required = [p for p in params if p.default is p.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
-    return len(positional) >= 1 and len(required) <= 1
-
-
-def find_blocks(model: nn.Module) -> List[str]:
-    """Qualified names of the modules ``checkpoint per block`` wraps.
-
-    The children (with parameters) of the model's top-level ``Sequential`` / ``ModuleList``
-    containers (the model itself if it is one): MONAI ResNet's ``layer1.0`` ... ``layer4.1``,
-    EfficientNet's ``_blocks.0`` ...; without such containers, every direct child that has
-    parameters and whose ``forward`` takes one tensor (the MNIST network's layers).
-    """
-    if isinstance(model, _CONTAINERS):
-        containers = [("", model)]
-    else:
-        containers = [(f"{n}.", c) for n, c in model.named_children() if isinstance(c, _CONTAINERS)]
-    blocks = [prefix + n for prefix, c in containers for n, child in c.named_children() if _has_params(child)]
-    if not blocks:
-        blocks = [n for n, c in model.named_children() if _has_params(c) and _takes_one_tensor(c)]
-    return blocks
-
-
-def checkpoint_blocks(model: nn.Module, blocks: Optional[Sequence[str]] = None) -> nn.Module:
-    """Wrap each module named in ``blocks`` (default :func:`find_blocks`) of ``model``, in place,
-    in a :class:`CheckpointBlock`; returns ``model``.
-
-    Raises:
-        ValueError: no block found, or a name that is not a submodule.
-    """
-    names = list(find_blocks(model) if blocks is None else blocks)
-    if not names:
-        raise ValueError(
-            f"found no block to checkpoint in {type(model).__name__}: it has no Sequential/ModuleList child "
-            "and no direct child with parameters taking one tensor; pass blocks=[...] explicitly"
-        )
-    for name in names:
-        parent_name, _, attr = name.rpartition(".")
-        try:
-            parent = model.get_submodule(parent_name)
-            child = parent.get_submodule(attr)
-        except AttributeError as exc:
-            raise ValueError(f"{name!r} is not a submodule of {type(model).__name__}") from exc
-        setattr(parent, attr, CheckpointBlock(child))
-    return model
-
-
-# --------------------------------------------------------------------------- configurations
-
-
-def _fmt_budget(b: float) -> str:
-    return format(b, "g")
-
-
-def config_names(
-    configs: Optional[Sequence[str]] = None,
-    budgets: Sequence[float] = (),
-    compile_budgets: Sequence[float] = DEFAULT_COMPILE_BUDGETS,
-    use_compile: bool = True,
-) -> List[str]:
-    """Display names of the configurations selected by ``configs`` (keys of :data:`CONFIG_KEYS`;
-    ``None``: all), in run order; ``eager`` always comes first.
-
-    Raises:
-        ValueError: an unknown key, or a non-positive budget.
-    """
-    keys = list(CONFIG_KEYS) if configs is None else [k.strip() for k in configs if k.strip()]
-    unknown = [k for k in keys if k not in CONFIG_KEYS]
-    if unknown:
-        raise ValueError(f"unknown configuration(s) {unknown}; choose from {list(CONFIG_KEYS)}")
-    for b in list(budgets) + list(compile_budgets):
-        if not isinstance(b, (int, float)) or not b > 0:
-            raise ValueError(f"budgets must be positive fractions, but got {b!r}")
-    names = ["eager"]
-    if "auto" in keys:
-        names.append("convert auto")
-    if "budget" in keys or "auto" in keys:
-        names += [f"convert auto budget={_fmt_budget(b)}" for b in budgets]
-    if "tutorial" in keys:
-        names.append("convert recompute_conv (tutorial)")
-    if "recompute_bn" in keys:
-        names.append("convert recompute_bn")
-    if "checkpoint" in keys:
-        names.append("checkpoint per block")
-    if "compile" in keys and use_compile:
-        names += [f"torch.compile budget={_fmt_budget(b)}" for b in compile_budgets]
-    if "convert+compile" in keys and use_compile:
-        names += [f"convert auto + torch.compile budget={_fmt_budget(b)}" for b in compile_budgets]
-    return list(dict.fromkeys(names))
-
-
-def budget_backend(budget: float) -> Callable[..., Any]:
-    """An inductor backend that partitions with ``activation_memory_budget=budget``.
-
-    A distinct callable per configuration (see Note: [One dynamo cache entry per budget]).
-    """
-
-    def backend(gm: torch.fx.GraphModule, example_inputs: List[Tensor]) -> Any:
-        from torch._inductor.compile_fx import compile_fx
-
-        with torch._functorch.config.patch(activation_memory_budget=budget):
-            return compile_fx(gm, example_inputs)
-
-    backend.__name__ = f"inductor_budget_{_fmt_budget(budget).replace('.', '_')}"
-    return backend
-
-
-@dataclass
-class _Config:
-    name: str
-    model: nn.Module
-    params: List[nn.Parameter]
-    buffers: List[Tensor]
-    optimizer: torch.optim.Optimizer
-    context: Callable[[], ContextManager[Any]] = contextlib.nullcontext
-    note: str = ""
-    failed: bool = False
-
-
-def _short(exc: BaseException) -> str:
-    text = (str(exc).strip().splitlines() or [""])[0]
-    return f"{type(exc).__name__}: {text[:240]}"
-
-
-def _build(name: str, base: nn.Module, x: Tensor, lr: float) -> _Config:
-    """A deep copy of ``base`` transformed as ``name`` says, with its own optimizer."""
-    model = copy.deepcopy(base).train()
-    params, buffers = list(model.parameters()), list(model.buffers())  # same objects after the transform
-    context: Callable[[], ContextManager[Any]] = contextlib.nullcontext
-    note = ""
-    if name.startswith("convert auto + torch.compile"):
-        budget = float(name.rpartition("=")[2])
-        model = convert(model, strategy="auto", example_inputs=x)
-        report = model.convbn_report
-        note = f"{len(report.pairs)} pairs in {report.num_chains} chains"
-        model = torch.compile(model, backend=budget_backend(budget))
-        context = lambda: torch._functorch.config.patch(activation_memory_budget=budget)  # noqa: E731
-    elif name.startswith("convert"):
-        if "budget=" in name:
-            budget = float(name.rpartition("=")[2])
-            model = convert(model, strategy="auto", memory_budget=budget, example_inputs=x)
-        elif "tutorial" in name:
-            model = convert(model, strategy="recompute_conv", chain=False, example_inputs=x)
-        elif "recompute_bn" in name:
-            model = convert(model, strategy="recompute_bn", example_inputs=x)
-        else:
-            model = convert(model, strategy="auto", example_inputs=x)
-        report = getattr(model, "convbn_report", None)
-        if report is not None:
-            note = f"{len(report.pairs)} pairs in {report.num_chains} chains"
-            if report.skipped:
-                note += f", {len(report.skipped)} BN skipped"
-    elif name == "checkpoint per block":
-        blocks = find_blocks(model)
-        checkpoint_blocks(model, blocks)
-        n_bn = sum(isinstance(m, _BatchNorm) for b in model.modules() if isinstance(b, CheckpointBlock)
-                   for m in b.modules())
-        note = f"{len(blocks)} blocks" + (f" ({n_bn} BN inside)" if n_bn else "")
-    elif name.startswith("torch.compile"):
-        budget = float(name.rpartition("=")[2])
-        model = torch.compile(model, backend=budget_backend(budget))
-        # see Note: [One dynamo cache entry per budget]; the patch also covers lazy (re)compiles
-        context = lambda: torch._functorch.config.patch(activation_memory_budget=budget)  # noqa: E731
-    elif name != "eager":
-        raise ValueError(f"unknown configuration {name!r}")
-    optimizer = torch.optim.SGD(params, lr=lr)
-    return _Config(name, model, params, buffers, optimizer, context, note)
 
 
 # --------------------------------------------------------------------------- one step
 
 
-def _first_tensor(out: Any) -> Tensor:
-    if isinstance(out, Tensor):
-        return out
-    leaves = torch.utils._pytree.tree_leaves(out)
-    for t in leaves:
-        if isinstance(t, Tensor):
-            return t
-    raise TypeError(f"the model returned no tensor (got {type(out).__name__})")
-
-
-def _loss(out: Tensor, proj: Tensor) -> Tensor:
-    """A loss with O(1) gradients for any output shape: a fixed random projection per sample."""
-    return (out.float() * proj).sum() / out.shape[0]
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _step(cfg: _Config, x: Tensor, proj: Tensor) -> Tensor:
+def _step(cfg: TrainingConfig, x: Tensor, proj: Tensor) -> Tensor:
     cfg.optimizer.zero_grad(set_to_none=True)
     with cfg.context():
-        out = _first_tensor(cfg.model(x))
-        _loss(out, proj).backward()
+        out = first_tensor(cfg.model(x))
+        projection_loss(out, proj).backward()
     cfg.optimizer.step()
     return out.detach()
-
-
-def _timed_step(cfg: _Config, x: Tensor, proj: Tensor, device: torch.device) -> float:
-    """Milliseconds of one step (CUDA events on a GPU, ``perf_counter`` on CPU)."""
-    if device.type == "cuda":
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        _sync(device)
-        start.record()
-        _step(cfg, x, proj)
-        end.record()
-        end.synchronize()
-        return start.elapsed_time(end)
-    t0 = time.perf_counter()
-    _step(cfg, x, proj)
-    return (time.perf_counter() - t0) * 1e3
 
 
 _LIBC: Any = None
@@ -422,23 +157,7 @@ def _max_abs(t: Optional[Tensor]) -> float:
     return 0.0 if t is None or not t.numel() else t.abs().max().item()
 
 
-class _TrackSaved(track_saved):
-    """:class:`convbn.memory.track_saved` that also sums the bytes of parameter storages."""
-
-    def __init__(self, params: Sequence[Tensor]) -> None:
-        super().__init__()
-        self._param_ptrs = {p.untyped_storage().data_ptr() for p in params}
-        self.param_bytes = 0
-
-    def _pack(self, t: Tensor) -> Tensor:
-        before = self.result.total
-        t = super()._pack(t)
-        if self.result.total != before and t.untyped_storage().data_ptr() in self._param_ptrs:
-            self.param_bytes += self.result.total - before
-        return t
-
-
-def _saved_bytes(cfg: _Config, x: Tensor) -> Tuple[int, int]:
+def _saved_bytes(cfg: TrainingConfig, x: Tensor) -> Tuple[int, int]:
     """``(saved bytes, saved bytes without parameters)`` of one training forward.
 
     Note: [Activation bytes]
@@ -449,10 +168,10 @@ def _saved_bytes(cfg: _Config, x: Tensor) -> Tuple[int, int]:
         from parameters: inductor on CPU saves channels-last copies of conv weights for backward
         (layout optimization), which are real extra memory held by ``torch.compile`` configurations.
     """
-    with torch.enable_grad(), _TrackSaved(cfg.params) as rec:
+    with torch.enable_grad(), track_saved(cfg.model, per_module=False) as rec:
         out = cfg.model(x)
     del out
-    return rec.result.total, rec.result.total - rec.param_bytes
+    return rec.result.total, rec.result.activation_bytes
 
 
 # --------------------------------------------------------------------------- the benchmark
@@ -470,7 +189,7 @@ def _make_input(model: nn.Module, shape: Tuple[int, ...], batch_size: int, image
                     model(torch.randn(1, *resized, generator=gen).to(device, dtype))
                 shape = resized
             except Exception as exc:  # noqa: BLE001 - a fixed-size model (e.g. mnist) keeps its size
-                warnings.warn(f"{spec}: --image-size {image_size} does not fit this model ({_short(exc)}); "
+                warnings.warn(f"{spec}: --image-size {image_size} does not fit this model ({short_error(exc)}); "
                               f"keeping its input size {tuple(shape[1:])}", stacklevel=3)
             finally:
                 for m, t in modes:
@@ -550,7 +269,7 @@ def run_training_bench(
 
     dtype_name = str(dtype).replace("torch.", "")
     rows: Dict[str, TrainingRow] = {n: TrainingRow(spec, n, tuple(x.shape), str(device), dtype_name) for n in names}
-    cfgs: List[_Config] = []
+    cfgs: List[TrainingConfig] = []
     per_config = 2 + warmup + memory_rounds + steps
     with Progress(disable=not progress, transient=True) as bar:
         task = bar.add_task(f"{spec}: building", total=len(names) * per_config)
@@ -565,18 +284,19 @@ def run_training_bench(
             row = rows[name]
             t0 = time.perf_counter()
             try:
-                cfg = _build(name, base, x, lr)
+                cfg = build_config(name, base, x, lr)
                 if proj is None:
                     with torch.no_grad():
-                        probe = _first_tensor(copy.deepcopy(base).eval()(x[:1]))
+                        probe = first_tensor(copy.deepcopy(base).eval()(x[:1]))
                     proj = torch.randn(probe.shape[1:], generator=gen).to(device)
                 torch.manual_seed(seed + 1)
                 out = _step(cfg, x, proj)
-                _sync(device)
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
             except Exception as exc:  # noqa: BLE001 - report the failure in the row, keep going
                 if name == "eager":
                     raise
-                row.note = f"failed: {_short(exc)}"
+                row.note = f"failed: {short_error(exc)}"
                 bar.advance(task, per_config)
                 continue
             row.setup_s = time.perf_counter() - t0
@@ -607,10 +327,10 @@ def run_training_bench(
                 with cfg.context():
                     rows[cfg.name].saved_bytes, rows[cfg.name].activation_bytes = _saved_bytes(cfg, x)
             except Exception as exc:  # noqa: BLE001
-                rows[cfg.name].note += f"{'; ' if rows[cfg.name].note else ''}saved bytes failed: {_short(exc)}"
+                rows[cfg.name].note += f"{'; ' if rows[cfg.name].note else ''}saved bytes failed: {short_error(exc)}"
             bar.advance(task)
 
-        def run_rounds(n: int, label: str, body: Callable[[_Config, int], None]) -> None:
+        def run_rounds(n: int, label: str, body: Callable[[TrainingConfig, int], None]) -> None:
             for r in range(n):
                 bar.update(task, description=f"{spec}: {label} {r + 1}/{n}")
                 live = [c for c in cfgs if not c.failed]
@@ -620,7 +340,7 @@ def run_training_bench(
                         body(cfg, r)
                     except Exception as exc:  # noqa: BLE001
                         cfg.failed = True
-                        rows[cfg.name].note += f"{'; ' if rows[cfg.name].note else ''}failed in {label}: {_short(exc)}"
+                        rows[cfg.name].note += f"{'; ' if rows[cfg.name].note else ''}failed in {label}: {short_error(exc)}"
                     bar.advance(task)
 
         assert proj is not None  # eager ran
@@ -628,7 +348,7 @@ def run_training_bench(
 
         peaks: Dict[str, List[int]] = {c.name: [] for c in cfgs}
 
-        def measure_peak(cfg: _Config, r: int) -> None:
+        def measure_peak(cfg: TrainingConfig, r: int) -> None:
             # Note: [peak on CPU] exact live-tensor bytes (tensor_peak) where possible;
             # compiled graphs run outside Python dispatch, so for them fall back to
             # sampled process RSS and say so in the row.
@@ -646,7 +366,7 @@ def run_training_bench(
         run_rounds(memory_rounds, "peak memory", measure_peak)
 
         times: Dict[str, List[float]] = {c.name: [] for c in cfgs}
-        run_rounds(steps, "timed step", lambda cfg, r: times[cfg.name].append(_timed_step(cfg, x, proj, device)))
+        run_rounds(steps, "timed step", lambda cfg, r: times[cfg.name].append(timed_ms(lambda: _step(cfg, x, proj), device)))
 
     for cfg in cfgs:
         row = rows[cfg.name]
@@ -670,147 +390,12 @@ def run_training_bench(
     return result
 
 
-# --------------------------------------------------------------------------- output
-
-
-def _fmt(value: Optional[float], spec: str) -> str:
-    return "-" if value is None else format(value, spec)
-
-
-def _bytes(n: Optional[int]) -> str:
-    return "n/a" if n is None else format_bytes(n)
-
-
-_HEADERS = ["model", "config", "input", "saved", "saved ratio", "saved excl. params", "excl. ratio", "peak",
-            "peak ratio", "step ms", "time ratio", "max |Δout|", "max |Δgrad|", "Δgrad rel", "setup s", "note"]
-_RIGHT = set(_HEADERS[3:15])
-#: The default table's columns (fits 120 columns); ``--wide`` prints all of :data:`_HEADERS`.
-KEY_HEADERS = ["model", "config", "saved excl. params", "excl. ratio", "peak", "peak ratio", "step ms", "time ratio",
-               "max |Δgrad|"]
-_RSS_NOTE = "peak: sampled RSS"
-
-
-def peak_meter(rows: Sequence[TrainingRow]) -> str:
-    """The one peak meter a table of ``rows`` shows: the CUDA allocator or exact live tensors."""
-    return "CUDA allocator" if any(r.device.startswith("cuda") for r in rows) else "live tensors, exact"
-
-
-def _cells(row: TrainingRow) -> List[str]:
-    # Note: [one peak meter per table] on CPU, compiled graphs run outside Python dispatch,
-    # so their peak could only be sampled RSS: a different meter, not comparable with the
-    # exact live-tensor peaks of the other rows. The table leaves those cells empty ("n/a");
-    # the JSON keeps the RSS figure with its note.
-    rss = _RSS_NOTE in row.note
-    return [
-        row.model,
-        row.config,
-        "x".join(map(str, row.input_shape)),
-        _bytes(row.saved_bytes),
-        _fmt(row.saved_ratio, ".3f"),
-        _bytes(row.activation_bytes),
-        _fmt(row.activation_ratio, ".3f"),
-        "n/a" if rss else _bytes(row.peak_bytes),
-        "n/a" if rss else _fmt(row.peak_ratio, ".2f"),
-        _fmt(row.median_ms, ".1f"),
-        _fmt(row.time_ratio, ".2f"),
-        "-" if row.config == "eager" else _fmt(row.max_out_diff, ".1e"),
-        "-" if row.config == "eager" else _fmt(row.max_grad_diff, ".1e"),
-        "-" if row.config == "eager" else _fmt(row.max_grad_rel_diff, ".1e"),
-        _fmt(row.setup_s, ".1f"),
-        row.note,
-    ]
-
-
-def _columns(rows: Sequence[TrainingRow], wide: bool) -> Tuple[List[str], List[List[str]]]:
-    headers = _HEADERS if wide else KEY_HEADERS
-    keep = [_HEADERS.index(h) for h in headers]
-    cells = [[c[i] for i in keep] for c in (_cells(r) for r in rows)]
-    return [f"peak ({peak_meter(rows)})" if h == "peak" else h for h in headers], cells
-
-
-def print_table(rows: Sequence[TrainingRow], title: Optional[str] = None, wide: bool = False) -> None:
-    """Print the rows as a rich table: the key columns (fits 120 columns), all with ``wide``."""
-    where = ", ".join(sorted({f"{r.device} {r.dtype}" for r in rows}))
-    title = title or (f"Training step: eager vs convbn.convert vs checkpoint vs torch.compile ({where}; "
-                      f"peak meter: {peak_meter(rows)}; ratios: / eager)")
-    headers, cells = _columns(rows, wide)
-    right = {h for h in headers if h not in ("model", "config", "note")}
-    print_rich_table(headers, right, cells, title, width=240 if wide else 120)
-    if any(_RSS_NOTE in r.note for r in rows) and not wide:
-        print("peak n/a: compiled graphs on CPU run outside Python dispatch, so their exact peak cannot be counted "
-              "(their sampled-RSS figure is in --json)")
-
-
-def rows_to_markdown(rows: Sequence[TrainingRow], wide: bool = True) -> str:
-    """The rows as a GitHub markdown table (for BENCHMARKS.md); all columns unless ``wide=False``."""
-    headers, cells = _columns(rows, wide)
-    return markdown_table(headers, {h for h in headers if h not in ("model", "config", "note")}, cells)
-
-
-def rows_to_json(rows: Sequence[TrainingRow]) -> str:
-    """The rows as a JSON list of objects (field names of :class:`TrainingRow`)."""
-    def clean(v: Any) -> Any:
-        return None if isinstance(v, float) and not math.isfinite(v) else v  # NaN / inf are not JSON
-
-    return json.dumps([{k: clean(v) for k, v in dataclasses.asdict(r).items()} for r in rows], indent=2)
-
-
-def write_plot(rows: Sequence[TrainingRow], path: str, x: str = "activation") -> None:
-    """Scatter of saved-bytes ratio (x) vs step-time ratio (y), one point per configuration.
-
-    Colour per configuration (method), marker per model; labels are the legend's, so
-    nothing is written over the points. The title names the machine, dtype and batch.
-    ``x="activation"`` plots :attr:`TrainingRow.activation_ratio` (parameters excluded, see
-    Note: [Activation bytes]); ``x="saved"`` plots :attr:`TrainingRow.saved_ratio`.
-
-    Raises:
-        ImportError: matplotlib is missing (``pip install matplotlib``).
-    """
-    plt = pyplot("--plot")
-    import platform
-
-    if x not in ("activation", "saved"):
-        raise ValueError(f"x must be 'activation' or 'saved', but got x={x!r}")
-    field = "activation_ratio" if x == "activation" else "saved_ratio"
-    fig, ax = plt.subplots(figsize=(9, 6))
-    models = list(dict.fromkeys(r.model for r in rows))
-    configs = list(dict.fromkeys(r.config for r in rows))
-    markers = "os^Dv<>pP*X"
-    colours = plt.get_cmap("tab10").colors  # 10 clearly different colours, one per configuration
-    for r in rows:
-        if getattr(r, field) is None or r.time_ratio is None:
-            continue
-        ax.scatter(getattr(r, field), r.time_ratio, s=60, alpha=0.85,
-                   color=colours[configs.index(r.config) % len(colours)],
-                   marker=markers[models.index(r.model) % len(markers)], edgecolors="black", linewidths=0.4)
-    from matplotlib.lines import Line2D
-
-    handles = [Line2D([], [], ls="", marker="o", color=colours[i % len(colours)], label=c) for i, c in enumerate(configs)]
-    handles += [Line2D([], [], ls="", marker=markers[i % len(markers)], color="grey", label=m) for i, m in enumerate(models)]
-    ax.legend(handles=handles, fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5), title="colour: config, marker: model",
-              title_fontsize=7)
-    ax.axvline(1.0, color="grey", lw=0.5)
-    ax.axhline(1.0, color="grey", lw=0.5)
-    ax.set_xlabel("saved activation bytes / eager (parameters excluded; lower: less held for backward)"
-                  if x == "activation" else "saved bytes / eager (lower: less memory held for backward)")
-    ax.set_ylabel("step time / eager (lower: faster)")
-    devices = ", ".join(sorted({r.device for r in rows}))
-    dtypes = ", ".join(sorted({r.dtype for r in rows}))
-    batches = ", ".join(sorted({str(r.input_shape[0]) for r in rows if r.input_shape}))
-    ax.set_title(f"Training: memory held for backward vs step time\n{platform.node() or 'this machine'} "
-                 f"({devices}, {torch.get_num_threads()} threads), {dtypes}, batch {batches}", fontsize=9)
-    ax.grid(True, alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120, bbox_inches="tight")
-    plt.close(fig)
-
-
 # --------------------------------------------------------------------------- command line
 
 
 def add_training_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add the training benchmark's options to ``parser`` (for ``convbn bench``)."""
-    from convbn.cli import batch_size, device_arg, fraction, non_negative_int, output_path, positive_float, positive_int
+    from convbn.cli import batch_size, device_arg, fraction, non_negative_int, positive_float, positive_int
 
     parser.add_argument("--model", action="append", default=None, metavar="SPEC",
                         help="model spec, repeatable: mnist, monai:resnet18, 'monai:resnet50(spatial_dims=2)', "
@@ -822,7 +407,7 @@ def add_training_arguments(parser: argparse.ArgumentParser) -> argparse.Argument
     parser.add_argument("--warmup", type=non_negative_int, default=2, help="untimed rounds after the first (compiling) step")
     parser.add_argument("--memory-rounds", type=positive_int, default=3, help="rounds measuring peak memory (median)")
     parser.add_argument("--device", type=device_arg, default="cpu", help="torch device: cpu, cuda, cuda:N")
-    parser.add_argument("--dtype", choices=sorted(_DTYPES), default="float32", help="parameter and input dtype")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="parameter and input dtype")
     parser.add_argument("--budget", type=fraction, action="append", default=[], metavar="X",
                         help="add 'convert auto budget=X' (fraction in (0, 1] of eager saved bytes), repeatable")
     parser.add_argument("--compile-budget", type=fraction, action="append", default=None, metavar="B",
@@ -834,14 +419,7 @@ def add_training_arguments(parser: argparse.ArgumentParser) -> argparse.Argument
     parser.add_argument("--lr", type=positive_float, default=1e-3, help="SGD learning rate")
     parser.add_argument("--threads", type=positive_int, default=None, help="torch.set_num_threads before running")
     parser.add_argument("--seed", type=int, default=0, help="seed of weights and inputs")
-    parser.add_argument("--plot", type=output_path, default=None, metavar="PATH",
-                        help="write a saved-ratio vs time-ratio PNG")
-    parser.add_argument("--json", type=output_path, nargs="?", const="-", default=None, metavar="PATH",
-                        help="write all rows as JSON to PATH (no PATH or '-': stdout)")
-    parser.add_argument("--markdown", type=output_path, nargs="?", const="-", default=None, metavar="PATH",
-                        help="write all columns as a markdown table to PATH (no PATH or '-': stdout)")
-    parser.add_argument("--wide", action="store_true", help="print every column (default: the key columns, 120 wide)")
-    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_output_arguments(parser, plot_help="write a saved-ratio vs time-ratio PNG")
     parser.add_argument("--timeline", default=None, metavar="PATH",
                         help="also write a memory-timeline PNG of one step per configuration (convbn.bench.timeline)")
     return parser
@@ -855,26 +433,6 @@ def _check_configs(text: Optional[str]) -> Optional[List[str]]:
     if bad or not names:
         raise ValueError(f"--configs {text!r}: unknown configuration(s) {bad}; choose from {','.join(CONFIG_KEYS)}")
     return names
-
-
-def _write(path: str, text: str) -> None:
-    if path == "-":
-        print(text)
-    else:
-        with open(path, "w") as fh:
-            fh.write(text + "\n")
-
-
-def write_outputs(args: argparse.Namespace, rows: Sequence[Any], to_markdown: Callable[[Sequence[Any]], str],
-                  to_json: Callable[[Sequence[Any]], str], plot: Callable[[Sequence[Any], str], None]) -> None:
-    """Write ``rows`` where ``--markdown`` / ``--json`` / ``--plot`` ask (``-``: standard output)."""
-    if args.markdown:
-        _write(args.markdown, to_markdown(rows))
-    if args.json:
-        _write(args.json, to_json(rows))
-    if args.plot:
-        plot(rows, args.plot)
-        print(f"plot written to {args.plot}")
 
 
 def main_training(args: argparse.Namespace) -> int:
@@ -897,7 +455,7 @@ def main_training(args: argparse.Namespace) -> int:
     rows: List[TrainingRow] = []
     for spec in args.model or list(DEFAULT_MODELS):
         rows += run_training_bench(
-            spec, args.batch_size, configs, args.steps, args.warmup, args.device, _DTYPES[args.dtype],
+            spec, args.batch_size, configs, args.steps, args.warmup, args.device, DTYPES[args.dtype],
             budgets=args.budget,
             compile_budgets=DEFAULT_COMPILE_BUDGETS if args.compile_budget is None else args.compile_budget,
             use_compile=not args.no_compile, image_size=args.image_size, memory_rounds=args.memory_rounds,

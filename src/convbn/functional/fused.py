@@ -1,35 +1,23 @@
-"""Functional entry point of a fused Conv -> BatchNorm -> activation layer.
+"""The pure parts of a fused Conv -> BatchNorm -> activation call.
 
-``conv_bn_act`` checks its inputs (so a bad call fails before any running statistic
-changes), applies autocast and pre-padding the way ``nn.ConvNd`` would, and dispatches
-to the ``autograd.Function`` of the chosen strategy, or to a plain no-grad path when
-nothing needs gradients.
+Input checks (so a bad call fails before any running statistic changes), the
+strategy check, autocast casting, and the no-grad forward (nothing kept, eval BatchNorm
+folded into the conv). The entry point that dispatches to the ``autograd.Function``s,
+:func:`convbn.autograd.dispatch.conv_bn_act`, is built from these.
 """
 from __future__ import annotations
 
-from contextlib import nullcontext
-from typing import Optional, Sequence, Tuple, Union
+from typing import Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
 
-from .activations import Activation, get_activation
+from .activations import Activation
 from .batchnorm import BNSpec, bn_forward
-from .conv import ConvSpec, conv_forward, conv_in_channels, conv_output_shape, make_conv_spec
+from .conv import ConvSpec, conv_forward, conv_in_channels, conv_output_shape
 from .fold import fold_bn_into_preceding
 
-__all__ = ["STRATEGIES", "check_strategy", "check_inputs", "autocast_dtype", "autocast_inputs", "conv_bn_act", "conv_bn_act_spec"]
-
-#: Strategies a single fused layer accepts (``convert`` adds ``"auto"``).
-STRATEGIES = ("recompute_conv", "recompute_bn", "frozen")
-
-
-def check_strategy(strategy: str, allowed: Sequence[str] = STRATEGIES) -> str:
-    """Return ``strategy`` or raise ``ValueError`` listing the allowed names."""
-    if not isinstance(strategy, str) or strategy not in allowed:
-        raise ValueError(f"strategy must be one of {tuple(allowed)}, but got strategy={strategy!r}")
-    return strategy
-
+__all__ = ["check_inputs", "autocast_dtype", "autocast_inputs", "conv_bn_act_no_grad"]
 
 def check_inputs(
     x: Tensor,
@@ -111,47 +99,7 @@ def autocast_inputs(
     return x, weight, bias
 
 
-def conv_bn_act_spec(
-    x: Tensor,
-    weight: Tensor,
-    bias: Optional[Tensor],
-    bn_weight: Optional[Tensor],
-    bn_bias: Optional[Tensor],
-    running_mean: Optional[Tensor],
-    running_var: Optional[Tensor],
-    conv: ConvSpec,
-    bn: BNSpec,
-    act: Activation,
-    strategy: str,
-) -> Tensor:
-    """:func:`conv_bn_act` on resolved specs (what the modules call)."""
-    from ..autograd.fused import FrozenFunction, RecomputeBNFunction, RecomputeConvFunction
-
-    check_strategy(strategy)
-    check_inputs(x, weight, conv, bn, (bias, bn_weight, bn_bias, running_mean, running_var))
-    frozen = strategy == "frozen" or not bn.batch_stats
-    if frozen:
-        if running_mean is None or running_var is None:
-            raise ValueError(
-                "strategy='frozen' normalises with running statistics, but the BatchNorm has none "
-                "(track_running_stats=False); use 'recompute_bn' or 'recompute_conv'"
-            )
-        bn = BNSpec(bn.eps, False, 0.0)
-    x, weight, bias = autocast_inputs(x, weight, bias)
-    dev = x.device.type
-    with torch.autocast(dev, enabled=False) if dev in ("cpu", "cuda") else nullcontext():
-        x = conv.pad_input(x)
-        needs_grad = torch.is_grad_enabled() and any(
-            t is not None and t.requires_grad for t in (x, weight, bias, bn_weight, bn_bias)
-        )
-        if not needs_grad:
-            with torch.no_grad():
-                return _forward_no_grad(x, weight, bias, bn_weight, bn_bias, running_mean, running_var, conv, bn, act)
-        fn = FrozenFunction if frozen else (RecomputeConvFunction if strategy == "recompute_conv" else RecomputeBNFunction)
-        return fn.apply(x, weight, bias, bn_weight, bn_bias, running_mean, running_var, conv, bn, act)
-
-
-def _forward_no_grad(
+def conv_bn_act_no_grad(
     x: Tensor,
     weight: Tensor,
     bias: Optional[Tensor],
@@ -163,7 +111,21 @@ def _forward_no_grad(
     bn: BNSpec,
     act: Activation,
 ) -> Tensor:
-    """Inference / no-grad forward: nothing is kept; eval BN is folded into the conv."""
+    """Inference / no-grad forward: nothing is kept; eval BN is folded into the conv.
+
+    Call under :func:`torch.no_grad` on checked, autocast-cast and pre-padded inputs
+    (the activation runs in place on the BatchNorm output).
+
+    Args:
+        x: padded ``(N, C_in, *spatial)`` input.
+        weight, bias: convolution parameters.
+        bn_weight, bn_bias: BatchNorm affine parameters or ``None``.
+        running_mean, running_var: BatchNorm running statistics or ``None``.
+        conv, bn, act: the resolved layer specs.
+
+    Returns:
+        The activation output.
+    """
     if bn.batch_stats:
         y = conv_forward(x, weight, bias, conv)
         z = bn_forward(y, bn_weight, bn_bias, running_mean, running_var, bn)[0]
@@ -172,63 +134,3 @@ def _forward_no_grad(
                                           transposed=conv.transposed, groups=conv.groups)
         z = conv_forward(x, w_f, b_f, conv)
     return act(z, inplace=True)
-
-
-def conv_bn_act(
-    x: Tensor,
-    weight: Tensor,
-    bias: Optional[Tensor],
-    bn_weight: Optional[Tensor],
-    bn_bias: Optional[Tensor],
-    running_mean: Optional[Tensor],
-    running_var: Optional[Tensor],
-    *,
-    stride: Union[int, Sequence[int]] = 1,
-    padding: Union[str, int, Sequence[int]] = 0,
-    dilation: Union[int, Sequence[int]] = 1,
-    groups: int = 1,
-    padding_mode: str = "zeros",
-    training: bool = True,
-    momentum: float = 0.1,
-    eps: float = 1e-5,
-    activation: Union[None, str, Activation, torch.nn.Module] = None,
-    strategy: str = "recompute_bn",
-) -> Tensor:
-    """Fused ``act(batch_norm(conv(x)))``, numerically ``F.convNd`` -> ``F.batch_norm`` -> act.
-
-    The convolution's dimensionality follows ``weight`` (3-D weight: Conv1d, 4-D:
-    Conv2d, 5-D: Conv3d). ``training``/``momentum`` follow :func:`torch.nn.functional.batch_norm`:
-    with ``training=True`` (or no running stats) the batch statistics normalise and the
-    running stats, if given, are updated in place once with factor ``momentum``.
-
-    Args:
-        x: ``(N, C_in, *spatial)`` input.
-        weight, bias: convolution parameters.
-        bn_weight, bn_bias: BatchNorm affine parameters or ``None``.
-        running_mean, running_var: BatchNorm running statistics or ``None``.
-        stride, padding, dilation, groups, padding_mode: as ``nn.ConvNd``.
-        training, momentum, eps: as :func:`torch.nn.functional.batch_norm`.
-        activation: ``None`` or a name in :data:`convbn.functional.activations.ACTIVATIONS`.
-        strategy: ``"recompute_bn"``, ``"recompute_conv"`` or ``"frozen"``.
-
-    Returns:
-        The activation output, ``(N, C_out, *spatial_out)``.
-
-    Example:
-        >>> x, w = torch.randn(4, 3, 8, 8), torch.randn(8, 3, 3, 3)
-        >>> out = conv_bn_act(x, w, None, None, None, None, None, padding=1, activation="relu")
-        >>> out.shape
-        torch.Size([4, 8, 8, 8])
-    """
-    if not isinstance(weight, Tensor) or weight.dim() not in (3, 4, 5):
-        raise ValueError(
-            f"weight must be a 3-D, 4-D or 5-D conv weight tensor, but got "
-            f"{tuple(weight.shape) if isinstance(weight, Tensor) else type(weight).__name__}"
-        )
-    dims = weight.dim() - 2
-    conv = make_conv_spec(dims, weight.shape[2:], stride, padding, dilation, groups, padding_mode)
-    batch_stats = training or running_mean is None or running_var is None
-    bn = BNSpec(float(eps), batch_stats, float(momentum) if momentum is not None else 0.0)
-    return conv_bn_act_spec(
-        x, weight, bias, bn_weight, bn_bias, running_mean, running_var, conv, bn, get_activation(activation), strategy
-    )

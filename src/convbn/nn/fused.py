@@ -4,11 +4,11 @@ The module is thin: it owns a real ``nn.ConvNd`` child named ``conv`` and a real
 ``nn.BatchNormNd`` child named ``bn`` (so ``state_dict()`` keys are those of
 ``nn.Sequential(OrderedDict(conv=..., bn=...))`` and checkpoints load both ways), does
 BatchNorm's bookkeeping (``num_batches_tracked``, momentum), and hands the maths to
-:func:`convbn.functional.fused.conv_bn_act_spec`.
+:func:`convbn.autograd.dispatch.conv_bn_act_spec`.
 """
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Sequence, Tuple, Type, TypeVar, Union
+from typing import Any, Dict, List, Optional, Sequence, Type, TypeVar, Union
 
 import torch
 from torch import Tensor, nn
@@ -19,60 +19,15 @@ from torch.nn.utils import parametrize
 from ..functional.activations import Activation, get_activation
 from ..functional.batchnorm import BNSpec
 from ..functional.conv import ConvSpec, conv_spec_from_module
-from ..functional.fused import check_inputs, check_strategy, conv_bn_act_spec
+from ..autograd.dispatch import conv_bn_act_spec
+from ..functional.fused import check_inputs
+from ..functional.strategies import Strategy, check_strategy
+from .sync import bn_running_stats, bn_spec_from_module, sync_group
 
 __all__ = ["FusedConvBN1d", "FusedConvBN2d", "FusedConvBN3d", "bn_spec_from_module", "bn_running_stats", "sync_group",
            "module_hooked", "hooks_of", "OBSERVER_ATTR"]
 
 T = TypeVar("T", bound="_FusedConvBNNd")
-
-
-def bn_running_stats(bn: _BatchNorm) -> Tuple[Optional[Tensor], Optional[Tensor]]:
-    """The running stats ``nn.BatchNorm`` would pass to ``F.batch_norm`` in its current mode."""
-    if not bn.training or bn.track_running_stats:
-        return bn.running_mean, bn.running_var
-    return None, None
-
-
-def bn_spec_from_module(bn: _BatchNorm, *, advance: bool = False) -> BNSpec:
-    """The :class:`BNSpec` for one forward of ``bn``, mirroring ``_BatchNorm.forward``.
-
-    Args:
-        bn: the BatchNorm module.
-        advance: increment ``num_batches_tracked`` as a training forward does (call only
-            once the inputs have been checked, so a failing call changes no state).
-    """
-    factor = 0.0 if bn.momentum is None else float(bn.momentum)
-    if bn.training and bn.track_running_stats and bn.num_batches_tracked is not None:
-        if advance:
-            bn.num_batches_tracked.add_(1)
-        if bn.momentum is None:
-            if torch.compiler.is_compiling():
-                # keep the cumulative-average factor a tensor: no data-dependent Python float
-                factor = 1.0 / (bn.num_batches_tracked + (0 if advance else 1)).to(torch.float64)  # type: ignore[assignment]
-            else:
-                factor = 1.0 / float(int(bn.num_batches_tracked) + (0 if advance else 1))
-    batch_stats = bn.training or (bn.running_mean is None and bn.running_var is None)
-    return BNSpec(float(bn.eps), batch_stats, factor, sync_group(bn))
-
-
-def sync_group(bn: _BatchNorm) -> Any:
-    """The process group an ``nn.SyncBatchNorm`` reduces over in this call, or ``None``.
-
-    Mirrors ``nn.SyncBatchNorm.forward``: statistics are synchronised in training
-    mode when ``torch.distributed`` is initialised and the group has more than one
-    process. Unlike ``nn.SyncBatchNorm``, CPU tensors (gloo) are supported.
-    """
-    from .sync import SyncBatchNorm
-
-    if not isinstance(bn, (nn.SyncBatchNorm, SyncBatchNorm)) or not bn.training:
-        return None
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()):
-        return None
-    group = bn.process_group or dist.group.WORLD
-    return group if dist.get_world_size(group) > 1 else None
 
 
 #: Hooks carrying this attribute (set to ``True``) only observe which module runs --
@@ -123,7 +78,7 @@ class _FusedConvBNNd(nn.Module):
         affine: bool = True,
         track_running_stats: bool = True,
         activation: Union[None, str, Activation, nn.Module] = None,
-        strategy: str = "recompute_bn",
+        strategy: Strategy = "recompute_bn",
         device: Any = None,
         dtype: Optional[torch.dtype] = None,
     ) -> None:
@@ -142,7 +97,7 @@ class _FusedConvBNNd(nn.Module):
         conv: _ConvNd,
         bn: _BatchNorm,
         activation: Union[None, str, Activation, nn.Module] = None,
-        strategy: str = "recompute_bn",
+        strategy: Strategy = "recompute_bn",
     ) -> T:
         """Fuse existing modules, *sharing* their parameters and buffers (no copies).
 
@@ -219,7 +174,8 @@ class _FusedConvBNNd(nn.Module):
         if not frozen:
             bspec = bn_spec_from_module(bn, advance=True)
         return conv_bn_act_spec(
-            input, conv.weight, conv.bias, bn.weight, bn.bias, rm, rv, cspec, bspec, self.activation, self.strategy
+            input, conv.weight, conv.bias, bn.weight, bn.bias, rm, rv, cspec, bspec, self.activation, self.strategy,
+            inputs_checked=True,
         )
 
     def extra_repr(self) -> str:

@@ -6,18 +6,24 @@ refuses CPU models containing one. :func:`convbn.convert` swaps each
 (same ``state_dict`` keys), so a converted model trains data-parallel on CPU or GPU;
 fused Conv -> SyncBatchNorm layers reduce their statistics across the group in
 forward and backward.
+
+It also holds how a BatchNorm module's call is read -- :func:`bn_spec_from_module`,
+:func:`bn_running_stats`, :func:`sync_group` -- which the fused modules share with it
+(``nn.fused`` imports them from here: the dependency runs one way).
 """
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Optional, Tuple
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from ..autograd.batchnorm import BatchNormFunction
+from ..functional.batchnorm import BNSpec
 
-__all__ = ["SyncBatchNorm"]
+__all__ = ["SyncBatchNorm", "bn_running_stats", "bn_spec_from_module", "sync_group"]
 
 
 class SyncBatchNorm(_BatchNorm):
@@ -70,8 +76,6 @@ class SyncBatchNorm(_BatchNorm):
             raise ValueError(f"expected at least 2D input (got {input.dim()}D input)")
 
     def forward(self, input: Tensor) -> Tensor:
-        from .fused import bn_running_stats, bn_spec_from_module
-
         self._check_input_dim(input)
         spec = bn_spec_from_module(self)
         if spec.process_group is None:
@@ -86,3 +90,47 @@ class SyncBatchNorm(_BatchNorm):
         spec = bn_spec_from_module(self, advance=True)
         rm, rv = bn_running_stats(self)
         return BatchNormFunction.apply(input, self.weight, self.bias, rm, rv, spec)
+
+
+def bn_running_stats(bn: _BatchNorm) -> Tuple[Optional[Tensor], Optional[Tensor]]:
+    """The running stats ``nn.BatchNorm`` would pass to ``F.batch_norm`` in its current mode."""
+    if not bn.training or bn.track_running_stats:
+        return bn.running_mean, bn.running_var
+    return None, None
+
+
+def bn_spec_from_module(bn: _BatchNorm, *, advance: bool = False) -> BNSpec:
+    """The :class:`BNSpec` for one forward of ``bn``, mirroring ``_BatchNorm.forward``.
+
+    Args:
+        bn: the BatchNorm module.
+        advance: increment ``num_batches_tracked`` as a training forward does (call only
+            once the inputs have been checked, so a failing call changes no state).
+    """
+    factor = 0.0 if bn.momentum is None else float(bn.momentum)
+    if bn.training and bn.track_running_stats and bn.num_batches_tracked is not None:
+        if advance:
+            bn.num_batches_tracked.add_(1)
+        if bn.momentum is None:
+            if torch.compiler.is_compiling():
+                # keep the cumulative-average factor a tensor: no data-dependent Python float
+                factor = 1.0 / (bn.num_batches_tracked + (0 if advance else 1)).to(torch.float64)  # type: ignore[assignment]
+            else:
+                factor = 1.0 / float(int(bn.num_batches_tracked) + (0 if advance else 1))
+    batch_stats = bn.training or (bn.running_mean is None and bn.running_var is None)
+    return BNSpec(float(bn.eps), batch_stats, factor, sync_group(bn))
+
+
+def sync_group(bn: _BatchNorm) -> Any:
+    """The process group an ``nn.SyncBatchNorm`` reduces over in this call, or ``None``.
+
+    Mirrors ``nn.SyncBatchNorm.forward``: statistics are synchronised in training
+    mode when ``torch.distributed`` is initialised and the group has more than one
+    process. Unlike ``nn.SyncBatchNorm``, CPU tensors (gloo) are supported.
+    """
+    if not isinstance(bn, (nn.SyncBatchNorm, SyncBatchNorm)) or not bn.training:
+        return None
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    group = bn.process_group or dist.group.WORLD
+    return group if dist.get_world_size(group) > 1 else None

@@ -8,8 +8,8 @@
   that accepts ``None`` for the gradient of an output that was not used.
 
 (``once_differentiable`` is shown by
-:class:`convbn.autograd.batchnorm2d.BatchNorm2dFunction` and
-:class:`convbn.autograd.double_backward.CubeOnceDifferentiable`.)
+:class:`convbn.reference.batchnorm2d.BatchNorm2dFunction` and
+:class:`convbn.reference.double_backward.CubeOnceDifferentiable`.)
 """
 from __future__ import annotations
 

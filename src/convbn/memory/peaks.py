@@ -1,0 +1,152 @@
+"""Peak memory of a block: the CUDA allocator, sampled process RSS, or exact live tensor bytes.
+
+:class:`peak_memory` reads the CUDA allocator's peak on a GPU and samples RSS on CPU
+(indicative: RSS includes allocator caching); :class:`tensor_peak` counts tensor storages
+as they are created and freed, exact and deterministic on any device.
+"""
+from __future__ import annotations
+
+import os
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Dict, Optional
+
+import torch
+
+__all__ = ["PeakMemory", "peak_memory", "tensor_peak"]
+
+
+def _rss_bytes() -> int:
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError):  # pragma: no cover - non-Linux
+        import resource
+
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+@dataclass
+class PeakMemory:
+    """Peak memory over a block, above what was in use when it started.
+
+    Attributes:
+        peak: highest bytes in use during the block minus bytes in use at its start
+            (CUDA allocator on a CUDA device, sampled process RSS on CPU).
+        end: bytes in use at the end minus at the start.
+        source: ``"cuda"`` or ``"rss"``.
+    """
+
+    peak: int = 0
+    end: int = 0
+    source: str = "rss"
+
+
+class peak_memory:
+    """Context manager measuring peak memory of the enclosed block.
+
+    On CUDA it resets and reads :func:`torch.cuda.max_memory_allocated`; on CPU it
+    samples the process RSS from a background thread every ``interval`` seconds
+    (RSS includes allocator caching, so treat CPU figures as indicative).
+
+    Args:
+        device: the device whose memory to watch.
+        interval: sampling period on CPU, seconds.
+
+    Example:
+        >>> with peak_memory("cpu") as pm:
+        ...     x = torch.ones(1 << 20)
+        >>> pm.result.source
+        'rss'
+    """
+
+    def __init__(self, device: Any = "cpu", interval: float = 0.0005) -> None:
+        self.device = torch.device(device)
+        self.interval = interval
+        self.result = PeakMemory(source="cuda" if self.device.type == "cuda" else "rss")
+        self._stop = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+        self._start = 0
+        self._peak = 0
+
+    def _sample(self) -> None:
+        while not self._stop.is_set():
+            self._peak = max(self._peak, _rss_bytes())
+            time.sleep(self.interval)
+
+    def __enter__(self) -> "peak_memory":
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self._start = torch.cuda.memory_allocated(self.device)
+        else:
+            self._start = self._peak = _rss_bytes()
+            self._thread = threading.Thread(target=self._sample, daemon=True)
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            self.result.peak = torch.cuda.max_memory_allocated(self.device) - self._start
+            self.result.end = torch.cuda.memory_allocated(self.device) - self._start
+        else:
+            self._stop.set()
+            if self._thread is not None:
+                self._thread.join()
+            now = _rss_bytes()
+            self._peak = max(self._peak, now)
+            self.result.peak = self._peak - self._start
+            self.result.end = now - self._start
+
+
+class tensor_peak:
+    """Context manager: exact peak of live tensor bytes in the block, on any device.
+
+    Counts tensor storages as they are created and freed (through PyTorch's
+    ``MemTracker`` dispatch mode), so unlike sampled RSS it is deterministic and free
+    of allocator caching: on CPU it is the analogue of ``torch.cuda.max_memory_allocated``.
+    It slows the block down, so measure peaks in a step that is not timed.
+
+    Args:
+        *track: modules / optimizers whose existing tensors (parameters, gradients,
+            buffers, optimizer state) count towards the live total from the start.
+
+    Example:
+        >>> net = torch.nn.Linear(8, 8)
+        >>> with tensor_peak(net) as tp:
+        ...     net(torch.randn(4, 8)).sum().backward()
+        >>> tp.result.peak > 0
+        True
+    """
+
+    def __init__(self, *track: Any) -> None:
+        try:
+            from torch.distributed._tools.mem_tracker import MemTracker
+        except ImportError as err:  # pragma: no cover - torch builds without it
+            raise ImportError(
+                "tensor_peak needs torch.distributed._tools.mem_tracker (PyTorch >= 2.5 with distributed); "
+                "use peak_memory() instead"
+            ) from err
+        self._tracker = MemTracker()
+        if track:
+            self._tracker.track_external(*track)
+        self.result = PeakMemory(source="tensors")
+        self._start = 0
+
+    @staticmethod
+    def _total(snapshot: Dict[Any, Dict[Any, int]]) -> int:
+        return sum(int(dev.get("Total", 0)) for dev in snapshot.values())
+
+    def __enter__(self) -> "tensor_peak":
+        self._tracker.__enter__()
+        self._start = self._total(self._tracker.get_tracker_snapshot("current"))
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        end = self._total(self._tracker.get_tracker_snapshot("current"))
+        peak = self._total(self._tracker.get_tracker_snapshot("peak"))
+        self._tracker.__exit__(*exc)
+        self.result.peak = peak - self._start
+        self.result.end = end - self._start

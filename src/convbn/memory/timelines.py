@@ -1,0 +1,214 @@
+"""The memory timeline of one training step: live bytes after every operator, with where it falls.
+
+:func:`timeline` runs zero_grad, forward, loss, backward and the optimizer step under a
+dispatch mode and records, after each operator, the live bytes (exact tensor storages on
+CPU, the CUDA allocator on a GPU), the phase, the innermost module and the operator.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import torch
+from torch import Tensor, nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from .peaks import tensor_peak
+
+__all__ = ["PHASES", "Timeline", "TimelinePoint", "timeline"]
+
+#: the phases of one training step, in order, as :func:`timeline` records them
+PHASES = ("zero_grad", "forward", "loss", "backward", "optimizer")
+
+
+@dataclass(frozen=True)
+class TimelinePoint:
+    """Live memory right after one operator of a training step.
+
+    Attributes:
+        bytes: bytes in use above those in use when the step started (live tensor
+            storages on CPU, the CUDA caching allocator's ``memory_allocated`` on GPU).
+        phase: one of ``"zero_grad"``, ``"forward"``, ``"loss"``, ``"backward"``, ``"optimizer"``.
+        module: innermost module running the operator (forward) or whose backward is
+            running (qualified name, ``""`` outside every module).
+        op: the ATen operator, prefixed in backward with the autograd node running it
+            (``"ChainFunctionBackward/aten.convolution.default"``).
+    """
+
+    bytes: int
+    phase: str
+    module: str
+    op: str
+
+
+@dataclass
+class Timeline:
+    """Live memory across one training step, one point per operator (see :func:`timeline`).
+
+    Attributes:
+        points: in execution order; a point ``0`` at the start precedes the first operator.
+        source: ``"tensors"`` (exact live storages) or ``"cuda"`` (allocator).
+        label: a name for plots.
+    """
+
+    points: List[TimelinePoint] = field(default_factory=list)
+    source: str = "tensors"
+    label: str = ""
+
+    @property
+    def peak(self) -> int:
+        """Highest bytes in use above the start (``tensor_peak``'s ``peak`` on the same step)."""
+        return max((p.bytes for p in self.points), default=0)
+
+    @property
+    def peak_index(self) -> int:
+        """Index of the first point at the peak."""
+        peak = self.peak
+        return next(i for i, p in enumerate(self.points) if p.bytes == peak) if self.points else 0
+
+    @property
+    def peak_point(self) -> TimelinePoint:
+        """The first point at the peak: its phase, module and operator say where the step peaks."""
+        return self.points[self.peak_index]
+
+    def phase_peaks(self) -> Dict[str, int]:
+        """Highest bytes in use within each phase that ran."""
+        out: Dict[str, int] = {}
+        for p in self.points:
+            out[p.phase] = max(out.get(p.phase, 0), p.bytes)
+        return out
+
+    def where(self) -> str:
+        """``"backward, in 'layer1.0' at ChainFunctionBackward/aten.convolution.default"``."""
+        p = self.peak_point
+        return f"{p.phase}, in {p.module or '<root>'!r} at {p.op}"
+
+
+def _innermost(parents: Any) -> str:
+    names = [n for n in parents if n != "Global"]
+    if not names:
+        return ""
+    name = max(names, key=lambda n: (n.count("."), len(n)))
+    return name.split(".", 1)[1] if "." in name else ""  # drop the root class name ModTracker prefixes
+
+
+class _TimelineMode(TorchDispatchMode):
+    """Appends a :class:`TimelinePoint` after every operator (entered above the meter)."""
+
+    def __init__(self, read: Callable[[], int], where: Callable[[], str]) -> None:
+        super().__init__()
+        self.read = read
+        self.where = where
+        self.phase = "forward"
+        self.points: List[TimelinePoint] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        op = str(func)
+        node = torch._C._current_autograd_node()
+        if node is not None:
+            op = f"{node.name()}/{op}"
+        self.points.append(TimelinePoint(self.read(), self.phase, self.where(), op))
+        return out
+
+
+def _cuda_peak_reader(dev: torch.device, start: int) -> Callable[[], int]:
+    """Reads the allocator's peak since the previous reading, then resets it: each point is
+    the most that was allocated *during* its operator (cuDNN workspaces included), so the
+    timeline's maximum is ``torch.cuda.max_memory_allocated`` over the step (host-side
+    allocator counters: no synchronisation needed)."""
+
+    def read() -> int:
+        peak = torch.cuda.max_memory_allocated(dev) - start
+        torch.cuda.reset_peak_memory_stats(dev)
+        return peak
+
+    return read
+
+
+def timeline(
+    model: nn.Module,
+    *inputs: Any,
+    loss_fn: Optional[Callable[[Any], Tensor]] = None,
+    optimizer: Optional[torch.optim.Optimizer] = None,
+    label: str = "",
+) -> Timeline:
+    """Record live memory after every operator of one training step of ``model``.
+
+    The step is ``optimizer.zero_grad(set_to_none=True)`` (with an optimizer), forward
+    ``model(*inputs)``, ``loss = loss_fn(output)``, ``loss.backward()`` and
+    ``optimizer.step()``, each point labelled with its phase, module and operator. On CPU
+    the bytes are exact live tensor storages (the same accounting as :class:`tensor_peak`,
+    so ``timeline(...).peak`` equals ``tensor_peak``'s ``peak`` on the same step); on CUDA
+    each point is the allocator's peak during its operator (workspaces included, see
+    :func:`_cuda_peak_reader`). Bytes are relative to the start of
+    the step. Recording slows the step down; do not time it.
+
+    Args:
+        model: the module to step (its current mode is used; gradients accumulate into
+            ``.grad`` as in training).
+        *inputs: positional inputs for ``model``.
+        loss_fn: maps the model's output to a scalar loss; default the mean of the
+            (first) output tensor in float32.
+        optimizer: when given, its ``zero_grad``/``step`` are part of the step and its
+            state counts.
+        label: a name for plots (:func:`convbn.bench.timeline.plot_timelines`).
+
+    Returns:
+        :class:`Timeline`.
+
+    Example:
+        >>> net = nn.Sequential(nn.Linear(8, 8), nn.ReLU())
+        >>> tl = timeline(net, torch.randn(4, 8))
+        >>> tl.peak > 0 and tl.peak_point.phase in ("forward", "loss", "backward")
+        True
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"timeline expects an nn.Module, but got {type(model).__name__}")
+    if loss_fn is None:
+        loss_fn = _default_loss
+    devices = {t.device.type for t in (*inputs, *model.parameters()) if isinstance(t, Tensor)}
+    track: Tuple[Any, ...] = (model,) if optimizer is None else (model, optimizer)
+    if "cuda" in devices:
+        from torch.distributed._tools.mod_tracker import ModTracker
+
+        dev = next(t.device for t in (*inputs, *model.parameters()) if isinstance(t, Tensor) and t.is_cuda)
+        torch.cuda.synchronize(dev)
+        start = torch.cuda.memory_allocated(dev)
+        torch.cuda.reset_peak_memory_stats(dev)
+        meter: Any = ModTracker()
+        mode = _TimelineMode(_cuda_peak_reader(dev, start), lambda: _innermost(meter.parents))
+        source = "cuda"
+    else:
+        tp = tensor_peak(*track)
+        tracker = tp._tracker
+        mode = _TimelineMode(lambda: tp._total(tracker._curr_mem_snap) - tp._start,
+                             lambda: _innermost(tracker._mod_tracker.parents))
+        meter = tp
+        source = "tensors"
+    result = Timeline(source=source, label=label)
+    with torch.enable_grad(), meter, mode:
+        mode.points.append(TimelinePoint(mode.read(), "zero_grad" if optimizer is not None else "forward", "", "start"))
+        if optimizer is not None:
+            mode.phase = "zero_grad"
+            optimizer.zero_grad(set_to_none=True)
+        mode.phase = "forward"
+        out = model(*inputs)
+        mode.phase = "loss"
+        loss = loss_fn(out)
+        del out
+        mode.phase = "backward"
+        loss.backward()
+        del loss
+        if optimizer is not None:
+            mode.phase = "optimizer"
+            optimizer.step()
+    result.points = mode.points
+    return result
+
+
+def _default_loss(out: Any) -> Tensor:
+    leaves = [t for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, Tensor)]
+    if not leaves:
+        raise TypeError(f"timeline's default loss needs a tensor output, but the model returned {type(out).__name__}")
+    return leaves[0].float().mean()
