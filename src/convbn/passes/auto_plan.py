@@ -12,7 +12,7 @@ from torch import Tensor, nn
 from ..functional.activations import Activation
 from ..memory import saved_bytes, timeline
 from ..nn.chain import ChainLayer, FusedChain
-from .planner import ChainCost, plan_for_peak, plan_layers, step_peak, tutorial_bytes
+from .planner import ChainCost, plan_for_peak, plan_layers, plan_on_first_call, step_peak, tutorial_bytes
 from .report import ConvertReport
 from .validate import StateSnapshot
 
@@ -112,12 +112,14 @@ def plan_auto(original: nn.Module, converted: nn.Module, inputs: Tuple[Any, ...]
             l.mode = "recompute_conv"
         for m in converted.modules():
             if isinstance(m, FusedChain):
-                m.auto_pending = False
+                m.plan_on_first_call = None
         floor = measure_saved(converted, inputs)
         ordered, costs, floor_total = _chain_costs(converted, inputs)
     report.eager_saved_bytes, report.floor_saved_bytes = eager, floor
     if memory_budget is None:
         extra = tutorial_bytes(chains)
+        # the default plans for the step's peak within the tutorial's memory (planner docstring)
+        keeps = plan_for_peak(costs, floor_total, extra)
     else:
         target = int(round(memory_budget * eager, 6))  # budget == floor / eager must reach the floor
         if target < floor:
@@ -128,15 +130,19 @@ def plan_auto(original: nn.Module, converted: nn.Module, inputs: Tuple[Any, ...]
                 f"use memory_budget >= {least:.3f}"
             )
         extra = target - floor
-    plan_layers(layers, extra)
-    if memory_budget is None:
-        # the default plans for the step's peak within the tutorial's memory (planner docstring)
-        keeps = plan_for_peak(costs, [[l.mode == "recompute_bn" for l in c.layers] for c in ordered],
-                              floor_total, extra)
-        for c, kp in zip(ordered, keeps):
-            for l, k in zip(c.layers, kp):
-                l.mode = "recompute_bn" if k else "recompute_conv"
-    keeps = [[l.mode == "recompute_bn" for l in c.layers] for c in ordered]
+        flags = iter(plan_layers(layers, extra))
+        by_layer = {id(l): next(flags) for l in layers}
+        keeps = [[by_layer[id(l)] for l in c.layers] for c in ordered]
+    # the planner is pure; its flags are applied here
+    reached = {id(c) for c in ordered}
+    for m in converted.modules():
+        if isinstance(m, FusedChain) and id(m) not in reached:  # not run by example_inputs: plan when it runs
+            for l in m.layers:
+                l.mode = "recompute_bn"
+            m.plan_on_first_call = plan_on_first_call
+    for c, kp in zip(ordered, keeps):
+        for l, k in zip(c.layers, kp):
+            l.mode = "recompute_bn" if k else "recompute_conv"
     peak, where = step_peak(costs, keeps, floor_total)
     report.predicted_peak_bytes = peak
     names = {id(m): n for n, m in converted.named_modules()}
