@@ -28,9 +28,13 @@ Every function here is pure: numbers (or the shapes layers recorded) in, keep fl
 # chain's own transient. :func:`chain_backward_peak` replays the chain's backward order
 # (autograd/chain.py, Note: [chain backward order]) on buffer sizes only: kept and
 # recomputed conv outputs, rebuilt inputs, the incoming gradient, grad_y and grad_x.
-# The bytes alive beside a chain (activations saved before it, gradients of the layers
-# after it) are measured once (``ChainCost.prefix``); parameters and the loss are the
-# same for every plan and left out.
+# The chain's own parameter gradients are made by its conv backwards and held until the
+# Function returns them (``ChainCost.w_bytes``: on ResNet-50's last stage they outweigh
+# the activations). Everything else alive beside a chain (activations saved before it,
+# gradients of the layers after it, whatever autograd holds for the ops around it) is
+# the same for every plan: ``convert`` measures it once (``ChainCost.prefix``), from a
+# recorded step of the all-recompute plan, as that step's peak inside the chain minus the
+# replayed transient. Parameters themselves (alive before the step) are left out.
 """
 from __future__ import annotations
 
@@ -151,6 +155,8 @@ class ChainCost:
         prefix: bytes alive besides the chain during its backward that no plan changes:
             activations saved before it (every earlier chain keeping nothing) and the
             gradients of the parameters used after it.
+        w_bytes: each layer's parameter-gradient bytes, made during the chain's backward
+            and held until it returns (empty: not counted).
     """
 
     y_bytes: Tuple[int, ...]
@@ -158,19 +164,22 @@ class ChainCost:
     macs: Tuple[int, ...]
     acts: Tuple[str, ...]
     prefix: int = 0
+    w_bytes: Tuple[int, ...] = ()
 
 
 def chain_backward_peak(cost: ChainCost, keep: Sequence[bool]) -> Tuple[int, int]:
     """Peak bytes during the chain's backward under ``keep`` (Note: [predicting the peak of a
     step]): :func:`convbn.autograd.chain_memory.replay` with the drops the backward itself
-    chooses. Counts the kept conv outputs, the incoming gradient and every buffer the
-    backward creates (not the chain input, not parameters).
+    chooses. Counts the kept conv outputs, the incoming gradient, every buffer the
+    backward creates and the chain's parameter gradients (``cost.w_bytes``); not the chain
+    input, not the parameters themselves.
 
     Returns:
         ``(peak_bytes, layer)``: the peak and the layer whose backward reaches it.
     """
+    # the drops the backward itself chooses (it does not count parameter gradients)
     drop = choose_drops(cost.y_bytes, cost.x_bytes, keep, cost.acts)
-    return replay(cost.y_bytes, cost.x_bytes, keep, cost.acts, drop)
+    return replay(cost.y_bytes, cost.x_bytes, keep, cost.acts, drop, cost.w_bytes or None)
 
 
 def step_peak(costs: Sequence[ChainCost], keeps: Sequence[Sequence[bool]], floor: int,
