@@ -80,6 +80,8 @@ def test_tensor_peak_counts_a_known_allocation():
 # gives the chain a fresh, unshared incoming gradient (as a real loss does).
 
 import convbn.autograd.chain as chain_mod  # noqa: E402
+from convbn.autograd import release  # noqa: E402
+from convbn.autograd.release import frees_incoming_gradients  # noqa: E402
 from convbn.autograd.chain import _Rebuilder  # noqa: E402
 from convbn.memory import timeline  # noqa: E402
 from convbn.passes.planner import ChainCost, chain_backward_peak  # noqa: E402
@@ -123,13 +125,59 @@ def test_chain_frees_the_incoming_gradient_once_consumed(monkeypatch, act, strat
     tl, grads = _projected_step(fused, x, proj)
     monkeypatch.setattr(chain_mod, "_sole_owner", lambda t, refs: False)
     tl_off, grads_off = _projected_step(fused, x, proj)
-    assert tl_off.peak - tl.peak == _bytes(8, 16, 16, 16)  # the chain's output gradient
+    # the chain's output gradient, where this Python and torch let the probe prove it unshared
+    assert tl_off.peak - tl.peak == (_bytes(8, 16, 16, 16) if frees_incoming_gradients() else 0)
     for a, b in zip(grads, grads_off):
         assert torch.equal(a, b)
     eager = copy.deepcopy(base)
     _, grads_eager = _projected_step(eager, x, proj)
     for a, b in zip(grads, grads_eager):
         torch.testing.assert_close(a, b)
+
+
+# Versions where the probe is known to free incoming gradients (CI's); elsewhere the tests
+# above assert whichever the probe decided, and the probe's own tests below check it fails safe.
+_KNOWN_TO_FREE = {((3, 11), "2.13.0")}
+
+
+def test_probe_engages_where_it_is_known_to():
+    import sys
+
+    if (sys.version_info[:2], torch.__version__.split("+")[0]) not in _KNOWN_TO_FREE:
+        pytest.skip("the probe's verdict on this Python/torch is asserted by the exact-byte tests")
+    assert release.frees_incoming_gradients()
+
+
+@pytest.mark.parametrize("blind", ["python", "cpp"])
+def test_probe_fails_safe_where_counts_miss_holders(monkeypatch, blind):
+    """Issue 12 (c): where reference counts cannot see who holds a gradient (simulated: one
+    count made constant), the calibration says so and no incoming gradient is freed, so a
+    chain step peaks exactly as with the cut switched off."""
+    torch.manual_seed(0)
+    fused = convbn.convert(_chain_net((4, 8, 16)), strategy="recompute_conv")
+    x, proj = torch.randn(8, 4, 16, 16), torch.randn(8, 16, 16, 16)
+    monkeypatch.setattr(release, "_CALIBRATED", False)  # both restored afterwards
+    monkeypatch.setattr(release, "_FRESH", None)
+    if blind == "python":
+        monkeypatch.setattr(release, "incoming_refs", lambda g: 6)
+    else:
+        monkeypatch.setattr(release, "cpp_uses", lambda t: 1)
+    assert not release.frees_incoming_gradients()
+    tl, grads = _projected_step(fused, x, proj)
+    monkeypatch.setattr(chain_mod, "_sole_owner", lambda t, refs: False)
+    tl_off, grads_off = _projected_step(fused, x, proj)
+    assert tl.peak == tl_off.peak
+    for a, b in zip(grads, grads_off):
+        assert torch.equal(a, b)
+
+
+def test_probe_calibration_sees_each_kind_of_holder():
+    """A fresh gradient, one a tensor hook keeps (Python holder) and one the engine copies
+    for a post-hook (C++ holder): each holder raises its count above the fresh one."""
+    fresh, by_python, by_engine = release._probe(), release._probe("python"), release._probe("engine")
+    assert by_python[0] > fresh[0]
+    assert by_engine[1] > fresh[1]
+    assert release.frees_incoming_gradients() == (release._fresh_counts() == fresh)
 
 
 def test_incoming_gradient_that_is_shared_is_left_alone():
@@ -198,16 +246,18 @@ def _chain_cost(fused):
     layers = [l for m in fused.modules() if isinstance(m, convbn.nn.FusedChain) for l in m.layers]
     kinds = ["identity" if l.act.is_identity else "output" if l.act.output_derivable else "smooth" for l in layers]
     x_bytes = [_bytes(*l.x_shape) for l in layers]
+    w_bytes = [sum(t.numel() * 4 for t in (l.weight, l.bias, l.bn.weight, l.bn.bias) if t is not None) for l in layers]
     return ChainCost(tuple(l.y_bytes() for l in layers), tuple(x_bytes), tuple(l.flops() for l in layers),
-                     tuple(kinds)), [l.mode == "recompute_bn" for l in layers]
+                     tuple(kinds), w_bytes=tuple(w_bytes)), [l.mode == "recompute_bn" for l in layers]
 
 
 @pytest.mark.parametrize("act", [nn.ReLU, nn.SiLU])
 @pytest.mark.parametrize("plan", ["recompute_bn", "recompute_conv", "auto"])
 def test_measured_chain_backward_matches_the_planner_prediction(act, plan):
-    """The planner's replay of the chain backward (sizes only) predicts the measured
-    transient to within the chain's parameter gradients: rebuilt inputs never live beside
-    the conv output they were recomputed into, consumed gradients are dropped at once."""
+    """The planner's replay of the chain backward (sizes only, the chain's parameter
+    gradients included) predicts the measured transient to the byte: rebuilt inputs never
+    live beside the conv output they were recomputed into, consumed gradients are dropped
+    at once, weight gradients are held until the chain returns."""
     torch.manual_seed(0)
     base = _chain_net((4, 8, 16, 8), act)
     x, proj = torch.randn(8, 4, 16, 16), torch.randn(8, 8, 16, 16)
@@ -219,8 +269,7 @@ def test_measured_chain_backward_matches_the_planner_prediction(act, plan):
     before = tl.points[idx[0] - 1].bytes  # the incoming gradient and the kept outputs are alive
     alive = sum(y for y, k in zip(cost.y_bytes, keep) if k) + cost.y_bytes[-1]
     measured = max(tl.points[i].bytes for i in idx) - (before - alive)
-    params = sum(p.numel() * 4 for p in fused.parameters())
-    assert predicted <= measured <= predicted + params, (predicted, measured)
+    assert measured == predicted
 
 
 @pytest.mark.parametrize("strategy", ["recompute_bn", "recompute_conv"])
@@ -249,8 +298,10 @@ def test_fused_layer_frees_the_incoming_gradient_and_kept_output(monkeypatch, st
     monkeypatch.setattr(fused_mod, "keeping_graph", lambda: True)
     without, grads_off = peak()
     out_bytes = _bytes(8, 4, 16, 16)
-    # the incoming gradient, and for recompute_bn the kept output, are gone at the conv backward
-    assert without - with_cuts == (2 if strategy == "recompute_bn" else 1) * out_bytes
+    # the incoming gradient (where the probe can prove it unshared), and for recompute_bn
+    # the kept output, are gone at the conv backward
+    freed = (strategy == "recompute_bn") + frees_incoming_gradients()
+    assert without - with_cuts == freed * out_bytes
     for a, b in zip(grads, grads_off):
         assert torch.equal(a, b)
 
