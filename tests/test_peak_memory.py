@@ -321,6 +321,40 @@ def test_chain_backward_peak_by_hand():
     assert chain_backward_peak(c, [True, True]) == (28, 1)
     # keeping nothing: y_1 is recomputed from a rebuilt x_1 (y_0 cached for layer 0)
     assert chain_backward_peak(c, [False, False]) == (28, 1)
+    # weight gradients (3, 5) are made by each conv backward and held to the chain's end:
+    # layer 1's conv backward holds y_0 (4), rebuilt x_1 (4), grad_y (8), w_1 (5), grad_x (4)
+    w = ChainCost((4, 8), (1, 4), (10, 100), ("output", "output"), w_bytes=(3, 5))
+    assert chain_backward_peak(w, [False, True]) == (25, 1)
+
+
+def test_predicted_peak_matches_the_measured_one_on_a_residual_net():
+    """Issue 12 (a): the planner's prediction of the step peak (replayed chain backwards,
+    each chain's surroundings measured once) equals the measured peak, on a net with
+    residual and projection branches (where two chains' backwards interleave) and weight
+    gradients that matter."""
+    torch.manual_seed(0)
+    for width, batch in ((16, 8), (64, 2)):  # activations dominate; weight gradients matter
+        report = convbn.explain(_residual_net(width), torch.randn(batch, 3, 32, 32))
+        assert report.measured_peak_where.startswith("backward, in 'convbn_chain")
+        assert report.predicted_peak_bytes == report.measured_peak_bytes, (width, batch)
+
+
+def _residual_net(w):
+    class Block(nn.Module):
+        def __init__(self, cin, cout, stride):
+            super().__init__()
+            self.body = nn.Sequential(nn.Conv2d(cin, cout, 3, stride, 1, bias=False), nn.BatchNorm2d(cout), nn.ReLU(),
+                                      nn.Conv2d(cout, cout, 3, 1, 1, bias=False), nn.BatchNorm2d(cout))
+            self.down = None
+            if stride != 1 or cin != cout:
+                self.down = nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout))
+
+        def forward(self, x):
+            return torch.relu(self.body(x) + (x if self.down is None else self.down(x)))
+
+    return nn.Sequential(nn.Conv2d(3, w, 3, padding=1, bias=False), nn.BatchNorm2d(w), nn.ReLU(),
+                         Block(w, w, 1), Block(w, 2 * w, 2), Block(2 * w, 4 * w, 2),
+                         nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4 * w, 10))
 
 
 def test_step_peak_takes_the_prefix_and_earlier_chains_into_account():
