@@ -458,9 +458,9 @@ def test_eval_mode_and_no_grad(strategy: str) -> None:
 def test_lazy_auto_plans_on_first_training_call() -> None:
     eager, fast = convert_pair(Net)  # strategy="auto", no example inputs
     chains = [m for m in fast.modules() if isinstance(m, FusedChain)]
-    assert chains and all(c.auto_pending for c in chains)
+    assert chains and all(c.plan_on_first_call is not None for c in chains)
     assert_same_training(eager, fast, inp(2, 3, 10, 10))
-    assert not any(c.auto_pending for c in chains)
+    assert all(c.plan_on_first_call is None for c in chains)
     # Each chain was planned for the tutorial method's memory: a 2-layer chain can keep the
     # second layer's input or, cheaper in recompute, one conv output of the same size.
     for c in chains:

@@ -80,6 +80,8 @@ def test_tensor_peak_counts_a_known_allocation():
 # gives the chain a fresh, unshared incoming gradient (as a real loss does).
 
 import convbn.autograd.chain as chain_mod  # noqa: E402
+from convbn.autograd import release  # noqa: E402
+from convbn.autograd.release import frees_incoming_gradients  # noqa: E402
 from convbn.autograd.chain import _Rebuilder  # noqa: E402
 from convbn.memory import timeline  # noqa: E402
 from convbn.passes.planner import ChainCost, chain_backward_peak  # noqa: E402
@@ -123,13 +125,59 @@ def test_chain_frees_the_incoming_gradient_once_consumed(monkeypatch, act, strat
     tl, grads = _projected_step(fused, x, proj)
     monkeypatch.setattr(chain_mod, "_sole_owner", lambda t, refs: False)
     tl_off, grads_off = _projected_step(fused, x, proj)
-    assert tl_off.peak - tl.peak == _bytes(8, 16, 16, 16)  # the chain's output gradient
+    # the chain's output gradient, where this Python and torch let the probe prove it unshared
+    assert tl_off.peak - tl.peak == (_bytes(8, 16, 16, 16) if frees_incoming_gradients() else 0)
     for a, b in zip(grads, grads_off):
         assert torch.equal(a, b)
     eager = copy.deepcopy(base)
     _, grads_eager = _projected_step(eager, x, proj)
     for a, b in zip(grads, grads_eager):
         torch.testing.assert_close(a, b)
+
+
+# Versions where the probe is known to free incoming gradients (CI's); elsewhere the tests
+# above assert whichever the probe decided, and the probe's own tests below check it fails safe.
+_KNOWN_TO_FREE = {((3, 11), "2.13.0")}
+
+
+def test_probe_engages_where_it_is_known_to():
+    import sys
+
+    if (sys.version_info[:2], torch.__version__.split("+")[0]) not in _KNOWN_TO_FREE:
+        pytest.skip("the probe's verdict on this Python/torch is asserted by the exact-byte tests")
+    assert release.frees_incoming_gradients()
+
+
+@pytest.mark.parametrize("blind", ["python", "cpp"])
+def test_probe_fails_safe_where_counts_miss_holders(monkeypatch, blind):
+    """Issue 12 (c): where reference counts cannot see who holds a gradient (simulated: one
+    count made constant), the calibration says so and no incoming gradient is freed, so a
+    chain step peaks exactly as with the cut switched off."""
+    torch.manual_seed(0)
+    fused = convbn.convert(_chain_net((4, 8, 16)), strategy="recompute_conv")
+    x, proj = torch.randn(8, 4, 16, 16), torch.randn(8, 16, 16, 16)
+    monkeypatch.setattr(release, "_CALIBRATED", False)  # both restored afterwards
+    monkeypatch.setattr(release, "_FRESH", None)
+    if blind == "python":
+        monkeypatch.setattr(release, "incoming_refs", lambda g: 6)
+    else:
+        monkeypatch.setattr(release, "cpp_uses", lambda t: 1)
+    assert not release.frees_incoming_gradients()
+    tl, grads = _projected_step(fused, x, proj)
+    monkeypatch.setattr(chain_mod, "_sole_owner", lambda t, refs: False)
+    tl_off, grads_off = _projected_step(fused, x, proj)
+    assert tl.peak == tl_off.peak
+    for a, b in zip(grads, grads_off):
+        assert torch.equal(a, b)
+
+
+def test_probe_calibration_sees_each_kind_of_holder():
+    """A fresh gradient, one a tensor hook keeps (Python holder) and one the engine copies
+    for a post-hook (C++ holder): each holder raises its count above the fresh one."""
+    fresh, by_python, by_engine = release._probe(), release._probe("python"), release._probe("engine")
+    assert by_python[0] > fresh[0]
+    assert by_engine[1] > fresh[1]
+    assert release.frees_incoming_gradients() == (release._fresh_counts() == fresh)
 
 
 def test_incoming_gradient_that_is_shared_is_left_alone():
@@ -198,16 +246,18 @@ def _chain_cost(fused):
     layers = [l for m in fused.modules() if isinstance(m, convbn.nn.FusedChain) for l in m.layers]
     kinds = ["identity" if l.act.is_identity else "output" if l.act.output_derivable else "smooth" for l in layers]
     x_bytes = [_bytes(*l.x_shape) for l in layers]
+    w_bytes = [sum(t.numel() * 4 for t in (l.weight, l.bias, l.bn.weight, l.bn.bias) if t is not None) for l in layers]
     return ChainCost(tuple(l.y_bytes() for l in layers), tuple(x_bytes), tuple(l.flops() for l in layers),
-                     tuple(kinds)), [l.mode == "recompute_bn" for l in layers]
+                     tuple(kinds), w_bytes=tuple(w_bytes)), [l.mode == "recompute_bn" for l in layers]
 
 
 @pytest.mark.parametrize("act", [nn.ReLU, nn.SiLU])
 @pytest.mark.parametrize("plan", ["recompute_bn", "recompute_conv", "auto"])
 def test_measured_chain_backward_matches_the_planner_prediction(act, plan):
-    """The planner's replay of the chain backward (sizes only) predicts the measured
-    transient to within the chain's parameter gradients: rebuilt inputs never live beside
-    the conv output they were recomputed into, consumed gradients are dropped at once."""
+    """The planner's replay of the chain backward (sizes only, the chain's parameter
+    gradients included) predicts the measured transient to the byte: rebuilt inputs never
+    live beside the conv output they were recomputed into, consumed gradients are dropped
+    at once, weight gradients are held until the chain returns."""
     torch.manual_seed(0)
     base = _chain_net((4, 8, 16, 8), act)
     x, proj = torch.randn(8, 4, 16, 16), torch.randn(8, 8, 16, 16)
@@ -219,8 +269,7 @@ def test_measured_chain_backward_matches_the_planner_prediction(act, plan):
     before = tl.points[idx[0] - 1].bytes  # the incoming gradient and the kept outputs are alive
     alive = sum(y for y, k in zip(cost.y_bytes, keep) if k) + cost.y_bytes[-1]
     measured = max(tl.points[i].bytes for i in idx) - (before - alive)
-    params = sum(p.numel() * 4 for p in fused.parameters())
-    assert predicted <= measured <= predicted + params, (predicted, measured)
+    assert measured == predicted
 
 
 @pytest.mark.parametrize("strategy", ["recompute_bn", "recompute_conv"])
@@ -249,15 +298,17 @@ def test_fused_layer_frees_the_incoming_gradient_and_kept_output(monkeypatch, st
     monkeypatch.setattr(fused_mod, "keeping_graph", lambda: True)
     without, grads_off = peak()
     out_bytes = _bytes(8, 4, 16, 16)
-    # the incoming gradient, and for recompute_bn the kept output, are gone at the conv backward
-    assert without - with_cuts == (2 if strategy == "recompute_bn" else 1) * out_bytes
+    # the incoming gradient (where the probe can prove it unshared), and for recompute_bn
+    # the kept output, are gone at the conv backward
+    freed = (strategy == "recompute_bn") + frees_incoming_gradients()
+    assert without - with_cuts == freed * out_bytes
     for a, b in zip(grads, grads_off):
         assert torch.equal(a, b)
 
 
 # --------------------------------------------------------------------------- the planner's peak model
 
-from convbn.passes.planner import plan_for_peak, step_peak  # noqa: E402
+from convbn.passes.planner import chain_options, lowest_peak, plan_for_peak, step_peak  # noqa: E402
 
 
 def test_chain_backward_peak_by_hand():
@@ -270,6 +321,40 @@ def test_chain_backward_peak_by_hand():
     assert chain_backward_peak(c, [True, True]) == (28, 1)
     # keeping nothing: y_1 is recomputed from a rebuilt x_1 (y_0 cached for layer 0)
     assert chain_backward_peak(c, [False, False]) == (28, 1)
+    # weight gradients (3, 5) are made by each conv backward and held to the chain's end:
+    # layer 1's conv backward holds y_0 (4), rebuilt x_1 (4), grad_y (8), w_1 (5), grad_x (4)
+    w = ChainCost((4, 8), (1, 4), (10, 100), ("output", "output"), w_bytes=(3, 5))
+    assert chain_backward_peak(w, [False, True]) == (25, 1)
+
+
+def test_predicted_peak_matches_the_measured_one_on_a_residual_net():
+    """Issue 12 (a): the planner's prediction of the step peak (replayed chain backwards,
+    each chain's surroundings measured once) equals the measured peak, on a net with
+    residual and projection branches (where two chains' backwards interleave) and weight
+    gradients that matter."""
+    torch.manual_seed(0)
+    for width, batch in ((16, 8), (64, 2)):  # activations dominate; weight gradients matter
+        report = convbn.explain(_residual_net(width), torch.randn(batch, 3, 32, 32))
+        assert report.measured_peak_where.startswith("backward, in 'convbn_chain")
+        assert report.predicted_peak_bytes == report.measured_peak_bytes, (width, batch)
+
+
+def _residual_net(w):
+    class Block(nn.Module):
+        def __init__(self, cin, cout, stride):
+            super().__init__()
+            self.body = nn.Sequential(nn.Conv2d(cin, cout, 3, stride, 1, bias=False), nn.BatchNorm2d(cout), nn.ReLU(),
+                                      nn.Conv2d(cout, cout, 3, 1, 1, bias=False), nn.BatchNorm2d(cout))
+            self.down = None
+            if stride != 1 or cin != cout:
+                self.down = nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout))
+
+        def forward(self, x):
+            return torch.relu(self.body(x) + (x if self.down is None else self.down(x)))
+
+    return nn.Sequential(nn.Conv2d(3, w, 3, padding=1, bias=False), nn.BatchNorm2d(w), nn.ReLU(),
+                         Block(w, w, 1), Block(w, 2 * w, 2), Block(2 * w, 4 * w, 2),
+                         nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4 * w, 10))
 
 
 def test_step_peak_takes_the_prefix_and_earlier_chains_into_account():
@@ -282,36 +367,59 @@ def test_step_peak_takes_the_prefix_and_earlier_chains_into_account():
     assert step_peak([a, b], [[True], [False]], floor=10_000) == (10_004, -1)
 
 
-@pytest.mark.parametrize("seed", range(20))
-def test_plan_for_peak_is_least_recompute_at_the_allowed_peak(seed):
-    """On one chain (every plan is a move) the result is exact: within the budget, no plan
-    reaches a lower peak than the allowed one, and none allowed recomputes less."""
+@pytest.mark.parametrize("tolerance", [0.0, 0.1])
+@pytest.mark.parametrize("seed", range(25))
+def test_plan_for_peak_is_least_recompute_at_the_allowed_peak(seed, tolerance):
+    """On a few short chains the result is checked against brute force over every plan:
+    within the budget, the allowed peak is max((1 + tolerance) x the lowest reachable,
+    the memory asked), and no allowed plan recomputes less."""
     import itertools
     import random
 
     rnd = random.Random(seed)
-    k = rnd.randint(1, 4)
-    ys = tuple(rnd.randint(1, 20) for _ in range(k))
-    xs = (rnd.randint(1, 20),) + ys[:-1]
-    macs = tuple(rnd.randint(1, 100) for _ in range(k))
-    acts = tuple(rnd.choice(["identity", "output", "smooth"]) for _ in range(k))
-    c = ChainCost(ys, xs, macs, acts, prefix=rnd.randint(0, 30))
-    floor, budget = rnd.randint(0, 60), rnd.randint(0, sum(ys))
-    plans = [list(p) for p in itertools.product([False, True], repeat=k)]
-    feasible = [p for p in plans if sum(y for y, f in zip(ys, p) if f) <= budget]
+    costs = []
+    for _ in range(rnd.randint(1, 3)):
+        k = rnd.randint(1, 3)
+        ys = tuple(rnd.randint(1, 20) for _ in range(k))
+        xs = (rnd.randint(1, 20),) + ys[:-1]
+        macs = tuple(rnd.randint(1, 100) for _ in range(k))
+        acts = tuple(rnd.choice(["identity", "output", "smooth"]) for _ in range(k))
+        costs.append(ChainCost(ys, xs, macs, acts, prefix=rnd.randint(0, 30)))
+    floor = rnd.randint(0, 60)
+    budget = rnd.randint(0, sum(sum(c.y_bytes) for c in costs))
+    per_chain = [list(itertools.product([False, True], repeat=len(c.y_bytes))) for c in costs]
+    plans = [[list(p) for p in combo] for combo in itertools.product(*per_chain)]
 
-    def peak(p):
-        return step_peak([c], [p], floor)[0]
+    def kept(ks):
+        return sum(y for c, kp in zip(costs, ks) for y, f in zip(c.y_bytes, kp) if f)
 
-    def recompute(p):
-        return sum(m for m, f in zip(macs, p) if not f)
+    def peak(ks):
+        return step_peak(costs, ks, floor)[0]
 
-    start = min(feasible, key=lambda p: (recompute(p), peak(p)))  # the least-recompute plan
-    got = plan_for_peak([c], [start], floor, budget)[0]
+    def recompute(ks):
+        return sum(m for c, kp in zip(costs, ks) for m, f in zip(c.macs, kp) if not f)
+
+    feasible = [p for p in plans if kept(p) <= budget]
+    got = plan_for_peak(costs, floor, budget, tolerance)
     assert got in feasible
-    cap = max(min(peak(p) for p in feasible), floor + budget)
+    low = min(peak(p) for p in feasible)
+    assert lowest_peak(costs, [chain_options(c) for c in costs], floor, budget) == low
+    cap = max(int(low * (1 + tolerance)), floor + budget)
     assert peak(got) <= cap
     assert recompute(got) == min(recompute(p) for p in feasible if peak(p) <= cap)
+
+
+def test_plan_for_peak_trades_a_little_peak_for_much_less_recompute():
+    """Issue 12: among plans near the lowest peak, the least recompute. One ReLU chain,
+    y = (10, 40) bytes, layer 0 costs 100 MACs to recompute: recomputing it gives the lowest
+    peak (220), keeping it too peaks 4.5 % higher (230) and recomputes nothing."""
+    c = ChainCost((10, 40), (10, 10), (100, 1), ("output", "output"), prefix=100)
+    assert plan_for_peak([c], 0, 50, tolerance=0.0) == [[False, True]]
+    assert step_peak([c], [[False, True]], 0)[0] == 220
+    assert plan_for_peak([c], 0, 50, tolerance=0.05) == [[True, True]]
+    assert step_peak([c], [[True, True]], 0)[0] == 230
+    # the memory asked (saved bytes) also allows a peak: 250 allows keeping both at 0 tolerance
+    assert plan_for_peak([c], 200, 50, tolerance=0.0) == [[True, True]]
 
 
 def test_explain_reports_predicted_and_measured_peak():

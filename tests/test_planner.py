@@ -24,7 +24,7 @@ from convbn.functional.activations import Activation
 from convbn.functional.conv import conv_spec_from_module
 from convbn.memory import saved_bytes
 from convbn.nn.chain import ChainLayer
-from convbn.passes.planner import all_keep_bytes, plan_layers, tutorial_bytes
+from convbn.passes.planner import all_keep_bytes, plan, plan_layers, plan_on_first_call, tutorial_bytes
 
 
 
@@ -162,7 +162,7 @@ def test_lazy_auto_reaches_the_tutorial_memory(planned: Dict[str, Any]) -> None:
     model, x = planned["model"], planned["x"]
     lazy = convbn.convert(model)
     first = measure(lazy, x)
-    assert not any(m.auto_pending for m in lazy.modules() if isinstance(m, FusedChain))
+    assert all(m.plan_on_first_call is None for m in lazy.modules() if isinstance(m, FusedChain))
     assert measure(lazy, x) == first  # planned once, stable afterwards
     tutorial = measure(convbn.convert(model, strategy="recompute_conv", chain=False), x)
     assert first <= tutorial
@@ -262,25 +262,66 @@ def synthetic(cin: int, cout: int, k: int, hw: int, groups: int = 1, n: int = 2,
     return layer
 
 
-def kept(layers: Sequence[ChainLayer]) -> int:
-    return sum(l.y_bytes() for l in layers if l.mode == "recompute_bn")
+def kept(layers: Sequence[ChainLayer], keep: Sequence[bool]) -> int:
+    return sum(l.y_bytes() for l, k in zip(layers, keep) if k)
 
 
-def recompute(layers: Sequence[ChainLayer]) -> int:
-    return sum(l.flops() for l in layers if l.mode == "recompute_conv")
+def recompute(layers: Sequence[ChainLayer], keep: Sequence[bool]) -> int:
+    return sum(l.flops() for l, k in zip(layers, keep) if not k)
 
 
 def test_plan_layers_extremes() -> None:
     layers = [synthetic(4, 8, 3, 6), synthetic(8, 8, 1, 6), synthetic(8, 16, 3, 3)]
     total = sum(l.y_bytes() for l in layers)
     assert total == all_keep_bytes([layers])
-    assert plan_layers(layers, total) == total
-    assert all(l.mode == "recompute_bn" for l in layers)
-    assert plan_layers(layers, 10 * total) == total
-    assert plan_layers(layers, 0) == 0
-    assert all(l.mode == "recompute_conv" for l in layers)
-    assert plan_layers(layers, total - 1) < total
-    assert any(l.mode == "recompute_conv" for l in layers)
+    assert plan_layers(layers, total) == [True] * 3
+    assert plan_layers(layers, 10 * total) == [True] * 3
+    assert plan_layers(layers, 0) == [False] * 3
+    assert not all(plan_layers(layers, total - 1))
+
+
+def test_planner_is_pure() -> None:
+    """Issue 15: planning reads the layers and returns flags; it changes no layer."""
+    layers = [synthetic(4, 8, 3, 6), synthetic(8, 8, 1, 6), synthetic(8, 16, 3, 3)]
+    for l in layers:
+        l.mode = "recompute_conv"
+    before = [dict(vars(l)) for l in layers]
+    plan_layers(layers, all_keep_bytes([layers]))
+    plan_on_first_call(layers)
+    assert [dict(vars(l)) for l in layers] == before
+
+
+def test_plan_checks_its_arguments() -> None:
+    with pytest.raises(ValueError, match="one MAC count per layer"):
+        plan([4, 4], [1], 4)
+
+
+def test_lazy_plan_is_attached_by_convert_and_nn_never_imports_passes() -> None:
+    """The lazy first-call plan is a callable ``convert`` attaches: ``nn/`` runs it without
+    knowing the planner (issue 15: imports run downhill)."""
+    import ast
+    import pathlib
+
+    net = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.Conv2d(4, 4, 3), nn.BatchNorm2d(4))
+    fast = convbn.convert(net)
+    chains = [m for m in fast.modules() if isinstance(m, FusedChain)]
+    assert chains and all(c.plan_on_first_call is plan_on_first_call for c in chains)
+    calls = []
+    chains[0].plan_on_first_call = lambda layers: calls.append(len(layers)) or [False] * len(layers)
+    fast(torch.randn(2, 3, 8, 8)).sum().backward()
+    assert calls == [2] and chains[0].plan_on_first_call is None
+    assert [l.mode for l in chains[0].layers] == ["recompute_conv"] * 2
+    nn_dir = pathlib.Path(convbn.nn.chain.__file__).parent
+    for f in nn_dir.glob("*.py"):
+        for node in ast.walk(ast.parse(f.read_text())):  # function-local imports included
+            if isinstance(node, ast.ImportFrom):
+                base = ["convbn", "nn"][: max(0, 2 - node.level + 1)] if node.level else []
+                names = [".".join(base + ([node.module] if node.module else []))]
+            elif isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            else:
+                continue
+            assert not any(n.startswith("convbn.passes") for n in names), (f.name, names)
 
 
 def test_plan_layers_recomputes_cheap_per_byte_layers_first() -> None:
@@ -288,25 +329,23 @@ def test_plan_layers_recomputes_cheap_per_byte_layers_first() -> None:
     layers = [synthetic(8, 4, 3, 5), synthetic(8, 4, 1, 5), synthetic(2, 4, 3, 5), synthetic(2, 4, 1, 5)]
     one = layers[0].y_bytes()
     assert all(l.y_bytes() == one for l in layers)
-    for keep in range(5):
-        used = plan_layers(layers, keep * one)
-        assert used == keep * one == kept(layers)
-        by_cost = sorted(layers, key=lambda l: l.flops())
-        # the cheapest 4 - keep layers are recomputed, the most expensive kept
-        assert [l.mode for l in by_cost] == ["recompute_conv"] * (4 - keep) + ["recompute_bn"] * keep
+    order = sorted(range(4), key=lambda i: layers[i].flops())
+    for n in range(5):
+        keep = plan_layers(layers, n * one)
+        assert kept(layers, keep) == n * one
+        # the cheapest 4 - n layers are recomputed, the most expensive kept
+        assert [keep[i] for i in order] == [False] * (4 - n) + [True] * n
     # a budget between multiples keeps the floor of it
-    assert plan_layers(layers, 2 * one + one // 2) == 2 * one
+    assert kept(layers, plan_layers(layers, 2 * one + one // 2)) == 2 * one
 
 
 def test_plan_layers_frees_big_cheap_layers_before_small_expensive_ones() -> None:
     big_cheap = synthetic(2, 16, 1, 8)  # 2 MACs per output element, 8 KiB
     small_dear = synthetic(16, 4, 3, 4)  # 144 MACs per output element, 512 B
     layers = [small_dear, big_cheap]
-    plan_layers(layers, small_dear.y_bytes())
-    assert big_cheap.mode == "recompute_conv" and small_dear.mode == "recompute_bn"
+    assert plan_layers(layers, small_dear.y_bytes()) == [True, False]
     # and re-admits a small layer that still fits once the big one is dropped
-    plan_layers(layers, big_cheap.y_bytes() - 1)
-    assert small_dear.mode == "recompute_bn"
+    assert plan_layers(layers, big_cheap.y_bytes() - 1)[0]
 
 
 def test_tutorial_bytes_counts_chain_internal_inputs() -> None:
@@ -328,11 +367,11 @@ def test_plan_layers_respects_budget_and_is_maximal(specs: List[Tuple[int, int, 
     layers = [synthetic(cin, cout, k, hw) for cin, cout, k, hw in specs]
     total = sum(l.y_bytes() for l in layers)
     budget = int(fraction * total)
-    used = plan_layers(layers, budget)
-    assert used == kept(layers) <= budget
-    assert all(l.mode in ("recompute_bn", "recompute_conv") for l in layers)
+    keep = plan_layers(layers, budget)
+    used = kept(layers, keep)
+    assert used <= budget and len(keep) == len(layers)
     # nothing recomputed would still fit: no memory is left on the table
-    assert all(used + l.y_bytes() > budget for l in layers if l.mode == "recompute_conv")
+    assert all(used + l.y_bytes() > budget for l, k in zip(layers, keep) if not k)
 
 
 @settings(max_examples=40, deadline=None)
@@ -345,10 +384,10 @@ def test_plan_layers_optimal_for_equal_sizes(specs: List[Tuple[int, int]], keep:
     layers = [synthetic(cin, 4, k, 4) for cin, k in specs]
     one = layers[0].y_bytes()
     budget = min(keep, len(layers)) * one
-    plan_layers(layers, budget)
+    flags = plan_layers(layers, budget)
     best = min(
         sum(l.flops() for l, drop in zip(layers, choice) if drop)
         for choice in itertools.product((False, True), repeat=len(layers))
         if sum(l.y_bytes() for l, drop in zip(layers, choice) if not drop) <= budget
     )
-    assert recompute(layers) == best
+    assert recompute(layers, flags) == best

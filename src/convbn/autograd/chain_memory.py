@@ -11,7 +11,7 @@ Pure Python: no tensors, no torch.
 """
 from __future__ import annotations
 
-from typing import Dict, List, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 __all__ = ["replay", "choose_drops", "ACT_KINDS"]
 
@@ -25,6 +25,7 @@ def replay(
     keep: Sequence[bool],
     acts: Sequence[str],
     drop: Sequence[bool],
+    w_sizes: Optional[Sequence[int]] = None,
 ) -> Tuple[int, int]:
     """Peak of the chain's backward and the layer reaching it.
 
@@ -36,6 +37,9 @@ def replay(
         acts: each layer's kind from :data:`ACT_KINDS`.
         drop: for a layer whose output is recomputed, drop its rebuilt input right after
             the recompute and rebuild it after BN backward (instead of holding it).
+        w_sizes: each layer's parameter-gradient size (conv weight and bias, BN weight and
+            bias), made by its conv backward and held to the end of the chain's backward
+            (the Function returns them together); ``None``: not counted.
 
     Returns:
         ``(peak, layer)``: counting the kept outputs, the incoming gradient (freed once
@@ -89,6 +93,8 @@ def replay(
         free(("y", i))
         if i > 0 and ("x", i) not in live:
             build_x(i)
+        if w_sizes is not None:
+            live[("w", i)] = w_sizes[i]  # grad_weight, with grad_x below
         alloc("gx", x_sizes[i])  # conv backward
         free("gy")
         if i > 0 and acts[i - 1] != "output":

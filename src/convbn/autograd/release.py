@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import sys
 import threading
-from typing import Any, Optional
+from typing import Any, List, Optional, Tuple
 
 import torch
 from torch import Tensor
 
-__all__ = ["free_storage", "keeping_graph", "sole_owner", "incoming_refs"]
+__all__ = ["free_storage", "keeping_graph", "sole_owner", "incoming_refs", "cpp_uses", "frees_incoming_gradients"]
 
 
 def free_storage(t: Tensor) -> None:
@@ -54,14 +54,16 @@ def incoming_refs(grad: Tensor) -> int:
     return sys.getrefcount(grad)
 
 
-_BASELINE: Optional[int] = None
-_LOCK = threading.Lock()
+def cpp_uses(t: Tensor) -> int:
+    """C++ references to ``t``'s TensorImpl (autograd buffers, engine copies, the Python object)."""
+    return t._use_count()
 
 
 class _Probe(torch.autograd.Function):
-    """Measures :func:`incoming_refs` of a fresh, unshared incoming gradient."""
+    """Reads :func:`incoming_refs` and :func:`cpp_uses` of its incoming gradient the way the
+    fused Functions do (first line of a plain ``backward``)."""
 
-    seen: Optional[int] = None
+    seen: Optional[Tuple[int, int]] = None
 
     @staticmethod
     def forward(ctx: Any, x: Tensor) -> Tensor:  # type: ignore[override]
@@ -70,19 +72,52 @@ class _Probe(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> Tensor:  # type: ignore[override]
         refs = incoming_refs(grad)
-        _Probe.seen = refs
+        _Probe.seen = (refs, cpp_uses(grad))
         return grad * 1
 
 
-def _baseline() -> int:
-    global _BASELINE
+def _probe(hold: str = "") -> Optional[Tuple[int, int]]:
+    """``(python refs, C++ uses)`` of a fresh incoming gradient, or of one that ``hold``
+    keeps: ``"python"`` (a tensor hook stores it in a list) or ``"engine"`` (a post-hook
+    on the node makes the engine keep a copy of the node's inputs)."""
+    _Probe.seen = None
+    kept: List[Tensor] = []
+    with torch.enable_grad():
+        x = torch.zeros(2, requires_grad=True)
+        y = _Probe.apply(x)
+        if hold == "python":
+            y.register_hook(lambda g: kept.append(g))
+        elif hold == "engine":
+            y.grad_fn.register_hook(lambda grad_in, grad_out: None)
+        (y * 2).sum().backward()  # MulBackward hands over a fresh gradient
+    return _Probe.seen
+
+
+#: ``(python refs, C++ uses)`` of a fresh, unshared incoming gradient; ``None`` where the
+#: counts cannot tell a held gradient from a fresh one (then nothing is freed).
+_FRESH: Optional[Tuple[int, int]] = None
+_CALIBRATED = False
+_LOCK = threading.Lock()
+
+
+def _fresh_counts() -> Optional[Tuple[int, int]]:
+    global _FRESH, _CALIBRATED
     with _LOCK:
-        if _BASELINE is None:
-            with torch.enable_grad():
-                x = torch.zeros(2, requires_grad=True)
-                (_Probe.apply(x) * 2).sum().backward()  # MulBackward hands over a fresh gradient
-            _BASELINE = _Probe.seen if _Probe.seen is not None else -1
-    return _BASELINE
+        if not _CALIBRATED:
+            fresh, by_python, by_engine = _probe(), _probe("python"), _probe("engine")
+            sees_holders = (fresh is not None and by_python is not None and by_engine is not None
+                            and by_python[0] > fresh[0] and by_engine[1] > fresh[1])
+            _FRESH = fresh if sees_holders else None
+            _CALIBRATED = True
+    return _FRESH
+
+
+def frees_incoming_gradients() -> bool:
+    """Whether this interpreter and torch let :func:`sole_owner` prove a gradient unshared
+    (Note: [freeing the incoming gradient]); where not, incoming gradients are never freed."""
+    if torch.compiler.is_compiling():
+        return False
+    return _fresh_counts() is not None
 
 
 def sole_owner(t: Tensor, refs: int) -> bool:
@@ -96,16 +131,27 @@ def sole_owner(t: Tensor, refs: int) -> bool:
     # a fused layer or chain is done with it as soon as the (last) layer's activation
     # backward has read it: an activation-sized buffer held for nothing. When the
     # gradient is ours alone its storage is freed right there, as AccumulateGrad steals a
-    # gradient it alone holds. "Ours alone" is checked on both sides: the C++ use count
-    # (1: not shared with another branch's input buffer, nor copied by the engine for the
-    # node's post-hooks, nor held by a caller of ``backward(gradient)``), and the Python
-    # reference count at the start of backward, equal to that of a fresh gradient measured
-    # once the same way (a tensor hook or module backward hook that keeps the gradient
-    # adds a reference). Anything else keeps the gradient.
+    # gradient it alone holds. "Ours alone" is judged against a fresh gradient handed to a
+    # probe Function through the same call path, measured once per process: its Python
+    # reference count and its C++ use count. The absolute numbers differ between versions
+    # (CPython 3.11 and 3.12 count the args tuple, the frame and the call; 3.14 borrows
+    # references for locals; torch releases the engine's own C++ reference before calling
+    # backward in some versions and holds it to the end in others), so nothing is
+    # hard-coded: a gradient is freed when both counts equal the fresh gradient's. Anything
+    # else holding it adds a reference: a tensor hook or module backward hook keeping it
+    # (Python), another branch's input buffer, ``retain_grad``, a caller of
+    # ``backward(gradient)`` or the engine's copy for the node's post-hooks (C++). The
+    # calibration also checks that both counts *see* such holders (a hook keeping the
+    # probe's gradient must raise the Python count, a post-hook the C++ count); where they
+    # do not (an interpreter whose counts omit them), nothing is freed. CPython's immortal
+    # objects (3.12, PEP 683) do not concern tensors, which are never immortal.
     """
     if type(t) is not Tensor or torch.compiler.is_compiling():  # traced: the compiler plans memory
         return False
-    if t.requires_grad or t.dim() == 0 or t._use_count() != 1 or refs != _baseline():
+    if t.requires_grad or t.dim() == 0:
+        return False
+    fresh = _fresh_counts()
+    if fresh is None or refs != fresh[0] or cpp_uses(t) != fresh[1]:
         return False
     try:
         st = t.untyped_storage()

@@ -33,12 +33,15 @@ class TimelinePoint:
             running (qualified name, ``""`` outside every module).
         op: the ATen operator, prefixed in backward with the autograd node running it
             (``"ChainFunctionBackward/aten.convolution.default"``).
+        node: ``id()`` of that autograd node (``0`` outside backward): tells apart the
+            backwards of two nodes of one kind, e.g. ``tensor.grad_fn`` of one call.
     """
 
     bytes: int
     phase: str
     module: str
     op: str
+    node: int = 0
 
 
 @dataclass
@@ -108,7 +111,7 @@ class _TimelineMode(TorchDispatchMode):
         node = torch._C._current_autograd_node()
         if node is not None:
             op = f"{node.name()}/{op}"
-        self.points.append(TimelinePoint(self.read(), self.phase, self.where(), op))
+        self.points.append(TimelinePoint(self.read(), self.phase, self.where(), op, 0 if node is None else id(node)))
         return out
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from contextlib import nullcontext
 from dataclasses import dataclass, field
-from typing import List, Optional, Sequence, Tuple
+from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor, nn
@@ -97,8 +97,10 @@ class FusedChain(nn.Module):
             raise ValueError("a FusedChain needs at least one layer")
         # Unregistered on purpose (see module docstring).
         object.__setattr__(self, "layers", list(layers))
-        #: plan this chain on its first training call (convert(strategy="auto") without example_inputs)
-        self.auto_pending = False
+        #: called once, on the first training call, with the layers (their shapes then known);
+        #: returns one keep flag per layer (``True``: ``recompute_bn``). ``convbn.convert``
+        #: attaches its planner here for ``strategy="auto"`` without ``example_inputs``.
+        self.plan_on_first_call: Optional[Callable[[Sequence[ChainLayer]], Sequence[bool]]] = None
         from ..autograd.chain_op import register_chain
 
         self.op_key = register_chain([(l.conv, l.act, float(l.bn.eps)) for l in self.layers])
@@ -181,12 +183,13 @@ class FusedChain(nn.Module):
                     f"Expected more than 1 value per channel when training, got input size {torch.Size(shape)} at {l.names[1]}"
                 )
             l.y_shape, l.y_dtype = tuple(shape), compute_dtype
-        if self.auto_pending and torch.is_grad_enabled():
-            from ..passes.planner import plan_layers, tutorial_bytes
-
-            # the tutorial method's memory for this chain, with the least conv recompute
-            plan_layers(layers, tutorial_bytes([layers]))
-            self.auto_pending = False
+        if self.plan_on_first_call is not None and torch.is_grad_enabled():
+            keeps = list(self.plan_on_first_call(layers))
+            if len(keeps) != len(layers):
+                raise ValueError(f"plan_on_first_call returned {len(keeps)} flags for {len(layers)} layers")
+            for l, k in zip(layers, keeps):
+                l.mode = "recompute_bn" if k else "recompute_conv"
+            self.plan_on_first_call = None
         bn_specs = [bn_spec_from_module(l.bn, advance=True) for l in layers]
         # autocast: every conv's operands cast as eager autocast would (no-op when it is off)
         dt = autocast_dtype(input)

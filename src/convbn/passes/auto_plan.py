@@ -5,6 +5,7 @@ the pure planner in :mod:`convbn.passes.planner`, then write the chosen modes ba
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from torch import Tensor, nn
@@ -12,7 +13,7 @@ from torch import Tensor, nn
 from ..functional.activations import Activation
 from ..memory import saved_bytes, timeline
 from ..nn.chain import ChainLayer, FusedChain
-from .planner import ChainCost, plan_for_peak, plan_layers, step_peak, tutorial_bytes
+from .planner import ChainCost, chain_backward_peak, plan_for_peak, plan_layers, plan_on_first_call, step_peak, tutorial_bytes
 from .report import ConvertReport
 from .validate import StateSnapshot
 
@@ -50,10 +51,14 @@ def _chain_costs(converted: nn.Module, inputs: Tuple[Any, ...]) -> Tuple[List[Fu
     activation bytes; measured with every layer keeping nothing.
 
     A chain's ``prefix`` is what is alive besides it when its backward runs: activations
-    saved before it, and the gradients of the parameters used after it (saved by later
-    layers, or held by later chains; their backward has run by then, and with
-    ``zero_grad(set_to_none=True)`` they did not exist at the end of forward). The chain's
-    own parameter gradients, made during its backward, are left out.
+    saved before it, the gradients of the parameters used after it (their backward has
+    run by then, and with ``zero_grad(set_to_none=True)`` they did not exist at the end of
+    forward), and whatever autograd holds for the ops around it (a residual branch's
+    gradient, an output another op saved). It is measured (:func:`_calibrate`): one
+    recorded step of this all-recompute plan gives each chain's peak, less its replayed
+    transient. Where a chain's backward cannot be told apart in the recording, it is
+    estimated from the saved bytes: activations saved before it plus the gradients of the
+    parameters used after it. The chain's own parameter gradients are ``w_bytes``.
     """
     converted.train()
     rec = saved_bytes(converted, *inputs, per_module=True)
@@ -83,15 +88,56 @@ def _chain_costs(converted: nn.Module, inputs: Tuple[Any, ...]) -> Tuple[List[Fu
             macs=tuple(l.flops() for l in c.layers),
             acts=tuple(_act_kind(l.act) for l in c.layers),
             prefix=prefix[names[id(c)]],
+            w_bytes=tuple(_layer_param_bytes(l) for l in c.layers),
         )
         for c in chains
     ]
-    return chains, costs, rec.activation_bytes
+    return chains, _calibrate(converted, inputs, chains, costs), rec.activation_bytes
+
+
+def _calibrate(converted: nn.Module, inputs: Tuple[Any, ...], chains: Sequence[FusedChain],
+               costs: Sequence[ChainCost]) -> List[ChainCost]:
+    """``costs`` with each ``prefix`` measured: the peak of the chain's backward in one
+    recorded step (every layer keeping nothing, as now) less the replayed transient of that
+    plan. A chain's backward is found by its autograd node (its output's ``grad_fn``)."""
+    nodes: Dict[int, int] = {}
+    held: List[Any] = []  # the nodes stay alive (their ids unique) until the step is read
+
+    def record(j: int) -> Any:
+        def hook(module: nn.Module, args: Any, out: Any) -> None:
+            if isinstance(out, Tensor) and out.grad_fn is not None:
+                nodes[id(out.grad_fn)] = j
+                held.append(out.grad_fn)
+        return hook
+
+    handles = [c.register_forward_hook(record(j)) for j, c in enumerate(chains)]
+    try:
+        tl = measure_peak(converted, inputs)
+    finally:
+        for h in handles:
+            h.remove()
+    peaks: Dict[int, int] = {}
+    for pt in tl.points:
+        j = nodes.get(pt.node) if pt.node else None
+        if j is not None:
+            peaks[j] = max(peaks.get(j, 0), pt.bytes)
+    del held
+    out = []
+    for j, cost in enumerate(costs):
+        if j in peaks:
+            own = chain_backward_peak(cost, [False] * len(cost.y_bytes))[0]
+            cost = replace(cost, prefix=max(0, peaks[j] - own))
+        out.append(cost)
+    return out
 
 
 def _chain_param_bytes(chain: FusedChain) -> int:
     """Bytes of the gradients a chain's parameters get (conv weight and bias, BN weight and bias)."""
-    ts = [t for l in chain.layers for t in (l.weight, l.bias, l.bn.weight, l.bn.bias)]
+    return sum(_layer_param_bytes(l) for l in chain.layers)
+
+
+def _layer_param_bytes(layer: ChainLayer) -> int:
+    ts = (layer.weight, layer.bias, layer.bn.weight, layer.bn.bias)
     return sum(t.numel() * t.element_size() for t in ts if t is not None and t.requires_grad)
 
 
@@ -112,12 +158,14 @@ def plan_auto(original: nn.Module, converted: nn.Module, inputs: Tuple[Any, ...]
             l.mode = "recompute_conv"
         for m in converted.modules():
             if isinstance(m, FusedChain):
-                m.auto_pending = False
+                m.plan_on_first_call = None
         floor = measure_saved(converted, inputs)
         ordered, costs, floor_total = _chain_costs(converted, inputs)
     report.eager_saved_bytes, report.floor_saved_bytes = eager, floor
     if memory_budget is None:
         extra = tutorial_bytes(chains)
+        # the default plans for the step's peak within the tutorial's memory (planner docstring)
+        keeps = plan_for_peak(costs, floor_total, extra)
     else:
         target = int(round(memory_budget * eager, 6))  # budget == floor / eager must reach the floor
         if target < floor:
@@ -128,15 +176,19 @@ def plan_auto(original: nn.Module, converted: nn.Module, inputs: Tuple[Any, ...]
                 f"use memory_budget >= {least:.3f}"
             )
         extra = target - floor
-    plan_layers(layers, extra)
-    if memory_budget is None:
-        # the default plans for the step's peak within the tutorial's memory (planner docstring)
-        keeps = plan_for_peak(costs, [[l.mode == "recompute_bn" for l in c.layers] for c in ordered],
-                              floor_total, extra)
-        for c, kp in zip(ordered, keeps):
-            for l, k in zip(c.layers, kp):
-                l.mode = "recompute_bn" if k else "recompute_conv"
-    keeps = [[l.mode == "recompute_bn" for l in c.layers] for c in ordered]
+        flags = iter(plan_layers(layers, extra))
+        by_layer = {id(l): next(flags) for l in layers}
+        keeps = [[by_layer[id(l)] for l in c.layers] for c in ordered]
+    # the planner is pure; its flags are applied here
+    reached = {id(c) for c in ordered}
+    for m in converted.modules():
+        if isinstance(m, FusedChain) and id(m) not in reached:  # not run by example_inputs: plan when it runs
+            for l in m.layers:
+                l.mode = "recompute_bn"
+            m.plan_on_first_call = plan_on_first_call
+    for c, kp in zip(ordered, keeps):
+        for l, k in zip(c.layers, kp):
+            l.mode = "recompute_bn" if k else "recompute_conv"
     peak, where = step_peak(costs, keeps, floor_total)
     report.predicted_peak_bytes = peak
     names = {id(m): n for n, m in converted.named_modules()}

@@ -261,10 +261,10 @@ def convert(
             layer's conv output; with ``chain=False`` this is the tutorial's method).
         memory_budget: with ``"auto"``, the target *saved* activation bytes (held from
             forward to backward, parameters excluded) as a fraction of the eager model's
-            (e.g. ``0.35``): the plan recomputes least within it. ``None`` targets the
-            memory of the tutorial's method and also plans for the step's *peak*: where a
-            chain's backward transient would push the step above that memory, layers are
-            re-planned to the least recompute at the lowest predicted peak (see
+            (e.g. ``0.35``): the plan recomputes least within it. ``None`` plans for the
+            step's *peak* within the tutorial method's saved bytes: the least recompute
+            among plans whose predicted peak is within 20 % of the lowest reachable, or
+            within the tutorial method's memory where that is higher (see
             :mod:`convbn.passes.planner`; ``explain`` shows predicted and measured peaks).
             Needs ``example_inputs``. A budget below the reachable floor raises
             ``ValueError`` naming the floor.

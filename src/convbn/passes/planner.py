@@ -15,11 +15,12 @@ any dropped layer that still fits (largest MACs first).
 
 The default target is the memory of the tutorial's method (every layer keeps its own
 input), ``M_floor + sum(bytes(x_i))`` over layers whose input is produced inside their
-chain. Within that memory the default plan is also checked for the step's *peak*
-(:func:`plan_for_peak`): where a chain's backward transient would push the step above
-the memory asked, layers are re-planned to the least recompute whose predicted peak is
-lowest. An explicit ``memory_budget`` (saved bytes) gets the least recompute that fits
-(:func:`plan_layers`).
+chain. Within that memory the default plan is made for the step's *peak*
+(:func:`plan_for_peak`): the least recompute among the plans whose predicted peak is
+within :data:`PEAK_TOLERANCE` of the lowest reachable (or within the memory asked). An
+explicit ``memory_budget`` (saved bytes) gets the least recompute that fits (:func:`plan`).
+Every function here is pure: numbers (or the shapes layers recorded) in, keep flags out;
+``convert`` applies the flags to the layers.
 
 # Note: [predicting the peak of a step]
 # A step's live memory peaks either at the end of forward (everything saved) or inside
@@ -27,22 +28,27 @@ lowest. An explicit ``memory_budget`` (saved bytes) gets the least recompute tha
 # chain's own transient. :func:`chain_backward_peak` replays the chain's backward order
 # (autograd/chain.py, Note: [chain backward order]) on buffer sizes only: kept and
 # recomputed conv outputs, rebuilt inputs, the incoming gradient, grad_y and grad_x.
-# The bytes alive beside a chain (activations saved before it, gradients of the layers
-# after it) are measured once (``ChainCost.prefix``); parameters and the loss are the
-# same for every plan and left out.
+# The chain's own parameter gradients are made by its conv backwards and held until the
+# Function returns them (``ChainCost.w_bytes``: on ResNet-50's last stage they outweigh
+# the activations). Everything else alive beside a chain (activations saved before it,
+# gradients of the layers after it, whatever autograd holds for the ops around it) is
+# the same for every plan: ``convert`` measures it once (``ChainCost.prefix``), from a
+# recorded step of the all-recompute plan, as that step's peak inside the chain minus the
+# replayed transient. Parameters themselves (alive before the step) are left out.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Dict, List, Optional, Sequence, Tuple
 
 from ..autograd.chain_memory import choose_drops, replay
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..nn.chain import ChainLayer
 
-__all__ = ["plan_layers", "tutorial_bytes", "all_keep_bytes", "ChainCost", "chain_backward_peak",
-           "step_peak", "plan_for_peak"]
+__all__ = ["plan", "plan_layers", "plan_on_first_call", "tutorial_bytes", "all_keep_bytes", "ChainCost", "chain_backward_peak",
+           "step_peak", "plan_for_peak", "lowest_peak", "least_recompute", "chain_options", "ChainOption",
+           "PEAK_TOLERANCE"]
 
 
 def _bytes_of(shape: Optional[Sequence[int]], layer: "ChainLayer") -> int:
@@ -71,37 +77,66 @@ def all_keep_bytes(chains: Sequence[Sequence["ChainLayer"]]) -> int:
     return sum(l.y_bytes() for chain in chains for l in chain)
 
 
-def plan_layers(layers: Sequence["ChainLayer"], extra_budget: int) -> int:
-    """Set each layer's ``mode`` to spend at most ``extra_budget`` bytes above the floor
-    on kept conv outputs, recomputing as few MACs as possible.
+def plan(y_bytes: Sequence[int], macs: Sequence[int], budget: int) -> List[bool]:
+    """Which conv outputs to keep: at most ``budget`` bytes of them, recomputing as few
+    MACs as possible (a 0/1 knapsack, solved greedily). Pure: numbers in, flags out.
+
+    Args:
+        y_bytes: bytes of each layer's conv output.
+        macs: each layer's convolution multiply-accumulates (recomputed when not kept).
+        budget: bytes allowed for kept conv outputs (on top of the all-recompute floor).
+
+    Returns:
+        One flag per layer, ``True`` where the layer keeps its conv output.
+
+    Example:
+        >>> plan([8, 8, 8], [10, 1, 5], 16)
+        [True, False, True]
+    """
+    if len(y_bytes) != len(macs):
+        raise ValueError(f"plan expects one MAC count per layer ({len(y_bytes)}), but got {len(macs)}")
+    k = len(y_bytes)
+    keep = [True] * k
+    used = sum(y_bytes)
+    if used <= budget:
+        return keep
+    # Drop kept outputs that free the most bytes per recomputed MAC first.
+    order = sorted(range(k), key=lambda i: (macs[i] / max(1, y_bytes[i]), -y_bytes[i]))
+    dropped: List[int] = []
+    for i in order:
+        if used <= budget:
+            break
+        keep[i] = False
+        used -= y_bytes[i]
+        dropped.append(i)
+    # Re-admit the most expensive dropped layers that still fit.
+    for i in sorted(dropped, key=lambda i: -macs[i]):
+        if used + y_bytes[i] <= budget:
+            keep[i] = True
+            used += y_bytes[i]
+    return keep
+
+
+def plan_layers(layers: Sequence["ChainLayer"], extra_budget: int) -> List[bool]:
+    """:func:`plan` on the sizes ``layers`` recorded at their last call (reads, never
+    changes them).
 
     Args:
         layers: every layer being planned (shapes recorded by a forward pass).
         extra_budget: bytes allowed on top of the all-``recompute_conv`` floor.
 
     Returns:
-        The bytes the plan keeps above the floor (``<= extra_budget``).
+        One keep flag per layer (``True``: ``recompute_bn``, ``False``: ``recompute_conv``).
     """
-    for l in layers:
-        l.mode = "recompute_bn"
-    used = sum(l.y_bytes() for l in layers)
-    if used <= extra_budget:
-        return used
-    # Drop kept outputs that free the most bytes per recomputed MAC first.
-    order = sorted(layers, key=lambda l: (l.flops() / max(1, l.y_bytes()), -l.y_bytes()))
-    dropped: List["ChainLayer"] = []
-    for l in order:
-        if used <= extra_budget:
-            break
-        l.mode = "recompute_conv"
-        used -= l.y_bytes()
-        dropped.append(l)
-    # Re-admit the most expensive dropped layers that still fit.
-    for l in sorted(dropped, key=lambda l: -l.flops()):
-        if used + l.y_bytes() <= extra_budget:
-            l.mode = "recompute_bn"
-            used += l.y_bytes()
-    return used
+    return plan([l.y_bytes() for l in layers], [l.flops() for l in layers], extra_budget)
+
+
+def plan_on_first_call(layers: Sequence["ChainLayer"]) -> List[bool]:
+    """The plan of a chain converted without ``example_inputs``: the tutorial method's
+    memory for this chain, with the least conv recompute. :func:`convbn.convert` attaches
+    it to each chain (``FusedChain.plan_on_first_call``), which calls it once, on its first
+    training call, when its layers know their shapes."""
+    return plan_layers(layers, tutorial_bytes([layers]))
 
 
 # --------------------------------------------------------------------------- planning for the peak
@@ -120,6 +155,8 @@ class ChainCost:
         prefix: bytes alive besides the chain during its backward that no plan changes:
             activations saved before it (every earlier chain keeping nothing) and the
             gradients of the parameters used after it.
+        w_bytes: each layer's parameter-gradient bytes, made during the chain's backward
+            and held until it returns (empty: not counted).
     """
 
     y_bytes: Tuple[int, ...]
@@ -127,19 +164,22 @@ class ChainCost:
     macs: Tuple[int, ...]
     acts: Tuple[str, ...]
     prefix: int = 0
+    w_bytes: Tuple[int, ...] = ()
 
 
 def chain_backward_peak(cost: ChainCost, keep: Sequence[bool]) -> Tuple[int, int]:
     """Peak bytes during the chain's backward under ``keep`` (Note: [predicting the peak of a
     step]): :func:`convbn.autograd.chain_memory.replay` with the drops the backward itself
-    chooses. Counts the kept conv outputs, the incoming gradient and every buffer the
-    backward creates (not the chain input, not parameters).
+    chooses. Counts the kept conv outputs, the incoming gradient, every buffer the
+    backward creates and the chain's parameter gradients (``cost.w_bytes``); not the chain
+    input, not the parameters themselves.
 
     Returns:
         ``(peak_bytes, layer)``: the peak and the layer whose backward reaches it.
     """
+    # the drops the backward itself chooses (it does not count parameter gradients)
     drop = choose_drops(cost.y_bytes, cost.x_bytes, keep, cost.acts)
-    return replay(cost.y_bytes, cost.x_bytes, keep, cost.acts, drop)
+    return replay(cost.y_bytes, cost.x_bytes, keep, cost.acts, drop, cost.w_bytes or None)
 
 
 def step_peak(costs: Sequence[ChainCost], keeps: Sequence[Sequence[bool]], floor: int,
@@ -168,72 +208,163 @@ def step_peak(costs: Sequence[ChainCost], keeps: Sequence[Sequence[bool]], floor
     return best, where
 
 
-def plan_for_peak(costs: Sequence[ChainCost], start: Sequence[Sequence[bool]], floor: int,
-                  extra_budget: int, max_rounds: int = 8) -> List[List[bool]]:
-    """The least-recompute plan whose predicted step peak is lowest for the memory asked.
+#: How far above the lowest reachable peak the default plan may go to recompute less, as a
+#: fraction of that peak. Recompute costs step time and the last bytes of peak are the
+#: dearest: on MONAI ResNet-50 (batch 8, 224²) the lowest peak needs 23.5 GMAC of conv
+#: recompute per step, 5 % above it 17.5, 20 % above it 10.1 (the least-recompute plan
+#: within the tutorial's saved bytes: 8.5 GMAC, 26 % above). BENCHMARKS.md has the curve.
+PEAK_TOLERANCE = 0.2
+
+
+@dataclass(frozen=True)
+class ChainOption:
+    """One plan of one chain, as numbers: its keep flags, the conv output bytes it keeps
+    from forward (``kept``), its backward transient (``own``, :func:`chain_backward_peak`)
+    and the MACs it recomputes."""
+
+    keep: Tuple[bool, ...]
+    kept: int
+    own: int
+    recompute: int
+
+
+def chain_options(cost: ChainCost, exhaustive: int = 10) -> List[ChainOption]:
+    """The plans worth considering for one chain: every plan of a chain of up to
+    ``exhaustive`` layers, else the knapsack's greedy order (keep the layers with most MACs
+    per byte) cut at every length, and one flag flipped in each of those. Plans that another
+    beats or ties on kept bytes, transient and recompute together are left out.
+    """
+    k = len(cost.y_bytes)
+    if k <= exhaustive:
+        plans = {tuple(bool(m >> i & 1) for i in range(k)) for m in range(1 << k)}
+    else:
+        order = sorted(range(k), key=lambda i: -cost.macs[i] / max(1, cost.y_bytes[i]))
+        cuts = [tuple(i in set(order[:n]) for i in range(k)) for n in range(k + 1)]
+        plans = set(cuts) | {tuple(f != (i == j) for i, f in enumerate(c)) for c in cuts for j in range(k)}
+    opts = []
+    for kp in sorted(plans):
+        opts.append(ChainOption(kp, sum(y for y, f in zip(cost.y_bytes, kp) if f), chain_backward_peak(cost, kp)[0],
+                                sum(m for m, f in zip(cost.macs, kp) if not f)))
+    opts.sort(key=lambda o: (o.kept, o.own, o.recompute))
+    kept: List[ChainOption] = []
+    for o in opts:  # Pareto: drop a plan some earlier (no more bytes kept) plan beats on both others
+        if not any(p.own <= o.own and p.recompute <= o.recompute for p in kept):
+            kept.append(o)
+    return kept
+
+
+def lowest_peak(costs: Sequence[ChainCost], options: Sequence[Sequence[ChainOption]], floor: int,
+                extra_budget: int) -> int:
+    """The lowest predicted step peak (:func:`step_peak`) of any plan keeping at most
+    ``extra_budget`` bytes of conv outputs.
+
+    A peak ``P`` is reachable exactly when, chain by chain in forward order, some plan of
+    the chain fits under ``P`` beside what the earlier chains keep, taking each time the
+    fitting plan that keeps least (keeping less never hurts a later moment). The lowest
+    such ``P`` is found by bisection.
+    """
+    def reachable(p: int) -> bool:
+        before = 0
+        for c, opts in zip(costs, options):
+            fits = [o.kept for o in opts if c.prefix + before + o.own <= p]
+            if not fits:
+                return False
+            before += min(fits)
+        return before <= extra_budget and floor + before <= p
+
+    lo, hi = floor, step_peak(costs, [[False] * len(c.y_bytes) for c in costs], floor)[0]
+    hi = max(hi, lo)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if reachable(mid):
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
+
+
+def least_recompute(costs: Sequence[ChainCost], options: Sequence[Sequence[ChainOption]], floor: int,
+                    extra_budget: int, peak: int, max_front: int = 4096) -> Optional[List[List[bool]]]:
+    """The plan recomputing the fewest MACs whose predicted step peak is at most ``peak``
+    and which keeps at most ``extra_budget`` bytes; ``None`` when there is none.
+
+    # Note: [least recompute under a peak]
+    # The step's peak constraint, chain by chain: prefix_j + kept before j + own_j <= peak,
+    # and floor + all kept <= peak. Only "kept before j" links the chains, so a dynamic
+    # programme over the chains in forward order keeps, for each reachable amount kept so
+    # far, the least recompute reaching it (a Pareto front of (bytes kept, MACs); the
+    # front is thinned to ``max_front`` byte buckets on very long models, which can only
+    # miss an optimum by one bucket's bytes, never break the constraint).
+    """
+    limit = min(extra_budget, peak - floor)
+    front: List[Tuple[int, int, int, int]] = [(0, 0, -1, -1)]  # (kept so far, recompute, parent, option)
+    history: List[List[Tuple[int, int, int, int]]] = []
+    for c, opts in zip(costs, options):
+        cand = [(b + o.kept, r + o.recompute, fi, oi)
+                for fi, (b, r, _, _) in enumerate(front)
+                for oi, o in enumerate(opts)
+                if b + o.kept <= limit and c.prefix + b + o.own <= peak]
+        if not cand:
+            return None
+        cand.sort(key=lambda t: (t[0], t[1]))
+        pruned: List[Tuple[int, int, int, int]] = []
+        for t in cand:
+            if not pruned or t[1] < pruned[-1][1]:
+                pruned.append(t)
+        if len(pruned) > max_front:
+            width = max(1, limit // max_front + 1)
+            thin: Dict[int, Tuple[int, int, int, int]] = {}
+            for t in pruned:  # ascending bytes, descending recompute: the last in a bucket is cheapest
+                thin[t[0] // width] = t
+            pruned = sorted(thin.values())
+        history.append(front)
+        front = pruned
+    # the cheapest end state, then back through the parents
+    best = min(range(len(front)), key=lambda i: (front[i][1], front[i][0]))
+    keeps: List[List[bool]] = []
+    idx = best
+    for j in reversed(range(len(costs))):
+        entry = front[idx] if j == len(costs) - 1 else history[j + 1][idx]
+        keeps.append(list(options[j][entry[3]].keep))
+        idx = entry[2]
+    keeps.reverse()
+    return keeps
+
+
+def plan_for_peak(costs: Sequence[ChainCost], floor: int, extra_budget: int,
+                  tolerance: float = PEAK_TOLERANCE) -> List[List[bool]]:
+    """The least-recompute plan whose predicted step peak is within ``tolerance`` of the
+    lowest reachable, or within the memory asked.
 
     The memory asked is ``floor + extra_budget`` (saved bytes with kept conv outputs up to
-    the budget); the peak allowed is that, or the lowest peak any plan within the budget
-    reaches where that is higher (a chain's backward transient can exceed the end of
-    forward). ``start`` is the least-recompute plan within the budget (:func:`plan_layers`);
-    it is returned when its peak is allowed. Otherwise a local search first finds a plan
-    of lowest peak, then trades recompute back while the peak stays allowed; a move
-    re-plans one chain (every plan of a short chain, one flipped flag of a long one).
+    the budget). The peak allowed is the larger of that and ``(1 + tolerance)`` times the
+    lowest peak any plan within the budget reaches (:func:`lowest_peak`); among the plans
+    within both, the one recomputing the fewest convolution MACs
+    (:func:`least_recompute`, exact up to :func:`chain_options` on chains longer than ten
+    layers).
 
     Args:
         costs: the chains in forward order.
-        start: the least-recompute plan within the budget (one keep flag per layer per chain).
         floor: saved bytes with nothing kept (the end-of-forward baseline).
         extra_budget: bytes allowed for kept conv outputs.
-        max_rounds: passes over the chains per search.
+        tolerance: fraction of the lowest peak the plan may exceed it by to recompute less.
 
     Returns:
         The keep flags, chain by chain.
 
     Example:
         >>> c = ChainCost((4, 8), (1, 4), (10, 100), ("output", "output"))
-        >>> plan_for_peak([c], [[False, True]], 0, 8)
+        >>> plan_for_peak([c], 0, 8)
         [[False, True]]
     """
-    def recompute(ks: List[List[bool]]) -> int:
-        return sum(m for c, kp in zip(costs, ks) for m, f in zip(c.macs, kp) if not f)
-
-    def kept(ks: List[List[bool]]) -> int:
-        return sum(y for c, kp in zip(costs, ks) for y, f in zip(c.y_bytes, kp) if f)
-
-    cache: dict = {}  # (chain, plan) -> its backward peak
-
-    def peak(ks: List[List[bool]]) -> int:
-        return step_peak(costs, ks, floor, cache)[0]
-
-    def search(ks: List[List[bool]], key: Any, allowed: Any) -> List[List[bool]]:
-        ks = [list(k) for k in ks]
-        best = key(ks)
-        for _ in range(max_rounds):
-            improved = False
-            for j in range(len(costs)):
-                for move in _moves(ks[j]):
-                    old, ks[j] = ks[j], move
-                    s = key(ks)
-                    if kept(ks) <= extra_budget and allowed(ks) and s < best:
-                        best, improved = s, True
-                    else:
-                        ks[j] = old
-            if not improved:
-                break
-        return ks
-
-    keeps = [list(k) for k in start]
-    lowest = search(keeps, lambda ks: (peak(ks), recompute(ks)), lambda ks: True)
-    cap = max(peak(lowest), floor + extra_budget)
-    if peak(keeps) <= cap:
-        return keeps
-    return search(lowest, lambda ks: (recompute(ks), peak(ks)), lambda ks: peak(ks) <= cap)
-
-
-def _moves(keep: List[bool], exhaustive: int = 10) -> List[List[bool]]:
-    """Every other plan of a chain of up to ``exhaustive`` layers, else single flips."""
-    k = len(keep)
-    if k <= exhaustive:
-        return [[bool(m >> i & 1) for i in range(k)] for m in range(1 << k)]
-    return [[f if i != j else not f for i, f in enumerate(keep)] for j in range(k)]
+    if tolerance < 0:
+        raise ValueError(f"tolerance must be >= 0, but got {tolerance}")
+    options = [chain_options(c) for c in costs]
+    low = lowest_peak(costs, options, floor, extra_budget)
+    cap = max(int(low * (1 + tolerance)), floor + extra_budget)
+    # the lowest peak is reachable, so a search that never thins its front finds a plan
+    keeps = least_recompute(costs, options, floor, extra_budget, cap) or least_recompute(
+        costs, options, floor, extra_budget, cap, max_front=1 << 62)
+    if keeps is None:  # pragma: no cover - would be a bug in lowest_peak
+        raise RuntimeError(f"no plan reaches the peak {cap} that lowest_peak found reachable")
+    return keeps

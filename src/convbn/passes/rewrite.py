@@ -18,6 +18,7 @@ from ..nn.chain import ChainLayer, FusedChain
 from .graph_module import ConvbnGraphModule, preserve_module_state
 from .hooks import hook_reason
 from .match import MatchedLayer
+from .planner import plan_on_first_call
 from .report import ConvertReport, FusedPair, SkippedBN
 
 __all__ = ["rewrite_chains", "graph_module_like", "shallow_clone", "set_submodule", "drop_hooked", "watch_hooks"]
@@ -57,7 +58,8 @@ def rewrite_chains(root: nn.Module, gm: fx.GraphModule, chains: List[List[Matche
             layers.append(cl)
             report.pairs.append(FusedPair(l.conv.name, l.bn_name, str(l.act), base + ci, pos, cl))
         fused = FusedChain(layers)
-        fused.auto_pending = mode == "auto"
+        if mode == "auto":  # planned lazily unless convert plans it with example_inputs
+            fused.plan_on_first_call = plan_on_first_call
         name = f"convbn_chain{ci}"
         while hasattr(root, name) or hasattr(gm, name):
             name += "_"
