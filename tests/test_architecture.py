@@ -47,9 +47,7 @@ Edge = Tuple[str, str]
 
 #: Known violations (importer, imported) -> who removes it. Shrink only.
 ALLOWED: Dict[Edge, str] = {
-    # nn.FusedChain plans its layers lazily on first call (auto_pending); the pure
-    # planner and convert attaching the lazy use are being done on branch h-peak.
-    ("convbn.nn.chain", "convbn.passes.planner"): "h-peak: pure planner, nn/ stops importing passes/",
+    # empty: no known violation (nn.FusedChain's lazy planning is a callable convert attaches)
 }
 
 
