@@ -9,7 +9,6 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from torch import Tensor, nn
 
-from ..functional.activations import Activation
 from ..memory import saved_bytes, timeline
 from ..nn.chain import ChainLayer, FusedChain
 from .planner import ChainCost, plan_for_peak, plan_layers, step_peak, tutorial_bytes
@@ -39,10 +38,6 @@ def measure_saved(model: nn.Module, inputs: Tuple[Any, ...]) -> int:
 
 def _chain_layers(model: nn.Module) -> List[List[ChainLayer]]:
     return [m.layers for m in model.modules() if isinstance(m, FusedChain)]
-
-
-def _act_kind(act: Activation) -> str:
-    return "identity" if act.is_identity else "output" if act.output_derivable else "smooth"
 
 
 def _chain_costs(converted: nn.Module, inputs: Tuple[Any, ...]) -> Tuple[List[FusedChain], List[ChainCost], int]:
@@ -81,8 +76,10 @@ def _chain_costs(converted: nn.Module, inputs: Tuple[Any, ...]) -> Tuple[List[Fu
             y_bytes=tuple(l.y_bytes() for l in c.layers),
             x_bytes=tuple(_bytes_of_shape(l.x_shape, l) for l in c.layers),
             macs=tuple(l.flops() for l in c.layers),
-            acts=tuple(_act_kind(l.act) for l in c.layers),
+            acts=tuple(l.tail_kind() for l in c.layers),
             prefix=prefix[names[id(c)]],
+            head=c.layers[0].is_head,
+            end=c.layers[-1].is_end,
         )
         for c in chains
     ]
@@ -91,8 +88,8 @@ def _chain_costs(converted: nn.Module, inputs: Tuple[Any, ...]) -> Tuple[List[Fu
 
 def _chain_param_bytes(chain: FusedChain) -> int:
     """Bytes of the gradients a chain's parameters get (conv weight and bias, BN weight and bias)."""
-    ts = [t for l in chain.layers for t in (l.weight, l.bias, l.bn.weight, l.bn.bias)]
-    return sum(t.numel() * t.element_size() for t in ts if t is not None and t.requires_grad)
+    ts = [t for l in chain.layers for t in l.parameters()]
+    return sum(t.numel() * t.element_size() for t in ts if t.requires_grad)
 
 
 def _bytes_of_shape(shape: Optional[Sequence[int]], layer: ChainLayer) -> int:
@@ -143,7 +140,7 @@ def plan_auto(original: nn.Module, converted: nn.Module, inputs: Tuple[Any, ...]
     report.predicted_peak_where = "end of forward" if where < 0 else (
         f"backward, in {names.get(id(ordered[where]), '?')!r} ({ordered[where].layers[0].names[0]} ...)")
     report.target_saved_bytes = floor + extra
-    report.saved_bytes = floor + sum(l.y_bytes() for l in layers if l.mode == "recompute_bn")
+    report.saved_bytes = floor + sum(l.keep_bytes() for l in layers if l.mode == "recompute_bn")
 
 
 def measure_peak(model: nn.Module, inputs: Tuple[Any, ...]) -> Any:

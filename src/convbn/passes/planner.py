@@ -67,8 +67,9 @@ def tutorial_bytes(chains: Sequence[Sequence["ChainLayer"]]) -> int:
 
 
 def all_keep_bytes(chains: Sequence[Sequence["ChainLayer"]]) -> int:
-    """Bytes on top of the floor when every layer keeps its conv output."""
-    return sum(l.y_bytes() for chain in chains for l in chain)
+    """Bytes on top of the floor when every layer keeps its conv output (a head's BN input is
+    the chain input, in the floor; an end layer without tail needs none: see ``keep_bytes``)."""
+    return sum(l.keep_bytes() for chain in chains for l in chain)
 
 
 def plan_layers(layers: Sequence["ChainLayer"], extra_budget: int) -> int:
@@ -84,23 +85,23 @@ def plan_layers(layers: Sequence["ChainLayer"], extra_budget: int) -> int:
     """
     for l in layers:
         l.mode = "recompute_bn"
-    used = sum(l.y_bytes() for l in layers)
+    used = sum(l.keep_bytes() for l in layers)
     if used <= extra_budget:
         return used
     # Drop kept outputs that free the most bytes per recomputed MAC first.
-    order = sorted(layers, key=lambda l: (l.flops() / max(1, l.y_bytes()), -l.y_bytes()))
+    order = sorted(layers, key=lambda l: (l.flops() / max(1, l.keep_bytes()), -l.keep_bytes()))
     dropped: List["ChainLayer"] = []
     for l in order:
         if used <= extra_budget:
             break
         l.mode = "recompute_conv"
-        used -= l.y_bytes()
+        used -= l.keep_bytes()
         dropped.append(l)
     # Re-admit the most expensive dropped layers that still fit.
     for l in sorted(dropped, key=lambda l: -l.flops()):
-        if used + l.y_bytes() <= extra_budget:
+        if used + l.keep_bytes() <= extra_budget:
             l.mode = "recompute_bn"
-            used += l.y_bytes()
+            used += l.keep_bytes()
     return used
 
 
@@ -120,6 +121,10 @@ class ChainCost:
         prefix: bytes alive besides the chain during its backward that no plan changes:
             activations saved before it (every earlier chain keeping nothing) and the
             gradients of the parameters used after it.
+        head: layer 0 has no conv: its BN input (``y_bytes[0]``) is the chain input, always
+            kept and in the floor; it recomputes nothing.
+        end: the last layer has no BN: without a tail (kind ``"identity"``) it keeps nothing
+            whatever its flag.
     """
 
     y_bytes: Tuple[int, ...]
@@ -127,6 +132,14 @@ class ChainCost:
     macs: Tuple[int, ...]
     acts: Tuple[str, ...]
     prefix: int = 0
+    head: bool = False
+    end: bool = False
+
+    def kept_bytes(self, keep: Sequence[bool]) -> int:
+        """Bytes the chain keeps above the floor under ``keep``."""
+        k = len(self.y_bytes)
+        return sum(y for i, (y, f) in enumerate(zip(self.y_bytes, keep))
+                   if f and not (self.head and i == 0) and not (self.end and i == k - 1 and self.acts[i] == "identity"))
 
 
 def chain_backward_peak(cost: ChainCost, keep: Sequence[bool]) -> Tuple[int, int]:
@@ -138,8 +151,8 @@ def chain_backward_peak(cost: ChainCost, keep: Sequence[bool]) -> Tuple[int, int
     Returns:
         ``(peak_bytes, layer)``: the peak and the layer whose backward reaches it.
     """
-    drop = choose_drops(cost.y_bytes, cost.x_bytes, keep, cost.acts)
-    return replay(cost.y_bytes, cost.x_bytes, keep, cost.acts, drop)
+    drop = choose_drops(cost.y_bytes, cost.x_bytes, keep, cost.acts, cost.head, cost.end)
+    return replay(cost.y_bytes, cost.x_bytes, keep, cost.acts, drop, cost.head, cost.end)
 
 
 def step_peak(costs: Sequence[ChainCost], keeps: Sequence[Sequence[bool]], floor: int,
@@ -151,7 +164,7 @@ def step_peak(costs: Sequence[ChainCost], keeps: Sequence[Sequence[bool]], floor
     Returns:
         ``(peak_bytes, where)``: ``where`` is ``-1`` for the end of forward, else the chain index.
     """
-    kept = [sum(y for y, f in zip(c.y_bytes, kp) if f) for c, kp in zip(costs, keeps)]
+    kept = [c.kept_bytes(kp) for c, kp in zip(costs, keeps)]
     best, where = floor + sum(kept), -1
     before = 0
     for j, (c, kp) in enumerate(zip(costs, keeps)):
@@ -199,7 +212,7 @@ def plan_for_peak(costs: Sequence[ChainCost], start: Sequence[Sequence[bool]], f
         return sum(m for c, kp in zip(costs, ks) for m, f in zip(c.macs, kp) if not f)
 
     def kept(ks: List[List[bool]]) -> int:
-        return sum(y for c, kp in zip(costs, ks) for y, f in zip(c.y_bytes, kp) if f)
+        return sum(c.kept_bytes(kp) for c, kp in zip(costs, ks))
 
     cache: dict = {}  # (chain, plan) -> its backward peak
 
