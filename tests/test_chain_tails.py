@@ -30,6 +30,7 @@ from convbn.nn.chain import LAYER_MODES, ChainLayer, FusedChain
 from convbn.passes.planner import ChainCost, chain_backward_peak
 
 CONV = {1: nn.Conv1d, 2: nn.Conv2d, 3: nn.Conv3d}
+TRANSPOSED = {1: nn.ConvTranspose1d, 2: nn.ConvTranspose2d, 3: nn.ConvTranspose3d}
 BN = {1: nn.BatchNorm1d, 2: nn.BatchNorm2d, 3: nn.BatchNorm3d}
 FEATURE_DROP = {1: nn.Dropout1d, 2: nn.Dropout2d, 3: nn.Dropout3d}
 SPATIAL = {1: (7,), 2: (5, 4), 3: (3, 4, 3)}
@@ -51,9 +52,9 @@ class Holder(nn.Module):
         return self.chain(x)
 
 
-def build(dims: int, c_in: int, desc: Sequence[Desc], mode, dtype=torch.float64, seed=0):
+def build(dims: int, c_in: int, desc: Sequence[Desc], mode, dtype=torch.float64, seed=0, conv_kind: str = "conv"):
     """``(eager Sequential, fused Holder)`` sharing nothing, equal in value. ``mode``: one
-    per layer or one for all."""
+    per layer or one for all; ``conv_kind``: ``conv``, ``transposed`` or ``linear`` (dims 1)."""
     torch.manual_seed(seed)
     mods: List[nn.Module] = []
     per_layer: List[Tuple[Optional[nn.Module], Optional[nn.Module], List[nn.Module]]] = []
@@ -61,7 +62,12 @@ def build(dims: int, c_in: int, desc: Sequence[Desc], mode, dtype=torch.float64,
     for i, (has_conv, has_bn, tail) in enumerate(desc):
         conv = bn = None
         if has_conv:
-            conv = CONV[dims](c, c + 1, 3, padding=1, bias=i % 2 == 0, dtype=dtype)
+            if conv_kind == "linear":
+                conv = nn.Linear(c, c + 1, bias=i % 2 == 0, dtype=dtype)
+            elif conv_kind == "transposed":
+                conv = TRANSPOSED[dims](c, c + 1, 3, stride=2, padding=1, output_padding=1, bias=i % 2 == 0, dtype=dtype)
+            else:
+                conv = CONV[dims](c, c + 1, 3, padding=1, bias=i % 2 == 0, dtype=dtype)
             c += 1
             mods.append(conv)
         if has_bn:
@@ -536,3 +542,15 @@ def test_frozen_prelu_weight_gets_no_gradient() -> None:
         assert (a is None) == (b is None)
         if a is not None:
             assert_close(b, a, **TOL)
+
+
+@pytest.mark.parametrize("mode", LAYER_MODES)
+@pytest.mark.parametrize("kind", ["transposed", "linear"])
+def test_tails_heads_and_ends_with_transposed_and_linear_layers(kind: str, mode: str) -> None:
+    """The layer model is independent of the conv geometry: a decoder's transposed convs and
+    an MLP's Linear -> BatchNorm1d with dropout / PReLU tails, pre-activation head and end."""
+    tail = [lambda c: nn.Dropout(0.3), lambda c: nn.PReLU(c)]
+    eager, fused = build(2 if kind == "transposed" else 1, 3, structure("preact", tail), mode, conv_kind=kind)
+    x = x_for(2, 3) if kind == "transposed" else torch.randn(6, 3, generator=torch.Generator().manual_seed(7),
+                                                             dtype=torch.float64)
+    step_pair(eager, fused, x)
