@@ -19,7 +19,6 @@ from torch import Tensor, nn
 from torch.testing import assert_close
 
 from convbn.autograd.chain import ChainFunction, ChainLayerSpec
-from convbn.autograd.chain_memory import replay
 from convbn.autograd.chain_op import _chain_fwd, chain_op_apply, register_chain
 from convbn.functional.activations import ACTIVATIONS, Activation
 from convbn.functional.batchnorm import BNSpec

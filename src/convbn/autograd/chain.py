@@ -46,8 +46,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from dataclasses import dataclass
-from functools import cached_property
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -55,14 +53,14 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.autograd import Function
 
-from ..functional.activations import Activation
 from ..functional.batchnorm import BNSpec, bn_apply, bn_backward, bn_forward
-from ..functional.conv import ConvSpec, conv_backward, conv_forward, conv_output_shape
+from ..functional.conv import conv_backward, conv_forward, conv_output_shape
 from ..functional.fused import conv_bn_act_no_grad as _forward_no_grad
 from ..functional.reference import conv_bn_act_reference
-from ..functional.tail import DropoutOp, PReLUOp, RNGState, TailOp
+from ..functional.tail import RNGState
 from .chain_memory import choose_drops
-from .chain_tail import n_tail_params, tail_backward, tail_forward, tail_reference
+from .chain_spec import ChainLayerSpec, LayerParams, head_input, layer_kind, param_offsets, split_params
+from .chain_tail import tail_backward, tail_forward, tail_reference
 from .fused import differentiable_backward
 from .release import free_storage as _free_storage
 from .release import incoming_refs
@@ -72,80 +70,6 @@ from .saving import load_tensors, save_tensors
 
 __all__ = ["ChainLayerSpec", "ChainFunction", "chain_forward", "chain_backward", "chain_forward_no_grad",
            "param_offsets", "layer_kind", "head_input"]
-
-LayerParams = Tuple[Optional[Tensor], Optional[Tensor], Optional[Tensor], Optional[Tensor], List[Tensor]]
-
-
-@dataclass(frozen=True)
-class ChainLayerSpec:
-    """Static description of one layer of a chain for one forward call."""
-
-    conv: Optional[ConvSpec]
-    bn: Optional[BNSpec]
-    act: Activation
-    keep_y: bool
-    tail: Tuple[TailOp, ...] = ()
-
-    def __post_init__(self) -> None:
-        if self.conv is None and self.bn is None:
-            raise ValueError("a chain layer needs a convolution, a BatchNorm or both")
-        if self.tail and not self.act.is_identity:
-            raise ValueError(f"a chain layer's tail is act or tail, not both (act={self.act}, tail={self.tail})")
-
-    # (cached: read on every layer of every call; a frozen dataclass keeps them in __dict__)
-    @cached_property
-    def n_params(self) -> int:
-        """Entries this layer takes in the flat parameter list."""
-        return 2 * (self.conv is not None) + 2 * (self.bn is not None) + n_tail_params(self.tail)
-
-    @property
-    def has_tail(self) -> bool:
-        return bool(self.tail) or not self.act.is_identity
-
-    @cached_property
-    def needs_y(self) -> bool:
-        """Whether backward needs this layer's conv output: not for a head (its BN input is
-        ``x0``) nor for an end layer without tail (grad_y is the incoming gradient)."""
-        return self.conv is not None and (self.bn is not None or self.has_tail)
-
-    @cached_property
-    def saves_y(self) -> bool:
-        """Whether forward keeps the conv output (the plan's ``keep_y`` where it is needed)."""
-        return self.keep_y and self.needs_y
-
-
-def param_offsets(specs: Sequence[ChainLayerSpec]) -> List[int]:
-    """Index of each layer's first entry in the flat parameter list (and the total, last)."""
-    out = [0]
-    for s in specs:
-        out.append(out[-1] + s.n_params)
-    return out
-
-
-def _split(spec: ChainLayerSpec, ps: Sequence[Optional[Tensor]]) -> LayerParams:
-    """``(W, b, gamma, beta, tail weights)`` of one layer (``None`` where absent)."""
-    if len(ps) == 4 and spec.conv is not None and spec.bn is not None:  # an ordinary layer
-        return ps[0], ps[1], ps[2], ps[3], []
-    it = iter(ps)
-    w, b = (next(it), next(it)) if spec.conv is not None else (None, None)
-    g, beta = (next(it), next(it)) if spec.bn is not None else (None, None)
-    return w, b, g, beta, [t for t in it]  # type: ignore[misc]
-
-
-def layer_kind(spec: ChainLayerSpec) -> str:
-    """The layer's tail kind in :data:`convbn.autograd.chain_memory.ACT_KINDS`."""
-    if spec.tail:
-        return "tail:" + "".join("D" if isinstance(op, DropoutOp) and not op.inplace else "d" if isinstance(op, DropoutOp)
-                                 else "P" if isinstance(op, PReLUOp) else "A" for op in spec.tail)
-    act = spec.act
-    return "identity" if act.is_identity else "output" if act.output_derivable else "smooth"
-
-
-def head_input(x0: Tensor) -> Tensor:
-    """A head's BN input from the chain input ``x0``: ``x0`` itself. The one place forward
-    and backward build it, so a head over several inputs (e.g. DenseNet's concatenated
-    features) changes only here and in what the chain keeps for ``x0``."""
-    return x0
 
 
 class _Rebuilder:
@@ -168,7 +92,7 @@ class _Rebuilder:
         self.drop = [False] * len(specs) if drop is None else list(drop)
         self.rngs: Sequence[Tuple[RNGState, ...]] = rngs if rngs is not None else [()] * len(specs)
         self.needs_params = needs_params  # one flag per entry of ``params`` (the tails' weights read theirs)
-        self._params = [_split(s, params[self.offsets[i]: self.offsets[i + 1]]) for i, s in enumerate(specs)]
+        self._params = [split_params(s, params[self.offsets[i]: self.offsets[i + 1]]) for i, s in enumerate(specs)]
 
     def layer_params(self, i: int) -> LayerParams:
         return self._params[i]
@@ -279,7 +203,7 @@ def chain_forward(
     rngs: List[Tuple[RNGState, ...]] = []
     off = param_offsets(specs)
     for i, spec in enumerate(specs):
-        w, b, g, beta, tws = _split(spec, params[off[i]: off[i + 1]])
+        w, b, g, beta, tws = split_params(spec, params[off[i]: off[i + 1]])
         rm, rv = stats[i]
         if spec.conv is None:
             y = head_input(x)  # a head normalises the chain input itself
@@ -448,7 +372,7 @@ def _rebuild(specs: Sequence[ChainLayerSpec], means: Sequence[Tensor], invstds: 
     def rebuild(x0: Tensor, *params: Optional[Tensor]) -> Tensor:
         x = x0
         for i, spec in enumerate(specs):
-            w, b, g, beta, tws = _split(spec, params[off[i]: off[i + 1]])
+            w, b, g, beta, tws = split_params(spec, params[off[i]: off[i + 1]])
             if spec.conv is not None and i > 0:
                 x = spec.conv.pad_input(x)
             if spec.conv is None:
@@ -517,7 +441,7 @@ def chain_forward_no_grad(
     off = param_offsets(specs)
     with torch.no_grad():
         for i, spec in enumerate(specs):
-            w, b, g, beta, tws = _split(spec, params[off[i]: off[i + 1]])
+            w, b, g, beta, tws = split_params(spec, params[off[i]: off[i + 1]])
             rm, rv = stats[i]
             if spec.conv is not None and i > 0:
                 x = spec.conv.pad_input(x)

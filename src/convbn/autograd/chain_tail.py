@@ -17,7 +17,6 @@ from __future__ import annotations
 
 from typing import Iterator, List, Optional, Sequence, Tuple
 
-import torch
 from torch import Tensor
 
 from ..functional.activations import Activation
