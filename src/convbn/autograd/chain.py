@@ -14,6 +14,18 @@ The chain input ``x0`` is always kept (the first convolution's weight gradient n
 it). Saved bytes are therefore ``x0 + sum(y_i for kept i)`` plus parameters and
 per-channel statistics, whatever the chain length.
 
+Layers are general (Note: [layers of a chain] in nn/chain.py): a *head* (layer 0) has no
+convolution and normalises ``x0`` itself, so it keeps nothing beyond ``x0`` and its
+output (the next conv's input) is rebuilt element-wise from ``x0``; an *end* (last
+layer) has no BatchNorm, and without a tail its backward needs no conv output at all;
+a layer's *tail* is a single activation (the fast path below) or any sequence of
+element-wise ops run by :mod:`convbn.autograd.chain_tail`.
+
+Flat parameter layout of ``ChainFunction.apply(x0, *params, specs, stats)``: per layer,
+in order, ``W, b`` (when it has a conv), ``gamma, beta`` (when it has a BN), then one
+weight per PReLU of its tail (``None`` for an absent bias or affine parameter). An
+ordinary layer therefore takes ``[W, b, gamma, beta]``, as before tails existed.
+
 # Note: [chain backward order]
 # Backward walks the layers last to first. Layer i needs its conv output y_i for its
 # BN backward, then its input x_i for its conv backward. ``_Rebuilder`` produces them
@@ -34,19 +46,21 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 from torch.autograd import Function
 
-from ..functional.activations import Activation
 from ..functional.batchnorm import BNSpec, bn_apply, bn_backward, bn_forward
-from ..functional.conv import ConvSpec, conv_backward, conv_forward, conv_output_shape
+from ..functional.conv import conv_backward, conv_forward, conv_output_shape
 from ..functional.fused import conv_bn_act_no_grad as _forward_no_grad
 from ..functional.reference import conv_bn_act_reference
+from ..functional.tail import RNGState
 from .chain_memory import choose_drops
+from .chain_spec import ChainLayerSpec, LayerParams, head_input, layer_kind, param_offsets, split_params
+from .chain_tail import tail_backward, tail_forward, tail_reference
 from .fused import differentiable_backward
 from .release import free_storage as _free_storage
 from .release import incoming_refs
@@ -54,31 +68,21 @@ from .release import keeping_graph as _keeping_graph
 from .release import sole_owner as _sole_owner
 from .saving import load_tensors, save_tensors
 
-__all__ = ["ChainLayerSpec", "ChainFunction", "chain_forward", "chain_backward", "chain_forward_no_grad"]
-
-# differentiable tensors per layer in ChainFunction.apply: conv weight, conv bias, bn weight, bn bias
-PER_LAYER = 4
-
-
-@dataclass(frozen=True)
-class ChainLayerSpec:
-    """Static description of one layer of a chain for one forward call."""
-
-    conv: ConvSpec
-    bn: BNSpec
-    act: Activation
-    keep_y: bool
+__all__ = ["ChainLayerSpec", "ChainFunction", "chain_forward", "chain_backward", "chain_forward_no_grad",
+           "param_offsets", "layer_kind", "head_input"]
 
 
 class _Rebuilder:
     """Lazily rebuilds layer inputs / conv outputs in backward (Note: [chain backward order])."""
 
     def __init__(self, x0: Tensor, params: Sequence[Optional[Tensor]], specs: Sequence[ChainLayerSpec],
-                 kept: Dict[int, Tensor], means: Sequence[Tensor], invstds: Sequence[Tensor],
-                 drop: Optional[Sequence[bool]] = None) -> None:
+                 kept: Dict[int, Tensor], means: Dict[int, Tensor], invstds: Dict[int, Tensor],
+                 drop: Optional[Sequence[bool]] = None, rngs: Optional[Sequence[Tuple[RNGState, ...]]] = None,
+                 needs_params: Sequence[bool] = ()) -> None:
         self.x0 = x0
         self.params = params
         self.specs = specs
+        self.offsets = param_offsets(specs)
         self.y: Dict[int, Tensor] = dict(kept)
         self.kept_idx = set(kept)
         self.outs: Dict[int, Tensor] = {}
@@ -86,9 +90,16 @@ class _Rebuilder:
         self.means = means
         self.invstds = invstds
         self.drop = [False] * len(specs) if drop is None else list(drop)
+        self.rngs: Sequence[Tuple[RNGState, ...]] = rngs if rngs is not None else [()] * len(specs)
+        self.needs_params = needs_params  # one flag per entry of ``params`` (the tails' weights read theirs)
+        self._params = [split_params(s, params[self.offsets[i]: self.offsets[i + 1]]) for i, s in enumerate(specs)]
 
-    def layer_params(self, i: int) -> Sequence[Optional[Tensor]]:
-        return self.params[PER_LAYER * i: PER_LAYER * (i + 1)]
+    def layer_params(self, i: int) -> LayerParams:
+        return self._params[i]
+
+    def head_input(self) -> Tensor:
+        """A head's BN input, rebuilt from the chain input (:func:`head_input`)."""
+        return head_input(self.x0)
 
     def x(self, i: int) -> Tensor:
         """Layer i's conv input, rebuilt element-wise from ``y_{i-1}`` (kept or cached)."""
@@ -97,27 +108,34 @@ class _Rebuilder:
         if i in self.xs:
             return self.xs.pop(i)
         y = self.get_y(i - 1)
-        _, _, g, b = self.layer_params(i - 1)
+        _, _, g, b, tws = self.layer_params(i - 1)
+        prev = self.specs[i - 1]
+        if prev.tail:
+            box = [bn_apply(y, self.means[i - 1], self.invstds[i - 1], g, b)]
+            del y
+            x = tail_forward(box, prev.tail, tws, owned=True, replay=self.rngs[i - 1])
+            return self.specs[i].conv.pad_input(x)  # type: ignore[union-attr]
         z = bn_apply(y, self.means[i - 1], self.invstds[i - 1], g, b)
-        act = self.specs[i - 1].act
-        if act.output_derivable:
+        if prev.act.output_derivable:
             # ReLU family: the output alone gives layer i-1's activation derivative, so
             # one buffer serves as layer i's input and, later, as layer i-1's grad_z.
-            x = act(z, inplace=True)
-            if not act.is_identity:
+            x = prev.act(z, inplace=True)
+            if not prev.act.is_identity:
                 self.outs[i - 1] = x
         else:
-            x = act(z)
+            x = prev.act(z)
             del z  # smooth activation: z is recomputed when layer i-1 needs it
-        return self.specs[i].conv.pad_input(x)
+        return self.specs[i].conv.pad_input(x)  # type: ignore[union-attr]
 
     def get_y(self, i: int) -> Tensor:
-        """Layer i's conv output: kept, or recomputed from a rebuilt ``x_i`` that is held for
-        the conv backward or, where ``drop[i]``, dropped at once and rebuilt after BN
-        backward (Note: [chain backward order])."""
+        """Layer i's conv output (a head's: ``x0``): kept, or recomputed from a rebuilt ``x_i``
+        that is held for the conv backward or, where ``drop[i]``, dropped at once and rebuilt
+        after BN backward (Note: [chain backward order])."""
+        if self.specs[i].conv is None:
+            return self.head_input()
         y = self.y.get(i)
         if y is None:
-            w, b, _, _ = self.layer_params(i)
+            w, b, _, _, _ = self.layer_params(i)
             x = self.x(i)
             y = conv_forward(x, w, b, self.specs[i].conv)  # type: ignore[arg-type]
             if self.drop[i]:
@@ -128,18 +146,29 @@ class _Rebuilder:
             self.y[i] = y
         return y
 
-    def grad_z(self, i: int, grad_out: Tensor) -> Tensor:
-        """Layer i's activation backward, written into a buffer it no longer needs: the
-        cached output (ReLU family) or a recomputed ``z``."""
-        act = self.specs[i].act
+    def grad_z(self, i: int, grad_out: Tensor) -> Tuple[Tensor, List[Optional[Tensor]]]:
+        """Layer i's tail backward: ``(grad_z, PReLU weight grads)``. A single activation writes
+        into a buffer it no longer needs: the cached output (ReLU family) or a recomputed ``z``."""
+        spec = self.specs[i]
+        _, _, g, b, tws = self.layer_params(i)
+        if spec.tail:
+            y = self.get_y(i)
+            owned = spec.bn is not None
+            box = [bn_apply(y, self.means[i], self.invstds[i], g, b) if owned else y]
+            del y
+            n = self.offsets[i + 1] - len(tws)
+            needs_w = [bool(f) for f in self.needs_params[n: n + len(tws)]] or [True] * len(tws)
+            return tail_backward(grad_out, box, spec.tail, tws, self.rngs[i], needs_w, owned)
+        act = spec.act
         if act.is_identity:
-            return grad_out
+            return grad_out, []
         out = self.outs.pop(i, None)
         if out is not None:
-            return act.backward_from_output_(grad_out, out)
-        _, _, g, b = self.layer_params(i)
+            return act.backward_from_output_(grad_out, out), []
+        if spec.bn is None:  # an end layer's activation reads its conv output, kept or not
+            return act.backward(grad_out, self.get_y(i)), []
         z = bn_apply(self.get_y(i), self.means[i], self.invstds[i], g, b)
-        return act.backward_(grad_out, z)
+        return act.backward_(grad_out, z), []
 
     def release(self, i: int, free_kept: bool) -> None:
         """Drop layer i's conv output after its BN backward; a *kept* one is freed too when
@@ -149,33 +178,63 @@ class _Rebuilder:
             _free_storage(y)
 
 
+def _apply_tail(z: List[Tensor], spec: ChainLayerSpec, tws: Sequence[Tensor], owned: bool,
+                capture: Optional[List[RNGState]]) -> Tensor:
+    """The layer's tail on ``z``, a one-element list emptied here (see :func:`tail_forward`)."""
+    if spec.tail:
+        return tail_forward(z, spec.tail, tws, owned, capture=capture)
+    return spec.act(z.pop(), inplace=owned)
+
+
 def chain_forward(
     x0: Tensor,
     params: Sequence[Optional[Tensor]],
     specs: Sequence[ChainLayerSpec],
     stats: Sequence[Tuple[Optional[Tensor], Optional[Tensor]]],
-) -> Tuple[Tensor, List[int], List[Tensor], List[Tensor], List[Tensor]]:
-    """Run the chain (no autograd); returns ``(out, kept_idx, kept_y, means, invstds)``."""
+) -> Tuple[Tensor, List[int], List[Tensor], List[Tensor], List[Tensor], List[Tuple[RNGState, ...]]]:
+    """Run the chain (no autograd); returns ``(out, kept_idx, kept_y, means, invstds, rngs)``:
+    ``means``/``invstds`` for the layers with a BN, in order; ``rngs`` per layer the RNG
+    state before each dropout of its tail (Note: [dropout in a chain])."""
     x = x0
     kept: List[Tensor] = []
     kept_idx: List[int] = []
     means: List[Tensor] = []
     invstds: List[Tensor] = []
+    rngs: List[Tuple[RNGState, ...]] = []
+    off = param_offsets(specs)
     for i, spec in enumerate(specs):
-        w, b, g, beta = params[PER_LAYER * i: PER_LAYER * (i + 1)]
+        w, b, g, beta, tws = split_params(spec, params[off[i]: off[i + 1]])
         rm, rv = stats[i]
-        if i > 0:
-            x = spec.conv.pad_input(x)  # constant pre-pad only (see FusedChain)
-        y = conv_forward(x, w, b, spec.conv)  # type: ignore[arg-type]
-        z, mean, invstd = bn_forward(y, g, beta, rm, rv, spec.bn)
-        if spec.keep_y:
+        if spec.conv is None:
+            y = head_input(x)  # a head normalises the chain input itself
+        else:
+            if i > 0:
+                x = spec.conv.pad_input(x)  # constant pre-pad only (see FusedChain)
+            y = conv_forward(x, w, b, spec.conv)  # type: ignore[arg-type]
+        del x
+        if spec.saves_y:
             kept.append(y)
             kept_idx.append(i)
+        if spec.bn is not None:
+            z, mean, invstd = bn_forward(y, g, beta, rm, rv, spec.bn)
+            means.append(mean)
+            invstds.append(invstd)
+            owned = True
+        else:
+            z, owned = y, not spec.saves_y
         del y
-        means.append(mean)
-        invstds.append(invstd)
-        x = spec.act(z, inplace=True)
-    return x, kept_idx, kept, means, invstds
+        capture: List[RNGState] = []
+        box = [z]
+        del z
+        x = _apply_tail(box, spec, tws, owned, capture)
+        rngs.append(tuple(capture))
+    return x, kept_idx, kept, means, invstds, rngs
+
+
+def _stat_maps(specs: Sequence[ChainLayerSpec], means: Sequence[Tensor],
+               invstds: Sequence[Tensor]) -> Tuple[Dict[int, Tensor], Dict[int, Tensor]]:
+    idx = [i for i, s in enumerate(specs) if s.bn is not None]
+    return dict(zip(idx, means)), dict(zip(idx, invstds))
 
 
 def chain_backward(
@@ -189,48 +248,72 @@ def chain_backward(
     needs: Sequence[bool],
     free_grad_out: bool = False,
     free_kept: bool = False,
+    rngs: Optional[Sequence[Tuple[RNGState, ...]]] = None,
 ) -> List[Optional[Tensor]]:
     """First-order backward of :func:`chain_forward` (Note: [chain backward order]).
 
     ``needs`` has one flag for ``x0`` then one per entry of ``params``; the result
-    has the same layout. ``free_grad_out`` says the incoming gradient is the caller's
-    alone (``autograd.release.sole_owner``): its memory is then returned once consumed
-    (Note: [freeing the incoming gradient]); a caller whose contract forbids touching its
-    inputs (a custom op) leaves it ``False``.
+    has the same layout. ``means``/``invstds`` as :func:`chain_forward` returns them,
+    ``rngs`` its RNG states (for tails with dropout). ``free_grad_out`` says the incoming
+    gradient is the caller's alone (``autograd.release.sole_owner``): its memory is then
+    returned once consumed (Note: [freeing the incoming gradient]); a caller whose
+    contract forbids touching its inputs (a custom op) leaves it ``False``.
     With ``free_kept`` each kept conv output's memory is returned right after its
     last use (Note: [freeing kept tensors early]); only for a graph that is not retained.
     """
     grads: List[Optional[Tensor]] = [None] * len(needs)
     ys, xs = _layer_sizes(x0, params, specs)
-    drop = choose_drops(ys, xs, [s.keep_y for s in specs], [_act_kind(s.act) for s in specs])
-    rb = _Rebuilder(x0, params, specs, kept, means, invstds, drop)
+    k = len(specs)
+    drop = choose_drops(ys, xs, [s.saves_y for s in specs], [layer_kind(s) for s in specs],
+                        head=specs[0].conv is None, end=specs[-1].bn is None)
+    mean_of, invstd_of = _stat_maps(specs, means, invstds)
+    rb = _Rebuilder(x0, params, specs, kept, mean_of, invstd_of, drop, rngs, needs[1:])
+    off = rb.offsets
     g: Optional[Tensor] = grad_out
     # Note: [freeing the incoming gradient]: the engine holds grad_out until backward returns
     engine_grad: Optional[Tensor] = grad_out if free_grad_out else None
     del grad_out
-    for i in reversed(range(len(specs))):
+    for i in reversed(range(k)):
         spec = specs[i]
-        w, b, gamma, beta = rb.layer_params(i)
-        base = 1 + PER_LAYER * i
-        nw, nb, ng, nbeta = needs[base: base + PER_LAYER]
+        w, b, gamma, beta, tws = rb.layer_params(i)
+        base = 1 + off[i]
+        flags = list(needs[base: 1 + off[i + 1]])
+        nw, nb = (flags.pop(0), flags.pop(0)) if spec.conv is not None else (False, False)
+        ng, nbeta = (flags.pop(0), flags.pop(0)) if spec.bn is not None else (False, False)
         nx = needs[0] if i == 0 else True
-        y = rb.get_y(i)
-        grad_z = rb.grad_z(i, g)  # type: ignore[arg-type]
-        g = None  # consumed: only grad_z lives on
-        if engine_grad is not None and grad_z is not engine_grad:
-            _free_storage(engine_grad)
-            engine_grad = None
-        grad_y, grads[base + 2], grads[base + 3] = bn_backward(
-            grad_z, y, gamma, means[i], invstds[i], spec.bn, (nx or nw or nb, ng, nbeta)
-        )
-        del grad_z, y
-        if engine_grad is not None:  # identity activation: grad_z was the incoming gradient
-            _free_storage(engine_grad)
-            engine_grad = None
-        rb.release(i, free_kept)
+        if spec.needs_y or spec.conv is None:
+            y = rb.get_y(i)
+            grad_z, grad_tw = rb.grad_z(i, g)  # type: ignore[arg-type]
+            g = None  # consumed: only grad_z lives on
+            for j, gt in enumerate(grad_tw):
+                grads[1 + off[i + 1] - len(tws) + j] = gt
+            if engine_grad is not None and grad_z is not engine_grad:
+                _free_storage(engine_grad)
+                engine_grad = None
+            if spec.bn is not None:
+                grad_y, gg, gbeta = bn_backward(grad_z, y, gamma, mean_of[i], invstd_of[i], spec.bn,
+                                                (nx or nw or nb, ng, nbeta))
+                grads[base + 2 * (spec.conv is not None)] = gg
+                grads[base + 2 * (spec.conv is not None) + 1] = gbeta
+            else:
+                grad_y = grad_z  # an end layer: its tail's gradient is its conv output's
+            del grad_z, y
+            if engine_grad is not None and grad_y is not engine_grad:  # identity activation: grad_z was it
+                _free_storage(engine_grad)
+                engine_grad = None
+            rb.release(i, free_kept)
+        else:
+            grad_y, g = g, None  # an end layer without tail: the incoming gradient is grad_y
+        if spec.conv is None:  # a head: grad_y is the chain input's gradient
+            g = grad_y
+            del grad_y
+            continue
         x = rb.x(i)  # rebuilt now that y_i and grad_z are gone (Note: [chain backward order])
         gx, grads[base], grads[base + 1] = conv_backward(grad_y, x, w, spec.conv, (nx, nw, nb))  # type: ignore[arg-type]
         del grad_y, x
+        if engine_grad is not None:  # an end layer without tail consumed the incoming gradient
+            _free_storage(engine_grad)
+            engine_grad = None
         if i > 0 and spec.conv.pre_pad:
             gx = _unpad(gx, spec.conv.pre_pad)  # type: ignore[arg-type]
         g = gx
@@ -240,23 +323,24 @@ def chain_backward(
 
 
 class ChainFunction(Function):
-    """Forward/backward of ``act_k(BN_k(conv_k(... act_1(BN_1(conv_1(x0))) ...)))``.
+    """Forward/backward of ``tail_k(BN_k(conv_k(... tail_1(BN_1(conv_1(x0))) ...)))``.
 
-    ``apply(x0, *params, specs, stats)`` with ``params`` the flat list
-    ``[W_1, b_1, gamma_1, beta_1, W_2, ...]`` (``None`` where absent), ``specs`` a tuple of
-    :class:`ChainLayerSpec` and ``stats`` a tuple of ``(running_mean, running_var)``
-    per layer (updated in place once, in forward, for layers normalising with batch
-    statistics).
+    ``apply(x0, *params, specs, stats)`` with ``params`` the flat list described in the
+    module docstring (``[W_1, b_1, gamma_1, beta_1, W_2, ...]`` for ordinary layers,
+    ``None`` where absent), ``specs`` a tuple of :class:`ChainLayerSpec` and ``stats`` a
+    tuple of ``(running_mean, running_var)`` per layer (updated in place once, in forward,
+    for layers normalising with batch statistics; ``(None, None)`` for an end layer).
     """
 
     @staticmethod
     def forward(ctx: Any, x0: Tensor, *args: Any) -> Tensor:  # type: ignore[override]
         *params, specs, stats = args
-        out, kept_idx, kept, means, invstds = chain_forward(x0, params, specs, stats)
+        out, kept_idx, kept, means, invstds, rngs = chain_forward(x0, params, specs, stats)
         save_tensors(ctx, (x0, *params, *kept, *means, *invstds))
         ctx.specs = tuple(specs)
         ctx.kept_idx = tuple(kept_idx)
         ctx.n_params = len(params)
+        ctx.rngs = rngs
         return out
 
     @staticmethod
@@ -264,53 +348,73 @@ class ChainFunction(Function):
         refs = incoming_refs(grad_out)  # first: Note: [freeing the incoming gradient]
         saved = load_tensors(ctx)
         specs: Tuple[ChainLayerSpec, ...] = ctx.specs
-        n, k = ctx.n_params, len(specs)
+        n, k = ctx.n_params, sum(s.bn is not None for s in specs)
         x0, params = saved[0], saved[1: 1 + n]
         rest = saved[1 + n:]
         n_kept = len(ctx.kept_idx)
         kept = dict(zip(ctx.kept_idx, rest[:n_kept]))
         means, invstds = rest[n_kept: n_kept + k], rest[n_kept + k:]
         if torch.is_grad_enabled():  # Note: [double backward] in autograd/fused.py
-            return differentiable_backward(ctx, grad_out, (x0, *params), _rebuild(specs, means, invstds))
+            return differentiable_backward(ctx, grad_out, (x0, *params), _rebuild(specs, means, invstds, ctx.rngs))
         needs = ctx.needs_input_grad
         grads = chain_backward(grad_out, x0, params, specs, kept, means, invstds, needs[: 1 + n],  # type: ignore[arg-type]
-                               free_grad_out=_sole_owner(grad_out, refs), free_kept=not _keeping_graph())
+                               free_grad_out=_sole_owner(grad_out, refs), free_kept=not _keeping_graph(),
+                               rngs=ctx.rngs)
         return tuple(grads) + (None,) * (len(needs) - len(grads))
 
 
-def _rebuild(specs: Sequence[ChainLayerSpec], means: Sequence[Tensor], invstds: Sequence[Tensor]) -> Any:
+def _rebuild(specs: Sequence[ChainLayerSpec], means: Sequence[Tensor], invstds: Sequence[Tensor],
+             rngs: Optional[Sequence[Tuple[RNGState, ...]]] = None) -> Any:
+    """The chain from its inputs with differentiable reference ops (double backward)."""
+    mean_of, invstd_of = _stat_maps(specs, means, invstds)
+    off = param_offsets(specs)
+
     def rebuild(x0: Tensor, *params: Optional[Tensor]) -> Tensor:
         x = x0
         for i, spec in enumerate(specs):
-            w, b, g, beta = params[PER_LAYER * i: PER_LAYER * (i + 1)]
-            if spec.bn.batch_stats:
-                rm = rv = None
-                bn = BNSpec(spec.bn.eps, True, 0.0)
-            else:
-                rm, rv = means[i], invstds[i].pow(-2) - spec.bn.eps
-                bn = spec.bn
-            if i > 0:
+            w, b, g, beta, tws = split_params(spec, params[off[i]: off[i + 1]])
+            if spec.conv is not None and i > 0:
                 x = spec.conv.pad_input(x)
-            x = conv_bn_act_reference(x, w, b, g, beta, rm, rv, spec.conv, bn, spec.act)  # type: ignore[arg-type]
+            if spec.conv is None:
+                x = head_input(x)
+            if spec.bn is not None:
+                if spec.bn.batch_stats:
+                    rm = rv = None
+                    bn = BNSpec(spec.bn.eps, True, 0.0)
+                else:
+                    rm, rv = mean_of[i], invstd_of[i].pow(-2) - spec.bn.eps
+                    bn = spec.bn
+                if spec.conv is not None and not spec.tail:  # an ordinary layer: the shared reference
+                    x = conv_bn_act_reference(x, w, b, g, beta, rm, rv, spec.conv, bn, spec.act)  # type: ignore[arg-type]
+                    continue
+            if spec.conv is not None:
+                x = conv_forward(x, w, b, spec.conv)  # type: ignore[arg-type]
+            if spec.bn is not None:
+                x = F.batch_norm(x, rm, rv, g, beta, False, 0.0, spec.bn.eps) if rm is not None else (
+                    F.batch_norm(x, None, None, g, beta, True, 0.0, spec.bn.eps))
+            if spec.tail:
+                x = tail_reference(x, spec.tail, tws, rngs[i] if rngs is not None else ())
+            else:
+                x = spec.act(x)
         return x
 
     return rebuild
 
 
-def _act_kind(act: Activation) -> str:
-    """The activation's kind in :data:`convbn.autograd.chain_memory.ACT_KINDS`."""
-    return "identity" if act.is_identity else "output" if act.output_derivable else "smooth"
-
-
 def _layer_sizes(x0: Tensor, params: Sequence[Optional[Tensor]],
                  specs: Sequence[ChainLayerSpec]) -> Tuple[List[int], List[int]]:
-    """Element counts of each layer's conv output and (unpadded) input; ``x0`` arrives padded."""
+    """Element counts of each layer's conv output (a head's: its BN input) and (unpadded) input;
+    ``x0`` arrives padded."""
     shape: Sequence[int] = x0.shape
     ys: List[int] = []
     xs: List[int] = []
+    off = param_offsets(specs)
     for i, spec in enumerate(specs):
-        conv = spec.conv if i > 0 else dataclasses.replace(spec.conv, pre_pad=())
-        out = conv_output_shape(shape, params[PER_LAYER * i].shape, conv)  # type: ignore[union-attr]
+        if spec.conv is None:
+            out = shape
+        else:
+            conv = spec.conv if i > 0 else dataclasses.replace(spec.conv, pre_pad=())
+            out = conv_output_shape(shape, params[off[i]].shape, conv)  # type: ignore[union-attr]
         xs.append(math.prod(shape))
         ys.append(math.prod(out))
         shape = out
@@ -332,12 +436,26 @@ def chain_forward_no_grad(
     specs: Sequence[ChainLayerSpec],
     stats: Sequence[Tuple[Optional[Tensor], Optional[Tensor]]],
 ) -> Tensor:
-    """The chain's forward when nothing needs gradients (running stats still update)."""
+    """The chain's forward when nothing needs gradients (running stats still update; dropouts
+    draw from the global RNG as eager's do)."""
+    off = param_offsets(specs)
     with torch.no_grad():
         for i, spec in enumerate(specs):
-            w, b, g, beta = params[PER_LAYER * i: PER_LAYER * (i + 1)]
+            w, b, g, beta, tws = split_params(spec, params[off[i]: off[i + 1]])
             rm, rv = stats[i]
-            if i > 0:
+            if spec.conv is not None and i > 0:
                 x = spec.conv.pad_input(x)
-            x = _forward_no_grad(x, w, b, g, beta, rm, rv, spec.conv, spec.bn, spec.act)  # type: ignore[arg-type]
+            if spec.conv is not None and spec.bn is not None and not spec.tail:
+                x = _forward_no_grad(x, w, b, g, beta, rm, rv, spec.conv, spec.bn, spec.act)  # type: ignore[arg-type]
+                continue
+            owned = False
+            if spec.conv is None:
+                x = head_input(x)
+            else:
+                x, owned = conv_forward(x, w, b, spec.conv), True  # type: ignore[arg-type]
+            if spec.bn is not None:
+                x, owned = bn_forward(x, g, beta, rm, rv, spec.bn)[0], True
+            box = [x]
+            del x
+            x = _apply_tail(box, spec, tws, owned, None)
     return x

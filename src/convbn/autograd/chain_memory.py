@@ -15,8 +15,12 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 __all__ = ["replay", "choose_drops", "ACT_KINDS"]
 
-#: activation kinds: no backward; derivative from the output (ReLU family); from ``z``
-ACT_KINDS = ("identity", "output", "smooth")
+#: tail kinds: no backward; one activation with its derivative from the output (ReLU
+#: family); one activation with its derivative from ``z``; a general tail, written
+#: ``"tail:" + one code per op`` (``A`` activation, ``P`` PReLU, ``D`` dropout, ``d``
+#: in-place dropout), replayed op by op as autograd/chain_tail.py runs it (Note: [general
+#: tail backward]; a dropout's noise as the CPU kernels allocate it).
+ACT_KINDS = ("identity", "output", "smooth", "tail:...")
 
 
 def replay(
@@ -26,6 +30,8 @@ def replay(
     acts: Sequence[str],
     drop: Sequence[bool],
     w_sizes: Optional[Sequence[int]] = None,
+    head: bool = False,
+    end: bool = False,
 ) -> Tuple[int, int]:
     """Peak of the chain's backward and the layer reaching it.
 
@@ -40,13 +46,21 @@ def replay(
         w_sizes: each layer's parameter-gradient size (conv weight and bias, BN weight and
             bias), made by its conv backward and held to the end of the chain's backward
             (the Function returns them together); ``None``: not counted.
+        head: layer 0 has no conv: its BN input is the chain input (``y_sizes[0]`` its size;
+            never allocated nor counted), its BN backward gives the chain input's gradient.
+        end: the last layer has no BN: its backward needs its conv output only for a
+            tail (kind not ``"identity"``), and the gradient reaching the conv is its tail's.
 
     Returns:
         ``(peak, layer)``: counting the kept outputs, the incoming gradient (freed once
         consumed) and every buffer the backward creates.
     """
     k = len(y_sizes)
-    live: Dict[object, int] = {("y", i): y_sizes[i] for i in range(k) if keep[i]}
+
+    def needs_y(i: int) -> bool:
+        return not (head and i == 0) and not (end and i == k - 1 and acts[i] == "identity")
+
+    live: Dict[object, int] = {("y", i): y_sizes[i] for i in range(k) if keep[i] and needs_y(i)}
     live["g"] = y_sizes[-1]
     state = [sum(live.values()), k - 1, k - 1]  # peak, its layer, current layer
 
@@ -61,7 +75,23 @@ def replay(
 
     def build_x(i: int) -> None:  # layer i's input from y_{i-1}, live as ("x", i)
         get_y(i - 1)
-        if acts[i - 1] == "smooth":
+        if acts[i - 1].startswith("tail:"):
+            n = y_sizes[i - 1]
+            alloc(("u", i), n)  # z: every op below runs on a buffer of the tail's own
+            for op in acts[i - 1][5:]:
+                if op in "PD":  # a new output; a dropout's noise transient
+                    if op == "D":
+                        alloc("noise", n)
+                    alloc(("u2", i), n)
+                    free("noise")
+                    live[("u", i)] = live.pop(("u2", i))
+                elif op == "d":
+                    alloc("noise", n)
+                    free("noise")
+            live[("x", i)] = live.pop(("u", i))
+            if x_sizes[i] != n:  # a constant pre-pad copies
+                alloc(("x", i), x_sizes[i])
+        elif acts[i - 1] == "smooth":
             alloc(("z", i - 1), y_sizes[i - 1])
             alloc(("x", i), x_sizes[i])
             free(("z", i - 1))
@@ -69,7 +99,7 @@ def replay(
             alloc(("x", i), x_sizes[i])
 
     def get_y(i: int) -> None:
-        if ("y", i) in live:
+        if ("y", i) in live or (head and i == 0):
             return
         if i > 0 and ("x", i) not in live:
             build_x(i)
@@ -77,20 +107,95 @@ def replay(
         if i > 0 and drop[i]:
             free(("x", i))
 
+    def tail_backward(i: int, ops: str, grad: object) -> object:
+        """Note: [general tail backward]: rebuild inputs up to the last op that needs one, then
+        walk back; returns the name of grad_z. The incoming gradient is freed by the caller."""
+        n = y_sizes[i]
+        owned = not (end and i == k - 1)  # an end layer's tail reads its conv output itself
+        if owned:
+            alloc(("u", i, 0), n)  # recomputed z
+        last = max((j for j, op in enumerate(ops) if op in "AP"), default=-1)
+        cur: object = ("u", i, 0) if owned else ("y", i)
+        saved: Dict[int, object] = {}
+        for j, op in enumerate(ops):
+            if op in "AP":
+                saved[j] = cur
+            if j >= last:
+                break
+            nxt = ("u", i, j + 1)
+            if op in "APD":
+                if op == "D":
+                    alloc("noise", n)
+                alloc(nxt, n)
+                free("noise")
+            else:  # in-place dropout: its noise only (a copy first where the buffer is not its own)
+                alloc("noise", n)
+                free("noise")
+                if cur == ("y", i):
+                    alloc(nxt, n)
+                else:
+                    live[nxt] = live.pop(cur)  # type: ignore[arg-type]
+            if op in "Dd" and cur != ("y", i) and cur not in saved.values():
+                free(cur)
+            cur = nxt
+        if cur not in saved.values() and cur != ("y", i):
+            free(cur)
+        g = grad
+        for j in reversed(range(len(ops))):
+            op = ops[j]
+            new: object = ("gt", i, j)
+            if op in "Dd":  # the slope regenerated on a buffer of ones
+                alloc(("s", i), n)
+                if op == "D":
+                    alloc("noise", n)
+                    alloc(("s2", i), n)
+                    free("noise")
+                    free(("s", i))
+                    live[("s", i)] = live.pop(("s2", i))
+                else:
+                    alloc("noise", n)
+                    free("noise")
+                alloc(new, n)
+                free(("s", i))
+            elif op == "P":
+                alloc(new, n)
+                alloc("gw", n)  # PReLU's weight gradient before its reduction
+                free("gw")
+                free(saved[j])
+            elif saved[j] == ("y", i):
+                alloc(new, n)
+            else:  # the derivative written into the consumed input
+                live[new] = live.pop(saved[j])  # type: ignore[arg-type]
+            if g != grad:
+                free(g)
+            g = new
+        return g
+
     grad: object = "g"
     for i in reversed(range(k)):
         state[2] = i
-        get_y(i)
-        if acts[i] == "output" and ("x", i + 1) in live:
-            free(grad)
-            grad = ("x", i + 1)  # grad_z written into the rebuilt output
-        elif acts[i] != "identity":
-            alloc(("z", i), y_sizes[i])  # recomputed z, overwritten by grad_z
-            free(grad)
-            grad = ("z", i)
-        alloc("gy", y_sizes[i])  # BN backward
-        free(grad)
-        free(("y", i))
+        last_end = end and i == k - 1
+        if needs_y(i) or (head and i == 0):
+            get_y(i)
+            if acts[i] == "output" and ("x", i + 1) in live:
+                free(grad)
+                grad = ("x", i + 1)  # grad_z written into the rebuilt output
+            elif acts[i].startswith("tail:"):
+                grad = tail_backward(i, acts[i][5:], grad)
+            elif acts[i] != "identity":
+                alloc(("z", i), y_sizes[i])  # recomputed z, overwritten by grad_z
+                free(grad)
+                grad = ("z", i)
+            if last_end:  # no BN: the tail's gradient goes to the conv
+                live["gy"] = live.pop(grad)  # type: ignore[arg-type]
+            else:
+                alloc("gy", y_sizes[i])  # BN backward
+                free(grad)
+            free(("y", i))
+        else:  # an end layer without tail: the incoming gradient goes to the conv
+            live["gy"] = live.pop(grad)  # type: ignore[arg-type]
+        if head and i == 0:
+            break  # grad_y is the chain input's gradient
         if i > 0 and ("x", i) not in live:
             build_x(i)
         if w_sizes is not None:
@@ -105,19 +210,20 @@ def replay(
 
 
 def choose_drops(
-    y_sizes: Sequence[int], x_sizes: Sequence[int], keep: Sequence[bool], acts: Sequence[str]
+    y_sizes: Sequence[int], x_sizes: Sequence[int], keep: Sequence[bool], acts: Sequence[str],
+    head: bool = False, end: bool = False,
 ) -> List[bool]:
     """Which recomputed layers should drop their rebuilt input during BN backward: each
     one, in turn, whose drop lowers the replayed peak (a drop costs one element-wise
     rebuild, so it is taken only where it pays in memory)."""
     k = len(y_sizes)
     drop = [False] * k
-    best = replay(y_sizes, x_sizes, keep, acts, drop)[0]
+    best = replay(y_sizes, x_sizes, keep, acts, drop, head=head, end=end)[0]
     for i in range(1, k):
-        if keep[i]:
+        if keep[i] or (end and i == k - 1 and acts[i] == "identity"):
             continue
         drop[i] = True
-        peak = replay(y_sizes, x_sizes, keep, acts, drop)[0]
+        peak = replay(y_sizes, x_sizes, keep, acts, drop, head=head, end=end)[0]
         if peak < best:
             best = peak
         else:

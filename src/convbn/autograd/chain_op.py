@@ -10,9 +10,12 @@
 # what ``setup_context`` saves (the chain input, kept conv outputs, per-channel
 # statistics), so compiled and uncompiled converted models keep the same bytes.
 #
-# Static per-chain structure (conv geometry, activations, modes) cannot be an op
+# Static per-chain structure (conv geometry, activations, tails, modes) cannot be an op
 # argument, so it is registered once under a string key; the per-call momentum
-# factors travel as a tensor so ``momentum=None`` never forces a recompile.
+# factors travel as a tensor so ``momentum=None`` never forces a recompile. A tail with
+# a dropout in training (p > 0) is not run through the op: its RNG replay (Note: [dropout
+# in a chain]) reads and restores the global generators, which a compiled graph does not
+# reproduce exactly; FusedChain runs such a chain as eager modules under torch.compile.
 """
 from __future__ import annotations
 
@@ -25,21 +28,25 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 
 from ..functional.batchnorm import BNSpec
 from ..functional.conv import conv_output_shape
-from .chain import PER_LAYER, ChainLayerSpec, chain_backward, chain_forward
+from ..functional.tail import TailOp
+from .chain import ChainLayerSpec, chain_backward, chain_forward, param_offsets
 
 __all__ = ["register_chain", "chain_op_apply"]
 
-# key -> per layer (conv geometry, activation, eps): the chain's static structure
-_STATIC: Dict[str, Tuple[Tuple[Any, Any, float], ...]] = {}
+# key -> per layer (conv geometry or None, activation, eps or None, tail): the chain's static structure
+_STATIC: Dict[str, Tuple[Tuple[Any, Any, Optional[float], Tuple[TailOp, ...]], ...]] = {}
 
 
-def register_chain(static: Sequence[Tuple[Any, Any, float]]) -> str:
-    """Register a chain's static structure ``[(ConvSpec, Activation, eps), ...]``; returns its key.
+def register_chain(static: Sequence[Tuple[Any, ...]]) -> str:
+    """Register a chain's static structure ``[(ConvSpec, Activation, eps[, tail]), ...]``
+    (``None`` for a head's conv or an end layer's eps; ``tail`` the tail's ops without
+    dropouts, default ``()``); returns its key.
 
     Called when a :class:`convbn.nn.FusedChain` is built (never while tracing); equal
     structures share a key, so deep copies of a model share compiled kernels.
     """
-    static = tuple((c, a, float(e)) for c, a, e in static)
+    static = tuple((l[0], l[1], None if l[2] is None else float(l[2]), tuple(l[3]) if len(l) > 3 else ())
+                   for l in static)
     key = hashlib.sha1(repr(static).encode()).hexdigest()[:20]
     _STATIC.setdefault(key, static)
     return key
@@ -47,8 +54,8 @@ def register_chain(static: Sequence[Tuple[Any, Any, float]]) -> str:
 
 def _specs(key: str, factors: Optional[Tensor], keep_y: Sequence[bool], batch_stats: Sequence[bool]) -> List[ChainLayerSpec]:
     momenta = factors.tolist() if factors is not None else [0.0] * len(keep_y)
-    return [ChainLayerSpec(conv, BNSpec(eps, bs, float(m)), act, ky)
-            for (conv, act, eps), m, ky, bs in zip(_STATIC[key], momenta, keep_y, batch_stats)]
+    return [ChainLayerSpec(conv, None if eps is None else BNSpec(eps, bs, float(m)), act, ky, tail)
+            for (conv, act, eps, tail), m, ky, bs in zip(_STATIC[key], momenta, keep_y, batch_stats)]
 
 
 def _optional(params: Sequence[Tensor], present: Sequence[bool]) -> List[Optional[Tensor]]:
@@ -71,7 +78,7 @@ def _chain_fwd(
     new_running = [t.clone() for t in running]
     specs, stats = _specs(key, factors, keep_y, batch_stats), _stats(new_running, has_stats)
     with torch.no_grad():
-        out, _, kept, means, invstds = chain_forward(x0, _optional(params, present), specs, stats)
+        out, _, kept, means, invstds, _ = chain_forward(x0, _optional(params, present), specs, stats)
     return out, [*kept, *means, *invstds], new_running
 
 
@@ -89,23 +96,26 @@ def _(x0: Tensor, params: List[Tensor], running: List[Tensor], factors: Tensor, 
         torch.channels_last_3d if x0.dim() == 5 and x0.is_contiguous(memory_format=torch.channels_last_3d) and not x0.is_contiguous() else torch.contiguous_format)
     shape: Sequence[int] = x0.shape
     kept, means, invstds = [], [], []
+    off = param_offsets(specs)
     it = iter(running)
     for i, s in enumerate(specs):
-        w = params[PER_LAYER * i]
-        if i > 0 and s.conv.pre_pad:
-            shape = list(shape)
-            for j in range(len(s.conv.pre_pad) // 2):
-                shape[-1 - j] += s.conv.pre_pad[2 * j] + s.conv.pre_pad[2 * j + 1]
-        shape = conv_output_shape(shape, w.shape, s.conv)  # type: ignore[union-attr]
+        if s.conv is not None:
+            w = params[off[i]]
+            if i > 0 and s.conv.pre_pad:
+                shape = list(shape)
+                for j in range(len(s.conv.pre_pad) // 2):
+                    shape[-1 - j] += s.conv.pre_pad[2 * j] + s.conv.pre_pad[2 * j + 1]
+            shape = conv_output_shape(shape, w.shape, s.conv)  # type: ignore[union-attr]
         rm = next(it) if has_stats[i] else None
         if has_stats[i]:
             next(it)
         y = x0.new_empty(shape).contiguous(memory_format=fmt)
-        if s.keep_y:
+        if s.saves_y:
             kept.append(y)
-        dt = _stat_dtype(x0, rm, s.bn.batch_stats)
-        means.append(x0.new_empty((shape[1],), dtype=dt))
-        invstds.append(x0.new_empty((shape[1],), dtype=dt))
+        if s.bn is not None:
+            dt = _stat_dtype(x0, rm, s.bn.batch_stats)
+            means.append(x0.new_empty((shape[1],), dtype=dt))
+            invstds.append(x0.new_empty((shape[1],), dtype=dt))
     out = x0.new_empty(shape).contiguous(memory_format=fmt)
     return out, [*kept, *means, *invstds], [torch.empty_like(t) for t in running]
 
@@ -116,8 +126,8 @@ def _chain_bwd(
     key: str, keep_y: List[bool], batch_stats: List[bool], needs: List[bool], present: List[bool],
 ) -> List[Tensor]:
     specs = _specs(key, None, keep_y, batch_stats)  # backward never touches running stats
-    kept_idx = [i for i, s in enumerate(specs) if s.keep_y]
-    k, n_kept = len(specs), len(kept_idx)
+    kept_idx = [i for i, s in enumerate(specs) if s.saves_y]
+    k, n_kept = sum(s.bn is not None for s in specs), len(kept_idx)
     kept = dict(zip(kept_idx, saved[:n_kept]))
     means, invstds = saved[n_kept: n_kept + k], saved[n_kept + k:]
     grads = chain_backward(grad_out, x0, _optional(params, present), specs, kept, means, invstds, needs)
@@ -178,13 +188,13 @@ def chain_op_apply(
     running = [t for (rm, rv), h in zip(stats, has_stats) if h for t in (rm, rv)]  # type: ignore[misc]
     # one device for all factors: ``momentum=None`` gives a tensor on the buffers' device
     factors = torch.stack([
-        s.bn.momentum.to(device=x0.device, dtype=torch.float64) if isinstance(s.bn.momentum, Tensor)
-        else torch.tensor(float(s.bn.momentum), dtype=torch.float64, device=x0.device)
+        s.bn.momentum.to(device=x0.device, dtype=torch.float64) if s.bn is not None and isinstance(s.bn.momentum, Tensor)
+        else torch.tensor(float(s.bn.momentum) if s.bn is not None else 0.0, dtype=torch.float64, device=x0.device)
         for s in specs
     ])
     present = [p is not None for p in params]
     dense = [p if p is not None else x0.new_empty(0) for p in params]
-    flags = ([s.keep_y for s in specs], [s.bn.batch_stats for s in specs], has_stats, present)
+    flags = ([s.keep_y for s in specs], [s.bn is not None and s.bn.batch_stats for s in specs], has_stats, present)
 
     def run(x0: Tensor, dense: List[Tensor], running: List[Tensor], factors: Tensor) -> Any:
         return _chain_fwd(x0, dense, running, factors, key, *flags)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from contextlib import nullcontext
 from dataclasses import dataclass, field
-from typing import Callable, List, Optional, Sequence, Tuple
+from typing import Callable, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor, nn
@@ -17,56 +17,129 @@ from torch.nn.utils import parametrize
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.conv import _ConvNd
 
-from ..autograd.chain import ChainFunction, ChainLayerSpec, chain_forward_no_grad
-from ..functional.activations import Activation
+from ..autograd.chain import ChainFunction, ChainLayerSpec, chain_forward_no_grad, layer_kind
+from ..functional.activations import Activation, activation_from_module
+from ..functional.batchnorm import BNSpec
 from ..functional.conv import ConvSpec, conv_flops, conv_forward, conv_output_shape, conv_spec_from_module
 from ..functional.fused import autocast_dtype, check_inputs
+from ..functional.tail import DropoutOp, TailOp, is_tail_module, tail_op_from_module
 from .fused import bn_running_stats, bn_spec_from_module, module_hooked
 
-__all__ = ["ChainLayer", "FusedChain", "LAYER_MODES"]
+__all__ = ["ChainLayer", "FusedChain", "LAYER_MODES", "TailElement"]
 
 #: What a layer of a chain keeps: its conv output (``recompute_bn``) or nothing (``recompute_conv``).
 LAYER_MODES = ("recompute_bn", "recompute_conv")
 
 
+#: one element of a layer's tail: an activation record, or the model's own module
+#: (an activation module, ``nn.PReLU``, a dropout module), read at every call
+TailElement = Union[Activation, nn.Module]
+
+
 @dataclass
 class ChainLayer:
-    """One fused Conv -> BN -> act inside a :class:`FusedChain`.
+    """One fused layer inside a :class:`FusedChain`: ``conv -> BN -> tail``.
+
+    Note: [layers of a chain]
+    A layer is an optional convolution, an optional BatchNorm and a *tail*: any sequence
+    of element-wise ops after the BN (activations, PReLU, dropout), recomputed in
+    backward. Three kinds of layer:
+
+    * an ordinary layer ``conv -> BN -> tail``;
+    * a *head* (pre-activation, layer 0 only): no convolution, ``BN -> tail``: its BN input
+      is the chain input ``x0`` itself (always kept), and the next conv's input is rebuilt
+      element-wise from ``x0`` in backward;
+    * an *end* (last layer only): a convolution with no BN, optionally a tail: the chain
+      ends at a conv output.
+
+    A PreAct-ResNet body ``BN1 -> ReLU -> conv1 -> BN2 -> ReLU -> conv2`` is one chain
+    ``[head(BN1, relu), (conv1, BN2, relu), (conv2, no BN)]``.
+
+    The tail is ``tail`` when given, else ``(act,)``: a single activation is the fast path
+    (in-place buffers in backward) and is normalised into ``act`` (give one of the two,
+    not both). Modules in the tail are the model's own (``nn.ReLU``, ``nn.PReLU``,
+    ``nn.Dropout`` ...): their ``training`` flag, ``p`` and weights are read at every call,
+    like the BatchNorm's (a dropout in eval mode or with ``p == 0`` is an identity).
 
     Attributes:
-        conv_owner: module holding the conv weight (and bias) as attributes.
+        conv_owner: module holding the conv weight (and bias) as attributes; ``None`` for a head.
         weight_name, bias_name: attribute names (``bias_name`` ``None`` without bias).
-        conv: the convolution's geometry.
-        bn: the BatchNorm module (read at every call: mode, momentum, running stats).
-        act: the fused activation.
-        mode: ``"recompute_bn"`` or ``"recompute_conv"``.
-        names: ``(conv, bn, activation)`` qualified names, for reports.
-        y_shape: conv output shape seen at the last call (for the planner).
+        conv: the convolution's geometry; ``None`` for a head.
+        bn: the BatchNorm module (read at every call: mode, momentum, running stats);
+            ``None`` for an end layer.
+        act: the fused activation when the tail is one activation (identity otherwise).
+        mode: ``"recompute_bn"`` or ``"recompute_conv"`` (what an ordinary layer keeps; a head
+            keeps nothing beyond ``x0``, an end layer without tail nothing at all).
+        names: qualified names for reports: ``(conv, bn, *one per tail element)`` (``""``
+            where absent).
+        y_shape: conv output (BN input) shape seen at the last call (for the planner).
         y_dtype: its dtype.
+        x_shape: the layer's input shape at the last call.
+        tail: the element-wise ops after the BN, in order (see above).
     """
 
-    conv_owner: nn.Module
-    weight_name: str
-    bias_name: Optional[str]
-    conv: ConvSpec
-    bn: _BatchNorm
-    act: Activation
+    conv_owner: Optional[nn.Module] = None
+    weight_name: str = "weight"
+    bias_name: Optional[str] = None
+    conv: Optional[ConvSpec] = None
+    bn: Optional[_BatchNorm] = None
+    act: Activation = Activation("identity")
     mode: str = "recompute_bn"
-    names: Tuple[str, str, str] = ("", "", "")
+    names: Tuple[str, ...] = ("", "", "")
     y_shape: Optional[Tuple[int, ...]] = None
     y_dtype: Optional[torch.dtype] = None
     x_shape: Optional[Tuple[int, ...]] = field(default=None)
+    tail: Tuple[TailElement, ...] = ()
+
+    def __post_init__(self) -> None:
+        if (self.conv is None) != (self.conv_owner is None):
+            raise ValueError("a ChainLayer has both conv and conv_owner (an ordinary or end layer) or neither (a head)")
+        if self.conv is None and self.bn is None:
+            raise ValueError("a ChainLayer needs a convolution, a BatchNorm or both, but got neither")
+        if self.mode not in LAYER_MODES:
+            raise ValueError(f"mode must be one of {LAYER_MODES}, but got mode={self.mode!r}")
+        tail = tuple(self.tail)
+        if tail and not self.act.is_identity:
+            raise ValueError(f"give the layer's activation as act or inside tail, not both (act={self.act}, tail={tail})")
+        for e in tail:
+            if not isinstance(e, Activation) and not (isinstance(e, nn.Module) and is_tail_module(e)):
+                raise TypeError(
+                    f"a tail element must be an Activation, an nn activation module, nn.PReLU or a dropout module, "
+                    f"but got {type(e).__name__}"
+                )
+        if len(tail) == 1 and isinstance(tail[0], Activation):
+            self.act, tail = tail[0], ()  # the single-activation fast path
+        self.tail = tail
 
     @property
-    def weight(self) -> Tensor:
-        return getattr(self.conv_owner, self.weight_name)
+    def is_head(self) -> bool:
+        """No convolution: the BN reads the chain input (layer 0 only)."""
+        return self.conv is None
+
+    @property
+    def is_end(self) -> bool:
+        """No BatchNorm: the chain ends at this conv's output (last layer only)."""
+        return self.bn is None
+
+    @property
+    def elements(self) -> Tuple[TailElement, ...]:
+        """The tail as given: ``tail``, or ``(act,)`` (empty for identity)."""
+        return self.tail if self.tail else (() if self.act.is_identity else (self.act,))
+
+    @property
+    def weight(self) -> Optional[Tensor]:
+        return None if self.conv_owner is None else getattr(self.conv_owner, self.weight_name)
 
     @property
     def bias(self) -> Optional[Tensor]:
-        return None if self.bias_name is None else getattr(self.conv_owner, self.bias_name)
+        return None if self.bias_name is None or self.conv_owner is None else getattr(self.conv_owner, self.bias_name)
+
+    def tail_params(self) -> List[Tensor]:
+        """The tail's parameters in order (each ``nn.PReLU``'s weight), read now."""
+        return [e.weight for e in self.tail if isinstance(e, nn.PReLU)]
 
     def y_bytes(self) -> int:
-        """Bytes of the conv output at the last call (0 before any call)."""
+        """Bytes of the conv output (BN input) at the last call (0 before any call)."""
         if self.y_shape is None or self.y_dtype is None:
             return 0
         n = 1
@@ -74,11 +147,31 @@ class ChainLayer:
             n *= s
         return n * torch.empty((), dtype=self.y_dtype).element_size()
 
-    def flops(self) -> int:
-        """Multiply-accumulates of the conv at the last call."""
-        if self.y_shape is None:
+    def keep_bytes(self) -> int:
+        """Bytes this layer keeps for backward in ``recompute_bn`` mode beyond the floor: its
+        conv output, except for a head (its BN input is ``x0``, always kept) and an end layer
+        without tail (its backward needs no conv output)."""
+        if self.is_head or (self.is_end and not self.elements):
             return 0
-        return conv_flops(self.y_shape, self.weight.shape, self.conv, self.x_shape)
+        return self.y_bytes()
+
+    def tail_kind(self) -> str:
+        """The tail's kind for the memory replay (:data:`convbn.autograd.chain_memory.ACT_KINDS`), now."""
+        act, tail = _tail_spec(self)
+        return layer_kind(ChainLayerSpec(self.conv, None if self.bn is None else _NO_BN, act, True, tail))
+
+    def parameters(self) -> List[Tensor]:
+        """The layer's parameters as the chain reads them now: conv weight and bias, BN weight
+        and bias, the tail's (``None`` entries left out)."""
+        ts = [self.weight, self.bias, *(() if self.bn is None else (self.bn.weight, self.bn.bias)), *self.tail_params()]
+        return [t for t in ts if t is not None]
+
+    def flops(self) -> int:
+        """Multiply-accumulates of the conv at the last call (0 for a head)."""
+        w = self.weight
+        if self.y_shape is None or w is None:
+            return 0
+        return conv_flops(self.y_shape, w.shape, self.conv, self.x_shape)  # type: ignore[arg-type]
 
 
 class FusedChain(nn.Module):
@@ -95,6 +188,11 @@ class FusedChain(nn.Module):
         super().__init__()
         if not layers:
             raise ValueError("a FusedChain needs at least one layer")
+        for i, l in enumerate(layers):
+            if l.is_head and i != 0:
+                raise ValueError(f"only a chain's first layer may have no convolution (a head), but layer {i} has none")
+            if l.is_end and i != len(layers) - 1:
+                raise ValueError(f"only a chain's last layer may have no BatchNorm (an end), but layer {i} has none")
         # Unregistered on purpose (see module docstring).
         object.__setattr__(self, "layers", list(layers))
         #: called once, on the first training call, with the layers (their shapes then known);
@@ -103,18 +201,23 @@ class FusedChain(nn.Module):
         self.plan_on_first_call: Optional[Callable[[Sequence[ChainLayer]], Sequence[bool]]] = None
         from ..autograd.chain_op import register_chain
 
-        self.op_key = register_chain([(l.conv, l.act, float(l.bn.eps)) for l in self.layers])
+        static = []
+        for l in self.layers:
+            act, tail = _tail_spec(l, static=True)
+            static.append((l.conv, act, None if l.bn is None else float(l.bn.eps), tail))
+        self.op_key = register_chain(static)
         # per layer, the model's modules whose own calls this chain replaces (see ``watch``)
-        object.__setattr__(self, "watched", [[l.bn] for l in self.layers])
+        object.__setattr__(self, "watched", [[m for m in (l.bn, *l.tail) if isinstance(m, nn.Module)]
+                                             for l in self.layers])
 
     layers: List[ChainLayer]
     watched: List[List[nn.Module]]
 
     def watch(self, modules: Sequence[Sequence[nn.Module]]) -> None:
-        """Per layer, the modules (conv, BatchNorm, activation) whose hooks must be honoured.
+        """Per layer, the modules (conv, BatchNorm, activation, tail modules) whose hooks must be honoured.
 
         Note: [hooks on fused modules]
-        A fused chain computes conv, BN and activation without calling those modules, so
+        A fused chain computes conv, BN and tail without calling those modules, so
         their hooks would be skipped. ``convert`` leaves hooked modules unfused; hooks
         registered *after* conversion are seen here at call time: the chain then runs its
         layers unfused, as eager modules (``_forward_eager``). Global module hooks (tracking
@@ -128,11 +231,14 @@ class FusedChain(nn.Module):
         return module_hooked(*(m for ms in self.watched for m in ms))
 
     def _forward_eager(self, x: Tensor) -> Tensor:
-        """The chain as eager modules: conv modules and BatchNorms are *called* (hooks run,
-        eager's own checks and bookkeeping apply), activations applied as eager does."""
+        """The chain as eager modules: conv modules, BatchNorms and tail modules are *called*
+        (hooks run, eager's own checks and bookkeeping apply, dropouts draw from the global
+        RNG), activation records applied as eager does."""
         for l, mods in zip(self.layers, self.watched):
             conv = next((m for m in mods if isinstance(m, (_ConvNd, nn.Linear)) and m is l.conv_owner), None)
-            if conv is not None and l.weight_name == "weight" and conv_spec_from_module(conv) == l.conv:
+            if l.conv is None:
+                y = x
+            elif conv is not None and l.weight_name == "weight" and conv_spec_from_module(conv) == l.conv:
                 y = conv(x)
             elif conv is not None and (conv._forward_pre_hooks or conv._forward_hooks or conv._backward_hooks):
                 raise RuntimeError(
@@ -140,9 +246,18 @@ class FusedChain(nn.Module):
                     "run as in eager; register the hooks before convbn.convert (it then leaves the layer unfused)"
                 )
             else:
-                y = conv_forward(l.conv.pad_input(x), l.weight, l.bias, l.conv)
-            z = l.bn(y)
-            act = next((m for m in mods if m is not l.bn and m is not conv), None)
+                w, b, dt = l.weight, l.bias, autocast_dtype(x)
+                if dt is not None:  # as autocast casts a conv module's operands
+                    x, w, b = x.to(dt), w.to(dt), (None if b is None else b.to(dt))  # type: ignore[union-attr]
+                y = conv_forward(l.conv.pad_input(x), w, b, l.conv)  # type: ignore[arg-type]
+            z = l.bn(y) if l.bn is not None else y
+            if l.tail:
+                for e in l.tail:
+                    z = e(z)
+                x = z
+                continue
+            in_tail = (l.bn, conv)
+            act = next((m for m in mods if all(m is not t for t in in_tail)), None)
             x = act(z) if act is not None else l.act(z)
         return x
 
@@ -153,7 +268,8 @@ class FusedChain(nn.Module):
         normalises those features only on ``(N, C)``: on ``(N, L, C)`` it would normalise
         over ``L``, another computation, which the chain then runs as eager does.
         """
-        return any(l.conv.is_linear for l in self.layers) and any(l.conv.dims + 2 != input.dim() for l in self.layers)
+        convs = [l.conv for l in self.layers if l.conv is not None]
+        return any(c.is_linear for c in convs) and any(c.dims + 2 != input.dim() for c in convs)
 
     def forward(self, input: Tensor) -> Tensor:
         if input.numel() == 0 or self._hooked() or self._linear_on_other_shape(input):
@@ -167,22 +283,38 @@ class FusedChain(nn.Module):
     def _forward_fused(self, input: Tensor) -> Tensor:
         layers = self.layers
         first = layers[0]
-        stats = [bn_running_stats(l.bn) for l in layers]
-        specs0 = [bn_spec_from_module(l.bn) for l in layers]
+        tails = [_tail_spec(l) for l in layers]
+        dropout = any(isinstance(op, DropoutOp) for _, t in tails for op in t)
+        dt = autocast_dtype(input)  # autocast: every conv's operands cast as eager autocast would
+        if (dt is not None and first.is_head) or (dropout and torch.compiler.is_compiling()):
+            # A head's BN runs on the un-cast input under autocast; a dropout's RNG replay is
+            # not reproduced by a compiled graph (Note: [why a custom op under torch.compile]).
+            return self._forward_eager(input)
+        stats = [bn_running_stats(l.bn) if l.bn is not None else (None, None) for l in layers]
+        specs0 = [bn_spec_from_module(l.bn) if l.bn is not None else None for l in layers]
         # Check every layer before any running statistic moves (a failing call changes nothing).
-        compute_dtype = autocast_dtype(input) or input.dtype  # what the conv outputs will be
+        compute_dtype = dt or input.dtype  # what the conv outputs will be
         shape: Sequence[int] = input.shape
-        check_inputs(input, first.weight, first.conv, specs0[0], (first.bias, first.bn.weight, first.bn.bias, *stats[0]))
+        if first.is_head:
+            _check_head_input(input, first, stats[0])
+            if len(layers) > 1 and layers[1].conv is not None:
+                second = layers[1]
+                check_inputs(input, second.weight, second.conv, specs0[1] or _NO_BN,  # type: ignore[arg-type]
+                             (second.bias, *second.tail_params(), *_bn_tensors(second)))
+        else:
+            check_inputs(input, first.weight, first.conv, specs0[0] or _NO_BN,  # type: ignore[arg-type]
+                         (first.bias, *first.tail_params(), *_bn_tensors(first)))
         for l, spec in zip(layers, specs0):
             l.x_shape = tuple(shape)
-            shape = conv_output_shape(shape, l.weight.shape, l.conv)
-            if any(s <= 0 for s in shape[2:]):
-                raise RuntimeError(f"input of shape {tuple(input.shape)} is too small for {l.names[0]}: output {tuple(shape)}")
-            if spec.batch_stats and spec.process_group is None and shape[0] * _prod(shape[2:]) == 1:
+            if l.conv is not None:
+                shape = conv_output_shape(shape, l.weight.shape, l.conv)  # type: ignore[union-attr]
+                if any(s <= 0 for s in shape[2:]):
+                    raise RuntimeError(f"input of shape {tuple(input.shape)} is too small for {l.names[0]}: output {tuple(shape)}")
+            if spec is not None and spec.batch_stats and spec.process_group is None and shape[0] * _prod(shape[2:]) == 1:
                 raise ValueError(
                     f"Expected more than 1 value per channel when training, got input size {torch.Size(shape)} at {l.names[1]}"
                 )
-            l.y_shape, l.y_dtype = tuple(shape), compute_dtype
+            l.y_shape, l.y_dtype = tuple(shape), compute_dtype if l.conv is not None else input.dtype
         if self.plan_on_first_call is not None and torch.is_grad_enabled():
             keeps = list(self.plan_on_first_call(layers))
             if len(keeps) != len(layers):
@@ -190,33 +322,92 @@ class FusedChain(nn.Module):
             for l, k in zip(layers, keeps):
                 l.mode = "recompute_bn" if k else "recompute_conv"
             self.plan_on_first_call = None
-        bn_specs = [bn_spec_from_module(l.bn, advance=True) for l in layers]
-        # autocast: every conv's operands cast as eager autocast would (no-op when it is off)
-        dt = autocast_dtype(input)
+        bn_specs = [bn_spec_from_module(l.bn, advance=True) if l.bn is not None else None for l in layers]
         x = input if dt is None else input.to(dt)
         params: List[Optional[Tensor]] = []
         for l in layers:
-            w, b = l.weight, l.bias
-            if dt is not None:
-                w, b = w.to(dt), (None if b is None else b.to(dt))
-            params += [w, b, l.bn.weight, l.bn.bias]
+            if l.conv is not None:
+                w, b = l.weight, l.bias
+                if dt is not None:
+                    w, b = w.to(dt), (None if b is None else b.to(dt))  # type: ignore[union-attr]
+                params += [w, b]
+            if l.bn is not None:
+                params += [l.bn.weight, l.bn.bias]
+            # autocast runs prelu in the lower precision too: its weight is cast like a conv's
+            params += l.tail_params() if dt is None else [t.to(dt) for t in l.tail_params()]
         dev = input.device.type
         specs = tuple(
-            ChainLayerSpec(l.conv, bs, l.act, l.mode != "recompute_conv") for l, bs in zip(layers, bn_specs)
+            ChainLayerSpec(l.conv, bs, act, l.mode != "recompute_conv", tail)
+            for l, bs, (act, tail) in zip(layers, bn_specs, tails)
         )
         with torch.autocast(dev, enabled=False) if dev in ("cpu", "cuda") else nullcontext():
-            x = first.conv.pad_input(x)
+            if first.conv is not None:
+                x = first.conv.pad_input(x)
             if not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, *params))):
                 return chain_forward_no_grad(x, params, specs, stats)
-            if torch.compiler.is_compiling() and not any(s.bn.process_group is not None for s in specs):
+            if torch.compiler.is_compiling() and not any(s.bn is not None and s.bn.process_group is not None
+                                                         for s in specs):
                 from ..autograd.chain_op import chain_op_apply  # Note: [why a custom op under torch.compile]
 
                 return chain_op_apply(self.op_key, x, params, specs, stats)
             return ChainFunction.apply(x, *params, specs, tuple(stats))
 
     def extra_repr(self) -> str:
-        rows = [f"({i}) {l.names[0]} -> {l.names[1]} -> {l.act}: {l.mode}" for i, l in enumerate(self.layers)]
+        rows = []
+        for i, l in enumerate(self.layers):
+            tail = " -> ".join(str(e) if isinstance(e, Activation) else type(e).__name__ for e in l.tail) or str(l.act)
+            parts = [p for p in (l.names[0], l.names[1] if l.bn is not None else "", tail) if p]
+            kind = " (head)" if l.is_head else " (end)" if l.is_end else ""
+            rows.append(f"({i}) {' -> '.join(parts)}: {l.mode}{kind}")
         return "\n".join(rows)
+
+
+#: stands in for a missing BN in input checks (an end layer normalises nothing)
+_NO_BN = BNSpec(1e-5, False, 0.0)
+
+
+def _bn_tensors(l: ChainLayer) -> List[Optional[Tensor]]:
+    if l.bn is None:
+        return []
+    return [l.bn.weight, l.bn.bias, *bn_running_stats(l.bn)]
+
+
+def _check_head_input(x: Tensor, head: ChainLayer, stats: Tuple[Optional[Tensor], Optional[Tensor]]) -> None:
+    """The checks eager's BatchNorm makes on a head's input (it is the chain input)."""
+    bn = head.bn
+    assert bn is not None  # a head has a BN (ChainLayer checks it)
+    if not isinstance(x, Tensor):
+        raise TypeError(f"input must be a Tensor, but got {type(x).__name__}")
+    bn._check_input_dim(x)  # type: ignore[operator]  # eager's own rank check and message
+    if x.shape[1] != bn.num_features:
+        raise RuntimeError(
+            f"expected input of shape {tuple(x.shape)} to have {bn.num_features} channels for {head.names[1] or 'the BatchNorm'}, "
+            f"but got {x.shape[1]} channels instead"
+        )
+    for t in (bn.weight, bn.bias, *stats, *head.tail_params()):
+        if t is not None and t.device != x.device:
+            raise RuntimeError(
+                f"input is on {x.device} but a weight/buffer is on {t.device}; move the module with "
+                f".to({x.device}) or the input with .to({t.device})"
+            )
+
+
+def _tail_spec(l: ChainLayer, static: bool = False) -> Tuple[Activation, Tuple[TailOp, ...]]:
+    """The layer's tail for this call as ``(act, tail)``: a lone activation takes the fast path
+    (``act``), anything else is a general tail; identities (eval / ``p == 0`` dropouts) drop out.
+    ``static``: the structure registered for the compiled path (every dropout left out)."""
+    ops: List[TailOp] = []
+    for e in l.elements:
+        if static and isinstance(e, nn.Module) and not isinstance(e, nn.PReLU) and activation_from_module(e) is None:
+            continue  # a dropout: the compiled path only runs chains whose dropouts are identities
+        op = tail_op_from_module(e)
+        if op is not None:
+            ops.append(op)
+    if not ops:
+        return Activation("identity"), ()
+    if len(ops) == 1 and isinstance(ops[0], Activation):
+        return ops[0], ()
+    return Activation("identity"), tuple(ops)
 
 
 def _prod(xs: Sequence[int]) -> int:

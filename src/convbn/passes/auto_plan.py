@@ -10,7 +10,6 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from torch import Tensor, nn
 
-from ..functional.activations import Activation
 from ..memory import saved_bytes, timeline
 from ..nn.chain import ChainLayer, FusedChain
 from .planner import ChainCost, chain_backward_peak, plan_for_peak, plan_layers, plan_on_first_call, step_peak, tutorial_bytes
@@ -40,10 +39,6 @@ def measure_saved(model: nn.Module, inputs: Tuple[Any, ...]) -> int:
 
 def _chain_layers(model: nn.Module) -> List[List[ChainLayer]]:
     return [m.layers for m in model.modules() if isinstance(m, FusedChain)]
-
-
-def _act_kind(act: Activation) -> str:
-    return "identity" if act.is_identity else "output" if act.output_derivable else "smooth"
 
 
 def _chain_costs(converted: nn.Module, inputs: Tuple[Any, ...]) -> Tuple[List[FusedChain], List[ChainCost], int]:
@@ -86,9 +81,11 @@ def _chain_costs(converted: nn.Module, inputs: Tuple[Any, ...]) -> Tuple[List[Fu
             y_bytes=tuple(l.y_bytes() for l in c.layers),
             x_bytes=tuple(_bytes_of_shape(l.x_shape, l) for l in c.layers),
             macs=tuple(l.flops() for l in c.layers),
-            acts=tuple(_act_kind(l.act) for l in c.layers),
+            acts=tuple(l.tail_kind() for l in c.layers),
             prefix=prefix[names[id(c)]],
             w_bytes=tuple(_layer_param_bytes(l) for l in c.layers),
+            head=c.layers[0].is_head,
+            end=c.layers[-1].is_end,
         )
         for c in chains
     ]
@@ -137,8 +134,8 @@ def _chain_param_bytes(chain: FusedChain) -> int:
 
 
 def _layer_param_bytes(layer: ChainLayer) -> int:
-    ts = (layer.weight, layer.bias, layer.bn.weight, layer.bn.bias)
-    return sum(t.numel() * t.element_size() for t in ts if t is not None and t.requires_grad)
+    """Bytes of the gradients one layer's parameters get (conv, BN and tail parameters)."""
+    return sum(t.numel() * t.element_size() for t in layer.parameters() if t.requires_grad)
 
 
 def _bytes_of_shape(shape: Optional[Sequence[int]], layer: ChainLayer) -> int:
@@ -195,7 +192,7 @@ def plan_auto(original: nn.Module, converted: nn.Module, inputs: Tuple[Any, ...]
     report.predicted_peak_where = "end of forward" if where < 0 else (
         f"backward, in {names.get(id(ordered[where]), '?')!r} ({ordered[where].layers[0].names[0]} ...)")
     report.target_saved_bytes = floor + extra
-    report.saved_bytes = floor + sum(l.y_bytes() for l in layers if l.mode == "recompute_bn")
+    report.saved_bytes = floor + sum(l.keep_bytes() for l in layers if l.mode == "recompute_bn")
 
 
 def measure_peak(model: nn.Module, inputs: Tuple[Any, ...]) -> Any:

@@ -73,8 +73,9 @@ def tutorial_bytes(chains: Sequence[Sequence["ChainLayer"]]) -> int:
 
 
 def all_keep_bytes(chains: Sequence[Sequence["ChainLayer"]]) -> int:
-    """Bytes on top of the floor when every layer keeps its conv output."""
-    return sum(l.y_bytes() for chain in chains for l in chain)
+    """Bytes on top of the floor when every layer keeps its conv output (a head's BN input is
+    the chain input, in the floor; an end layer without tail needs none: see ``keep_bytes``)."""
+    return sum(l.keep_bytes() for chain in chains for l in chain)
 
 
 def plan(y_bytes: Sequence[int], macs: Sequence[int], budget: int) -> List[bool]:
@@ -128,7 +129,7 @@ def plan_layers(layers: Sequence["ChainLayer"], extra_budget: int) -> List[bool]
     Returns:
         One keep flag per layer (``True``: ``recompute_bn``, ``False``: ``recompute_conv``).
     """
-    return plan([l.y_bytes() for l in layers], [l.flops() for l in layers], extra_budget)
+    return plan([l.keep_bytes() for l in layers], [l.flops() for l in layers], extra_budget)
 
 
 def plan_on_first_call(layers: Sequence["ChainLayer"]) -> List[bool]:
@@ -157,6 +158,10 @@ class ChainCost:
             gradients of the parameters used after it.
         w_bytes: each layer's parameter-gradient bytes, made during the chain's backward
             and held until it returns (empty: not counted).
+        head: layer 0 has no conv: its BN input (``y_bytes[0]``) is the chain input, always
+            kept and in the floor; it recomputes nothing.
+        end: the last layer has no BN: without a tail (kind ``"identity"``) it keeps nothing
+            whatever its flag.
     """
 
     y_bytes: Tuple[int, ...]
@@ -165,6 +170,14 @@ class ChainCost:
     acts: Tuple[str, ...]
     prefix: int = 0
     w_bytes: Tuple[int, ...] = ()
+    head: bool = False
+    end: bool = False
+
+    def kept_bytes(self, keep: Sequence[bool]) -> int:
+        """Bytes the chain keeps above the floor under ``keep``."""
+        k = len(self.y_bytes)
+        return sum(y for i, (y, f) in enumerate(zip(self.y_bytes, keep))
+                   if f and not (self.head and i == 0) and not (self.end and i == k - 1 and self.acts[i] == "identity"))
 
 
 def chain_backward_peak(cost: ChainCost, keep: Sequence[bool]) -> Tuple[int, int]:
@@ -178,8 +191,8 @@ def chain_backward_peak(cost: ChainCost, keep: Sequence[bool]) -> Tuple[int, int
         ``(peak_bytes, layer)``: the peak and the layer whose backward reaches it.
     """
     # the drops the backward itself chooses (it does not count parameter gradients)
-    drop = choose_drops(cost.y_bytes, cost.x_bytes, keep, cost.acts)
-    return replay(cost.y_bytes, cost.x_bytes, keep, cost.acts, drop, cost.w_bytes or None)
+    drop = choose_drops(cost.y_bytes, cost.x_bytes, keep, cost.acts, cost.head, cost.end)
+    return replay(cost.y_bytes, cost.x_bytes, keep, cost.acts, drop, cost.w_bytes or None, cost.head, cost.end)
 
 
 def step_peak(costs: Sequence[ChainCost], keeps: Sequence[Sequence[bool]], floor: int,
@@ -191,7 +204,7 @@ def step_peak(costs: Sequence[ChainCost], keeps: Sequence[Sequence[bool]], floor
     Returns:
         ``(peak_bytes, where)``: ``where`` is ``-1`` for the end of forward, else the chain index.
     """
-    kept = [sum(y for y, f in zip(c.y_bytes, kp) if f) for c, kp in zip(costs, keeps)]
+    kept = [c.kept_bytes(kp) for c, kp in zip(costs, keeps)]
     best, where = floor + sum(kept), -1
     before = 0
     for j, (c, kp) in enumerate(zip(costs, keeps)):
@@ -243,7 +256,7 @@ def chain_options(cost: ChainCost, exhaustive: int = 10) -> List[ChainOption]:
         plans = set(cuts) | {tuple(f != (i == j) for i, f in enumerate(c)) for c in cuts for j in range(k)}
     opts = []
     for kp in sorted(plans):
-        opts.append(ChainOption(kp, sum(y for y, f in zip(cost.y_bytes, kp) if f), chain_backward_peak(cost, kp)[0],
+        opts.append(ChainOption(kp, cost.kept_bytes(kp), chain_backward_peak(cost, kp)[0],
                                 sum(m for m, f in zip(cost.macs, kp) if not f)))
     opts.sort(key=lambda o: (o.kept, o.own, o.recompute))
     kept: List[ChainOption] = []

@@ -30,7 +30,7 @@ class FusedPair:
     @property
     def kept_bytes(self) -> int:
         """Bytes this layer keeps for backward beyond the chain input (its conv output, if kept)."""
-        return self.layer.y_bytes() if self.layer.mode == "recompute_bn" else 0
+        return self.layer.keep_bytes() if self.layer.mode == "recompute_bn" else 0
 
     @property
     def extra_flops(self) -> int:
