@@ -467,10 +467,14 @@ def test_planner_counts_what_head_and_end_layers_keep() -> None:
     floor = saved_bytes(fused, x).activation_bytes
     layers = fused.chain.layers
     assert all_keep_bytes([layers]) == _nbytes((3, 5, 6, 5), torch.float32)
-    used = plan_layers(layers, all_keep_bytes([layers]))
-    assert used == all_keep_bytes([layers]) and layers[1].mode == "recompute_bn"
+    keep = plan_layers(layers, all_keep_bytes([layers]))  # pure: flags out, layers unchanged
+    assert keep[1] and all(l.mode == "recompute_conv" for l in layers)
+    for l, k in zip(layers, keep):
+        l.mode = "recompute_bn" if k else "recompute_conv"
+    used = sum(l.keep_bytes() for l, k in zip(layers, keep) if k)
+    assert used == all_keep_bytes([layers])
     assert saved_bytes(fused, x).activation_bytes == floor + used
-    assert plan_layers(layers, 0) == 0 and layers[1].mode == "recompute_conv"
+    assert not plan_layers(layers, 0)[1]
 
 
 @pytest.mark.parametrize("end_tail", [False, True])
