@@ -310,19 +310,19 @@ def _conv_reading(out: fx.Node, gm: fx.GraphModule, root: nn.Module, prefix: str
     through a zero padding it absorbs), with its qualified name; else why not."""
     users = value_users(out)
     if not users:
-        return "nothing reads its output"
+        return "nothing reads the value"
     if len(users) > 1:
-        return "its output is read by " + ", ".join(describe_node(u) for u in users)
+        return "the value is read by " + ", ".join(describe_node(u) for u in users)
     user = cand = users[0]
     if _zero_pad_of(user, gm) is not None and len(user.users) == 1:
         cand = next(iter(user.users))
     found = _match_conv(cand, gm, root)
     if found is None:
-        return f"{describe_node(user)} reads its output, not a convolution"
+        return f"{describe_node(user)} reads the value, not a convolution"
     if isinstance(found, str):
         return found
     if found.input is not out:
-        return f"{describe_node(cand)} reads its output, but not as the convolution's input"
+        return f"{describe_node(cand)} reads the value, but not as the convolution's input"
     if found.spec.pre_pad_mode != "constant":
         return (f"the convolution {prefix}{found.name} pads its input with mode {found.spec.pre_pad_mode!r}, "
                 "which only a chain's first convolution can do")
@@ -334,7 +334,7 @@ def _match_head(site: BNSite, tail: TailMatch, gm: fx.GraphModule, root: nn.Modu
                 chain: bool) -> Union[MatchedLayer, str]:
     """``site`` as a pre-activation head (BN -> tail -> conv), or why it is not one."""
     out = tail.out(site.node)
-    after = f" after {tail_label(tail.ops)}" if tail.ops else ""
+    after = f" after {tail_label(tail.ops)}," if tail.ops else ""
     conv = _conv_reading(out, gm, root, prefix)
     if isinstance(conv, str):
         why = f"it does not start a pre-activation chain (BN -> element-wise ops -> conv):{after} {conv}"

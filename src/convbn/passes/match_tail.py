@@ -53,6 +53,8 @@ def describe_node(node: fx.Node) -> str:
         return f"function {getattr(node.target, '__name__', node.target)}"
     if node.op == "call_method":
         return f"method .{node.target}()"
+    if node.op == "output":
+        return "the graph's output"
     return f"{node.op} {node.target}"
 
 
@@ -278,6 +280,7 @@ def match_tail(start: fx.Node, root: nn.Module, prefix: str = "") -> TailMatch:
     """
     found = TailMatch()
     cur = start
+    marks: List[int] = []  # len(found.shape_uses) before each op
     while True:
         users = value_users(cur)
         step: Union[TailOpMatch, str, None] = None
@@ -294,7 +297,20 @@ def match_tail(start: fx.Node, root: nn.Module, prefix: str = "") -> TailMatch:
         if isinstance(step, str):
             found.stop = found.blocked = step
         if not isinstance(step, TailOpMatch):
-            return found
+            break
+        marks.append(len(found.shape_uses))
         found.shape_uses += [u for u in cur.users if is_shape_use(u, cur)]
         found.ops.append(step)
         cur = step.node
+    # A trailing nn.Identity stays in the graph: it computes nothing, a conv after it absorbs it
+    # (as it absorbs zero padding), and a model whose BatchNorm-act module ends in an identity
+    # keeps the usual chain links.
+    while found.ops and _is_identity_module(found.ops[-1].element):
+        found.ops.pop()
+        del found.shape_uses[marks.pop():]
+    return found
+
+
+def _is_identity_module(e: TailElement) -> bool:
+    act = None if isinstance(e, Activation) else activation_from_module(e)
+    return act is not None and act.is_identity
