@@ -272,11 +272,14 @@ def match_tail(start: fx.Node, root: nn.Module, prefix: str = "") -> TailMatch:
         output but the last (they are re-pointed to the chain's output, which has the same
         shape), and why the walk stopped.
 
-    Example::
-
-        >>> tail = match_tail(bn_node, model)
-        >>> tail_label(tail.ops)
-        'dropout(0.1) -> prelu'
+    Example:
+        >>> import torch.fx as fx
+        >>> net = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.Dropout(0.1), nn.PReLU(), nn.Conv2d(4, 4, 1))
+        >>> gm = fx.symbolic_trace(net)
+        >>> bn = next(n for n in gm.graph.nodes if n.target == "1")
+        >>> tail = match_tail(bn, net)
+        >>> tail_label(tail.ops), tail.stop
+        ('dropout(0.1) -> prelu', "module '4' stands there, which is not an element-wise op convbn recomputes")
     """
     found = TailMatch()
     cur = start
