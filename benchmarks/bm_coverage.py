@@ -170,10 +170,10 @@ def markdown(rows: List[Row], command: str) -> str:
                      f"{r.peak_ratio:.2f}x | {r.top_reason} |")
     tot = sum(r.bns for r in rows)
     if tot:
-        fx_rows = [r for r in rows if r.fx_fused is not None]
-        lines.append(f"| **all** | {tot} | {sum(r.fused for r in rows)} ({sum(r.fused for r in rows) / tot:.0%}) | "
-                     f"{sum(r.ends for r in rows)} | {sum(r.folded for r in rows)} ({sum(r.folded for r in rows) / tot:.0%}) | "
-                     f"{sum(r.fx_fused or 0 for r in fx_rows)} of {sum(r.bns for r in fx_rows)} traced | | | |")
+        fused, folded = sum(r.fused for r in rows), sum(r.folded for r in rows)
+        fx_total = sum(r.fx_fused or 0 for r in rows)  # a model that does not trace counts 0
+        lines.append(f"| **all** | {tot} | {fused} ({fused / tot:.0%}) | {sum(r.ends for r in rows)} | "
+                     f"{folded} ({folded / tot:.0%}) | {fx_total} ({fx_total / tot:.0%}) | | | |")
     return "\n".join(lines)
 
 
