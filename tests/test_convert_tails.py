@@ -266,3 +266,32 @@ def test_hook_on_tail_module_after_convert_runs() -> None:
     eager.t1["d"].register_forward_hook(lambda mod, i, o: None)
     assert_same_training(eager, fast, inp(2, 3, 6, 6))
     assert len(seen) == 2
+
+
+class HeadThroughFunctionalPReLU(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.b, self.c = nn.BatchNorm2d(3), nn.Conv2d(3, 3, 3, padding=1)
+        self.w = nn.Parameter(torch.full((1,), 0.25))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.c(F.prelu(self.b(x), self.w))
+
+
+class HeadThroughClamp(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.b, self.c = nn.BatchNorm2d(3), nn.Conv2d(3, 3, 3, padding=1)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.c(torch.clamp(self.b(x), 0.0, 6.0))
+
+
+@pytest.mark.parametrize("factory, words", [(HeadThroughFunctionalPReLU, "use nn.PReLU"),
+                                            (HeadThroughClamp, "use F.relu6 / nn.ReLU6")])
+def test_unsupported_elementwise_op_is_named_with_the_fix(factory: Callable[[], nn.Module], words: str) -> None:
+    eager, fast = convert_pair(factory, strategy="recompute_bn")
+    (skip,) = fast.convbn_report.skipped
+    assert "the element-wise ops stop at function" in skip.reason and words in skip.reason, skip.reason
+    assert not fast.convbn_report.pairs
+    assert_same_training(eager, fast, inp(2, 3, 6, 6))

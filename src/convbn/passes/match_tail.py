@@ -116,6 +116,17 @@ _DROPOUT_FUNCS: Dict[Any, Tuple[type, str, bool, bool]] = {
     torch.feature_alpha_dropout_: (nn.FeatureAlphaDropout, "train", True, True),
 }
 
+#: element-wise ops a tail does not take, with the reason a user can act on
+_UNSUPPORTED: Dict[Any, str] = {
+    **{f: "a functional PReLU: only nn.PReLU modules are fused (their weight is read at each call); "
+          "use nn.PReLU" for f in (F.prelu, torch.prelu)},
+    **{f: "RReLU draws a random slope per element in training, which the chain does not replay; use "
+          "nn.LeakyReLU" for f in (F.rrelu, F.rrelu_, torch.rrelu, torch.rrelu_)},
+    **{f: "a threshold other than ReLU's has no recompute rule in convbn.ACTIVATIONS"
+       for f in (F.threshold, F.threshold_, torch.threshold, torch.threshold_)},
+    **{f: "clamp's gradient at the bounds differs from hardtanh's (ReLU6), so it is not recomputed as one; "
+          "use F.relu6 / nn.ReLU6" for f in (torch.clamp, torch.clamp_, torch.clip)},
+}
 _SIGMOIDS = {torch.sigmoid, F.sigmoid}
 _MULS = {operator.mul, torch.mul}
 
@@ -238,6 +249,8 @@ def _match_op(node: fx.Node, src: fx.Node, root: nn.Module, prefix: str) -> Unio
         if act is None:
             return f"{describe_node(node)} with these bounds is not an activation convbn knows"
         return TailOpMatch(act, node)
+    if node.op == "call_function" and node.target in _UNSUPPORTED:
+        return f"{describe_node(node)} ({_UNSUPPORTED[node.target]})"
     if node.op == "call_method" and node.target in _ACT_METHODS and len(node.args) == 1 and not node.kwargs:
         return TailOpMatch(Activation(_ACT_METHODS[str(node.target)]), node)
     found = _functional_dropout(node)
