@@ -87,6 +87,7 @@ DOCUMENTED_MODULES = [
     "convbn.memory.saved",
     "convbn.memory.peaks",
     "convbn.memory.timelines",
+    "convbn.passes.match_tail",
 ]
 
 

@@ -509,9 +509,11 @@ def test_monai_unet_transposed_batchnorms_fused(num_res_units: int, strategy: st
     nets = pytest.importorskip("monai.networks.nets")
     torch.manual_seed(0)
     eager = randomise(nets.UNet(spatial_dims=2, in_channels=1, out_channels=2, channels=(4, 8, 16), strides=(2, 2),
-                                num_res_units=num_res_units, norm="batch"))
-    x = torch.randn(2, 1, 16, 16)
-    fast = _convert_and_train(eager, x, strategy, dict(rtol=1e-4, atol=1e-5), example_inputs=x)
+                                num_res_units=num_res_units, norm="batch")).double()
+    x = torch.randn(2, 1, 16, 16, dtype=torch.float64)
+    # float64 at 1e-10: with the residual units' PReLU tails fused, float32 rounding (amplified
+    # by BatchNorms over 2x4x4 values and SGD steps) is no longer bit-comparable at 1e-5
+    fast = _convert_and_train(eager, x, strategy, TOL64, example_inputs=x)
     report = fast.convbn_report
     transposed = {n for n, m in eager.named_modules() if isinstance(m, nn.modules.conv._ConvNd) and m.transposed}
     fused_after_transposed = [p for p in report.pairs if p.conv in transposed]
@@ -520,7 +522,7 @@ def test_monai_unet_transposed_batchnorms_fused(num_res_units: int, strategy: st
     assert {p.conv for p in fused_after_transposed} == expected and expected
     assert not report.skipped, report.skipped
     bns = [n for n, m in eager.named_modules() if isinstance(m, nn.BatchNorm2d)]
-    assert sorted(p.bn for p in report.pairs) == sorted(bns)
+    assert sorted(p.bn for p in report.pairs if p.bn) == sorted(bns)  # chain ends have no BN
     assert report.saved_bytes < report.eager_saved_bytes
 
 

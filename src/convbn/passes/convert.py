@@ -72,7 +72,7 @@ def _convert(module: nn.Module, prefix: str, mode: str, chain: bool, inplace: bo
         new = _convert(sub, f"{prefix}{name}.", mode, chain, inplace, report, lazy)
         if new is not sub:
             replaced.append((name, new))
-    layers = drop_hooked(find_layers(gm, module, prefix, report), gm, report)
+    layers = drop_hooked(find_layers(gm, module, prefix, report, chain), gm, report)
     if not layers:
         if not replaced:
             return module
@@ -80,7 +80,7 @@ def _convert(module: nn.Module, prefix: str, mode: str, chain: bool, inplace: bo
         for name, new in replaced:
             set_submodule(target, name, new, inplace)
         return target
-    chains = group_chains(layers, chain)
+    chains = group_chains(layers, chain, report)
     before = [n for n, _ in gm.named_children()]
     out = rewrite_chains(module, gm, chains, mode, report)
     watch_hooks(out, chains, before)

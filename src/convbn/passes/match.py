@@ -1,16 +1,18 @@
-"""Matching: find Conv -> BatchNorm (-> activation) layers in a traced graph, and group them into chains.
+"""Matching: find Conv -> BatchNorm -> tail layers (and pre-activation heads and conv ends)
+in a traced graph, and group them into chains.
 
 Input: a ``torch.fx`` graph traced with :class:`MatchTracer` (convolutions with the standard
-forward, BatchNorms and convbn's own modules are leaves). Output: :class:`MatchedLayer`
-records (conv node and geometry, BatchNorm node and module, the activation and the nodes it
-spans) and, for every BatchNorm that is not matched, a :class:`~convbn.passes.report.SkippedBN`
-with the reason. :func:`group_chains` groups consecutive matched layers into chains; the
-rewrite (:mod:`convbn.passes.rewrite`) replaces each chain by one fused module.
+forward, BatchNorms and convbn's own modules are leaves) and its BatchNorm sites
+(:mod:`convbn.passes.bn_sites`). Output: :class:`MatchedLayer` records (conv node and
+geometry, BatchNorm node and module, the tail of element-wise ops found by
+:mod:`convbn.passes.match_tail`) and, for every BatchNorm that is not matched, a
+:class:`~convbn.passes.report.SkippedBN` with the reason. :func:`group_chains` groups
+consecutive matched layers into chains; the rewrite (:mod:`convbn.passes.rewrite`)
+replaces each chain by one fused module.
 """
 from __future__ import annotations
 
 import dataclasses
-import operator
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
@@ -21,15 +23,16 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.conv import _ConvNd
 
-from ..functional.activations import Activation, activation_from_module
 from ..functional.conv import ConvSpec, conv_out_channels, conv_spec_from_module, make_conv_spec, make_linear_spec
 from ..nn.chain import FusedChain
 from ..nn.fused import _FusedConvBNNd
-from .bn_sites import find_bn_sites
+from .bn_sites import BNSite, find_bn_sites
+from .match_tail import TailMatch, TailOpMatch, describe_node, match_tail, node_arg, tail_label
 from .report import ConvertReport, SkippedBN
 from .shape_uses import is_shape_use, value_users
 
-__all__ = ["MatchTracer", "MatchedConv", "MatchedLayer", "find_layers", "group_chains", "node_arg", "describe_node"]
+__all__ = ["MatchTracer", "MatchedConv", "MatchedLayer", "find_layers", "group_chains", "head_input", "node_arg",
+           "describe_node"]
 
 _STD_CONV_FORWARDS = {nn.Conv1d.forward, nn.Conv2d.forward, nn.Conv3d.forward,
                       nn.ConvTranspose1d.forward, nn.ConvTranspose2d.forward, nn.ConvTranspose3d.forward}
@@ -71,24 +74,72 @@ class MatchedConv:
 
 @dataclass
 class MatchedLayer:
-    conv: MatchedConv
-    bn_node: fx.Node
-    bn: _BatchNorm
+    """One fused layer found in the graph: ``[conv] -> [BN] -> tail``.
+
+    Note: [matched layers and chains]
+    Three kinds, as in :class:`convbn.nn.chain.ChainLayer` (Note: [layers of a chain]):
+
+    * ordinary: a conv whose output only the BN reads, the BN, and its tail;
+    * *head* (``conv is None``): a BN whose input is not a fusable conv output but whose
+      tail output only a conv reads (pre-activation: BN -> act -> conv). Its input, the
+      chain input, is :attr:`input` (found in one place, :func:`head_input`);
+    * *end* (``bn_node is None``): a conv reading only the previous layer's output with no
+      BN after it; the chain ends at its output.
+
+    :func:`group_chains` links a layer to the one whose output its conv reads; a head only
+    starts a chain, an end only ends one, and a head that ends up alone is not fused.
+    """
+
+    conv: Optional[MatchedConv]
+    bn_node: Optional[fx.Node]
+    bn: Optional[_BatchNorm]
     bn_name: str
-    act: Activation
-    act_node: Optional[fx.Node]
-    act_extra: Tuple[fx.Node, ...] = ()  # e.g. the sigmoid of x * sigmoid(x)
-    shape_uses: Tuple[fx.Node, ...] = ()  # x.shape / x.ndim / x.size() of the conv or BN output
+    tail: Tuple[TailOpMatch, ...] = ()
+    shape_uses: Tuple[fx.Node, ...] = ()  # x.shape / x.ndim / x.size() of the conv, BN or inner tail outputs
+    head_input: Optional[fx.Node] = None  # a head's chain input
+
+    @property
+    def is_head(self) -> bool:
+        return self.conv is None
+
+    @property
+    def is_end(self) -> bool:
+        return self.bn_node is None
+
+    @property
+    def input(self) -> fx.Node:
+        """The node the layer reads: its conv's input, or a head's chain input."""
+        if self.conv is not None:
+            return self.conv.input
+        assert self.head_input is not None  # a head always has one (find_layers)
+        return self.head_input
+
+    @property
+    def first(self) -> fx.Node:
+        """The layer's first node in the graph (the chain call goes before it)."""
+        return self.conv.node if self.conv is not None else self.bn_node  # type: ignore[return-value]
 
     @property
     def out(self) -> fx.Node:
-        return self.act_node if self.act_node is not None else self.bn_node
+        if self.tail:
+            return self.tail[-1].node
+        return self.bn_node if self.bn_node is not None else self.conv.node  # type: ignore[union-attr]
 
+    @property
+    def activation(self) -> str:
+        """The tail as text (``relu``, ``dropout(0.1) -> prelu``, ``identity``)."""
+        return tail_label(list(self.tail))
 
-def node_arg(node: fx.Node, i: int, name: str, default: Any) -> Any:
-    if len(node.args) > i:
-        return node.args[i]
-    return node.kwargs.get(name, default)
+    def nodes(self) -> List[fx.Node]:
+        """Every node the layer replaces, last first (the order to erase them in)."""
+        found: List[fx.Node] = []
+        for op in reversed(self.tail):
+            found += [op.node, *op.extra]
+        if self.bn_node is not None:
+            found.append(self.bn_node)
+        if self.conv is not None:
+            found += [self.conv.node, *reversed(self.conv.absorbed)]
+        return found
 
 
 _ZERO_PADS = (nn.ZeroPad1d, nn.ZeroPad2d, nn.ZeroPad3d, nn.ConstantPad1d, nn.ConstantPad2d, nn.ConstantPad3d)
@@ -229,138 +280,165 @@ def _match_functional_convt_or_linear(node: fx.Node, root: nn.Module) -> Union[M
     return MatchedConv(node, inp, owner, wname, bname, spec, wpath or str(w.target))
 
 
-_ACT_FUNCS: Dict[Any, Callable[[fx.Node], Optional[Activation]]] = {
-    torch.relu: lambda n: Activation("relu"),
-    torch.relu_: lambda n: Activation("relu"),
-    F.relu: lambda n: Activation("relu"),
-    F.relu_: lambda n: Activation("relu"),
-    F.relu6: lambda n: Activation("relu6"),
-    F.leaky_relu: lambda n: Activation("leaky_relu", negative_slope=float(node_arg(n, 1, "negative_slope", 0.01))),
-    F.silu: lambda n: Activation("silu"),
-    F.gelu: lambda n: Activation("gelu", approximate=str(node_arg(n, 1, "approximate", "none"))),
-    F.hardswish: lambda n: Activation("hardswish"),
-    F.hardtanh: lambda n: Activation("relu6") if (node_arg(n, 1, "min_val", -1.0), node_arg(n, 2, "max_val", 1.0)) == (0.0, 6.0) else None,
-    F.hardsigmoid: lambda n: Activation("hardsigmoid"),
-    F.elu: lambda n: Activation("elu", alpha=float(node_arg(n, 1, "alpha", 1.0))),
-    F.celu: lambda n: Activation("celu", alpha=float(node_arg(n, 1, "alpha", 1.0))),
-    F.selu: lambda n: Activation("selu"),
-    F.mish: lambda n: Activation("mish"),
-    F.softplus: lambda n: Activation("softplus", beta=float(node_arg(n, 1, "beta", 1.0)),
-                                     threshold=float(node_arg(n, 2, "threshold", 20.0))),
-    torch.sigmoid: lambda n: Activation("sigmoid"),
-    torch.sigmoid_: lambda n: Activation("sigmoid"),
-    F.sigmoid: lambda n: Activation("sigmoid"),
-    torch.tanh: lambda n: Activation("tanh"),
-    torch.tanh_: lambda n: Activation("tanh"),
-    F.tanh: lambda n: Activation("tanh"),
-}
-_ACT_METHODS = {"relu": "relu", "relu_": "relu", "sigmoid": "sigmoid", "sigmoid_": "sigmoid",
-                "tanh": "tanh", "tanh_": "tanh"}
+
+def head_input(site: BNSite) -> fx.Node:
+    """The chain input of a pre-activation head starting at ``site``: the tensor its BN normalises.
+
+    Note: [where a head's input is found]
+    This is the one place that decides what a head reads: today the BN's input node,
+    whatever computes it (a concatenation, an addition, a conv output others read too).
+    A pass that gives a chain a structured input (the pieces of a channel concatenation,
+    :mod:`convbn.passes.concat_heads`) plugs in here; the rewrite passes :attr:`MatchedLayer.input`
+    to the chain and nothing else assumes what it is.
+    """
+    return site.input
 
 
-def _match_act(node: fx.Node, src: fx.Node, gm: fx.GraphModule) -> Optional[Activation]:
-    if node_arg(node, 0, "input", None) is not src:
-        return None
-    if node.op == "call_module":
-        act = activation_from_module(gm.get_submodule(str(node.target)))
-        return None if act is None or act.is_identity else act
-    if node.op == "call_function" and node.target in _ACT_FUNCS:
-        if any(isinstance(a, fx.Node) for a in list(node.args[1:]) + list(node.kwargs.values())):
-            return None
-        return _ACT_FUNCS[node.target](node)
-    if node.op == "call_method" and node.target in _ACT_METHODS:
-        return Activation(_ACT_METHODS[str(node.target)])
+def _conv_bn_mismatch(conv: MatchedConv, bn: _BatchNorm) -> Optional[str]:
+    """Why ``bn`` cannot normalise ``conv``'s output (rank or channels), or ``None``."""
+    dims_ok = _BN_DIMS.get(type(bn))
+    if dims_ok is not None and conv.spec.dims not in dims_ok:
+        what = "a linear layer" if conv.spec.is_linear else f"a {conv.spec.dims}-D convolution"
+        return f"{type(bn).__name__} after {what}"
+    if bn.num_features != conv_out_channels(getattr(conv.owner, conv.weight_name).shape, conv.spec):
+        return "BatchNorm num_features does not match the convolution's output channels"
     return None
 
 
-_SIGMOIDS = {torch.sigmoid, F.sigmoid}
-_MULS = {operator.mul, torch.mul}
+def _conv_reading(out: fx.Node, gm: fx.GraphModule, root: nn.Module, prefix: str) -> Union[MatchedConv, str]:
+    """The fusable convolution that is the only reader of ``out``'s values (directly, or
+    through a zero padding it absorbs), with its qualified name; else why not."""
+    users = value_users(out)
+    if not users:
+        return "nothing reads the value"
+    if len(users) > 1:
+        return "the value is read by " + ", ".join(describe_node(u) for u in users)
+    user = cand = users[0]
+    if _zero_pad_of(user, gm) is not None and len(user.users) == 1:
+        cand = next(iter(user.users))
+    found = _match_conv(cand, gm, root)
+    if found is None:
+        return f"{describe_node(user)} reads the value, not a convolution"
+    if isinstance(found, str):
+        return found
+    if found.input is not out:
+        return f"{describe_node(cand)} reads the value, but not as the convolution's input"
+    if found.spec.pre_pad_mode != "constant":
+        return (f"the convolution {prefix}{found.name} pads its input with mode {found.spec.pre_pad_mode!r}, "
+                "which only a chain's first convolution can do")
+    found.name = prefix + found.name
+    return found
 
 
-def _match_swish(node: fx.Node) -> Optional[Tuple[fx.Node, fx.Node]]:
-    """``(mul, sigmoid)`` if ``node``'s two users compute ``node * sigmoid(node)`` (SiLU / Swish)."""
-    sig = next((u for u in node.users if (u.op == "call_function" and u.target in _SIGMOIDS)
-                or (u.op == "call_method" and u.target == "sigmoid")), None)
-    if sig is None or len(sig.users) != 1 or sig.kwargs or node_arg(sig, 0, "input", None) is not node:
-        return None
-    mul = next(iter(sig.users))
-    ok = (mul.op == "call_function" and mul.target in _MULS) or (mul.op == "call_method" and mul.target == "mul")
-    if not ok or mul.kwargs or len(mul.args) != 2 or set(mul.args) != {node, sig} or mul not in node.users:
-        return None
-    return mul, sig
+def _match_head(site: BNSite, tail: TailMatch, gm: fx.GraphModule, root: nn.Module, prefix: str,
+                chain: bool) -> Union[MatchedLayer, str]:
+    """``site`` as a pre-activation head (BN -> tail -> conv), or why it is not one."""
+    out = tail.out(site.node)
+    after = f" after {tail_label(tail.ops)}," if tail.ops else ""
+    conv = _conv_reading(out, gm, root, prefix)
+    if isinstance(conv, str):
+        why = f"it does not start a pre-activation chain (BN -> element-wise ops -> conv):{after} {conv}"
+        if tail.blocked:
+            why += f"; the element-wise ops stop at {tail.blocked}"
+        return why
+    if not chain:
+        return (f"it starts a pre-activation BN -> {tail_label(tail.ops)} -> {conv.name}, which is fused only in "
+                "chains; pass chain=True")
+    dims_ok = _BN_DIMS.get(type(site.bn))
+    if dims_ok is not None and conv.spec.dims not in dims_ok:
+        return f"{type(site.bn).__name__} before a {conv.spec.dims}-D convolution"
+    return MatchedLayer(None, site.node, site.bn, site.name, tuple(tail.ops), tuple(tail.shape_uses), head_input(site))
 
 
-def describe_node(node: fx.Node) -> str:
-    if node.op == "placeholder":
-        return f"the model input '{node.name}'"
-    if node.op == "call_module":
-        return f"module '{node.target}'"
-    if node.op == "call_function":
-        return f"function {getattr(node.target, '__name__', node.target)}"
-    return f"{node.op} {node.target}"
+def _end_layers(layers: List[MatchedLayer], gm: fx.GraphModule, root: nn.Module, prefix: str) -> List[MatchedLayer]:
+    """End layers: a convolution with no BN after it that is the only reader of a layer's output."""
+    claimed = {l.conv.node for l in layers if l.conv is not None}
+    ends: List[MatchedLayer] = []
+    for l in layers:
+        conv = _conv_reading(l.out, gm, root, prefix)
+        if isinstance(conv, MatchedConv) and conv.node not in claimed:
+            claimed.add(conv.node)
+            ends.append(MatchedLayer(conv, None, None, ""))
+    return ends
 
 
-def find_layers(gm: fx.GraphModule, root: nn.Module, prefix: str, report: ConvertReport) -> List[MatchedLayer]:
+def find_layers(gm: fx.GraphModule, root: nn.Module, prefix: str, report: ConvertReport,
+                chain: bool = True) -> List[MatchedLayer]:
     """Every fusable layer of ``gm`` in graph order; each BatchNorm not matched gets a
-    :class:`SkippedBN` in ``report`` saying why."""
+    :class:`SkippedBN` in ``report`` saying why.
+
+    Args:
+        gm: the traced graph module.
+        root: the user's module it was traced from (weights and tail modules are looked up on it).
+        prefix: ``root``'s qualified name + ``"."`` (``""`` for the model itself), for reports.
+        report: receives the skipped BatchNorms.
+        chain: whether chains will be built; without them there are no heads and no ends
+            (a pre-activation layer only pays inside a chain).
+
+    Returns:
+        Ordinary layers, heads and end layers (Note: [matched layers and chains]), in graph order.
+    """
     layers: List[MatchedLayer] = []
     for site in find_bn_sites(gm, prefix, report):
         node, bn, name, src = site.node, site.bn, site.name, site.input
-
-        def skip(reason: str, conv: Optional[str] = None) -> None:
-            report.skipped.append(SkippedBN(name, reason, conv))
-
+        tail = match_tail(node, root, prefix)
         conv = _match_conv(src, gm, root)
+        conv_name: Optional[str] = None
         if conv is None:
-            skip(f"its input is not a convolution output (it follows {describe_node(src)})")
+            why: Optional[str] = f"its input is not a convolution output (it follows {describe_node(src)})"
+        elif isinstance(conv, str):
+            why = conv
+        else:
+            conv.name = conv_name = prefix + conv.name
+            others = [u for u in value_users(src) if u is not node]
+            why = (f"the convolution's output is also used by {', '.join(describe_node(u) for u in others)}"
+                   if others else _conv_bn_mismatch(conv, bn))
+        if why is None:
+            assert isinstance(conv, MatchedConv)
+            shape_uses = tuple(u for u in src.users if u is not node) + tuple(tail.shape_uses)
+            layers.append(MatchedLayer(conv, node, bn, name, tuple(tail.ops), shape_uses))
             continue
-        if isinstance(conv, str):
-            skip(conv)
-            continue
-        conv.name = prefix + conv.name
-        if len(value_users(src)) != 1:
-            others = ", ".join(describe_node(u) for u in value_users(src) if u is not node)
-            skip(f"the convolution's output is also used by {others}", conv.name)
-            continue
-        dims_ok = _BN_DIMS.get(type(bn))
-        if dims_ok is not None and conv.spec.dims not in dims_ok:
-            what = "a linear layer" if conv.spec.is_linear else f"a {conv.spec.dims}-D convolution"
-            skip(f"{type(bn).__name__} after {what}", conv.name)
-            continue
-        if bn.num_features != conv_out_channels(getattr(conv.owner, conv.weight_name).shape, conv.spec):
-            skip("BatchNorm num_features does not match the convolution's output channels", conv.name)
-            continue
-        act, act_node, act_extra = Activation("identity"), None, ()
-        shape_uses = tuple(u for u in src.users if u is not node)
-        bn_users = value_users(node)
-        if len(bn_users) == 1:
-            found = _match_act(bn_users[0], node, gm)
-            if found is not None:
-                act, act_node = found, bn_users[0]
-        elif len(bn_users) == 2:
-            swish = _match_swish(node)
-            if swish is not None:
-                act, act_node, act_extra = Activation("silu"), swish[0], (swish[1],)
-        if act_node is not None:  # else the BN output stays the layer's output, its users re-pointed as a whole
-            shape_uses += tuple(u for u in node.users if is_shape_use(u, node))
-        layers.append(MatchedLayer(conv, node, bn, name, act, act_node, act_extra, shape_uses))
-    return layers
+        head = _match_head(site, tail, gm, root, prefix, chain)
+        if isinstance(head, MatchedLayer):
+            layers.append(head)
+        else:
+            report.skipped.append(SkippedBN(name, f"{why}; {head}", conv_name))
+    if chain:
+        layers += _end_layers(layers, gm, root, prefix)
+    index = {n: i for i, n in enumerate(gm.graph.nodes)}
+    return sorted(layers, key=lambda l: index[l.first])
 
 
-def group_chains(layers: List[MatchedLayer], chain: bool) -> List[List[MatchedLayer]]:
-    by_out = {l.out: l for l in layers}
+def group_chains(layers: List[MatchedLayer], chain: bool, report: Optional[ConvertReport] = None
+                 ) -> List[List[MatchedLayer]]:
+    """Group layers (in graph order) into chains: a layer joins the chain whose last layer's
+    output its conv alone reads. Heads only start chains, ends only end them; an end that
+    joins nothing is dropped, and a head left alone is reported in ``report`` and dropped."""
+    by_out = {l.out: l for l in layers if not l.is_end}
     chains: List[List[MatchedLayer]] = []
     where: Dict[int, List[MatchedLayer]] = {}
     for l in layers:  # graph (topological) order
-        prev = by_out.get(l.conv.input)
+        prev = None if l.is_head else by_out.get(l.input)
         # a layer whose inner tensors' shapes are read must end its chain: only the
         # chain's output exists to read them from (see Note: [shape-only uses] in shape_uses.py)
-        if (chain and prev is not None and id(prev) in where and len(prev.out.users) == 1
-                and not prev.shape_uses and l.conv.spec.pre_pad_mode == "constant"):
+        if (chain and prev is not None and id(prev) in where and where[id(prev)][-1] is prev
+                and len(prev.out.users) == 1 and not prev.shape_uses
+                and l.conv is not None and l.conv.spec.pre_pad_mode == "constant"):
             c = where[id(prev)]
+        elif l.is_end:
+            continue
         else:
             c = []
             chains.append(c)
         c.append(l)
         where[id(l)] = c
-    return chains
+    kept = []
+    for c in chains:
+        if len(c) == 1 and c[0].is_head:
+            if report is not None:
+                report.skipped.append(SkippedBN(
+                    c[0].bn_name, f"it would start a pre-activation chain (BN -> {c[0].activation} -> conv), but the "
+                    "convolution after it cannot join the chain (see that layer's line); BN -> act alone saves nothing"))
+            continue
+        kept.append(c)
+    return kept

@@ -14,7 +14,12 @@ __all__ = ["FusedPair", "SkippedBN", "ConvertReport"]
 
 @dataclass
 class FusedPair:
-    """A Conv -> BN (-> act) fused into chain ``chain`` at ``position``."""
+    """One fused layer: Conv -> BN -> tail, fused into chain ``chain`` at ``position``.
+
+    A pre-activation *head* (BN -> tail, reading the chain input) has ``conv == ""``; a
+    chain's *end* (a convolution with no BN after it) has ``bn == ""``. ``activation`` is
+    the tail as text (``"relu"``, ``"dropout(0.1) -> prelu"``, ``"identity"``).
+    """
 
     conv: str
     bn: str
@@ -24,12 +29,18 @@ class FusedPair:
     layer: "ChainLayer" = field(repr=False)
 
     @property
+    def kind(self) -> str:
+        """``"head"``, ``"end"`` or ``"layer"`` (an ordinary Conv -> BN -> tail)."""
+        return "head" if self.layer.is_head else "end" if self.layer.is_end else "layer"
+
+    @property
     def strategy(self) -> str:
         return self.layer.mode
 
     @property
     def kept_bytes(self) -> int:
-        """Bytes this layer keeps for backward beyond the chain input (its conv output, if kept)."""
+        """Bytes this layer keeps for backward beyond the chain input (its conv output, if
+        kept; a head and a bare end keep none)."""
         return self.layer.keep_bytes() if self.layer.mode == "recompute_bn" else 0
 
     @property
@@ -109,11 +120,16 @@ class ConvertReport:
                     f"{format_bytes(self.eager_peak_bytes)})" if self.eager_peak_bytes else ""
             lines.append(f"  measured step peak: {format_bytes(self.measured_peak_bytes)}{ratio} "
                          f"at {self.measured_peak_where}")
-        lines.append(f"  {'chain.pos':>9}  {'conv':<32} {'bn':<32} {'act':<12} {'strategy':<15} {'kept':>10} {'extra MACs':>12}")
+        width = max([12] + [len(p.activation) for p in self.pairs])
+        lines.append(f"  {'chain.pos':>9}  {'conv':<32} {'bn':<32} {'tail':<{width}} {'strategy':<15} {'kept':>10} "
+                     f"{'extra MACs':>12}")
         for p in self.pairs:
+            # a head has no conv and an end no BN: "-" there, and the kind instead of a strategy
+            # (neither keeps a conv output of its own, whatever its mode says)
+            strategy = p.strategy if p.kind == "layer" or (p.kind == "end" and p.layer.elements) else p.kind
             lines.append(
-                f"  {p.chain:>6}.{p.position:<2}  {p.conv:<32} {p.bn:<32} {p.activation:<12} {p.strategy:<15} "
-                f"{format_bytes(p.kept_bytes):>10} {p.extra_flops / 1e6:>10.1f}M"
+                f"  {p.chain:>6}.{p.position:<2}  {p.conv or '- (pre-act head)':<32} {p.bn or '- (chain end)':<32} "
+                f"{p.activation:<{width}} {strategy:<15} {format_bytes(p.kept_bytes):>10} {p.extra_flops / 1e6:>10.1f}M"
             )
         for s in self.skipped:
             lines.append(f"  skipped {s.bn}: {s.reason}")

@@ -21,7 +21,7 @@ from .match import MatchedLayer
 from .planner import plan_on_first_call
 from .report import ConvertReport, FusedPair, SkippedBN
 
-__all__ = ["rewrite_chains", "graph_module_like", "shallow_clone", "set_submodule", "drop_hooked", "watch_hooks"]
+__all__ = ["rewrite_chains", "chain_layer", "graph_module_like", "shallow_clone", "set_submodule", "drop_hooked", "watch_hooks"]
 
 
 def graph_module_like(root: nn.Module, traced: fx.GraphModule, extra: Sequence[Tuple[str, nn.Module]]) -> fx.GraphModule:
@@ -52,11 +52,10 @@ def rewrite_chains(root: nn.Module, gm: fx.GraphModule, chains: List[List[Matche
     for ci, chain in enumerate(chains):
         layers = []
         for pos, l in enumerate(chain):
-            cl = ChainLayer(l.conv.owner, l.conv.weight_name, l.conv.bias_name, l.conv.spec, l.bn, l.act,
-                            "recompute_bn" if mode == "auto" else mode,
-                            (l.conv.name, l.bn_name, str(l.act)))
+            cl = chain_layer(l, "recompute_bn" if mode == "auto" else mode)
             layers.append(cl)
-            report.pairs.append(FusedPair(l.conv.name, l.bn_name, str(l.act), base + ci, pos, cl))
+            report.pairs.append(FusedPair(l.conv.name if l.conv is not None else "", l.bn_name, l.activation,
+                                          base + ci, pos, cl))
         fused = FusedChain(layers)
         if mode == "auto":  # planned lazily unless convert plans it with example_inputs
             fused.plan_on_first_call = plan_on_first_call
@@ -66,26 +65,36 @@ def rewrite_chains(root: nn.Module, gm: fx.GraphModule, chains: List[List[Matche
         built.append((name, fused))
         gm.add_module(name, fused)
         last = chain[-1].out
-        # inserted where the chain's first conv ran: its only input is ``x0``, and shape
+        # inserted where the chain's first node ran: its only input is ``x0``, and shape
         # uses between the conv and the chain's output can then read the chain's output
-        with graph.inserting_before(chain[0].conv.node):
-            x0 = chain[0].conv.input
+        with graph.inserting_before(chain[0].first):
+            x0 = chain[0].input
             new = graph.call_module(name, (replaced.get(x0, x0),))
         last.replace_all_uses_with(new)
         replaced[last] = new
         for l in chain:
+            inner = [n for n in l.nodes() if n is not last]
             for u in l.shape_uses:
-                for old in (l.conv.node, l.bn_node):
+                for old in inner:
                     u.replace_input_with(old, new)
         for l in reversed(chain):
-            for n in (l.act_node, *l.act_extra, l.bn_node, l.conv.node, *reversed(l.conv.absorbed)):
-                if n is not None:
-                    graph.erase_node(n)
+            for n in l.nodes():
+                graph.erase_node(n)
     for node in list(graph.nodes):
         if node.op == "get_attr" and not node.users:
             graph.erase_node(node)
     graph.lint()
     return graph_module_like(root, gm, built)
+
+
+def chain_layer(l: MatchedLayer, mode: str) -> ChainLayer:
+    """The :class:`ChainLayer` running matched layer ``l`` (head, ordinary or end)."""
+    names = (l.conv.name if l.conv is not None else "", l.bn_name, *(op.module_name or str(op) for op in l.tail))
+    tail = tuple(op.element for op in l.tail)
+    if l.conv is None:
+        return ChainLayer(bn=l.bn, mode=mode, names=names, tail=tail)
+    return ChainLayer(l.conv.owner, l.conv.weight_name, l.conv.bias_name, l.conv.spec, l.bn, mode=mode,
+                      names=names, tail=tail)
 
 
 def shallow_clone(module: nn.Module) -> nn.Module:
@@ -115,13 +124,17 @@ def set_submodule(root: nn.Module, path: str, new: nn.Module, inplace: bool) -> 
 
 
 def _hooked_modules(layer: MatchedLayer, gm: fx.GraphModule) -> List[Tuple[str, nn.Module]]:
-    """The modules of a matched layer whose own call the fused chain would replace."""
+    """The modules of a matched layer whose own call the fused chain would replace: its
+    conv module, its BatchNorm, and each module its tail calls (not modules built for
+    functional ops)."""
     found: List[Tuple[str, nn.Module]] = []
-    if layer.conv.node.op == "call_module":
+    if layer.conv is not None and layer.conv.node.op == "call_module":
         found.append((layer.conv.name, layer.conv.owner))
-    found.append((layer.bn_name, layer.bn))
-    if layer.act_node is not None and layer.act_node.op == "call_module":
-        found.append((str(layer.act_node.target), gm.get_submodule(str(layer.act_node.target))))
+    if layer.bn is not None:
+        found.append((layer.bn_name, layer.bn))
+    for op in layer.tail:
+        if op.module_name is not None:
+            found.append((op.module_name, op.element))  # type: ignore[arg-type]
     return found
 
 
@@ -131,10 +144,12 @@ def drop_hooked(layers: List[MatchedLayer], gm: fx.GraphModule, report: ConvertR
     kept = []
     for l in layers:
         hooked = [(n, hook_reason(m)) for n, m in _hooked_modules(l, gm) if hook_reason(m)]
+        if hooked and l.is_end:  # a bare conv: no BatchNorm to report, the chain just ends before it
+            continue
         if hooked:
             name, why = hooked[0]
             report.skipped.append(SkippedBN(l.bn_name, f"'{name}' has hooks ({why}), which a fused chain would "
-                                            "bypass; left unfused so they run", l.conv.name))
+                                            "bypass; left unfused so they run", l.conv.name if l.conv else None))
         else:
             kept.append(l)
     return kept
