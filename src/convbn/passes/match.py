@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional, Tuple, Union
+from typing import Dict, List, Optional, Tuple, Union
 
 import torch
 import torch.fx as fx
@@ -29,7 +29,7 @@ from ..nn.fused import _FusedConvBNNd
 from .bn_sites import BNSite, find_bn_sites
 from .match_tail import TailMatch, TailOpMatch, describe_node, match_tail, node_arg, tail_label
 from .report import ConvertReport, SkippedBN
-from .shape_uses import is_shape_use, value_users
+from .shape_uses import value_users
 
 __all__ = ["MatchTracer", "MatchedConv", "MatchedLayer", "find_layers", "group_chains", "head_input", "node_arg",
            "describe_node"]
