@@ -21,6 +21,7 @@ from ..autograd.chain import ChainFunction, ChainLayerSpec, chain_forward_no_gra
 from ..functional.activations import Activation
 from ..functional.conv import ConvSpec, conv_flops, conv_forward, conv_output_shape, conv_spec_from_module
 from ..functional.fused import autocast_dtype, check_inputs
+from .bn_call import has_standard_bn_forward, standard_batch_norm
 from .fused import bn_running_stats, bn_spec_from_module, module_hooked
 
 __all__ = ["ChainLayer", "FusedChain", "LAYER_MODES"]
@@ -141,7 +142,8 @@ class FusedChain(nn.Module):
                 )
             else:
                 y = conv_forward(l.conv.pad_input(x), l.weight, l.bias, l.conv)
-            z = l.bn(y)
+            # a norm-act module's own forward would apply its tail again: its batch norm only
+            z = l.bn(y) if has_standard_bn_forward(l.bn) else standard_batch_norm(l.bn, y)
             act = next((m for m in mods if m is not l.bn and m is not conv), None)
             x = act(z) if act is not None else l.act(z)
         return x

@@ -327,6 +327,10 @@ def find_layers(gm: fx.GraphModule, root: nn.Module, prefix: str, report: Conver
             what = "a linear layer" if conv.spec.is_linear else f"a {conv.spec.dims}-D convolution"
             skip(f"{type(bn).__name__} after {what}", conv.name)
             continue
+        if site.ranks and conv.spec.dims + 2 not in site.ranks:
+            skip(f"{site.name} computes a batch norm only on {site.ranks}-D inputs, not on this "
+                 f"layer's {conv.spec.dims + 2}-D output", conv.name)
+            continue
         if bn.num_features != conv_out_channels(getattr(conv.owner, conv.weight_name).shape, conv.spec):
             skip("BatchNorm num_features does not match the convolution's output channels", conv.name)
             continue
