@@ -34,6 +34,7 @@ from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.utils import _pytree as pytree
 
+from .bn_recognise import frozen_bn_ranks
 from .fold_check import EAGER_ERROR_FACTOR, compare_to_reference, float64_errors, reference_run, run_no_grad
 from .fold_graph import FoldContext, fold_module
 from .fold_layers import fold_conv_bn_modules
@@ -101,7 +102,7 @@ def _fold_finer(model: nn.Module, args: Tuple[Any, ...], reference: Any, eager_e
 def _bn_modules(model: nn.Module) -> Dict[int, Tuple[nn.Module, List[str]]]:
     found: Dict[int, Tuple[nn.Module, List[str]]] = {}
     for name, m in model.named_modules(remove_duplicate=False):
-        if isinstance(m, _BatchNorm):
+        if isinstance(m, _BatchNorm) or frozen_bn_ranks(m):
             found.setdefault(id(m), (m, []))[1].append(name)
     return found
 

@@ -121,6 +121,26 @@ def fold_conv_bn_modules(layer: LayerT, bn: nn.Module) -> LayerT:
 # --------------------------------------------------------------------------------------
 
 
+class NormActTail(nn.Module):
+    """What :func:`convbn.fold` leaves of a norm-act BatchNorm module (a ``_BatchNorm``
+    subclass whose forward normalises, then applies its dropout / activation children) once
+    its batch norm is folded into the layer before: those children, which the folded graph
+    calls by their own names. It is never called itself.
+
+    Args:
+        source: the norm-act module.
+    """
+
+    def __init__(self, source: nn.Module) -> None:
+        super().__init__()
+        self.source_type = type(source).__name__
+        for name, child in source.named_children():
+            self.add_module(name, child)
+
+    def extra_repr(self) -> str:
+        return f"tail of {self.source_type}, its batch norm folded"
+
+
 def _defining_module(cls: type, attr: str) -> str:
     for klass in cls.__mro__:
         if attr in vars(klass):
