@@ -46,7 +46,7 @@ from ..nn.bn_call import has_standard_bn_forward
 from .hooks import hook_reason
 from .shape_uses import is_shape_use
 
-__all__ = ["NormActBody", "recognise_norm_act", "frozen_bn_ranks", "BN_FUNCTIONS", "bn_call_args"]
+__all__ = ["may_normalise", "NormActBody", "recognise_norm_act", "frozen_bn_ranks", "BN_FUNCTIONS", "bn_call_args"]
 
 #: ``F.batch_norm`` / ``torch.batch_norm`` argument names in positional order, with defaults.
 BN_FUNCTIONS: Dict[Callable[..., Any], Tuple[Tuple[str, Any], ...]] = {
@@ -59,6 +59,14 @@ BN_FUNCTIONS: Dict[Callable[..., Any], Tuple[Tuple[str, Any], ...]] = {
 
 _TENSORS = ("weight", "bias", "running_mean", "running_var")
 _SENTINEL = float(2 ** 43 + 12345)  # what float(num_batches_tracked) returns while tracing a body
+
+
+def may_normalise(module: nn.Module) -> bool:
+    """Whether ``module`` or a submodule may compute a batch norm: a ``_BatchNorm``, or a module
+    holding a ``running_mean`` / ``running_var`` tensor (frozen BatchNorms, ``F.batch_norm``
+    on a module's own tensors). A cheap test: modules without either need no tracing."""
+    return any(isinstance(m, _BatchNorm) or isinstance(m._buffers.get("running_mean"), Tensor)
+               or isinstance(m._buffers.get("running_var"), Tensor) for m in module.modules())
 
 
 def bn_call_args(node: fx.Node) -> Optional[Dict[str, Any]]:
