@@ -185,6 +185,18 @@ def test_norm_act_tail_is_fused_as_the_layers_activation(kind: str) -> None:
     assert pair.activation in ("relu", "silu")
 
 
+def test_hook_registered_on_a_norm_act_module_after_conversion_runs_as_in_eager() -> None:
+    eager = make_net("norm-act")
+    fast = convbn.convert(copy.deepcopy(eager), strategy="recompute_bn")
+    seen: List[Tensor] = []
+    for model in (eager, fast):
+        model.get_submodule("1").register_forward_hook(lambda m, i, o: seen.append(o.detach().clone()))
+    x = inputs()
+    assert_same_steps(eager, fast, x, steps=1)
+    assert len(seen) == 4  # once per forward, in both models
+    torch.testing.assert_close(seen[1], seen[0], **TOL)
+
+
 def test_norm_act_with_track_running_stats_false_and_no_affine() -> None:
     torch.manual_seed(0)
     eager = nn.Sequential(nn.Conv2d(3, 4, 3), NormAct2d(4, affine=False, track_running_stats=False)).double()
@@ -289,6 +301,7 @@ def _efficientnet_pytorch() -> nn.Module:
 
 
 REAL: Dict[str, Callable[[], nn.Module]] = {
+    "timm-efficientnet_b0": _timm_model("efficientnet_b0"),
     "timm-mobilenetv3_small_100": _timm_model("mobilenetv3_small_100"),
     "timm-regnetx_002": _timm_model("regnetx_002"),
 }

@@ -14,6 +14,7 @@ from typing import Dict, List, Sequence, Tuple
 import torch.fx as fx
 from torch import nn
 
+from ..nn.bn_call import has_standard_bn_forward
 from ..nn.chain import ChainLayer, FusedChain
 from .graph_module import ConvbnGraphModule, preserve_module_state
 from .hooks import hook_reason
@@ -119,7 +120,8 @@ def _hooked_modules(layer: MatchedLayer, gm: fx.GraphModule) -> List[Tuple[str, 
     found: List[Tuple[str, nn.Module]] = []
     if layer.conv.node.op == "call_module":
         found.append((layer.conv.name, layer.conv.owner))
-    found.append((layer.bn_name, layer.bn))
+    if has_standard_bn_forward(layer.bn):  # a norm-act module's hooks need its own forward: the
+        found.append((layer.bn_name, layer.bn))  # graph falls back to the original (watch_inlined)
     if layer.act_node is not None and layer.act_node.op == "call_module":
         found.append((str(layer.act_node.target), gm.get_submodule(str(layer.act_node.target))))
     return found
