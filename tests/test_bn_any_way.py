@@ -343,3 +343,22 @@ def test_efficientnet_pytorch_still_fuses_everything() -> None:
     eager = _efficientnet_pytorch()
     fast = convbn.convert(copy.deepcopy(eager), strategy="recompute_bn", example_inputs=torch.randn(2, 3, 32, 32))
     assert len(fast.convbn_report.pairs) == _bn_count(eager)
+
+
+def test_torchvision_frozen_batchnorm_fuses_and_folds() -> None:
+    from zoo import torchvision_or_skip
+
+    ops = torchvision_or_skip().ops
+    torch.manual_seed(0)
+    frozen = ops.FrozenBatchNorm2d(4)
+    with torch.no_grad():
+        for name in ("weight", "bias", "running_mean"):
+            getattr(frozen, name).normal_()
+        frozen.running_var.uniform_(0.5, 1.5)
+    eager = nn.Sequential(nn.Conv2d(3, 4, 3), frozen, nn.ReLU(), nn.Conv2d(4, 4, 1)).double()
+    fast = convbn.convert(copy.deepcopy(eager), strategy="recompute_conv", example_inputs=inputs())
+    assert [(p.bn, p.activation) for p in fast.convbn_report.pairs] == [("1", "relu")]
+    assert_same_steps(eager, fast, inputs(), steps=2)
+    folded = convbn.fold(eager.eval(), example_inputs=inputs())
+    assert [(a.batchnorm, a.folded) for a in folded.fold_report.actions] == [("1", True)]
+    assert "1" not in dict(folded.named_modules())
