@@ -362,3 +362,16 @@ def test_torchvision_frozen_batchnorm_fuses_and_folds() -> None:
     folded = convbn.fold(eager.eval(), example_inputs=inputs())
     assert [(a.batchnorm, a.folded) for a in folded.fold_report.actions] == [("1", True)]
     assert "1" not in dict(folded.named_modules())
+
+
+def test_functional_batchnorm_reads_the_models_tensors_after_to_and_assign_load() -> None:
+    eager = make_net("functional")
+    fast = convbn.convert(copy.deepcopy(eager), strategy="recompute_bn")
+    state = {k: v.clone() + (0.5 if "running" in k else 0.0) for k, v in eager.state_dict().items()}
+    eager.load_state_dict(state)
+    fast.load_state_dict(state, assign=True)
+    eager.float()
+    fast.float()
+    x = inputs().float()
+    torch.testing.assert_close(fast(x), eager(x), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(fast.state_dict()["1.running_mean"], eager.state_dict()["1.running_mean"])

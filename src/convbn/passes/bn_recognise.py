@@ -32,7 +32,6 @@ children such as a Dropout keep reading their own mode at call time.
 from __future__ import annotations
 
 import copy
-import operator
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple, Union
 

@@ -47,15 +47,15 @@ def _input_of(node: fx.Node) -> object:
     return node.args[0] if node.args else node.kwargs.get("input")
 
 
-def _owner(gm: fx.GraphModule, target: str) -> Tuple[str, str, Optional[nn.Module]]:
+def _owner(root: nn.Module, target: str) -> Tuple[str, str, Optional[nn.Module]]:
     path, _, attr = target.rpartition(".")
     try:
-        return path, attr, gm.get_submodule(path)
+        return path, attr, root.get_submodule(path)
     except AttributeError:
         return path, attr, None
 
 
-def _functional_site(node: fx.Node, gm: fx.GraphModule) -> Union[Tuple[str, nn.Module, _BatchNorm], str, None]:
+def _functional_site(node: fx.Node, root: nn.Module) -> Union[Tuple[str, nn.Module, _BatchNorm], str, None]:
     """For an ``F.batch_norm`` / ``torch.batch_norm`` node on one module's tensors: ``(path,
     module, view)``; a reason string when it cannot be fused; ``None`` for other nodes."""
     args = bn_call_args(node)
@@ -64,11 +64,11 @@ def _functional_site(node: fx.Node, gm: fx.GraphModule) -> Union[Tuple[str, nn.M
     tensors = {k: args[k] for k in ("weight", "bias", "running_mean", "running_var")}
     if any(v is not None and (not isinstance(v, fx.Node) or v.op != "get_attr") for v in tensors.values()):
         return "its statistics or affine parameters are computed in forward, not a module's stored tensors"
-    owners = {_owner(gm, str(v.target))[0] for v in tensors.values() if v is not None}
+    owners = {_owner(root, str(v.target))[0] for v in tensors.values() if v is not None}
     if len(owners) != 1:
         return "its tensors belong to more than one module" if owners else "it has no stored tensors to fuse with"
     path = owners.pop()
-    _, _, module = _owner(gm, str(next(v for v in tensors.values() if v is not None).target))
+    _, _, module = _owner(root, str(next(v for v in tensors.values() if v is not None).target))
     training, momentum, eps = args["training"], args["momentum"], args["eps"]
     if not isinstance(training, bool) or isinstance(eps, bool) or not isinstance(eps, (int, float)):
         return "its training flag or eps is computed in forward, not a constant"
@@ -94,7 +94,8 @@ def _functional_site(node: fx.Node, gm: fx.GraphModule) -> Union[Tuple[str, nn.M
     return path, module, view
 
 
-def find_bn_sites(gm: fx.GraphModule, prefix: str, report: ConvertReport) -> List[BNSite]:
+def find_bn_sites(gm: fx.GraphModule, prefix: str, report: ConvertReport,
+                  root: Optional[nn.Module] = None) -> List[BNSite]:
     """The BatchNorm sites of ``gm`` in graph order (``prefix``: ``gm``'s qualified name + ".").
 
     A site is a call of a ``_BatchNorm`` module with the standard forward, the
@@ -108,6 +109,10 @@ def find_bn_sites(gm: fx.GraphModule, prefix: str, report: ConvertReport) -> Lis
         gm: the traced graph module (BatchNorm modules are leaves).
         prefix: qualified-name prefix for report lines.
         report: receives a :class:`SkippedBN` for each BatchNorm that cannot be a site.
+        root: the module ``gm`` was traced from (default ``gm``): the owner of tensors that
+            ``F.batch_norm`` calls read (``gm`` holds stand-in containers for ``get_attr``
+            targets, which ``.to()`` or ``load_state_dict(assign=True)`` on the model would
+            not reach).
 
     Returns:
         The sites, in graph order.
@@ -133,7 +138,7 @@ def find_bn_sites(gm: fx.GraphModule, prefix: str, report: ConvertReport) -> Lis
             if isinstance(owner, fx.Node) and owner.op == "get_attr":
                 found.append((node, str(owner.target), gm.get_submodule(str(owner.target)), node.args[1], ()))
         elif node.op == "call_function" and node.target in BN_FUNCTIONS:
-            got = _functional_site(node, gm)
+            got = _functional_site(node, gm if root is None else root)
             if isinstance(got, str):
                 found.append((node, f"{node.target.__name__}() call '{node.name}'", got, None, ()))
             elif got is not None:

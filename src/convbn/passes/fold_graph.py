@@ -8,28 +8,20 @@ from typing import Any, Dict, Optional, Set, Tuple, Union
 
 import torch
 import torch.fx as fx
-import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.utils import _pytree as pytree
 
-from ..functional.activations import activation_from_module
 from ..functional.fold import fold_bn_into_following, fold_bn_into_preceding
 from ..nn.bn_call import standard_batch_norm
 from .bn_recognise import frozen_bn_ranks
-from .fold_layers import BN_FNS, CONVT_FNS, CONVT_MODULES, CONVT_SIG, CONV_FNS, CONV_SIG, FoldTracer, LAYER_MODULES, LINEAR_FNS, NormActTail, LINEAR_SIG, UNSET, check_bn_foldable, clone_with, const_tensor, free_name, get_attr_value, has_standard_forward, is_zero_padding, normalize_args, owner_path
+from .fold_layers import BN_FNS, CONVT_FNS, CONVT_MODULES, CONVT_SIG, CONV_FNS, CONV_SIG, FoldTracer, LAYER_MODULES, LINEAR_FNS, NormActTail, describe_activation, LINEAR_SIG, UNSET, check_bn_foldable, clone_with, const_tensor, free_name, get_attr_value, has_standard_forward, is_zero_padding, normalize_args, owner_path
 from .fold_report import FoldAction, FoldReport
 from .graph_module import preserve_module_state
 from .shape_uses import value_users
 from .trace import short_reason, trace
 
 __all__ = ["FoldContext", "fold_module"]
-
-# element-wise activations, for the reason given when one sits between a BN and a layer
-_ACTIVATION_FUNCTIONS = {F.relu, F.relu_, F.relu6, F.leaky_relu, F.silu, F.gelu, F.hardswish, F.hardtanh,
-                         F.hardsigmoid, F.elu, F.celu, F.selu, F.mish, F.softplus, F.sigmoid, F.tanh,
-                         torch.relu, torch.relu_, torch.sigmoid, torch.tanh}
-_ACTIVATION_METHODS = {"relu", "relu_", "sigmoid", "sigmoid_", "tanh", "tanh_"}
 
 
 # --------------------------------------------------------------------------------------
@@ -443,19 +435,11 @@ class _GraphFolder:
     def _activation_before_layer(self, node: fx.Node) -> Optional[Tuple[str, str]]:
         """``(activation, layer)`` names if ``node`` is an element-wise activation whose only
         value user is a conv / linear layer."""
-        if node.op == "call_module":
-            mod = self.modules.get(node.target)
-            if mod is None or activation_from_module(mod) is None:
-                return None
-            what = f"activation {type(mod).__name__} '{self.qual(str(node.target))}'"
-        elif node.op == "call_function" and node.target in _ACTIVATION_FUNCTIONS:
-            what = f"activation {node.target.__name__}()"
-        elif node.op == "call_method" and node.target in _ACTIVATION_METHODS:
-            what = f"activation .{node.target}()"
-        else:
-            return None
+        what = describe_activation(node, self.modules, self.qual)
         users = value_users(node)
-        layer = self.layer(users[0]) if len(users) == 1 else "no single user"
+        if what is None or len(users) != 1:
+            return None
+        layer = self.layer(users[0])
         return None if isinstance(layer, str) else (what, layer.name)
 
     def _norm_act_tails(self) -> None:

@@ -27,7 +27,7 @@ from ..nn.chain import FusedChain
 from ..nn.fused import _FusedConvBNNd
 from .bn_sites import find_bn_sites
 from .report import ConvertReport, SkippedBN
-from .shape_uses import is_shape_use, value_users
+from .shape_uses import is_rank_use, is_shape_use, value_users
 
 __all__ = ["MatchTracer", "MatchedConv", "MatchedLayer", "find_layers", "group_chains", "node_arg", "describe_node"]
 
@@ -304,7 +304,7 @@ def find_layers(gm: fx.GraphModule, root: nn.Module, prefix: str, report: Conver
     """Every fusable layer of ``gm`` in graph order; each BatchNorm not matched gets a
     :class:`SkippedBN` in ``report`` saying why."""
     layers: List[MatchedLayer] = []
-    for site in find_bn_sites(gm, prefix, report):
+    for site in find_bn_sites(gm, prefix, report, root):
         node, bn, name, src = site.node, site.bn, site.name, site.input
 
         def skip(reason: str, conv: Optional[str] = None) -> None:
@@ -358,9 +358,10 @@ def group_chains(layers: List[MatchedLayer], chain: bool) -> List[List[MatchedLa
     for l in layers:  # graph (topological) order
         prev = by_out.get(l.conv.input)
         # a layer whose inner tensors' shapes are read must end its chain: only the
-        # chain's output exists to read them from (see Note: [shape-only uses] in shape_uses.py)
+        # chain's output exists to read them from (see Note: [shape-only uses] in shape_uses.py);
+        # rank reads (x.ndim, as norm-act layers check) are the same on every tensor of a chain
         if (chain and prev is not None and id(prev) in where and len(prev.out.users) == 1
-                and not prev.shape_uses and l.conv.spec.pre_pad_mode == "constant"):
+                and all(is_rank_use(u) for u in prev.shape_uses) and l.conv.spec.pre_pad_mode == "constant"):
             c = where[id(prev)]
         else:
             c = []
