@@ -20,7 +20,8 @@ from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 import convbn
-from convbn.passes.bn_recognise import frozen_bn_ranks, recognise_norm_act
+from convbn.passes.bn_frozen import frozen_bn_ranks, recognise_frozen_norm_act
+from convbn.passes.bn_recognise import recognise_norm_act
 
 STRATEGIES = ("recompute_bn", "recompute_conv", "auto")
 TOL = dict(rtol=1e-10, atol=1e-10)
@@ -79,6 +80,21 @@ class FrozenBN2d(nn.Module):
         return x * scale.reshape(1, -1, 1, 1) + shift.reshape(1, -1, 1, 1)
 
 
+class FrozenNormAct2d(FrozenBN2d):
+    """A frozen BatchNorm followed by its own dropout and activation children."""
+
+    def __init__(self, num_features: int) -> None:
+        super().__init__(num_features)
+        self.drop = nn.Identity()
+        self.act = nn.Hardswish()
+
+    def forward(self, x: Tensor) -> Tensor:
+        w, b = self.weight.reshape(1, -1, 1, 1), self.bias.reshape(1, -1, 1, 1)
+        rm, rv = self.running_mean.reshape(1, -1, 1, 1), self.running_var.reshape(1, -1, 1, 1)
+        scale = w * (rv + self.eps).rsqrt()
+        return self.act(self.drop(x * scale + (b - rm * scale)))
+
+
 class FunctionalBN(nn.Module):
     """Holds BatchNorm tensors without being a ``_BatchNorm``; calls ``F.batch_norm`` on them."""
 
@@ -107,6 +123,7 @@ KINDS: Dict[str, Callable[[int], nn.Module]] = {
     "norm-act-dropout": lambda c: NormAct2d(c, drop=0.3),
     "sync-norm-act": lambda c: SyncNormAct(c),
     "frozen": lambda c: FrozenBN2d(c),
+    "frozen-norm-act": lambda c: FrozenNormAct2d(c),
     "functional": lambda c: FunctionalBN(c),
     "unknown-subclass": lambda c: TaggedBN(c),
 }
@@ -247,6 +264,8 @@ def test_recogniser_accepts_the_replicas_and_frozen_detection_is_numerical() -> 
     assert recognise_norm_act(NormAct2d(3, momentum=None)).reason is None
     assert recognise_norm_act(SyncNormAct(3)).reason is None
     assert frozen_bn_ranks(FrozenBN2d(3)) == (4,)
+    assert frozen_bn_ranks(FrozenNormAct2d(3)) == ()  # not a batch norm as a whole ...
+    assert recognise_frozen_norm_act(FrozenNormAct2d(3)).ranks == (4,)  # ... but before its children
 
     class AlmostFrozen(FrozenBN2d):  # forgets eps: not a batch norm
         def forward(self, x: Tensor) -> Tensor:
@@ -271,7 +290,7 @@ def test_fold_folds_and_keeps_the_tail(kind: str) -> None:
     torch.testing.assert_close(folded(x), eager(x), **TOL)
     assert not any(k.startswith("1.running") for k in folded.state_dict())
     tail = dict(folded.named_modules()).get("1")
-    if isinstance(KINDS[kind](4), (NormAct2d, SyncNormAct)):
+    if isinstance(KINDS[kind](4), (NormAct2d, SyncNormAct, FrozenNormAct2d)):
         assert isinstance(tail.act, nn.Module)  # the activation is kept, the BN gone
         assert not isinstance(tail, _BatchNorm)
 

@@ -18,14 +18,15 @@ helpers are what the fused model runs with:
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Tuple
 
+import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from .sync import SyncBatchNorm
 
-__all__ = ["standard_batch_norm", "standard_bn_forward", "has_standard_bn_forward", "BatchNormView"]
+__all__ = ["frozen_batch_norm", "standard_batch_norm", "standard_bn_forward", "has_standard_bn_forward", "BatchNormView"]
 
 
 def has_standard_bn_forward(bn: nn.Module) -> bool:
@@ -62,6 +63,28 @@ def standard_batch_norm(bn: _BatchNorm, input: Tensor) -> Tensor:
     if not isinstance(bn, _BatchNorm):
         raise TypeError(f"standard_batch_norm expects a _BatchNorm module, but got {type(bn).__name__}")
     return standard_bn_forward(bn)(bn, input)
+
+
+def frozen_batch_norm(bn: nn.Module, input: Tensor, ranks: Tuple[int, ...]) -> Tensor:
+    """Eval-mode batch norm of ``input`` with ``bn``'s buffers: what a frozen BatchNorm computes
+    on inputs of the ranks it was recognised on (:mod:`convbn.passes.bn_frozen`).
+
+    Args:
+        bn: a module with tensors ``weight``, ``bias``, ``running_mean``, ``running_var`` and ``eps``.
+        input: its input.
+        ranks: the input ranks on which ``bn`` computes a batch norm.
+
+    Returns:
+        ``F.batch_norm(input, running_mean, running_var, weight, bias, training=False, eps=eps)``.
+
+    Raises:
+        ValueError: ``input``'s rank is not in ``ranks`` (the module's own code would not
+            compute a batch norm there).
+    """
+    if input.dim() not in ranks:
+        raise ValueError(f"{type(bn).__name__} computes a batch norm on {list(ranks)}-D inputs, "
+                         f"but got a {input.dim()}-D input of shape {tuple(input.shape)}")
+    return F.batch_norm(input, bn.running_mean, bn.running_var, bn.weight, bn.bias, False, 0.0, float(bn.eps))
 
 
 class BatchNormView(_BatchNorm):

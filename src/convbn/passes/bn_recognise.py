@@ -9,9 +9,7 @@ one module, whether it computes a standard batch norm (and what else), so that
   on its own tensors, then ``self.drop(x)``, ``self.act(x)``; or ``super().forward(x)``
   followed by a tail). Returns a :class:`NormActBody`: the tail to replay after the
   standard batch norm, or a reason it cannot be treated as one.
-* :func:`frozen_bn_ranks` -- a *frozen* BatchNorm: any module (not a ``_BatchNorm``) with
-  buffers ``weight``, ``bias``, ``running_mean``, ``running_var``, an ``eps``, no
-  parameters, whose output equals eval-mode ``F.batch_norm`` with those buffers.
+* Frozen BatchNorms (modules holding only buffers): :mod:`convbn.passes.bn_frozen`.
 
 Note: [recognising a norm-act forward]
 The subclass's ``forward`` is traced on its own, once per mode (``torch.fx`` bakes
@@ -31,7 +29,6 @@ children such as a Dropout keep reading their own mode at call time.
 """
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple, Union
 
@@ -45,7 +42,8 @@ from ..nn.bn_call import has_standard_bn_forward
 from .hooks import hook_reason
 from .shape_uses import is_shape_use
 
-__all__ = ["may_normalise", "NormActBody", "recognise_norm_act", "frozen_bn_ranks", "BN_FUNCTIONS", "bn_call_args"]
+__all__ = ["may_normalise", "NormActBody", "recognise_norm_act", "BN_FUNCTIONS", "bn_call_args", "trace_body",
+           "node_deps", "ancestors", "body_signature"]
 
 #: ``F.batch_norm`` / ``torch.batch_norm`` argument names in positional order, with defaults.
 BN_FUNCTIONS: Dict[Callable[..., Any], Tuple[Tuple[str, Any], ...]] = {
@@ -96,6 +94,9 @@ class NormActBody:
         graph: its forward traced in eval mode; ``bn_node`` marks the batch norm.
         bn_node: the node of the standard batch norm (replaced by the caller's own).
         skip: nodes the caller must not replay (the batch norm's tensor reads).
+        bn_input: the node the batch norm normalises when ``bn_node`` is not a call on it
+            (a frozen BatchNorm's last affine op); ``None``: ``bn_node.args[0]``.
+        ranks: input ranks the batch norm holds on (frozen BatchNorms); ``()``: any.
         reason: why the module is not a standard batch norm plus a tail (``graph`` unusable).
     """
 
@@ -103,6 +104,8 @@ class NormActBody:
     bn_node: Optional[fx.Node] = None
     skip: Tuple[fx.Node, ...] = ()
     reason: Optional[str] = None
+    bn_input: Optional[fx.Node] = None
+    ranks: Tuple[int, ...] = ()
 
     def replay(self, module: nn.Module, x: Any, batch_norm: Callable[[Any], Any]) -> Any:
         """Run the body on ``x`` with ``batch_norm(input)`` in place of the batch norm and
@@ -116,7 +119,7 @@ class NormActBody:
             if n.op == "placeholder":
                 env[n] = x
             elif n is self.bn_node:
-                env[n] = batch_norm(load(n.args[0]))
+                env[n] = batch_norm(load(n.args[0] if self.bn_input is None else self.bn_input))
             elif n.op == "get_attr":
                 obj: Any = module
                 for atom in str(n.target).split("."):
@@ -170,7 +173,7 @@ class _BodyTracer(fx.Tracer):
         return True
 
 
-def _trace_body(module: _BatchNorm, training: bool) -> Tuple[Optional[fx.Graph], List[int], str]:
+def trace_body(module: nn.Module, training: bool) -> Tuple[Optional[fx.Graph], List[int], str]:
     flags = [(m, m.training) for m in module.modules()]
     tracer = _BodyTracer()
     originals = {cls: cls.__dict__["forward"] for cls in (_BatchNorm, nn.SyncBatchNorm)}
@@ -198,7 +201,7 @@ def _trace_body(module: _BatchNorm, training: bool) -> Tuple[Optional[fx.Graph],
     return graph, tracer.floats, ""
 
 
-def _node_deps(graph: fx.Graph, start: fx.Node) -> Set[fx.Node]:
+def node_deps(graph: fx.Graph, start: fx.Node) -> Set[fx.Node]:
     """Nodes depending on ``start``'s *values* (shape-only reads excluded)."""
     dep = {start}
     for n in graph.nodes:
@@ -224,7 +227,7 @@ def _expected_momentum(module: _BatchNorm, training: bool) -> Optional[float]:
 def _check_mode(module: _BatchNorm, training: bool) -> Union[Tuple[fx.Graph, fx.Node, Tuple[fx.Node, ...]], str]:
     """The body's graph, batch-norm node and skipped nodes in one mode, or why it is not standard."""
     mode = "training" if training else "eval"
-    graph, floats, error = _trace_body(module, training)
+    graph, floats, error = trace_body(module, training)
     if graph is None:
         return f"its forward could not be traced in {mode} mode ({error})"
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
@@ -288,20 +291,20 @@ def _check_mode(module: _BatchNorm, training: bool) -> Union[Tuple[fx.Graph, fx.
         for name in _TENSORS + ("num_batches_tracked",):
             if name in attrs:
                 return f"its forward reads self.{name} besides the standard BatchNorm forward"
-    deps = _node_deps(graph, x)
-    pre = [n for n in deps if n is not x and n is not bn and bn not in _ancestors(n)]
+    deps = node_deps(graph, x)
+    pre = [n for n in deps if n is not x and n is not bn and bn not in ancestors(n)]
     if pre:
         return f"its forward uses its input other than through the batch norm (at '{pre[0].name}')"
     for n in graph.nodes:  # mutating the input in place (x.add_(...)) would be a pre-use too
         if n.op == "call_method" and str(n.target).endswith("_") and n.args and n.args[0] is x:
             return f"its forward modifies its input in place ({n.target})"
     out = next(n for n in graph.nodes if n.op == "output")
-    if out.args[0] is not bn and bn not in _ancestors(out):
+    if out.args[0] is not bn and bn not in ancestors(out):
         return "its output does not depend on the batch norm"
     return graph, bn, tuple(skip)
 
 
-def _ancestors(node: fx.Node) -> Set[fx.Node]:
+def ancestors(node: fx.Node) -> Set[fx.Node]:
     seen: Set[fx.Node] = set()
     todo = list(node.all_input_nodes)
     while todo:
@@ -312,7 +315,7 @@ def _ancestors(node: fx.Node) -> Set[fx.Node]:
     return seen
 
 
-def _signature(graph: fx.Graph, bn: fx.Node, skip: Sequence[fx.Node]) -> List[Tuple[Any, ...]]:
+def body_signature(graph: fx.Graph, bn: fx.Node, skip: Sequence[fx.Node]) -> List[Tuple[Any, ...]]:
     """The body without its batch norm and bookkeeping, with node references as positions."""
     kept = [n for n in graph.nodes if n not in skip]
     index = {n: i for i, n in enumerate(kept)}
@@ -352,84 +355,9 @@ def recognise_norm_act(module: nn.Module) -> NormActBody:
         if isinstance(got, str):
             return NormActBody(reason=f"{type(module).__name__}: {got}")
         found[training] = got
-    sigs = [_signature(*found[t]) for t in (True, False)]
+    sigs = [body_signature(*found[t]) for t in (True, False)]
     if sigs[0] != sigs[1]:
         return NormActBody(reason=(f"{type(module).__name__}: what its forward computes besides the batch norm "
                                    "differs between training and eval mode"))
     graph, bn, skip = found[False]
     return NormActBody(graph, bn, skip)
-
-
-# --------------------------------------------------------------------------------------
-# Frozen BatchNorm
-# --------------------------------------------------------------------------------------
-
-_PROBE_RANKS = (2, 3, 4, 5)
-
-
-def frozen_bn_ranks(module: nn.Module) -> Tuple[int, ...]:
-    """The input ranks on which ``module`` is a *frozen* BatchNorm, ``()`` if it is none.
-
-    A frozen BatchNorm is a module that is not a ``_BatchNorm``, has no parameters, holds
-    1-D floating buffers ``weight``, ``bias``, ``running_mean``, ``running_var`` of one size
-    and a numeric ``eps``, and whose output -- in training and in eval mode, on a random
-    float64 probe with random buffer values, computed by a float64 copy -- equals
-    ``F.batch_norm(x, running_mean, running_var, weight, bias, training=False, eps=eps)``
-    without changing its buffers. The check is numerical, so it holds for any way of
-    writing ``x * scale + shift``.
-
-    Args:
-        module: any module.
-
-    Returns:
-        The ranks (among 2-5) where that holds; ``()`` when it is no frozen BatchNorm.
-
-    Example:
-        >>> frozen_bn_ranks(torchvision.ops.FrozenBatchNorm2d(8))
-        (4,)
-    """
-    if isinstance(module, _BatchNorm) or any(True for _ in module.parameters()) or hook_reason(module) is not None:
-        return ()
-    bufs = dict(module.named_buffers(recurse=False))
-    tensors = [bufs.get(n) for n in _TENSORS]
-    eps = getattr(module, "eps", None)
-    if any(t is None or t.dim() != 1 or not t.is_floating_point() or t.is_meta for t in tensors):
-        return ()
-    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or len({t.numel() for t in tensors}) != 1:
-        return ()
-    channels = tensors[0].numel()
-    try:
-        probe = copy.deepcopy(module).double()
-    except Exception:  # noqa: BLE001 - cannot copy: not recognised
-        return ()
-    gen = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for name in _TENSORS:
-            t = getattr(probe, name)
-            t.copy_(torch.rand(t.shape, generator=gen, dtype=torch.float64) + 0.5 if name == "running_var"
-                    else torch.randn(t.shape, generator=gen, dtype=torch.float64))
-    before = [getattr(probe, n).clone() for n in _TENSORS]
-    ranks = []
-    for rank in _PROBE_RANKS:
-        shape = (2, channels, 3, 5, 7)[:rank]
-        x = torch.randn(shape, generator=gen, dtype=torch.float64)
-        want = F.batch_norm(x, *(getattr(probe, n) for n in ("running_mean", "running_var", "weight", "bias")),
-                            training=False, eps=float(eps))
-        ok = True
-        for training in (True, False):
-            probe.train(training)
-            try:
-                with torch.no_grad():
-                    got = probe(x)
-            except Exception:  # noqa: BLE001 - the module refuses this rank: not that rank
-                ok = False
-                break
-            if not (isinstance(got, Tensor) and got.shape == want.shape and got.dtype == torch.float64
-                    and torch.allclose(got, want, rtol=1e-10, atol=1e-12)):
-                ok = False
-                break
-        if ok:
-            ranks.append(rank)
-    if any(not torch.equal(b, getattr(probe, n)) for b, n in zip(before, _TENSORS)):
-        return ()
-    return tuple(ranks)

@@ -16,8 +16,9 @@ import torch.fx as fx
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from ..nn.bn_call import BatchNormView, has_standard_bn_forward, standard_batch_norm
-from .bn_recognise import BN_FUNCTIONS, bn_call_args, frozen_bn_ranks, recognise_norm_act
+from ..nn.bn_call import BatchNormView, frozen_batch_norm, has_standard_bn_forward, standard_batch_norm
+from .bn_frozen import frozen_bn_ranks
+from .bn_recognise import BN_FUNCTIONS, bn_call_args, recognise_norm_act
 from .report import ConvertReport, SkippedBN
 
 __all__ = ["BNSite", "find_bn_sites"]
@@ -137,6 +138,11 @@ def find_bn_sites(gm: fx.GraphModule, prefix: str, report: ConvertReport,
             owner = node.args[0] if len(node.args) == 2 else None
             if isinstance(owner, fx.Node) and owner.op == "get_attr":
                 found.append((node, str(owner.target), gm.get_submodule(str(owner.target)), node.args[1], ()))
+        elif node.op == "call_function" and node.target is frozen_batch_norm:  # inlined with a tail
+            owner, src, ranks = node.args
+            mod = gm.get_submodule(str(owner.target))  # type: ignore[union-attr]
+            view = BatchNormView(mod, mod.running_mean.numel(), eps=float(mod.eps))
+            found.append((node, str(owner.target), view, src, tuple(ranks)))  # type: ignore[arg-type]
         elif node.op == "call_function" and node.target in BN_FUNCTIONS:
             got = _functional_site(node, gm if root is None else root)
             if isinstance(got, str):

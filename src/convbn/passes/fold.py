@@ -34,7 +34,8 @@ from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.utils import _pytree as pytree
 
-from .bn_recognise import frozen_bn_ranks, may_normalise
+from .bn_frozen import frozen_bn_ranks
+from .bn_recognise import may_normalise
 from .fold_check import EAGER_ERROR_FACTOR, compare_to_reference, float64_errors, reference_run, run_no_grad
 from .fold_graph import FoldContext, fold_module
 from .fold_layers import fold_conv_bn_modules

@@ -13,8 +13,8 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from torch.utils import _pytree as pytree
 
 from ..functional.fold import fold_bn_into_following, fold_bn_into_preceding
-from ..nn.bn_call import standard_batch_norm
-from .bn_recognise import frozen_bn_ranks
+from ..nn.bn_call import frozen_batch_norm, standard_batch_norm
+from .bn_frozen import frozen_bn_ranks
 from .fold_layers import BN_FNS, CONVT_FNS, CONVT_MODULES, CONVT_SIG, CONV_FNS, CONV_SIG, FoldTracer, LAYER_MODULES, LINEAR_FNS, NormActTail, describe_activation, LINEAR_SIG, UNSET, check_bn_foldable, clone_with, const_tensor, free_name, get_attr_value, has_standard_forward, is_zero_padding, normalize_args, owner_path
 from .fold_report import FoldAction, FoldReport
 from .graph_module import preserve_module_state
@@ -104,7 +104,7 @@ class _GraphFolder:
     def bn_site(self, node: fx.Node) -> Union[_BNSite, _BNSkip, None]:
         """The BN applied by ``node``; a :class:`_BNSkip` if it is a BN that cannot fold;
         None if ``node`` is no BatchNorm."""
-        if node.op == "call_function" and node.target is standard_batch_norm:
+        if node.op == "call_function" and node.target in (standard_batch_norm, frozen_batch_norm):
             return self._norm_act_site(node)
         if node.op == "call_module":
             mod = self.modules.get(node.target)
@@ -151,21 +151,22 @@ class _GraphFolder:
 
     def _norm_act_site(self, node: fx.Node) -> Union[_BNSite, _BNSkip, None]:
         """The batch norm of a norm-act module the tracer inlined (the module's tail follows it)."""
-        owner = node.args[0] if len(node.args) == 2 else None
+        owner = node.args[0] if node.args else None
         if not isinstance(owner, fx.Node) or owner.op != "get_attr":
             return None
         mod = self.modules.get(str(owner.target))
-        if not isinstance(mod, _BatchNorm):
+        frozen = node.target is frozen_batch_norm
+        if not (frozen or isinstance(mod, _BatchNorm)):
             return None
         name = self.qual(str(owner.target))
-        why = check_bn_foldable(mod)
+        why = None if frozen else check_bn_foldable(mod)
         if why is not None:
             return _BNSkip(name, why)
         if sum(1 for n in self.gm.graph.nodes if n.op == "get_attr" and n.target == owner.target) != 1:
             return _BNSkip(name, "the BatchNorm module is called more than once")
         self.norm_act.add(str(owner.target))
         return _BNSite(node, name, node.args[1], mod.running_mean, mod.running_var, float(mod.eps),
-                       mod.weight, mod.bias, mod, (owner,))
+                       mod.weight, mod.bias, mod, (owner,), tuple(node.args[2]) if frozen else ())
 
     def _functional_bn_name(self, node: fx.Node, rm_node: Any) -> str:
         if isinstance(rm_node, fx.Node) and rm_node.op == "get_attr":

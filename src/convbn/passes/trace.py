@@ -45,8 +45,9 @@ from torch import nn
 
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from ..nn.bn_call import has_standard_bn_forward, standard_batch_norm
-from .bn_recognise import NormActBody, frozen_bn_ranks, recognise_norm_act
+from ..nn.bn_call import frozen_batch_norm, has_standard_bn_forward, standard_batch_norm
+from .bn_frozen import frozen_bn_ranks, holds_frozen_bn_tensors, recognise_frozen_norm_act
+from .bn_recognise import NormActBody, recognise_norm_act
 from .graph_module import ConvbnGraphModule
 from .hooks import hook_reason
 
@@ -167,6 +168,11 @@ class _PartialTracing:
             if body.reason is None and isinstance(x, fx.Proxy):
                 return self._inline_norm_act(m, name, body, x)
             self.norm_act[name] = body.reason or "it is called with other than one tensor argument"
+        elif id(m) in self._bodies and m is not self.root and name not in self.opaque and hook_reason(m) is None:
+            body = self._bodies[id(m)]
+            x = args[0] if len(args) == 1 and not kwargs else None
+            if body.reason is None and isinstance(x, fx.Proxy):
+                return self._inline_norm_act(m, name, body, x)
         if self.is_leaf_module(m, name) or m is self.root:  # type: ignore[attr-defined]
             return super().call_module(m, forward, args, kwargs)  # type: ignore[misc]
         graph: fx.Graph = self.graph  # type: ignore[attr-defined]
@@ -192,6 +198,8 @@ class _PartialTracing:
         """The standard batch norm of ``m`` on ``x`` as one node, then ``m``'s tail replayed."""
         create = self.create_proxy  # type: ignore[attr-defined]
         module = create("get_attr", name, (), {})
+        if body.ranks:  # a frozen BatchNorm: eval-mode batch norm with its buffers
+            return body.replay(m, x, lambda inp: create("call_function", frozen_batch_norm, (module, inp, body.ranks), {}))
         return body.replay(m, x, lambda inp: create("call_function", standard_batch_norm, (module, inp), {}))
 
     def _rollback(self, last_node: fx.Node) -> None:
@@ -214,6 +222,9 @@ class _PartialTracing:
         self._bodies = {id(m): recognise_norm_act(m) for m in root.modules()
                         if isinstance(m, _BatchNorm) and not has_standard_bn_forward(m) and m is not root}
         self._frozen = {id(m): bool(frozen_bn_ranks(m)) for m in root.modules() if m is not root}
+        for m in root.modules():  # frozen BatchNorms with a tail of children: inlined like norm-act
+            if m is not root and not self._frozen[id(m)] and holds_frozen_bn_tensors(m) and any(m.children()):
+                self._bodies[id(m)] = recognise_frozen_norm_act(m)
         original = torch.jit.isinstance
         torch.jit.isinstance = _patched_jit_isinstance(original)  # type: ignore[assignment]
         try:
