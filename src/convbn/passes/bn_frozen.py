@@ -144,7 +144,8 @@ def recognise_frozen_norm_act(module: nn.Module) -> NormActBody:
     x = next(n for n in graph.nodes if n.op == "placeholder")
 
     def run(copy_module: nn.Module, inp: Tensor) -> Tensor:
-        return fx.GraphModule(copy_module, prefix)(inp)
+        # an Interpreter, not GraphModule.__call__, which prints a traceback for ranks it refuses
+        return fx.Interpreter(fx.GraphModule(copy_module, prefix)).run(inp)
 
     ranks = _probe_ranks(module, run)
     if not ranks:
