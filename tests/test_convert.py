@@ -497,11 +497,20 @@ class TransposedOutputSizeThenBN(nn.Module):
         return F.relu(self.bn(self.up(x, output_size=[2 * x.shape[2], 2 * x.shape[3]])))
 
 
+class ScaledBN(nn.BatchNorm2d):
+    """A BatchNorm subclass with its own forward that scales its input before normalising:
+    not a batch norm of the conv output, so convert leaves it (norm-act subclasses that only
+    add a tail after the batch norm, like ``BNDoingMore``, are fused: tests/test_bn_any_way.py)."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return super().forward(x * 2.0) + 1.0
+
+
 class SubclassBN(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.conv = nn.Conv2d(3, 4, 3)
-        self.bn = BNDoingMore(4)  # its own forward: convert cannot know what it computes
+        self.bn = ScaledBN(4)  # its own forward normalises a scaled input: not a batch norm of the conv
         self.tail = cbr(4, 4)
 
     def forward(self, x: Tensor) -> Tensor:
@@ -515,7 +524,7 @@ NEGATIVE: Dict[str, Tuple[Callable[[], nn.Module], Dict[str, str], List[str]]] =
     "bn-input-not-a-conv": (BNAfterPool, {"bn": "not a convolution output"}, ["bn_in", "a.1"]),
     "same-bn-called-twice": (SharedBN, {"bn": "called 2 times"}, []),
     "conv-transpose-output-size": (TransposedOutputSizeThenBN, {"bn": "output_size="}, []),
-    "bn-subclass-with-own-forward": (SubclassBN, {"bn": "own forward"}, ["tail.1"]),
+    "bn-subclass-with-own-forward": (SubclassBN, {"bn": "not applied to the module's input"}, ["tail.1"]),
 }
 
 
@@ -559,6 +568,12 @@ def test_every_batchnorm_reported_once_in_a_mixed_model() -> None:
     report = convbn.explain(model)
     assert_every_bn_once(model, report)
     assert "not called" in {s.bn: s.reason for s in report.skipped}["unused"]
+
+
+def test_bn_subclass_doing_more_fuses_its_batch_norm_and_keeps_the_rest() -> None:
+    eager, fast = convert_pair(lambda: nn.Sequential(nn.Conv2d(3, 4, 3), BNDoingMore(4)), strategy="recompute_conv")
+    assert [p.bn for p in fast.convbn_report.pairs] == ["1"]
+    assert_same_training(eager, fast, inp(2, 3, 6, 6))
 
 
 def test_sync_batchnorm_fused_or_reported() -> None:

@@ -23,6 +23,7 @@ from ..functional.batchnorm import BNSpec
 from ..functional.conv import ConvSpec, conv_flops, conv_forward, conv_output_shape, conv_spec_from_module
 from ..functional.fused import autocast_dtype, check_inputs
 from ..functional.tail import DropoutOp, TailOp, is_tail_module, tail_op_from_module
+from .bn_call import has_standard_bn_forward, standard_batch_norm
 from .fused import bn_running_stats, bn_spec_from_module, module_hooked
 
 __all__ = ["ChainLayer", "FusedChain", "LAYER_MODES", "TailElement"]
@@ -250,7 +251,8 @@ class FusedChain(nn.Module):
                 if dt is not None:  # as autocast casts a conv module's operands
                     x, w, b = x.to(dt), w.to(dt), (None if b is None else b.to(dt))  # type: ignore[union-attr]
                 y = conv_forward(l.conv.pad_input(x), w, b, l.conv)  # type: ignore[arg-type]
-            z = l.bn(y) if l.bn is not None else y
+            # a norm-act module's own forward would apply its tail again: its batch norm only
+            z = y if l.bn is None else l.bn(y) if has_standard_bn_forward(l.bn) else standard_batch_norm(l.bn, y)
             if l.tail:
                 for e in l.tail:
                     z = e(z)

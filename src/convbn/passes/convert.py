@@ -21,6 +21,7 @@ from ..nn.chain import FusedChain
 from ..nn.fused import _FusedConvBNNd
 from ..nn.sync import SyncBatchNorm
 from .auto_plan import as_inputs, measure_peak, measure_saved, plan_auto
+from .bn_recognise import may_normalise
 from .graph_module import ConvbnGraphModule
 from .match import MatchTracer, find_layers, group_chains
 from .report import ConvertReport, SkippedBN
@@ -48,9 +49,7 @@ def _convert(module: nn.Module, prefix: str, mode: str, chain: bool, inplace: bo
     ``module``'s trace and is converted on its own; when ``module``'s own forward cannot be
     traced, each child is converted instead. ``lazy``: rewritten GraphModules validate
     themselves against the module they replace on their first call."""
-    if isinstance(module, (FusedChain, _FusedConvBNNd)) or not any(
-        isinstance(m, _BatchNorm) for m in module.modules()
-    ):
+    if isinstance(module, (FusedChain, _FusedConvBNNd)) or not may_normalise(module):
         return module
     if isinstance(module, _BatchNorm) and prefix:  # a lone BatchNorm child: nothing to fuse, nothing to trace
         return module

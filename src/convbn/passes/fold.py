@@ -34,6 +34,8 @@ from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.utils import _pytree as pytree
 
+from .bn_frozen import frozen_bn_ranks
+from .bn_recognise import may_normalise
 from .fold_check import EAGER_ERROR_FACTOR, compare_to_reference, float64_errors, reference_run, run_no_grad
 from .fold_graph import FoldContext, fold_module
 from .fold_layers import fold_conv_bn_modules
@@ -70,7 +72,7 @@ def _fold_finer(model: nn.Module, args: Tuple[Any, ...], reference: Any, eager_e
     report = FoldReport()
     report.untraceable.append(("", f"folding the whole model changed its outputs ({why}); folded child by child"))
     for name, child in list(work.named_children()):
-        if name not in inputs or not any(isinstance(m, _BatchNorm) for m in child.modules()):
+        if name not in inputs or not may_normalise(child):
             continue
         try:
             new = fold(child, example_inputs=inputs[name])
@@ -101,7 +103,7 @@ def _fold_finer(model: nn.Module, args: Tuple[Any, ...], reference: Any, eager_e
 def _bn_modules(model: nn.Module) -> Dict[int, Tuple[nn.Module, List[str]]]:
     found: Dict[int, Tuple[nn.Module, List[str]]] = {}
     for name, m in model.named_modules(remove_duplicate=False):
-        if isinstance(m, _BatchNorm):
+        if isinstance(m, _BatchNorm) or frozen_bn_ranks(m):
             found.setdefault(id(m), (m, []))[1].append(name)
     return found
 

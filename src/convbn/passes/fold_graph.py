@@ -13,7 +13,9 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from torch.utils import _pytree as pytree
 
 from ..functional.fold import fold_bn_into_following, fold_bn_into_preceding
-from .fold_layers import BN_FNS, CONVT_FNS, CONVT_MODULES, CONVT_SIG, CONV_FNS, CONV_SIG, FoldTracer, LAYER_MODULES, LINEAR_FNS, LINEAR_SIG, UNSET, check_bn_foldable, clone_with, const_tensor, free_name, get_attr_value, has_standard_forward, is_zero_padding, normalize_args, owner_path
+from ..nn.bn_call import frozen_batch_norm, standard_batch_norm
+from .bn_frozen import frozen_bn_ranks
+from .fold_layers import BN_FNS, CONVT_FNS, CONVT_MODULES, CONVT_SIG, CONV_FNS, CONV_SIG, FoldTracer, LAYER_MODULES, LINEAR_FNS, NormActTail, describe_activation, LINEAR_SIG, UNSET, check_bn_foldable, clone_with, const_tensor, free_name, get_attr_value, has_standard_forward, is_zero_padding, normalize_args, owner_path
 from .fold_report import FoldAction, FoldReport
 from .graph_module import preserve_module_state
 from .shape_uses import value_users
@@ -49,6 +51,7 @@ class _BNSite:
     bias: Optional[Tensor]
     module: Optional[nn.Module]
     attr_nodes: Tuple[fx.Node, ...]  # get_attr nodes only this site may use
+    ranks: Tuple[int, ...] = ()  # input ranks it is a batch norm on (frozen BatchNorms); () any
 
 
 @dataclass
@@ -91,6 +94,7 @@ class _GraphFolder:
         self.ctx = ctx
         self.modules = dict(gm.named_modules())
         self.changed = False
+        self.norm_act: Set[str] = set()  # inlined norm-act modules whose batch norm is a site
 
     # -- naming -------------------------------------------------------------------
     def qual(self, target: str) -> str:
@@ -100,10 +104,16 @@ class _GraphFolder:
     def bn_site(self, node: fx.Node) -> Union[_BNSite, _BNSkip, None]:
         """The BN applied by ``node``; a :class:`_BNSkip` if it is a BN that cannot fold;
         None if ``node`` is no BatchNorm."""
+        if node.op == "call_function" and node.target in (standard_batch_norm, frozen_batch_norm):
+            return self._norm_act_site(node)
         if node.op == "call_module":
             mod = self.modules.get(node.target)
             if not isinstance(mod, _BatchNorm):
-                return None
+                ranks = frozen_bn_ranks(mod) if mod is not None else ()
+                if not ranks:
+                    return None
+                return _BNSite(node, self.qual(node.target), node.args[0] if node.args else None, mod.running_mean,
+                               mod.running_var, float(mod.eps), mod.weight, mod.bias, mod, (), ranks)
             name = self.qual(node.target)
             why = check_bn_foldable(mod)
             if why is None and not has_standard_forward(mod):
@@ -139,6 +149,25 @@ class _GraphFolder:
                            float(eps), values["weight"], values["bias"], None, attr_nodes)
         return None
 
+    def _norm_act_site(self, node: fx.Node) -> Union[_BNSite, _BNSkip, None]:
+        """The batch norm of a norm-act module the tracer inlined (the module's tail follows it)."""
+        owner = node.args[0] if node.args else None
+        if not isinstance(owner, fx.Node) or owner.op != "get_attr":
+            return None
+        mod = self.modules.get(str(owner.target))
+        frozen = node.target is frozen_batch_norm
+        if not (frozen or isinstance(mod, _BatchNorm)):
+            return None
+        name = self.qual(str(owner.target))
+        why = None if frozen else check_bn_foldable(mod)
+        if why is not None:
+            return _BNSkip(name, why)
+        if sum(1 for n in self.gm.graph.nodes if n.op == "get_attr" and n.target == owner.target) != 1:
+            return _BNSkip(name, "the BatchNorm module is called more than once")
+        self.norm_act.add(str(owner.target))
+        return _BNSite(node, name, node.args[1], mod.running_mean, mod.running_var, float(mod.eps),
+                       mod.weight, mod.bias, mod, (owner,), tuple(node.args[2]) if frozen else ())
+
     def _functional_bn_name(self, node: fx.Node, rm_node: Any) -> str:
         if isinstance(rm_node, fx.Node) and rm_node.op == "get_attr":
             owner = owner_path(rm_node.target)
@@ -146,8 +175,8 @@ class _GraphFolder:
                 owner_module = self.root.get_submodule(owner)
             except AttributeError:
                 owner_module = None
-            if owner and isinstance(owner_module, _BatchNorm):
-                return self.qual(owner)  # a BatchNorm subclass whose forward was traced into
+            if owner and isinstance(owner_module, nn.Module):
+                return self.qual(owner)  # a module calling batch_norm on its own tensors
         where = self.prefix.rstrip(".") or "<root>"
         return f"{node.target.__name__}() call '{node.name}' in {where}"
 
@@ -313,6 +342,8 @@ class _GraphFolder:
     def _rank_ok(self, site: _BNSite, layer: _Layer) -> Optional[str]:
         """None if the BN surely normalises the layer's channel dimension, else why not."""
         want = layer.weight.dim()  # batched rank of the layer's output (= its input for conv)
+        if site.ranks and (layer.kind == "linear" or want not in site.ranks):
+            return f"{site.name} computes a batch norm only on {list(site.ranks)}-D inputs"
         ranks: Optional[Set[int]] = None
         if site.module is not None:
             ranks = self.ctx.bn_input_ranks.get(id(site.module))
@@ -363,6 +394,10 @@ class _GraphFolder:
             return False, f"after it: BN output has {len(users)} users"
         layer = self.layer(users[0])
         if isinstance(layer, str):
+            between = self._activation_before_layer(users[0])
+            if between is not None:
+                return False, (f"after it: {between[0]} sits between it and {between[1]} (pre-activation), "
+                               "and act(BN(x)) is not a per-channel affine map, so it cannot be folded exactly")
             return False, f"after it: {layer}"
         if layer.kind == "convt":
             return False, f"after it: {layer.name} is a transposed conv (inserts zeros), not exact"
@@ -398,6 +433,24 @@ class _GraphFolder:
         self.ctx.report.actions.append(FoldAction(site.name, True, layer.name, "following", note))
         return True, ""
 
+    def _activation_before_layer(self, node: fx.Node) -> Optional[Tuple[str, str]]:
+        """``(activation, layer)`` names if ``node`` is an element-wise activation whose only
+        value user is a conv / linear layer."""
+        what = describe_activation(node, self.modules, self.qual)
+        users = value_users(node)
+        if what is None or len(users) != 1:
+            return None
+        layer = self.layer(users[0])
+        return None if isinstance(layer, str) else (what, layer.name)
+
+    def _norm_act_tails(self) -> None:
+        """Replace each norm-act module whose batch norm was folded by its tail (its children)."""
+        used = {str(n.target) for n in self.gm.graph.nodes if n.op == "get_attr"}
+        for path in self.norm_act - used:
+            mod = self.gm.get_submodule(path)
+            parent, _, attr = path.rpartition(".")
+            setattr(self.gm.get_submodule(parent), attr, NormActTail(mod))
+
     def run(self) -> None:
         for node in list(self.gm.graph.nodes):
             if node._erased or node.op not in ("call_module", "call_function"):
@@ -416,6 +469,7 @@ class _GraphFolder:
             if not done:
                 self.ctx.report.actions.append(FoldAction(site.name, False, reason=f"{why_pre}; {why_post}"))
         if self.changed:
+            self._norm_act_tails()
             self.gm.graph.lint()
             self.gm.delete_all_unused_submodules()
             self.gm.recompile()

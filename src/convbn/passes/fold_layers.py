@@ -4,7 +4,7 @@ graph folder uses."""
 from __future__ import annotations
 
 import copy
-from typing import Any, Dict, Optional, Sequence, Tuple, TypeVar, Union
+from typing import Any, Callable, Dict, Optional, Sequence, Tuple, TypeVar, Union
 
 import torch
 import torch.fx as fx
@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
+from ..functional.activations import activation_from_module
 from ..functional.fold import fold_bn_into_preceding
 
 __all__ = ["fold_conv_bn_modules"]
@@ -119,6 +120,48 @@ def fold_conv_bn_modules(layer: LayerT, bn: nn.Module) -> LayerT:
 # --------------------------------------------------------------------------------------
 # Tracing: a tracer that turns submodules it cannot trace into opaque leaves
 # --------------------------------------------------------------------------------------
+
+
+# element-wise activations, for the reason given when one sits between a BN and a layer
+_ACTIVATION_FUNCTIONS = {F.relu, F.relu_, F.relu6, F.leaky_relu, F.silu, F.gelu, F.hardswish, F.hardtanh,
+                         F.hardsigmoid, F.elu, F.celu, F.selu, F.mish, F.softplus, F.sigmoid, F.tanh,
+                         torch.relu, torch.relu_, torch.sigmoid, torch.tanh}
+_ACTIVATION_METHODS = {"relu", "relu_", "sigmoid", "sigmoid_", "tanh", "tanh_"}
+
+
+def describe_activation(node: fx.Node, modules: Dict[str, nn.Module], qual: Callable[[str], str]) -> Optional[str]:
+    """A name for ``node`` if it applies an element-wise activation (``qual``: qualified module
+    names), else ``None``."""
+    if node.op == "call_module":
+        mod = modules.get(str(node.target))
+        if mod is None or activation_from_module(mod) is None:
+            return None
+        return f"activation {type(mod).__name__} '{qual(str(node.target))}'"
+    if node.op == "call_function" and node.target in _ACTIVATION_FUNCTIONS:
+        return f"activation {node.target.__name__}()"  # type: ignore[union-attr]
+    if node.op == "call_method" and node.target in _ACTIVATION_METHODS:
+        return f"activation .{node.target}()"
+    return None
+
+
+class NormActTail(nn.Module):
+    """What :func:`convbn.fold` leaves of a norm-act BatchNorm module (a ``_BatchNorm``
+    subclass whose forward normalises, then applies its dropout / activation children) once
+    its batch norm is folded into the layer before: those children, which the folded graph
+    calls by their own names. It is never called itself.
+
+    Args:
+        source: the norm-act module.
+    """
+
+    def __init__(self, source: nn.Module) -> None:
+        super().__init__()
+        self.source_type = type(source).__name__
+        for name, child in source.named_children():
+            self.add_module(name, child)
+
+    def extra_repr(self) -> str:
+        return f"tail of {self.source_type}, its batch norm folded"
 
 
 def _defining_module(cls: type, attr: str) -> str:

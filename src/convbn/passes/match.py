@@ -29,7 +29,7 @@ from ..nn.fused import _FusedConvBNNd
 from .bn_sites import BNSite, find_bn_sites
 from .match_tail import TailMatch, TailOpMatch, describe_node, match_tail, node_arg, tail_label
 from .report import ConvertReport, SkippedBN
-from .shape_uses import value_users
+from .shape_uses import is_rank_use, value_users
 
 __all__ = ["MatchTracer", "MatchedConv", "MatchedLayer", "find_layers", "group_chains", "head_input", "node_arg",
            "describe_node"]
@@ -305,6 +305,15 @@ def _conv_bn_mismatch(conv: MatchedConv, bn: _BatchNorm) -> Optional[str]:
     return None
 
 
+def _rank_mismatch(site: BNSite, conv: MatchedConv) -> Optional[str]:
+    """Why ``site`` (a batch norm recognised only for some input ranks) cannot normalise
+    tensors of ``conv``'s rank, or ``None``."""
+    if site.ranks and conv.spec.dims + 2 not in site.ranks:
+        return (f"{site.name} computes a batch norm only on {site.ranks}-D inputs, not on this "
+                f"layer's {conv.spec.dims + 2}-D tensors")
+    return None
+
+
 def _conv_reading(out: fx.Node, gm: fx.GraphModule, root: nn.Module, prefix: str) -> Union[MatchedConv, str]:
     """The fusable convolution that is the only reader of ``out``'s values (directly, or
     through a zero padding it absorbs), with its qualified name; else why not."""
@@ -347,6 +356,9 @@ def _match_head(site: BNSite, tail: TailMatch, gm: fx.GraphModule, root: nn.Modu
     dims_ok = _BN_DIMS.get(type(site.bn))
     if dims_ok is not None and conv.spec.dims not in dims_ok:
         return f"{type(site.bn).__name__} before a {conv.spec.dims}-D convolution"
+    wrong_rank = _rank_mismatch(site, conv)
+    if wrong_rank is not None:
+        return wrong_rank
     return MatchedLayer(None, site.node, site.bn, site.name, tuple(tail.ops), tuple(tail.shape_uses), head_input(site))
 
 
@@ -379,7 +391,7 @@ def find_layers(gm: fx.GraphModule, root: nn.Module, prefix: str, report: Conver
         Ordinary layers, heads and end layers (Note: [matched layers and chains]), in graph order.
     """
     layers: List[MatchedLayer] = []
-    for site in find_bn_sites(gm, prefix, report):
+    for site in find_bn_sites(gm, prefix, report, root):
         node, bn, name, src = site.node, site.bn, site.name, site.input
         tail = match_tail(node, root, prefix)
         conv = _match_conv(src, gm, root)
@@ -392,7 +404,7 @@ def find_layers(gm: fx.GraphModule, root: nn.Module, prefix: str, report: Conver
             conv.name = conv_name = prefix + conv.name
             others = [u for u in value_users(src) if u is not node]
             why = (f"the convolution's output is also used by {', '.join(describe_node(u) for u in others)}"
-                   if others else _conv_bn_mismatch(conv, bn))
+                   if others else _conv_bn_mismatch(conv, bn) or _rank_mismatch(site, conv))
         if why is None:
             assert isinstance(conv, MatchedConv)
             shape_uses = tuple(u for u in src.users if u is not node) + tuple(tail.shape_uses)
@@ -420,9 +432,10 @@ def group_chains(layers: List[MatchedLayer], chain: bool, report: Optional[Conve
     for l in layers:  # graph (topological) order
         prev = None if l.is_head else by_out.get(l.input)
         # a layer whose inner tensors' shapes are read must end its chain: only the
-        # chain's output exists to read them from (see Note: [shape-only uses] in shape_uses.py)
+        # chain's output exists to read them from (see Note: [shape-only uses] in shape_uses.py);
+        # rank reads (x.ndim, as norm-act layers check) are the same on every tensor of a chain
         if (chain and prev is not None and id(prev) in where and where[id(prev)][-1] is prev
-                and len(prev.out.users) == 1 and not prev.shape_uses
+                and len(prev.out.users) == 1 and all(is_rank_use(u) for u in prev.shape_uses)
                 and l.conv is not None and l.conv.spec.pre_pad_mode == "constant"):
             c = where[id(prev)]
         elif l.is_end:

@@ -14,6 +14,7 @@ from typing import Dict, List, Sequence, Tuple
 import torch.fx as fx
 from torch import nn
 
+from ..nn.bn_call import has_standard_bn_forward
 from ..nn.chain import ChainLayer, FusedChain
 from .graph_module import ConvbnGraphModule, preserve_module_state
 from .hooks import hook_reason
@@ -130,8 +131,8 @@ def _hooked_modules(layer: MatchedLayer, gm: fx.GraphModule) -> List[Tuple[str, 
     found: List[Tuple[str, nn.Module]] = []
     if layer.conv is not None and layer.conv.node.op == "call_module":
         found.append((layer.conv.name, layer.conv.owner))
-    if layer.bn is not None:
-        found.append((layer.bn_name, layer.bn))
+    if layer.bn is not None and has_standard_bn_forward(layer.bn):  # a norm-act module's hooks need its
+        found.append((layer.bn_name, layer.bn))  # own forward: the graph falls back to the original (watch_inlined)
     for op in layer.tail:
         if op.module_name is not None:
             found.append((op.module_name, op.element))  # type: ignore[arg-type]

@@ -5,7 +5,7 @@ from typing import List
 
 import torch.fx as fx
 
-__all__ = ["is_shape_use", "value_users"]
+__all__ = ["is_shape_use", "is_rank_use", "value_users"]
 
 _SHAPE_ATTRS = ("shape", "ndim")
 _SHAPE_METHODS = ("size", "dim", "ndimension")
@@ -38,6 +38,18 @@ def is_shape_use(node: fx.Node, of: fx.Node) -> bool:
         return len(node.args) >= 1 and node.args[0] is of and all(
             not isinstance(a, fx.Node) for a in list(node.args[1:]) + list(node.kwargs.values()))
     return False
+
+
+def is_rank_use(node: fx.Node) -> bool:
+    """True if ``node`` (a shape use) reads only a tensor's rank (``x.ndim``, ``x.dim()``).
+
+    Every tensor inside a fused chain (each conv output, BN output, activation output) has
+    the chain output's rank, so such a read stays exact when re-pointed to the chain's
+    output even for a layer in the middle of the chain.
+    """
+    if node.op == "call_function" and node.target is getattr:
+        return len(node.args) == 2 and node.args[1] == "ndim"
+    return node.op == "call_method" and node.target in ("dim", "ndimension") and len(node.args) == 1 and not node.kwargs
 
 
 def value_users(node: fx.Node) -> List[fx.Node]:

@@ -16,6 +16,13 @@ goes back into a module without changing what the user built:
   While tracing, both checks on a traced value raise :class:`TraceHazard` inside the
   module that made them, which partial tracing turns into a leaf. Python control flow on
   shapes already fails under ``torch.fx`` and is handled the same way.
+* **BatchNorm written any way**: a ``_BatchNorm`` subclass with its own ``forward`` that
+  :func:`~convbn.passes.bn_recognise.recognise_norm_act` recognises is *inlined*: the graph
+  gets ``standard_batch_norm(<the module>, x)`` (reading its mode and statistics at call
+  time) followed by the rest of its forward (its ``drop`` / ``act`` children called by
+  their own names), so matchers see an ordinary BatchNorm and its tail; one not recognised
+  stays a leaf and :attr:`Traced.norm_act` says why. A frozen BatchNorm
+  (:func:`~convbn.passes.bn_recognise.frozen_bn_ranks`) is always a leaf.
 * **Mode dependence**: the trace is repeated with ``training`` flipped; a graph that
   differs runs the original code in the other mode (:mod:`convbn.passes.graph_module`).
 
@@ -36,6 +43,11 @@ import torch
 import torch.fx as fx
 from torch import nn
 
+from torch.nn.modules.batchnorm import _BatchNorm
+
+from ..nn.bn_call import frozen_batch_norm, has_standard_bn_forward, standard_batch_norm
+from .bn_frozen import frozen_bn_ranks, holds_frozen_bn_tensors, recognise_frozen_norm_act
+from .bn_recognise import NormActBody, recognise_norm_act
 from .graph_module import ConvbnGraphModule
 from .hooks import hook_reason
 
@@ -123,6 +135,10 @@ class _PartialTracing:
         self.opaque: Dict[str, str] = {name: "asked to be a leaf" for name in leaves}
         self.hooked: Dict[str, str] = {}
         self._param_cache: Optional[Dict[str, Any]] = None
+        #: qualified name -> why a BatchNorm subclass with its own forward was not inlined
+        self.norm_act: Dict[str, str] = {}
+        self._frozen: Dict[int, bool] = {}
+        self._bodies: Dict[int, NormActBody] = {}
 
     def proxy(self, node: fx.Node) -> fx.Proxy:
         return _WatchedProxy(node, self)  # type: ignore[arg-type]
@@ -134,6 +150,8 @@ class _PartialTracing:
         if why is not None and m is not getattr(self, "root", None):
             self.hooked[module_qualified_name] = why
             return True
+        if self._frozen.get(id(m), False):
+            return True
         return super().is_leaf_module(m, module_qualified_name)  # type: ignore[misc]
 
     def getattr(self, attr: str, attr_val: Any, parameter_proxy_cache: Dict[str, Any]) -> Any:
@@ -143,6 +161,18 @@ class _PartialTracing:
     def call_module(self, m: nn.Module, forward: Callable[..., Any], args: Tuple[Any, ...],
                     kwargs: Dict[str, Any]) -> Any:
         name = self.path_of_module(m)  # type: ignore[attr-defined]
+        if (isinstance(m, _BatchNorm) and not has_standard_bn_forward(m) and m is not self.root
+                and name not in self.opaque and hook_reason(m) is None):
+            body = self._bodies.get(id(m)) or NormActBody(reason="it was not found among the traced module's submodules")
+            x = args[0] if len(args) == 1 and not kwargs else None
+            if body.reason is None and isinstance(x, fx.Proxy):
+                return self._inline_norm_act(m, name, body, x)
+            self.norm_act[name] = body.reason or "it is called with other than one tensor argument"
+        elif id(m) in self._bodies and m is not self.root and name not in self.opaque and hook_reason(m) is None:
+            body = self._bodies[id(m)]
+            x = args[0] if len(args) == 1 and not kwargs else None
+            if body.reason is None and isinstance(x, fx.Proxy):
+                return self._inline_norm_act(m, name, body, x)
         if self.is_leaf_module(m, name) or m is self.root:  # type: ignore[attr-defined]
             return super().call_module(m, forward, args, kwargs)  # type: ignore[misc]
         graph: fx.Graph = self.graph  # type: ignore[attr-defined]
@@ -164,6 +194,14 @@ class _PartialTracing:
             self.opaque[name] = short_reason(exc)
             return super().call_module(m, forward, args, kwargs)  # type: ignore[misc]
 
+    def _inline_norm_act(self, m: nn.Module, name: str, body: NormActBody, x: fx.Proxy) -> Any:
+        """The standard batch norm of ``m`` on ``x`` as one node, then ``m``'s tail replayed."""
+        create = self.create_proxy  # type: ignore[attr-defined]
+        module = create("get_attr", name, (), {})
+        if body.ranks:  # a frozen BatchNorm: eval-mode batch norm with its buffers
+            return body.replay(m, x, lambda inp: create("call_function", frozen_batch_norm, (module, inp, body.ranks), {}))
+        return body.replay(m, x, lambda inp: create("call_function", standard_batch_norm, (module, inp), {}))
+
     def _rollback(self, last_node: fx.Node) -> None:
         graph: fx.Graph = self.graph  # type: ignore[attr-defined]
         created: List[fx.Node] = []
@@ -179,6 +217,14 @@ class _PartialTracing:
                 del self._param_cache[key]
 
     def trace(self, root: Any, concrete_args: Optional[Dict[str, Any]] = None) -> fx.Graph:
+        # recognised before tracing: the recogniser traces on its own, which must not record
+        # into this trace
+        self._bodies = {id(m): recognise_norm_act(m) for m in root.modules()
+                        if isinstance(m, _BatchNorm) and not has_standard_bn_forward(m) and m is not root}
+        self._frozen = {id(m): bool(frozen_bn_ranks(m)) for m in root.modules() if m is not root}
+        for m in root.modules():  # frozen BatchNorms with a tail of children: inlined like norm-act
+            if m is not root and not self._frozen[id(m)] and holds_frozen_bn_tensors(m) and any(m.children()):
+                self._bodies[id(m)] = recognise_frozen_norm_act(m)
         original = torch.jit.isinstance
         torch.jit.isinstance = _patched_jit_isinstance(original)  # type: ignore[assignment]
         try:
@@ -233,6 +279,7 @@ class Traced:
         graph: its graph.
         opaque: submodules rolled back to leaves, with the reason (failed or misleading trace).
         hooked: submodules kept as leaves because they have hooks, with the hooks.
+        norm_act: BatchNorm subclasses with their own forward left as leaves, with why.
         wrapped: helper functions recorded as single calls (their trace failed inside).
         mode_dependent: the graph differs when traced with ``training`` flipped.
         modes: every module's ``training`` flag when traced.
@@ -242,6 +289,7 @@ class Traced:
     graph: fx.Graph
     opaque: Dict[str, str] = field(default_factory=dict)
     hooked: Dict[str, str] = field(default_factory=dict)
+    norm_act: Dict[str, str] = field(default_factory=dict)
     wrapped: List[str] = field(default_factory=list)
     mode_dependent: bool = False
     modes: List[Tuple[nn.Module, bool]] = field(default_factory=list, repr=False)
@@ -314,7 +362,7 @@ def _trace(module: nn.Module, tracer_cls: Type[fx.Tracer], leaves: Sequence[str]
     gm = ConvbnGraphModule(tracer.root, graph, type(module).__name__)
     opaque = {k: v for k, v in tracer.opaque.items() if k not in leaves or v != "asked to be a leaf"}
     opaque.update({k: "asked to be a leaf" for k in leaves})
-    traced = Traced(gm, graph, opaque, dict(tracer.hooked), [getattr(f, "__qualname__", repr(f)) for f in wrapped])
+    traced = Traced(gm, graph, opaque, dict(tracer.hooked), dict(tracer.norm_act), [getattr(f, "__qualname__", repr(f)) for f in wrapped])
     traced.modes = [(m, m.training) for m in module.modules()]
     traced.mode_dependent = _mode_dependent(module, tracer_cls, leaves, wrapped, gm.code)
     return traced
