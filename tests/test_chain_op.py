@@ -42,7 +42,7 @@ def test_opcheck_registration(keep):
     running = [torch.zeros(6, dtype=torch.float64), torch.ones(6, dtype=torch.float64),
                torch.zeros(4, dtype=torch.float64), torch.ones(4, dtype=torch.float64)]
     factors = torch.tensor([0.1, 0.1], dtype=torch.float64)
-    args = (x, dense, running, factors, key, list(keep), [True, True], [True, True], [p is not None for p in params])
+    args = ([x], dense, running, factors, key, list(keep), [True, True], [True, True], [p is not None for p in params])
     torch.library.opcheck(_chain_fwd, args, test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
 
 

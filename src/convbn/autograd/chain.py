@@ -21,6 +21,11 @@ layer) has no BatchNorm, and without a tail its backward needs no conv output at
 a layer's *tail* is a single activation (the fast path below) or any sequence of
 element-wise ops run by :mod:`convbn.autograd.chain_tail`.
 
+A head's input may be *pieces* concatenated along channels (a DenseNet layer normalising
+every earlier feature map): ``x0`` is then a :class:`~convbn.autograd.chain_input.ChainInput`,
+turned into one transient buffer where the head needs it (forward, and backward: Note:
+[a head over a concatenation]); the pieces are kept instead of the concatenation.
+
 Flat parameter layout of ``ChainFunction.apply(x0, *params, specs, stats)``: per layer,
 in order, ``W, b`` (when it has a conv), ``gamma, beta`` (when it has a BN), then one
 weight per PReLU of its tail (``None`` for an absent bias or affine parameter). An
@@ -41,6 +46,18 @@ ordinary layer therefore takes ``[W, b, gamma, beta]``, as before tails existed.
 # are freed as soon as they are consumed (Notes: [freeing the incoming gradient],
 # [freeing kept tensors early] in autograd/release.py). At most one segment of unkept
 # layers is materialised at a time, as with activation checkpointing.
+
+# Note: [a head over a concatenation]
+# With pieces, ``head_input`` is the one place x0 exists: forward concatenates the pieces
+# into one buffer, normalises it and lets it go; backward keeps only the pieces (earlier
+# outputs the model keeps alive anyway) and concatenates them again each time the head
+# needs its BN input -- to rebuild layer 1's conv input, then for the head's own BN
+# backward -- each copy dropped after use, so no concatenation outlives its use. The
+# chain input's gradient is split back into the pieces' (narrow views of one buffer) by
+# ``chain_input.split_grad``. Double backward differentiates w.r.t. the concatenation
+# (rebuilt with ``torch.cat``, differentiable) and splits: w.r.t. the pieces, a piece
+# computed from another (a DenseNet's later features from earlier ones) would add its own
+# path into the other's gradient, a total instead of a partial derivative.
 """
 from __future__ import annotations
 
@@ -59,7 +76,8 @@ from ..functional.fused import conv_bn_act_no_grad as _forward_no_grad
 from ..functional.reference import conv_bn_act_reference
 from ..functional.tail import RNGState
 from .chain_memory import choose_drops
-from .chain_spec import ChainLayerSpec, LayerParams, head_input, layer_kind, param_offsets, split_params
+from .chain_input import ChainInput, split_grad
+from .chain_spec import ChainLayerSpec, ChainX0, LayerParams, head_input, layer_kind, param_offsets, split_params
 from .chain_tail import tail_backward, tail_forward, tail_reference
 from .fused import differentiable_backward
 from .release import free_storage as _free_storage
@@ -75,7 +93,7 @@ __all__ = ["ChainLayerSpec", "ChainFunction", "chain_forward", "chain_backward",
 class _Rebuilder:
     """Lazily rebuilds layer inputs / conv outputs in backward (Note: [chain backward order])."""
 
-    def __init__(self, x0: Tensor, params: Sequence[Optional[Tensor]], specs: Sequence[ChainLayerSpec],
+    def __init__(self, x0: ChainX0, params: Sequence[Optional[Tensor]], specs: Sequence[ChainLayerSpec],
                  kept: Dict[int, Tensor], means: Dict[int, Tensor], invstds: Dict[int, Tensor],
                  drop: Optional[Sequence[bool]] = None, rngs: Optional[Sequence[Tuple[RNGState, ...]]] = None,
                  needs_params: Sequence[bool] = ()) -> None:
@@ -187,7 +205,7 @@ def _apply_tail(z: List[Tensor], spec: ChainLayerSpec, tws: Sequence[Tensor], ow
 
 
 def chain_forward(
-    x0: Tensor,
+    x0: ChainX0,
     params: Sequence[Optional[Tensor]],
     specs: Sequence[ChainLayerSpec],
     stats: Sequence[Tuple[Optional[Tensor], Optional[Tensor]]],
@@ -239,7 +257,7 @@ def _stat_maps(specs: Sequence[ChainLayerSpec], means: Sequence[Tensor],
 
 def chain_backward(
     grad_out: Tensor,
-    x0: Tensor,
+    x0: ChainX0,
     params: Sequence[Optional[Tensor]],
     specs: Sequence[ChainLayerSpec],
     kept: Dict[int, Tensor],
@@ -330,13 +348,26 @@ class ChainFunction(Function):
     ``None`` where absent), ``specs`` a tuple of :class:`ChainLayerSpec` and ``stats`` a
     tuple of ``(running_mean, running_var)`` per layer (updated in place once, in forward,
     for layers normalising with batch statistics; ``(None, None)`` for an end layer).
+
+    A head chain may take its input as ``m`` pieces concatenated along dim 1:
+    ``apply(p_1, ..., p_m, *params, specs, stats, m)`` (Note: [a head over a concatenation]);
+    each piece gets its own gradient.
     """
 
     @staticmethod
-    def forward(ctx: Any, x0: Tensor, *args: Any) -> Tensor:  # type: ignore[override]
-        *params, specs, stats = args
+    def forward(ctx: Any, *args: Any) -> Tensor:  # type: ignore[override]
+        n_pieces = args[-1] if isinstance(args[-1], int) else 1
+        if isinstance(args[-1], int):
+            args = args[:-1]
+        pieces, (*params, specs, stats) = args[:n_pieces], args[n_pieces:]
+        if n_pieces > 1 and specs[0].conv is not None:
+            raise ValueError(f"only a head chain (BN first) takes its input as pieces, but got {n_pieces} pieces "
+                             "for a chain that starts with a convolution")
+        inp = ChainInput(pieces)
+        x0: ChainX0 = inp if n_pieces > 1 else pieces[0]
         out, kept_idx, kept, means, invstds, rngs = chain_forward(x0, params, specs, stats)
-        save_tensors(ctx, (x0, *params, *kept, *means, *invstds))
+        save_tensors(ctx, (*pieces, *params, *kept, *means, *invstds))
+        ctx.n_pieces, ctx.sizes = n_pieces, inp.sizes
         ctx.specs = tuple(specs)
         ctx.kept_idx = tuple(kept_idx)
         ctx.n_params = len(params)
@@ -348,19 +379,27 @@ class ChainFunction(Function):
         refs = incoming_refs(grad_out)  # first: Note: [freeing the incoming gradient]
         saved = load_tensors(ctx)
         specs: Tuple[ChainLayerSpec, ...] = ctx.specs
-        n, k = ctx.n_params, sum(s.bn is not None for s in specs)
-        x0, params = saved[0], saved[1: 1 + n]
-        rest = saved[1 + n:]
+        n, k, m = ctx.n_params, sum(s.bn is not None for s in specs), ctx.n_pieces
+        pieces, params = saved[:m], saved[m: m + n]
+        rest = saved[m + n:]
         n_kept = len(ctx.kept_idx)
         kept = dict(zip(ctx.kept_idx, rest[:n_kept]))
         means, invstds = rest[n_kept: n_kept + k], rest[n_kept + k:]
-        if torch.is_grad_enabled():  # Note: [double backward] in autograd/fused.py
-            return differentiable_backward(ctx, grad_out, (x0, *params), _rebuild(specs, means, invstds, ctx.rngs))
+        x0: ChainX0 = ChainInput(pieces) if m > 1 else pieces[0]  # type: ignore[arg-type]
         needs = ctx.needs_input_grad
-        grads = chain_backward(grad_out, x0, params, specs, kept, means, invstds, needs[: 1 + n],  # type: ignore[arg-type]
+        if torch.is_grad_enabled():  # Note: [double backward] in autograd/fused.py
+            # w.r.t. the concatenation, then split (Note: [a head over a concatenation])
+            with torch.enable_grad():
+                x = head_input(x0)
+            grads = differentiable_backward(ctx, grad_out, (x, *params), _rebuild(specs, means, invstds, ctx.rngs),
+                                            needs=(any(needs[:m]), *needs[m: m + n]))
+            return (*split_grad(grads[0], ctx.sizes, needs[:m]), *grads[1: 1 + n]) + (None,) * (len(needs) - m - n)
+        grads = chain_backward(grad_out, x0, params, specs, kept, means, invstds,  # type: ignore[arg-type]
+                               (any(needs[:m]), *needs[m: m + n]),
                                free_grad_out=_sole_owner(grad_out, refs), free_kept=not _keeping_graph(),
                                rngs=ctx.rngs)
-        return tuple(grads) + (None,) * (len(needs) - len(grads))
+        out = (*split_grad(grads[0], ctx.sizes, needs[:m]), *grads[1:])
+        return out + (None,) * (len(needs) - len(out))
 
 
 def _rebuild(specs: Sequence[ChainLayerSpec], means: Sequence[Tensor], invstds: Sequence[Tensor],
@@ -401,7 +440,7 @@ def _rebuild(specs: Sequence[ChainLayerSpec], means: Sequence[Tensor], invstds: 
     return rebuild
 
 
-def _layer_sizes(x0: Tensor, params: Sequence[Optional[Tensor]],
+def _layer_sizes(x0: ChainX0, params: Sequence[Optional[Tensor]],
                  specs: Sequence[ChainLayerSpec]) -> Tuple[List[int], List[int]]:
     """Element counts of each layer's conv output (a head's: its BN input) and (unpadded) input;
     ``x0`` arrives padded."""

@@ -20,7 +20,7 @@
 from __future__ import annotations
 
 import hashlib
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor
@@ -30,6 +30,7 @@ from ..functional.batchnorm import BNSpec
 from ..functional.conv import conv_output_shape
 from ..functional.tail import TailOp
 from .chain import ChainLayerSpec, chain_backward, chain_forward, param_offsets
+from .chain_input import ChainInput, concat_shape, split_grad
 
 __all__ = ["register_chain", "chain_op_apply"]
 
@@ -70,7 +71,7 @@ def _stats(running: Sequence[Tensor], has_stats: Sequence[bool]) -> List[Tuple[O
 
 @torch.library.custom_op("convbn::chain_fwd", mutates_args=())
 def _chain_fwd(
-    x0: Tensor, params: List[Tensor], running: List[Tensor], factors: Tensor, key: str,
+    pieces: List[Tensor], params: List[Tensor], running: List[Tensor], factors: Tensor, key: str,
     keep_y: List[bool], batch_stats: List[bool], has_stats: List[bool], present: List[bool],
 ) -> Tuple[Tensor, List[Tensor], List[Tensor]]:
     # functional (an autograd formula needs it): the updated running stats are outputs,
@@ -78,8 +79,13 @@ def _chain_fwd(
     new_running = [t.clone() for t in running]
     specs, stats = _specs(key, factors, keep_y, batch_stats), _stats(new_running, has_stats)
     with torch.no_grad():
-        out, _, kept, means, invstds, _ = chain_forward(x0, _optional(params, present), specs, stats)
+        out, _, kept, means, invstds, _ = chain_forward(_x0(pieces), _optional(params, present), specs, stats)
     return out, [*kept, *means, *invstds], new_running
+
+
+def _x0(pieces: Sequence[Tensor]) -> Any:
+    """The chain input: the one tensor, or a head's pieces (Note: [a head over a concatenation])."""
+    return pieces[0] if len(pieces) == 1 else ChainInput(pieces)
 
 
 def _stat_dtype(x: Tensor, running: Optional[Tensor], batch_stats: bool) -> torch.dtype:
@@ -89,12 +95,13 @@ def _stat_dtype(x: Tensor, running: Optional[Tensor], batch_stats: bool) -> torc
 
 
 @_chain_fwd.register_fake
-def _(x0: Tensor, params: List[Tensor], running: List[Tensor], factors: Tensor, key: str,
+def _(pieces: List[Tensor], params: List[Tensor], running: List[Tensor], factors: Tensor, key: str,
       keep_y: List[bool], batch_stats: List[bool], has_stats: List[bool], present: List[bool]) -> Tuple[Tensor, List[Tensor], List[Tensor]]:
     specs = _specs(key, None, keep_y, batch_stats)
+    x0 = pieces[0]  # dtype, device and memory format (pieces share them); the shape is the concatenation's
     fmt = torch.channels_last if x0.dim() == 4 and x0.is_contiguous(memory_format=torch.channels_last) and not x0.is_contiguous() else (
         torch.channels_last_3d if x0.dim() == 5 and x0.is_contiguous(memory_format=torch.channels_last_3d) and not x0.is_contiguous() else torch.contiguous_format)
-    shape: Sequence[int] = x0.shape
+    shape: Sequence[int] = concat_shape(pieces)
     kept, means, invstds = [], [], []
     off = param_offsets(specs)
     it = iter(running)
@@ -122,7 +129,7 @@ def _(x0: Tensor, params: List[Tensor], running: List[Tensor], factors: Tensor, 
 
 @torch.library.custom_op("convbn::chain_bwd", mutates_args=())
 def _chain_bwd(
-    grad_out: Tensor, x0: Tensor, params: List[Tensor], saved: List[Tensor],
+    grad_out: Tensor, pieces: List[Tensor], params: List[Tensor], saved: List[Tensor],
     key: str, keep_y: List[bool], batch_stats: List[bool], needs: List[bool], present: List[bool],
 ) -> List[Tensor]:
     specs = _specs(key, None, keep_y, batch_stats)  # backward never touches running stats
@@ -130,38 +137,44 @@ def _chain_bwd(
     k, n_kept = sum(s.bn is not None for s in specs), len(kept_idx)
     kept = dict(zip(kept_idx, saved[:n_kept]))
     means, invstds = saved[n_kept: n_kept + k], saved[n_kept + k:]
-    grads = chain_backward(grad_out, x0, _optional(params, present), specs, kept, means, invstds, needs)
+    # ``needs``: the chain input's flag, then the parameters'; the input's gradient comes back
+    # whole (returns may not alias each other) and is split into the pieces' by the caller
+    grads = chain_backward(grad_out, _x0(pieces), _optional(params, present), specs, kept, means, invstds, needs)
     # custom ops return tensors: an empty tensor stands for "no gradient"
-    return [g if g is not None else x0.new_empty(0) for g in grads]
+    return [g if g is not None else pieces[0].new_empty(0) for g in grads]
 
 
 @_chain_bwd.register_fake
-def _(grad_out: Tensor, x0: Tensor, params: List[Tensor], saved: List[Tensor],
+def _(grad_out: Tensor, pieces: List[Tensor], params: List[Tensor], saved: List[Tensor],
       key: str, keep_y: List[bool], batch_stats: List[bool], needs: List[bool], present: List[bool]) -> List[Tensor]:
-    ins = [x0, *params]
-    return [torch.empty_like(t) if n else x0.new_empty(0) for t, n in zip(ins, needs)]
+    x0 = pieces[0].new_empty(concat_shape(pieces))
+    return [torch.empty_like(t) if n else pieces[0].new_empty(0) for t, n in zip([x0, *params], needs)]
 
 
 def _setup_context(ctx: Any, inputs: Tuple[Any, ...], output: Any) -> None:
-    x0, params, running, factors, key, keep_y, batch_stats, has_stats, present = inputs
+    pieces, params, running, factors, key, keep_y, batch_stats, has_stats, present = inputs
     _, saved, _ = output
-    ctx.save_for_backward(x0, *[p for p, h in zip(params, present) if h], *saved)
+    ctx.save_for_backward(*pieces, *[p for p, h in zip(params, present) if h], *saved)
+    ctx.n_pieces = len(pieces)
     ctx.present = present
     ctx.key, ctx.keep_y, ctx.batch_stats = key, keep_y, batch_stats
     ctx.n_running, ctx.n_layers = len(running), len(keep_y)
     ctx.n_saved = len(saved)
-    ctx.needs = [x0.requires_grad] + [h and p.requires_grad for p, h in zip(params, present)]
+    ctx.needs = [p.requires_grad for p in pieces] + [h and p.requires_grad for p, h in zip(params, present)]
 
 
 def _backward(ctx: Any, grad_out: Tensor, grad_saved: Any, grad_running: Any) -> Tuple[Any, ...]:
-    x0, *rest = ctx.saved_tensors
+    m = ctx.n_pieces
+    pieces, rest = list(ctx.saved_tensors[:m]), ctx.saved_tensors[m:]
     it = iter(rest[: len(rest) - ctx.n_saved])
-    params = [next(it) if p else x0.new_empty(0) for p in ctx.present]
+    params = [next(it) if p else pieces[0].new_empty(0) for p in ctx.present]
     saved = list(rest[len(rest) - ctx.n_saved:])
-    grads = _chain_bwd(grad_out, x0, params, saved, ctx.key, ctx.keep_y, ctx.batch_stats, ctx.needs, ctx.present)
-    out = [g if n else None for g, n in zip(grads, ctx.needs)]
-    # one entry per op argument: x0, params, running stats, factors, key and the flag lists
-    return out[0], out[1:], [None] * ctx.n_running, None, None, None, None, None, None
+    needs = [any(ctx.needs[:m]), *ctx.needs[m:]]
+    grads = _chain_bwd(grad_out, pieces, params, saved, ctx.key, ctx.keep_y, ctx.batch_stats, needs, ctx.present)
+    piece_grads = split_grad(grads[0] if needs[0] else None, [int(p.shape[1]) for p in pieces], ctx.needs[:m])
+    out = [g if n else None for g, n in zip(grads[1:], ctx.needs[m:])]
+    # one entry per op argument: pieces, params, running stats, factors, key and the flag lists
+    return piece_grads, out, [None] * ctx.n_running, None, None, None, None, None, None
 
 
 torch.library.register_autograd("convbn::chain_fwd", _backward, setup_context=_setup_context)
@@ -177,13 +190,16 @@ def _must_save_chain() -> Any:
 
 def chain_op_apply(
     key: str,
-    x0: Tensor,
+    x0: Union[Tensor, Sequence[Tensor]],
     params: Sequence[Optional[Tensor]],
     specs: Sequence[ChainLayerSpec],
     stats: Sequence[Tuple[Optional[Tensor], Optional[Tensor]]],
 ) -> Tensor:
     """Run the chain registered under ``key`` through the custom op (what
-    :class:`convbn.nn.FusedChain` does while compiling)."""
+    :class:`convbn.nn.FusedChain` does while compiling); ``x0`` is the chain input, or a
+    head chain's pieces concatenated along dim 1 (Note: [a head over a concatenation])."""
+    pieces = [x0] if isinstance(x0, Tensor) else list(x0)
+    x0 = pieces[0]
     has_stats = [rm is not None and rv is not None for rm, rv in stats]
     running = [t for (rm, rv), h in zip(stats, has_stats) if h for t in (rm, rv)]  # type: ignore[misc]
     # one device for all factors: ``momentum=None`` gives a tensor on the buffers' device
@@ -196,8 +212,8 @@ def chain_op_apply(
     dense = [p if p is not None else x0.new_empty(0) for p in params]
     flags = ([s.keep_y for s in specs], [s.bn is not None and s.bn.batch_stats for s in specs], has_stats, present)
 
-    def run(x0: Tensor, dense: List[Tensor], running: List[Tensor], factors: Tensor) -> Any:
-        return _chain_fwd(x0, dense, running, factors, key, *flags)
+    def run(pieces: List[Tensor], dense: List[Tensor], running: List[Tensor], factors: Tensor) -> Any:
+        return _chain_fwd(pieces, dense, running, factors, key, *flags)
 
     # Note: [never recomputed by the partitioner] To the partitioner an opaque op is
     # cheap to re-run, so it may recompute the whole chain in backward instead of keeping
@@ -206,10 +222,10 @@ def chain_op_apply(
     # (eager calls of the op, in tests, need no policy: nothing partitions them)
     if torch.compiler.is_compiling():
         out, _, new_running = checkpoint(
-            run, x0, dense, running, factors, use_reentrant=False, context_fn=_must_save_chain
+            run, pieces, dense, running, factors, use_reentrant=False, context_fn=_must_save_chain
         )
     else:
-        out, _, new_running = run(x0, dense, running, factors)
+        out, _, new_running = run(pieces, dense, running, factors)
     with torch.no_grad():
         for old, new in zip(running, new_running):
             old.copy_(new)

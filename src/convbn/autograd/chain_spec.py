@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cached_property
-from typing import List, Optional, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple, Union
 
 from torch import Tensor
 
@@ -21,9 +21,10 @@ from ..functional.activations import Activation
 from ..functional.batchnorm import BNSpec
 from ..functional.conv import ConvSpec
 from ..functional.tail import DropoutOp, PReLUOp, TailOp
+from .chain_input import ChainInput
 from .chain_tail import n_tail_params
 
-__all__ = ["ChainLayerSpec", "LayerParams", "param_offsets", "split_params", "layer_kind", "head_input"]
+__all__ = ["ChainLayerSpec", "ChainX0", "LayerParams", "param_offsets", "split_params", "layer_kind", "head_input"]
 
 LayerParams = Tuple[Optional[Tensor], Optional[Tensor], Optional[Tensor], Optional[Tensor], List[Tensor]]
 
@@ -93,8 +94,13 @@ def layer_kind(spec: ChainLayerSpec) -> str:
     return "identity" if act.is_identity else "output" if act.output_derivable else "smooth"
 
 
-def head_input(x0: Tensor) -> Tensor:
-    """A head's BN input from the chain input ``x0``: ``x0`` itself. The one place forward
-    and backward build it, so a head over several inputs (e.g. DenseNet's concatenated
-    features) changes only here and in what the chain keeps for ``x0``."""
-    return x0
+#: what a chain takes as its input: one tensor, or a head's pieces (Note: [a head over a
+#: concatenation] in autograd/chain.py)
+ChainX0 = Union[Tensor, ChainInput]
+
+
+def head_input(x0: ChainX0) -> Tensor:
+    """A head's BN input from the chain input ``x0``: ``x0`` itself, or its pieces
+    concatenated into a new buffer (Note: [a head over a concatenation] in
+    autograd/chain.py). The one place forward and backward build it."""
+    return x0.build() if isinstance(x0, ChainInput) else x0

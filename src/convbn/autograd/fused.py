@@ -81,22 +81,25 @@ def bn_act_backward(
 
 
 def differentiable_backward(
-    ctx: Any, grad_out: Tensor, inputs: Sequence[Optional[Tensor]], rebuild: Any
+    ctx: Any, grad_out: Tensor, inputs: Sequence[Optional[Tensor]], rebuild: Any,
+    needs: Optional[Sequence[bool]] = None,
 ) -> Tuple[Optional[Tensor], ...]:
     """See Note: [double backward]. ``rebuild(*inputs)`` recomputes the output with
-    differentiable ops; gradients are taken w.r.t. the inputs autograd asked for."""
+    differentiable ops; gradients are taken w.r.t. the inputs autograd asked for
+    (``needs``, one flag per input; default ``ctx.needs_input_grad``)."""
     if any(getattr(spec, "process_group", None) is not None for spec in _bn_specs(ctx)):
         raise RuntimeError(
             "double backward (create_graph=True) through cross-process SyncBatchNorm statistics is not "
             "supported by convbn; run it without convert() or with a single process"
         )
-    wanted = [i for i, t in enumerate(inputs) if t is not None and ctx.needs_input_grad[i]]
+    needs = ctx.needs_input_grad if needs is None else needs
+    wanted = [i for i, t in enumerate(inputs) if t is not None and needs[i]]
     with torch.enable_grad():
         out = rebuild(*inputs)
         grads = torch.autograd.grad(
             out, [inputs[i] for i in wanted], grad_out, create_graph=True, allow_unused=True
         )
-    result: List[Optional[Tensor]] = [None] * len(ctx.needs_input_grad)
+    result: List[Optional[Tensor]] = [None] * max(len(needs), len(inputs))
     for i, g in zip(wanted, grads):
         result[i] = g
     return tuple(result)

@@ -11,7 +11,12 @@ optimizer, fed the same input. All run in one process:
   fused layer keeps its own conv input and recomputes its conv (the PyTorch tutorial);
 * ``convert recompute_bn`` — keep conv outputs, recompute BN + activation element-wise;
 * ``checkpoint per block`` — :func:`torch.utils.checkpoint.checkpoint` (non-reentrant)
-  around each block (see :func:`find_blocks`);
+  around each block (see :func:`find_blocks`; a DenseNet's dense blocks and transitions);
+* ``checkpoint concat heads (memory-efficient)`` — the checkpoint-based memory-efficient
+  DenseNet (torchvision's ``memory_efficient=True``) for any traceable model:
+  concatenation + BN + act + conv of each dense layer under checkpointing
+  (:func:`convbn.bench.concat_checkpoint.checkpoint_concat_heads`); only for models that
+  have such heads (with ``configs=None`` the row is left out for the others);
 * ``torch.compile budget=B`` — ``torch.compile`` with
   ``torch._functorch.config.activation_memory_budget = B`` (default 0.5, 0.3, 0.1).
 
@@ -78,9 +83,11 @@ from torch.nn.modules.dropout import _DropoutNd
 
 from convbn.bench.checkpointing import CheckpointBlock, checkpoint_blocks, find_blocks
 from convbn.bench.common import DTYPES, add_output_arguments, first_tensor, projection_loss, short_error, timed_ms, write_outputs
+from convbn.bench.concat_checkpoint import NoConcatHead
 from convbn.bench.models import build_model
 from convbn.bench.plotting import pyplot
 from convbn.bench.training_configs import (
+    CONCAT_CHECKPOINT,
     CONFIG_KEYS,
     DEFAULT_COMPILE_BUDGETS,
     TrainingConfig,
@@ -108,6 +115,7 @@ __all__ = [
     "add_training_arguments",
     "main_training",
     "CONFIG_KEYS",
+    "CONCAT_CHECKPOINT",
     "DEFAULT_COMPILE_BUDGETS",
     "DEFAULT_MODELS",
 ]
@@ -279,7 +287,7 @@ def run_training_bench(
         ref_out: Optional[Tensor] = None
         ref_grads: List[Optional[Tensor]] = []
         ref_buffers: List[Tensor] = []
-        for name in names:
+        for name in list(names):
             bar.update(task, description=f"{spec}: {name}: build + first step")
             row = rows[name]
             t0 = time.perf_counter()
@@ -296,6 +304,11 @@ def run_training_bench(
             except Exception as exc:  # noqa: BLE001 - report the failure in the row, keep going
                 if name == "eager":
                     raise
+                if isinstance(exc, NoConcatHead) and configs is None:
+                    del rows[name]  # not asked for by name: a model without concatenations has no such row
+                    names.remove(name)
+                    bar.advance(task, per_config)
+                    continue
                 row.note = f"failed: {short_error(exc)}"
                 bar.advance(task, per_config)
                 continue

@@ -18,12 +18,17 @@ from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from convbn.bench.checkpointing import CheckpointBlock, checkpoint_blocks, find_blocks
+from convbn.bench.concat_checkpoint import checkpoint_concat_heads
 from convbn.passes.convert import convert
 
-__all__ = ["CONFIG_KEYS", "DEFAULT_COMPILE_BUDGETS", "TrainingConfig", "budget_backend", "build_config", "config_names"]
+__all__ = ["CONFIG_KEYS", "CONCAT_CHECKPOINT", "DEFAULT_COMPILE_BUDGETS", "TrainingConfig", "budget_backend",
+           "build_config", "config_names"]
 
 #: Keys accepted by ``configs=`` / ``--configs`` (``eager`` is always run: it is the baseline).
-CONFIG_KEYS = ("eager", "auto", "budget", "tutorial", "recompute_bn", "checkpoint", "compile", "convert+compile")
+CONFIG_KEYS = ("eager", "auto", "budget", "tutorial", "recompute_bn", "checkpoint", "concat_checkpoint", "compile",
+               "convert+compile")
+#: The display name of the ``concat_checkpoint`` configuration.
+CONCAT_CHECKPOINT = "checkpoint concat heads (memory-efficient)"
 DEFAULT_COMPILE_BUDGETS = (0.5, 0.3, 0.1)
 
 
@@ -61,6 +66,8 @@ def config_names(
         names.append("convert recompute_bn")
     if "checkpoint" in keys:
         names.append("checkpoint per block")
+    if "concat_checkpoint" in keys:
+        names.append(CONCAT_CHECKPOINT)
     if "compile" in keys and use_compile:
         names += [f"torch.compile budget={_fmt_budget(b)}" for b in compile_budgets]
     if "convert+compile" in keys and use_compile:
@@ -132,6 +139,9 @@ def build_config(name: str, base: nn.Module, x: Tensor, lr: float) -> TrainingCo
         n_bn = sum(isinstance(m, _BatchNorm) for b in model.modules() if isinstance(b, CheckpointBlock)
                    for m in b.modules())
         note = f"{len(blocks)} blocks" + (f" ({n_bn} BN inside)" if n_bn else "")
+    elif name == CONCAT_CHECKPOINT:
+        model = checkpoint_concat_heads(model)
+        note = f"{model.num_concat_heads} heads checkpointed"
     elif name.startswith("torch.compile"):
         budget = float(name.rpartition("=")[2])
         model = torch.compile(model, backend=budget_backend(budget))

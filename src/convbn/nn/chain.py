@@ -18,6 +18,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.conv import _ConvNd
 
 from ..autograd.chain import ChainFunction, ChainLayerSpec, chain_forward_no_grad, layer_kind
+from ..autograd.chain_input import concat_shape
 from ..functional.activations import Activation, activation_from_module
 from ..functional.batchnorm import BNSpec
 from ..functional.conv import ConvSpec, conv_flops, conv_forward, conv_output_shape, conv_spec_from_module
@@ -54,7 +55,10 @@ class ChainLayer:
       ends at a conv output.
 
     A PreAct-ResNet body ``BN1 -> ReLU -> conv1 -> BN2 -> ReLU -> conv2`` is one chain
-    ``[head(BN1, relu), (conv1, BN2, relu), (conv2, no BN)]``.
+    ``[head(BN1, relu), (conv1, BN2, relu), (conv2, no BN)]``. A head chain may be called
+    with several tensors, the *pieces* of its input concatenated along dim 1 (a DenseNet
+    layer's earlier feature maps): it keeps the pieces, never their concatenation (Note:
+    [a head over a concatenation] in autograd/chain.py).
 
     The tail is ``tail`` when given, else ``(act,)``: a single activation is the fast path
     (in-place buffers in backward) and is normalised into ``act`` (give one of the two,
@@ -273,16 +277,22 @@ class FusedChain(nn.Module):
         convs = [l.conv for l in self.layers if l.conv is not None]
         return any(c.is_linear for c in convs) and any(c.dims + 2 != input.dim() for c in convs)
 
-    def forward(self, input: Tensor) -> Tensor:
+    def forward(self, *inputs: Tensor) -> Tensor:
+        """Run the chain on its input: one tensor, or (a head chain) the pieces of its input,
+        concatenated along dim 1 as ``torch.cat(inputs, 1)`` would (Note: [a head over a
+        concatenation] in autograd/chain.py: the chain keeps the pieces, not the concatenation)."""
+        pieces = _check_pieces(inputs, self.layers[0])
+        input = pieces[0] if len(pieces) == 1 else _stand_in(pieces)
         if input.numel() == 0 or self._hooked() or self._linear_on_other_shape(input):
-            return self._forward_eager(input)
+            return self._forward_eager(_concat(pieces))
         # The chain reads a layer's weight several times (checks, planning, the Function);
         # eager's conv reads it once. Under ``parametrize.cached()`` a parametrization (e.g.
         # spectral_norm's power iteration, which updates its buffers) runs once per call too.
         with parametrize.cached():
-            return self._forward_fused(input)
+            return self._forward_fused(pieces, input)
 
-    def _forward_fused(self, input: Tensor) -> Tensor:
+    def _forward_fused(self, pieces: Sequence[Tensor], input: Tensor) -> Tensor:
+        """``input``: the one piece, or a stand-in with the concatenation's shape for the checks."""
         layers = self.layers
         first = layers[0]
         tails = [_tail_spec(l) for l in layers]
@@ -291,7 +301,7 @@ class FusedChain(nn.Module):
         if (dt is not None and first.is_head) or (dropout and torch.compiler.is_compiling()):
             # A head's BN runs on the un-cast input under autocast; a dropout's RNG replay is
             # not reproduced by a compiled graph (Note: [why a custom op under torch.compile]).
-            return self._forward_eager(input)
+            return self._forward_eager(_concat(pieces))
         stats = [bn_running_stats(l.bn) if l.bn is not None else (None, None) for l in layers]
         specs0 = [bn_spec_from_module(l.bn) if l.bn is not None else None for l in layers]
         # Check every layer before any running statistic moves (a failing call changes nothing).
@@ -325,7 +335,7 @@ class FusedChain(nn.Module):
                 l.mode = "recompute_bn" if k else "recompute_conv"
             self.plan_on_first_call = None
         bn_specs = [bn_spec_from_module(l.bn, advance=True) if l.bn is not None else None for l in layers]
-        x = input if dt is None else input.to(dt)
+        x = pieces[0] if dt is None else pieces[0].to(dt)  # one piece unless a head (never cast)
         params: List[Optional[Tensor]] = []
         for l in layers:
             if l.conv is not None:
@@ -345,13 +355,16 @@ class FusedChain(nn.Module):
         with torch.autocast(dev, enabled=False) if dev in ("cpu", "cuda") else nullcontext():
             if first.conv is not None:
                 x = first.conv.pad_input(x)
-            if not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, *params))):
-                return chain_forward_no_grad(x, params, specs, stats)
+            xs = [x] if len(pieces) == 1 else list(pieces)
+            if not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (*xs, *params))):
+                return chain_forward_no_grad(_concat(xs), params, specs, stats)
             if torch.compiler.is_compiling() and not any(s.bn is not None and s.bn.process_group is not None
                                                          for s in specs):
                 from ..autograd.chain_op import chain_op_apply  # Note: [why a custom op under torch.compile]
 
-                return chain_op_apply(self.op_key, x, params, specs, stats)
+                return chain_op_apply(self.op_key, xs if len(xs) > 1 else x, params, specs, stats)
+            if len(xs) > 1:
+                return ChainFunction.apply(*xs, *params, specs, tuple(stats), len(xs))
             return ChainFunction.apply(x, *params, specs, tuple(stats))
 
     def extra_repr(self) -> str:
@@ -362,6 +375,38 @@ class FusedChain(nn.Module):
             kind = " (head)" if l.is_head else " (end)" if l.is_end else ""
             rows.append(f"({i}) {' -> '.join(parts)}: {l.mode}{kind}")
         return "\n".join(rows)
+
+
+def _check_pieces(inputs: Sequence[Tensor], first: ChainLayer) -> List[Tensor]:
+    """The chain's input as a list of pieces; several only for a head chain."""
+    if not inputs:
+        raise TypeError("FusedChain.forward() needs an input tensor (or, for a head chain, its pieces)")
+    for t in inputs:
+        if not isinstance(t, Tensor):
+            raise TypeError(f"input must be a Tensor, but got {type(t).__name__}")
+    if len(inputs) > 1:
+        if not first.is_head:
+            raise ValueError(
+                f"only a chain that starts with a BatchNorm (a head) takes its input as pieces, but got "
+                f"{len(inputs)} tensors for a chain that starts with {first.names[0] or 'a convolution'}"
+            )
+        concat_shape(inputs)  # raises for pieces torch.cat would reject
+        dtypes = {t.dtype for t in inputs}
+        devices = {t.device for t in inputs}
+        if len(dtypes) > 1 or len(devices) > 1:
+            raise ValueError(f"the pieces of a chain input must share one dtype and device, but got dtypes "
+                             f"{sorted(map(str, dtypes))} on {sorted(map(str, devices))}")
+    return list(inputs)
+
+
+def _stand_in(pieces: Sequence[Tensor]) -> Tensor:
+    """A zero-stride tensor with the concatenation's shape, dtype and device, for the input checks."""
+    first = pieces[0]
+    return torch.empty((), dtype=first.dtype, device=first.device).expand(concat_shape(pieces))
+
+
+def _concat(pieces: Sequence[Tensor]) -> Tensor:
+    return pieces[0] if len(pieces) == 1 else torch.cat(list(pieces), 1)
 
 
 #: stands in for a missing BN in input checks (an end layer normalises nothing)

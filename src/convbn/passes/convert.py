@@ -22,6 +22,7 @@ from ..nn.fused import _FusedConvBNNd
 from ..nn.sync import SyncBatchNorm
 from .auto_plan import as_inputs, measure_peak, measure_saved, plan_auto
 from .bn_recognise import may_normalise
+from .concat_heads import flatten_cats
 from .graph_module import ConvbnGraphModule
 from .match import MatchTracer, find_layers, group_chains
 from .report import ConvertReport, SkippedBN
@@ -65,6 +66,7 @@ def _convert(module: nn.Module, prefix: str, mode: str, chain: bool, inplace: bo
         return target
     report.traced.append(prefix.rstrip("."))
     gm = traced.gm
+    flatten_cats(gm.graph)  # nested concatenations -> one cat of their leaves (concat_heads.py)
     replaced: List[Tuple[str, nn.Module]] = []
     for name in traced.descend():
         sub = module.get_submodule(name)

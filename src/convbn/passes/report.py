@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, List, Optional
+from typing import TYPE_CHECKING, Dict, List, Optional
 
 from ..memory import format_bytes
 
@@ -77,6 +77,9 @@ class ConvertReport:
         predicted_peak_bytes / predicted_peak_where: the ``auto`` planner's prediction of
             the plan-dependent bytes alive at the step's peak (saved tensors plus a chain's
             backward transient; parameters' gradients and the loss excluded) and where.
+        shared_pieces: for each tensor kept by several chains that start at a concatenation
+            (a DenseNet's feature maps: every later layer of the block reads them), the number
+            of chains keeping it; it is held once, whatever the count.
         measured_peak_bytes / measured_peak_where / eager_peak_bytes: from
             :func:`convbn.explain` with example inputs, one training step's measured peak
             (:func:`convbn.memory.timeline`) of the converted model, where it occurs, and
@@ -98,6 +101,7 @@ class ConvertReport:
     measured_peak_bytes: Optional[int] = None
     measured_peak_where: Optional[str] = None
     eager_peak_bytes: Optional[int] = None
+    shared_pieces: Dict[str, int] = field(default_factory=dict)
 
     @property
     def num_chains(self) -> int:
@@ -131,6 +135,11 @@ class ConvertReport:
                 f"  {p.chain:>6}.{p.position:<2}  {p.conv or '- (pre-act head)':<32} {p.bn or '- (chain end)':<32} "
                 f"{p.activation:<{width}} {strategy:<15} {format_bytes(p.kept_bytes):>10} {p.extra_flops / 1e6:>10.1f}M"
             )
+        if self.shared_pieces:
+            most = sorted(self.shared_pieces.items(), key=lambda kv: -kv[1])
+            shown = ", ".join(f"{n} ({k} chains)" for n, k in most[:4]) + (", ..." if len(most) > 4 else "")
+            lines.append(f"  shared pieces: {len(most)} concatenated tensors kept once for "
+                         f"{sum(self.shared_pieces.values())} chain inputs: {shown}")
         for s in self.skipped:
             lines.append(f"  skipped {s.bn}: {s.reason}")
         for mod, err in self.untraced:

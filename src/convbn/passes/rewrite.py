@@ -18,6 +18,7 @@ from ..nn.bn_call import has_standard_bn_forward
 from ..nn.chain import ChainLayer, FusedChain
 from .graph_module import ConvbnGraphModule, preserve_module_state
 from .hooks import hook_reason
+from .concat_heads import chain_call_inputs, erase_unused_cat, shared_pieces
 from .match import MatchedLayer
 from .planner import plan_on_first_call
 from .report import ConvertReport, FusedPair, SkippedBN
@@ -50,6 +51,7 @@ def rewrite_chains(root: nn.Module, gm: fx.GraphModule, chains: List[List[Matche
     built: List[Tuple[str, FusedChain]] = []
     base = len({p.chain for p in report.pairs})
     replaced: Dict[fx.Node, fx.Node] = {}
+    pieces_of: List[List[fx.Node]] = []
     for ci, chain in enumerate(chains):
         layers = []
         for pos, l in enumerate(chain):
@@ -68,9 +70,14 @@ def rewrite_chains(root: nn.Module, gm: fx.GraphModule, chains: List[List[Matche
         last = chain[-1].out
         # inserted where the chain's first node ran: its only input is ``x0``, and shape
         # uses between the conv and the chain's output can then read the chain's output
+        x0 = chain[0].input
+        inputs = [x0]
+        if chain[0].is_head and chain[1].conv is not None:  # Note: [a head chain's call] in concat_heads.py
+            inputs = chain_call_inputs(x0, [chain[0].bn_node], chain[1].conv.spec.dims + 2)  # type: ignore[list-item]
+            if len(inputs) > 1:
+                pieces_of.append(inputs)
         with graph.inserting_before(chain[0].first):
-            x0 = chain[0].input
-            new = graph.call_module(name, (replaced.get(x0, x0),))
+            new = graph.call_module(name, tuple(replaced.get(x, x) for x in inputs))
         last.replace_all_uses_with(new)
         replaced[last] = new
         for l in chain:
@@ -81,11 +88,24 @@ def rewrite_chains(root: nn.Module, gm: fx.GraphModule, chains: List[List[Matche
         for l in reversed(chain):
             for n in l.nodes():
                 graph.erase_node(n)
+        erase_unused_cat(x0)
     for node in list(graph.nodes):
         if node.op == "get_attr" and not node.users:
             graph.erase_node(node)
+    prefix = _root_prefix(chains)
+    for piece, k in shared_pieces([[replaced.get(x, x) for x in p] for p in pieces_of]).items():
+        report.shared_pieces[prefix + piece.name] = k
     graph.lint()
     return graph_module_like(root, gm, built)
+
+
+def _root_prefix(chains: Sequence[Sequence[MatchedLayer]]) -> str:
+    """The qualified-name prefix of the traced module (``"a.b."``), read off a matched BatchNorm."""
+    for chain in chains:
+        for l in chain:
+            if l.bn_node is not None and l.bn_name.endswith(str(l.bn_node.target)):
+                return l.bn_name[: len(l.bn_name) - len(str(l.bn_node.target))]
+    return ""
 
 
 def chain_layer(l: MatchedLayer, mode: str) -> ChainLayer:
