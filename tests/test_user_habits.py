@@ -465,6 +465,21 @@ def build_model(cfg: Dict[str, Any]) -> nn.Sequential:
     return model
 
 
+def _values_per_channel(model: nn.Module, x: Tensor) -> List[int]:
+    """For each BatchNorm of ``model``, how many values per channel it normalises on ``x``
+    (one no-grad forward of ``model``, a throw-away copy)."""
+    counts: List[int] = []
+    hooks = [m.register_forward_pre_hook(lambda m, a: counts.append(a[0].numel() // a[0].shape[1]))
+             for m in model.modules() if isinstance(m, _BatchNorm)]
+    try:
+        with torch.no_grad():
+            model(x)
+    finally:
+        for h in hooks:
+            h.remove()
+    return counts or [1 << 30]
+
+
 @settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck))
 @given(cfg=configs())
 def test_random_layers_and_chains_match_eager_over_two_steps(cfg: Dict[str, Any]) -> None:
@@ -486,11 +501,17 @@ def test_random_layers_and_chains_match_eager_over_two_steps(cfg: Dict[str, Any]
             # the failing chain moved nothing; chains before it ran, as eager's layers did
             assert torch.equal(b, before[n]) or torch.equal(b, after_eager[n]), n
         return
+    if cfg["dtype"] == torch.float32 and min(_values_per_channel(probe, x)) < 8:
+        # A training-mode BN over a handful of values is ill-conditioned: float32 rounding is
+        # amplified by 1/std and a structurally zero gradient comes out as 0 in one summation
+        # order and as 1e-2 in another, so float32 cannot tell right from wrong there. Such
+        # draws are checked in float64 (at 1e-10) instead.
+        eager, x = eager.double(), x.double()
     fast = convbn.convert(copy.deepcopy(eager), strategy=cfg["strategy"], chain=cfg["chain"],
                           # (the planner measures a *training* pass on them: only where one runs)
                           example_inputs=x if cfg["example"] and cfg["training"] else None)
     exact = None
-    if cfg["dtype"] != torch.float64:  # what float32 eager itself gets wrong, step by step
+    if x.dtype != torch.float64:  # what float32 eager itself gets wrong, step by step
         exact = train(copy.deepcopy(eager).double(), x.double().requires_grad_(True), 2)
     same_training(eager, fast, x.requires_grad_(True), steps=2, exact=exact)
 
