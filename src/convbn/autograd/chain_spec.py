@@ -12,7 +12,6 @@ weight per PReLU of its tail (``None`` for an absent bias or affine parameter).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import cached_property
 from typing import List, Optional, Sequence, Tuple, Union
 
 from torch import Tensor
@@ -46,7 +45,7 @@ class ChainLayerSpec:
             raise ValueError(f"a chain layer's tail is act or tail, not both (act={self.act}, tail={self.tail})")
 
     # (cached: read on every layer of every call; a frozen dataclass keeps them in __dict__)
-    @cached_property
+    @property
     def n_params(self) -> int:
         """Entries this layer takes in the flat parameter list."""
         return 2 * (self.conv is not None) + 2 * (self.bn is not None) + n_tail_params(self.tail)
@@ -55,13 +54,13 @@ class ChainLayerSpec:
     def has_tail(self) -> bool:
         return bool(self.tail) or not self.act.is_identity
 
-    @cached_property
+    @property
     def needs_y(self) -> bool:
         """Whether backward needs this layer's conv output: not for a head (its BN input is
         ``x0``) nor for an end layer without tail (grad_y is the incoming gradient)."""
         return self.conv is not None and (self.bn is not None or self.has_tail)
 
-    @cached_property
+    @property
     def saves_y(self) -> bool:
         """Whether forward keeps the conv output (the plan's ``keep_y`` where it is needed)."""
         return self.keep_y and self.needs_y
