@@ -42,7 +42,7 @@ from ..functional.batchnorm import BNSpec, bn_apply, bn_backward, bn_forward
 from ..functional.conv import ConvSpec, conv_backward, conv_forward, scale_out_channels, sum_per_out_channel
 from ..functional.fold import fold_bn_into_preceding
 from ..functional.reference import conv_bn_act_reference
-from .release import free_storage, incoming_refs, keeping_graph, sole_owner
+from .release import calibrate, free_storage, incoming_refs, keeping_graph, sole_owner
 from .saving import load_tensors, save_tensors
 
 __all__ = [
@@ -190,6 +190,7 @@ class RecomputeConvFunction(Function):
 
     @staticmethod
     def forward(ctx: Any, *args: Any) -> Tensor:  # type: ignore[override]
+        calibrate()  # Note: [calibrating outside backward] in autograd/release.py
         return _batch_stat_forward(ctx, False, *args)
 
     @staticmethod
@@ -206,6 +207,7 @@ class RecomputeBNFunction(Function):
 
     @staticmethod
     def forward(ctx: Any, *args: Any) -> Tensor:  # type: ignore[override]
+        calibrate()  # Note: [calibrating outside backward] in autograd/release.py
         return _batch_stat_forward(ctx, True, *args)
 
     @staticmethod
