@@ -64,11 +64,10 @@ from convbn.bench.common import first_tensor, fmt, projection_loss, rows_to_json
 from convbn.bench.launch import default_backend, launch_workers, launched_by_torchrun
 from convbn.bench.table import markdown_table, print_rich_table
 from convbn.memory import format_bytes
-from convbn.nn.sync import SyncBatchNorm
+from convbn.passes.rewrite import swap_sync_batchnorm
 
 __all__ = [
     "DDPRow",
-    "swap_sync_batchnorm",
     "run_ddp_bench",
     "print_ddp_table",
     "add_ddp_arguments",
@@ -108,16 +107,6 @@ class DDPRow:
 
 
 # --------------------------------------------------------------------------- the benchmark
-
-
-def swap_sync_batchnorm(model: nn.Module) -> nn.Module:
-    """Replace, in place, every ``nn.SyncBatchNorm`` of ``model`` by :class:`convbn.nn.sync.SyncBatchNorm`
-    sharing its parameters and buffers (no fusion); returns ``model``."""
-    for parent in list(model.modules()):
-        for name, child in list(parent._modules.items()):
-            if type(child) is nn.SyncBatchNorm:
-                parent._modules[name] = SyncBatchNorm.from_module(child)
-    return model
 
 
 def _flat(tensors: Sequence[Tensor]) -> Tensor:
@@ -164,7 +153,7 @@ def _bench_worker(rank: int, world_size: int, spec: str, batch_size: int, steps:
     else:
         eager = copy.deepcopy(base)
         models["eager"] = (eager, "nn.SyncBatchNorm is CUDA-only: per-process BatchNorm, local stats", eager)
-    unfused = swap_sync_batchnorm(copy.deepcopy(synced))
+    unfused = swap_sync_batchnorm(copy.deepcopy(synced), inplace=True)
     models[DDP_CONFIGS[1]] = (unfused, f"{n_bn} SyncBN, no fusion", unfused)
     before = copy.deepcopy(synced)
     fused = convert(before, strategy="auto")  # shares before's parameters (same objects, same order)

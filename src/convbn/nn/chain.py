@@ -22,6 +22,7 @@ from ..autograd.chain_input import concat_shape
 from ..functional.activations import Activation, activation_from_module
 from ..functional.batchnorm import BNSpec
 from ..functional.conv import ConvSpec, conv_flops, conv_forward, conv_output_shape, conv_spec_from_module
+from ..functional.strategies import LAYER_MODES
 from ..functional.fused import autocast_dtype, check_inputs
 from ..functional.tail import DropoutOp, TailOp, is_tail_module, tail_op_from_module
 from .bn_call import has_standard_bn_forward, standard_batch_norm
@@ -29,8 +30,6 @@ from .fused import bn_running_stats, bn_spec_from_module, module_hooked
 
 __all__ = ["ChainLayer", "FusedChain", "LAYER_MODES", "TailElement"]
 
-#: What a layer of a chain keeps: its conv output (``recompute_bn``) or nothing (``recompute_conv``).
-LAYER_MODES = ("recompute_bn", "recompute_conv")
 
 
 #: one element of a layer's tail: an activation record, or the model's own module

@@ -39,6 +39,7 @@ from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from ..nn.bn_call import has_standard_bn_forward
+from .fold_layers import normalize_args
 from .hooks import hook_reason
 from .shape_uses import is_shape_use
 
@@ -69,16 +70,7 @@ def may_normalise(module: nn.Module) -> bool:
 def bn_call_args(node: fx.Node) -> Optional[Dict[str, Any]]:
     """The arguments of an ``F.batch_norm`` / ``torch.batch_norm`` node by name, or ``None``."""
     sig = BN_FUNCTIONS.get(node.target) if node.op == "call_function" else None  # type: ignore[arg-type]
-    if sig is None or len(node.args) > len(sig):
-        return None
-    out = dict(sig)
-    for (name, _), value in zip(sig, node.args):
-        out[name] = value
-    for key, value in node.kwargs.items():
-        if key not in out:
-            return None
-        out[key] = value
-    return out
+    return None if sig is None else normalize_args(node, sig)
 
 
 def _self_batch_norm(input: Tensor) -> Tensor:  # pragma: no cover - only ever a graph target

@@ -19,14 +19,14 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from ..nn.chain import FusedChain
 from ..nn.fused import _FusedConvBNNd
-from ..nn.sync import SyncBatchNorm
+from ..functional.strategies import CONVERT_STRATEGIES, check_strategy
 from .auto_plan import as_inputs, measure_peak, measure_saved, plan_auto
 from .bn_recognise import may_normalise
 from .concat_heads import flatten_cats
 from .graph_module import ConvbnGraphModule
 from .match import MatchTracer, find_layers, group_chains
 from .report import ConvertReport, SkippedBN
-from .rewrite import drop_hooked, rewrite_chains, set_submodule, shallow_clone, watch_hooks
+from .rewrite import drop_hooked, rewrite_chains, set_submodule, shallow_clone, swap_sync_batchnorm, watch_hooks
 from .trace import short_reason, trace
 from .validate import StateSnapshot, compare_outputs, run_step
 
@@ -34,8 +34,6 @@ __all__ = ["convert", "explain", "CONVERT_STRATEGIES"]
 
 M = TypeVar("M", bound=nn.Module)
 
-#: Strategies :func:`convert` accepts.
-CONVERT_STRATEGIES = ("auto", "recompute_bn", "recompute_conv")
 
 
 def _tolerance(dtype: torch.dtype) -> float:
@@ -226,8 +224,7 @@ def _child_inputs(module: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, An
 def _check_args(model: Any, strategy: str, memory_budget: Optional[float], example_inputs: Any) -> None:
     if not isinstance(model, nn.Module):
         raise TypeError(f"convert expects an nn.Module, but got {type(model).__name__}")
-    if strategy not in CONVERT_STRATEGIES:
-        raise ValueError(f"strategy must be one of {CONVERT_STRATEGIES}, but got strategy={strategy!r}")
+    check_strategy(strategy, CONVERT_STRATEGIES)
     if memory_budget is not None:
         if strategy != "auto":
             raise ValueError(f"memory_budget is used by strategy='auto' only, but got strategy={strategy!r}")
@@ -299,7 +296,7 @@ def convert(
     """
     _check_args(model, strategy, memory_budget, example_inputs)
     report = ConvertReport(strategy=strategy)
-    root = _swap_sync_batchnorm(model, inplace)
+    root = swap_sync_batchnorm(model, inplace)
     # Conversion changes no state: reading a parametrized weight (spectral_norm's power
     # iteration) or tracing must not move buffers or the RNG.
     with StateSnapshot(root):
@@ -328,28 +325,6 @@ def convert(
         warnings.warn(f"convbn.convert fused nothing in {type(model).__name__} (no Conv -> BatchNorm pair found"
                       f"{': ' + why if why else ''}); it computes exactly as before", stacklevel=2)
     return converted
-
-
-def _swap_sync_batchnorm(model: nn.Module, inplace: bool) -> nn.Module:
-    """Replace every ``nn.SyncBatchNorm`` by :class:`convbn.nn.SyncBatchNorm` sharing its
-    parameters and buffers (CPU/gloo support, fusable). Without ``inplace`` the containers
-    on the way are shallow-copied, so ``model`` itself is untouched."""
-    paths = [n for n, m in model.named_modules() if type(m) is nn.SyncBatchNorm]
-    if not paths:
-        return model
-    root = model if inplace else shallow_clone(model)
-    clones = {id(model): root}
-    for path in paths:
-        parent, parent_new = model, root
-        *parents, leaf = path.split(".")
-        for name in parents:
-            child = parent._modules[name]
-            if id(child) not in clones:
-                clones[id(child)] = child if inplace else shallow_clone(child)
-                parent_new._modules[name] = clones[id(child)]
-            parent, parent_new = child, clones[id(child)]
-        parent_new._modules[leaf] = SyncBatchNorm.from_module(parent._modules[leaf])
-    return root
 
 
 def _account_bns(model: nn.Module, report: ConvertReport) -> None:

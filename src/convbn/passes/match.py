@@ -233,19 +233,30 @@ def _match_conv_node(node: fx.Node, gm: fx.GraphModule, root: nn.Module) -> Unio
         geo = [node_arg(node, i, n, d) for i, n, d in ((3, "stride", 1), (4, "padding", 0), (5, "dilation", 1), (6, "groups", 1))]
         if any(isinstance(a, fx.Node) for a in geo) or not isinstance(inp, fx.Node):
             return "the functional convolution's arguments are not constants"
-        wpath, _, wname = str(w.target).rpartition(".")
-        owner = root.get_submodule(wpath) if wpath else root
-        bname = None
-        if b is not None:
-            bpath, _, bname = str(b.target).rpartition(".")
-            if bpath != wpath:
-                return "the functional convolution's weight and bias live in different modules"
+        found = _param_owner(w, b, root, "convolution")
+        if isinstance(found, str):
+            return found
+        owner, wpath, wname, bname = found
         weight = getattr(owner, wname)
         spec = make_conv_spec(dims, weight.shape[2:], *geo)
         return MatchedConv(node, inp, owner, wname, bname, spec, wpath or str(w.target))
     if node.op == "call_function" and (node.target in _FUNCTIONAL_CONVTS or node.target in _FUNCTIONAL_LINEARS):
         return _match_functional_convt_or_linear(node, root)
     return None
+
+
+def _param_owner(w: fx.Node, b: Optional[fx.Node], root: nn.Module, what: str
+                 ) -> Union[Tuple[nn.Module, str, str, Optional[str]], str]:
+    """``(owner, owner path, weight name, bias name)`` of a functional layer's ``get_attr``
+    weight and bias, looked up on ``root``; a reason where they live in different modules."""
+    wpath, _, wname = str(w.target).rpartition(".")
+    owner = root.get_submodule(wpath) if wpath else root
+    bname = None
+    if b is not None:
+        bpath, _, bname = str(b.target).rpartition(".")
+        if bpath != wpath:
+            return f"the functional {what}'s weight and bias live in different modules"
+    return owner, wpath, wname, bname
 
 
 def _match_functional_convt_or_linear(node: fx.Node, root: nn.Module) -> Union[MatchedConv, str]:
@@ -263,13 +274,10 @@ def _match_functional_convt_or_linear(node: fx.Node, root: nn.Module) -> Union[M
     geo = [node_arg(node, i, n, d) for i, n, d in names]
     if any(isinstance(a, fx.Node) for a in geo) or not isinstance(inp, fx.Node):
         return f"the functional {what}'s arguments are not constants"
-    wpath, _, wname = str(w.target).rpartition(".")
-    owner = root.get_submodule(wpath) if wpath else root
-    bname = None
-    if b is not None:
-        bpath, _, bname = str(b.target).rpartition(".")
-        if bpath != wpath:
-            return f"the functional {what}'s weight and bias live in different modules"
+    found = _param_owner(w, b, root, what)
+    if isinstance(found, str):
+        return found
+    owner, wpath, wname, bname = found
     if linear:
         return MatchedConv(node, inp, owner, wname, bname, make_linear_spec(), wpath or str(w.target))
     dims = _FUNCTIONAL_CONVTS[node.target]  # type: ignore[index]

@@ -15,6 +15,7 @@ import torch.fx as fx
 from torch import nn
 
 from ..nn.bn_call import has_standard_bn_forward
+from ..nn.sync import SyncBatchNorm
 from ..nn.chain import ChainLayer, FusedChain
 from .graph_module import ConvbnGraphModule, preserve_module_state
 from .hooks import hook_reason
@@ -23,7 +24,7 @@ from .match import MatchedLayer
 from .planner import plan_on_first_call
 from .report import ConvertReport, FusedPair, SkippedBN
 
-__all__ = ["rewrite_chains", "chain_layer", "graph_module_like", "shallow_clone", "set_submodule", "drop_hooked", "watch_hooks"]
+__all__ = ["rewrite_chains", "swap_sync_batchnorm", "chain_layer", "graph_module_like", "shallow_clone", "set_submodule", "drop_hooked", "watch_hooks"]
 
 
 def graph_module_like(root: nn.Module, traced: fx.GraphModule, extra: Sequence[Tuple[str, nn.Module]]) -> fx.GraphModule:
@@ -181,3 +182,25 @@ def watch_hooks(gm: fx.GraphModule, chains: List[List[MatchedLayer]], before: Se
     new = [m for n, m in gm.named_children() if isinstance(m, FusedChain) and n not in before]
     for fused, chain in zip(new, chains):
         fused.watch([[m for _, m in _hooked_modules(l, gm)] for l in chain])
+
+
+def swap_sync_batchnorm(model: nn.Module, inplace: bool) -> nn.Module:
+    """Replace every ``nn.SyncBatchNorm`` by :class:`convbn.nn.SyncBatchNorm` sharing its
+    parameters and buffers (CPU/gloo support, fusable). Without ``inplace`` the containers
+    on the way are shallow-copied, so ``model`` itself is untouched."""
+    paths = [n for n, m in model.named_modules() if type(m) is nn.SyncBatchNorm]
+    if not paths:
+        return model
+    root = model if inplace else shallow_clone(model)
+    clones = {id(model): root}
+    for path in paths:
+        parent, parent_new = model, root
+        *parents, leaf = path.split(".")
+        for name in parents:
+            child = parent._modules[name]
+            if id(child) not in clones:
+                clones[id(child)] = child if inplace else shallow_clone(child)
+                parent_new._modules[name] = clones[id(child)]
+            parent, parent_new = child, clones[id(child)]
+        parent_new._modules[leaf] = SyncBatchNorm.from_module(parent._modules[leaf])
+    return root
