@@ -37,10 +37,11 @@ from torch.utils import _pytree as pytree
 from .bn_frozen import frozen_bn_ranks
 from .bn_recognise import may_normalise
 from .fold_check import EAGER_ERROR_FACTOR, compare_to_reference, float64_errors, reference_run, run_no_grad
-from .fold_graph import FoldContext, fold_module
-from .fold_layers import fold_conv_bn_modules
+from .fold_graph import FoldContext, GraphFolder
+from .fold_layers import LAYER_MODULES, FoldTracer, fold_conv_bn_modules
 from .fold_report import FoldAction, FoldCheck, FoldReport
-from .trace import short_reason
+from .graph_module import preserve_module_state
+from .trace import short_reason, trace
 
 __all__ = ["fold", "fold_conv_bn_modules", "FoldReport", "FoldAction", "FoldCheck"]
 
@@ -48,6 +49,52 @@ __all__ = ["fold", "fold_conv_bn_modules", "FoldReport", "FoldAction", "FoldChec
 # --------------------------------------------------------------------------------------
 # Entry point
 # --------------------------------------------------------------------------------------
+
+
+def _is_container_only(m: nn.Module) -> bool:
+    return isinstance(m, (nn.ModuleList, nn.ModuleDict))
+
+
+def fold_module(module: nn.Module, prefix: str, ctx: FoldContext) -> nn.Module:
+    """Fold inside ``module`` (qualified name ``prefix``); returns its replacement."""
+    if _is_container_only(module):
+        fold_children(module, prefix, ctx)
+        return module
+    try:
+        traced = trace(module, FoldTracer)
+    except Exception as exc:  # noqa: BLE001 - untraceable: fold its children one by one
+        ctx.report.untraceable.append((prefix.rstrip("."), f"{short_reason(exc)} (folded part by part)"))
+        fold_children(module, prefix, ctx)
+        return module
+    gm = traced.gm
+    preserve_module_state(module, gm)
+    folder = GraphFolder(gm, module, prefix, ctx)
+    folder.run()
+    changed = folder.changed
+    for target, why in traced.descend().items():
+        if target not in dict(gm.named_modules()):
+            continue
+        if target in traced.opaque:
+            ctx.report.untraceable.append((prefix + target, f"{why} (kept as an opaque module)"))
+        sub = gm.get_submodule(target)
+        new = fold_module(sub, f"{prefix}{target}.", ctx)
+        if new is not sub:
+            parent, _, attr = target.rpartition(".")
+            setattr(gm.get_submodule(parent), attr, new)
+            changed = True
+    return gm if changed else module
+
+
+def fold_children(module: nn.Module, prefix: str, ctx: FoldContext) -> None:
+    for name, child in list(module.named_children()):
+        if isinstance(child, (_BatchNorm,) + LAYER_MODULES):
+            continue  # a lone layer: nothing to fold inside
+        if type(child).__module__.startswith("torch.nn.") and not isinstance(
+                child, (nn.Sequential, nn.ModuleList, nn.ModuleDict)):
+            continue  # a torch leaf (activation, pooling...): nothing to fold inside
+        new = fold_module(child, f"{prefix}{name}.", ctx)
+        if new is not child:
+            setattr(module, name, new)
 
 
 def _fold_finer(model: nn.Module, args: Tuple[Any, ...], reference: Any, eager_errors: Optional[List[float]],

@@ -15,13 +15,11 @@ from torch.utils import _pytree as pytree
 from ..functional.fold import fold_bn_into_following, fold_bn_into_preceding
 from ..nn.bn_call import frozen_batch_norm, standard_batch_norm
 from .bn_frozen import frozen_bn_ranks
-from .fold_layers import BN_FNS, CONVT_FNS, CONVT_MODULES, CONVT_SIG, CONV_FNS, CONV_SIG, FoldTracer, LAYER_MODULES, LINEAR_FNS, NormActTail, describe_activation, LINEAR_SIG, UNSET, check_bn_foldable, clone_with, const_tensor, free_name, get_attr_value, has_standard_forward, is_zero_padding, normalize_args, owner_path
+from .fold_layers import BN_FNS, CONVT_FNS, CONVT_MODULES, CONVT_SIG, CONV_FNS, CONV_SIG, LAYER_MODULES, LINEAR_FNS, NormActTail, describe_activation, LINEAR_SIG, UNSET, check_bn_foldable, clone_with, const_tensor, free_name, get_attr_value, has_standard_forward, is_zero_padding, normalize_args, owner_path
 from .fold_report import FoldAction, FoldReport
-from .graph_module import preserve_module_state
 from .shape_uses import value_users
-from .trace import short_reason, trace
 
-__all__ = ["FoldContext", "fold_module"]
+__all__ = ["FoldContext", "GraphFolder"]
 
 
 # --------------------------------------------------------------------------------------
@@ -84,7 +82,7 @@ class _Layer:
         return self.weight.shape[0] if self.kind == "convt" else self.weight.shape[1] * self.groups
 
 
-class _GraphFolder:
+class GraphFolder:
     """Folds the BatchNorms of one traced GraphModule (``prefix``: its qualified name)."""
 
     def __init__(self, gm: fx.GraphModule, root: nn.Module, prefix: str, ctx: FoldContext) -> None:
@@ -473,49 +471,3 @@ class _GraphFolder:
             self.gm.graph.lint()
             self.gm.delete_all_unused_submodules()
             self.gm.recompile()
-
-
-def _is_container_only(m: nn.Module) -> bool:
-    return isinstance(m, (nn.ModuleList, nn.ModuleDict))
-
-
-def fold_module(module: nn.Module, prefix: str, ctx: FoldContext) -> nn.Module:
-    """Fold inside ``module`` (qualified name ``prefix``); returns its replacement."""
-    if _is_container_only(module):
-        fold_children(module, prefix, ctx)
-        return module
-    try:
-        traced = trace(module, FoldTracer)
-    except Exception as exc:  # noqa: BLE001 - untraceable: fold its children one by one
-        ctx.report.untraceable.append((prefix.rstrip("."), f"{short_reason(exc)} (folded part by part)"))
-        fold_children(module, prefix, ctx)
-        return module
-    gm = traced.gm
-    preserve_module_state(module, gm)
-    folder = _GraphFolder(gm, module, prefix, ctx)
-    folder.run()
-    changed = folder.changed
-    for target, why in traced.descend().items():
-        if target not in dict(gm.named_modules()):
-            continue
-        if target in traced.opaque:
-            ctx.report.untraceable.append((prefix + target, f"{why} (kept as an opaque module)"))
-        sub = gm.get_submodule(target)
-        new = fold_module(sub, f"{prefix}{target}.", ctx)
-        if new is not sub:
-            parent, _, attr = target.rpartition(".")
-            setattr(gm.get_submodule(parent), attr, new)
-            changed = True
-    return gm if changed else module
-
-
-def fold_children(module: nn.Module, prefix: str, ctx: FoldContext) -> None:
-    for name, child in list(module.named_children()):
-        if isinstance(child, (_BatchNorm,) + LAYER_MODULES):
-            continue  # a lone layer: nothing to fold inside
-        if type(child).__module__.startswith("torch.nn.") and not isinstance(
-                child, (nn.Sequential, nn.ModuleList, nn.ModuleDict)):
-            continue  # a torch leaf (activation, pooling...): nothing to fold inside
-        new = fold_module(child, f"{prefix}{name}.", ctx)
-        if new is not child:
-            setattr(module, name, new)
