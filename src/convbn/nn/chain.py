@@ -144,12 +144,12 @@ class ChainLayer:
 
     def y_bytes(self) -> int:
         """Bytes of the conv output (BN input) at the last call (0 before any call)."""
-        if self.y_shape is None or self.y_dtype is None:
-            return 0
-        n = 1
-        for s in self.y_shape:
-            n *= s
-        return n * torch.empty((), dtype=self.y_dtype).element_size()
+        return _nbytes(self.y_shape, self.y_dtype)
+
+    def x_bytes(self) -> int:
+        """Bytes of the layer's input at the last call, in the dtype the chain computes in
+        (0 before any call)."""
+        return _nbytes(self.x_shape, self.y_dtype)
 
     def keep_bytes(self) -> int:
         """Bytes this layer keeps for backward in ``recompute_bn`` mode beyond the floor: its
@@ -461,3 +461,10 @@ def _prod(xs: Sequence[int]) -> int:
     for s in xs:
         n *= s
     return n
+
+
+def _nbytes(shape: Optional[Sequence[int]], dtype: Optional[torch.dtype]) -> int:
+    """Bytes of a tensor of ``shape`` and ``dtype`` (0 while either is unknown)."""
+    if shape is None or dtype is None:
+        return 0
+    return _prod(shape) * torch.empty((), dtype=dtype).element_size()

@@ -79,7 +79,7 @@ def _chain_costs(converted: nn.Module, inputs: Tuple[Any, ...]) -> Tuple[List[Fu
     costs = [
         ChainCost(
             y_bytes=tuple(l.y_bytes() for l in c.layers),
-            x_bytes=tuple(_bytes_of_shape(l.x_shape, l) for l in c.layers),
+            x_bytes=tuple(l.x_bytes() for l in c.layers),
             macs=tuple(l.flops() for l in c.layers),
             acts=tuple(l.tail_kind() for l in c.layers),
             prefix=prefix[names[id(c)]],
@@ -136,13 +136,6 @@ def _chain_param_bytes(chain: FusedChain) -> int:
 def _layer_param_bytes(layer: ChainLayer) -> int:
     """Bytes of the gradients one layer's parameters get (conv, BN and tail parameters)."""
     return sum(t.numel() * t.element_size() for t in layer.parameters() if t.requires_grad)
-
-
-def _bytes_of_shape(shape: Optional[Sequence[int]], layer: ChainLayer) -> int:
-    n = 1
-    for s in shape or ():
-        n *= int(s)
-    return n * (layer.y_bytes() // max(1, math.prod(layer.y_shape or (1,))))
 
 
 def plan_auto(original: nn.Module, converted: nn.Module, inputs: Tuple[Any, ...], memory_budget: Optional[float],

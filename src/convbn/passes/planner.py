@@ -51,25 +51,9 @@ __all__ = ["plan", "plan_layers", "plan_on_first_call", "tutorial_bytes", "all_k
            "PEAK_TOLERANCE"]
 
 
-def _bytes_of(shape: Optional[Sequence[int]], layer: "ChainLayer") -> int:
-    if shape is None:
-        return 0
-    n = 1
-    for s in shape:
-        n *= int(s)
-    return n * (layer.y_bytes() // max(1, _numel(layer.y_shape)))
-
-
-def _numel(shape: Optional[Sequence[int]]) -> int:
-    n = 1
-    for s in shape or ():
-        n *= int(s)
-    return n
-
-
 def tutorial_bytes(chains: Sequence[Sequence["ChainLayer"]]) -> int:
     """Bytes the tutorial's method keeps on top of the floor: every chain-internal layer input."""
-    return sum(_bytes_of(l.x_shape, l) for chain in chains for l in chain[1:])
+    return sum(l.x_bytes() for chain in chains for l in chain[1:])
 
 
 def all_keep_bytes(chains: Sequence[Sequence["ChainLayer"]]) -> int:
