@@ -87,35 +87,25 @@ class ArgumentParser(argparse.ArgumentParser):
 # "argument --flag: MESSAGE" on one line.
 
 
-def _int(text: str) -> int:
-    try:
-        return int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, but got {text!r}") from None
+def _int_at_least(low: int, message: str) -> Callable[[str], int]:
+    """An argparse type: an integer >= ``low``; ``message`` is what the error says it must be."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, but got {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"{message}, but got {value}")
+        return value
+    return parse
 
 
-def positive_int(text: str) -> int:
-    """An integer >= 1."""
-    value = _int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, but got {value}")
-    return value
-
-
-def non_negative_int(text: str) -> int:
-    """An integer >= 0."""
-    value = _int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be 0 or more, but got {value}")
-    return value
-
-
-def batch_size(text: str) -> int:
-    """A training batch size: an integer >= 2 (BatchNorm needs 2 samples per channel)."""
-    value = _int(text)
-    if value < 2:
-        raise argparse.ArgumentTypeError(f"must be at least 2 (BatchNorm in training needs 2 samples), but got {value}")
-    return value
+#: An integer >= 1.
+positive_int = _int_at_least(1, "must be a positive integer")
+#: An integer >= 0.
+non_negative_int = _int_at_least(0, "must be 0 or more")
+#: A training batch size: an integer >= 2 (BatchNorm needs 2 samples per channel).
+batch_size = _int_at_least(2, "must be at least 2 (BatchNorm in training needs 2 samples)")
 
 
 def positive_float(text: str) -> float:
