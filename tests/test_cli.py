@@ -2,6 +2,7 @@
 --help (defaults shown), one-line errors with exit status 2 and no traceback, modes of ``bench``."""
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -46,6 +47,9 @@ def test_help_of_every_subcommand_and_mode(capsys, argv, must_show):
     for text in must_show:
         assert text in out, (argv, text)
     assert "--help-mode" not in out
+    assert out.count("(default:") == len(re.findall(r"\(default: [^()]*\)", out))  # balanced, parseable
+    for option_help in re.split(r"\s(?=--?[a-z])", out):  # one "(default: ...)" per option, never two
+        assert option_help.count("(default:") <= 1, (argv, option_help)
 
 
 BAD = [

@@ -72,7 +72,16 @@ COMMAND_MODULES: List[str] = ["convbn.demo", "convbn.bench.command", "convbn.cli
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
-    """Shows every option's default; keeps the descriptions' line breaks."""
+    """Shows every option's default; keeps the descriptions' line breaks.
+
+    An option whose help already names its default (``--model``: ``None`` stands for
+    ``mnist``) keeps its own wording rather than gaining a second "(default: None)".
+    """
+
+    def _get_help_string(self, action: argparse.Action) -> Optional[str]:
+        if action.help and "(default:" in action.help:
+            return action.help
+        return super()._get_help_string(action)
 
 
 class ArgumentParser(argparse.ArgumentParser):
