@@ -79,7 +79,7 @@ from .chain_memory import choose_drops
 from .chain_input import ChainInput, split_grad
 from .chain_spec import ChainLayerSpec, ChainX0, LayerParams, head_input, layer_kind, param_offsets, split_params
 from .chain_tail import tail_backward, tail_forward, tail_reference
-from .fused import differentiable_backward
+from .double_backward import differentiable_backward
 from .release import free_storage as _free_storage
 from .release import calibrate, incoming_refs
 from .release import keeping_graph as _keeping_graph
@@ -280,10 +280,12 @@ def chain_backward(
     last use (Note: [freeing kept tensors early]); only for a graph that is not retained.
     """
     grads: List[Optional[Tensor]] = [None] * len(needs)
-    ys, xs = _layer_sizes(x0, params, specs)
     k = len(specs)
-    drop = choose_drops(ys, xs, [s.saves_y for s in specs], [layer_kind(s) for s in specs],
-                        head=specs[0].conv is None, end=specs[-1].bn is None)
+    drop: Optional[List[bool]] = None  # one layer (a single fused layer): its input is x0, never rebuilt
+    if k > 1:
+        ys, xs = _layer_sizes(x0, params, specs)
+        drop = choose_drops(ys, xs, [s.saves_y for s in specs], [layer_kind(s) for s in specs],
+                            head=specs[0].conv is None, end=specs[-1].bn is None)
     mean_of, invstd_of = _stat_maps(specs, means, invstds)
     rb = _Rebuilder(x0, params, specs, kept, mean_of, invstd_of, drop, rngs, needs[1:])
     off = rb.offsets
@@ -388,7 +390,7 @@ class ChainFunction(Function):
         means, invstds = rest[n_kept: n_kept + k], rest[n_kept + k:]
         x0: ChainX0 = ChainInput(pieces) if m > 1 else pieces[0]  # type: ignore[arg-type]
         needs = ctx.needs_input_grad
-        if torch.is_grad_enabled():  # Note: [double backward] in autograd/fused.py
+        if torch.is_grad_enabled():  # Note: [double backward] in autograd/double_backward.py
             # w.r.t. the concatenation, then split (Note: [a head over a concatenation])
             with torch.enable_grad():
                 x = head_input(x0)
