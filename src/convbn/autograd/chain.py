@@ -72,7 +72,7 @@ from torch.autograd import Function
 
 from ..functional.batchnorm import BNSpec, bn_apply, bn_backward, bn_forward
 from ..functional.conv import conv_backward, conv_forward, conv_output_shape
-from ..functional.fused import conv_bn_act_no_grad as _forward_no_grad
+from ..functional.fused import ConvBNTensors, conv_bn_act_no_grad as _forward_no_grad
 from ..functional.reference import conv_bn_act_reference
 from ..functional.tail import RNGState
 from .chain_memory import choose_drops
@@ -427,7 +427,7 @@ def _rebuild(specs: Sequence[ChainLayerSpec], means: Sequence[Tensor], invstds: 
                     rm, rv = mean_of[i], invstd_of[i].pow(-2) - spec.bn.eps
                     bn = spec.bn
                 if spec.conv is not None and not spec.tail:  # an ordinary layer: the shared reference
-                    x = conv_bn_act_reference(x, w, b, g, beta, rm, rv, spec.conv, bn, spec.act)  # type: ignore[arg-type]
+                    x = conv_bn_act_reference(x, ConvBNTensors(w, b, g, beta, rm, rv), spec.conv, bn, spec.act)  # type: ignore[arg-type]
                     continue
             if spec.conv is not None:
                 x = conv_forward(x, w, b, spec.conv)  # type: ignore[arg-type]
@@ -488,7 +488,7 @@ def chain_forward_no_grad(
             if spec.conv is not None and i > 0:
                 x = spec.conv.pad_input(x)
             if spec.conv is not None and spec.bn is not None and not spec.tail:
-                x = _forward_no_grad(x, w, b, g, beta, rm, rv, spec.conv, spec.bn, spec.act)  # type: ignore[arg-type]
+                x = _forward_no_grad(x, ConvBNTensors(w, b, g, beta, rm, rv), spec.conv, spec.bn, spec.act)  # type: ignore[arg-type]
                 continue
             owned = False
             if spec.conv is None:

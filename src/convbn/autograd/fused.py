@@ -53,6 +53,7 @@ from ..functional.activations import Activation
 from ..functional.batchnorm import BNSpec
 from ..functional.conv import ConvSpec, conv_backward, conv_forward, scale_out_channels, sum_per_out_channel
 from ..functional.fold import fold_bn_into_preceding
+from ..functional.fused import ConvBNTensors
 from ..functional.reference import conv_bn_act_reference
 from .chain import ChainFunction, ChainLayerSpec
 from .double_backward import differentiable_backward
@@ -123,6 +124,8 @@ class RecomputeBNFunction(_OneLayerChain):
 class FrozenFunction(Function):
     """Conv -> BN(running stats) -> act as ONE convolution with BN folded in on the fly.
 
+    ``apply(x, weight, bias, bn_weight, bn_bias, running_mean, running_var, conv, bn, act)``.
+
     .. math::
         W' = s W,\\quad b' = s (b - \\mu) + \\beta,\\quad s = \\gamma / \\sqrt{\\sigma^2 + \\epsilon}
 
@@ -132,19 +135,14 @@ class FrozenFunction(Function):
     """
 
     @staticmethod
-    def forward(  # type: ignore[override]
-        ctx: Any,
-        x: Tensor,
-        weight: Tensor,
-        bias: Optional[Tensor],
-        bn_weight: Optional[Tensor],
-        bn_bias: Optional[Tensor],
-        running_mean: Optional[Tensor],
-        running_var: Optional[Tensor],
-        conv: ConvSpec,
-        bn: BNSpec,
-        act: Activation,
-    ) -> Tensor:
+    def forward(ctx: Any, x: Tensor, *args: Any) -> Tensor:  # type: ignore[override]
+        """``args``: the :class:`~convbn.functional.fused.ConvBNTensors` fields one by one
+        (autograd tracks only tensors passed as arguments), then ``conv, bn, act``."""
+        weight, bias, bn_weight, bn_bias, running_mean, running_var = args[:6]
+        conv: ConvSpec
+        bn: BNSpec
+        act: Activation
+        conv, bn, act = args[6:]
         if running_mean is None or running_var is None:
             raise ValueError("the frozen strategy normalises with running statistics, but the BatchNorm has none")
         rm, rv = running_mean.clone(), running_var.clone()
@@ -201,6 +199,6 @@ def _rebuild_frozen(ctx: Any, rm: Tensor, rv: Tensor) -> Any:
     stats_bn = BNSpec(bn.eps, False, 0.0)
 
     def rebuild(x, w, b, g, beta):  # type: ignore[no-untyped-def]
-        return conv_bn_act_reference(x, w, b, g, beta, rm, rv, conv, stats_bn, act)
+        return conv_bn_act_reference(x, ConvBNTensors(w, b, g, beta, rm, rv), conv, stats_bn, act)
 
     return rebuild
