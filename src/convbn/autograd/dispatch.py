@@ -67,7 +67,7 @@ def conv_bn_act_spec(
     with torch.autocast(dev, enabled=False) if dev in ("cpu", "cuda") else nullcontext():
         x = conv.pad_input(x)
         needs_grad = torch.is_grad_enabled() and any(
-            p is not None and p.requires_grad for p in (x, *t[:4])  # the running stats get no gradient
+            p is not None and p.requires_grad for p in (x, t.weight, t.bias, t.bn_weight, t.bn_bias)
         )
         if not needs_grad:
             with torch.no_grad():

@@ -2,8 +2,9 @@
 
 The record of a layer's tensors (:class:`ConvBNTensors`), input checks (so a bad call
 fails before any running statistic changes), autocast casting, and the no-grad forward
-(nothing kept, eval BatchNorm folded into the conv). The entry point that dispatches to the ``autograd.Function``s,
-:func:`convbn.autograd.dispatch.conv_bn_act`, is built from these.
+(nothing kept, eval BatchNorm folded into the conv). The entry point that dispatches to
+the ``autograd.Function``s, :func:`convbn.autograd.dispatch.conv_bn_act`, is built from
+these.
 """
 from __future__ import annotations
 
