@@ -1,6 +1,6 @@
 """First-order training-step time: ``convbn.convert`` models vs the eager model.
 
-Double backward support (Note: [double backward] in ``convbn/autograd/fused.py``) adds a
+Double backward support (Note: [double backward] in ``convbn/autograd/double_backward.py``) adds a
 ``torch.is_grad_enabled()`` branch to every fused backward. Ordinary training
 (``loss.backward()`` without ``create_graph``) must keep taking the fast native path;
 this benchmark times that path so before/after numbers can be compared.

@@ -25,6 +25,7 @@ from convbn.functional.conv import make_conv_spec
 from convbn.functional.batchnorm import BNSpec
 from convbn.functional.activations import get_activation
 from convbn.autograd.dispatch import conv_bn_act_spec
+from convbn.functional.fused import ConvBNTensors
 from convbn.nn.fused import FusedConvBN1d, FusedConvBN2d, FusedConvBN3d
 
 pytestmark = [
@@ -100,7 +101,7 @@ def test_gradcheck_and_gradgradcheck_on_cuda(strategy):
     bn = BNSpec(1e-5, True, 0.1)
 
     def f(x, w, g, b):
-        return conv_bn_act_spec(x, w, None, g, b, None, None, conv, bn, get_activation("silu"), strategy)
+        return conv_bn_act_spec(x, ConvBNTensors(w, None, g, b, None, None), conv, bn, get_activation("silu"), strategy)
 
     assert gradcheck(f, (x, w, g, b))
     assert gradgradcheck(f, (x, w, g, b))

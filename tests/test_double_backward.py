@@ -1,10 +1,10 @@
 """Double backward through every fused layer: gradient penalties, MAML, Hessian-vector products.
 
-The fused Functions (``RecomputeConvFunction``, ``RecomputeBNFunction``, ``FrozenFunction``
-and the chain's ``ChainFunction``) take their fast native first-order path under no-grad and,
+The fused Functions (``FrozenFunction``, and the chain's ``ChainFunction``, which also runs
+single ``recompute_conv`` / ``recompute_bn`` layers) take their fast native first-order path under no-grad and,
 when autograd asks for a differentiable backward (``create_graph=True``), rebuild the layer
 from the saved inputs with the reference ops and differentiate that (Note: [double backward]
-in ``convbn/autograd/fused.py``). These tests check, in float64:
+in ``convbn/autograd/double_backward.py``). These tests check, in float64:
 
 1. ``gradcheck`` + ``gradgradcheck`` of every strategy x activation x Conv1d/2d/3d, and of a
    converted chain with mixed per-layer modes (inputs kept away from activation kinks so

@@ -88,6 +88,7 @@ DOCUMENTED_MODULES = [
     "convbn.memory.peaks",
     "convbn.memory.timelines",
     "convbn.passes.match_tail",
+    "convbn.autograd.fused",
 ]
 
 

@@ -466,6 +466,19 @@ def test_gradgradcheck_functions(strategy: str) -> None:
     )
 
 
+@pytest.mark.parametrize("bn_training", [True, False], ids=["train_bn", "eval_bn"])
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_one_implementation_per_strategy(strategy: str, bn_training: bool) -> None:
+    """A recompute layer runs as a one-layer chain (Note: [one recompute implementation] in
+    convbn/autograd/fused.py); ``frozen``, and any layer whose BatchNorm uses running
+    statistics, folds BN into the conv in FrozenFunction."""
+    layer = FusedConvBN2d(3, 4, 3, activation="relu", strategy=strategy)
+    layer.bn.train(bn_training)
+    out = layer(torch.randn(2, 3, 6, 6, requires_grad=True))
+    folded = strategy == "frozen" or not bn_training
+    assert type(out.grad_fn).__name__ == ("FrozenFunctionBackward" if folded else "ChainFunctionBackward")
+
+
 # --------------------------------------------------------------------------- hypothesis
 
 

@@ -274,9 +274,8 @@ def test_measured_chain_backward_matches_the_planner_prediction(act, plan):
 
 @pytest.mark.parametrize("strategy", ["recompute_bn", "recompute_conv"])
 def test_fused_layer_frees_the_incoming_gradient_and_kept_output(monkeypatch, strategy):
-    """The single-layer Functions (``FusedConvBN2d``) free the consumed incoming gradient and
-    (``recompute_bn``) the kept conv output before their conv backward."""
-    import convbn.autograd.fused as fused_mod
+    """A single fused layer (``FusedConvBN2d``, a one-layer chain) frees the consumed incoming
+    gradient and (``recompute_bn``) the kept conv output before its conv backward."""
 
     torch.manual_seed(0)
     # 16 -> 4 channels: the conv backward (16-channel x and grad_x) is the layer's peak
@@ -294,8 +293,8 @@ def test_fused_layer_frees_the_incoming_gradient_and_kept_output(monkeypatch, st
         return tl.peak, [x.grad.clone()] + [p.grad.clone() for p in layer.parameters()]
 
     with_cuts, grads = peak()
-    monkeypatch.setattr(fused_mod, "sole_owner", lambda t, refs: False)
-    monkeypatch.setattr(fused_mod, "keeping_graph", lambda: True)
+    monkeypatch.setattr(chain_mod, "_sole_owner", lambda t, refs: False)
+    monkeypatch.setattr(chain_mod, "_keeping_graph", lambda: True)
     without, grads_off = peak()
     out_bytes = _bytes(8, 4, 16, 16)
     # the incoming gradient (where the probe can prove it unshared), and for recompute_bn

@@ -72,14 +72,14 @@ from torch.autograd import Function
 
 from ..functional.batchnorm import BNSpec, bn_apply, bn_backward, bn_forward
 from ..functional.conv import conv_backward, conv_forward, conv_output_shape
-from ..functional.fused import conv_bn_act_no_grad as _forward_no_grad
+from ..functional.fused import ConvBNTensors, conv_bn_act_no_grad as _forward_no_grad
 from ..functional.reference import conv_bn_act_reference
 from ..functional.tail import RNGState
 from .chain_memory import choose_drops
 from .chain_input import ChainInput, split_grad
 from .chain_spec import ChainLayerSpec, ChainX0, LayerParams, head_input, layer_kind, param_offsets, split_params
 from .chain_tail import tail_backward, tail_forward, tail_reference
-from .fused import differentiable_backward
+from .double_backward import differentiable_backward
 from .release import free_storage as _free_storage
 from .release import calibrate, incoming_refs
 from .release import keeping_graph as _keeping_graph
@@ -280,10 +280,12 @@ def chain_backward(
     last use (Note: [freeing kept tensors early]); only for a graph that is not retained.
     """
     grads: List[Optional[Tensor]] = [None] * len(needs)
-    ys, xs = _layer_sizes(x0, params, specs)
     k = len(specs)
-    drop = choose_drops(ys, xs, [s.saves_y for s in specs], [layer_kind(s) for s in specs],
-                        head=specs[0].conv is None, end=specs[-1].bn is None)
+    drop: Optional[List[bool]] = None  # one layer (a single fused layer): its input is x0, never rebuilt
+    if k > 1:
+        ys, xs = _layer_sizes(x0, params, specs)
+        drop = choose_drops(ys, xs, [s.saves_y for s in specs], [layer_kind(s) for s in specs],
+                            head=specs[0].conv is None, end=specs[-1].bn is None)
     mean_of, invstd_of = _stat_maps(specs, means, invstds)
     rb = _Rebuilder(x0, params, specs, kept, mean_of, invstd_of, drop, rngs, needs[1:])
     off = rb.offsets
@@ -388,7 +390,7 @@ class ChainFunction(Function):
         means, invstds = rest[n_kept: n_kept + k], rest[n_kept + k:]
         x0: ChainX0 = ChainInput(pieces) if m > 1 else pieces[0]  # type: ignore[arg-type]
         needs = ctx.needs_input_grad
-        if torch.is_grad_enabled():  # Note: [double backward] in autograd/fused.py
+        if torch.is_grad_enabled():  # Note: [double backward] in autograd/double_backward.py
             # w.r.t. the concatenation, then split (Note: [a head over a concatenation])
             with torch.enable_grad():
                 x = head_input(x0)
@@ -425,7 +427,7 @@ def _rebuild(specs: Sequence[ChainLayerSpec], means: Sequence[Tensor], invstds: 
                     rm, rv = mean_of[i], invstd_of[i].pow(-2) - spec.bn.eps
                     bn = spec.bn
                 if spec.conv is not None and not spec.tail:  # an ordinary layer: the shared reference
-                    x = conv_bn_act_reference(x, w, b, g, beta, rm, rv, spec.conv, bn, spec.act)  # type: ignore[arg-type]
+                    x = conv_bn_act_reference(x, ConvBNTensors(w, b, g, beta, rm, rv), spec.conv, bn, spec.act)  # type: ignore[arg-type]
                     continue
             if spec.conv is not None:
                 x = conv_forward(x, w, b, spec.conv)  # type: ignore[arg-type]
@@ -486,7 +488,7 @@ def chain_forward_no_grad(
             if spec.conv is not None and i > 0:
                 x = spec.conv.pad_input(x)
             if spec.conv is not None and spec.bn is not None and not spec.tail:
-                x = _forward_no_grad(x, w, b, g, beta, rm, rv, spec.conv, spec.bn, spec.act)  # type: ignore[arg-type]
+                x = _forward_no_grad(x, ConvBNTensors(w, b, g, beta, rm, rv), spec.conv, spec.bn, spec.act)  # type: ignore[arg-type]
                 continue
             owned = False
             if spec.conv is None:

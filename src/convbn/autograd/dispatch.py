@@ -18,7 +18,7 @@ from torch import Tensor
 from ..functional.activations import Activation, get_activation
 from ..functional.batchnorm import BNSpec
 from ..functional.conv import ConvSpec, make_conv_spec
-from ..functional.fused import autocast_inputs, check_inputs, conv_bn_act_no_grad
+from ..functional.fused import ConvBNTensors, autocast_inputs, check_inputs, conv_bn_act_no_grad
 from ..functional.strategies import Strategy, check_strategy
 from .fused import FrozenFunction, RecomputeBNFunction, RecomputeConvFunction
 
@@ -27,12 +27,7 @@ __all__ = ["conv_bn_act", "conv_bn_act_spec"]
 
 def conv_bn_act_spec(
     x: Tensor,
-    weight: Tensor,
-    bias: Optional[Tensor],
-    bn_weight: Optional[Tensor],
-    bn_bias: Optional[Tensor],
-    running_mean: Optional[Tensor],
-    running_var: Optional[Tensor],
+    t: ConvBNTensors,
     conv: ConvSpec,
     bn: BNSpec,
     act: Activation,
@@ -43,7 +38,9 @@ def conv_bn_act_spec(
     """:func:`conv_bn_act` on resolved specs: checks the call, then dispatches.
 
     Args:
-        x, weight, bias, bn_weight, bn_bias, running_mean, running_var: as :func:`conv_bn_act`.
+        x: as :func:`conv_bn_act`.
+        t: the conv weight and bias, BatchNorm affine parameters and running statistics,
+            as :func:`conv_bn_act` takes them.
         conv, bn, act: the resolved layer specs.
         strategy: a :data:`~convbn.functional.strategies.Strategy`.
         inputs_checked: the caller has run :func:`~convbn.functional.fused.check_inputs`
@@ -55,27 +52,28 @@ def conv_bn_act_spec(
     """
     check_strategy(strategy)
     if not inputs_checked:
-        check_inputs(x, weight, conv, bn, (bias, bn_weight, bn_bias, running_mean, running_var))
+        check_inputs(x, t.weight, conv, bn, t.others())
     frozen = strategy == "frozen" or not bn.batch_stats
     if frozen:
-        if running_mean is None or running_var is None:
+        if t.running_mean is None or t.running_var is None:
             raise ValueError(
                 "strategy='frozen' normalises with running statistics, but the BatchNorm has none "
                 "(track_running_stats=False); use 'recompute_bn' or 'recompute_conv'"
             )
         bn = BNSpec(bn.eps, False, 0.0)
-    x, weight, bias = autocast_inputs(x, weight, bias)
+    x, weight, bias = autocast_inputs(x, t.weight, t.bias)
+    t = t._replace(weight=weight, bias=bias)
     dev = x.device.type
     with torch.autocast(dev, enabled=False) if dev in ("cpu", "cuda") else nullcontext():
         x = conv.pad_input(x)
         needs_grad = torch.is_grad_enabled() and any(
-            t is not None and t.requires_grad for t in (x, weight, bias, bn_weight, bn_bias)
+            p is not None and p.requires_grad for p in (x, t.weight, t.bias, t.bn_weight, t.bn_bias)
         )
         if not needs_grad:
             with torch.no_grad():
-                return conv_bn_act_no_grad(x, weight, bias, bn_weight, bn_bias, running_mean, running_var, conv, bn, act)
+                return conv_bn_act_no_grad(x, t, conv, bn, act)
         fn = FrozenFunction if frozen else (RecomputeConvFunction if strategy == "recompute_conv" else RecomputeBNFunction)
-        return fn.apply(x, weight, bias, bn_weight, bn_bias, running_mean, running_var, conv, bn, act)
+        return fn.apply(x, *t, conv, bn, act)
 
 
 def conv_bn_act(
@@ -133,6 +131,5 @@ def conv_bn_act(
     conv = make_conv_spec(dims, weight.shape[2:], stride, padding, dilation, groups, padding_mode)
     batch_stats = training or running_mean is None or running_var is None
     bn = BNSpec(float(eps), batch_stats, float(momentum) if momentum is not None else 0.0)
-    return conv_bn_act_spec(
-        x, weight, bias, bn_weight, bn_bias, running_mean, running_var, conv, bn, get_activation(activation), strategy
-    )
+    tensors = ConvBNTensors(weight, bias, bn_weight, bn_bias, running_mean, running_var)
+    return conv_bn_act_spec(x, tensors, conv, bn, get_activation(activation), strategy)

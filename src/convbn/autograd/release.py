@@ -1,7 +1,7 @@
 """Returning memory during backward that autograd would hold until a Function returns.
 
-Shared by the fused Functions (:mod:`convbn.autograd.fused`) and the chain
-(:mod:`convbn.autograd.chain`); see Notes: [freeing kept tensors early] and [freeing the
+Used by the chain (:mod:`convbn.autograd.chain`, which also runs the single-layer
+recompute strategies); see Notes: [freeing kept tensors early] and [freeing the
 incoming gradient].
 """
 from __future__ import annotations

@@ -1,13 +1,14 @@
 """The pure parts of a fused Conv -> BatchNorm -> activation call.
 
-Input checks (so a bad call fails before any running statistic changes), the
-strategy check, autocast casting, and the no-grad forward (nothing kept, eval BatchNorm
-folded into the conv). The entry point that dispatches to the ``autograd.Function``s,
-:func:`convbn.autograd.dispatch.conv_bn_act`, is built from these.
+The record of a layer's tensors (:class:`ConvBNTensors`), input checks (so a bad call
+fails before any running statistic changes), autocast casting, and the no-grad forward
+(nothing kept, eval BatchNorm folded into the conv). The entry point that dispatches to
+the ``autograd.Function``s, :func:`convbn.autograd.dispatch.conv_bn_act`, is built from
+these.
 """
 from __future__ import annotations
 
-from typing import Optional, Sequence, Tuple
+from typing import NamedTuple, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
@@ -17,7 +18,30 @@ from .batchnorm import BNSpec, bn_forward
 from .conv import ConvSpec, conv_forward, conv_in_channels, conv_output_shape
 from .fold import fold_bn_into_preceding
 
-__all__ = ["check_inputs", "autocast_dtype", "autocast_inputs", "conv_bn_act_no_grad"]
+__all__ = ["ConvBNTensors", "check_inputs", "autocast_dtype", "autocast_inputs", "conv_bn_act_no_grad"]
+
+
+class ConvBNTensors(NamedTuple):
+    """A fused Conv -> BatchNorm layer's tensors besides its input, in the order
+    ``F.convNd`` and ``F.batch_norm`` take them (``None`` where absent).
+
+    Example:
+        >>> t = ConvBNTensors(torch.randn(8, 3, 3, 3), None, None, None, None, None)
+        >>> t.weight.shape, t.others()
+        (torch.Size([8, 3, 3, 3]), (None, None, None, None, None))
+    """
+
+    weight: Tensor
+    bias: Optional[Tensor]
+    bn_weight: Optional[Tensor]
+    bn_bias: Optional[Tensor]
+    running_mean: Optional[Tensor]
+    running_var: Optional[Tensor]
+
+    def others(self) -> Tuple[Optional[Tensor], ...]:
+        """Every tensor but the conv weight (what :func:`check_inputs` checks beside it)."""
+        return tuple(self)[1:]
+
 
 def check_inputs(
     x: Tensor,
@@ -99,18 +123,7 @@ def autocast_inputs(
     return x, weight, bias
 
 
-def conv_bn_act_no_grad(
-    x: Tensor,
-    weight: Tensor,
-    bias: Optional[Tensor],
-    bn_weight: Optional[Tensor],
-    bn_bias: Optional[Tensor],
-    running_mean: Optional[Tensor],
-    running_var: Optional[Tensor],
-    conv: ConvSpec,
-    bn: BNSpec,
-    act: Activation,
-) -> Tensor:
+def conv_bn_act_no_grad(x: Tensor, t: ConvBNTensors, conv: ConvSpec, bn: BNSpec, act: Activation) -> Tensor:
     """Inference / no-grad forward: nothing is kept; eval BN is folded into the conv.
 
     Call under :func:`torch.no_grad` on checked, autocast-cast and pre-padded inputs
@@ -118,19 +131,17 @@ def conv_bn_act_no_grad(
 
     Args:
         x: padded ``(N, C_in, *spatial)`` input.
-        weight, bias: convolution parameters.
-        bn_weight, bn_bias: BatchNorm affine parameters or ``None``.
-        running_mean, running_var: BatchNorm running statistics or ``None``.
+        t: the layer's parameters and running statistics.
         conv, bn, act: the resolved layer specs.
 
     Returns:
         The activation output.
     """
     if bn.batch_stats:
-        y = conv_forward(x, weight, bias, conv)
-        z = bn_forward(y, bn_weight, bn_bias, running_mean, running_var, bn)[0]
+        y = conv_forward(x, t.weight, t.bias, conv)
+        z = bn_forward(y, t.bn_weight, t.bn_bias, t.running_mean, t.running_var, bn)[0]
     else:
-        w_f, b_f = fold_bn_into_preceding(weight, bias, running_mean, running_var, bn.eps, bn_weight, bn_bias,  # type: ignore[arg-type]
-                                          transposed=conv.transposed, groups=conv.groups)
+        w_f, b_f = fold_bn_into_preceding(t.weight, t.bias, t.running_mean, t.running_var, bn.eps,  # type: ignore[arg-type]
+                                          t.bn_weight, t.bn_bias, transposed=conv.transposed, groups=conv.groups)
         z = conv_forward(x, w_f, b_f, conv)
     return act(z, inplace=True)

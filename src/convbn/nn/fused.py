@@ -20,7 +20,7 @@ from ..functional.activations import Activation, get_activation
 from ..functional.batchnorm import BNSpec
 from ..functional.conv import ConvSpec, conv_spec_from_module
 from ..autograd.dispatch import conv_bn_act_spec
-from ..functional.fused import check_inputs
+from ..functional.fused import ConvBNTensors, check_inputs
 from ..functional.strategies import Strategy, check_strategy
 from .sync import bn_running_stats, bn_spec_from_module, sync_group
 
@@ -170,13 +170,11 @@ class _FusedConvBNNd(nn.Module):
         rm, rv = bn_running_stats(bn)
         frozen = self.strategy == "frozen"
         bspec = bn_spec_from_module(bn) if not frozen else BNSpec(float(bn.eps), False, 0.0)
-        check_inputs(input, conv.weight, cspec, bspec, (conv.bias, bn.weight, bn.bias, rm, rv))
+        tensors = ConvBNTensors(conv.weight, conv.bias, bn.weight, bn.bias, rm, rv)
+        check_inputs(input, conv.weight, cspec, bspec, tensors.others())
         if not frozen:
             bspec = bn_spec_from_module(bn, advance=True)
-        return conv_bn_act_spec(
-            input, conv.weight, conv.bias, bn.weight, bn.bias, rm, rv, cspec, bspec, self.activation, self.strategy,
-            inputs_checked=True,
-        )
+        return conv_bn_act_spec(input, tensors, cspec, bspec, self.activation, self.strategy, inputs_checked=True)
 
     def extra_repr(self) -> str:
         return f"activation={self.activation}, strategy={self.strategy!r}"
