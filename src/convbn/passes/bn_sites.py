@@ -4,7 +4,7 @@ A :class:`BNSite` is one BatchNorm computation in the graph: the node whose valu
 normalised tensor, the node it normalises, and the module that holds the parameters,
 running statistics and mode the computation reads (read again at every call of the fused
 chain). :func:`find_bn_sites` lists them in graph order; a BatchNorm that cannot be a
-site gets a :class:`~convbn.passes.report.SkippedBN` with the reason. The matcher
+site is reported left, with the reason. The matcher
 (:mod:`convbn.passes.match`) then looks for the convolution before and the tail after.
 """
 from __future__ import annotations
@@ -19,7 +19,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from ..nn.bn_call import BatchNormView, frozen_batch_norm, has_standard_bn_forward, standard_batch_norm
 from .bn_frozen import frozen_bn_ranks
 from .bn_recognise import BN_FUNCTIONS, bn_call_args, recognise_norm_act
-from .report import ConvertReport, SkippedBN
+from .report import ConvertReport
 
 __all__ = ["BNSite", "find_bn_sites"]
 
@@ -109,7 +109,7 @@ def find_bn_sites(gm: fx.GraphModule, prefix: str, report: ConvertReport,
     Args:
         gm: the traced graph module (BatchNorm modules are leaves).
         prefix: qualified-name prefix for report lines.
-        report: receives a :class:`SkippedBN` for each BatchNorm that cannot be a site.
+        report: receives a ``"left"`` outcome for each BatchNorm that cannot be a site.
         root: the module ``gm`` was traced from (default ``gm``): the owner of tensors that
             ``F.batch_norm`` calls read (``gm`` holds stand-in containers for ``get_attr``
             targets, which ``.to()`` or ``load_state_dict(assign=True)`` on the model would
@@ -157,13 +157,13 @@ def find_bn_sites(gm: fx.GraphModule, prefix: str, report: ConvertReport,
         name = prefix + target
 
         def skip(reason: str) -> None:
-            report.skipped.append(SkippedBN(name, reason, None))
+            report.leave(name, reason)
 
         if isinstance(bn, str):
             skip(bn)
             continue
         if calls[target] > 1:
-            if not any(s.bn == name for s in report.skipped):  # one line per module, not per call
+            if not any(o.batchnorm == name for o in report.outcomes):  # one line per module, not per call
                 skip(f"the BatchNorm module is called {calls[target]} times (shared running statistics)")
             continue
         if bn.running_mean is not None and bn.running_mean.is_meta:

@@ -25,7 +25,7 @@ from .bn_recognise import may_normalise
 from .concat_heads import flatten_cats
 from .graph_module import ConvbnGraphModule
 from .match import MatchTracer, find_layers, group_chains
-from .report import ConvertReport, SkippedBN
+from .report import ConvertReport
 from .rewrite import drop_hooked, rewrite_chains, set_submodule, shallow_clone, swap_sync_batchnorm, watch_hooks
 from .trace import short_reason, trace
 from .validate import StateSnapshot, compare_outputs, run_step
@@ -109,7 +109,7 @@ def _validated_convert(module: nn.Module, prefix: str, args: Tuple[Any, ...], kw
     backward with a random upstream gradient, state restored) and compare outputs,
     gradients and buffers. On a mismatch, convert finer: each child on its own inputs
     (recorded from an eager run), each validated the same way."""
-    mark = (len(report.pairs), len(report.skipped), len(report.untraced), len(report.traced))
+    mark = (len(report.pairs), len(report.outcomes), len(report.untraced), len(report.traced))
     converted = _convert(module, prefix, mode, chain, inplace, report)
     if converted is module:
         return module
@@ -138,7 +138,7 @@ def _validated_convert(module: nn.Module, prefix: str, args: Tuple[Any, ...], kw
     if ok:
         report.validated.append(prefix.rstrip("."))
         return converted
-    del report.pairs[mark[0]:], report.skipped[mark[1]:], report.untraced[mark[2]:], report.traced[mark[3]:]
+    del report.pairs[mark[0]:], report.outcomes[mark[1]:], report.untraced[mark[2]:], report.traced[mark[3]:]
     report.untraced.append((prefix.rstrip("."), f"the traced rewrite differs from eager ({result_note}); "
                             "converted child by child"))
     inputs = _child_inputs(module, args, kwargs)
@@ -320,7 +320,7 @@ def convert(
     except AttributeError:  # pragma: no cover - modules refusing attributes
         pass
     if not report.pairs:
-        why = "; ".join([f"{s.bn}: {s.reason}" for s in report.skipped[:3]]
+        why = "; ".join([f"{s.batchnorm}: {s.reason}" for s in report.skipped[:3]]
                         + [f"{m or '<root>'} not traceable: {e}" for m, e in report.untraced[:2]])
         warnings.warn(f"convbn.convert fused nothing in {type(model).__name__} (no Conv -> BatchNorm pair found"
                       f"{': ' + why if why else ''}); it computes exactly as before", stacklevel=2)
@@ -329,7 +329,7 @@ def convert(
 
 def _account_bns(model: nn.Module, report: ConvertReport) -> None:
     """Every BatchNorm module gets a line: fused, skipped with a reason, or not reached."""
-    seen = {p.bn for p in report.pairs} | {s.bn for s in report.skipped}
+    seen = {o.batchnorm for o in report.outcomes}
     outcome = {m: "traced" for m in report.traced} | {m: "untraced" for m, _ in report.untraced}
     for name, m in model.named_modules():
         if not isinstance(m, _BatchNorm) or name in seen:
@@ -340,7 +340,7 @@ def _account_bns(model: nn.Module, report: ConvertReport) -> None:
             reason = f"it is called from '{owner or '<root>'}', which could not be traced as a whole"
         else:
             reason = f"it is not called in the traced forward pass of '{owner or '<root>'}'"
-        report.skipped.append(SkippedBN(name, reason))
+        report.leave(name, reason)
 
 
 def explain(model: nn.Module, example_inputs: Any = None, **kwargs: Any) -> ConvertReport:

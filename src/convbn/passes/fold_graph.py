@@ -16,7 +16,8 @@ from ..functional.fold import fold_bn_into_following, fold_bn_into_preceding
 from ..nn.bn_call import frozen_batch_norm, standard_batch_norm
 from .bn_frozen import frozen_bn_ranks
 from .fold_layers import BN_FNS, CONVT_FNS, CONVT_MODULES, CONVT_SIG, CONV_FNS, CONV_SIG, LAYER_MODULES, LINEAR_FNS, NormActTail, describe_activation, LINEAR_SIG, UNSET, check_bn_foldable, clone_with, const_tensor, free_name, get_attr_value, has_standard_forward, is_zero_padding, normalize_args, owner_path
-from .fold_report import FoldAction, FoldReport
+from .fold_report import FoldReport
+from .outcome import BNOutcome
 from .shape_uses import value_users
 
 __all__ = ["FoldContext", "GraphFolder"]
@@ -375,7 +376,7 @@ class GraphFolder:
                                       transposed=layer.kind == "convt", groups=layer.groups)
         note = self.install(layer, w, b)
         self.remove_bn(site, layer.node)
-        self.ctx.report.actions.append(FoldAction(site.name, True, layer.name, "preceding", note))
+        self.ctx.report.outcomes.append(BNOutcome(site.name, "folded", layer.name, "preceding", note))
         return True, ""
 
     # Note: [folding into the following conv]
@@ -428,7 +429,7 @@ class GraphFolder:
                                       site.eps, site.weight, site.bias, groups=layer.groups)
         note = self.install(layer, w, b)
         self.remove_bn(site, site.input)
-        self.ctx.report.actions.append(FoldAction(site.name, True, layer.name, "following", note))
+        self.ctx.report.outcomes.append(BNOutcome(site.name, "folded", layer.name, "following", note))
         return True, ""
 
     def _activation_before_layer(self, node: fx.Node) -> Optional[Tuple[str, str]]:
@@ -457,7 +458,7 @@ class GraphFolder:
             if site is None:
                 continue
             if isinstance(site, _BNSkip):
-                self.ctx.report.actions.append(FoldAction(site.name, False, reason=site.reason))
+                self.ctx.report.leave(site.name, site.reason)
                 continue
             with torch.no_grad():
                 done, why_pre = self.fold_preceding(site)
@@ -465,7 +466,7 @@ class GraphFolder:
                     continue
                 done, why_post = self.fold_following(site)
             if not done:
-                self.ctx.report.actions.append(FoldAction(site.name, False, reason=f"{why_pre}; {why_post}"))
+                self.ctx.report.leave(site.name, f"{why_pre}; {why_post}")
         if self.changed:
             self._norm_act_tails()
             self.gm.graph.lint()

@@ -6,7 +6,7 @@ forward, BatchNorms and convbn's own modules are leaves) and its BatchNorm sites
 (:mod:`convbn.passes.bn_sites`). Output: :class:`MatchedLayer` records (conv node and
 geometry, BatchNorm node and module, the tail of element-wise ops found by
 :mod:`convbn.passes.match_tail`) and, for every BatchNorm that is not matched, a
-:class:`~convbn.passes.report.SkippedBN` with the reason. :func:`group_chains` groups
+ ``"left"`` outcome with the reason. :func:`group_chains` groups
 consecutive matched layers into chains; the rewrite (:mod:`convbn.passes.rewrite`)
 replaces each chain by one fused module.
 """
@@ -28,7 +28,7 @@ from ..nn.chain import FusedChain
 from ..nn.fused import _FusedConvBNNd
 from .bn_sites import BNSite, find_bn_sites
 from .match_tail import TailMatch, TailOpMatch, describe_node, match_tail, node_arg, tail_label
-from .report import ConvertReport, SkippedBN
+from .report import ConvertReport
 from .shape_uses import is_rank_use, value_users
 
 __all__ = ["MatchTracer", "MatchedConv", "MatchedLayer", "find_layers", "group_chains", "head_input", "node_arg",
@@ -384,8 +384,8 @@ def _end_layers(layers: List[MatchedLayer], gm: fx.GraphModule, root: nn.Module,
 
 def find_layers(gm: fx.GraphModule, root: nn.Module, prefix: str, report: ConvertReport,
                 chain: bool = True) -> List[MatchedLayer]:
-    """Every fusable layer of ``gm`` in graph order; each BatchNorm not matched gets a
-    :class:`SkippedBN` in ``report`` saying why.
+    """Every fusable layer of ``gm`` in graph order; each BatchNorm not matched is reported
+    left in ``report``, with the reason.
 
     Args:
         gm: the traced graph module.
@@ -422,7 +422,7 @@ def find_layers(gm: fx.GraphModule, root: nn.Module, prefix: str, report: Conver
         if isinstance(head, MatchedLayer):
             layers.append(head)
         else:
-            report.skipped.append(SkippedBN(name, f"{why}; {head}", conv_name))
+            report.leave(name, f"{why}; {head}", conv_name)
     if chain:
         layers += _end_layers(layers, gm, root, prefix)
     index = {n: i for i, n in enumerate(gm.graph.nodes)}
@@ -457,9 +457,9 @@ def group_chains(layers: List[MatchedLayer], chain: bool, report: Optional[Conve
     for c in chains:
         if len(c) == 1 and c[0].is_head:
             if report is not None:
-                report.skipped.append(SkippedBN(
-                    c[0].bn_name, f"it would start a pre-activation chain (BN -> {c[0].activation} -> conv), but the "
-                    "convolution after it cannot join the chain (see that layer's line); BN -> act alone saves nothing"))
+                report.leave(c[0].bn_name, f"it would start a pre-activation chain (BN -> {c[0].activation} -> conv), "
+                             "but the convolution after it cannot join the chain (see that layer's line); BN -> act "
+                             "alone saves nothing")
             continue
         kept.append(c)
     return kept

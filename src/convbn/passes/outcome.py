@@ -1,0 +1,80 @@
+"""What a pass did with one BatchNorm: the record both reports list, one per BatchNorm.
+
+:func:`convbn.convert` fuses a BatchNorm into a chain, :func:`convbn.fold` folds it into a
+neighbouring layer; either pass may leave it as it was, and then says why. Both reports
+(:class:`~convbn.passes.report.ConvertReport` and
+:class:`~convbn.passes.fold_report.FoldReport`) expose the same list of
+:class:`BNOutcome` records as ``outcomes``: one per BatchNorm module or ``batch_norm``
+call the pass found, and one per BatchNorm module it never reached.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+__all__ = ["BNOutcome", "OUTCOME_RESULTS", "DIRECTIONS"]
+
+#: what can happen to a BatchNorm: fused (convert), folded (fold), left as it was (either)
+OUTCOME_RESULTS = ("fused", "folded", "left")
+#: where the layer sits: ``"preceding"`` -- it runs before the BatchNorm (Conv -> BN);
+#: ``"following"`` -- it reads the BatchNorm's output (BN [-> act] -> Conv: fold into the
+#: next conv, or convert's pre-activation head)
+DIRECTIONS = ("preceding", "following")
+
+
+@dataclass(frozen=True)
+class BNOutcome:
+    """What happened to one BatchNorm (a module, or a functional ``batch_norm`` call).
+
+    Attributes:
+        batchnorm: qualified name of the BatchNorm module in the input model, or a
+            description of a functional ``batch_norm`` call.
+        result: ``"fused"`` (convert: in a fused chain), ``"folded"`` (fold: absorbed by a
+            conv / linear) or ``"left"`` (either pass: computed as before).
+        layer: qualified name of the conv / linear it was fused or folded with; for a
+            BatchNorm left as it was, the layer the pass considered, if it got that far.
+        direction: ``"preceding"`` or ``"following"`` (see :data:`DIRECTIONS`); ``None``
+            when left.
+        reason: why it was left; for a fused or folded one an optional note (e.g. fold made
+            a fresh copy of a layer that is also used elsewhere).
+
+    Example:
+        >>> o = BNOutcome("bn1", "folded", "conv1", "preceding")
+        >>> o.folded, o.left
+        (True, False)
+    """
+
+    batchnorm: str
+    result: str
+    layer: Optional[str] = None
+    direction: Optional[str] = None
+    reason: str = ""
+
+    def __post_init__(self) -> None:
+        if self.result not in OUTCOME_RESULTS:
+            raise ValueError(f"result must be one of {OUTCOME_RESULTS}, but got result={self.result!r}")
+        if self.direction is not None and self.direction not in DIRECTIONS:
+            raise ValueError(f"direction must be one of {DIRECTIONS} or None, but got direction={self.direction!r}")
+        if self.result == "left" and not self.reason:
+            raise ValueError(f"a BatchNorm left as it was needs the reason why ({self.batchnorm})")
+
+    @property
+    def left(self) -> bool:
+        """The BatchNorm still computes as before."""
+        return self.result == "left"
+
+    @property
+    def folded(self) -> bool:
+        """Folded away by :func:`convbn.fold` (the field fold's reports always had)."""
+        return self.result == "folded"
+
+    # the names convert's skipped-BatchNorm lines had, so ``report.skipped`` reads as before
+    @property
+    def bn(self) -> str:
+        """Same as :attr:`batchnorm`."""
+        return self.batchnorm
+
+    @property
+    def conv(self) -> Optional[str]:
+        """Same as :attr:`layer`."""
+        return self.layer

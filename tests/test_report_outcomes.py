@@ -1,0 +1,106 @@
+"""Both passes report one :class:`BNOutcome` per BatchNorm: convert's and fold's reports
+list the same record, with the layer, the direction and the reason."""
+from __future__ import annotations
+
+import copy
+from typing import Dict, Optional, Tuple
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
+
+import convbn
+from convbn.passes.outcome import BNOutcome
+
+
+class Mixed(nn.Module):
+    """One BatchNorm of each fate.
+
+    * ``bn_in`` reads the input and feeds ``conv1`` (no padding): convert fuses it as a
+      pre-activation head, fold into the following conv -- both with ``conv1`` after it;
+    * ``bn1`` follows ``conv1``: fused / folded with the conv before it;
+    * ``bn_pool`` normalises a pooling output that is also added: left by both;
+    * ``unused`` is never called: left by both.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bn_in = nn.BatchNorm2d(3)
+        self.conv1 = nn.Conv2d(3, 8, 3)
+        self.bn1 = nn.BatchNorm2d(8)
+        self.pool = nn.MaxPool2d(2)
+        self.bn_pool = nn.BatchNorm2d(8)
+        self.unused = nn.BatchNorm2d(8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.relu(self.bn1(self.conv1(self.bn_in(x))))
+        p = self.pool(y)
+        return p + self.bn_pool(p)
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    m = Mixed()
+    for bn in m.modules():
+        if isinstance(bn, _BatchNorm):
+            bn.running_mean.uniform_(-0.5, 0.5)
+            bn.running_var.uniform_(0.5, 2.0)
+    return m
+
+
+def _by_name(outcomes) -> Dict[str, Tuple[str, Optional[str], Optional[str]]]:
+    return {o.batchnorm: (o.result, o.layer, o.direction) for o in outcomes}
+
+
+def _one_per_bn(model: nn.Module, outcomes) -> None:
+    names = sorted(n for n, m in model.named_modules() if isinstance(m, _BatchNorm))
+    assert sorted(o.batchnorm for o in outcomes) == names
+    assert all(type(o) is BNOutcome for o in outcomes)
+
+
+def test_convert_and_fold_report_the_same_record_per_batchnorm() -> None:
+    x = torch.randn(2, 3, 12, 12)
+    model = _model()
+    report = convbn.convert(copy.deepcopy(model), example_inputs=x).convbn_report
+    folded = convbn.fold(copy.deepcopy(model).eval(), example_inputs=x)
+    fold_report = folded.fold_report
+
+    for outcomes in (report.outcomes, fold_report.outcomes):
+        _one_per_bn(model, outcomes)
+    assert _by_name(report.outcomes) == {
+        "bn_in": ("fused", "conv1", "following"),
+        "bn1": ("fused", "conv1", "preceding"),
+        "bn_pool": ("left", None, None),
+        "unused": ("left", None, None),
+    }
+    assert _by_name(fold_report.outcomes) == {
+        "bn_in": ("folded", "conv1", "following"),
+        "bn1": ("folded", "conv1", "preceding"),
+        "bn_pool": ("left", None, None),
+        "unused": ("left", None, None),
+    }
+    for outcomes in (report.outcomes, fold_report.outcomes):
+        reasons = {o.batchnorm: o.reason for o in outcomes if o.left}
+        assert "'pool'" in reasons["bn_pool"] and "add" in reasons["bn_pool"]  # neither neighbour is a layer
+        assert "not called" in reasons["unused"]
+
+    # the attributes each report had before read the same outcomes
+    assert report.skipped == [o for o in report.outcomes if o.left]
+    assert {s.bn for s in report.skipped} == {"bn_pool", "unused"}
+    assert {p.bn for p in report.pairs if p.bn} == {o.batchnorm for o in report.outcomes if o.result == "fused"}
+    assert fold_report.actions is fold_report.outcomes
+    assert [a.batchnorm for a in fold_report.folded] == ["bn_in", "bn1"]
+    assert {a.batchnorm for a in fold_report.skipped} == {"bn_pool", "unused"}
+    assert "bn_pool" in str(report) and "bn_pool" in str(fold_report)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(result="dropped"), "result must be one of"),
+    (dict(result="folded", direction="after"), "direction must be one of"),
+    (dict(result="left"), "needs the reason"),
+])
+def test_outcome_rejects_what_no_pass_reports(kwargs, message) -> None:
+    with pytest.raises(ValueError, match=message):
+        BNOutcome("bn", **kwargs)
