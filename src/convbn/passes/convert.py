@@ -24,10 +24,10 @@ from .auto_plan import as_inputs, measure_peak, measure_saved, plan_auto
 from .bn_recognise import may_normalise
 from .concat_heads import flatten_cats
 from .graph_module import ConvbnGraphModule
-from .match import MatchTracer, find_layers, group_chains
+from .match import find_layers, group_chains
 from .report import ConvertReport
 from .rewrite import drop_hooked, rewrite_chains, set_submodule, shallow_clone, swap_sync_batchnorm, watch_hooks
-from .trace import short_reason, trace
+from .trace import LayerTracer, short_reason, trace
 from .validate import StateSnapshot, compare_outputs, run_step
 
 __all__ = ["convert", "explain", "CONVERT_STRATEGIES"]
@@ -53,7 +53,7 @@ def _convert(module: nn.Module, prefix: str, mode: str, chain: bool, inplace: bo
     if isinstance(module, _BatchNorm) and prefix:  # a lone BatchNorm child: nothing to fuse, nothing to trace
         return module
     try:
-        traced = trace(module, MatchTracer, training=True)  # the graph convert builds is for training
+        traced = trace(module, LayerTracer, training=True)  # the graph convert builds is for training
     except Exception as err:  # any tracing failure: convert the children instead
         report.untraced.append((prefix.rstrip("."), short_reason(err, 120)))
         target = module if inplace else shallow_clone(module)

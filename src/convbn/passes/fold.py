@@ -39,11 +39,12 @@ from .bn_frozen import frozen_bn_ranks
 from .bn_recognise import may_normalise
 from .fold_check import EAGER_ERROR_FACTOR, compare_to_reference, float64_errors, reference_run, run_no_grad
 from .fold_graph import FoldContext, GraphFolder
-from .fold_layers import LAYER_MODULES, FoldTracer, fold_conv_bn_modules
+from .fold_layers import fold_conv_bn_modules
+from .layers import LAYER_MODULES
 from .fold_report import FoldCheck, FoldReport
 from .outcome import BNOutcome
 from .graph_module import preserve_module_state
-from .trace import short_reason, trace
+from .trace import LayerTracer, short_reason, trace
 
 __all__ = ["fold", "fold_conv_bn_modules", "FoldReport", "BNOutcome", "FoldCheck"]
 
@@ -63,7 +64,7 @@ def fold_module(module: nn.Module, prefix: str, ctx: FoldContext) -> nn.Module:
         fold_children(module, prefix, ctx)
         return module
     try:
-        traced = trace(module, FoldTracer)
+        traced = trace(module, LayerTracer)
     except Exception as exc:  # noqa: BLE001 - untraceable: fold its children one by one
         ctx.report.untraceable.append((prefix.rstrip("."), f"{short_reason(exc)} (folded part by part)"))
         fold_children(module, prefix, ctx)

@@ -13,9 +13,13 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from torch.utils import _pytree as pytree
 
 from ..functional.fold import fold_bn_into_following, fold_bn_into_preceding
-from ..nn.bn_call import frozen_batch_norm, standard_batch_norm
+from ..nn.bn_call import frozen_batch_norm, has_standard_bn_forward, standard_batch_norm
 from .bn_frozen import frozen_bn_ranks
-from .fold_layers import BN_FNS, CONVT_FNS, CONVT_MODULES, CONVT_SIG, CONV_FNS, CONV_SIG, LAYER_MODULES, LINEAR_FNS, NormActTail, describe_activation, LINEAR_SIG, UNSET, check_bn_foldable, clone_with, const_tensor, free_name, get_attr_value, has_standard_forward, is_zero_padding, normalize_args, owner_path
+from .bn_recognise import BN_FUNCTIONS, bn_call_args
+from .fold_layers import (UNSET, NormActTail, check_bn_foldable, clone_with, const_tensor, describe_activation,
+                          free_name, get_attr_value, is_zero_padding, owner_path)
+from .layers import (CONV_FNS, CONV_SIG, CONVT_FNS, CONVT_MODULES, CONVT_SIG, LAYER_MODULES, LINEAR_FNS, LINEAR_SIG,
+                     has_standard_forward, normalize_args)
 from .fold_report import FoldReport
 from .outcome import BNOutcome
 from .shape_uses import value_users
@@ -115,7 +119,7 @@ class GraphFolder:
                                mod.running_var, float(mod.eps), mod.weight, mod.bias, mod, (), ranks)
             name = self.qual(node.target)
             why = check_bn_foldable(mod)
-            if why is None and not has_standard_forward(mod):
+            if why is None and not has_standard_bn_forward(mod):
                 why = (f"{type(mod).__name__} overrides forward() in a way that could not be traced "
                        "into, so it may do more than batch norm")
             if why is None and (mod._forward_hooks or mod._forward_pre_hooks):
@@ -126,8 +130,8 @@ class GraphFolder:
                 return _BNSkip(name, why)
             return _BNSite(node, name, node.args[0], mod.running_mean, mod.running_var, mod.eps,
                            mod.weight, mod.bias, mod, ())
-        if node.op == "call_function" and node.target in BN_FNS:
-            args = normalize_args(node, BN_FNS[node.target])
+        if node.op == "call_function" and node.target in BN_FUNCTIONS:
+            args = bn_call_args(node)
             rm_node = args.get("running_mean") if args else None
             name = self._functional_bn_name(node, rm_node)
             if args is None:

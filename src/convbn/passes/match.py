@@ -1,8 +1,9 @@
 """Matching: find Conv -> BatchNorm -> tail layers (and pre-activation heads and conv ends)
 in a traced graph, and group them into chains.
 
-Input: a ``torch.fx`` graph traced with :class:`MatchTracer` (convolutions with the standard
-forward, BatchNorms and convbn's own modules are leaves) and its BatchNorm sites
+Input: a ``torch.fx`` graph traced with :class:`~convbn.passes.trace.LayerTracer`
+(convolutions with the standard forward, BatchNorms and convbn's own modules are leaves)
+and its BatchNorm sites
 (:mod:`convbn.passes.bn_sites`). Output: :class:`MatchedLayer` records (conv node and
 geometry, BatchNorm node and module, the tail of element-wise ops found by
 :mod:`convbn.passes.match_tail`) and, for every BatchNorm that is not matched, a
@@ -24,14 +25,12 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.conv import _ConvNd
 
 from ..functional.conv import ConvSpec, conv_out_channels, conv_spec_from_module, make_conv_spec, make_linear_spec
-from ..nn.chain import FusedChain
-from ..nn.fused import _FusedConvBNNd
 from .bn_sites import BNSite, find_bn_sites
 from .match_tail import TailMatch, TailOpMatch, describe_node, match_tail, node_arg, tail_label
 from .report import ConvertReport
 from .shape_uses import is_rank_use, value_users
 
-__all__ = ["MatchTracer", "MatchedConv", "MatchedLayer", "find_layers", "group_chains", "head_input", "node_arg",
+__all__ = ["MatchedConv", "MatchedLayer", "find_layers", "group_chains", "head_input", "node_arg",
            "describe_node"]
 
 _STD_CONV_FORWARDS = {nn.Conv1d.forward, nn.Conv2d.forward, nn.Conv3d.forward,
@@ -42,19 +41,6 @@ _FUNCTIONAL_CONVTS = {F.conv_transpose1d: 1, F.conv_transpose2d: 2, F.conv_trans
 _FUNCTIONAL_LINEARS = {F.linear}
 # a linear layer is a 0-D convolution (Note: [three kinds of convolution] in functional/conv.py)
 _BN_DIMS = {nn.BatchNorm1d: (0, 1), nn.BatchNorm2d: (2,), nn.BatchNorm3d: (3,)}
-
-
-class MatchTracer(fx.Tracer):
-    """Keeps convolutions (with the standard forward), BatchNorms and convbn's own
-    modules as leaves; traces through everything else, including conv subclasses
-    with their own forward (their ``F.convNd`` call is matched instead)."""
-
-    def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
-        if isinstance(m, (_BatchNorm, FusedChain, _FusedConvBNNd)):
-            return True
-        if isinstance(m, _ConvNd):
-            return type(m).forward in _STD_CONV_FORWARDS or m.transposed and m.__module__.startswith("torch.nn")
-        return super().is_leaf_module(m, qualname)
 
 
 # --------------------------------------------------------------------------- matching
