@@ -9,13 +9,11 @@ from typing import Any, Dict, Optional, Set, Tuple, Union
 import torch
 import torch.fx as fx
 from torch import Tensor, nn
-from torch.nn.modules.batchnorm import _BatchNorm
 from torch.utils import _pytree as pytree
 
 from ..functional.fold import fold_bn_into_following, fold_bn_into_preceding
-from ..nn.bn_call import frozen_batch_norm, has_standard_bn_forward, standard_batch_norm
-from .bn_frozen import frozen_bn_ranks
-from .bn_recognise import BN_FUNCTIONS, bn_call_args
+from ..nn.bn_call import has_standard_bn_forward
+from .bn_sites import BNCall, bn_call
 from .fold_layers import (UNSET, NormActTail, check_bn_foldable, clone_with, const_tensor, describe_activation,
                           free_name, get_attr_value, is_zero_padding, owner_path)
 from .layers import (CONV_FNS, CONV_SIG, CONVT_FNS, CONVT_MODULES, CONVT_SIG, LAYER_MODULES, LINEAR_FNS, LINEAR_SIG,
@@ -106,18 +104,28 @@ class GraphFolder:
     # -- matching -----------------------------------------------------------------
     def bn_site(self, node: fx.Node) -> Union[_BNSite, _BNSkip, None]:
         """The BN applied by ``node``; a :class:`_BNSkip` if it is a BN that cannot fold;
-        None if ``node`` is no BatchNorm."""
-        if node.op == "call_function" and node.target in (standard_batch_norm, frozen_batch_norm):
-            return self._norm_act_site(node)
-        if node.op == "call_module":
-            mod = self.modules.get(node.target)
-            if not isinstance(mod, _BatchNorm):
-                ranks = frozen_bn_ranks(mod) if mod is not None else ()
-                if not ranks:
-                    return None
-                return _BNSite(node, self.qual(node.target), node.args[0] if node.args else None, mod.running_mean,
-                               mod.running_var, float(mod.eps), mod.weight, mod.bias, mod, (), ranks)
-            name = self.qual(node.target)
+        None if ``node`` is no BatchNorm.
+
+        BatchNorms are found as convert finds them (:func:`~convbn.passes.bn_sites.bn_call`);
+        the conditions here are fold's: eval mode with running statistics, torch's forward,
+        no hooks, constant ``training=False`` statistics for a functional call.
+        """
+        call = bn_call(node, self.gm, self.prefix, self.root)
+        if call is None:
+            return None
+        mod, name = call.module, call.name
+        if call.kind == "functional":
+            return self._functional_site(call)
+        if call.kind == "inlined":
+            why = None if call.ranks else check_bn_foldable(mod)
+            if why is None and sum(1 for n in self.gm.graph.nodes if n.op == "get_attr" and n.target == call.target) != 1:
+                why = "the BatchNorm module is called more than once"
+            if why is not None:
+                return _BNSkip(name, why)
+            self.norm_act.add(call.target)
+            return _BNSite(node, name, call.input, mod.running_mean, mod.running_var, float(mod.eps),
+                           mod.weight, mod.bias, mod, (node.args[0],), call.ranks)
+        if call.kind == "module":
             why = check_bn_foldable(mod)
             if why is None and not has_standard_bn_forward(mod):
                 why = (f"{type(mod).__name__} overrides forward() in a way that could not be traced "
@@ -128,60 +136,29 @@ class GraphFolder:
                 why = "BatchNorm called with extra arguments"
             if why is not None:
                 return _BNSkip(name, why)
-            return _BNSite(node, name, node.args[0], mod.running_mean, mod.running_var, mod.eps,
-                           mod.weight, mod.bias, mod, ())
-        if node.op == "call_function" and node.target in BN_FUNCTIONS:
-            args = bn_call_args(node)
-            rm_node = args.get("running_mean") if args else None
-            name = self._functional_bn_name(node, rm_node)
-            if args is None:
-                return _BNSkip(name, "batch_norm call with arguments this pass does not understand")
-            if args["training"] is not False:
-                return _BNSkip(name, f"batch_norm called with training={args['training']!r} (batch statistics)")
-            values = {k: const_tensor(self.gm, args[k]) for k in ("running_mean", "running_var", "weight", "bias")}
-            if values["running_mean"] is None or values["running_var"] is None:
-                return _BNSkip(name, "batch_norm called without running statistics")
-            if any(v is UNSET for v in values.values()):
-                return _BNSkip(name, "batch_norm statistics/affine parameters are computed in forward, not stored attributes")
-            eps = args["eps"]
-            if not isinstance(eps, (int, float)):
-                return _BNSkip(name, "batch_norm eps is not a constant")
-            attr_nodes = tuple(args[k] for k in ("running_mean", "running_var", "weight", "bias")
-                               if isinstance(args[k], fx.Node))
-            return _BNSite(node, name, args["input"], values["running_mean"], values["running_var"],
-                           float(eps), values["weight"], values["bias"], None, attr_nodes)
-        return None
+        return _BNSite(node, name, call.input, mod.running_mean, mod.running_var, float(mod.eps),
+                       mod.weight, mod.bias, mod, (), call.ranks)
 
-    def _norm_act_site(self, node: fx.Node) -> Union[_BNSite, _BNSkip, None]:
-        """The batch norm of a norm-act module the tracer inlined (the module's tail follows it)."""
-        owner = node.args[0] if node.args else None
-        if not isinstance(owner, fx.Node) or owner.op != "get_attr":
-            return None
-        mod = self.modules.get(str(owner.target))
-        frozen = node.target is frozen_batch_norm
-        if not (frozen or isinstance(mod, _BatchNorm)):
-            return None
-        name = self.qual(str(owner.target))
-        why = None if frozen else check_bn_foldable(mod)
-        if why is not None:
-            return _BNSkip(name, why)
-        if sum(1 for n in self.gm.graph.nodes if n.op == "get_attr" and n.target == owner.target) != 1:
-            return _BNSkip(name, "the BatchNorm module is called more than once")
-        self.norm_act.add(str(owner.target))
-        return _BNSite(node, name, node.args[1], mod.running_mean, mod.running_var, float(mod.eps),
-                       mod.weight, mod.bias, mod, (owner,), tuple(node.args[2]) if frozen else ())
-
-    def _functional_bn_name(self, node: fx.Node, rm_node: Any) -> str:
-        if isinstance(rm_node, fx.Node) and rm_node.op == "get_attr":
-            owner = owner_path(rm_node.target)
-            try:
-                owner_module = self.root.get_submodule(owner)
-            except AttributeError:
-                owner_module = None
-            if owner and isinstance(owner_module, nn.Module):
-                return self.qual(owner)  # a module calling batch_norm on its own tensors
-        where = self.prefix.rstrip(".") or "<root>"
-        return f"{node.target.__name__}() call '{node.name}' in {where}"
+    def _functional_site(self, call: BNCall) -> Union[_BNSite, _BNSkip]:
+        """An ``F.batch_norm`` / ``torch.batch_norm`` call, foldable with constant
+        ``training=False`` and stored running statistics."""
+        args, name = call.args, call.name
+        if args is None:
+            return _BNSkip(name, "batch_norm call with arguments this pass does not understand")
+        if args["training"] is not False:
+            return _BNSkip(name, f"batch_norm called with training={args['training']!r} (batch statistics)")
+        values = {k: const_tensor(self.gm, args[k]) for k in ("running_mean", "running_var", "weight", "bias")}
+        if values["running_mean"] is None or values["running_var"] is None:
+            return _BNSkip(name, "batch_norm called without running statistics")
+        if any(v is UNSET for v in values.values()):
+            return _BNSkip(name, "batch_norm statistics/affine parameters are computed in forward, not stored attributes")
+        eps = args["eps"]
+        if not isinstance(eps, (int, float)):
+            return _BNSkip(name, "batch_norm eps is not a constant")
+        attr_nodes = tuple(args[k] for k in ("running_mean", "running_var", "weight", "bias")
+                           if isinstance(args[k], fx.Node))
+        return _BNSite(call.node, name, args["input"], values["running_mean"], values["running_var"],
+                       float(eps), values["weight"], values["bias"], None, attr_nodes)
 
     def layer(self, node: Any) -> Union[_Layer, str]:
         """The conv/linear applied by ``node``, or a reason string why it is none."""
