@@ -244,6 +244,34 @@ def test_bn_before_zero_padded_conv_is_not_folded(padding) -> None:
     assert len(bn_modules(folded)) == 1
 
 
+class BNThenFunctionalConv(nn.Module):
+    """BN -> ``F.conv2d`` on the module's own weight (as efficientnet_pytorch writes convs)."""
+
+    def __init__(self, padding, kernel: int = 3) -> None:
+        super().__init__()
+        self.bn = nn.BatchNorm2d(4)
+        self.weight = nn.Parameter(torch.randn(6, 4, kernel, kernel) / 6)
+        self.padding = padding
+
+    def forward(self, x):
+        return F.conv2d(self.bn(x), self.weight, None, 1, self.padding)
+
+
+@pytest.mark.parametrize("padding, kernel, folds", [
+    (0, 3, True), ("valid", 3, True), ("same", 1, True), ((0, 0), 3, True),
+    (1, 3, False), ("same", 3, False), ((0, 1), 3, False),
+])
+def test_functional_conv_after_bn_folds_only_without_zero_padding(padding, kernel, folds) -> None:
+    """The module and the functional conv share one zero-padding test."""
+    model = randomize_bn(BNThenFunctionalConv(padding, kernel)).eval()
+    x = torch.randn(2, 4, 9, 9)
+    folded = fold(model)
+    assert_same(run(model, x), run(folded, x))
+    (action,) = report_of(folded).actions
+    assert action.folded == folds, action
+    assert folds or "zero-pads" in action.reason
+
+
 def test_zero_padding_fold_would_really_be_wrong() -> None:
     """Why padded convs are refused: folding anyway changes the border."""
     model = randomize_bn(BNThenConv(1)).eval()

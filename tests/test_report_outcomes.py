@@ -3,6 +3,7 @@ list the same record, with the layer, the direction and the reason."""
 from __future__ import annotations
 
 import copy
+import warnings
 from typing import Dict, Optional, Tuple
 
 import pytest
@@ -104,3 +105,41 @@ def test_convert_and_fold_report_the_same_record_per_batchnorm() -> None:
 def test_outcome_rejects_what_no_pass_reports(kwargs, message) -> None:
     with pytest.raises(ValueError, match=message):
         BNOutcome("bn", **kwargs)
+
+
+class RootBatchNorm(nn.Module):
+    """``F.batch_norm`` on the traced module's own buffers (no BatchNorm submodule to name it
+    after); ``computed=True`` normalises with the batch's variance instead, which neither pass
+    can use."""
+
+    def __init__(self, computed: bool) -> None:
+        super().__init__()
+        self.computed = computed
+        self.conv = nn.Conv2d(3, 4, 3)
+        self.register_buffer("running_mean", torch.zeros(4))
+        self.register_buffer("running_var", torch.ones(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.conv(x)
+        var = y.var((0, 2, 3)).detach() if self.computed else self.running_var
+        return F.batch_norm(y, self.running_mean, var, training=False)
+
+
+@pytest.mark.parametrize("computed", [False, True])
+def test_both_passes_name_a_functional_batch_norm_alike(computed: bool) -> None:
+    """Both passes find BatchNorms with one discovery (bn_sites.bn_call), so a call has one
+    name in both reports, whatever becomes of it."""
+    model = RootBatchNorm(computed)
+    x = torch.randn(2, 3, 8, 8)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "convbn.convert fused nothing")
+        report = convbn.convert(copy.deepcopy(model), example_inputs=x).convbn_report
+    fold_report = convbn.fold(copy.deepcopy(model).eval(), example_inputs=x).fold_report
+    (outcome,) = report.outcomes
+    (fold_outcome,) = fold_report.outcomes
+    assert outcome.batchnorm == fold_outcome.batchnorm == "batch_norm() call 'batch_norm' in <root>"
+    assert (outcome.result, fold_outcome.result) == (("left", "left") if computed else ("fused", "folded"))
+    if computed:
+        assert "computed in forward" in outcome.reason and "computed in forward" in fold_outcome.reason
+    else:
+        assert [p.bn for p in report.pairs] == [outcome.batchnorm]  # a named BatchNorm, not a chain end

@@ -11,11 +11,12 @@ import torch.fx as fx
 from torch import Tensor, nn
 from torch.utils import _pytree as pytree
 
+from ..functional.conv import conv_spec_from_module, make_conv_spec
 from ..functional.fold import fold_bn_into_following, fold_bn_into_preceding
 from ..nn.bn_call import has_standard_bn_forward
 from .bn_sites import BNCall, bn_call
 from .fold_layers import (UNSET, NormActTail, check_bn_foldable, clone_with, const_tensor, describe_activation,
-                          free_name, get_attr_value, is_zero_padding, owner_path)
+                          free_name, get_attr_value, owner_path)
 from .layers import (CONV_FNS, CONV_SIG, CONVT_FNS, CONVT_MODULES, CONVT_SIG, LAYER_MODULES, LINEAR_FNS, LINEAR_SIG,
                      has_standard_forward, normalize_args)
 from .fold_report import FoldReport
@@ -83,6 +84,22 @@ class _Layer:
     @property
     def in_channels(self) -> int:
         return self.weight.shape[0] if self.kind == "convt" else self.weight.shape[1] * self.groups
+
+
+def _pads_with_zeros(layer: _Layer) -> bool:
+    """Whether conv ``layer`` reads zeros beyond its input's border (see Note: [folding into
+    the following conv]); ``True`` where its geometry is computed in forward. Module and
+    functional convs alike, from their :class:`~convbn.functional.conv.ConvSpec`."""
+    try:
+        if layer.module is not None:
+            spec = conv_spec_from_module(layer.module)
+        else:
+            a = layer.args or {}
+            spec = make_conv_spec(layer.weight.dim() - 2, layer.weight.shape[2:], a["stride"], a["padding"],
+                                  a["dilation"], a["groups"])
+    except (TypeError, ValueError):  # non-constant geometry: cannot tell, so do not fold
+        return True
+    return any(spec.padding) or (bool(spec.pre_pad) and spec.pre_pad_mode == "constant")
 
 
 class GraphFolder:
@@ -384,23 +401,9 @@ class GraphFolder:
         first = layer.node.args[0] if layer.node.args else layer.node.kwargs.get("input")
         if first is not site.node or sum(a is site.node for a in pytree.tree_leaves((layer.node.args, layer.node.kwargs))) != 1:
             return False, f"after it: BN output is not (only) the input of {layer.name}"
-        if layer.kind == "conv":
-            if layer.module is not None:
-                m = layer.module
-                zero_pad = m.padding_mode == "zeros" and not is_zero_padding(m.padding)
-                if m.padding == "same":
-                    zero_pad = m.padding_mode == "zeros" and any(d * (k - 1) for d, k in zip(m.dilation, m.kernel_size))
-            else:
-                pad = layer.args["padding"]
-                zero_pad = not is_zero_padding(pad)
-                if pad == "same":
-                    dil = layer.args["dilation"]
-                    ks = layer.weight.shape[2:]
-                    dil = [dil] * len(ks) if isinstance(dil, int) else dil
-                    zero_pad = any(d * (k - 1) for d, k in zip(dil, ks))
-            if zero_pad:
-                return False, (f"after it: {layer.name} zero-pads its input, so folding the BN into it "
-                               "would be inexact at the border")
+        if layer.kind == "conv" and _pads_with_zeros(layer):
+            return False, (f"after it: {layer.name} zero-pads its input, so folding the BN into it "
+                           "would be inexact at the border")
         if layer.in_channels != site.running_mean.numel():
             return False, f"after it: {layer.name} has {layer.in_channels} input channels, BN {site.running_mean.numel()}"
         why = self._rank_ok(site, layer)

@@ -14,7 +14,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from ..functional.activations import activation_from_module
 from ..functional.fold import fold_bn_into_preceding
-from .layers import CONVT_MODULES, LAYER_MODULES, has_standard_forward
+from .layers import CONVT_MODULES, LAYER_MODULES
 
 __all__ = ["fold_conv_bn_modules"]
 
@@ -169,16 +169,6 @@ def const_tensor(gm: fx.GraphModule, arg: Any) -> Union[Tensor, None, object]:
 
 def owner_path(target: str) -> str:
     return target.rsplit(".", 1)[0] if "." in target else ""
-
-
-def is_zero_padding(padding: Any) -> bool:
-    if isinstance(padding, str):
-        return padding == "valid"
-    if isinstance(padding, int):
-        return padding == 0
-    if isinstance(padding, (tuple, list)):
-        return all(isinstance(p, int) and p == 0 for p in padding)
-    return False
 
 
 def free_name(gm: fx.GraphModule, base: str) -> str:
