@@ -11,14 +11,12 @@ import torch.fx as fx
 from torch import Tensor, nn
 from torch.utils import _pytree as pytree
 
-from ..functional.conv import conv_spec_from_module, make_conv_spec
 from ..functional.fold import fold_bn_into_following, fold_bn_into_preceding
 from ..nn.bn_call import has_standard_bn_forward
 from .bn_sites import BNCall, bn_call
 from .fold_layers import (UNSET, NormActTail, check_bn_foldable, clone_with, const_tensor, describe_activation,
                           free_name, get_attr_value, owner_path)
-from .layers import (CONV_FNS, CONV_SIG, CONVT_FNS, CONVT_MODULES, CONVT_SIG, LAYER_MODULES, LINEAR_FNS, LINEAR_SIG,
-                     has_standard_forward, normalize_args)
+from .layers import LayerCall, has_standard_forward, layer_call, layer_spec
 from .fold_report import FoldReport
 from .outcome import BNOutcome
 from .shape_uses import value_users
@@ -66,16 +64,30 @@ class _BNSkip:
 
 @dataclass
 class _Layer:
-    """A conv / conv-transpose / linear application in a graph, module or functional."""
+    """A conv / conv-transpose / linear fold may fold into: its call, name and the tensors
+    it computes with."""
 
-    node: fx.Node
+    call: LayerCall
     name: str
-    kind: str  # "conv", "convt", "linear"
     weight: Tensor
     bias: Optional[Tensor]
     groups: int
-    module: Optional[nn.Module]
-    args: Optional[Dict[str, Any]]  # normalised args for functional layers
+
+    @property
+    def node(self) -> fx.Node:
+        return self.call.node
+
+    @property
+    def kind(self) -> str:
+        return self.call.kind
+
+    @property
+    def module(self) -> Optional[nn.Module]:
+        return self.call.module
+
+    @property
+    def args(self) -> Dict[str, Any]:
+        return self.call.args
 
     @property
     def out_channels(self) -> int:
@@ -91,12 +103,7 @@ def _pads_with_zeros(layer: _Layer) -> bool:
     the following conv]); ``True`` where its geometry is computed in forward. Module and
     functional convs alike, from their :class:`~convbn.functional.conv.ConvSpec`."""
     try:
-        if layer.module is not None:
-            spec = conv_spec_from_module(layer.module)
-        else:
-            a = layer.args or {}
-            spec = make_conv_spec(layer.weight.dim() - 2, layer.weight.shape[2:], a["stride"], a["padding"],
-                                  a["dilation"], a["groups"])
+        spec = layer_spec(layer.call, layer.weight.shape)
     except (TypeError, ValueError):  # non-constant geometry: cannot tell, so do not fold
         return True
     return any(spec.padding) or (bool(spec.pre_pad) and spec.pre_pad_mode == "constant")
@@ -178,44 +185,38 @@ class GraphFolder:
                        float(eps), values["weight"], values["bias"], None, attr_nodes)
 
     def layer(self, node: Any) -> Union[_Layer, str]:
-        """The conv/linear applied by ``node``, or a reason string why it is none."""
+        """The conv/linear applied by ``node`` (found as convert finds them:
+        :func:`~convbn.passes.layers.layer_call`), or a reason string why it is none."""
         if not isinstance(node, fx.Node):
             return "the input is not a graph value"
-        if node.op == "call_module":
-            mod = self.modules.get(node.target)
-            if not isinstance(mod, LAYER_MODULES):
-                return f"'{node.name}' is a {type(mod).__name__}, not a conv/linear layer"
-            name = self.qual(node.target)
+        call = layer_call(node, self.gm)
+        if isinstance(call, str):
+            return call
+        if call is None:
+            if node.op == "call_module":
+                return f"'{node.name}' is a {type(self.gm.get_submodule(str(node.target))).__name__}, not a conv/linear layer"
+            what = node.op if node.op != "call_function" else getattr(node.target, "__name__", str(node.target))
+            return f"'{node.name}' ({what}) is not a conv/linear layer"
+        mod = call.module
+        if mod is not None:
+            name = self.qual(str(node.target))
             if not has_standard_forward(mod):
                 return f"{name} ({type(mod).__name__}) overrides forward()"
             if mod._forward_hooks or mod._forward_pre_hooks:
                 return f"{name} has forward hooks"
             if torch.nn.utils.parametrize.is_parametrized(mod):
                 return f"{name} is parametrized"
-            kind = "convt" if isinstance(mod, CONVT_MODULES) else "linear" if isinstance(mod, nn.Linear) else "conv"
-            return _Layer(node, name, kind, mod.weight, mod.bias, getattr(mod, "groups", 1), mod, None)
-        if node.op == "call_function" and node.target in (CONV_FNS | CONVT_FNS | LINEAR_FNS):
-            if node.target in CONV_FNS:
-                kind, sig = "conv", CONV_SIG
-            elif node.target in CONVT_FNS:
-                kind, sig = "convt", CONVT_SIG
-            else:
-                kind, sig = "linear", LINEAR_SIG
-            args = normalize_args(node, sig)
-            if args is None:
-                return f"'{node.name}' has arguments this pass does not understand"
-            weight = const_tensor(self.gm, args["weight"])
-            bias = const_tensor(self.gm, args["bias"])
-            if not isinstance(weight, Tensor) or bias is UNSET:
-                return f"'{node.name}' uses a weight/bias computed in forward, not a stored parameter"
-            groups = args.get("groups", 1)
-            if not isinstance(groups, int):
-                return f"'{node.name}' has non-constant groups"
-            wt = args["weight"].target
-            name = self.qual(owner_path(wt)) if owner_path(wt) else self.qual(wt)
-            return _Layer(node, name, kind, weight, bias, groups, None, args)
-        what = node.op if node.op != "call_function" else getattr(node.target, "__name__", str(node.target))
-        return f"'{node.name}' ({what}) is not a conv/linear layer"
+            return _Layer(call, name, mod.weight, mod.bias, getattr(mod, "groups", 1))
+        weight = const_tensor(self.gm, call.args["weight"])
+        bias = const_tensor(self.gm, call.args["bias"])
+        if not isinstance(weight, Tensor) or bias is UNSET:
+            return f"'{node.name}' uses a weight/bias computed in forward, not a stored parameter"
+        groups = call.args.get("groups", 1)
+        if not isinstance(groups, int):
+            return f"'{node.name}' has non-constant groups"
+        wt = call.args["weight"].target
+        name = self.qual(owner_path(wt)) if owner_path(wt) else self.qual(wt)
+        return _Layer(call, name, weight, bias, groups)
 
     # -- sharing ------------------------------------------------------------------
     def _module_exclusive(self, target: str) -> bool:
@@ -305,8 +306,7 @@ class GraphFolder:
             base = b_node.target if b_node is not None else (f"{owner}.bias" if owner else "bias")
             new_b = self._new_param_node(base, bias, requires_grad, layer.node)
         args["weight"], args["bias"] = new_w, new_b
-        sig = CONV_SIG if layer.kind == "conv" else CONVT_SIG if layer.kind == "convt" else LINEAR_SIG
-        layer.node.args = tuple(args[n] for n, _ in sig)
+        layer.node.args = tuple(args[n] for n, _ in layer.call.sig)
         layer.node.kwargs = {}
         for old in (w_node, b_node):
             if isinstance(old, fx.Node) and not old.users and not old._erased:
