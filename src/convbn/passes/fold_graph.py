@@ -1,6 +1,9 @@
-"""The graph folder: in one traced GraphModule, find each BatchNorm's neighbouring layer
-and fold it (into the layer before, or where exact the layer after), recursing into
-submodules that were traced on their own."""
+"""The graph folder: in one traced GraphModule, take each BatchNorm (found as convert finds
+them: :func:`~convbn.passes.bn_sites.bn_call`) and its neighbouring layer
+(:func:`~convbn.passes.layers.layer_call`), check fold's conditions and fold it into the
+layer before, or where exact the layer after; every BatchNorm gets a
+:class:`~convbn.passes.outcome.BNOutcome`. The recursion into submodules traced on their
+own is :func:`convbn.passes.fold.fold_module`."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -16,8 +19,8 @@ from ..nn.bn_call import has_standard_bn_forward
 from .bn_sites import BNCall, bn_call
 from .fold_layers import (UNSET, NormActTail, check_bn_foldable, clone_with, const_tensor, describe_activation,
                           free_name, get_attr_value, owner_path)
-from .layers import LayerCall, has_standard_forward, layer_call, layer_spec
 from .fold_report import FoldReport
+from .layers import LayerCall, has_standard_forward, layer_call, layer_spec
 from .outcome import BNOutcome
 from .shape_uses import value_users
 
