@@ -23,6 +23,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from ..nn.bn_call import BatchNormView, frozen_batch_norm, has_standard_bn_forward, standard_batch_norm
 from .bn_frozen import frozen_bn_ranks
 from .bn_recognise import BN_FUNCTIONS, bn_call_args, recognise_norm_act
+from .layers import node_arg
 from .report import ConvertReport
 
 __all__ = ["BNCall", "bn_call", "BN_CALL_KINDS", "BNSite", "find_bn_sites"]
@@ -83,9 +84,11 @@ def bn_call(node: fx.Node, gm: fx.GraphModule, prefix: str = "", root: Optional[
         target = str(node.target)
         mod = gm.get_submodule(target)
         if isinstance(mod, _BatchNorm):
-            return BNCall(node, "module", prefix + target, target, mod, _input_of(node))
+            return BNCall(node, "module", prefix + target, target, mod, node_arg(node, 0, "input", None))
         ranks = frozen_bn_ranks(mod)
-        return BNCall(node, "frozen", prefix + target, target, mod, _input_of(node), ranks) if ranks else None
+        if not ranks:
+            return None
+        return BNCall(node, "frozen", prefix + target, target, mod, node_arg(node, 0, "input", None), ranks)
     if node.op != "call_function":
         return None
     if node.target in (standard_batch_norm, frozen_batch_norm):
@@ -100,12 +103,15 @@ def bn_call(node: fx.Node, gm: fx.GraphModule, prefix: str = "", root: Optional[
         args = bn_call_args(node)
         stored = [args[k] for k in ("running_mean", "running_var", "weight", "bias")] if args else []
         first = next((v for v in stored if isinstance(v, fx.Node) and v.op == "get_attr"), None)
-        path, _, module = _owner(gm if root is None else root, str(first.target)) if first is not None else ("", "", None)
+        path, module = "", None
+        if first is not None:
+            path, _, module = _owner(gm if root is None else root, str(first.target))
         if path and module is not None:  # a module calling batch_norm on its own tensors
             name = prefix + path
         else:
             name = f"{node.target.__name__}() call '{node.name}' in {_qual(prefix, '')}"  # type: ignore[union-attr]
-        return BNCall(node, "functional", name, path, module, args["input"] if args else _input_of(node), (), args)
+        src = args["input"] if args else node_arg(node, 0, "input", None)
+        return BNCall(node, "functional", name, path, module, src, (), args)
     return None
 
 
@@ -127,10 +133,6 @@ class BNSite:
     bn: _BatchNorm
     name: str
     ranks: Tuple[int, ...] = ()
-
-
-def _input_of(node: fx.Node) -> object:
-    return node.args[0] if node.args else node.kwargs.get("input")
 
 
 def _owner(root: nn.Module, target: str) -> Tuple[str, str, Optional[nn.Module]]:
@@ -214,10 +216,12 @@ def find_bn_sites(gm: fx.GraphModule, prefix: str, report: ConvertReport,
             continue
         mod = call.module
         if call.kind == "module" and not has_standard_bn_forward(mod):  # type: ignore[arg-type]
-            why = recognise_norm_act(mod).reason or "it is called with other than one tensor argument"  # type: ignore[arg-type]
+            why = (recognise_norm_act(mod).reason  # type: ignore[arg-type]
+                   or "it is called with other than one tensor argument")
             found.append((call, f"{why}; left as is"))
         elif call.ranks:  # a frozen BatchNorm, called or inlined with a tail
-            found.append((call, BatchNormView(mod, mod.running_mean.numel(), eps=float(mod.eps))))  # type: ignore[union-attr]
+            view = BatchNormView(mod, mod.running_mean.numel(), eps=float(mod.eps))  # type: ignore[union-attr]
+            found.append((call, view))
         elif call.kind == "functional":
             got = _functional_site(node, owner_root)
             found.append((call, got if isinstance(got, str) or got is None else got[2]))  # type: ignore[arg-type]

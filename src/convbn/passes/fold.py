@@ -130,8 +130,8 @@ def _fold_finer(model: nn.Module, args: Tuple[Any, ...], reference: Any, eager_e
             report.untraceable.append((name, f"left unfolded: {short_reason(exc)}"))
             continue
         sub = new.fold_report
-        report.outcomes += [dataclasses.replace(a, batchnorm=f"{name}.{a.batchnorm}", layer=a.layer and f"{name}.{a.layer}")
-                            for a in sub.outcomes]
+        report.outcomes += [dataclasses.replace(a, batchnorm=f"{name}.{a.batchnorm}",
+                                                layer=a.layer and f"{name}.{a.layer}") for a in sub.outcomes]
         report.untraceable += [(f"{name}.{n}" if n else name, w) for n, w in sub.untraceable]
         work._modules[name] = new
     seen = {a.batchnorm for a in report.outcomes}

@@ -58,14 +58,6 @@ class _BNSite:
 
 
 @dataclass
-class _BNSkip:
-    """A BatchNorm application that cannot be folded whatever its neighbours are."""
-
-    name: str
-    reason: str
-
-
-@dataclass
 class _Layer:
     """A conv / conv-transpose / linear fold may fold into: its call, name and the tensors
     it computes with."""
@@ -129,9 +121,9 @@ class GraphFolder:
         return f"{self.prefix}{target}" if target else self.prefix.rstrip(".") or "<root>"
 
     # -- matching -----------------------------------------------------------------
-    def bn_site(self, node: fx.Node) -> Union[_BNSite, _BNSkip, None]:
-        """The BN applied by ``node``; a :class:`_BNSkip` if it is a BN that cannot fold;
-        None if ``node`` is no BatchNorm.
+    def bn_site(self, node: fx.Node) -> Union[_BNSite, BNOutcome, None]:
+        """The BN applied by ``node``; its ``"left"`` outcome if it is a BN that cannot fold
+        whatever its neighbours are; None if ``node`` is no BatchNorm.
 
         BatchNorms are found as convert finds them (:func:`~convbn.passes.bn_sites.bn_call`);
         the conditions here are fold's: eval mode with running statistics, torch's forward,
@@ -145,10 +137,11 @@ class GraphFolder:
             return self._functional_site(call)
         if call.kind == "inlined":
             why = None if call.ranks else check_bn_foldable(mod)
-            if why is None and sum(1 for n in self.gm.graph.nodes if n.op == "get_attr" and n.target == call.target) != 1:
+            reads = sum(1 for n in self.gm.graph.nodes if n.op == "get_attr" and n.target == call.target)
+            if why is None and reads != 1:
                 why = "the BatchNorm module is called more than once"
             if why is not None:
-                return _BNSkip(name, why)
+                return BNOutcome(name, "left", reason=why)
             self.norm_act.add(call.target)
             return _BNSite(node, name, call.input, mod.running_mean, mod.running_var, float(mod.eps),
                            mod.weight, mod.bias, mod, (node.args[0],), call.ranks)
@@ -162,26 +155,28 @@ class GraphFolder:
             if why is None and (len(node.args) != 1 or node.kwargs):
                 why = "BatchNorm called with extra arguments"
             if why is not None:
-                return _BNSkip(name, why)
+                return BNOutcome(name, "left", reason=why)
         return _BNSite(node, name, call.input, mod.running_mean, mod.running_var, float(mod.eps),
                        mod.weight, mod.bias, mod, (), call.ranks)
 
-    def _functional_site(self, call: BNCall) -> Union[_BNSite, _BNSkip]:
+    def _functional_site(self, call: BNCall) -> Union[_BNSite, BNOutcome]:
         """An ``F.batch_norm`` / ``torch.batch_norm`` call, foldable with constant
         ``training=False`` and stored running statistics."""
         args, name = call.args, call.name
         if args is None:
-            return _BNSkip(name, "batch_norm call with arguments this pass does not understand")
+            return BNOutcome(name, "left", reason="batch_norm call with arguments this pass does not understand")
         if args["training"] is not False:
-            return _BNSkip(name, f"batch_norm called with training={args['training']!r} (batch statistics)")
+            return BNOutcome(name, "left",
+                             reason=f"batch_norm called with training={args['training']!r} (batch statistics)")
         values = {k: const_tensor(self.gm, args[k]) for k in ("running_mean", "running_var", "weight", "bias")}
         if values["running_mean"] is None or values["running_var"] is None:
-            return _BNSkip(name, "batch_norm called without running statistics")
+            return BNOutcome(name, "left", reason="batch_norm called without running statistics")
         if any(v is UNSET for v in values.values()):
-            return _BNSkip(name, "batch_norm statistics/affine parameters are computed in forward, not stored attributes")
+            return BNOutcome(name, "left", reason="batch_norm statistics/affine parameters are computed in forward, "
+                                                  "not stored attributes")
         eps = args["eps"]
         if not isinstance(eps, (int, float)):
-            return _BNSkip(name, "batch_norm eps is not a constant")
+            return BNOutcome(name, "left", reason="batch_norm eps is not a constant")
         attr_nodes = tuple(args[k] for k in ("running_mean", "running_var", "weight", "bias")
                            if isinstance(args[k], fx.Node))
         return _BNSite(call.node, name, args["input"], values["running_mean"], values["running_var"],
@@ -197,7 +192,8 @@ class GraphFolder:
             return call
         if call is None:
             if node.op == "call_module":
-                return f"'{node.name}' is a {type(self.gm.get_submodule(str(node.target))).__name__}, not a conv/linear layer"
+                what = type(self.gm.get_submodule(str(node.target))).__name__
+                return f"'{node.name}' is a {what}, not a conv/linear layer"
             what = node.op if node.op != "call_function" else getattr(node.target, "__name__", str(node.target))
             return f"'{node.name}' ({what}) is not a conv/linear layer"
         mod = call.module
@@ -444,8 +440,8 @@ class GraphFolder:
             site = self.bn_site(node)
             if site is None:
                 continue
-            if isinstance(site, _BNSkip):
-                self.ctx.report.leave(site.name, site.reason)
+            if isinstance(site, BNOutcome):
+                self.ctx.report.outcomes.append(site)
                 continue
             with torch.no_grad():
                 done, why_pre = self.fold_preceding(site)

@@ -22,8 +22,8 @@ from torch import nn
 from ..functional.conv import ConvSpec, conv_spec_from_module, make_conv_spec, make_linear_spec
 
 __all__ = ["CONV_MODULES", "CONVT_MODULES", "LAYER_MODULES", "CONV_FNS", "CONVT_FNS", "LINEAR_FNS", "CONV_SIG",
-           "CONVT_SIG", "LINEAR_SIG", "LAYER_KINDS", "has_standard_forward", "normalize_args", "LayerCall", "layer_call",
-           "layer_spec"]
+           "CONVT_SIG", "LINEAR_SIG", "LAYER_KINDS", "has_standard_forward", "node_arg", "normalize_args",
+           "LayerCall", "layer_call", "layer_spec"]
 
 CONV_MODULES: Tuple[type, ...] = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
 CONVT_MODULES: Tuple[type, ...] = (nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)
@@ -58,6 +58,13 @@ def has_standard_forward(m: nn.Module) -> bool:
         True
     """
     return _defining_module(type(m), "forward").startswith("torch.nn.")
+
+
+def node_arg(node: fx.Node, i: int, name: str, default: Any) -> Any:
+    """Argument ``i`` (keyword ``name``) of a call node, or ``default``."""
+    if len(node.args) > i:
+        return node.args[i]
+    return node.kwargs.get(name, default)
 
 
 def normalize_args(node: fx.Node, sig: Sequence[Tuple[str, Any]]) -> Optional[Dict[str, Any]]:
@@ -117,10 +124,6 @@ class LayerCall:
         return _SIGS[self.kind]
 
 
-def _arg(node: fx.Node, i: int, name: str) -> Any:
-    return node.args[i] if len(node.args) > i else node.kwargs.get(name)
-
-
 def layer_call(node: Any, gm: fx.GraphModule) -> Union[LayerCall, str, None]:
     """The layer ``node`` applies; a reason string for a functional layer call whose arguments
     are not understood; ``None`` for anything else.
@@ -139,9 +142,9 @@ def layer_call(node: Any, gm: fx.GraphModule) -> Union[LayerCall, str, None]:
         if not isinstance(mod, LAYER_MODULES):
             return None
         kind = "convt" if isinstance(mod, CONVT_MODULES) else "linear" if isinstance(mod, nn.Linear) else "conv"
-        args = {"input": _arg(node, 0, "input")}
+        args = {"input": node_arg(node, 0, "input", None)}
         if kind == "convt":
-            args["output_size"] = _arg(node, 1, "output_size")
+            args["output_size"] = node_arg(node, 1, "output_size", None)
         return LayerCall(node, kind, mod, args)
     if node.op != "call_function":
         return None

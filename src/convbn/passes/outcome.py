@@ -5,7 +5,10 @@ neighbouring layer; either pass may leave it as it was, and then says why. Both 
 (:class:`~convbn.passes.report.ConvertReport` and
 :class:`~convbn.passes.fold_report.FoldReport`) expose the same list of
 :class:`BNOutcome` records as ``outcomes``: one per BatchNorm module or ``batch_norm``
-call the pass found, and one per BatchNorm module it never reached.
+call the pass found, and one per BatchNorm module it never reached. Convert lists a
+BatchNorm module once however often it is called (a shared one is left: its running
+statistics would be updated per call); fold lists each call, since a module applied twice
+is an affine map that may fold into two different layers.
 """
 from __future__ import annotations
 
