@@ -143,3 +143,28 @@ def test_both_passes_name_a_functional_batch_norm_alike(computed: bool) -> None:
         assert "computed in forward" in outcome.reason and "computed in forward" in fold_outcome.reason
     else:
         assert [p.bn for p in report.pairs] == [outcome.batchnorm]  # a named BatchNorm, not a chain end
+
+
+class WithSpare(nn.Module):
+    """A BatchNorm registered under two names that forward never calls."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 1)
+        self.bn = nn.BatchNorm2d(4)
+        self.spare = self.alias = nn.BatchNorm2d(4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.bn(self.conv(x))
+
+
+def test_a_batchnorm_never_reached_gets_one_outcome_with_the_same_reason_in_both() -> None:
+    model = WithSpare()
+    x = torch.randn(2, 3, 6, 6)
+    report = convbn.convert(copy.deepcopy(model), example_inputs=x).convbn_report
+    fold_report = convbn.fold(copy.deepcopy(model).eval(), example_inputs=x).fold_report
+    for outcomes in (report.outcomes, fold_report.outcomes):
+        assert sorted(o.batchnorm for o in outcomes) == ["bn", "spare"]  # one outcome, under its first name
+    (left,) = report.skipped
+    (fold_left,) = fold_report.skipped
+    assert left == fold_left and "not called in the traced forward pass of '<root>'" in left.reason

@@ -25,6 +25,7 @@ from .bn_recognise import may_normalise
 from .concat_heads import flatten_cats
 from .graph_module import ConvbnGraphModule
 from .match import find_layers, group_chains
+from .outcome import bn_module_names, unreached
 from .report import ConvertReport
 from .rewrite import drop_hooked, rewrite_chains, set_submodule, shallow_clone, swap_sync_batchnorm, watch_hooks
 from .trace import LayerTracer, short_reason, trace
@@ -304,7 +305,8 @@ def convert(
             converted = _validated_convert(root, "", as_inputs(example_inputs), {}, strategy, chain, inplace, report)
         else:
             converted = _convert(root, "", strategy, chain, inplace, report, lazy=True)
-    _account_bns(model, report)
+    # every BatchNorm module gets an outcome: fused, left with a reason, or not reached
+    report.outcomes += unreached(bn_module_names(model), report.outcomes, [m for m, _ in report.untraced], report.traced)
     if strategy == "auto" and example_inputs is not None and report.pairs:
         # measure on ``root``: its SyncBatchNorms are convbn's, which run on CPU too
         plan_auto(root, converted, as_inputs(example_inputs), memory_budget, report)
@@ -325,22 +327,6 @@ def convert(
         warnings.warn(f"convbn.convert fused nothing in {type(model).__name__} (no Conv -> BatchNorm pair found"
                       f"{': ' + why if why else ''}); it computes exactly as before", stacklevel=2)
     return converted
-
-
-def _account_bns(model: nn.Module, report: ConvertReport) -> None:
-    """Every BatchNorm module gets a line: fused, skipped with a reason, or not reached."""
-    seen = {o.batchnorm for o in report.outcomes}
-    outcome = {m: "traced" for m in report.traced} | {m: "untraced" for m, _ in report.untraced}
-    for name, m in model.named_modules():
-        if not isinstance(m, _BatchNorm) or name in seen:
-            continue
-        # the deepest enclosing module the pass tried to trace ("" is the root)
-        owner = max((o for o in outcome if o == "" or name.startswith(o + ".")), key=len, default="")
-        if outcome.get(owner) == "untraced":
-            reason = f"it is called from '{owner or '<root>'}', which could not be traced as a whole"
-        else:
-            reason = f"it is not called in the traced forward pass of '{owner or '<root>'}'"
-        report.leave(name, reason)
 
 
 def explain(model: nn.Module, example_inputs: Any = None, **kwargs: Any) -> ConvertReport:

@@ -35,14 +35,13 @@ from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.utils import _pytree as pytree
 
-from .bn_frozen import frozen_bn_ranks
 from .bn_recognise import may_normalise
 from .fold_check import EAGER_ERROR_FACTOR, compare_to_reference, float64_errors, reference_run, run_no_grad
 from .fold_graph import FoldContext, GraphFolder
 from .fold_layers import fold_conv_bn_modules
 from .layers import LAYER_MODULES
 from .fold_report import FoldCheck, FoldReport
-from .outcome import BNOutcome
+from .outcome import BNOutcome, bn_module_names, unreached
 from .graph_module import preserve_module_state
 from .trace import LayerTracer, short_reason, trace
 
@@ -150,14 +149,6 @@ def _fold_finer(model: nn.Module, args: Tuple[Any, ...], reference: Any, eager_e
     return work
 
 
-def _bn_modules(model: nn.Module) -> Dict[int, Tuple[nn.Module, List[str]]]:
-    found: Dict[int, Tuple[nn.Module, List[str]]] = {}
-    for name, m in model.named_modules(remove_duplicate=False):
-        if isinstance(m, _BatchNorm) or frozen_bn_ranks(m):
-            found.setdefault(id(m), (m, []))[1].append(name)
-    return found
-
-
 def fold(
     model: nn.Module,
     *,
@@ -225,7 +216,7 @@ def fold(
     work = model if inplace else copy.deepcopy(model)
     report = FoldReport()
     ctx = FoldContext(report, inplace, {}, {})
-    bns = _bn_modules(work)
+    bn_names = bn_module_names(work)  # before folding removes them
 
     args, reference, note = (None, None, "")
     if check or example_inputs is not None:
@@ -236,19 +227,8 @@ def fold(
 
     folded = fold_module(work, "", ctx)
 
-    # Account for every BatchNorm module, including ones tracing never reached.
-    seen = {a.batchnorm for a in report.outcomes}
-    untraced = [name for name, _ in report.untraceable]
-    for mod, names in bns.values():
-        if seen.intersection(names):
-            continue
-        name = names[0]
-        inside = [u for u in untraced if u == "" or name.startswith(u + ".")]
-        if inside:
-            why = f"inside '{max(inside, key=len) or '<root>'}', which could not be traced; left as is"
-        else:
-            why = "not called in the traced forward (unused, or only reached in a way tracing cannot see); left as is"
-        report.leave(name, why)
+    # every BatchNorm module gets an outcome, including ones tracing never reached
+    report.outcomes += unreached(bn_names, report.outcomes, [name for name, _ in report.untraceable])
 
     if check:
         if args is None:

@@ -13,9 +13,14 @@ is an affine map that may fold into two different layers.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Dict, Iterable, List, Optional, Sequence
 
-__all__ = ["BNOutcome", "OUTCOME_RESULTS", "DIRECTIONS"]
+from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
+
+from .bn_frozen import frozen_bn_ranks
+
+__all__ = ["BNOutcome", "OUTCOME_RESULTS", "DIRECTIONS", "bn_module_names", "unreached"]
 
 #: what can happen to a BatchNorm: fused (convert), folded (fold), left as it was (either)
 OUTCOME_RESULTS = ("fused", "folded", "left")
@@ -81,3 +86,63 @@ class BNOutcome:
     def conv(self) -> Optional[str]:
         """Same as :attr:`layer`."""
         return self.layer
+
+
+def bn_module_names(model: nn.Module) -> List[List[str]]:
+    """The qualified names of each BatchNorm module of ``model`` (a ``_BatchNorm`` or a frozen
+    BatchNorm), all its names where it is registered more than once, in
+    ``model.named_modules()`` order.
+
+    Example:
+        >>> bn = nn.BatchNorm2d(4)
+        >>> bn_module_names(nn.Sequential(nn.Conv2d(3, 4, 1), bn, bn))
+        [['1', '2']]
+    """
+    names: Dict[int, List[str]] = {}
+    for name, m in model.named_modules(remove_duplicate=False):
+        if isinstance(m, _BatchNorm) or frozen_bn_ranks(m):
+            names.setdefault(id(m), []).append(name)
+    return list(names.values())
+
+
+def unreached(bn_names: Sequence[Sequence[str]], outcomes: Sequence[BNOutcome], untraced: Iterable[str],
+              traced: Iterable[str] = ()) -> List[BNOutcome]:
+    """A ``"left"`` outcome for every BatchNorm module that ``outcomes`` name under none of its
+    names: the pass never reached it, either inside a module it could not trace or because
+    the traced forward never calls it. Both passes end with this, so every BatchNorm module
+    has an outcome.
+
+    Args:
+        bn_names: every BatchNorm module's names (:func:`bn_module_names` of the model the
+            pass was given, taken before the pass changed it).
+        outcomes: the outcomes the pass recorded.
+        untraced: qualified names of modules that could not be traced as a whole (``""``:
+            the model itself).
+        traced: qualified names of modules traced whole, where the pass records them.
+
+    Returns:
+        The outcomes to add, in the order of ``bn_names``.
+
+    Example:
+        >>> net = nn.Sequential(nn.Conv2d(3, 4, 1), nn.BatchNorm2d(4))
+        >>> [o.batchnorm for o in unreached(bn_module_names(net), [], untraced=[""])]
+        ['1']
+    """
+    seen = {o.batchnorm for o in outcomes}
+    whole = {m: True for m in traced}
+    whole.update({m: False for m in untraced})
+    left = []
+    for aliases in bn_names:
+        if seen.intersection(aliases):
+            continue
+        name = aliases[0]
+        # the deepest enclosing module the pass tried to trace ("" is the model)
+        owner = max((o for o in whole if o == "" or name.startswith(o + ".")), key=len, default="")
+        where = owner or "<root>"
+        if whole.get(owner) is False:
+            reason = f"it is called from '{where}', which could not be traced as a whole; left as is"
+        else:
+            reason = (f"it is not called in the traced forward pass of '{where}' (unused, or only reached in a way "
+                      "tracing cannot see); left as is")
+        left.append(BNOutcome(name, "left", reason=reason))
+    return left
