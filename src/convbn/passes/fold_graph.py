@@ -355,6 +355,22 @@ class GraphFolder:
                     "or dim 1 of a 3-D input; pass example_inputs to fold() so it can see the shapes")
         return None
 
+    def _mismatch(self, site: _BNSite, layer: _Layer, channels: int, side: str) -> Optional[str]:
+        """Why the BN cannot normalise ``layer``'s ``side`` (``"input"`` / ``"output"``) with
+        ``channels`` channels, or ``None``."""
+        if channels != site.running_mean.numel():
+            return f"{layer.name} has {channels} {side} channels, BN {site.running_mean.numel()}"
+        return self._rank_ok(site, layer)
+
+    def _fold(self, site: _BNSite, layer: _Layer, weight: Tensor, bias: Tensor, replacement: fx.Node,
+              direction: str) -> Tuple[bool, str]:
+        """Give ``layer`` the folded ``weight`` / ``bias``, drop the BN (its users read
+        ``replacement``) and record the outcome."""
+        note = self.install(layer, weight, bias)
+        self.remove_bn(site, replacement)
+        self.ctx.report.outcomes.append(BNOutcome(site.name, "folded", layer.name, direction, note))
+        return True, ""
+
     def fold_preceding(self, site: _BNSite) -> Tuple[bool, str]:
         layer = self.layer(site.input)
         if isinstance(layer, str):
@@ -363,18 +379,13 @@ class GraphFolder:
             others = ", ".join(f"'{u.name}'" for u in value_users(layer.node) if u is not site.node)
             return False, (f"before it: output of {layer.name} is also used by {others} "
                            "(folding would change it for them)")
-        if layer.out_channels != site.running_mean.numel():
-            return False, f"before it: {layer.name} has {layer.out_channels} output channels, BN {site.running_mean.numel()}"
-        why = self._rank_ok(site, layer)
+        why = self._mismatch(site, layer, layer.out_channels, "output")
         if why:
             return False, f"before it: {why}"
         w, b = fold_bn_into_preceding(layer.weight, layer.bias, site.running_mean, site.running_var,
                                       site.eps, site.weight, site.bias,
                                       transposed=layer.kind == "convt", groups=layer.groups)
-        note = self.install(layer, w, b)
-        self.remove_bn(site, layer.node)
-        self.ctx.report.outcomes.append(BNOutcome(site.name, "folded", layer.name, "preceding", note))
-        return True, ""
+        return self._fold(site, layer, w, b, layer.node, "preceding")
 
     # Note: [folding into the following conv]
     # conv(BN(x)) == conv'(x) with W' = W * s (per input channel) and b' = b + sum(W * t)
@@ -397,23 +408,17 @@ class GraphFolder:
             return False, f"after it: {layer}"
         if layer.kind == "convt":
             return False, f"after it: {layer.name} is a transposed conv (inserts zeros), not exact"
-        first = layer.node.args[0] if layer.node.args else layer.node.kwargs.get("input")
-        if first is not site.node or sum(a is site.node for a in pytree.tree_leaves((layer.node.args, layer.node.kwargs))) != 1:
+        if layer.call.input is not site.node or sum(a is site.node for a in pytree.tree_leaves((layer.node.args, layer.node.kwargs))) != 1:
             return False, f"after it: BN output is not (only) the input of {layer.name}"
         if layer.kind == "conv" and _pads_with_zeros(layer):
             return False, (f"after it: {layer.name} zero-pads its input, so folding the BN into it "
                            "would be inexact at the border")
-        if layer.in_channels != site.running_mean.numel():
-            return False, f"after it: {layer.name} has {layer.in_channels} input channels, BN {site.running_mean.numel()}"
-        why = self._rank_ok(site, layer)
+        why = self._mismatch(site, layer, layer.in_channels, "input")
         if why:
             return False, f"after it: {why}"
         w, b = fold_bn_into_following(layer.weight, layer.bias, site.running_mean, site.running_var,
                                       site.eps, site.weight, site.bias, groups=layer.groups)
-        note = self.install(layer, w, b)
-        self.remove_bn(site, site.input)
-        self.ctx.report.outcomes.append(BNOutcome(site.name, "folded", layer.name, "following", note))
-        return True, ""
+        return self._fold(site, layer, w, b, site.input, "following")
 
     def _activation_before_layer(self, node: fx.Node) -> Optional[Tuple[str, str]]:
         """``(activation, layer)`` names if ``node`` is an element-wise activation whose only
