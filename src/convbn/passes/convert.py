@@ -306,7 +306,8 @@ def convert(
         else:
             converted = _convert(root, "", strategy, chain, inplace, report, lazy=True)
     # every BatchNorm module gets an outcome: fused, left with a reason, or not reached
-    report.outcomes += unreached(bn_module_names(model), report.outcomes, [m for m, _ in report.untraced], report.traced)
+    untraced = [m for m, _ in report.untraced]
+    report.outcomes += unreached(bn_module_names(model), report.outcomes, untraced, report.traced)
     if strategy == "auto" and example_inputs is not None and report.pairs:
         # measure on ``root``: its SyncBatchNorms are convbn's, which run on CPU too
         plan_auto(root, converted, as_inputs(example_inputs), memory_budget, report)

@@ -50,6 +50,7 @@ class FoldReport:
 
     @property
     def skipped(self) -> List[BNOutcome]:
+        """The outcomes ``"left"``, as a new list (record one with :meth:`leave`)."""
         return [a for a in self.outcomes if a.left]
 
     def leave(self, bn: str, reason: str) -> None:

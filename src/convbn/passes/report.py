@@ -61,7 +61,7 @@ class ConvertReport:
             ``batch_norm`` call: ``"fused"`` (with the conv and whether it precedes the
             BatchNorm or follows it, as a pre-activation head's does) or ``"left"`` with the
             reason -- the same record :func:`convbn.fold`'s report lists.
-        skipped: the outcomes ``"left"`` (read-only view of ``outcomes``).
+        skipped: the outcomes ``"left"``, as a new list (record one with :meth:`leave`).
         untraced: ``(module, error)`` for modules that could not be traced whole.
         traced: modules traced whole (``""`` is the root).
         validated: modules whose rewrite was run against the original on ``example_inputs``
