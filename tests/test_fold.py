@@ -12,6 +12,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 import convbn.passes.fold_graph as fold_mod  # where the graph folder calls the fold maths
 from convbn.bench.models import MNISTNet
+from convbn.nn.sync import SyncBatchNorm
 from convbn.passes.fold import FoldReport, fold, fold_conv_bn_modules
 
 from adversarial_models import BNDoingMore, ConvOutputUsedTwice, DataDependent, FunctionalConv, SharedBN  # shared with test_convert
@@ -398,7 +399,7 @@ class WrapsBN(nn.Module):
         return self.inner(x)
 
 
-@pytest.mark.parametrize("make_bn", [MyBN, MyBNAct, WrapsBN, nn.SyncBatchNorm])
+@pytest.mark.parametrize("make_bn", [MyBN, MyBNAct, WrapsBN, nn.SyncBatchNorm, SyncBatchNorm])
 def test_wrapped_and_subclassed_bn_fold(make_bn) -> None:
     model = randomize_bn(nn.Sequential(nn.Conv2d(3, 4, 3), nn.Sequential(make_bn(4)), nn.ReLU())).eval()
     x = torch.randn(2, 3, 8, 8)
