@@ -12,6 +12,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 import convbn.passes.fold_graph as fold_mod  # where the graph folder calls the fold maths
 from convbn.bench.models import MNISTNet
+from convbn.nn.sync import SyncBatchNorm
 from convbn.passes.fold import FoldReport, fold, fold_conv_bn_modules
 
 from adversarial_models import BNDoingMore, ConvOutputUsedTwice, DataDependent, FunctionalConv, SharedBN  # shared with test_convert
@@ -244,6 +245,34 @@ def test_bn_before_zero_padded_conv_is_not_folded(padding) -> None:
     assert len(bn_modules(folded)) == 1
 
 
+class BNThenFunctionalConv(nn.Module):
+    """BN -> ``F.conv2d`` on the module's own weight (as efficientnet_pytorch writes convs)."""
+
+    def __init__(self, padding, kernel: int = 3) -> None:
+        super().__init__()
+        self.bn = nn.BatchNorm2d(4)
+        self.weight = nn.Parameter(torch.randn(6, 4, kernel, kernel) / 6)
+        self.padding = padding
+
+    def forward(self, x):
+        return F.conv2d(self.bn(x), self.weight, None, 1, self.padding)
+
+
+@pytest.mark.parametrize("padding, kernel, folds", [
+    (0, 3, True), ("valid", 3, True), ("same", 1, True), ((0, 0), 3, True),
+    (1, 3, False), ("same", 3, False), ((0, 1), 3, False),
+])
+def test_functional_conv_after_bn_folds_only_without_zero_padding(padding, kernel, folds) -> None:
+    """The module and the functional conv share one zero-padding test."""
+    model = randomize_bn(BNThenFunctionalConv(padding, kernel)).eval()
+    x = torch.randn(2, 4, 9, 9)
+    folded = fold(model)
+    assert_same(run(model, x), run(folded, x))
+    (action,) = report_of(folded).actions
+    assert action.folded == folds, action
+    assert folds or "zero-pads" in action.reason
+
+
 def test_zero_padding_fold_would_really_be_wrong() -> None:
     """Why padded convs are refused: folding anyway changes the border."""
     model = randomize_bn(BNThenConv(1)).eval()
@@ -370,7 +399,7 @@ class WrapsBN(nn.Module):
         return self.inner(x)
 
 
-@pytest.mark.parametrize("make_bn", [MyBN, MyBNAct, WrapsBN, nn.SyncBatchNorm])
+@pytest.mark.parametrize("make_bn", [MyBN, MyBNAct, WrapsBN, nn.SyncBatchNorm, SyncBatchNorm])
 def test_wrapped_and_subclassed_bn_fold(make_bn) -> None:
     model = randomize_bn(nn.Sequential(nn.Conv2d(3, 4, 3), nn.Sequential(make_bn(4)), nn.ReLU())).eval()
     x = torch.randn(2, 3, 8, 8)

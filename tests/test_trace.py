@@ -24,7 +24,7 @@ import convbn
 from convbn import FusedChain
 from convbn.passes.graph_module import preserve_module_state
 from convbn.passes.hooks import hook_reason
-from convbn.passes.trace import TraceHazard, trace
+from convbn.passes.trace import LayerTracer, TraceHazard, trace
 
 DT = torch.float64
 TOL = dict(rtol=1e-10, atol=1e-10)
@@ -551,3 +551,33 @@ def test_fold_falls_back_to_child_by_child_where_the_whole_fold_differs() -> Non
     assert any("folded child by child" in why for _, why in report.untraceable), report
     assert report.check.passed and len(report.folded) >= 2
     torch.testing.assert_close(folded(x), eager(x), **TOL)
+
+
+class _ConvOwnForward(nn.Conv2d):
+    def forward(self, x: Tensor) -> Tensor:
+        return F.conv2d(x, self.weight, self.bias)
+
+
+class _LinearSubclass(nn.Linear):
+    """Keeps torch's forward: a leaf like nn.Linear."""
+
+
+class _ConstantEvalNormAct(nn.BatchNorm2d):
+    """Its own forward, not recognised as a norm-act (training is a constant False)."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.relu(F.batch_norm(x, self.running_mean, self.running_var, self.weight, self.bias, False, 0.0,
+                                   self.eps))
+
+
+@pytest.mark.parametrize("training", [True, False])
+def test_one_leaf_policy_for_both_passes(training: bool) -> None:
+    """LayerTracer (convert and fold): layers with torch's forward and BatchNorms are leaves,
+    a conv with its own forward is traced into; an unrecognised BatchNorm subclass is a leaf
+    in training (convert) and traced into in eval (fold: its constant batch norm folds)."""
+    model = nn.Sequential(_ConvOwnForward(3, 4, 1), _ConstantEvalNormAct(4), nn.BatchNorm2d(4), _LinearSubclass(5, 5))
+    t = trace(model, LayerTracer, training=training)
+    calls = [(n.op, n.target if n.op == "call_module" else getattr(n.target, "__name__", n.target))
+             for n in t.graph.nodes if n.op in ("call_module", "call_function")]
+    middle = [("call_module", "1")] if training else [("call_function", "batch_norm"), ("call_function", "relu")]
+    assert calls == [("call_function", "conv2d"), *middle, ("call_module", "2"), ("call_module", "3")]

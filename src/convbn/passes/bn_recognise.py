@@ -39,7 +39,7 @@ from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from ..nn.bn_call import has_standard_bn_forward
-from .fold_layers import normalize_args
+from .layers import normalize_args
 from .hooks import hook_reason
 from .shape_uses import is_shape_use
 

@@ -24,10 +24,11 @@ from .auto_plan import as_inputs, measure_peak, measure_saved, plan_auto
 from .bn_recognise import may_normalise
 from .concat_heads import flatten_cats
 from .graph_module import ConvbnGraphModule
-from .match import MatchTracer, find_layers, group_chains
-from .report import ConvertReport, SkippedBN
+from .match import find_layers, group_chains
+from .outcome import bn_module_names, unreached
+from .report import ConvertReport
 from .rewrite import drop_hooked, rewrite_chains, set_submodule, shallow_clone, swap_sync_batchnorm, watch_hooks
-from .trace import short_reason, trace
+from .trace import LayerTracer, short_reason, trace
 from .validate import StateSnapshot, compare_outputs, run_step
 
 __all__ = ["convert", "explain", "CONVERT_STRATEGIES"]
@@ -53,7 +54,7 @@ def _convert(module: nn.Module, prefix: str, mode: str, chain: bool, inplace: bo
     if isinstance(module, _BatchNorm) and prefix:  # a lone BatchNorm child: nothing to fuse, nothing to trace
         return module
     try:
-        traced = trace(module, MatchTracer, training=True)  # the graph convert builds is for training
+        traced = trace(module, LayerTracer, training=True)  # the graph convert builds is for training
     except Exception as err:  # any tracing failure: convert the children instead
         report.untraced.append((prefix.rstrip("."), short_reason(err, 120)))
         target = module if inplace else shallow_clone(module)
@@ -109,7 +110,7 @@ def _validated_convert(module: nn.Module, prefix: str, args: Tuple[Any, ...], kw
     backward with a random upstream gradient, state restored) and compare outputs,
     gradients and buffers. On a mismatch, convert finer: each child on its own inputs
     (recorded from an eager run), each validated the same way."""
-    mark = (len(report.pairs), len(report.skipped), len(report.untraced), len(report.traced))
+    mark = (len(report.pairs), len(report.outcomes), len(report.untraced), len(report.traced))
     converted = _convert(module, prefix, mode, chain, inplace, report)
     if converted is module:
         return module
@@ -138,7 +139,7 @@ def _validated_convert(module: nn.Module, prefix: str, args: Tuple[Any, ...], kw
     if ok:
         report.validated.append(prefix.rstrip("."))
         return converted
-    del report.pairs[mark[0]:], report.skipped[mark[1]:], report.untraced[mark[2]:], report.traced[mark[3]:]
+    del report.pairs[mark[0]:], report.outcomes[mark[1]:], report.untraced[mark[2]:], report.traced[mark[3]:]
     report.untraced.append((prefix.rstrip("."), f"the traced rewrite differs from eager ({result_note}); "
                             "converted child by child"))
     inputs = _child_inputs(module, args, kwargs)
@@ -304,7 +305,9 @@ def convert(
             converted = _validated_convert(root, "", as_inputs(example_inputs), {}, strategy, chain, inplace, report)
         else:
             converted = _convert(root, "", strategy, chain, inplace, report, lazy=True)
-    _account_bns(model, report)
+    # every BatchNorm module gets an outcome: fused, left with a reason, or not reached
+    untraced = [m for m, _ in report.untraced]
+    report.outcomes += unreached(bn_module_names(model), report.outcomes, untraced, report.traced)
     if strategy == "auto" and example_inputs is not None and report.pairs:
         # measure on ``root``: its SyncBatchNorms are convbn's, which run on CPU too
         plan_auto(root, converted, as_inputs(example_inputs), memory_budget, report)
@@ -320,27 +323,11 @@ def convert(
     except AttributeError:  # pragma: no cover - modules refusing attributes
         pass
     if not report.pairs:
-        why = "; ".join([f"{s.bn}: {s.reason}" for s in report.skipped[:3]]
+        why = "; ".join([f"{s.batchnorm}: {s.reason}" for s in report.skipped[:3]]
                         + [f"{m or '<root>'} not traceable: {e}" for m, e in report.untraced[:2]])
         warnings.warn(f"convbn.convert fused nothing in {type(model).__name__} (no Conv -> BatchNorm pair found"
                       f"{': ' + why if why else ''}); it computes exactly as before", stacklevel=2)
     return converted
-
-
-def _account_bns(model: nn.Module, report: ConvertReport) -> None:
-    """Every BatchNorm module gets a line: fused, skipped with a reason, or not reached."""
-    seen = {p.bn for p in report.pairs} | {s.bn for s in report.skipped}
-    outcome = {m: "traced" for m in report.traced} | {m: "untraced" for m, _ in report.untraced}
-    for name, m in model.named_modules():
-        if not isinstance(m, _BatchNorm) or name in seen:
-            continue
-        # the deepest enclosing module the pass tried to trace ("" is the root)
-        owner = max((o for o in outcome if o == "" or name.startswith(o + ".")), key=len, default="")
-        if outcome.get(owner) == "untraced":
-            reason = f"it is called from '{owner or '<root>'}', which could not be traced as a whole"
-        else:
-            reason = f"it is not called in the traced forward pass of '{owner or '<root>'}'"
-        report.skipped.append(SkippedBN(name, reason))
 
 
 def explain(model: nn.Module, example_inputs: Any = None, **kwargs: Any) -> ConvertReport:

@@ -26,6 +26,7 @@ not part of ``state_dict``). See :func:`fold` for the full contract.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import warnings
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -34,16 +35,17 @@ from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.utils import _pytree as pytree
 
-from .bn_frozen import frozen_bn_ranks
 from .bn_recognise import may_normalise
 from .fold_check import EAGER_ERROR_FACTOR, compare_to_reference, float64_errors, reference_run, run_no_grad
 from .fold_graph import FoldContext, GraphFolder
-from .fold_layers import LAYER_MODULES, FoldTracer, fold_conv_bn_modules
-from .fold_report import FoldAction, FoldCheck, FoldReport
+from .fold_layers import fold_conv_bn_modules
+from .layers import LAYER_MODULES
+from .fold_report import FoldCheck, FoldReport
+from .outcome import BNOutcome, bn_module_names, unreached
 from .graph_module import preserve_module_state
-from .trace import short_reason, trace
+from .trace import LayerTracer, short_reason, trace
 
-__all__ = ["fold", "fold_conv_bn_modules", "FoldReport", "FoldAction", "FoldCheck"]
+__all__ = ["fold", "fold_conv_bn_modules", "FoldReport", "BNOutcome", "FoldCheck"]
 
 
 # --------------------------------------------------------------------------------------
@@ -61,7 +63,7 @@ def fold_module(module: nn.Module, prefix: str, ctx: FoldContext) -> nn.Module:
         fold_children(module, prefix, ctx)
         return module
     try:
-        traced = trace(module, FoldTracer)
+        traced = trace(module, LayerTracer)
     except Exception as exc:  # noqa: BLE001 - untraceable: fold its children one by one
         ctx.report.untraceable.append((prefix.rstrip("."), f"{short_reason(exc)} (folded part by part)"))
         fold_children(module, prefix, ctx)
@@ -127,14 +129,14 @@ def _fold_finer(model: nn.Module, args: Tuple[Any, ...], reference: Any, eager_e
             report.untraceable.append((name, f"left unfolded: {short_reason(exc)}"))
             continue
         sub = new.fold_report
-        report.actions += [FoldAction(f"{name}.{a.batchnorm}", a.folded, a.layer and f"{name}.{a.layer}", a.direction,
-                                      a.reason) for a in sub.actions]
+        report.outcomes += [dataclasses.replace(a, batchnorm=f"{name}.{a.batchnorm}",
+                                                layer=a.layer and f"{name}.{a.layer}") for a in sub.outcomes]
         report.untraceable += [(f"{name}.{n}" if n else name, w) for n, w in sub.untraceable]
         work._modules[name] = new
-    seen = {a.batchnorm for a in report.actions}
+    seen = {a.batchnorm for a in report.outcomes}
     for bn_name, m in work.named_modules():
         if isinstance(m, _BatchNorm) and bn_name not in seen:
-            report.actions.append(FoldAction(bn_name, False, reason="called by the model's own forward, which is kept"))
+            report.leave(bn_name, "called by the model's own forward, which is kept")
     out = run_no_grad(work, args)
     diff, tol, ok, note = compare_to_reference(reference, out, eager_errors)
     shapes = tuple(tuple(a.shape) for a in args if isinstance(a, Tensor))
@@ -145,14 +147,6 @@ def _fold_finer(model: nn.Module, args: Tuple[Any, ...], reference: Any, eager_e
                   "instead (see fold_report)", RuntimeWarning, stacklevel=3)
     work.fold_report = report
     return work
-
-
-def _bn_modules(model: nn.Module) -> Dict[int, Tuple[nn.Module, List[str]]]:
-    found: Dict[int, Tuple[nn.Module, List[str]]] = {}
-    for name, m in model.named_modules(remove_duplicate=False):
-        if isinstance(m, _BatchNorm) or frozen_bn_ranks(m):
-            found.setdefault(id(m), (m, []))[1].append(name)
-    return found
 
 
 def fold(
@@ -222,7 +216,7 @@ def fold(
     work = model if inplace else copy.deepcopy(model)
     report = FoldReport()
     ctx = FoldContext(report, inplace, {}, {})
-    bns = _bn_modules(work)
+    bn_names = bn_module_names(work)  # before folding removes them
 
     args, reference, note = (None, None, "")
     if check or example_inputs is not None:
@@ -233,19 +227,8 @@ def fold(
 
     folded = fold_module(work, "", ctx)
 
-    # Account for every BatchNorm module, including ones tracing never reached.
-    seen = {a.batchnorm for a in report.actions}
-    untraced = [name for name, _ in report.untraceable]
-    for mod, names in bns.values():
-        if seen.intersection(names):
-            continue
-        name = names[0]
-        inside = [u for u in untraced if u == "" or name.startswith(u + ".")]
-        if inside:
-            why = f"inside '{max(inside, key=len) or '<root>'}', which could not be traced; left as is"
-        else:
-            why = "not called in the traced forward (unused, or only reached in a way tracing cannot see); left as is"
-        report.actions.append(FoldAction(name, False, reason=why))
+    # every BatchNorm module gets an outcome, including ones tracing never reached
+    report.outcomes += unreached(bn_names, report.outcomes, [name for name, _ in report.untraceable])
 
     if check:
         if args is None:

@@ -11,7 +11,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from torch.utils import _pytree as pytree
 
 from .fold_graph import FoldContext
-from .fold_layers import LAYER_MODULES
+from .layers import LAYER_MODULES
 from .trace import short_reason
 from .validate import as_args, compare_outputs
 

@@ -1,6 +1,9 @@
-"""The graph folder: in one traced GraphModule, find each BatchNorm's neighbouring layer
-and fold it (into the layer before, or where exact the layer after), recursing into
-submodules that were traced on their own."""
+"""The graph folder: in one traced GraphModule, take each BatchNorm (found as convert finds
+them: :func:`~convbn.passes.bn_sites.bn_call`) and its neighbouring layer
+(:func:`~convbn.passes.layers.layer_call`), check fold's conditions and fold it into the
+layer before, or where exact the layer after; every BatchNorm gets a
+:class:`~convbn.passes.outcome.BNOutcome`. The recursion into submodules traced on their
+own is :func:`convbn.passes.fold.fold_module`."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -9,14 +12,16 @@ from typing import Any, Dict, Optional, Set, Tuple, Union
 import torch
 import torch.fx as fx
 from torch import Tensor, nn
-from torch.nn.modules.batchnorm import _BatchNorm
 from torch.utils import _pytree as pytree
 
 from ..functional.fold import fold_bn_into_following, fold_bn_into_preceding
-from ..nn.bn_call import frozen_batch_norm, standard_batch_norm
-from .bn_frozen import frozen_bn_ranks
-from .fold_layers import BN_FNS, CONVT_FNS, CONVT_MODULES, CONVT_SIG, CONV_FNS, CONV_SIG, LAYER_MODULES, LINEAR_FNS, NormActTail, describe_activation, LINEAR_SIG, UNSET, check_bn_foldable, clone_with, const_tensor, free_name, get_attr_value, has_standard_forward, is_zero_padding, normalize_args, owner_path
-from .fold_report import FoldAction, FoldReport
+from ..nn.bn_call import has_standard_bn_forward
+from .bn_sites import BNCall, bn_call
+from .fold_layers import (UNSET, NormActTail, check_bn_foldable, clone_with, const_tensor, describe_activation,
+                          free_name, get_attr_value, owner_path)
+from .fold_report import FoldReport
+from .layers import LayerCall, has_standard_forward, layer_call, layer_spec
+from .outcome import BNOutcome
 from .shape_uses import value_users
 
 __all__ = ["FoldContext", "GraphFolder"]
@@ -53,25 +58,31 @@ class _BNSite:
 
 
 @dataclass
-class _BNSkip:
-    """A BatchNorm application that cannot be folded whatever its neighbours are."""
-
-    name: str
-    reason: str
-
-
-@dataclass
 class _Layer:
-    """A conv / conv-transpose / linear application in a graph, module or functional."""
+    """A conv / conv-transpose / linear fold may fold into: its call, name and the tensors
+    it computes with."""
 
-    node: fx.Node
+    call: LayerCall
     name: str
-    kind: str  # "conv", "convt", "linear"
     weight: Tensor
     bias: Optional[Tensor]
     groups: int
-    module: Optional[nn.Module]
-    args: Optional[Dict[str, Any]]  # normalised args for functional layers
+
+    @property
+    def node(self) -> fx.Node:
+        return self.call.node
+
+    @property
+    def kind(self) -> str:
+        return self.call.kind
+
+    @property
+    def module(self) -> Optional[nn.Module]:
+        return self.call.module
+
+    @property
+    def args(self) -> Dict[str, Any]:
+        return self.call.args
 
     @property
     def out_channels(self) -> int:
@@ -80,6 +91,17 @@ class _Layer:
     @property
     def in_channels(self) -> int:
         return self.weight.shape[0] if self.kind == "convt" else self.weight.shape[1] * self.groups
+
+
+def _pads_with_zeros(layer: _Layer) -> bool:
+    """Whether conv ``layer`` reads zeros beyond its input's border (see Note: [folding into
+    the following conv]); ``True`` where its geometry is computed in forward. Module and
+    functional convs alike, from their :class:`~convbn.functional.conv.ConvSpec`."""
+    try:
+        spec = layer_spec(layer.call, layer.weight.shape)
+    except (TypeError, ValueError):  # non-constant geometry: cannot tell, so do not fold
+        return True
+    return any(spec.padding) or (bool(spec.pre_pad) and spec.pre_pad_mode == "constant")
 
 
 class GraphFolder:
@@ -99,22 +121,33 @@ class GraphFolder:
         return f"{self.prefix}{target}" if target else self.prefix.rstrip(".") or "<root>"
 
     # -- matching -----------------------------------------------------------------
-    def bn_site(self, node: fx.Node) -> Union[_BNSite, _BNSkip, None]:
-        """The BN applied by ``node``; a :class:`_BNSkip` if it is a BN that cannot fold;
-        None if ``node`` is no BatchNorm."""
-        if node.op == "call_function" and node.target in (standard_batch_norm, frozen_batch_norm):
-            return self._norm_act_site(node)
-        if node.op == "call_module":
-            mod = self.modules.get(node.target)
-            if not isinstance(mod, _BatchNorm):
-                ranks = frozen_bn_ranks(mod) if mod is not None else ()
-                if not ranks:
-                    return None
-                return _BNSite(node, self.qual(node.target), node.args[0] if node.args else None, mod.running_mean,
-                               mod.running_var, float(mod.eps), mod.weight, mod.bias, mod, (), ranks)
-            name = self.qual(node.target)
+    def bn_site(self, node: fx.Node) -> Union[_BNSite, BNOutcome, None]:
+        """The BN applied by ``node``; its ``"left"`` outcome if it is a BN that cannot fold
+        whatever its neighbours are; None if ``node`` is no BatchNorm.
+
+        BatchNorms are found as convert finds them (:func:`~convbn.passes.bn_sites.bn_call`);
+        the conditions here are fold's: eval mode with running statistics, torch's forward,
+        no hooks, constant ``training=False`` statistics for a functional call.
+        """
+        call = bn_call(node, self.gm, self.prefix, self.root)
+        if call is None:
+            return None
+        mod, name = call.module, call.name
+        if call.kind == "functional":
+            return self._functional_site(call)
+        if call.kind == "inlined":
+            why = None if call.ranks else check_bn_foldable(mod)
+            reads = sum(1 for n in self.gm.graph.nodes if n.op == "get_attr" and n.target == call.target)
+            if why is None and reads != 1:
+                why = "the BatchNorm module is called more than once"
+            if why is not None:
+                return BNOutcome(name, "left", reason=why)
+            self.norm_act.add(call.target)
+            return _BNSite(node, name, call.input, mod.running_mean, mod.running_var, float(mod.eps),
+                           mod.weight, mod.bias, mod, (node.args[0],), call.ranks)
+        if call.kind == "module":
             why = check_bn_foldable(mod)
-            if why is None and not has_standard_forward(mod):
+            if why is None and not has_standard_bn_forward(mod):
                 why = (f"{type(mod).__name__} overrides forward() in a way that could not be traced "
                        "into, so it may do more than batch norm")
             if why is None and (mod._forward_hooks or mod._forward_pre_hooks):
@@ -122,101 +155,67 @@ class GraphFolder:
             if why is None and (len(node.args) != 1 or node.kwargs):
                 why = "BatchNorm called with extra arguments"
             if why is not None:
-                return _BNSkip(name, why)
-            return _BNSite(node, name, node.args[0], mod.running_mean, mod.running_var, mod.eps,
-                           mod.weight, mod.bias, mod, ())
-        if node.op == "call_function" and node.target in BN_FNS:
-            args = normalize_args(node, BN_FNS[node.target])
-            rm_node = args.get("running_mean") if args else None
-            name = self._functional_bn_name(node, rm_node)
-            if args is None:
-                return _BNSkip(name, "batch_norm call with arguments this pass does not understand")
-            if args["training"] is not False:
-                return _BNSkip(name, f"batch_norm called with training={args['training']!r} (batch statistics)")
-            values = {k: const_tensor(self.gm, args[k]) for k in ("running_mean", "running_var", "weight", "bias")}
-            if values["running_mean"] is None or values["running_var"] is None:
-                return _BNSkip(name, "batch_norm called without running statistics")
-            if any(v is UNSET for v in values.values()):
-                return _BNSkip(name, "batch_norm statistics/affine parameters are computed in forward, not stored attributes")
-            eps = args["eps"]
-            if not isinstance(eps, (int, float)):
-                return _BNSkip(name, "batch_norm eps is not a constant")
-            attr_nodes = tuple(args[k] for k in ("running_mean", "running_var", "weight", "bias")
-                               if isinstance(args[k], fx.Node))
-            return _BNSite(node, name, args["input"], values["running_mean"], values["running_var"],
-                           float(eps), values["weight"], values["bias"], None, attr_nodes)
-        return None
+                return BNOutcome(name, "left", reason=why)
+        return _BNSite(node, name, call.input, mod.running_mean, mod.running_var, float(mod.eps),
+                       mod.weight, mod.bias, mod, (), call.ranks)
 
-    def _norm_act_site(self, node: fx.Node) -> Union[_BNSite, _BNSkip, None]:
-        """The batch norm of a norm-act module the tracer inlined (the module's tail follows it)."""
-        owner = node.args[0] if node.args else None
-        if not isinstance(owner, fx.Node) or owner.op != "get_attr":
-            return None
-        mod = self.modules.get(str(owner.target))
-        frozen = node.target is frozen_batch_norm
-        if not (frozen or isinstance(mod, _BatchNorm)):
-            return None
-        name = self.qual(str(owner.target))
-        why = None if frozen else check_bn_foldable(mod)
-        if why is not None:
-            return _BNSkip(name, why)
-        if sum(1 for n in self.gm.graph.nodes if n.op == "get_attr" and n.target == owner.target) != 1:
-            return _BNSkip(name, "the BatchNorm module is called more than once")
-        self.norm_act.add(str(owner.target))
-        return _BNSite(node, name, node.args[1], mod.running_mean, mod.running_var, float(mod.eps),
-                       mod.weight, mod.bias, mod, (owner,), tuple(node.args[2]) if frozen else ())
-
-    def _functional_bn_name(self, node: fx.Node, rm_node: Any) -> str:
-        if isinstance(rm_node, fx.Node) and rm_node.op == "get_attr":
-            owner = owner_path(rm_node.target)
-            try:
-                owner_module = self.root.get_submodule(owner)
-            except AttributeError:
-                owner_module = None
-            if owner and isinstance(owner_module, nn.Module):
-                return self.qual(owner)  # a module calling batch_norm on its own tensors
-        where = self.prefix.rstrip(".") or "<root>"
-        return f"{node.target.__name__}() call '{node.name}' in {where}"
+    def _functional_site(self, call: BNCall) -> Union[_BNSite, BNOutcome]:
+        """An ``F.batch_norm`` / ``torch.batch_norm`` call, foldable with constant
+        ``training=False`` and stored running statistics."""
+        args, name = call.args, call.name
+        if args is None:
+            return BNOutcome(name, "left", reason="batch_norm call with arguments this pass does not understand")
+        if args["training"] is not False:
+            return BNOutcome(name, "left",
+                             reason=f"batch_norm called with training={args['training']!r} (batch statistics)")
+        values = {k: const_tensor(self.gm, args[k]) for k in ("running_mean", "running_var", "weight", "bias")}
+        if values["running_mean"] is None or values["running_var"] is None:
+            return BNOutcome(name, "left", reason="batch_norm called without running statistics")
+        if any(v is UNSET for v in values.values()):
+            return BNOutcome(name, "left", reason="batch_norm statistics/affine parameters are computed in forward, "
+                                                  "not stored attributes")
+        eps = args["eps"]
+        if not isinstance(eps, (int, float)):
+            return BNOutcome(name, "left", reason="batch_norm eps is not a constant")
+        attr_nodes = tuple(args[k] for k in ("running_mean", "running_var", "weight", "bias")
+                           if isinstance(args[k], fx.Node))
+        return _BNSite(call.node, name, args["input"], values["running_mean"], values["running_var"],
+                       float(eps), values["weight"], values["bias"], None, attr_nodes)
 
     def layer(self, node: Any) -> Union[_Layer, str]:
-        """The conv/linear applied by ``node``, or a reason string why it is none."""
+        """The conv/linear applied by ``node`` (found as convert finds them:
+        :func:`~convbn.passes.layers.layer_call`), or a reason string why it is none."""
         if not isinstance(node, fx.Node):
             return "the input is not a graph value"
-        if node.op == "call_module":
-            mod = self.modules.get(node.target)
-            if not isinstance(mod, LAYER_MODULES):
-                return f"'{node.name}' is a {type(mod).__name__}, not a conv/linear layer"
-            name = self.qual(node.target)
+        call = layer_call(node, self.gm)
+        if isinstance(call, str):
+            return call
+        if call is None:
+            if node.op == "call_module":
+                what = type(self.gm.get_submodule(str(node.target))).__name__
+                return f"'{node.name}' is a {what}, not a conv/linear layer"
+            what = node.op if node.op != "call_function" else getattr(node.target, "__name__", str(node.target))
+            return f"'{node.name}' ({what}) is not a conv/linear layer"
+        mod = call.module
+        if mod is not None:
+            name = self.qual(str(node.target))
             if not has_standard_forward(mod):
                 return f"{name} ({type(mod).__name__}) overrides forward()"
             if mod._forward_hooks or mod._forward_pre_hooks:
                 return f"{name} has forward hooks"
             if torch.nn.utils.parametrize.is_parametrized(mod):
                 return f"{name} is parametrized"
-            kind = "convt" if isinstance(mod, CONVT_MODULES) else "linear" if isinstance(mod, nn.Linear) else "conv"
-            return _Layer(node, name, kind, mod.weight, mod.bias, getattr(mod, "groups", 1), mod, None)
-        if node.op == "call_function" and node.target in (CONV_FNS | CONVT_FNS | LINEAR_FNS):
-            if node.target in CONV_FNS:
-                kind, sig = "conv", CONV_SIG
-            elif node.target in CONVT_FNS:
-                kind, sig = "convt", CONVT_SIG
-            else:
-                kind, sig = "linear", LINEAR_SIG
-            args = normalize_args(node, sig)
-            if args is None:
-                return f"'{node.name}' has arguments this pass does not understand"
-            weight = const_tensor(self.gm, args["weight"])
-            bias = const_tensor(self.gm, args["bias"])
-            if not isinstance(weight, Tensor) or bias is UNSET:
-                return f"'{node.name}' uses a weight/bias computed in forward, not a stored parameter"
-            groups = args.get("groups", 1)
-            if not isinstance(groups, int):
-                return f"'{node.name}' has non-constant groups"
-            wt = args["weight"].target
-            name = self.qual(owner_path(wt)) if owner_path(wt) else self.qual(wt)
-            return _Layer(node, name, kind, weight, bias, groups, None, args)
-        what = node.op if node.op != "call_function" else getattr(node.target, "__name__", str(node.target))
-        return f"'{node.name}' ({what}) is not a conv/linear layer"
+            return _Layer(call, name, mod.weight, mod.bias, getattr(mod, "groups", 1))
+        weight = const_tensor(self.gm, call.args["weight"])
+        bias = const_tensor(self.gm, call.args["bias"])
+        if not isinstance(weight, Tensor) or bias is UNSET:
+            return f"'{node.name}' uses a weight/bias computed in forward, not a stored parameter"
+        groups = call.args.get("groups", 1)
+        if not isinstance(groups, int):
+            return f"'{node.name}' has non-constant groups"
+        wt = call.args["weight"].target
+        name = self.qual(owner_path(wt)) if owner_path(wt) else self.qual(wt)
+        return _Layer(call, name, weight, bias, groups)
 
     # -- sharing ------------------------------------------------------------------
     def _module_exclusive(self, target: str) -> bool:
@@ -306,8 +305,7 @@ class GraphFolder:
             base = b_node.target if b_node is not None else (f"{owner}.bias" if owner else "bias")
             new_b = self._new_param_node(base, bias, requires_grad, layer.node)
         args["weight"], args["bias"] = new_w, new_b
-        sig = CONV_SIG if layer.kind == "conv" else CONVT_SIG if layer.kind == "convt" else LINEAR_SIG
-        layer.node.args = tuple(args[n] for n, _ in sig)
+        layer.node.args = tuple(args[n] for n, _ in layer.call.sig)
         layer.node.kwargs = {}
         for old in (w_node, b_node):
             if isinstance(old, fx.Node) and not old.users and not old._erased:
@@ -357,6 +355,22 @@ class GraphFolder:
                     "or dim 1 of a 3-D input; pass example_inputs to fold() so it can see the shapes")
         return None
 
+    def _mismatch(self, site: _BNSite, layer: _Layer, channels: int, side: str) -> Optional[str]:
+        """Why the BN cannot normalise ``layer``'s ``side`` (``"input"`` / ``"output"``) with
+        ``channels`` channels, or ``None``."""
+        if channels != site.running_mean.numel():
+            return f"{layer.name} has {channels} {side} channels, BN {site.running_mean.numel()}"
+        return self._rank_ok(site, layer)
+
+    def _fold(self, site: _BNSite, layer: _Layer, weight: Tensor, bias: Tensor, replacement: fx.Node,
+              direction: str) -> Tuple[bool, str]:
+        """Give ``layer`` the folded ``weight`` / ``bias``, drop the BN (its users read
+        ``replacement``) and record the outcome."""
+        note = self.install(layer, weight, bias)
+        self.remove_bn(site, replacement)
+        self.ctx.report.outcomes.append(BNOutcome(site.name, "folded", layer.name, direction, note))
+        return True, ""
+
     def fold_preceding(self, site: _BNSite) -> Tuple[bool, str]:
         layer = self.layer(site.input)
         if isinstance(layer, str):
@@ -365,18 +379,13 @@ class GraphFolder:
             others = ", ".join(f"'{u.name}'" for u in value_users(layer.node) if u is not site.node)
             return False, (f"before it: output of {layer.name} is also used by {others} "
                            "(folding would change it for them)")
-        if layer.out_channels != site.running_mean.numel():
-            return False, f"before it: {layer.name} has {layer.out_channels} output channels, BN {site.running_mean.numel()}"
-        why = self._rank_ok(site, layer)
+        why = self._mismatch(site, layer, layer.out_channels, "output")
         if why:
             return False, f"before it: {why}"
         w, b = fold_bn_into_preceding(layer.weight, layer.bias, site.running_mean, site.running_var,
                                       site.eps, site.weight, site.bias,
                                       transposed=layer.kind == "convt", groups=layer.groups)
-        note = self.install(layer, w, b)
-        self.remove_bn(site, layer.node)
-        self.ctx.report.actions.append(FoldAction(site.name, True, layer.name, "preceding", note))
-        return True, ""
+        return self._fold(site, layer, w, b, layer.node, "preceding")
 
     # Note: [folding into the following conv]
     # conv(BN(x)) == conv'(x) with W' = W * s (per input channel) and b' = b + sum(W * t)
@@ -399,37 +408,17 @@ class GraphFolder:
             return False, f"after it: {layer}"
         if layer.kind == "convt":
             return False, f"after it: {layer.name} is a transposed conv (inserts zeros), not exact"
-        first = layer.node.args[0] if layer.node.args else layer.node.kwargs.get("input")
-        if first is not site.node or sum(a is site.node for a in pytree.tree_leaves((layer.node.args, layer.node.kwargs))) != 1:
+        if layer.call.input is not site.node or sum(a is site.node for a in pytree.tree_leaves((layer.node.args, layer.node.kwargs))) != 1:
             return False, f"after it: BN output is not (only) the input of {layer.name}"
-        if layer.kind == "conv":
-            if layer.module is not None:
-                m = layer.module
-                zero_pad = m.padding_mode == "zeros" and not is_zero_padding(m.padding)
-                if m.padding == "same":
-                    zero_pad = m.padding_mode == "zeros" and any(d * (k - 1) for d, k in zip(m.dilation, m.kernel_size))
-            else:
-                pad = layer.args["padding"]
-                zero_pad = not is_zero_padding(pad)
-                if pad == "same":
-                    dil = layer.args["dilation"]
-                    ks = layer.weight.shape[2:]
-                    dil = [dil] * len(ks) if isinstance(dil, int) else dil
-                    zero_pad = any(d * (k - 1) for d, k in zip(dil, ks))
-            if zero_pad:
-                return False, (f"after it: {layer.name} zero-pads its input, so folding the BN into it "
-                               "would be inexact at the border")
-        if layer.in_channels != site.running_mean.numel():
-            return False, f"after it: {layer.name} has {layer.in_channels} input channels, BN {site.running_mean.numel()}"
-        why = self._rank_ok(site, layer)
+        if layer.kind == "conv" and _pads_with_zeros(layer):
+            return False, (f"after it: {layer.name} zero-pads its input, so folding the BN into it "
+                           "would be inexact at the border")
+        why = self._mismatch(site, layer, layer.in_channels, "input")
         if why:
             return False, f"after it: {why}"
         w, b = fold_bn_into_following(layer.weight, layer.bias, site.running_mean, site.running_var,
                                       site.eps, site.weight, site.bias, groups=layer.groups)
-        note = self.install(layer, w, b)
-        self.remove_bn(site, site.input)
-        self.ctx.report.actions.append(FoldAction(site.name, True, layer.name, "following", note))
-        return True, ""
+        return self._fold(site, layer, w, b, site.input, "following")
 
     def _activation_before_layer(self, node: fx.Node) -> Optional[Tuple[str, str]]:
         """``(activation, layer)`` names if ``node`` is an element-wise activation whose only
@@ -456,8 +445,8 @@ class GraphFolder:
             site = self.bn_site(node)
             if site is None:
                 continue
-            if isinstance(site, _BNSkip):
-                self.ctx.report.actions.append(FoldAction(site.name, False, reason=site.reason))
+            if isinstance(site, BNOutcome):
+                self.ctx.report.outcomes.append(site)
                 continue
             with torch.no_grad():
                 done, why_pre = self.fold_preceding(site)
@@ -465,7 +454,7 @@ class GraphFolder:
                     continue
                 done, why_post = self.fold_following(site)
             if not done:
-                self.ctx.report.actions.append(FoldAction(site.name, False, reason=f"{why_pre}; {why_post}"))
+                self.ctx.report.leave(site.name, f"{why_pre}; {why_post}")
         if self.changed:
             self._norm_act_tails()
             self.gm.graph.lint()

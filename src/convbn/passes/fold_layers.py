@@ -1,10 +1,10 @@
-"""What fold recognises: layer and BatchNorm modules and functions, their signatures, the
-module-level fold of one (layer, BatchNorm) pair, and the tracer and graph helpers the
-graph folder uses."""
+"""fold's own pieces: when a BatchNorm module can be folded, the module-level fold of one
+(layer, BatchNorm) pair, what a folded norm-act module leaves, and the graph helpers the
+graph folder uses (the layers it recognises: :mod:`convbn.passes.layers`)."""
 from __future__ import annotations
 
 import copy
-from typing import Any, Callable, Dict, Optional, Sequence, Tuple, TypeVar, Union
+from typing import Any, Callable, Dict, Optional, TypeVar, Union
 
 import torch
 import torch.fx as fx
@@ -14,32 +14,12 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from ..functional.activations import activation_from_module
 from ..functional.fold import fold_bn_into_preceding
+from .layers import CONVT_MODULES, LAYER_MODULES
 
 __all__ = ["fold_conv_bn_modules"]
 
 
 LayerT = TypeVar("LayerT", bound=nn.Module)
-
-CONV_MODULES: Tuple[type, ...] = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
-CONVT_MODULES: Tuple[type, ...] = (nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)
-LAYER_MODULES: Tuple[type, ...] = CONV_MODULES + CONVT_MODULES + (nn.Linear,)
-
-# Argument names of the functional layers / batch norms we understand, in positional order,
-# with the defaults the functions use.
-CONV_FNS = {F.conv1d, F.conv2d, F.conv3d}
-CONVT_FNS = {F.conv_transpose1d, F.conv_transpose2d, F.conv_transpose3d}
-LINEAR_FNS = {F.linear}
-CONV_SIG = (("input", None), ("weight", None), ("bias", None), ("stride", 1), ("padding", 0),
-             ("dilation", 1), ("groups", 1))
-CONVT_SIG = (("input", None), ("weight", None), ("bias", None), ("stride", 1), ("padding", 0),
-              ("output_padding", 0), ("groups", 1), ("dilation", 1))
-LINEAR_SIG = (("input", None), ("weight", None), ("bias", None))
-F_BN_SIG = (("input", None), ("running_mean", None), ("running_var", None), ("weight", None),
-             ("bias", None), ("training", False), ("momentum", 0.1), ("eps", 1e-5))
-TORCH_BN_SIG = (("input", None), ("weight", None), ("bias", None), ("running_mean", None),
-                 ("running_var", None), ("training", None), ("momentum", None), ("eps", None),
-                 ("cudnn_enabled", None))
-BN_FNS = {F.batch_norm: F_BN_SIG, torch.batch_norm: TORCH_BN_SIG}
 
 UNSET = object()
 
@@ -118,7 +98,7 @@ def fold_conv_bn_modules(layer: LayerT, bn: nn.Module) -> LayerT:
 
 
 # --------------------------------------------------------------------------------------
-# Tracing: a tracer that turns submodules it cannot trace into opaque leaves
+# Activations and norm-act tails
 # --------------------------------------------------------------------------------------
 
 
@@ -164,48 +144,9 @@ class NormActTail(nn.Module):
         return f"tail of {self.source_type}, its batch norm folded"
 
 
-def _defining_module(cls: type, attr: str) -> str:
-    for klass in cls.__mro__:
-        if attr in vars(klass):
-            return klass.__module__
-    return ""
-
-
-def has_standard_forward(m: nn.Module) -> bool:
-    """``m``'s forward is one of torch.nn's own (not overridden by a user subclass)."""
-    return _defining_module(type(m), "forward").startswith("torch.nn.")
-
-
-class FoldTracer(fx.Tracer):
-    """fold's leaf policy: conv/linear/BatchNorm modules (subclasses too) that keep torch's
-    ``forward`` are leaves (the default tracer traces into user subclasses, and
-    ``_BatchNorm`` cannot be traced into: ``_check_input_dim`` branches on the input's
-    rank). Partial tracing, hooks and hazards: :func:`convbn.passes.trace.trace`."""
-
-    def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
-        if isinstance(m, (_BatchNorm,) + LAYER_MODULES) and has_standard_forward(m):
-            return True
-        return super().is_leaf_module(m, module_qualified_name)
-
-
 # --------------------------------------------------------------------------------------
 # Graph helpers
 # --------------------------------------------------------------------------------------
-
-
-def normalize_args(node: fx.Node, sig: Sequence[Tuple[str, Any]]) -> Optional[Dict[str, Any]]:
-    """Arguments of a call_function node by name (defaults filled in), or None if odd."""
-    if len(node.args) > len(sig):
-        return None
-    names = [n for n, _ in sig]
-    out = dict(sig)
-    for name, value in zip(names, node.args):
-        out[name] = value
-    for key, value in node.kwargs.items():
-        if key not in out:
-            return None
-        out[key] = value
-    return out
 
 
 def get_attr_value(gm: fx.GraphModule, target: str) -> Any:
@@ -228,16 +169,6 @@ def const_tensor(gm: fx.GraphModule, arg: Any) -> Union[Tensor, None, object]:
 
 def owner_path(target: str) -> str:
     return target.rsplit(".", 1)[0] if "." in target else ""
-
-
-def is_zero_padding(padding: Any) -> bool:
-    if isinstance(padding, str):
-        return padding == "valid"
-    if isinstance(padding, int):
-        return padding == 0
-    if isinstance(padding, (tuple, list)):
-        return all(isinstance(p, int) and p == 0 for p in padding)
-    return False
 
 
 def free_name(gm: fx.GraphModule, base: str) -> str:

@@ -1,32 +1,13 @@
-"""The report of :func:`convbn.fold`: one :class:`FoldAction` per BatchNorm and the :class:`FoldCheck`."""
+"""The report of :func:`convbn.fold`: one :class:`~convbn.passes.outcome.BNOutcome` per
+BatchNorm (the record convert's report lists too) and the :class:`FoldCheck`."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import List, Optional, Tuple
 
+from .outcome import BNOutcome
 
-
-__all__ = ["FoldAction", "FoldCheck", "FoldReport"]
-
-
-@dataclass(frozen=True)
-class FoldAction:
-    """What happened to one BatchNorm (module call or functional call).
-
-    Attributes:
-        batchnorm: qualified name of the BatchNorm module in the input model, or a
-            description of a functional ``batch_norm`` call.
-        folded: whether it was folded away.
-        layer: qualified name of the conv/linear it was folded into (``None`` if skipped).
-        direction: ``"preceding"`` (BN after the layer) or ``"following"`` (BN before it).
-        reason: why it was skipped, or a note about the fold (e.g. a fresh copy was made).
-    """
-
-    batchnorm: str
-    folded: bool
-    layer: Optional[str] = None
-    direction: Optional[str] = None
-    reason: str = ""
+__all__ = ["FoldCheck", "FoldReport"]
 
 
 @dataclass
@@ -43,32 +24,48 @@ class FoldCheck:
 
 @dataclass
 class FoldReport:
-    """Everything :func:`fold` did: one :class:`FoldAction` per BatchNorm call found, one
-    per BatchNorm module never reached by tracing, the parts that could not be traced and
-    the result of the numerical check. ``str(report)`` is a readable table.
+    """Everything :func:`fold` did. ``str(report)`` is a readable table.
+
+    Attributes:
+        outcomes: one :class:`~convbn.passes.outcome.BNOutcome` per BatchNorm call found and
+            one per BatchNorm module never reached by tracing: ``"folded"`` (with the layer
+            and ``direction``) or ``"left"`` with the reason -- the same record
+            :func:`convbn.convert`'s report lists.
+        untraceable: ``(module, why)`` for the parts that could not be traced.
+        check: the result of the numerical check (``None``: not requested).
     """
 
-    actions: List[FoldAction] = field(default_factory=list)
+    outcomes: List[BNOutcome] = field(default_factory=list)
     untraceable: List[Tuple[str, str]] = field(default_factory=list)
     check: Optional[FoldCheck] = None
 
     @property
-    def folded(self) -> List[FoldAction]:
-        return [a for a in self.actions if a.folded]
+    def actions(self) -> List[BNOutcome]:
+        """The :attr:`outcomes` list itself (the name fold's report had first)."""
+        return self.outcomes
 
     @property
-    def skipped(self) -> List[FoldAction]:
-        return [a for a in self.actions if not a.folded]
+    def folded(self) -> List[BNOutcome]:
+        return [a for a in self.outcomes if a.folded]
+
+    @property
+    def skipped(self) -> List[BNOutcome]:
+        """The outcomes ``"left"``, as a new list (record one with :meth:`leave`)."""
+        return [a for a in self.outcomes if a.left]
+
+    def leave(self, bn: str, reason: str) -> None:
+        """Record that BatchNorm ``bn`` is left as it was, and why."""
+        self.outcomes.append(BNOutcome(bn, "left", None, None, reason))
 
     def __str__(self) -> str:
         rows = [("BatchNorm", "result", "layer", "reason / note")]
-        for a in self.actions:
+        for a in self.outcomes:
             result = f"folded ({a.direction})" if a.folded else "skipped"
             rows.append((a.batchnorm, result, a.layer or "-", a.reason or ""))
         widths = [max(len(r[i]) for r in rows) for i in range(3)]
         lines = [
             f"FoldReport: {len(self.folded)} folded, {len(self.skipped)} skipped "
-            f"({len(self.actions)} BatchNorm calls/modules)"
+            f"({len(self.outcomes)} BatchNorm calls/modules)"
         ]
         for i, r in enumerate(rows):
             lines.append("  " + "  ".join(r[j].ljust(widths[j]) for j in range(3)) + "  " + r[3])

@@ -1,60 +1,38 @@
 """Matching: find Conv -> BatchNorm -> tail layers (and pre-activation heads and conv ends)
 in a traced graph, and group them into chains.
 
-Input: a ``torch.fx`` graph traced with :class:`MatchTracer` (convolutions with the standard
-forward, BatchNorms and convbn's own modules are leaves) and its BatchNorm sites
+Input: a ``torch.fx`` graph traced with :class:`~convbn.passes.trace.LayerTracer`
+(convolutions with the standard forward, BatchNorms and convbn's own modules are leaves)
+and its BatchNorm sites
 (:mod:`convbn.passes.bn_sites`). Output: :class:`MatchedLayer` records (conv node and
 geometry, BatchNorm node and module, the tail of element-wise ops found by
 :mod:`convbn.passes.match_tail`) and, for every BatchNorm that is not matched, a
-:class:`~convbn.passes.report.SkippedBN` with the reason. :func:`group_chains` groups
+ ``"left"`` outcome with the reason. :func:`group_chains` groups
 consecutive matched layers into chains; the rewrite (:mod:`convbn.passes.rewrite`)
 replaces each chain by one fused module.
 """
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple, Union
 
-import torch
 import torch.fx as fx
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
-from torch.nn.modules.conv import _ConvNd
 
-from ..functional.conv import ConvSpec, conv_out_channels, conv_spec_from_module, make_conv_spec, make_linear_spec
-from ..nn.chain import FusedChain
-from ..nn.fused import _FusedConvBNNd
+from ..functional.conv import ConvSpec, conv_out_channels
 from .bn_sites import BNSite, find_bn_sites
+from .layers import has_standard_forward, layer_call, layer_spec
 from .match_tail import TailMatch, TailOpMatch, describe_node, match_tail, node_arg, tail_label
-from .report import ConvertReport, SkippedBN
+from .report import ConvertReport
 from .shape_uses import is_rank_use, value_users
 
-__all__ = ["MatchTracer", "MatchedConv", "MatchedLayer", "find_layers", "group_chains", "head_input", "node_arg",
+__all__ = ["MatchedConv", "MatchedLayer", "find_layers", "group_chains", "head_input", "node_arg",
            "describe_node"]
 
-_STD_CONV_FORWARDS = {nn.Conv1d.forward, nn.Conv2d.forward, nn.Conv3d.forward,
-                      nn.ConvTranspose1d.forward, nn.ConvTranspose2d.forward, nn.ConvTranspose3d.forward}
-_FUNCTIONAL_CONVS = {F.conv1d: 1, F.conv2d: 2, F.conv3d: 3, torch.conv1d: 1, torch.conv2d: 2, torch.conv3d: 3}
-_FUNCTIONAL_CONVTS = {F.conv_transpose1d: 1, F.conv_transpose2d: 2, F.conv_transpose3d: 3,
-                      torch.conv_transpose1d: 1, torch.conv_transpose2d: 2, torch.conv_transpose3d: 3}
-_FUNCTIONAL_LINEARS = {F.linear}
 # a linear layer is a 0-D convolution (Note: [three kinds of convolution] in functional/conv.py)
 _BN_DIMS = {nn.BatchNorm1d: (0, 1), nn.BatchNorm2d: (2,), nn.BatchNorm3d: (3,)}
-
-
-class MatchTracer(fx.Tracer):
-    """Keeps convolutions (with the standard forward), BatchNorms and convbn's own
-    modules as leaves; traces through everything else, including conv subclasses
-    with their own forward (their ``F.convNd`` call is matched instead)."""
-
-    def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
-        if isinstance(m, (_BatchNorm, FusedChain, _FusedConvBNNd)):
-            return True
-        if isinstance(m, _ConvNd):
-            return type(m).forward in _STD_CONV_FORWARDS or m.transposed and m.__module__.startswith("torch.nn")
-        return super().is_leaf_module(m, qualname)
 
 
 # --------------------------------------------------------------------------- matching
@@ -201,48 +179,39 @@ def _match_conv(node: fx.Node, gm: fx.GraphModule, root: nn.Module) -> Union[Mat
 
 
 def _match_conv_node(node: fx.Node, gm: fx.GraphModule, root: nn.Module) -> Union[MatchedConv, str, None]:
-    if node.op == "call_module":
-        mod = gm.get_submodule(str(node.target))
-        if isinstance(mod, nn.Linear) and type(mod).forward is nn.Linear.forward:
-            inp = node_arg(node, 0, "input", None)
-            if not isinstance(inp, fx.Node):
-                return "the linear layer's input is not a traced tensor"
-            return MatchedConv(node, inp, mod, "weight", "bias" if mod.bias is not None else None,
-                               make_linear_spec(), str(node.target))
-        if not isinstance(mod, _ConvNd):
-            return None
-        if mod.transposed and node_arg(node, 1, "output_size", None) is not None:
+    call = layer_call(node, gm)
+    if call is None or isinstance(call, str):
+        return call
+    inp = call.input
+    if call.module is not None:
+        mod = call.module
+        what = "linear layer" if call.kind == "linear" else "convolution"
+        if call.kind == "convt" and call.args["output_size"] is not None:
             # its output_padding then follows the input's size at run time: not a fixed geometry
             return (f"its input is a transposed convolution ({node.target}) called with output_size=, which "
                     "sets its output_padding from each input's shape; left unfused (give the module "
                     "output_padding instead to fuse it)")
-        if type(mod).forward not in _STD_CONV_FORWARDS:
-            return f"its input comes from {type(mod).__name__}, a convolution with a custom forward"
-        inp = node_arg(node, 0, "input", None)
+        if not has_standard_forward(mod):
+            return f"its input comes from {type(mod).__name__}, a {what} with a custom forward"
         if not isinstance(inp, fx.Node):
-            return "the convolution's input is not a traced tensor"
+            return f"the {what}'s input is not a traced tensor"
         return MatchedConv(node, inp, mod, "weight", "bias" if mod.bias is not None else None,
-                     conv_spec_from_module(mod), str(node.target))
-    if node.op == "call_function" and node.target in _FUNCTIONAL_CONVS:
-        dims = _FUNCTIONAL_CONVS[node.target]  # type: ignore[index]
-        inp, w, b = node_arg(node, 0, "input", None), node_arg(node, 1, "weight", None), node_arg(node, 2, "bias", None)
-        if not isinstance(w, fx.Node) or w.op != "get_attr":
-            return "the functional convolution's weight is not a module parameter"
-        if b is not None and (not isinstance(b, fx.Node) or b.op != "get_attr"):
-            return "the functional convolution's bias is not a module parameter"
-        geo = [node_arg(node, i, n, d) for i, n, d in ((3, "stride", 1), (4, "padding", 0), (5, "dilation", 1), (6, "groups", 1))]
-        if any(isinstance(a, fx.Node) for a in geo) or not isinstance(inp, fx.Node):
-            return "the functional convolution's arguments are not constants"
-        found = _param_owner(w, b, root, "convolution")
-        if isinstance(found, str):
-            return found
-        owner, wpath, wname, bname = found
-        weight = getattr(owner, wname)
-        spec = make_conv_spec(dims, weight.shape[2:], *geo)
-        return MatchedConv(node, inp, owner, wname, bname, spec, wpath or str(w.target))
-    if node.op == "call_function" and (node.target in _FUNCTIONAL_CONVTS or node.target in _FUNCTIONAL_LINEARS):
-        return _match_functional_convt_or_linear(node, root)
-    return None
+                           layer_spec(call, mod.weight.shape), str(node.target))
+    what = {"conv": "convolution", "convt": "transposed convolution", "linear": "linear"}[call.kind]
+    w, b = call.args["weight"], call.args["bias"]
+    if not isinstance(w, fx.Node) or w.op != "get_attr":
+        return f"the functional {what}'s weight is not a module parameter"
+    if b is not None and (not isinstance(b, fx.Node) or b.op != "get_attr"):
+        return f"the functional {what}'s bias is not a module parameter"
+    geometry = [call.args[n] for n, _ in call.sig[3:]]
+    if any(isinstance(g, fx.Node) for g in geometry) or not isinstance(inp, fx.Node):
+        return f"the functional {what}'s arguments are not constants"
+    found = _param_owner(w, b, root, what)
+    if isinstance(found, str):
+        return found
+    owner, wpath, wname, bname = found
+    spec = layer_spec(call, getattr(owner, wname).shape)
+    return MatchedConv(node, inp, owner, wname, bname, spec, wpath or str(w.target))
 
 
 def _param_owner(w: fx.Node, b: Optional[fx.Node], root: nn.Module, what: str
@@ -257,36 +226,6 @@ def _param_owner(w: fx.Node, b: Optional[fx.Node], root: nn.Module, what: str
         if bpath != wpath:
             return f"the functional {what}'s weight and bias live in different modules"
     return owner, wpath, wname, bname
-
-
-def _match_functional_convt_or_linear(node: fx.Node, root: nn.Module) -> Union[MatchedConv, str]:
-    """``F.conv_transposeNd(x, W, b, stride, padding, output_padding, groups, dilation)`` or
-    ``F.linear(x, W, b)`` on module parameters."""
-    linear = node.target in _FUNCTIONAL_LINEARS
-    what = "linear" if linear else "transposed convolution"
-    inp, w, b = node_arg(node, 0, "input", None), node_arg(node, 1, "weight", None), node_arg(node, 2, "bias", None)
-    if not isinstance(w, fx.Node) or w.op != "get_attr":
-        return f"the functional {what}'s weight is not a module parameter"
-    if b is not None and (not isinstance(b, fx.Node) or b.op != "get_attr"):
-        return f"the functional {what}'s bias is not a module parameter"
-    names = () if linear else ((3, "stride", 1), (4, "padding", 0), (5, "output_padding", 0), (6, "groups", 1),
-                               (7, "dilation", 1))
-    geo = [node_arg(node, i, n, d) for i, n, d in names]
-    if any(isinstance(a, fx.Node) for a in geo) or not isinstance(inp, fx.Node):
-        return f"the functional {what}'s arguments are not constants"
-    found = _param_owner(w, b, root, what)
-    if isinstance(found, str):
-        return found
-    owner, wpath, wname, bname = found
-    if linear:
-        return MatchedConv(node, inp, owner, wname, bname, make_linear_spec(), wpath or str(w.target))
-    dims = _FUNCTIONAL_CONVTS[node.target]  # type: ignore[index]
-    stride, padding, output_padding, groups, dilation = geo
-    spec = make_conv_spec(dims, getattr(owner, wname).shape[2:], stride, padding, dilation, groups)
-    op = tuple(output_padding) if isinstance(output_padding, (list, tuple)) else (int(output_padding),) * dims
-    spec = dataclasses.replace(spec, transposed=True, output_padding=op if any(op) else ())
-    return MatchedConv(node, inp, owner, wname, bname, spec, wpath or str(w.target))
-
 
 
 def head_input(site: BNSite) -> fx.Node:
@@ -384,8 +323,8 @@ def _end_layers(layers: List[MatchedLayer], gm: fx.GraphModule, root: nn.Module,
 
 def find_layers(gm: fx.GraphModule, root: nn.Module, prefix: str, report: ConvertReport,
                 chain: bool = True) -> List[MatchedLayer]:
-    """Every fusable layer of ``gm`` in graph order; each BatchNorm not matched gets a
-    :class:`SkippedBN` in ``report`` saying why.
+    """Every fusable layer of ``gm`` in graph order; each BatchNorm not matched is reported
+    left in ``report``, with the reason.
 
     Args:
         gm: the traced graph module.
@@ -422,7 +361,7 @@ def find_layers(gm: fx.GraphModule, root: nn.Module, prefix: str, report: Conver
         if isinstance(head, MatchedLayer):
             layers.append(head)
         else:
-            report.skipped.append(SkippedBN(name, f"{why}; {head}", conv_name))
+            report.leave(name, f"{why}; {head}", conv_name)
     if chain:
         layers += _end_layers(layers, gm, root, prefix)
     index = {n: i for i, n in enumerate(gm.graph.nodes)}
@@ -457,9 +396,9 @@ def group_chains(layers: List[MatchedLayer], chain: bool, report: Optional[Conve
     for c in chains:
         if len(c) == 1 and c[0].is_head:
             if report is not None:
-                report.skipped.append(SkippedBN(
-                    c[0].bn_name, f"it would start a pre-activation chain (BN -> {c[0].activation} -> conv), but the "
-                    "convolution after it cannot join the chain (see that layer's line); BN -> act alone saves nothing"))
+                report.leave(c[0].bn_name, f"it would start a pre-activation chain (BN -> {c[0].activation} -> conv), "
+                             "but the convolution after it cannot join the chain (see that layer's line); BN -> act "
+                             "alone saves nothing")
             continue
         kept.append(c)
     return kept

@@ -31,16 +31,10 @@ from torch import nn
 from ..functional.activations import Activation, activation_from_module
 from ..functional.tail import DROPOUT_FUNCTIONS, is_tail_module
 from ..nn.chain import TailElement
+from .layers import node_arg
 from .shape_uses import is_shape_use, value_users
 
 __all__ = ["TailOpMatch", "TailMatch", "match_tail", "describe_node", "node_arg", "tail_label", "element_label"]
-
-
-def node_arg(node: fx.Node, i: int, name: str, default: Any) -> Any:
-    """Argument ``i`` (keyword ``name``) of a call node, or ``default``."""
-    if len(node.args) > i:
-        return node.args[i]
-    return node.kwargs.get(name, default)
 
 
 def describe_node(node: fx.Node) -> str:

@@ -1,15 +1,17 @@
-"""What :func:`convbn.convert` did: every pair fused (and how), every BatchNorm skipped and why."""
+"""What :func:`convbn.convert` did: every pair fused (and how), and one
+:class:`~convbn.passes.outcome.BNOutcome` per BatchNorm -- fused, or left and why."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Dict, List, Optional
 
 from ..memory import format_bytes
+from .outcome import BNOutcome
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..nn.chain import ChainLayer
 
-__all__ = ["FusedPair", "SkippedBN", "ConvertReport"]
+__all__ = ["FusedPair", "ConvertReport"]
 
 
 @dataclass
@@ -50,21 +52,16 @@ class FusedPair:
 
 
 @dataclass
-class SkippedBN:
-    """A BatchNorm (module or call) left as it was, with the reason."""
-
-    bn: str
-    reason: str
-    conv: Optional[str] = None
-
-
-@dataclass
 class ConvertReport:
     """Result of :func:`convbn.convert` / :func:`convbn.explain`.
 
     Attributes:
-        pairs: every fused Conv -> BN (-> act).
-        skipped: every BatchNorm not fused, with its reason.
+        pairs: every fused layer: Conv -> BN (-> act), a pre-activation head, a chain's end.
+        outcomes: one :class:`~convbn.passes.outcome.BNOutcome` per BatchNorm module or
+            ``batch_norm`` call: ``"fused"`` (with the conv and whether it precedes the
+            BatchNorm or follows it, as a pre-activation head's does) or ``"left"`` with the
+            reason -- the same record :func:`convbn.fold`'s report lists.
+        skipped: the outcomes ``"left"``, as a new list (record one with :meth:`leave`).
         untraced: ``(module, error)`` for modules that could not be traced whole.
         traced: modules traced whole (``""`` is the root).
         validated: modules whose rewrite was run against the original on ``example_inputs``
@@ -87,7 +84,7 @@ class ConvertReport:
     """
 
     pairs: List[FusedPair] = field(default_factory=list)
-    skipped: List[SkippedBN] = field(default_factory=list)
+    outcomes: List[BNOutcome] = field(default_factory=list)
     untraced: List[tuple] = field(default_factory=list)
     traced: List[str] = field(default_factory=list)
     validated: List[str] = field(default_factory=list)
@@ -102,6 +99,16 @@ class ConvertReport:
     measured_peak_where: Optional[str] = None
     eager_peak_bytes: Optional[int] = None
     shared_pieces: Dict[str, int] = field(default_factory=dict)
+
+    @property
+    def skipped(self) -> List[BNOutcome]:
+        """Every BatchNorm left as it was, with its reason (``.bn``, ``.reason``, ``.conv``)."""
+        return [o for o in self.outcomes if o.left]
+
+    def leave(self, bn: str, reason: str, conv: Optional[str] = None) -> None:
+        """Record that BatchNorm ``bn`` is left as it was, and why (``conv``: the convolution
+        considered, if the match got that far)."""
+        self.outcomes.append(BNOutcome(bn, "left", conv, None, reason))
 
     @property
     def num_chains(self) -> int:
@@ -141,7 +148,7 @@ class ConvertReport:
             lines.append(f"  shared pieces: {len(most)} concatenated tensors kept once for "
                          f"{sum(self.shared_pieces.values())} chain inputs: {shown}")
         for s in self.skipped:
-            lines.append(f"  skipped {s.bn}: {s.reason}")
+            lines.append(f"  skipped {s.batchnorm}: {s.reason}")
         for mod, err in self.untraced:
             lines.append(f"  not traced as a whole: {mod or '<root>'}: {err}")
         for mod in self.validated:

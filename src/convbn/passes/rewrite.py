@@ -22,7 +22,8 @@ from .hooks import hook_reason
 from .concat_heads import chain_call_inputs, erase_unused_cat, shared_pieces
 from .match import MatchedLayer
 from .planner import plan_on_first_call
-from .report import ConvertReport, FusedPair, SkippedBN
+from .outcome import BNOutcome
+from .report import ConvertReport, FusedPair
 
 __all__ = ["rewrite_chains", "swap_sync_batchnorm", "chain_layer", "graph_module_like", "shallow_clone", "set_submodule", "drop_hooked", "watch_hooks"]
 
@@ -60,6 +61,9 @@ def rewrite_chains(root: nn.Module, gm: fx.GraphModule, chains: List[List[Matche
             layers.append(cl)
             report.pairs.append(FusedPair(l.conv.name if l.conv is not None else "", l.bn_name, l.activation,
                                           base + ci, pos, cl))
+            if not l.is_end:  # a head's BatchNorm is fused with the conv after it (the next layer's)
+                conv, direction = (chain[pos + 1].conv, "following") if l.is_head else (l.conv, "preceding")
+                report.outcomes.append(BNOutcome(l.bn_name, "fused", conv.name if conv else None, direction))
         fused = FusedChain(layers)
         if mode == "auto":  # planned lazily unless convert plans it with example_inputs
             fused.plan_on_first_call = plan_on_first_call
@@ -170,8 +174,8 @@ def drop_hooked(layers: List[MatchedLayer], gm: fx.GraphModule, report: ConvertR
             continue
         if hooked:
             name, why = hooked[0]
-            report.skipped.append(SkippedBN(l.bn_name, f"'{name}' has hooks ({why}), which a fused chain would "
-                                            "bypass; left unfused so they run", l.conv.name if l.conv else None))
+            report.leave(l.bn_name, f"'{name}' has hooks ({why}), which a fused chain would bypass; left unfused "
+                         "so they run", l.conv.name if l.conv else None)
         else:
             kept.append(l)
     return kept

@@ -3,8 +3,10 @@
 One place decides how a user's model becomes an ``fx.Graph`` and how a rewritten graph
 goes back into a module without changing what the user built:
 
-* **Leaf policy** (:func:`trace`): the caller's tracer class decides which modules are
-  leaves (convolutions, BatchNorms ...); on top of it, a module with hooks is always a
+* **Leaf policy** (:class:`LayerTracer`, both passes): BatchNorms, the conv / linear
+  layers of :mod:`convbn.passes.layers` that keep torch's ``forward`` and convbn's fused
+  modules are leaves (a layer subclass with its own ``forward`` is traced into: its
+  functional call is matched instead). On top of it, a module with hooks is always a
   leaf (its hooks then run at call time, as in eager; tracing through it would run them
   once on proxies and never again).
 * **Partial tracing**: a submodule whose forward cannot be traced, or whose trace would
@@ -46,12 +48,44 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from ..nn.bn_call import frozen_batch_norm, has_standard_bn_forward, standard_batch_norm
+from ..nn.chain import FusedChain
+from ..nn.fused import _FusedConvBNNd
 from .bn_frozen import frozen_bn_ranks, holds_frozen_bn_tensors, recognise_frozen_norm_act
 from .bn_recognise import NormActBody, recognise_norm_act
 from .graph_module import ConvbnGraphModule
 from .hooks import hook_reason
+from .layers import LAYER_MODULES, has_standard_forward
 
-__all__ = ["TraceHazard", "Traced", "trace", "resolve_string_annotations", "short_reason"]
+__all__ = ["TraceHazard", "LayerTracer", "Traced", "trace", "resolve_string_annotations", "short_reason"]
+
+
+class LayerTracer(fx.Tracer):
+    """The leaf policy of :func:`convbn.convert` and :func:`convbn.fold`: the modules they
+    match stay single calls.
+
+    Leaves: BatchNorms with torch's forward (``_BatchNorm`` cannot be traced into: its
+    ``_check_input_dim`` branches on the input's rank), conv / conv-transpose / linear
+    modules that keep torch's ``forward`` (subclasses too; one with its own ``forward`` is
+    traced into, and its ``F.conv2d`` call matched), and convbn's fused modules (already
+    fused). Everything else as ``fx.Tracer``. Partial tracing, hooks and hazards:
+    :func:`trace`.
+
+    Note: [BatchNorm subclasses with their own forward]
+    One that :func:`~convbn.passes.bn_recognise.recognise_norm_act` recognises is inlined
+    (:class:`_PartialTracing`). One it does not is a leaf in training mode: its forward may
+    update running statistics in ways a trace runs once, and convert reports it left. In
+    eval mode (fold) it is traced into like any module: a ``batch_norm`` call on constant
+    statistics inside it folds like any other, and fold's check runs the result.
+    """
+
+    def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
+        if isinstance(m, (FusedChain, _FusedConvBNNd)):
+            return True
+        if isinstance(m, _BatchNorm):
+            return has_standard_bn_forward(m) or m.training or super().is_leaf_module(m, module_qualified_name)
+        if isinstance(m, LAYER_MODULES):
+            return has_standard_forward(m)
+        return super().is_leaf_module(m, module_qualified_name)
 
 
 class TraceHazard(RuntimeError):
