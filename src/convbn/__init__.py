@@ -13,6 +13,7 @@ from .nn.chain import FusedChain
 from .nn.fused import FusedConvBN1d, FusedConvBN2d, FusedConvBN3d
 from .passes.convert import CONVERT_STRATEGIES, convert, explain
 from .passes.fold import FoldReport, fold, fold_conv_bn_modules
+from .passes.outcome import BNOutcome
 from .passes.report import ConvertReport
 
 __version__ = "0.1.0"
@@ -20,6 +21,7 @@ __version__ = "0.1.0"
 __all__ = [
     "ACTIVATIONS",
     "Activation",
+    "BNOutcome",
     "CONVERT_STRATEGIES",
     "ConvertReport",
     "ConvertStrategy",
