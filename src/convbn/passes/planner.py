@@ -47,8 +47,8 @@ if TYPE_CHECKING:  # pragma: no cover
     from ..nn.chain import ChainLayer
 
 __all__ = ["plan", "plan_layers", "plan_on_first_call", "tutorial_bytes", "all_keep_bytes", "ChainCost", "chain_backward_peak",
-           "step_peak", "plan_for_peak", "lowest_peak", "least_recompute", "chain_options", "ChainOption",
-           "PEAK_TOLERANCE"]
+           "step_peak", "plan_for_peak", "plan_within_peak", "lowest_peak", "least_recompute", "chain_options",
+           "ChainOption", "PEAK_TOLERANCE"]
 
 
 def tutorial_bytes(chains: Sequence[Sequence["ChainLayer"]]) -> int:
@@ -359,9 +359,47 @@ def plan_for_peak(costs: Sequence[ChainCost], floor: int, extra_budget: int,
     options = [chain_options(c) for c in costs]
     low = lowest_peak(costs, options, floor, extra_budget)
     cap = max(int(low * (1 + tolerance)), floor + extra_budget)
-    # the lowest peak is reachable, so a search that never thins its front finds a plan
-    keeps = least_recompute(costs, options, floor, extra_budget, cap) or least_recompute(
-        costs, options, floor, extra_budget, cap, max_front=1 << 62)
+    return _reachable_plan(costs, options, floor, extra_budget, cap)
+
+
+def _reachable_plan(costs: Sequence[ChainCost], options: Sequence[Sequence[ChainOption]], floor: int,
+                    extra_budget: int, peak: int) -> List[List[bool]]:
+    """:func:`least_recompute` under a peak known to be reachable (at or above :func:`lowest_peak`)."""
+    # a reachable peak has a plan: a search that never thins its front finds it
+    keeps = least_recompute(costs, options, floor, extra_budget, peak) or least_recompute(
+        costs, options, floor, extra_budget, peak, max_front=1 << 62)
     if keeps is None:  # pragma: no cover - would be a bug in lowest_peak
-        raise RuntimeError(f"no plan reaches the peak {cap} that lowest_peak found reachable")
+        raise RuntimeError(f"no plan reaches the peak {peak} that lowest_peak found reachable")
     return keeps
+
+
+def plan_within_peak(costs: Sequence[ChainCost], floor: int, extra_budget: int,
+                     peak: int) -> Tuple[List[List[bool]], int, bool]:
+    """The least-recompute plan whose predicted step peak (:func:`step_peak`) is at most
+    ``peak`` bytes and which keeps at most ``extra_budget`` bytes of conv outputs; where no
+    plan reaches ``peak``, the least-recompute plan at the lowest reachable peak instead.
+    (``convert(peak_budget=...)``: a peak asked for, not a tolerance above the lowest.)
+
+    Args:
+        costs: the chains in forward order.
+        floor: saved bytes with nothing kept (the end-of-forward baseline).
+        extra_budget: bytes allowed for kept conv outputs (every layer's: no saved-bytes limit).
+        peak: the predicted step peak allowed, in the unit of ``floor`` and the costs.
+
+    Returns:
+        ``(keeps, lowest, reached)``: the keep flags chain by chain, the lowest predicted peak
+        any plan within ``extra_budget`` reaches, and whether ``peak`` was reachable.
+
+    Example:
+        >>> c = ChainCost((4, 8), (1, 4), (10, 100), ("output", "output"))
+        >>> plan_within_peak([c], 0, 12, 30)  # keeping both peaks at 28
+        ([[True, True]], 24, True)
+        >>> plan_within_peak([c], 0, 12, 26)
+        ([[False, True]], 24, True)
+        >>> plan_within_peak([c], 0, 12, 20)  # below the lowest reachable: the lowest
+        ([[False, True]], 24, False)
+    """
+    options = [chain_options(c) for c in costs]
+    low = lowest_peak(costs, options, floor, extra_budget)
+    reached = peak >= low
+    return _reachable_plan(costs, options, floor, extra_budget, max(peak, low)), low, reached
