@@ -109,3 +109,21 @@ def test_plan_within_peak_is_the_least_recompute_under_the_peak():
             assert got <= max(peak, lowest)
             recompute = sum(m for c, kp in zip(costs, keeps) for m, f in zip(c.macs, kp) if not f)
             assert recompute == min(r for p, r in plans if p <= max(peak, lowest))
+
+
+def test_bench_names_a_configuration_per_peak_budget():
+    from convbn.bench.training_configs import config_names
+    assert config_names(["auto"], budgets=[0.4], peak_budgets=[0.5]) == [
+        "eager", "convert auto", "convert auto budget=0.4", "convert auto peak=0.5"]
+    with pytest.raises(ValueError, match="positive fractions"):
+        config_names(["budget"], peak_budgets=[0.0])
+
+
+def test_explain_cli_takes_a_peak_budget(capsys):
+    from convbn.cli import main
+    assert main(["explain", "mnist", "--input-shape", "8x1x28x28", "--peak-budget", "0.95"]) == 0
+    assert "peak budget:" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        main(["explain", "mnist", "--peak-budget", "1.5"])
+    assert main(["explain", "mnist", "--strategy", "recompute_bn", "--peak-budget", "0.5"]) == 2
+    assert "--peak-budget is used by --strategy auto only" in capsys.readouterr().err
