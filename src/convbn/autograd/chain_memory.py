@@ -211,16 +211,21 @@ def replay(
 
 def choose_drops(
     y_sizes: Sequence[int], x_sizes: Sequence[int], keep: Sequence[bool], acts: Sequence[str],
-    head: bool = False, end: bool = False,
+    head: bool = False, end: bool = False, allowed: Optional[Sequence[bool]] = None,
 ) -> List[bool]:
     """Which recomputed layers should drop their rebuilt input during BN backward: each
     one, in turn, whose drop lowers the replayed peak (a drop costs one element-wise
-    rebuild, so it is taken only where it pays in memory)."""
+    rebuild, so it is taken only where it pays in memory). ``allowed``: the layers that
+    may drop at all (default: every one); the planner forbids drops in a chain whose
+    backward is not where the step peaks (Note: [drops only where the step peaks] in
+    passes/planner.py)."""
     k = len(y_sizes)
     drop = [False] * k
+    if allowed is not None and not any(allowed):
+        return drop
     best = replay(y_sizes, x_sizes, keep, acts, drop, head=head, end=end)[0]
     for i in range(1, k):
-        if keep[i] or (end and i == k - 1 and acts[i] == "identity"):
+        if keep[i] or (end and i == k - 1 and acts[i] == "identity") or (allowed is not None and not allowed[i]):
             continue
         drop[i] = True
         peak = replay(y_sizes, x_sizes, keep, acts, drop, head=head, end=end)[0]

@@ -14,7 +14,7 @@ from torch import Tensor, nn
 from ..memory import saved_bytes, timeline
 from ..nn.chain import ChainLayer, FusedChain
 from .planner import (ChainCost, all_keep_bytes, chain_backward_peak, plan_for_peak, plan_layers, plan_on_first_call,
-                      plan_within_peak, step_peak, tutorial_bytes)
+                      plan_within_peak, step_peak, tutorial_bytes, drops_needed)
 from .report import ConvertReport
 from .validate import StateSnapshot
 
@@ -216,10 +216,12 @@ def plan_auto(original: nn.Module, converted: nn.Module, inputs: Tuple[Any, ...]
             for l in m.layers:
                 l.mode = "recompute_bn"
             m.plan_on_first_call = plan_on_first_call
-    for c, kp in zip(ordered, keeps):
+    may_drop = drops_needed(costs, keeps, floor_total)  # Note: [drops only where the step peaks]
+    for c, kp, md in zip(ordered, keeps, may_drop):
         for l, k in zip(c.layers, kp):
             l.mode = "recompute_bn" if k else "recompute_conv"
-    peak, where = step_peak(costs, keeps, floor_total)
+            l.may_drop = md
+    peak, where = step_peak(costs, keeps, floor_total, may_drop=may_drop)
     report.predicted_peak_bytes = peak
     names = {id(m): n for n, m in converted.named_modules()}
     report.predicted_peak_where = "end of forward" if where < 0 else (
