@@ -77,6 +77,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="convert strategy to explain")
     parser.add_argument("--budget", type=fraction, default=None, metavar="X",
                         help="with --strategy auto: target saved activation bytes as a fraction in (0, 1] of eager")
+    parser.add_argument("--peak-budget", type=fraction, default=None, metavar="X",
+                        help="with --strategy auto: the training step's peak memory allowed, a fraction in (0, 1] "
+                             "of eager's")
     parser.add_argument("--no-chain", action="store_true", help="do not chain consecutive layers (tutorial's method)")
     parser.add_argument("--device", type=device_arg, default="cpu", help="torch device")
 
@@ -85,13 +88,15 @@ def run(args: argparse.Namespace) -> int:
     """Print the report of :func:`convbn.explain`; returns the exit code."""
     from .passes.convert import explain
 
-    if args.budget is not None and args.strategy != "auto":
-        raise ValueError(f"--budget is used by --strategy auto only, but got --strategy {args.strategy}")
+    for flag, value in (("--budget", args.budget), ("--peak-budget", args.peak_budget)):
+        if value is not None and args.strategy != "auto":
+            raise ValueError(f"{flag} is used by --strategy auto only, but got --strategy {args.strategy}")
     model, default = load_model(args.spec)
     shape = resolve_shape(args.spec, args.input_shape, default, args.batch_size)
     model = model.to(args.device).train()
     x = torch.randn(*shape, device=args.device)
-    report = explain(model, x, strategy=args.strategy, memory_budget=args.budget, chain=not args.no_chain)
+    report = explain(model, x, strategy=args.strategy, memory_budget=args.budget, peak_budget=args.peak_budget,
+                     chain=not args.no_chain)
     print(f"{args.spec}, input {'x'.join(map(str, shape))}")
     print(report)
     return 0

@@ -41,7 +41,8 @@ ordinary layer therefore takes ``[W, b, gamma, beta]``, as before tails existed.
 # A rebuilt x_i is held until layer i's conv backward, or -- where ``choose_drops``
 # (autograd/chain_memory.py, a replay of this order on sizes) finds it lowers the peak --
 # dropped right after recomputing y_i and rebuilt element-wise after the BN backward has
-# released y_i, so y_i and x_i are never alive together. Every activation backward writes
+# released y_i, so y_i and x_i are never alive together (not in a chain whose layers the
+# planner marked ``may_drop=False``: its backward is not where the step peaks). Every activation backward writes
 # into a buffer it consumes; the incoming gradient, each kept y and each layer's grad_x
 # are freed as soon as they are consumed (Notes: [freeing the incoming gradient],
 # [freeing kept tensors early] in autograd/release.py). At most one segment of unkept
@@ -285,7 +286,8 @@ def chain_backward(
     if k > 1:
         ys, xs = _layer_sizes(x0, params, specs)
         drop = choose_drops(ys, xs, [s.saves_y for s in specs], [layer_kind(s) for s in specs],
-                            head=specs[0].conv is None, end=specs[-1].bn is None)
+                            head=specs[0].conv is None, end=specs[-1].bn is None,
+                            allowed=[s.may_drop for s in specs])
     mean_of, invstd_of = _stat_maps(specs, means, invstds)
     rb = _Rebuilder(x0, params, specs, kept, mean_of, invstd_of, drop, rngs, needs[1:])
     off = rb.offsets

@@ -11,6 +11,7 @@ Pure Python: no tensors, no torch.
 """
 from __future__ import annotations
 
+import functools
 from typing import Dict, List, Optional, Sequence, Tuple
 
 __all__ = ["replay", "choose_drops", "ACT_KINDS"]
@@ -211,16 +212,33 @@ def replay(
 
 def choose_drops(
     y_sizes: Sequence[int], x_sizes: Sequence[int], keep: Sequence[bool], acts: Sequence[str],
-    head: bool = False, end: bool = False,
+    head: bool = False, end: bool = False, allowed: Optional[Sequence[bool]] = None,
 ) -> List[bool]:
     """Which recomputed layers should drop their rebuilt input during BN backward: each
     one, in turn, whose drop lowers the replayed peak (a drop costs one element-wise
-    rebuild, so it is taken only where it pays in memory)."""
+    rebuild, so it is taken only where it pays in memory). ``allowed``: the layers that
+    may drop at all (default: every one); the planner forbids drops in a chain whose
+    backward is not where the step peaks (Note: [drops only where the step peaks] in
+    passes/planner.py)."""
+    # every backward of a chain asks the same question: answered once per shape and plan
+    args = (tuple(y_sizes), tuple(x_sizes), tuple(bool(f) for f in keep), tuple(acts), head, end,
+            None if allowed is None else tuple(bool(f) for f in allowed))
+    try:
+        return list(_choose_drops(*args))
+    except TypeError:  # unhashable sizes (symbolic shapes): not cached
+        return list(_choose_drops.__wrapped__(*args))
+
+
+@functools.lru_cache(maxsize=4096)
+def _choose_drops(y_sizes: Tuple[int, ...], x_sizes: Tuple[int, ...], keep: Tuple[bool, ...], acts: Tuple[str, ...],
+                  head: bool, end: bool, allowed: Optional[Tuple[bool, ...]]) -> Tuple[bool, ...]:
     k = len(y_sizes)
     drop = [False] * k
+    if allowed is not None and not any(allowed):
+        return tuple(drop)
     best = replay(y_sizes, x_sizes, keep, acts, drop, head=head, end=end)[0]
     for i in range(1, k):
-        if keep[i] or (end and i == k - 1 and acts[i] == "identity"):
+        if keep[i] or (end and i == k - 1 and acts[i] == "identity") or (allowed is not None and not allowed[i]):
             continue
         drop[i] = True
         peak = replay(y_sizes, x_sizes, keep, acts, drop, head=head, end=end)[0]
@@ -228,4 +246,4 @@ def choose_drops(
             best = peak
         else:
             drop[i] = False
-    return drop
+    return tuple(drop)

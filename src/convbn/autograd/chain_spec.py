@@ -37,6 +37,9 @@ class ChainLayerSpec:
     act: Activation
     keep_y: bool
     tail: Tuple[TailOp, ...] = ()
+    #: whether backward may drop this layer's rebuilt input to lower the chain's own peak
+    #: (``choose_drops``); the planner clears it where the step peaks elsewhere
+    may_drop: bool = True
 
     def __post_init__(self) -> None:
         if self.conv is None and self.bn is None:

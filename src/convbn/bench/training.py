@@ -6,7 +6,8 @@ optimizer, fed the same input. All run in one process:
 
 * ``eager`` — the baseline; every ratio is to it;
 * ``convert auto`` — :func:`convbn.convert` with the default target (the tutorial's memory,
-  least recompute), and ``convert auto budget=X`` for each ``--budget X``;
+  least recompute), ``convert auto budget=X`` for each ``--budget X`` (saved bytes) and
+  ``convert auto peak=X`` for each ``--peak-budget X`` (the step's peak);
 * ``convert recompute_conv (tutorial)`` — ``strategy="recompute_conv", chain=False``: every
   fused layer keeps its own conv input and recomputes its conv (the PyTorch tutorial);
 * ``convert recompute_bn`` — keep conv outputs, recompute BN + activation element-wise;
@@ -225,6 +226,7 @@ def run_training_bench(
     progress: bool = True,
     model: Optional[nn.Module] = None,
     input_shape: Optional[Sequence[int]] = None,
+    peak_budgets: Sequence[float] = (),
 ) -> List[TrainingRow]:
     """Benchmark training steps of ``spec`` under every selected configuration, in one process.
 
@@ -248,6 +250,7 @@ def run_training_bench(
         model: benchmark this module (deep-copied, never changed) instead of building ``spec``,
             which then only labels the rows; needs ``input_shape``.
         input_shape: the input shape without the batch dimension, with ``model``.
+        peak_budgets: ``peak_budget`` values, one ``convert auto peak=X`` configuration each.
 
     Returns:
         One :class:`TrainingRow` per configuration, ``eager`` first. A configuration that fails
@@ -262,7 +265,7 @@ def run_training_bench(
     if steps < 1 or warmup < 0 or memory_rounds < 0 or batch_size < 1:
         raise ValueError(f"need steps >= 1, warmup >= 0, memory_rounds >= 0 and batch_size >= 1, but got "
                          f"steps={steps}, warmup={warmup}, memory_rounds={memory_rounds}, batch_size={batch_size}")
-    names = config_names(configs, budgets, compile_budgets, use_compile)
+    names = config_names(configs, budgets, compile_budgets, use_compile, peak_budgets)
     device = torch.device(device)
     if model is not None:
         if input_shape is None:
@@ -423,6 +426,8 @@ def add_training_arguments(parser: argparse.ArgumentParser) -> argparse.Argument
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="parameter and input dtype")
     parser.add_argument("--budget", type=fraction, action="append", default=[], metavar="X",
                         help="add 'convert auto budget=X' (fraction in (0, 1] of eager saved bytes), repeatable")
+    parser.add_argument("--peak-budget", type=fraction, action="append", default=[], metavar="X",
+                        help="add 'convert auto peak=X' (fraction in (0, 1] of the eager step's peak), repeatable")
     parser.add_argument("--compile-budget", type=fraction, action="append", default=None, metavar="B",
                         help="torch.compile activation_memory_budget values in (0, 1], repeatable "
                              f"(default: {' '.join(map(str, DEFAULT_COMPILE_BUDGETS))})")
@@ -457,8 +462,10 @@ def main_training(args: argparse.Namespace) -> int:
     configs = _check_configs(args.configs)
     if args.no_compile and args.compile_budget is not None:
         warnings.warn("--compile-budget is ignored with --no-compile", stacklevel=2)
-    if args.budget and configs is not None and "budget" not in configs:
-        warnings.warn(f"--budget is ignored: --configs {args.configs} does not include 'budget'", stacklevel=2)
+    for flag, given in (("--budget", args.budget), ("--peak-budget", args.peak_budget)):
+        if given and configs is not None and not {"budget", "auto"} & set(configs):
+            warnings.warn(f"{flag} is ignored: --configs {args.configs} includes neither 'budget' nor 'auto'",
+                          stacklevel=2)
     if args.compile_budget is not None and configs is not None and not {"compile", "convert+compile"} & set(configs):
         warnings.warn(f"--compile-budget is ignored: --configs {args.configs} has no compile configuration", stacklevel=2)
     if args.plot:
@@ -469,7 +476,7 @@ def main_training(args: argparse.Namespace) -> int:
     for spec in args.model or list(DEFAULT_MODELS):
         rows += run_training_bench(
             spec, args.batch_size, configs, args.steps, args.warmup, args.device, DTYPES[args.dtype],
-            budgets=args.budget,
+            budgets=args.budget, peak_budgets=args.peak_budget,
             compile_budgets=DEFAULT_COMPILE_BUDGETS if args.compile_budget is None else args.compile_budget,
             use_compile=not args.no_compile, image_size=args.image_size, memory_rounds=args.memory_rounds,
             lr=args.lr, seed=args.seed, progress=not args.no_progress,

@@ -41,9 +41,12 @@ def config_names(
     budgets: Sequence[float] = (),
     compile_budgets: Sequence[float] = DEFAULT_COMPILE_BUDGETS,
     use_compile: bool = True,
+    peak_budgets: Sequence[float] = (),
 ) -> List[str]:
     """Display names of the configurations selected by ``configs`` (keys of :data:`CONFIG_KEYS`;
-    ``None``: all), in run order; ``eager`` always comes first.
+    ``None``: all), in run order; ``eager`` always comes first. ``budgets`` (``memory_budget``,
+    saved bytes) and ``peak_budgets`` (``peak_budget``, the step's peak) add ``convert auto
+    budget=X`` and ``convert auto peak=X`` configurations with ``"budget"`` or ``"auto"``.
 
     Raises:
         ValueError: an unknown key, or a non-positive budget.
@@ -52,7 +55,7 @@ def config_names(
     unknown = [k for k in keys if k not in CONFIG_KEYS]
     if unknown:
         raise ValueError(f"unknown configuration(s) {unknown}; choose from {list(CONFIG_KEYS)}")
-    for b in list(budgets) + list(compile_budgets):
+    for b in list(budgets) + list(peak_budgets) + list(compile_budgets):
         if not isinstance(b, (int, float)) or not b > 0:
             raise ValueError(f"budgets must be positive fractions, but got {b!r}")
     names = ["eager"]
@@ -60,6 +63,7 @@ def config_names(
         names.append("convert auto")
     if "budget" in keys or "auto" in keys:
         names += [f"convert auto budget={_fmt_budget(b)}" for b in budgets]
+        names += [f"convert auto peak={_fmt_budget(b)}" for b in peak_budgets]
     if "tutorial" in keys:
         names.append("convert recompute_conv (tutorial)")
     if "recompute_bn" in keys:
@@ -122,6 +126,8 @@ def build_config(name: str, base: nn.Module, x: Tensor, lr: float) -> TrainingCo
         if "budget=" in name:
             budget = float(name.rpartition("=")[2])
             model = convert(model, strategy="auto", memory_budget=budget, example_inputs=x)
+        elif "peak=" in name:
+            model = convert(model, strategy="auto", peak_budget=float(name.rpartition("=")[2]), example_inputs=x)
         elif "tutorial" in name:
             model = convert(model, strategy="recompute_conv", chain=False, example_inputs=x)
         elif "recompute_bn" in name:

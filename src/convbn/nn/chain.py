@@ -74,6 +74,9 @@ class ChainLayer:
         act: the fused activation when the tail is one activation (identity otherwise).
         mode: ``"recompute_bn"`` or ``"recompute_conv"`` (what an ordinary layer keeps; a head
             keeps nothing beyond ``x0``, an end layer without tail nothing at all).
+        may_drop: whether backward may drop and rebuild this layer's input to lower its chain's
+            peak (``ChainLayerSpec.may_drop``); the ``auto`` planner clears it where the step
+            peaks elsewhere (Note: [drops only where the step peaks] in passes/planner.py).
         names: qualified names for reports: ``(conv, bn, *one per tail element)`` (``""``
             where absent).
         y_shape: conv output (BN input) shape seen at the last call (for the planner).
@@ -89,6 +92,7 @@ class ChainLayer:
     bn: Optional[_BatchNorm] = None
     act: Activation = Activation("identity")
     mode: str = "recompute_bn"
+    may_drop: bool = True
     names: Tuple[str, ...] = ("", "", "")
     y_shape: Optional[Tuple[int, ...]] = None
     y_dtype: Optional[torch.dtype] = None
@@ -348,7 +352,7 @@ class FusedChain(nn.Module):
             params += l.tail_params() if dt is None else [t.to(dt) for t in l.tail_params()]
         dev = input.device.type
         specs = tuple(
-            ChainLayerSpec(l.conv, bs, act, l.mode != "recompute_conv", tail)
+            ChainLayerSpec(l.conv, bs, act, l.mode != "recompute_conv", tail, l.may_drop)
             for l, bs, (act, tail) in zip(layers, bn_specs, tails)
         )
         with torch.autocast(dev, enabled=False) if dev in ("cpu", "cuda") else nullcontext():

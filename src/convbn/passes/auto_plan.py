@@ -5,6 +5,7 @@ the pure planner in :mod:`convbn.passes.planner`, then write the chosen modes ba
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import replace
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -12,7 +13,8 @@ from torch import Tensor, nn
 
 from ..memory import saved_bytes, timeline
 from ..nn.chain import ChainLayer, FusedChain
-from .planner import ChainCost, chain_backward_peak, plan_for_peak, plan_layers, plan_on_first_call, step_peak, tutorial_bytes
+from .planner import (ChainCost, all_keep_bytes, chain_backward_peak, plan_for_peak, plan_layers, plan_on_first_call,
+                      plan_within_peak, step_peak, tutorial_bytes, drops_needed)
 from .report import ConvertReport
 from .validate import StateSnapshot
 
@@ -41,7 +43,8 @@ def _chain_layers(model: nn.Module) -> List[List[ChainLayer]]:
     return [m.layers for m in model.modules() if isinstance(m, FusedChain)]
 
 
-def _chain_costs(converted: nn.Module, inputs: Tuple[Any, ...]) -> Tuple[List[FusedChain], List[ChainCost], int]:
+def _chain_costs(converted: nn.Module, inputs: Tuple[Any, ...]
+                 ) -> Tuple[List[FusedChain], List[ChainCost], int, List[int]]:
     """The chains in forward order with their :class:`ChainCost`, and the floor's saved
     activation bytes; measured with every layer keeping nothing.
 
@@ -89,14 +92,18 @@ def _chain_costs(converted: nn.Module, inputs: Tuple[Any, ...]) -> Tuple[List[Fu
         )
         for c in chains
     ]
-    return chains, _calibrate(converted, inputs, chains, costs), rec.activation_bytes
+    calibrated, gaps = _calibrate(converted, inputs, chains, costs)
+    return chains, calibrated, rec.activation_bytes, gaps
 
 
 def _calibrate(converted: nn.Module, inputs: Tuple[Any, ...], chains: Sequence[FusedChain],
-               costs: Sequence[ChainCost]) -> List[ChainCost]:
+               costs: Sequence[ChainCost]) -> Tuple[List[ChainCost], List[int]]:
     """``costs`` with each ``prefix`` measured: the peak of the chain's backward in one
     recorded step (every layer keeping nothing, as now) less the replayed transient of that
-    plan. A chain's backward is found by its autograd node (its output's ``grad_fn``)."""
+    plan. A chain's backward is found by its autograd node (its output's ``grad_fn``), its
+    forward by the module running. Also the moments outside every chain's backward, as
+    ``gaps[m]``: the most bytes in use while the first ``m`` chains in forward order may
+    hold kept outputs (Note: [moments outside the chains] in passes/planner.py)."""
     nodes: Dict[int, int] = {}
     held: List[Any] = []  # the nodes stay alive (their ids unique) until the step is read
 
@@ -114,10 +121,27 @@ def _calibrate(converted: nn.Module, inputs: Tuple[Any, ...], chains: Sequence[F
         for h in handles:
             h.remove()
     peaks: Dict[int, int] = {}
+    gaps = [0] * (len(chains) + 1)
+    names = {id(m): n for n, m in converted.named_modules()}
+    chain_of = {names[id(c)]: j for j, c in enumerate(chains) if id(c) in names}
+    ran = -1  # the last chain (forward order) whose forward has started
+    done = set()  # chains whose backward has started
     for pt in tl.points:
         j = nodes.get(pt.node) if pt.node else None
         if j is not None:
             peaks[j] = max(peaks.get(j, 0), pt.bytes)
+            done.add(j)
+            continue
+        if pt.phase == "backward":
+            alive = max((i for i in range(len(chains)) if i not in done), default=-1)
+        else:
+            owner = chain_of.get(pt.module.split(".")[0]) if pt.module else None
+            if owner is None:  # a chain nested in a submodule: match by its dotted name
+                owner = next((i for n, i in chain_of.items() if pt.module == n or pt.module.startswith(n + ".")), None)
+            if owner is not None:
+                ran = max(ran, owner)
+            alive = ran if pt.phase in ("forward", "loss") else -1
+        gaps[alive + 1] = max(gaps[alive + 1], pt.bytes)
     del held
     out = []
     for j, cost in enumerate(costs):
@@ -125,7 +149,7 @@ def _calibrate(converted: nn.Module, inputs: Tuple[Any, ...], chains: Sequence[F
             own = chain_backward_peak(cost, [False] * len(cost.y_bytes))[0]
             cost = replace(cost, prefix=max(0, peaks[j] - own))
         out.append(cost)
-    return out
+    return out, gaps
 
 
 def _chain_param_bytes(chain: FusedChain) -> int:
@@ -139,23 +163,46 @@ def _layer_param_bytes(layer: ChainLayer) -> int:
 
 
 def plan_auto(original: nn.Module, converted: nn.Module, inputs: Tuple[Any, ...], memory_budget: Optional[float],
-          report: ConvertReport) -> None:
+              report: ConvertReport, peak_budget: Optional[float] = None) -> None:
+    """Plan every chain of ``converted`` (``convert(strategy="auto")``) and write the modes.
+
+    Args:
+        original: the eager model (measured for the budgets' denominators).
+        converted: its conversion; its layers' modes are set here.
+        inputs: the example inputs.
+        memory_budget: saved activation bytes allowed, as a fraction of eager's; ``None``: no limit
+            of its own (the default plan keeps the tutorial method's saved bytes).
+        report: filled with the measured and predicted figures.
+        peak_budget: the step's peak allowed, as a fraction of eager's measured step peak
+            (Note: [saved bytes or peak]); ``None``: no peak asked for.
+
+    # Note: [saved bytes or peak]
+    # ``memory_budget`` limits the *saved* bytes (held from forward to backward): the
+    # knapsack of :func:`plan_layers`, blind to the backward's transients. ``peak_budget``
+    # limits the step's *peak* (what decides an out-of-memory error), predicted exactly by
+    # the planner and compared with eager's peak measured the same way
+    # (:func:`measure_peak`: one step, gradients set to None first, parameters not counted).
+    # Given both, both are limits: the least recompute whose saved bytes and predicted peak
+    # both fit; a peak no plan within the saved bytes reaches gives the lowest one that
+    # is reached, and the report says so. Given neither, the default plans for the peak
+    # with a tolerance (:func:`plan_for_peak`).
+    """
     chains = _chain_layers(converted)
     layers = [l for c in chains for l in c]
     with StateSnapshot(original), StateSnapshot(converted):
         eager = measure_saved(original, inputs)
+        eager_peak = measure_peak(original, inputs).peak if peak_budget is not None else None
         for l in layers:
             l.mode = "recompute_conv"
         for m in converted.modules():
             if isinstance(m, FusedChain):
                 m.plan_on_first_call = None
         floor = measure_saved(converted, inputs)
-        ordered, costs, floor_total = _chain_costs(converted, inputs)
+        ordered, costs, floor_total, gaps = _chain_costs(converted, inputs)
     report.eager_saved_bytes, report.floor_saved_bytes = eager, floor
     if memory_budget is None:
-        extra = tutorial_bytes(chains)
-        # the default plans for the step's peak within the tutorial's memory (planner docstring)
-        keeps = plan_for_peak(costs, floor_total, extra)
+        # the default keeps the tutorial's memory; a peak budget alone limits no saved bytes
+        extra = tutorial_bytes(chains) if peak_budget is None else all_keep_bytes(chains)
     else:
         target = int(round(memory_budget * eager, 6))  # budget == floor / eager must reach the floor
         if target < floor:
@@ -166,6 +213,21 @@ def plan_auto(original: nn.Module, converted: nn.Module, inputs: Tuple[Any, ...]
                 f"use memory_budget >= {least:.3f}"
             )
         extra = target - floor
+    if peak_budget is not None and eager_peak is not None:
+        report.eager_peak_bytes = eager_peak
+        report.target_peak_bytes = int(peak_budget * eager_peak)
+        keeps, low, reached = plan_within_peak(costs, floor_total, extra, report.target_peak_bytes, gaps)
+        report.lowest_peak_bytes = low
+        if not reached:
+            warnings.warn(
+                f"peak_budget={peak_budget} asks for a step peak of {report.target_peak_bytes} bytes, below the "
+                f"lowest any plan reaches{' within memory_budget' if memory_budget is not None else ''}: {low} "
+                f"bytes = {low / eager_peak:.3f} of eager's {eager_peak} (predicted); planned for that lowest peak",
+                stacklevel=3)
+    elif memory_budget is None:
+        # the default plans for the step's peak within the tutorial's memory (planner docstring)
+        keeps = plan_for_peak(costs, floor_total, extra, gaps=gaps)
+    else:
         flags = iter(plan_layers(layers, extra))
         by_layer = {id(l): next(flags) for l in layers}
         keeps = [[by_layer[id(l)] for l in c.layers] for c in ordered]
@@ -176,15 +238,18 @@ def plan_auto(original: nn.Module, converted: nn.Module, inputs: Tuple[Any, ...]
             for l in m.layers:
                 l.mode = "recompute_bn"
             m.plan_on_first_call = plan_on_first_call
-    for c, kp in zip(ordered, keeps):
+    may_drop = drops_needed(costs, keeps, floor_total, gaps)  # Note: [drops only where the step peaks]
+    for c, kp, md in zip(ordered, keeps, may_drop):
         for l, k in zip(c.layers, kp):
             l.mode = "recompute_bn" if k else "recompute_conv"
-    peak, where = step_peak(costs, keeps, floor_total)
+            l.may_drop = md
+    peak, where = step_peak(costs, keeps, floor_total, may_drop=may_drop, gaps=gaps)
     report.predicted_peak_bytes = peak
     names = {id(m): n for n, m in converted.named_modules()}
-    report.predicted_peak_where = "end of forward" if where < 0 else (
+    report.predicted_peak_where = "end of forward" if where == -1 else "outside the chains" if where == -2 else (
         f"backward, in {names.get(id(ordered[where]), '?')!r} ({ordered[where].layers[0].names[0]} ...)")
-    report.target_saved_bytes = floor + extra
+    if memory_budget is not None or peak_budget is None:  # a peak budget alone sets no saved-bytes target
+        report.target_saved_bytes = floor + extra
     report.saved_bytes = floor + sum(l.keep_bytes() for l in layers if l.mode == "recompute_bn")
 
 

@@ -222,10 +222,19 @@ def _child_inputs(module: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, An
     return seen
 
 
-def _check_args(model: Any, strategy: str, memory_budget: Optional[float], example_inputs: Any) -> None:
+def _check_args(model: Any, strategy: str, memory_budget: Optional[float], example_inputs: Any,
+                peak_budget: Optional[float] = None) -> None:
     if not isinstance(model, nn.Module):
         raise TypeError(f"convert expects an nn.Module, but got {type(model).__name__}")
     check_strategy(strategy, CONVERT_STRATEGIES)
+    if peak_budget is not None:
+        if strategy != "auto":
+            raise ValueError(f"peak_budget is used by strategy='auto' only, but got strategy={strategy!r}")
+        if isinstance(peak_budget, bool) or not isinstance(peak_budget, (int, float)) or not 0 < peak_budget <= 1:
+            raise ValueError(f"peak_budget must be a fraction of the eager step's peak memory in (0, 1], "
+                             f"but got {peak_budget!r}")
+        if example_inputs is None:
+            raise ValueError("peak_budget needs example_inputs: the planner measures the eager step's peak on them")
     if memory_budget is not None:
         if strategy != "auto":
             raise ValueError(f"memory_budget is used by strategy='auto' only, but got strategy={strategy!r}")
@@ -245,6 +254,7 @@ def convert(
     example_inputs: Any = None,
     inplace: bool = False,
     chain: bool = True,
+    peak_budget: Optional[float] = None,
 ) -> nn.Module:
     """Fuse every Conv -> BatchNorm (-> activation) of ``model`` for memory-lean training.
 
@@ -267,6 +277,13 @@ def convert(
             :mod:`convbn.passes.planner`; ``explain`` shows predicted and measured peaks).
             Needs ``example_inputs``. A budget below the reachable floor raises
             ``ValueError`` naming the floor.
+        peak_budget: with ``"auto"``, the training step's *peak* memory allowed, as a fraction
+            of the eager model's peak measured on ``example_inputs`` (one step, gradients set
+            to None first, parameters not counted, as :func:`explain` measures it): the least
+            recompute whose predicted peak fits. Needs ``example_inputs``. Where no plan
+            reaches it, the plan with the lowest reachable peak, with a warning (the report's
+            ``target_peak_bytes`` / ``lowest_peak_bytes`` say so too). With ``memory_budget``
+            too, both are limits (Note: [saved bytes or peak] in ``passes/auto_plan.py``).
         example_inputs: a tensor or tuple of inputs. The result is *validated* on them:
             the original and the rewrite each run one forward and one backward (random
             upstream gradient) and outputs, gradients and running statistics are compared;
@@ -295,7 +312,7 @@ def convert(
         >>> fast[0].weight is net[0].weight
         True
     """
-    _check_args(model, strategy, memory_budget, example_inputs)
+    _check_args(model, strategy, memory_budget, example_inputs, peak_budget)
     report = ConvertReport(strategy=strategy)
     root = swap_sync_batchnorm(model, inplace)
     # Conversion changes no state: reading a parametrized weight (spectral_norm's power
@@ -310,7 +327,7 @@ def convert(
     report.outcomes += unreached(bn_module_names(model), report.outcomes, untraced, report.traced)
     if strategy == "auto" and example_inputs is not None and report.pairs:
         # measure on ``root``: its SyncBatchNorms are convbn's, which run on CPU too
-        plan_auto(root, converted, as_inputs(example_inputs), memory_budget, report)
+        plan_auto(root, converted, as_inputs(example_inputs), memory_budget, report, peak_budget)
     elif example_inputs is not None and report.pairs:
         inputs = as_inputs(example_inputs)
         with StateSnapshot(root), StateSnapshot(converted):
@@ -336,7 +353,7 @@ def explain(model: nn.Module, example_inputs: Any = None, **kwargs: Any) -> Conv
     Args:
         model: the model.
         example_inputs: inputs for measuring saved bytes and planning (recommended).
-        **kwargs: ``strategy``, ``memory_budget``, ``chain`` as for :func:`convert`.
+        **kwargs: ``strategy``, ``memory_budget``, ``peak_budget``, ``chain`` as for :func:`convert`.
 
     Returns:
         The :class:`ConvertReport`: each pair with its strategy, kept bytes and extra

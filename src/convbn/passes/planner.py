@@ -47,8 +47,8 @@ if TYPE_CHECKING:  # pragma: no cover
     from ..nn.chain import ChainLayer
 
 __all__ = ["plan", "plan_layers", "plan_on_first_call", "tutorial_bytes", "all_keep_bytes", "ChainCost", "chain_backward_peak",
-           "step_peak", "plan_for_peak", "lowest_peak", "least_recompute", "chain_options", "ChainOption",
-           "PEAK_TOLERANCE"]
+           "step_peak", "drops_needed", "plan_for_peak", "plan_within_peak", "lowest_peak", "least_recompute", "chain_options",
+           "ChainOption", "PEAK_TOLERANCE"]
 
 
 def tutorial_bytes(chains: Sequence[Sequence["ChainLayer"]]) -> int:
@@ -164,7 +164,7 @@ class ChainCost:
                    if f and not (self.head and i == 0) and not (self.end and i == k - 1 and self.acts[i] == "identity"))
 
 
-def chain_backward_peak(cost: ChainCost, keep: Sequence[bool]) -> Tuple[int, int]:
+def chain_backward_peak(cost: ChainCost, keep: Sequence[bool], may_drop: bool = True) -> Tuple[int, int]:
     """Peak bytes during the chain's backward under ``keep`` (Note: [predicting the peak of a
     step]): :func:`convbn.autograd.chain_memory.replay` with the drops the backward itself
     chooses. Counts the kept conv outputs, the incoming gradient, every buffer the
@@ -174,28 +174,39 @@ def chain_backward_peak(cost: ChainCost, keep: Sequence[bool]) -> Tuple[int, int
     Returns:
         ``(peak_bytes, layer)``: the peak and the layer whose backward reaches it.
     """
-    # the drops the backward itself chooses (it does not count parameter gradients)
-    drop = choose_drops(cost.y_bytes, cost.x_bytes, keep, cost.acts, cost.head, cost.end)
+    # the drops the backward itself chooses (it does not count parameter gradients); none
+    # where the chain may not drop (Note: [drops only where the step peaks])
+    drop = choose_drops(cost.y_bytes, cost.x_bytes, keep, cost.acts, cost.head, cost.end) if may_drop \
+        else [False] * len(keep)
     return replay(cost.y_bytes, cost.x_bytes, keep, cost.acts, drop, cost.w_bytes or None, cost.head, cost.end)
 
 
 def step_peak(costs: Sequence[ChainCost], keeps: Sequence[Sequence[bool]], floor: int,
-              _cache: Optional[dict] = None) -> Tuple[int, int]:
+              _cache: Optional[dict] = None, may_drop: Optional[Sequence[bool]] = None,
+              gaps: Optional[Sequence[int]] = None) -> Tuple[int, int]:
     """Predicted peak of a step's plan-dependent bytes: the end of forward
-    (``floor`` + every kept conv output) or a chain's backward (its prefix, the kept
-    outputs of the chains before it, its own transient). Chains in forward order.
+    (``floor`` + every kept conv output), a chain's backward (its prefix, the kept
+    outputs of the chains before it, its own transient) or a moment outside every chain's
+    backward (``gaps``, Note: [moments outside the chains]). Chains in forward order;
+    ``may_drop`` per chain (default: every chain may drop, :func:`drops_needed`).
 
     Returns:
-        ``(peak_bytes, where)``: ``where`` is ``-1`` for the end of forward, else the chain index.
+        ``(peak_bytes, where)``: ``where`` is ``-1`` for the end of forward, ``-2`` for a
+        moment outside the chains' backwards (``gaps``), else the chain index.
     """
     kept = [c.kept_bytes(kp) for c, kp in zip(costs, keeps)]
     best, where = floor + sum(kept), -1
+    if gaps:
+        outside = max(g + sum(kept[:m]) for m, g in enumerate(gaps))
+        if outside > best:
+            best, where = outside, -2
     before = 0
     for j, (c, kp) in enumerate(zip(costs, keeps)):
-        key = (j, tuple(kp))
+        md = True if may_drop is None else bool(may_drop[j])
+        key = (j, tuple(kp), md)
         own = _cache.get(key) if _cache is not None else None
         if own is None:
-            own = chain_backward_peak(c, kp)[0]
+            own = chain_backward_peak(c, kp, md)[0]
             if _cache is not None:
                 _cache[key] = own
         p = c.prefix + before + own
@@ -203,6 +214,58 @@ def step_peak(costs: Sequence[ChainCost], keeps: Sequence[Sequence[bool]], floor
             best, where = p, j
         before += kept[j]
     return best, where
+
+
+def _gaps(gaps: Optional[Sequence[int]], n: int) -> List[int]:
+    """``gaps`` padded to one entry per number of chains (0 .. n) alive; 0 where unmeasured.
+
+    # Note: [moments outside the chains]
+    # A step's peak can fall outside every chain's backward: in another op's backward (a
+    # max-pool's gradient is as large as its input) while the conv outputs kept by the
+    # chains not yet differentiated are all alive, or in forward after some chains ran. At
+    # such a moment t the bytes are those measured in the recorded all-recompute step
+    # (``base_t``) plus what the plan keeps in the chains alive at t: in forward the chains
+    # already run, in backward those not yet differentiated. Counting, conservatively, the
+    # first ``m`` chains in forward order (``m`` one past the last chain alive at t), the
+    # moments give ``gaps[m] = max base_t``, and a plan's peak is at least
+    # ``gaps[m] + kept(chains 0 .. m-1)`` for every ``m``. In forward order that is one
+    # more check per chain in the searches below; without it, a plan keeping much (on the
+    # tutorial's MNIST network, every conv output) was predicted 54 MiB under the peak
+    # measured in its max-pool backward.
+    """
+    out = [0] * (n + 1)
+    for m, g in enumerate(gaps or ()):
+        out[min(m, n)] = max(out[min(m, n)], g)
+    return out
+
+
+def drops_needed(costs: Sequence[ChainCost], keeps: Sequence[Sequence[bool]], floor: int,
+                 gaps: Optional[Sequence[int]] = None) -> List[bool]:
+    """Per chain, whether its backward must drop rebuilt inputs for the step to peak where
+    :func:`step_peak` predicts: ``False`` where the chain's backward, with no drop at all,
+    stays within that peak.
+
+    # Note: [drops only where the step peaks]
+    # A drop (autograd/chain.py, Note: [chain backward order]) lowers its chain's own peak at
+    # the price of one more element-wise rebuild (on ResNet-50, batch 8, 224², 13 drops over
+    # 40 MiB cost 0.9 % of a CPU step). The backward cannot tell whether its chain is where
+    # the step peaks; the planner can: a chain whose backward without drops stays within the
+    # step's predicted peak gets ``may_drop=False``. The step peak is unchanged by
+    # construction (each chain's moment stays within the maximum; ``step_peak`` with these
+    # flags equals it), and the plan's recompute too.
+
+    Example:
+        >>> a = ChainCost((4, 8), (1, 4), (10, 100), ("output", "output"), prefix=0)
+        >>> drops_needed([a], [[False, False]], floor=0), drops_needed([a], [[False, False]], floor=100)
+        ([True], [False])
+    """
+    total = step_peak(costs, keeps, floor, gaps=gaps)[0]
+    need = []
+    before = 0
+    for c, kp in zip(costs, keeps):
+        need.append(c.prefix + before + chain_backward_peak(c, kp, may_drop=False)[0] > total)
+        before += c.kept_bytes(kp)
+    return need
 
 
 #: How far above the lowest reachable peak the default plan may go to recompute less, as a
@@ -251,7 +314,7 @@ def chain_options(cost: ChainCost, exhaustive: int = 10) -> List[ChainOption]:
 
 
 def lowest_peak(costs: Sequence[ChainCost], options: Sequence[Sequence[ChainOption]], floor: int,
-                extra_budget: int) -> int:
+                extra_budget: int, gaps: Optional[Sequence[int]] = None) -> int:
     """The lowest predicted step peak (:func:`step_peak`) of any plan keeping at most
     ``extra_budget`` bytes of conv outputs.
 
@@ -260,16 +323,20 @@ def lowest_peak(costs: Sequence[ChainCost], options: Sequence[Sequence[ChainOpti
     fitting plan that keeps least (keeping less never hurts a later moment). The lowest
     such ``P`` is found by bisection.
     """
+    gap = _gaps(gaps, len(costs))
+
     def reachable(p: int) -> bool:
+        if gap[0] > p:
+            return False
         before = 0
-        for c, opts in zip(costs, options):
-            fits = [o.kept for o in opts if c.prefix + before + o.own <= p]
+        for j, (c, opts) in enumerate(zip(costs, options)):
+            fits = [o.kept for o in opts if c.prefix + before + o.own <= p and gap[j + 1] + before + o.kept <= p]
             if not fits:
                 return False
             before += min(fits)
         return before <= extra_budget and floor + before <= p
 
-    lo, hi = floor, step_peak(costs, [[False] * len(c.y_bytes) for c in costs], floor)[0]
+    lo, hi = floor, step_peak(costs, [[False] * len(c.y_bytes) for c in costs], floor, gaps=gaps)[0]
     hi = max(hi, lo)
     while lo < hi:
         mid = (lo + hi) // 2
@@ -281,7 +348,8 @@ def lowest_peak(costs: Sequence[ChainCost], options: Sequence[Sequence[ChainOpti
 
 
 def least_recompute(costs: Sequence[ChainCost], options: Sequence[Sequence[ChainOption]], floor: int,
-                    extra_budget: int, peak: int, max_front: int = 4096) -> Optional[List[List[bool]]]:
+                    extra_budget: int, peak: int, max_front: int = 4096,
+                    gaps: Optional[Sequence[int]] = None) -> Optional[List[List[bool]]]:
     """The plan recomputing the fewest MACs whose predicted step peak is at most ``peak``
     and which keeps at most ``extra_budget`` bytes; ``None`` when there is none.
 
@@ -293,14 +361,17 @@ def least_recompute(costs: Sequence[ChainCost], options: Sequence[Sequence[Chain
     # front is thinned to ``max_front`` byte buckets on very long models, which can only
     # miss an optimum by one bucket's bytes, never break the constraint).
     """
+    gap = _gaps(gaps, len(costs))
     limit = min(extra_budget, peak - floor)
+    if gap[0] > peak:
+        return None
     front: List[Tuple[int, int, int, int]] = [(0, 0, -1, -1)]  # (kept so far, recompute, parent, option)
     history: List[List[Tuple[int, int, int, int]]] = []
-    for c, opts in zip(costs, options):
+    for j, (c, opts) in enumerate(zip(costs, options)):
         cand = [(b + o.kept, r + o.recompute, fi, oi)
                 for fi, (b, r, _, _) in enumerate(front)
                 for oi, o in enumerate(opts)
-                if b + o.kept <= limit and c.prefix + b + o.own <= peak]
+                if b + o.kept <= limit and c.prefix + b + o.own <= peak and gap[j + 1] + b + o.kept <= peak]
         if not cand:
             return None
         cand.sort(key=lambda t: (t[0], t[1]))
@@ -329,7 +400,7 @@ def least_recompute(costs: Sequence[ChainCost], options: Sequence[Sequence[Chain
 
 
 def plan_for_peak(costs: Sequence[ChainCost], floor: int, extra_budget: int,
-                  tolerance: float = PEAK_TOLERANCE) -> List[List[bool]]:
+                  tolerance: float = PEAK_TOLERANCE, gaps: Optional[Sequence[int]] = None) -> List[List[bool]]:
     """The least-recompute plan whose predicted step peak is within ``tolerance`` of the
     lowest reachable, or within the memory asked.
 
@@ -357,11 +428,49 @@ def plan_for_peak(costs: Sequence[ChainCost], floor: int, extra_budget: int,
     if tolerance < 0:
         raise ValueError(f"tolerance must be >= 0, but got {tolerance}")
     options = [chain_options(c) for c in costs]
-    low = lowest_peak(costs, options, floor, extra_budget)
+    low = lowest_peak(costs, options, floor, extra_budget, gaps)
     cap = max(int(low * (1 + tolerance)), floor + extra_budget)
-    # the lowest peak is reachable, so a search that never thins its front finds a plan
-    keeps = least_recompute(costs, options, floor, extra_budget, cap) or least_recompute(
-        costs, options, floor, extra_budget, cap, max_front=1 << 62)
+    return _reachable_plan(costs, options, floor, extra_budget, cap, gaps)
+
+
+def _reachable_plan(costs: Sequence[ChainCost], options: Sequence[Sequence[ChainOption]], floor: int,
+                    extra_budget: int, peak: int, gaps: Optional[Sequence[int]] = None) -> List[List[bool]]:
+    """:func:`least_recompute` under a peak known to be reachable (at or above :func:`lowest_peak`)."""
+    # a reachable peak has a plan: a search that never thins its front finds it
+    keeps = least_recompute(costs, options, floor, extra_budget, peak, gaps=gaps) or least_recompute(
+        costs, options, floor, extra_budget, peak, max_front=1 << 62, gaps=gaps)
     if keeps is None:  # pragma: no cover - would be a bug in lowest_peak
-        raise RuntimeError(f"no plan reaches the peak {cap} that lowest_peak found reachable")
+        raise RuntimeError(f"no plan reaches the peak {peak} that lowest_peak found reachable")
     return keeps
+
+
+def plan_within_peak(costs: Sequence[ChainCost], floor: int, extra_budget: int,
+                     peak: int, gaps: Optional[Sequence[int]] = None) -> Tuple[List[List[bool]], int, bool]:
+    """The least-recompute plan whose predicted step peak (:func:`step_peak`) is at most
+    ``peak`` bytes and which keeps at most ``extra_budget`` bytes of conv outputs; where no
+    plan reaches ``peak``, the least-recompute plan at the lowest reachable peak instead.
+    (``convert(peak_budget=...)``: a peak asked for, not a tolerance above the lowest.)
+
+    Args:
+        costs: the chains in forward order.
+        floor: saved bytes with nothing kept (the end-of-forward baseline).
+        extra_budget: bytes allowed for kept conv outputs (every layer's: no saved-bytes limit).
+        peak: the predicted step peak allowed, in the unit of ``floor`` and the costs.
+
+    Returns:
+        ``(keeps, lowest, reached)``: the keep flags chain by chain, the lowest predicted peak
+        any plan within ``extra_budget`` reaches, and whether ``peak`` was reachable.
+
+    Example:
+        >>> c = ChainCost((4, 8), (1, 4), (10, 100), ("output", "output"))
+        >>> plan_within_peak([c], 0, 12, 30)  # keeping both peaks at 28
+        ([[True, True]], 24, True)
+        >>> plan_within_peak([c], 0, 12, 26)
+        ([[False, True]], 24, True)
+        >>> plan_within_peak([c], 0, 12, 20)  # below the lowest reachable: the lowest
+        ([[False, True]], 24, False)
+    """
+    options = [chain_options(c) for c in costs]
+    low = lowest_peak(costs, options, floor, extra_budget, gaps)
+    reached = peak >= low
+    return _reachable_plan(costs, options, floor, extra_budget, max(peak, low), gaps), low, reached

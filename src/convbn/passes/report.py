@@ -74,6 +74,10 @@ class ConvertReport:
         predicted_peak_bytes / predicted_peak_where: the ``auto`` planner's prediction of
             the plan-dependent bytes alive at the step's peak (saved tensors plus a chain's
             backward transient; parameters' gradients and the loss excluded) and where.
+        target_peak_bytes / lowest_peak_bytes: with ``peak_budget``, the predicted step peak
+            asked for (``peak_budget`` times ``eager_peak_bytes``) and the lowest any plan
+            reaches; the plan meets the target when ``predicted_peak_bytes <= target_peak_bytes``,
+            else it is the lowest-peak plan.
         shared_pieces: for each tensor kept by several chains that start at a concatenation
             (a DenseNet's feature maps: every later layer of the block reads them), the number
             of chains keeping it; it is held once, whatever the count.
@@ -98,6 +102,8 @@ class ConvertReport:
     measured_peak_bytes: Optional[int] = None
     measured_peak_where: Optional[str] = None
     eager_peak_bytes: Optional[int] = None
+    target_peak_bytes: Optional[int] = None
+    lowest_peak_bytes: Optional[int] = None
     shared_pieces: Dict[str, int] = field(default_factory=dict)
 
     @property
@@ -126,6 +132,11 @@ class ConvertReport:
         if self.predicted_peak_bytes is not None:
             lines.append(f"  predicted peak: {format_bytes(self.predicted_peak_bytes)} (saved + backward transient) "
                          f"at {self.predicted_peak_where}")
+        if self.target_peak_bytes is not None:
+            met = self.predicted_peak_bytes is not None and self.predicted_peak_bytes <= self.target_peak_bytes
+            lines.append(f"  peak budget: {format_bytes(self.target_peak_bytes)} "
+                         + ("met" if met else f"unreachable, planned for the lowest reachable peak "
+                            f"{format_bytes(self.lowest_peak_bytes or 0)}"))
         if self.measured_peak_bytes is not None:
             ratio = f" ({self.measured_peak_bytes / self.eager_peak_bytes:.2f}x eager " \
                     f"{format_bytes(self.eager_peak_bytes)})" if self.eager_peak_bytes else ""

@@ -1,0 +1,123 @@
+"""Same-process step time of convbn plans, interleaved, with CPU time beside wall time.
+
+One training step (gradients set to None, forward, mean loss, backward; no optimizer) of
+the eager model and of each ``convert(strategy="auto", ...)`` plan asked for, run round
+robin (round ``r`` starts at configuration ``r mod n``) so that load changes hit every
+configuration alike. Per configuration: the median wall time, the median CPU time of the
+calling thread (``time.thread_time``: with one intra-op thread, forward and backward both
+run on it, and time the process spent waiting for a core on a shared machine is not
+counted), their ratios to eager and to ``--ref``, the conv recompute per step (the report's
+``extra_flops``) and the planner's predicted peak. ``--profile N`` adds a table of each
+operator's self time, the median over ``N`` profiled steps per configuration
+(``torch.profiler``, CPU), to attribute a difference: conv forwards (recompute), conv and
+BN backwards, element-wise rebuilds, the Functions' Python.
+
+Run::
+
+    python benchmarks/bm_step_time.py --model "monai:resnet50(spatial_dims=2,n_input_channels=3,conv1_t_stride=2)" \\
+        --batch-size 8 --image-size 224 --threads 1 --rounds 9 --budget 0.483 --peak-budget 0.5 --ref budget=0.483
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import copy
+import statistics
+import time
+from typing import Dict, List, Tuple
+
+import torch
+from torch import nn
+
+import convbn
+from convbn.bench.models import build_model
+
+
+def _configs(model: nn.Module, x: torch.Tensor, budgets: List[float], peaks: List[float]) -> Dict[str, nn.Module]:
+    out: Dict[str, nn.Module] = {"eager": model, "auto": convbn.convert(copy.deepcopy(model), example_inputs=x)}
+    for b in budgets:
+        out[f"budget={b:g}"] = convbn.convert(copy.deepcopy(model), example_inputs=x, memory_budget=b)
+    for p in peaks:
+        out[f"peak={p:g}"] = convbn.convert(copy.deepcopy(model), example_inputs=x, peak_budget=p)
+    return out
+
+
+def _step(model: nn.Module, x: torch.Tensor) -> None:
+    for p in model.parameters():
+        p.grad = None
+    model(x).float().mean().backward()
+
+
+def _time(cfgs: Dict[str, nn.Module], x: torch.Tensor, rounds: int) -> Tuple[Dict[str, float], Dict[str, float]]:
+    wall: Dict[str, List[float]] = collections.defaultdict(list)
+    cpu: Dict[str, List[float]] = collections.defaultdict(list)
+    names = list(cfgs)
+    for r in range(rounds):
+        k = r % len(names)
+        for n in names[k:] + names[:k]:
+            t, c = time.perf_counter(), time.thread_time()
+            _step(cfgs[n], x)
+            cpu[n].append(time.thread_time() - c)
+            wall[n].append(time.perf_counter() - t)
+    return ({n: statistics.median(v) for n, v in wall.items()}, {n: statistics.median(v) for n, v in cpu.items()})
+
+
+def _profile(cfgs: Dict[str, nn.Module], x: torch.Tensor, steps: int, top: int) -> None:
+    from torch.profiler import ProfilerActivity, profile
+
+    runs: Dict[str, List[Dict[str, float]]] = {n: [] for n in cfgs}
+    counts: Dict[str, Dict[str, int]] = {n: {} for n in cfgs}
+    for _ in range(steps):
+        for n, m in cfgs.items():
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                _step(m, x)
+            events = prof.key_averages()
+            runs[n].append({e.key: e.self_cpu_time_total / 1e3 for e in events})
+            counts[n].update({e.key: e.count for e in events})
+    med = {n: {k: statistics.median([r.get(k, 0.0) for r in rs]) for k in set().union(*rs)} for n, rs in runs.items()}
+    keys = sorted(set().union(*med.values()), key=lambda k: -max(m.get(k, 0.0) for m in med.values()))[:top]
+    print(f"\n| operator (self ms, median of {steps}; calls) | " + " | ".join(cfgs) + " |")
+    print("|---|" + "---:|" * len(cfgs))
+    for k in keys:
+        print(f"| {k} | " + " | ".join(f"{med[n].get(k, 0.0):.1f} ({counts[n].get(k, 0)})" for n in cfgs) + " |")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="monai:resnet50(spatial_dims=2,n_input_channels=3,conv1_t_stride=2)")
+    ap.add_argument("--batch-size", type=int, default=8)
+    ap.add_argument("--image-size", type=int, default=224)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--rounds", type=int, default=7, help="timed rounds, one step of every configuration each")
+    ap.add_argument("--budget", type=float, action="append", default=[], help="add convert(memory_budget=X)")
+    ap.add_argument("--peak-budget", type=float, action="append", default=[], help="add convert(peak_budget=X)")
+    ap.add_argument("--ref", default="auto", help="the configuration the last ratio column is to")
+    ap.add_argument("--profile", type=int, default=0, metavar="N", help="also profile N steps per configuration")
+    ap.add_argument("--top", type=int, default=25, help="operators shown by --profile")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    model, shape = build_model(args.model)
+    x = torch.randn(args.batch_size, shape[0], *([args.image_size] * (len(shape) - 1)))
+    cfgs = _configs(model.train(), x, args.budget, args.peak_budget)
+    if args.ref not in cfgs:
+        raise SystemExit(f"--ref {args.ref!r} is not one of {list(cfgs)}")
+    for m in cfgs.values():  # warm-up
+        _step(m, x)
+    wall, cpu = _time(cfgs, x, args.rounds)
+    print(f"{args.model}, input {tuple(x.shape)}, {args.threads} thread(s), {args.rounds} interleaved rounds")
+    print(f"\n| config | recompute GMAC | predicted peak MiB | wall ms | wall / eager | CPU ms | CPU / eager | "
+          f"CPU / {args.ref} |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    for n, m in cfgs.items():
+        rep = getattr(m, "convbn_report", None)
+        gmac = f"{sum(p.extra_flops for p in rep.pairs) / 1e9:.2f}" if rep is not None else "-"
+        peak = f"{rep.predicted_peak_bytes / 2**20:.1f}" if rep is not None and rep.predicted_peak_bytes else "-"
+        print(f"| {n} | {gmac} | {peak} | {wall[n] * 1e3:.1f} | {wall[n] / wall['eager']:.3f} | {cpu[n] * 1e3:.1f} | "
+              f"{cpu[n] / cpu['eager']:.3f} | {cpu[n] / cpu[args.ref]:.3f} |")
+    if args.profile:
+        _profile(cfgs, x, args.profile, args.top)
+
+
+if __name__ == "__main__":
+    main()
