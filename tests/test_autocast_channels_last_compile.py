@@ -193,3 +193,24 @@ def test_cuda_matches_eager(strategy):
     assert_close(out, out_e, rtol=1e-4, atol=1e-4)
     for p, pe in zip(fused.parameters(), eager.parameters()):
         assert_close(p.grad, pe.grad, rtol=1e-3, atol=1e-3 * max(1.0, pe.grad.abs().max().item()))
+
+
+def test_torch_compile_dynamic_shapes_plans_auto_on_first_call():
+    """``auto`` without example inputs plans on the first call; under ``dynamic=True`` the
+    sizes it plans on are SymInts (also what Dynamo's automatic dynamic shapes give once a
+    chain's code saw two shapes), which the planner must read as concrete sizes."""
+    torch.manual_seed(0)
+    eager = _net()
+    conv = convbn.convert(copy.deepcopy(eager), strategy="auto")
+    compiled = torch.compile(conv, fullgraph=True, dynamic=True)
+    for s in (8, 10):
+        x = _input(2, s=s)
+        out, out_e = compiled(x), eager(x)
+        g = torch.randn_like(out)
+        out.backward(g)
+        out_e.backward(g)
+        assert_close(out, out_e, rtol=1e-4, atol=1e-5)
+    for p, pe in zip(conv.parameters(), eager.parameters()):
+        assert_close(p.grad, pe.grad, rtol=1e-3, atol=1e-4 * max(1.0, pe.grad.abs().max().item()))
+    modes = [l.mode for m in conv.modules() if isinstance(m, convbn.FusedChain) for l in m.layers]
+    assert modes and set(modes) <= {"recompute_bn", "recompute_conv"}

@@ -7,6 +7,8 @@ behave as before conversion.
 """
 from __future__ import annotations
 
+import operator
+
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Callable, List, Optional, Sequence, Tuple, Union
@@ -331,6 +333,15 @@ class FusedChain(nn.Module):
                 )
             l.y_shape, l.y_dtype = tuple(shape), compute_dtype if l.conv is not None else input.dtype
         if self.plan_on_first_call is not None and torch.is_grad_enabled():
+            # Note: [planning on concrete sizes]
+            # Under torch.compile with dynamic shapes (Dynamo marks sizes dynamic once any
+            # compiled chain saw two shapes) the sizes are SymInts, and the planner's sorting
+            # and knapsack cannot run on them. The plan is for this call's sizes anyway:
+            # reading them as ints specialises only the graph that plans (the first call).
+            # ``operator.index`` specialises under Dynamo; ``int()`` stays symbolic there.
+            for l in layers:
+                l.x_shape = tuple(operator.index(s) for s in l.x_shape)
+                l.y_shape = tuple(operator.index(s) for s in l.y_shape)
             keeps = list(self.plan_on_first_call(layers))
             if len(keeps) != len(layers):
                 raise ValueError(f"plan_on_first_call returned {len(keeps)} flags for {len(layers)} layers")
