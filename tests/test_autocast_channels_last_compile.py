@@ -27,6 +27,20 @@ def _input(dims: int, n: int = 4, s: int = 8) -> torch.Tensor:
     return torch.randn(n, 3, *([s] * dims))
 
 
+def _step_both(model: nn.Module, eager: nn.Module, x: torch.Tensor) -> None:
+    """One forward + backward of both with the same random upstream gradient; outputs compared."""
+    out, out_e = model(x), eager(x)
+    g = torch.randn_like(out)
+    out.backward(g)
+    out_e.backward(g)
+    assert_close(out, out_e, rtol=1e-4, atol=1e-5)
+
+
+def _assert_grads_close(model: nn.Module, eager: nn.Module) -> None:
+    for p, pe in zip(model.parameters(), eager.parameters()):
+        assert_close(p.grad, pe.grad, rtol=1e-3, atol=1e-4 * max(1.0, pe.grad.abs().max().item()))
+
+
 def _grads(m: nn.Module):
     return [p.grad.float() for p in m.parameters()]
 
@@ -130,13 +144,8 @@ def test_torch_compile_fullgraph_matches_eager_and_keeps_no_more(strategy):
     compiled = torch.compile(conv, fullgraph=True)  # fullgraph: any graph break raises
     x = _input(2)
     for _ in range(2):  # momentum=None: the cumulative factor changes every step
-        out, out_e = compiled(x), eager(x)
-        g = torch.randn_like(out)
-        out.backward(g)
-        out_e.backward(g)
-    assert_close(out, out_e, rtol=1e-4, atol=1e-5)
-    for p, pe in zip(fused.parameters(), eager.parameters()):
-        assert_close(p.grad, pe.grad, rtol=1e-3, atol=1e-4 * max(1.0, pe.grad.abs().max().item()))
+        _step_both(compiled, eager, x)
+    _assert_grads_close(fused, eager)
     for b, be in zip(fused.buffers(), eager.buffers()):
         assert_close(b, be, rtol=1e-4, atol=1e-6)
     conv.eval()
@@ -204,13 +213,7 @@ def test_torch_compile_dynamic_shapes_plans_auto_on_first_call():
     conv = convbn.convert(copy.deepcopy(eager), strategy="auto")
     compiled = torch.compile(conv, fullgraph=True, dynamic=True)
     for s in (8, 10):
-        x = _input(2, s=s)
-        out, out_e = compiled(x), eager(x)
-        g = torch.randn_like(out)
-        out.backward(g)
-        out_e.backward(g)
-        assert_close(out, out_e, rtol=1e-4, atol=1e-5)
-    for p, pe in zip(conv.parameters(), eager.parameters()):
-        assert_close(p.grad, pe.grad, rtol=1e-3, atol=1e-4 * max(1.0, pe.grad.abs().max().item()))
+        _step_both(compiled, eager, _input(2, s=s))
+    _assert_grads_close(conv, eager)
     modes = [l.mode for m in conv.modules() if isinstance(m, convbn.FusedChain) for l in m.layers]
     assert modes and set(modes) <= {"recompute_bn", "recompute_conv"}
