@@ -86,3 +86,15 @@ class DataDependent(nn.Module):
         if x.sum() > 0:
             y = self.b(y)
         return self.bn(y)
+
+
+class TransposedOutputSizeThenBN(nn.Module):
+    """A transposed conv called with ``output_size=``: its output_padding depends on the input."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = nn.ConvTranspose2d(3, 4, 3, stride=2, padding=1)
+        self.bn = nn.BatchNorm2d(4)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.relu(self.bn(self.up(x, output_size=[2 * x.shape[2], 2 * x.shape[3]])))

@@ -26,7 +26,8 @@ import convbn
 from convbn import ConvertReport, FusedChain
 from convbn.passes.planner import tutorial_bytes
 
-from adversarial_models import BNDoingMore, ConvOutputUsedTwice, DataDependent, FunctionalConv, SharedBN  # shared with test_fold
+from adversarial_models import (  # shared with test_fold / test_transposed_linear
+    BNDoingMore, ConvOutputUsedTwice, DataDependent, FunctionalConv, SharedBN, TransposedOutputSizeThenBN)
 
 DT = torch.float64
 TOL = dict(rtol=1e-10, atol=1e-10)
@@ -483,18 +484,6 @@ class BNAfterPool(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         return self.bn(self.pool(self.a(self.bn_in(x))))
-
-
-class TransposedOutputSizeThenBN(nn.Module):
-    """A transposed conv called with ``output_size=``: its output_padding depends on the input."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.up = nn.ConvTranspose2d(3, 4, 3, stride=2, padding=1)
-        self.bn = nn.BatchNorm2d(4)
-
-    def forward(self, x: Tensor) -> Tensor:
-        return F.relu(self.bn(self.up(x, output_size=[2 * x.shape[2], 2 * x.shape[3]])))
 
 
 class ScaledBN(nn.BatchNorm2d):

@@ -28,6 +28,8 @@ from convbn.memory import saved_bytes
 from convbn.nn.chain import ChainLayer, FusedChain
 from convbn.nn.fused import FusedConvBN1d, FusedConvBN2d, FusedConvBN3d
 
+from adversarial_models import TransposedOutputSizeThenBN  # shared with test_convert
+
 TOL64 = dict(rtol=1e-10, atol=1e-10)
 #: float32 on real models: absolute tolerance relative to each tensor's largest magnitude
 TOL32 = dict(rtol=5e-4, atol_scale=5e-4)
@@ -466,16 +468,7 @@ def test_convert_decoder_fuses_transposed_and_linear(strategy: str, example: boo
 
 
 def test_convert_leaves_output_size_call_unfused_with_reason() -> None:
-    class OutputSize(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.up = nn.ConvTranspose2d(3, 4, 3, stride=2, padding=1)
-            self.bn = nn.BatchNorm2d(4)
-
-        def forward(self, x: Tensor) -> Tensor:
-            return F.relu(self.bn(self.up(x, output_size=[2 * x.shape[2], 2 * x.shape[3]])))
-
-    eager = _double_model(OutputSize)
+    eager = _double_model(TransposedOutputSizeThenBN)
     x = torch.randn(2, 3, 4, 5, dtype=torch.float64)
     with pytest.warns(UserWarning, match="fused nothing"):
         fast = convbn.convert(copy.deepcopy(eager))
