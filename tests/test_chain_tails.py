@@ -130,6 +130,20 @@ def step_pair(eager: nn.Module, fused: nn.Module, x: Tensor, steps: int = 3, lr:
                 p -= lr * p.grad
 
 
+def no_grad_forward_pair(eager: nn.Module, fused: nn.Module, x: Tensor, seed: int) -> None:
+    """One no-grad forward of each from the same seed: equal outputs, and the fused model
+    leaves the global RNG exactly where eager left it (dropouts draw the same numbers)."""
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        want = eager(x)
+    rng = torch.get_rng_state()
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        got = fused(x)
+    assert torch.equal(torch.get_rng_state(), rng)
+    assert_close(got, want, **TOL)
+
+
 def x_for(dims: int, c: int, dtype=torch.float64, n: int = 3) -> Tensor:
     return torch.randn(n, c, *SPATIAL[dims], generator=torch.Generator().manual_seed(7), dtype=dtype)
 
@@ -229,30 +243,13 @@ def test_eval_mode_is_eager_eval() -> None:
     eager.eval()
     fused.eval()
     x = x_for(2, 3)
-    torch.manual_seed(5)
-    with torch.no_grad():
-        want = eager(x)
-    rng = torch.get_rng_state()
-    torch.manual_seed(5)
-    with torch.no_grad():
-        got = fused(x)
-    assert torch.equal(torch.get_rng_state(), rng)
-    assert_close(got, want, **TOL)
+    no_grad_forward_pair(eager, fused, x, seed=5)
     step_pair(eager, fused, x, steps=2)
 
 
 def test_no_grad_training_forward_draws_like_eager() -> None:
     eager, fused = build(2, 3, structure("preact", [lambda c: nn.ReLU(), lambda c: nn.Dropout(0.5)]), "recompute_bn")
-    x = x_for(2, 3)
-    torch.manual_seed(3)
-    with torch.no_grad():
-        want = eager(x)
-    rng = torch.get_rng_state()
-    torch.manual_seed(3)
-    with torch.no_grad():
-        got = fused(x)
-    assert torch.equal(torch.get_rng_state(), rng)
-    assert_close(got, want, **TOL)
+    no_grad_forward_pair(eager, fused, x_for(2, 3), seed=3)
     for be, bf in zip(eager.buffers(), fused.body.buffers()):
         assert_close(bf, be, **TOL)
 
