@@ -53,6 +53,11 @@ def _collect(rows: Dict[Key, Dict[str, List[float]]], bench: str, got: List[dict
         cell["time"].append(r["time_ratio"])
 
 
+def _spread(values: List[float]) -> str:
+    """``median [lowest, highest]`` of one configuration's per-round ratios."""
+    return f"{statistics.median(values):.3f} [{min(values):.3f}, {max(values):.3f}]"
+
+
 def main(argv: List[str] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--base", required=True, help="git revision to compare against (e.g. a commit)")
@@ -71,10 +76,14 @@ def main(argv: List[str] = None) -> int:
                 for bench in args.bench:
                     order = [("base", os.path.join(base_tree, "src")), ("this", here)]
                     for name, src in order if r % 2 == 0 else reversed(order):
-                        _collect(results[name], bench, _run_bench(src, bench))
+                        got = _run_bench(src, bench)
+                        _collect(results[name], bench, got)
+                        times = ", ".join(f"{g['config']} {g['time_ratio']:.3f}" for g in got if g["config"] != "eager")
+                        print(f"round {r + 1}/{args.rounds} {name}: step time / eager: {times}", file=sys.stderr, flush=True)
         finally:
             subprocess.run(["git", "-C", ROOT, "worktree", "remove", "--force", base_tree], check=False)
-    print(f"base = {args.base}, this = working tree; medians of {args.rounds} alternating rounds; ratios to eager")
+    print(f"base = {args.base}, this = working tree; medians of {args.rounds} alternating rounds; ratios to eager "
+          "(step time: median [lowest, highest] over rounds)")
     print("| model | config | act. bytes base → this | peak base → this | step time base → this |")
     print("|---|---|---:|---:|---:|")
     for key in results["this"]:
@@ -84,7 +93,7 @@ def main(argv: List[str] = None) -> int:
         b, t = results["base"][key], results["this"][key]
         med = {k: (statistics.median(b[k]), statistics.median(t[k])) for k in ("saved", "peak", "time")}
         print(f"| {model} | {config} | {med['saved'][0]:.3f} → {med['saved'][1]:.3f} | "
-              f"{med['peak'][0]:.3f} → {med['peak'][1]:.3f} | {med['time'][0]:.3f} → {med['time'][1]:.3f} |")
+              f"{med['peak'][0]:.3f} → {med['peak'][1]:.3f} | {_spread(b['time'])} → {_spread(t['time'])} |")
     return 0
 
 

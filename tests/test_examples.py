@@ -89,6 +89,9 @@ DOCUMENTED_MODULES = [
     "convbn.memory.timelines",
     "convbn.passes.match_tail",
     "convbn.autograd.fused",
+    "convbn.functional.pool",
+    "convbn.autograd.pool",
+    "convbn.nn.pool",
 ]
 
 

@@ -26,6 +26,7 @@ from .concat_heads import flatten_cats
 from .graph_module import ConvbnGraphModule
 from .match import find_layers, group_chains
 from .outcome import bn_module_names, unreached
+from .pools import lean_pools
 from .report import ConvertReport
 from .rewrite import drop_hooked, rewrite_chains, set_submodule, shallow_clone, swap_sync_batchnorm, watch_hooks
 from .trace import LayerTracer, short_reason, trace
@@ -83,6 +84,7 @@ def _convert(module: nn.Module, prefix: str, mode: str, chain: bool, inplace: bo
     chains = group_chains(layers, chain, report)
     before = [n for n, _ in gm.named_children()]
     out = rewrite_chains(module, gm, chains, mode, report)
+    report.lean_pools += lean_pools(out, prefix)  # after the chains: their outputs feed pools
     watch_hooks(out, chains, before)
     for name, new in replaced:
         set_submodule(out, name, new, inplace)
@@ -98,7 +100,10 @@ def _convert(module: nn.Module, prefix: str, mode: str, chain: bool, inplace: bo
 def _inlined_modules(module: nn.Module, gm: fx.GraphModule) -> List[nn.Module]:
     """Submodules of ``module`` that ``gm``'s graph never calls: traced through (their code
     inlined) and not watched by a FusedChain (which handles its own modules' hooks)."""
-    called = [str(n.target) for n in gm.graph.nodes if n.op == "call_module"]
+    # a pooling module the graph passes to its lean call (passes/pools.py) checks its own hooks
+    submodules = dict(gm.named_modules())
+    called = [str(n.target) for n in gm.graph.nodes if n.op == "call_module"
+              or (n.op == "get_attr" and str(n.target) in submodules)]
     watched = {id(m) for c in gm.modules() if isinstance(c, FusedChain) for ms in c.watched for m in ms}
     return [m for name, m in module.named_modules() if name and id(m) not in watched
             and not any(name == t or name.startswith(t + ".") for t in called)]

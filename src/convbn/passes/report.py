@@ -85,6 +85,9 @@ class ConvertReport:
             :func:`convbn.explain` with example inputs, one training step's measured peak
             (:func:`convbn.memory.timeline`) of the converted model, where it occurs, and
             the eager model's.
+        lean_pools: max/average pooling calls that keep their indices instead of their input
+            for backward (:mod:`convbn.passes.pools`): module names, or graph node names of
+            functional calls.
     """
 
     pairs: List[FusedPair] = field(default_factory=list)
@@ -105,6 +108,7 @@ class ConvertReport:
     target_peak_bytes: Optional[int] = None
     lowest_peak_bytes: Optional[int] = None
     shared_pieces: Dict[str, int] = field(default_factory=dict)
+    lean_pools: List[str] = field(default_factory=list)
 
     @property
     def skipped(self) -> List[BNOutcome]:
@@ -158,6 +162,9 @@ class ConvertReport:
             shown = ", ".join(f"{n} ({k} chains)" for n, k in most[:4]) + (", ..." if len(most) > 4 else "")
             lines.append(f"  shared pieces: {len(most)} concatenated tensors kept once for "
                          f"{sum(self.shared_pieces.values())} chain inputs: {shown}")
+        if self.lean_pools:
+            shown = ", ".join(self.lean_pools[:4]) + (", ..." if len(self.lean_pools) > 4 else "")
+            lines.append(f"  pooling keeping indices, not inputs: {len(self.lean_pools)} ({shown})")
         for s in self.skipped:
             lines.append(f"  skipped {s.batchnorm}: {s.reason}")
         for mod, err in self.untraced:
