@@ -10,31 +10,83 @@ counted), their ratios to eager and to ``--ref``, the conv recompute per step (t
 ``extra_flops``) and the planner's predicted peak. ``--profile N`` adds a table of each
 operator's self time, the median over ``N`` profiled steps per configuration
 (``torch.profiler``, CPU), to attribute a difference: conv forwards (recompute), conv and
-BN backwards, element-wise rebuilds, the Functions' Python.
+BN backwards, element-wise rebuilds, the Functions' Python. ``--base REV`` adds the ``auto``
+plan of convbn as of git revision ``REV``, imported beside this tree in the same process
+(:func:`_import_revision`): "then vs now" without a second process, whose allocator state
+alone moves eager's step by several percent on this machine.
 
 Run::
 
     python benchmarks/bm_step_time.py --model "monai:resnet50(spatial_dims=2,n_input_channels=3,conv1_t_stride=2)" \\
         --batch-size 8 --image-size 224 --threads 1 --rounds 9 --budget 0.483 --peak-budget 0.5 --ref budget=0.483
+    python benchmarks/bm_step_time.py --threads 2 --rounds 15 --base bce2aca --ref "base auto"
 """
 from __future__ import annotations
 
 import argparse
 import collections
 import copy
+import functools
+import importlib
+import io
+import os
+import re
+import subprocess
+import sys
+import tarfile
+import tempfile
 import statistics
 import time
-from typing import Dict, List, Tuple
+from typing import Any, Dict, List, Tuple
+from unittest import mock
 
 import torch
 from torch import nn
 
 import convbn
 from convbn.bench.models import build_model
+from convbn.passes import auto_plan, planner
 
 
-def _configs(model: nn.Module, x: torch.Tensor, budgets: List[float], peaks: List[float]) -> Dict[str, nn.Module]:
+def _import_revision(rev: str, into: str) -> Any:
+    """convbn as of git revision ``rev``, importable beside this tree's as ``convbn_base``.
+
+    The revision's ``src/convbn`` is extracted into ``into`` under the new name; its absolute
+    ``convbn`` imports and its ``torch.library`` namespace (``convbn::``, one registration per
+    process) are renamed textually, nothing else. Both versions then run in one process, so
+    eager, the base's plan and this tree's plan share one allocator and one machine state.
+    """
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    archive = subprocess.run(["git", "-C", root, "archive", rev, "src/convbn"], check=True, capture_output=True).stdout
+    with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
+        tar.extractall(into, filter="data")
+    pkg = os.path.join(into, "convbn_base")
+    os.rename(os.path.join(into, "src", "convbn"), pkg)
+    for folder, _, files in os.walk(pkg):
+        for f in (f for f in files if f.endswith(".py")):
+            path = os.path.join(folder, f)
+            with open(path) as fh:
+                text = fh.read()
+            text = re.sub(r"^(\s*)from convbn([. ])", r"\1from convbn_base\2", text, flags=re.M)
+            text = re.sub(r"^(\s*)import convbn\b", r"\1import convbn_base", text, flags=re.M)
+            text = text.replace('"convbn::', '"convbn_base::').replace('("convbn",', '("convbn_base",')
+            with open(path, "w") as fh:
+                fh.write(text)
+    sys.path.insert(0, into)
+    return importlib.import_module("convbn_base")
+
+
+def _configs(model: nn.Module, x: torch.Tensor, budgets: List[float], peaks: List[float],
+             tolerances: List[float] = (), base: Any = None) -> Dict[str, nn.Module]:
     out: Dict[str, nn.Module] = {"eager": model, "auto": convbn.convert(copy.deepcopy(model), example_inputs=x)}
+    if base is not None:
+        out["base auto"] = base.convert(copy.deepcopy(model), example_inputs=x)
+    for t in tolerances:
+        # the default plan with another tolerance above the lowest peak (planner.PEAK_TOLERANCE):
+        # what a different default would cost in time
+        plan = functools.partial(planner.plan_for_peak, tolerance=t)
+        with mock.patch.object(auto_plan, "plan_for_peak", plan):
+            out[f"tol={t:g}"] = convbn.convert(copy.deepcopy(model), example_inputs=x)
     for b in budgets:
         out[f"budget={b:g}"] = convbn.convert(copy.deepcopy(model), example_inputs=x, memory_budget=b)
     for p in peaks:
@@ -91,6 +143,10 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=7, help="timed rounds, one step of every configuration each")
     ap.add_argument("--budget", type=float, action="append", default=[], help="add convert(memory_budget=X)")
     ap.add_argument("--peak-budget", type=float, action="append", default=[], help="add convert(peak_budget=X)")
+    ap.add_argument("--tolerance", type=float, action="append", default=[],
+                    help="add the default plan made with this tolerance above the lowest peak")
+    ap.add_argument("--base", default=None, metavar="REV",
+                    help="add 'base auto': convert(auto) of convbn at git revision REV, in this process")
     ap.add_argument("--ref", default="auto", help="the configuration the last ratio column is to")
     ap.add_argument("--profile", type=int, default=0, metavar="N", help="also profile N steps per configuration")
     ap.add_argument("--top", type=int, default=25, help="operators shown by --profile")
@@ -99,7 +155,8 @@ def main() -> None:
     torch.manual_seed(0)
     model, shape = build_model(args.model)
     x = torch.randn(args.batch_size, shape[0], *([args.image_size] * (len(shape) - 1)))
-    cfgs = _configs(model.train(), x, args.budget, args.peak_budget)
+    base = _import_revision(args.base, tempfile.mkdtemp(prefix="convbn_base_")) if args.base else None
+    cfgs = _configs(model.train(), x, args.budget, args.peak_budget, args.tolerance, base)
     if args.ref not in cfgs:
         raise SystemExit(f"--ref {args.ref!r} is not one of {list(cfgs)}")
     for m in cfgs.values():  # warm-up
@@ -112,7 +169,8 @@ def main() -> None:
     for n, m in cfgs.items():
         rep = getattr(m, "convbn_report", None)
         gmac = f"{sum(p.extra_flops for p in rep.pairs) / 1e9:.2f}" if rep is not None else "-"
-        peak = f"{rep.predicted_peak_bytes / 2**20:.1f}" if rep is not None and rep.predicted_peak_bytes else "-"
+        predicted = getattr(rep, "predicted_peak_bytes", None)  # a base revision may not predict peaks
+        peak = f"{predicted / 2**20:.1f}" if predicted else "-"
         print(f"| {n} | {gmac} | {peak} | {wall[n] * 1e3:.1f} | {wall[n] / wall['eager']:.3f} | {cpu[n] * 1e3:.1f} | "
               f"{cpu[n] / cpu['eager']:.3f} | {cpu[n] / cpu[args.ref]:.3f} |")
     if args.profile:

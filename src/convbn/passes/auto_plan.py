@@ -14,7 +14,7 @@ from torch import Tensor, nn
 from ..memory import saved_bytes, timeline
 from ..nn.chain import ChainLayer, FusedChain
 from .planner import (ChainCost, all_keep_bytes, chain_backward_peak, plan_for_peak, plan_layers, plan_on_first_call,
-                      plan_within_peak, step_peak, tutorial_bytes, drops_needed)
+                      plan_within_peak, step_peak, drops_needed)
 from .report import ConvertReport
 from .validate import StateSnapshot
 
@@ -170,8 +170,8 @@ def plan_auto(original: nn.Module, converted: nn.Module, inputs: Tuple[Any, ...]
         original: the eager model (measured for the budgets' denominators).
         converted: its conversion; its layers' modes are set here.
         inputs: the example inputs.
-        memory_budget: saved activation bytes allowed, as a fraction of eager's; ``None``: no limit
-            of its own (the default plan keeps the tutorial method's saved bytes).
+        memory_budget: saved activation bytes allowed, as a fraction of eager's; ``None``: no
+            saved-bytes limit (the default plans for the peak alone).
         report: filled with the measured and predicted figures.
         peak_budget: the step's peak allowed, as a fraction of eager's measured step peak
             (Note: [saved bytes or peak]); ``None``: no peak asked for.
@@ -185,7 +185,7 @@ def plan_auto(original: nn.Module, converted: nn.Module, inputs: Tuple[Any, ...]
     # Given both, both are limits: the least recompute whose saved bytes and predicted peak
     # both fit; a peak no plan within the saved bytes reaches gives the lowest one that
     # is reached, and the report says so. Given neither, the default plans for the peak
-    # with a tolerance (:func:`plan_for_peak`).
+    # with a tolerance, and no saved-bytes limit (:func:`plan_for_peak`).
     """
     chains = _chain_layers(converted)
     layers = [l for c in chains for l in c]
@@ -201,8 +201,9 @@ def plan_auto(original: nn.Module, converted: nn.Module, inputs: Tuple[Any, ...]
         ordered, costs, floor_total, gaps = _chain_costs(converted, inputs)
     report.eager_saved_bytes, report.floor_saved_bytes = eager, floor
     if memory_budget is None:
-        # the default keeps the tutorial's memory; a peak budget alone limits no saved bytes
-        extra = tutorial_bytes(chains) if peak_budget is None else all_keep_bytes(chains)
+        # no saved-bytes limit: the default and a peak budget plan for the peak alone
+        # (Note: [the default plans for the peak alone] in planner.py)
+        extra = all_keep_bytes(chains)
     else:
         target = int(round(memory_budget * eager, 6))  # budget == floor / eager must reach the floor
         if target < floor:
@@ -225,7 +226,7 @@ def plan_auto(original: nn.Module, converted: nn.Module, inputs: Tuple[Any, ...]
                 f"bytes = {low / eager_peak:.3f} of eager's {eager_peak} (predicted); planned for that lowest peak",
                 stacklevel=3)
     elif memory_budget is None:
-        # the default plans for the step's peak within the tutorial's memory (planner docstring)
+        # the default plans for the step's peak (planner docstring)
         keeps = plan_for_peak(costs, floor_total, extra, gaps=gaps)
     else:
         flags = iter(plan_layers(layers, extra))
@@ -248,7 +249,7 @@ def plan_auto(original: nn.Module, converted: nn.Module, inputs: Tuple[Any, ...]
     names = {id(m): n for n, m in converted.named_modules()}
     report.predicted_peak_where = "end of forward" if where == -1 else "outside the chains" if where == -2 else (
         f"backward, in {names.get(id(ordered[where]), '?')!r} ({ordered[where].layers[0].names[0]} ...)")
-    if memory_budget is not None or peak_budget is None:  # a peak budget alone sets no saved-bytes target
+    if memory_budget is not None:  # the default and a peak budget alone set no saved-bytes target
         report.target_saved_bytes = floor + extra
     report.saved_bytes = floor + sum(l.keep_bytes() for l in layers if l.mode == "recompute_bn")
 

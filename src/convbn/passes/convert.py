@@ -276,10 +276,10 @@ def convert(
         memory_budget: with ``"auto"``, the target *saved* activation bytes (held from
             forward to backward, parameters excluded) as a fraction of the eager model's
             (e.g. ``0.35``): the plan recomputes least within it. ``None`` plans for the
-            step's *peak* within the tutorial method's saved bytes: the least recompute
-            among plans whose predicted peak is within 20 % of the lowest reachable, or
-            within the tutorial method's memory where that is higher (see
-            :mod:`convbn.passes.planner`; ``explain`` shows predicted and measured peaks).
+            step's *peak* alone: the least recompute among plans whose predicted peak is
+            within 20 % of the lowest reachable, whatever their saved bytes (see
+            :mod:`convbn.passes.planner`; ``explain`` shows predicted and measured peaks;
+            without ``example_inputs`` each chain keeps the tutorial method's saved bytes).
             Needs ``example_inputs``. A budget below the reachable floor raises
             ``ValueError`` naming the floor.
         peak_budget: with ``"auto"``, the training step's *peak* memory allowed, as a fraction
