@@ -142,8 +142,8 @@ def test_predicted_saved_bytes_are_exact_and_monotone(planned: Dict[str, Any]) -
 
 def test_default_plans_for_the_peak_with_less_recompute(planned: Dict[str, Any]) -> None:
     """The default sets no saved-bytes target (Note: [the default plans for the peak alone]):
-    its predicted peak is within 20 % of the all-recompute plan's (never lower than the
-    lowest reachable) and it recomputes less than that plan."""
+    its predicted peak is within ``PEAK_TOLERANCE`` of the lowest reachable and it recomputes
+    less than the all-recompute plan."""
     model, x = planned["model"], planned["x"]
     fast = convbn.convert(model, example_inputs=x)  # auto, default
     report = fast.convbn_report
