@@ -138,7 +138,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="monai:resnet50(spatial_dims=2,n_input_channels=3,conv1_t_stride=2)")
     ap.add_argument("--batch-size", type=int, default=8)
-    ap.add_argument("--image-size", type=int, default=224)
+    ap.add_argument("--image-size", type=int, default=None,
+                    help="spatial size of the input (default: the model's own, 28 for mnist)")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--rounds", type=int, default=7, help="timed rounds, one step of every configuration each")
     ap.add_argument("--budget", type=float, action="append", default=[], help="add convert(memory_budget=X)")
@@ -154,7 +155,8 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     model, shape = build_model(args.model)
-    x = torch.randn(args.batch_size, shape[0], *([args.image_size] * (len(shape) - 1)))
+    spatial = shape[1:] if args.image_size is None else [args.image_size] * (len(shape) - 1)
+    x = torch.randn(args.batch_size, shape[0], *spatial)
     base = _import_revision(args.base, tempfile.mkdtemp(prefix="convbn_base_")) if args.base else None
     cfgs = _configs(model.train(), x, args.budget, args.peak_budget, args.tolerance, base)
     if args.ref not in cfgs:

@@ -90,6 +90,8 @@ DOCUMENTED_MODULES = [
     "convbn.passes.match_tail",
     "convbn.autograd.fused",
     "convbn.functional.pool",
+    "convbn.functional.conv",
+    "convbn.passes.planner",
     "convbn.autograd.pool",
     "convbn.nn.pool",
 ]

@@ -21,7 +21,7 @@ from torch import Tensor, nn
 import convbn
 from convbn import FusedChain
 from convbn.functional.activations import Activation
-from convbn.functional.conv import conv_spec_from_module
+from convbn.functional.conv import COST_PER_BYTE, COST_PER_CALL, conv_spec_from_module, recompute_cost
 from convbn.memory import saved_bytes
 from convbn.nn.chain import ChainLayer
 from convbn.passes.planner import PEAK_TOLERANCE, all_keep_bytes, plan, plan_layers, plan_on_first_call, tutorial_bytes
@@ -324,11 +324,13 @@ def test_lazy_plan_is_attached_by_convert_and_nn_never_imports_passes() -> None:
 
 
 def test_plan_layers_recomputes_cheap_per_byte_layers_first() -> None:
-    # Same output bytes; recompute cost 9*8, 1*8, 9*2, 1*2 MACs per output element.
+    # Same output bytes; 9*8, 1*8, 9*2, 1*2 MACs per output element, the planner's cost
+    # (MACs + bytes moved + a fixed cost per call) in the same order.
     layers = [synthetic(8, 4, 3, 5), synthetic(8, 4, 1, 5), synthetic(2, 4, 3, 5), synthetic(2, 4, 1, 5)]
     one = layers[0].y_bytes()
     assert all(l.y_bytes() == one for l in layers)
-    order = sorted(range(4), key=lambda i: layers[i].flops())
+    order = sorted(range(4), key=lambda i: layers[i].recompute_cost())
+    assert len({l.recompute_cost() for l in layers}) == 4
     for n in range(5):
         keep = plan_layers(layers, n * one)
         assert kept(layers, keep) == n * one
@@ -336,6 +338,24 @@ def test_plan_layers_recomputes_cheap_per_byte_layers_first() -> None:
         assert [keep[i] for i in order] == [False] * (4 - n) + [True] * n
     # a budget between multiples keeps the floor of it
     assert kept(layers, plan_layers(layers, 2 * one + one // 2)) == 2 * one
+
+
+def test_plan_layers_weighs_bytes_moved_not_macs_alone() -> None:
+    # A 3x3 depthwise conv (14.5 M MACs, 6.4 MB in and out) against a 1x1 conv 16 -> 64
+    # (25.7 M MACs, 1.6 MB in): by MACs the depthwise is cheaper to recompute, by what a
+    # recompute costs (Note: [what a recompute costs]) it is the dearer one, and the
+    # planner keeps it.
+    dw, dense = synthetic(64, 64, 3, 56, groups=64, n=8, x_hw=58), synthetic(16, 64, 1, 56, n=8)
+    assert dw.y_bytes() == dense.y_bytes() and dw.flops() < dense.flops()
+    assert dw.recompute_cost() > dense.recompute_cost()
+    assert plan_layers([dw, dense], dw.y_bytes()) == [True, False]
+
+
+def test_recompute_cost_terms_and_errors() -> None:
+    assert recompute_cost(0, 10, 10) == 0  # a head recomputes nothing
+    assert recompute_cost(5, 3, 4) == 5 + COST_PER_BYTE * 7 + COST_PER_CALL
+    with pytest.raises(ValueError, match="in_bytes=-1"):
+        recompute_cost(5, -1, 4)
 
 
 def test_plan_layers_frees_big_cheap_layers_before_small_expensive_ones() -> None:
@@ -379,14 +399,15 @@ def test_plan_layers_respects_budget_and_is_maximal(specs: List[Tuple[int, int, 
     keep=st.integers(0, 6),
 )
 def test_plan_layers_optimal_for_equal_sizes(specs: List[Tuple[int, int]], keep: int) -> None:
-    """With equal output sizes the 0/1 knapsack is solved exactly: compare with brute force."""
+    """With equal output sizes the 0/1 knapsack is solved exactly: compare with brute force
+    (on the planner's measure, the recompute cost)."""
     layers = [synthetic(cin, 4, k, 4) for cin, k in specs]
     one = layers[0].y_bytes()
     budget = min(keep, len(layers)) * one
     flags = plan_layers(layers, budget)
     best = min(
-        sum(l.flops() for l, drop in zip(layers, choice) if drop)
+        sum(l.recompute_cost() for l, drop in zip(layers, choice) if drop)
         for choice in itertools.product((False, True), repeat=len(layers))
         if sum(l.y_bytes() for l, drop in zip(layers, choice) if not drop) <= budget
     )
-    assert recompute(layers, flags) == best
+    assert sum(l.recompute_cost() for l, k in zip(layers, flags) if not k) == best

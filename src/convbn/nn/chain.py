@@ -23,7 +23,7 @@ from ..autograd.chain import ChainFunction, ChainLayerSpec, chain_forward_no_gra
 from ..autograd.chain_input import concat_shape
 from ..functional.activations import Activation, activation_from_module
 from ..functional.batchnorm import BNSpec
-from ..functional.conv import ConvSpec, conv_flops, conv_forward, conv_output_shape, conv_spec_from_module
+from ..functional.conv import ConvSpec, conv_flops, conv_forward, conv_output_shape, conv_spec_from_module, recompute_cost
 from ..functional.strategies import LAYER_MODES
 from ..functional.fused import autocast_dtype, check_inputs
 from ..functional.tail import DropoutOp, TailOp, is_tail_module, tail_op_from_module
@@ -182,6 +182,11 @@ class ChainLayer:
         if self.y_shape is None or w is None:
             return 0
         return conv_flops(self.y_shape, w.shape, self.conv, self.x_shape)  # type: ignore[arg-type]
+
+    def recompute_cost(self) -> int:
+        """What running the conv again costs, in MAC equivalents (Note: [what a recompute
+        costs] in functional/conv.py): the planner's measure; 0 for a head."""
+        return recompute_cost(self.flops(), self.x_bytes(), self.y_bytes())
 
 
 class FusedChain(nn.Module):

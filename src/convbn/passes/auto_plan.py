@@ -83,7 +83,7 @@ def _chain_costs(converted: nn.Module, inputs: Tuple[Any, ...]
         ChainCost(
             y_bytes=tuple(l.y_bytes() for l in c.layers),
             x_bytes=tuple(l.x_bytes() for l in c.layers),
-            macs=tuple(l.flops() for l in c.layers),
+            macs=tuple(l.recompute_cost() for l in c.layers),
             acts=tuple(l.tail_kind() for l in c.layers),
             prefix=prefix[names[id(c)]],
             w_bytes=tuple(_layer_param_bytes(l) for l in c.layers),

@@ -9,9 +9,12 @@ chain, so the choices are independent and the saved bytes of a plan are *exactly
     M(\\text{plan}) = M_\\text{floor} + \\sum_{i \\,\\text{keeps}\\, y_i} \\mathrm{bytes}(y_i)
 
 where ``M_floor`` is the measured saved bytes with every layer on ``recompute_conv``.
-Minimising recompute (convolution MACs) under a byte target is a 0/1 knapsack; the
-planner drops kept outputs in order of fewest MACs per byte freed, then re-admits
-any dropped layer that still fits (largest MACs first).
+Minimising recompute under a byte target is a 0/1 knapsack; the planner drops kept
+outputs in order of least cost per byte freed, then re-admits any dropped layer that
+still fits (dearest first). A layer's cost is what running its conv again costs, in MAC
+equivalents: its MACs plus the bytes it moves plus a fixed cost per call
+(:func:`convbn.functional.conv.recompute_cost`, Note: [what a recompute costs]); the
+numbers below named ``macs`` are that cost.
 
 The default plan is made for the step's *peak* (:func:`plan_for_peak`): the least
 recompute among the plans whose predicted peak is within :data:`PEAK_TOLERANCE` of the
@@ -64,12 +67,12 @@ def all_keep_bytes(chains: Sequence[Sequence["ChainLayer"]]) -> int:
 
 
 def plan(y_bytes: Sequence[int], macs: Sequence[int], budget: int) -> List[bool]:
-    """Which conv outputs to keep: at most ``budget`` bytes of them, recomputing as few
-    MACs as possible (a 0/1 knapsack, solved greedily). Pure: numbers in, flags out.
+    """Which conv outputs to keep: at most ``budget`` bytes of them, at the least recompute
+    cost (a 0/1 knapsack, solved greedily). Pure: numbers in, flags out.
 
     Args:
         y_bytes: bytes of each layer's conv output.
-        macs: each layer's convolution multiply-accumulates (recomputed when not kept).
+        macs: each layer's recompute cost, in MAC equivalents (recomputed when not kept).
         budget: bytes allowed for kept conv outputs (on top of the all-recompute floor).
 
     Returns:
@@ -114,7 +117,7 @@ def plan_layers(layers: Sequence["ChainLayer"], extra_budget: int) -> List[bool]
     Returns:
         One keep flag per layer (``True``: ``recompute_bn``, ``False``: ``recompute_conv``).
     """
-    return plan([l.keep_bytes() for l in layers], [l.flops() for l in layers], extra_budget)
+    return plan([l.keep_bytes() for l in layers], [l.recompute_cost() for l in layers], extra_budget)
 
 
 def plan_on_first_call(layers: Sequence["ChainLayer"]) -> List[bool]:
@@ -135,7 +138,8 @@ class ChainCost:
     Attributes:
         y_bytes: bytes of each layer's conv output.
         x_bytes: bytes of each layer's conv input (``x_bytes[0]`` is the chain input, always kept).
-        macs: each layer's convolution multiply-accumulates (recomputed when ``y`` is not kept).
+        macs: each layer's cost of recomputing its conv when ``y`` is not kept, in MAC
+            equivalents (``ChainLayer.recompute_cost``; plain MACs work too).
         acts: each layer's activation kind: ``"identity"``, ``"output"`` (derivative from the
             output: the ReLU family) or ``"smooth"``.
         prefix: bytes alive besides the chain during its backward that no plan changes:
@@ -356,7 +360,7 @@ def lowest_peak(costs: Sequence[ChainCost], options: Sequence[Sequence[ChainOpti
 def least_recompute(costs: Sequence[ChainCost], options: Sequence[Sequence[ChainOption]], floor: int,
                     extra_budget: int, peak: int, max_front: int = 4096,
                     gaps: Optional[Sequence[int]] = None) -> Optional[List[List[bool]]]:
-    """The plan recomputing the fewest MACs whose predicted step peak is at most ``peak``
+    """The plan of least recompute cost whose predicted step peak is at most ``peak``
     and which keeps at most ``extra_budget`` bytes; ``None`` when there is none.
 
     # Note: [least recompute under a peak]
@@ -413,7 +417,7 @@ def plan_for_peak(costs: Sequence[ChainCost], floor: int, extra_budget: int,
     Plans keep at most ``extra_budget`` bytes of conv outputs (``convert``'s default passes
     every layer's: no saved-bytes limit). The peak allowed is ``(1 + tolerance)`` times the
     lowest peak any of them reaches (:func:`lowest_peak`); among the plans within it, the one
-    recomputing the fewest convolution MACs (:func:`least_recompute`, exact up to
+    of least recompute cost (:func:`least_recompute`, exact up to
     :func:`chain_options` on chains longer than ten layers).
 
     # Note: [the default plans for the peak alone]
