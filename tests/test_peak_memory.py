@@ -307,7 +307,7 @@ def test_fused_layer_frees_the_incoming_gradient_and_kept_output(monkeypatch, st
 
 # --------------------------------------------------------------------------- the planner's peak model
 
-from convbn.passes.planner import chain_options, lowest_peak, plan_for_peak, step_peak  # noqa: E402
+from convbn.passes.planner import PEAK_BYTE_COST, chain_options, lowest_peak, plan_for_peak, step_peak  # noqa: E402
 
 
 def test_chain_backward_peak_by_hand():
@@ -399,13 +399,20 @@ def test_plan_for_peak_is_least_recompute_at_the_allowed_peak(seed, tolerance):
         return sum(m for c, kp in zip(costs, ks) for m, f in zip(c.macs, kp) if not f)
 
     feasible = [p for p in plans if kept(p) <= budget]
-    got = plan_for_peak(costs, floor, budget, tolerance)
+    got = plan_for_peak(costs, floor, budget, tolerance, byte_cost=0)
     assert got in feasible
     low = min(peak(p) for p in feasible)
     assert lowest_peak(costs, [chain_options(c) for c in costs], floor, budget) == low
     cap = int(low * (1 + tolerance))
     assert peak(got) <= cap
     assert recompute(got) == min(recompute(p) for p in feasible if peak(p) <= cap)
+    # with a price on peak bytes (Note: [cheap peak]): the least recompute + price x peak
+    # within the same cap, also against brute force
+    for byte_cost in (0.5, 3, PEAK_BYTE_COST):
+        got = plan_for_peak(costs, floor, budget, tolerance, byte_cost=byte_cost)
+        assert got in feasible and peak(got) <= cap
+        assert recompute(got) + byte_cost * peak(got) == min(
+            recompute(p) + byte_cost * peak(p) for p in feasible if peak(p) <= cap)
 
 
 def test_plan_for_peak_trades_a_little_peak_for_much_less_recompute():
@@ -413,15 +420,28 @@ def test_plan_for_peak_trades_a_little_peak_for_much_less_recompute():
     y = (10, 40) bytes, layer 0 costs 100 MACs to recompute: recomputing it gives the lowest
     peak (220), keeping it too peaks 4.5 % higher (230) and recomputes nothing."""
     c = ChainCost((10, 40), (10, 10), (100, 1), ("output", "output"), prefix=100)
-    assert plan_for_peak([c], 0, 50, tolerance=0.0) == [[False, True]]
+    assert plan_for_peak([c], 0, 50, tolerance=0.0, byte_cost=0) == [[False, True]]
     assert step_peak([c], [[False, True]], 0)[0] == 220
-    assert plan_for_peak([c], 0, 50, tolerance=0.05) == [[True, True]]
+    assert plan_for_peak([c], 0, 50, tolerance=0.05, byte_cost=0) == [[True, True]]
     assert step_peak([c], [[True, True]], 0)[0] == 230
     # saved bytes allow no peak of their own (Note: [the default plans for the peak alone]):
     # with a floor of 200 the step peaks at the end of forward, lowest (230) keeping layer 0
     # alone; keeping both (250) fits the budget of 50 but not the peak at 0 tolerance
-    assert plan_for_peak([c], 200, 50, tolerance=0.0) == [[True, False]]
+    assert plan_for_peak([c], 200, 50, tolerance=0.0, byte_cost=0) == [[True, False]]
     assert step_peak([c], [[True, False]], 200)[0] == 230
+
+
+def test_plan_for_peak_takes_a_lower_peak_where_it_is_cheap():
+    """Note: [cheap peak]: within the tolerance, 10 bytes of peak (230 -> 220) for 100 MAC
+    equivalents of recompute are taken at a price of 16 per byte (the default) and left at 5."""
+    c = ChainCost((10, 40), (10, 10), (100, 1), ("output", "output"), prefix=100)
+    assert PEAK_BYTE_COST == 16
+    assert plan_for_peak([c], 0, 50, tolerance=0.05) == [[False, True]]
+    assert plan_for_peak([c], 0, 50, tolerance=0.05, byte_cost=5) == [[True, True]]
+    # never beyond the tolerance: at 0 the lowest peak is the only one allowed
+    assert plan_for_peak([c], 0, 50, tolerance=0.0, byte_cost=5) == [[False, True]]
+    with pytest.raises(ValueError, match="byte_cost must be >= 0, but got -1"):
+        plan_for_peak([c], 0, 50, byte_cost=-1)
 
 
 def test_explain_reports_predicted_and_measured_peak():
