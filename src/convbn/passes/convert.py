@@ -277,7 +277,9 @@ def convert(
             forward to backward, parameters excluded) as a fraction of the eager model's
             (e.g. ``0.35``): the plan recomputes least within it. ``None`` plans for the
             step's *peak* alone: the least recompute among plans whose predicted peak is
-            within 30 % of the lowest reachable, whatever their saved bytes (see
+            within 30 % of the lowest reachable, whatever their saved bytes, and a lower
+            peak within that where a byte of it costs at most 16 MAC-equivalents of
+            recompute (recompute is counted as MACs plus bytes moved plus a cost per call; see
             :mod:`convbn.passes.planner`; ``explain`` shows predicted and measured peaks;
             without ``example_inputs`` each chain keeps the tutorial method's saved bytes).
             Needs ``example_inputs``. A budget below the reachable floor raises
