@@ -23,7 +23,7 @@ from scipy.optimize import nnls
 from torch import nn
 
 from convbn.bench.models import build_model
-from convbn.functional.conv import COST_PER_BYTE, COST_PER_CALL
+from convbn.functional.conv import COST_PER_BYTE, COST_PER_CALL, conv_flops, conv_spec_from_module
 
 MODELS: List[Tuple[str, int, int]] = [
     ("efficientnet:b0", 8, 224),
@@ -49,8 +49,7 @@ def time_convs(spec: str, batch: int, size: int, repeats: int) -> List[Dict[str,
         h.remove()
     rows = []
     for mod, inp, out in calls:
-        transposed = isinstance(mod, (nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d))
-        macs = (inp.numel() if transposed else out.numel()) * mod.weight[0].numel()
+        macs = conv_flops(out.shape, mod.weight.shape, conv_spec_from_module(mod), inp.shape)
         times = []
         with torch.no_grad():
             for i in range(repeats + 2):

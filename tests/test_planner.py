@@ -266,7 +266,8 @@ def kept(layers: Sequence[ChainLayer], keep: Sequence[bool]) -> int:
 
 
 def recompute(layers: Sequence[ChainLayer], keep: Sequence[bool]) -> int:
-    return sum(l.flops() for l, k in zip(layers, keep) if not k)
+    """The planner's measure of a plan: the recompute cost of the layers not kept."""
+    return sum(l.recompute_cost() for l, k in zip(layers, keep) if not k)
 
 
 def test_plan_layers_extremes() -> None:
@@ -406,8 +407,8 @@ def test_plan_layers_optimal_for_equal_sizes(specs: List[Tuple[int, int]], keep:
     budget = min(keep, len(layers)) * one
     flags = plan_layers(layers, budget)
     best = min(
-        sum(l.recompute_cost() for l, drop in zip(layers, choice) if drop)
+        recompute(layers, [not drop for drop in choice])
         for choice in itertools.product((False, True), repeat=len(layers))
         if sum(l.y_bytes() for l, drop in zip(layers, choice) if not drop) <= budget
     )
-    assert sum(l.recompute_cost() for l, k in zip(layers, flags) if not k) == best
+    assert recompute(layers, flags) == best

@@ -169,6 +169,10 @@ class ChainCost:
         return sum(y for i, (y, f) in enumerate(zip(self.y_bytes, keep))
                    if f and not (self.head and i == 0) and not (self.end and i == k - 1 and self.acts[i] == "identity"))
 
+    def recompute(self, keep: Sequence[bool]) -> int:
+        """Recompute cost (``macs`` of the layers not keeping their conv output) under ``keep``."""
+        return sum(m for m, f in zip(self.macs, keep) if not f)
+
 
 def chain_backward_peak(cost: ChainCost, keep: Sequence[bool], may_drop: bool = True) -> Tuple[int, int]:
     """Peak bytes during the chain's backward under ``keep`` (Note: [predicting the peak of a
@@ -320,7 +324,7 @@ def chain_options(cost: ChainCost, exhaustive: int = 10) -> List[ChainOption]:
     opts = []
     for kp in sorted(plans):
         opts.append(ChainOption(kp, cost.kept_bytes(kp), chain_backward_peak(cost, kp)[0],
-                                sum(m for m, f in zip(cost.macs, kp) if not f)))
+                                cost.recompute(kp)))
     opts.sort(key=lambda o: (o.kept, o.own, o.recompute))
     kept: List[ChainOption] = []
     for o in opts:  # Pareto: drop a plan some earlier (no more bytes kept) plan beats on both others
@@ -483,7 +487,7 @@ def plan_for_peak(costs: Sequence[ChainCost], floor: int, extra_budget: int,
         return best
 
     def recompute(keeps: Sequence[Sequence[bool]]) -> int:
-        return sum(m for c, kp in zip(costs, keeps) for m, f in zip(c.macs, kp) if not f)
+        return sum(c.recompute(kp) for c, kp in zip(costs, keeps))
 
     peak = step_peak(costs, best, floor, gaps=gaps)[0]
     score = recompute(best) + byte_cost * peak
