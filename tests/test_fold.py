@@ -364,7 +364,7 @@ def test_functional_batch_norm_folds(torch_op: bool) -> None:
     assert_same(run(model, x), run(folded, x))
     (action,) = report_of(folded).actions
     assert action.folded and "call" in action.batchnorm
-    assert all(n.target not in (F.batch_norm, torch.batch_norm) for n in folded.graph.nodes)
+    assert all(n.target not in (F.batch_norm, torch.batch_norm) for n in folded.forward.graph.nodes)
 
 
 def test_functional_conv_folds() -> None:
@@ -482,7 +482,7 @@ def test_bn_subclass_doing_more_folds_its_batch_norm_and_keeps_the_rest() -> Non
     report = report_of(folded)
     accounted(model, report)
     assert [a.folded for a in report.actions] == [True]
-    assert any(n.op == "call_function" and n.target is operator.mul for n in folded.graph.nodes)
+    assert any(n.op == "call_function" and n.target is operator.mul for n in folded.forward.graph.nodes)
 
 
 def test_bn_in_training_mode_is_left_alone() -> None:

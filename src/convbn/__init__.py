@@ -13,6 +13,7 @@ from .nn.chain import FusedChain
 from .nn.fused import FusedConvBN1d, FusedConvBN2d, FusedConvBN3d
 from .passes.convert import CONVERT_STRATEGIES, convert, explain
 from .passes.fold import FoldReport, fold, fold_conv_bn_modules
+from .passes.graph_module import fused_modules
 from .passes.outcome import BNOutcome
 from .passes.report import ConvertReport
 
@@ -41,6 +42,7 @@ __all__ = [
     "explain",
     "fold",
     "fold_conv_bn_modules",
+    "fused_modules",
     "gradcheck_module",
     "peak_memory",
     "saved_bytes",

@@ -129,7 +129,7 @@ class tensor_peak:
                 "tensor_peak needs torch.distributed._tools.mem_tracker (PyTorch >= 2.5 with distributed); "
                 "use peak_memory() instead"
             ) from err
-        self._tracker = MemTracker()
+        self._tracker = _frozen_safe(MemTracker)()
         if track:
             self._tracker.track_external(*track)
         self.result = PeakMemory(source="tensors")
@@ -150,3 +150,22 @@ class tensor_peak:
         self._tracker.__exit__(*exc)
         self.result.peak = peak - self._start
         self.result.end = end - self._start
+
+
+class _NoHandle:
+    def remove(self) -> None:
+        pass
+
+
+def _frozen_safe(tracker_cls: type) -> type:
+    """``MemTracker`` that skips the gradient hooks of frozen parameters: it registers one
+    on every parameter of a module it enters, which raises for ``requires_grad=False``."""
+
+    class FrozenSafeMemTracker(tracker_cls):  # type: ignore[misc, valid-type]
+        def _track_module_params_and_buffers(self, module: Any, install_grad_hooks: bool = True) -> Any:
+            for p in module.parameters():
+                if not p.requires_grad and self._param_to_grad_hook_handles.get(p, None) is None:
+                    self._param_to_grad_hook_handles[p] = (_NoHandle(), _NoHandle())
+            return super()._track_module_params_and_buffers(module, install_grad_hooks)
+
+    return FrozenSafeMemTracker

@@ -15,6 +15,7 @@ from ..memory import saved_bytes, timeline
 from ..nn.chain import ChainLayer, FusedChain
 from .planner import (ChainCost, all_keep_bytes, chain_backward_peak, plan_for_peak, plan_layers, plan_on_first_call,
                       plan_within_peak, step_peak, drops_needed)
+from .graph_module import fused_modules
 from .report import ConvertReport
 from .validate import StateSnapshot
 
@@ -39,8 +40,19 @@ def measure_saved(model: nn.Module, inputs: Tuple[Any, ...]) -> int:
     return saved_bytes(model, *inputs).activation_bytes
 
 
+def _chains(model: nn.Module) -> List[FusedChain]:
+    return [m for _, m in fused_modules(model) if isinstance(m, FusedChain)]
+
+
+def _names(model: nn.Module) -> Dict[int, str]:
+    """Qualified names of ``model``'s modules and of the fused modules a rewrite added."""
+    names = {id(m): n for n, m in model.named_modules()}
+    names.update({id(m): n for n, m in fused_modules(model)})
+    return names
+
+
 def _chain_layers(model: nn.Module) -> List[List[ChainLayer]]:
-    return [m.layers for m in model.modules() if isinstance(m, FusedChain)]
+    return [m.layers for m in _chains(model)]
 
 
 def _chain_costs(converted: nn.Module, inputs: Tuple[Any, ...]
@@ -60,8 +72,8 @@ def _chain_costs(converted: nn.Module, inputs: Tuple[Any, ...]
     """
     converted.train()
     rec = saved_bytes(converted, *inputs, per_module=True)
-    names = {id(m): n for n, m in converted.named_modules()}
-    chain_params = {names[id(m)]: _chain_param_bytes(m) for m in converted.modules() if isinstance(m, FusedChain)}
+    names = _names(converted)
+    chain_params = {names[id(m)]: _chain_param_bytes(m) for m in _chains(converted)}
     # walk the saves in forward order: a chain's prefix = activations saved before it +
     # gradients of every parameter used after it (saved ones, and later chains' own)
     first: Dict[str, Tuple[int, int]] = {}
@@ -77,7 +89,7 @@ def _chain_costs(converted: nn.Module, inputs: Tuple[Any, ...]
             acts_before += nbytes
     total_params = params_before
     prefix = {m: a + total_params - p - chain_params.get(m, 0) for m, (a, p) in first.items()}
-    chains = [m for m in converted.modules() if isinstance(m, FusedChain) and names.get(id(m)) in first]
+    chains = [m for m in _chains(converted) if names.get(id(m)) in first]
     chains.sort(key=lambda m: order[names[id(m)]])  # forward order
     costs = [
         ChainCost(
@@ -122,7 +134,7 @@ def _calibrate(converted: nn.Module, inputs: Tuple[Any, ...], chains: Sequence[F
             h.remove()
     peaks: Dict[int, int] = {}
     gaps = [0] * (len(chains) + 1)
-    names = {id(m): n for n, m in converted.named_modules()}
+    names = _names(converted)
     chain_of = {names[id(c)]: j for j, c in enumerate(chains) if id(c) in names}
     ran = -1  # the last chain (forward order) whose forward has started
     done = set()  # chains whose backward has started
@@ -194,9 +206,8 @@ def plan_auto(original: nn.Module, converted: nn.Module, inputs: Tuple[Any, ...]
         eager_peak = measure_peak(original, inputs).peak if peak_budget is not None else None
         for l in layers:
             l.mode = "recompute_conv"
-        for m in converted.modules():
-            if isinstance(m, FusedChain):
-                m.plan_on_first_call = None
+        for m in _chains(converted):
+            m.plan_on_first_call = None
         floor = measure_saved(converted, inputs)
         ordered, costs, floor_total, gaps = _chain_costs(converted, inputs)
     report.eager_saved_bytes, report.floor_saved_bytes = eager, floor
@@ -234,8 +245,8 @@ def plan_auto(original: nn.Module, converted: nn.Module, inputs: Tuple[Any, ...]
         keeps = [[by_layer[id(l)] for l in c.layers] for c in ordered]
     # the planner is pure; its flags are applied here
     reached = {id(c) for c in ordered}
-    for m in converted.modules():
-        if isinstance(m, FusedChain) and id(m) not in reached:  # not run by example_inputs: plan when it runs
+    for m in _chains(converted):
+        if id(m) not in reached:  # not run by example_inputs: plan when it runs
             for l in m.layers:
                 l.mode = "recompute_bn"
             m.plan_on_first_call = plan_on_first_call
@@ -246,7 +257,7 @@ def plan_auto(original: nn.Module, converted: nn.Module, inputs: Tuple[Any, ...]
             l.may_drop = md
     peak, where = step_peak(costs, keeps, floor_total, may_drop=may_drop, gaps=gaps)
     report.predicted_peak_bytes = peak
-    names = {id(m): n for n, m in converted.named_modules()}
+    names = _names(converted)
     report.predicted_peak_where = "end of forward" if where == -1 else "outside the chains" if where == -2 else (
         f"backward, in {names.get(id(ordered[where]), '?')!r} ({ordered[where].layers[0].names[0]} ...)")
     if memory_budget is not None:  # the default and a peak budget alone set no saved-bytes target
