@@ -83,7 +83,7 @@ def _convert(module: nn.Module, prefix: str, ctx: _Context, exposed: bool = Fals
             raise TypeError(f"{type(module).__name__} has no forward (a container)")
         traced = trace(module, LayerTracer, training=True)  # the graph convert builds is for training
     except Exception as err:  # any tracing failure: convert the children instead
-        if not isinstance(module, (nn.ModuleList, nn.ModuleDict)):
+        if type(module).forward is not nn.Module.forward:  # a container without forward is no failure
             report.untraced.append((prefix.rstrip("."), short_reason(err, 120)))
         for name, child in module.named_children():
             _convert(child, f"{prefix}{name}.", ctx, exposed=True)

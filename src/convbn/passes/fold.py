@@ -124,8 +124,7 @@ def fold_children(module: nn.Module, prefix: str, ctx: FoldContext, done: Set[in
     for name, child in list(module.named_children()):
         if isinstance(child, (_BatchNorm,) + LAYER_MODULES):
             continue  # a lone layer: nothing to fold inside
-        if type(child).__module__.startswith("torch.nn.") and not isinstance(
-                child, (nn.Sequential, nn.ModuleList, nn.ModuleDict)):
+        if type(child).__module__.startswith("torch.nn.") and not any(True for _ in child.children()):
             continue  # a torch leaf (activation, pooling...): nothing to fold inside
         changed = fold_module(child, f"{prefix}{name}.", ctx, done) or changed
     return changed
@@ -141,7 +140,7 @@ def _fold_finer(model: nn.Module, args: Tuple[Any, ...], reference: Any, eager_e
     work = copy.deepcopy(model)
     inputs = called_inputs(work, args, {})
     report = FoldReport()
-    report.untraceable.append(("", f"folding the whole model changed its outputs ({why}); folded part by part"))
+    report.untraceable.append(("", f"folding the whole model changed its outputs ({why}); folded child by child"))
 
     def finer(module: nn.Module, prefix: str) -> None:
         for name, child in list(module.named_children()):
@@ -151,11 +150,12 @@ def _fold_finer(model: nn.Module, args: Tuple[Any, ...], reference: Any, eager_e
             if not may_normalise(child):
                 continue
             try:
-                fold(child, example_inputs=inputs[id(child)][0], inplace=True)
+                new = fold(child, example_inputs=inputs[id(child)][0])
             except RuntimeError as exc:  # this part cannot be folded faithfully: keep it as it is
                 report.untraceable.append((prefix + name, f"left unfolded: {short_reason(exc)}"))
                 continue
-            sub = child.__dict__.pop("fold_report")
+            module._modules[name] = new  # the folded copy of the same class, in the child's place
+            sub = new.__dict__.pop("fold_report")
             report.outcomes += [dataclasses.replace(a, batchnorm=f"{prefix}{name}.{a.batchnorm}",
                                                     layer=a.layer and f"{prefix}{name}.{a.layer}") for a in sub.outcomes]
             report.untraceable += [(f"{prefix}{name}.{n}" if n else prefix + name, w) for n, w in sub.untraceable]
@@ -171,7 +171,7 @@ def _fold_finer(model: nn.Module, args: Tuple[Any, ...], reference: Any, eager_e
     report.check = FoldCheck(True, note, shapes, diff, tol, ok)
     if not ok or not report.folded:  # nothing gained: report the whole-model failure instead
         return None
-    warnings.warn(f"fold(): folding the whole model changed its outputs ({why}); folded it part by part "
+    warnings.warn(f"fold(): folding the whole model changed its outputs ({why}); folded it child by child "
                   "instead (see fold_report)", RuntimeWarning, stacklevel=3)
     forget_undo(work)
     work.__dict__["fold_report"] = report

@@ -160,8 +160,8 @@ def _tensor_valued(node: fx.Node) -> bool:
     if node.op in ("call_module", "get_attr"):
         return True
     if node.op == "placeholder":
-        ann = node.type
-        return ann is None or ann is inspect_empty or (isinstance(ann, type) and issubclass(ann, torch.Tensor))
+        ann = node.type  # an input is a tensor unless annotated as a class that is not one
+        return not isinstance(ann, type) or issubclass(ann, torch.Tensor)
     if node.op == "call_method":
         return str(node.target) not in _NON_TENSOR_METHODS
     if node.op == "call_function":
@@ -170,9 +170,6 @@ def _tensor_valued(node: fx.Node) -> bool:
             return False
         return not (getattr(target, "__module__", None) == builtins.__name__ or isinstance(target, FunctionCall))
     return False
-
-
-inspect_empty = __import__("inspect").Parameter.empty
 
 
 def _asked_classes(line: str, frame: Any) -> Optional[List[Any]]:
