@@ -43,6 +43,8 @@ def rel(a: List[torch.Tensor], b: List[torch.Tensor]) -> float:
 
 
 def check(name: str, factory: Callable[[], nn.Module], shape: Tuple[int, ...]) -> None:
+    if ONLY and not any(o in name for o in ONLY):
+        return
     torch.manual_seed(0)
     model = factory().train()
     x = torch.randn(*shape)
@@ -59,7 +61,9 @@ def check(name: str, factory: Callable[[], nn.Module], shape: Tuple[int, ...]) -
         of, gf = step(fast, x)
         buf = max(((a - b).abs().max()).item() for a, b in zip(fast.buffers(), eager.buffers())
                   if a.is_floating_point()) if n_bn else 0.0
-        row += [f"{fused}", f"out {rel(of, oe):.1e} grad {rel(gf, ge):.1e} buf {buf:.1e}", type(fast).__name__]
+        left = sorted({o.reason[:70] for o in fast.convbn_report.outcomes if o.result != "fused"})
+        row += [f"{fused}" + (f" (left: {'; '.join(left[:2])})" if left else ""),
+                f"out {rel(of, oe):.1e} grad {rel(gf, ge):.1e} buf {buf:.1e}", type(fast).__name__]
     except Exception as exc:  # noqa: BLE001 - report, go on
         row += ["RAISE", f"{type(exc).__name__}: {str(exc)[:90]}", ""]
     try:
@@ -73,22 +77,26 @@ def check(name: str, factory: Callable[[], nn.Module], shape: Tuple[int, ...]) -
     print(" | ".join(row), flush=True)
 
 
+ONLY: List[str] = []
+
+
 def main() -> None:
+    ONLY[:] = sys.argv[1:]
     import_torchvision_without_fake_kernels()
     import segmentation_models_pytorch as smp  # noqa: E402
     print("model | BNs | fused | step vs eager (max rel) | class | folded | time")
     for arch in ("Unet", "UnetPlusPlus", "FPN", "PSPNet", "DeepLabV3", "DeepLabV3Plus", "Linknet", "MAnet", "PAN",
                  "UPerNet"):
         check(f"smp.{arch}", lambda arch=arch: smp.create_model(arch, encoder_name="resnet18", encoder_weights=None,
-                                                                  classes=2), (2, 3, 64, 64))
+                                                                  classes=2), (2, 3, 128 if arch == "PAN" else 64, 128 if arch == "PAN" else 64))
     from ultralytics.nn.tasks import DetectionModel  # noqa: E402
 
     for cfg in ("yolov8n.yaml", "yolov5n.yaml", "yolo11n.yaml"):
         check(f"ultralytics.{cfg}", lambda cfg=cfg: DetectionModel(cfg, verbose=False), (1, 3, 64, 64))
     from pytorchcv.model_provider import get_model  # noqa: E402
 
-    for net in ("resnet18", "mobilenetv2_w1", "shufflenetv2_w1", "densenet121"):
-        check(f"pytorchcv.{net}", lambda net=net: get_model(net, pretrained=False), (2, 3, 64, 64))
+    for net in ("resnet18", "mobilenetv2_w1", "shufflenetv2_w1"):
+        check(f"pytorchcv.{net}", lambda net=net: get_model(net, pretrained=False), (2, 3, 224, 224))
 
 
 if __name__ == "__main__":
