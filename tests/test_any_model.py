@@ -24,6 +24,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 import convbn
 from convbn import FusedChain
 from convbn.passes.graph_module import installed
+from test_trace import build, inp
 
 DT = torch.float64
 
@@ -133,23 +134,6 @@ class Frozen(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         return self.body(self.stem(x) * self.mask)
-
-
-def build(cls: Any, dtype: torch.dtype = DT, seed: int = 0) -> nn.Module:
-    torch.manual_seed(seed)
-    m = cls().to(dtype)
-    with torch.no_grad():
-        for b in m.modules():
-            if isinstance(b, _BatchNorm):
-                b.weight.uniform_(0.5, 1.5)
-                b.bias.uniform_(-0.5, 0.5)
-                b.running_mean.uniform_(-0.2, 0.2)
-                b.running_var.uniform_(0.5, 2.0)
-    return m
-
-
-def inp(*shape: int, seed: int = 1) -> Tensor:
-    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=DT)
 
 
 def bn_names(model: nn.Module) -> List[str]:
