@@ -27,6 +27,8 @@ from .layers import has_standard_forward, layer_call, layer_spec
 from .match_tail import TailMatch, TailOpMatch, describe_node, match_tail, node_arg, tail_label
 from .report import ConvertReport
 from .shape_uses import is_rank_use, value_users
+from .shared_heads import split_shared_heads
+from .token_bn import flatten_token_bns
 
 __all__ = ["MatchedConv", "MatchedLayer", "find_layers", "group_chains", "head_input", "node_arg",
            "describe_node"]
@@ -337,6 +339,8 @@ def find_layers(gm: fx.GraphModule, root: nn.Module, prefix: str, report: Conver
     Returns:
         Ordinary layers, heads and end layers (Note: [matched layers and chains]), in graph order.
     """
+    flatten_token_bns(gm)  # bn(linear(t).transpose(1, 2)) -> rows (token_bn.py)
+    split_shared_heads(gm, root, prefix)  # act(bn(x)) read by several convs -> one head each (shared_heads.py)
     layers: List[MatchedLayer] = []
     for site in find_bn_sites(gm, prefix, report, root):
         node, bn, name, src = site.node, site.bn, site.name, site.input
