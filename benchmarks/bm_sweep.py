@@ -92,19 +92,21 @@ CV_OTHER = ["simplepose_resnet18_coco", "lwopenpose2d_mobilenet_cmupan_coco", "i
 
 #: label -> (family, name, task)
 MODELS: Dict[str, Tuple[str, str, str]] = {}
-for _a in SMP_ARCHS:
-    for _e in SMP_ENCODERS:
+for _e in SMP_ENCODERS:  # encoder-major: --limit N takes N architectures with the first encoder
+    for _a in SMP_ARCHS:
         MODELS[f"smp:{_a}/{_e}"] = ("smp", f"{_a}/{_e}", "segmentation")
 for _c in YOLO_CONFIGS:
     _task = ("segmentation" if "seg" in _c else "pose" if "pose" in _c else "classification" if "cls" in _c
              else "detection")
     MODELS[f"yolo:{_c}"] = ("yolo", _c, _task)
-for _n in CV_CIFAR + CV_IMAGENET:
-    MODELS[f"cv:{_n}"] = ("cv", _n, "classification")
-for _n in CV_SEGMENTATION:
-    MODELS[f"cv:{_n}"] = ("cv", _n, "segmentation")
-for _n in CV_OTHER:
-    MODELS[f"cv:{_n}"] = ("cv", _n, "detection" if "centernet" in _n else "pose")
+_CV_ORDER: List[Tuple[str, str]] = []
+for _i in range(max(len(CV_CIFAR), len(CV_IMAGENET), len(CV_SEGMENTATION), len(CV_OTHER))):  # interleaved: --limit
+    for _group, _task in ((CV_CIFAR, "classification"), (CV_IMAGENET, "classification"),
+                          (CV_SEGMENTATION, "segmentation"), (CV_OTHER, "")):
+        if _i < len(_group):
+            _CV_ORDER.append((_group[_i], _task or ("detection" if "centernet" in _group[_i] else "pose")))
+for _n, _t in _CV_ORDER:
+    MODELS[f"cv:{_n}"] = ("cv", _n, _t)
 
 
 def _import_zoo() -> None:
@@ -546,8 +548,18 @@ def main(argv: Optional[List[str]] = None) -> int:
             groups[-1].append(lb)
         else:
             groups.append([lb])
+    open(args.json + "l", "w").close()  # one line per model as it finishes (a run cut short keeps them)
+    lock = threading.Lock()
+
+    def chunk_logged(group: List[str]) -> List[Dict[str, Any]]:
+        recs = chunk(group)
+        with lock, open(args.json + "l", "a") as f:
+            for rec in recs:
+                f.write(json.dumps(rec, default=float) + "\n")
+        return recs
+
     with ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
-        records = [r for recs in pool.map(chunk, groups) for r in recs]
+        records = [r for recs in pool.map(chunk_logged, groups) for r in recs]
     os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
     with open(args.json, "w") as f:
         json.dump(records, f, indent=1, default=float)
