@@ -255,7 +255,30 @@ def _compare(ref: Dict[str, Any], got: Dict[str, Any]) -> Dict[str, float]:
 def _short(exc: BaseException) -> str:
     tb = traceback.extract_tb(exc.__traceback__)
     where = f" [{os.path.basename(tb[-1].filename)}:{tb[-1].lineno}]" if tb else ""
-    return f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}{where}"
+    text = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}{where}"
+    inner = exc.__cause__ or exc.__context__
+    return text + (f" <- {_short(inner)}" if inner is not None and inner is not exc else "")
+
+
+#: failure causes, first match wins: (label, regular expression over the error text)
+CAUSES = [
+    ("frozen parameter (hook on a tensor without grad)", r"doesn't require gradient"),
+    ("module replaced: class attribute / property lost", r"object has no attribute"),
+    ("module replaced: container not iterable / indexable", r"not iterable|not subscriptable|object is not callable"),
+    ("module replaced: bare nn.Module without forward", r"_forward_unimplemented|missing the required \"forward\""),
+    ("trace hazard (isinstance / control flow on a proxy)", r"isinstance|symbolically traced variables cannot"),
+    ("gradients differ from eager", r"mismatch: .*grad"),
+    ("outputs / buffers differ from eager", r"mismatch"),
+    ("timeout", r"^over \d+ s"),
+]
+
+
+def cause(error: str) -> str:
+    """The cause a failure's error text names (:data:`CAUSES`), else ``other: <text>``."""
+    for label, pattern in CAUSES:
+        if re.search(pattern, error):
+            return label
+    return "other: " + error[:120]
 
 
 def _check_convert(model: Any, inputs: Tuple[Any, ...], with_inputs: bool, ref: Dict[str, Any],
@@ -489,6 +512,24 @@ def markdown(records: List[Dict[str, Any]], command: str) -> str:
     return "\n".join(lines)
 
 
+def causes_table(records: List[Dict[str, Any]]) -> str:
+    """Failures counted by cause (:func:`cause`) and pass."""
+    keys = ("convert", "convert_noei", "fold", "fold_noei")
+    counts: Dict[str, Dict[str, int]] = collections.defaultdict(lambda: collections.Counter())
+    for r in records:
+        if "skipped" in r:
+            continue
+        for key in keys:
+            if "timeout" in r or "crash" in r:
+                counts[cause(r.get("timeout", r.get("crash", "")))][key] += 1
+            elif key in r and not r[key].get("ok", False):
+                counts[cause(r[key].get("error", "?"))][key] += 1
+    lines = ["| cause | " + " | ".join(keys) + " |", "|---|" + "---:|" * len(keys)]
+    for c in sorted(counts, key=lambda c: -sum(counts[c].values())):
+        lines.append(f"| {c} | " + " | ".join(str(counts[c][k]) for k in keys) + " |")
+    return "\n".join(lines)
+
+
 def failures(records: List[Dict[str, Any]]) -> str:
     """One line per failing check: label, pass, error text."""
     out = []
@@ -513,8 +554,17 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--no-peak", action="store_true", help="skip the peak measurement")
     parser.add_argument("--list", action="store_true", help="print the labels and exit")
     parser.add_argument("--chunk", type=int, default=4, help="models per subprocess (same family)")
+    parser.add_argument("--report", help="print the tables of a JSON / JSONL file written before, and exit")
     parser.add_argument("--one", nargs="*", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.report:
+        with open(args.report) as f:
+            text = f.read()
+        records = json.loads(text) if text.lstrip().startswith("[") else [json.loads(ln) for ln in text.splitlines() if ln]
+        print(markdown(records, f"python benchmarks/bm_sweep.py --report {args.report}"))
+        print("\n" + causes_table(records) + "\n")
+        print(failures(records))
+        return 0
     if args.one:
         for label in args.one:
             print(json.dumps(run_one(label, peak=not args.no_peak), default=float), flush=True)
@@ -568,6 +618,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         (("family", args.family), ("models", args.models), ("limit", args.limit)) if v)
     print(markdown(records, command))
     print(f"\n{len(records)} models in {time.time() - t0:.0f} s wall ({args.jobs} jobs)\n")
+    print(causes_table(records) + "\n")
     print(failures(records))
     return 0
 
