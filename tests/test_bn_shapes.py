@@ -230,3 +230,20 @@ def test_fold_token_batchnorm_on_a_4d_linear_output_is_left() -> None:
     folded = _fold(FourD(), torch.randn(2, 3, 4, 6))
     assert [o.batchnorm for o in folded.fold_report.skipped] == ["bn"]
     assert "3-D tokens" in folded.fold_report.skipped[0].reason
+
+
+@pytest.mark.parametrize("chain", [True, False])
+def test_shared_head_not_split_where_a_reader_cannot_join(chain: bool) -> None:
+    """A reflect-padded conv only starts a chain: the head stays whole, left with its reason,
+    and the model trains as eager (no copy of the head is left behind in the graph)."""
+    torch.manual_seed(0)
+    model = PreActProjection().double()
+    if chain:
+        model.body1.padding_mode = "reflect"
+    x = torch.randn(2, 8, 8, 8, dtype=torch.float64)
+    eager = copy.deepcopy(model)
+    converted = convbn.convert(copy.deepcopy(model), example_inputs=x, chain=chain)
+    assert "bn" not in _fused(converted.convbn_report)
+    assert [o.batchnorm for o in converted.convbn_report.skipped] == ["bn"]
+    ref = _step(eager, x)
+    _assert_same_step(ref, _step(converted, x, ref["g"]))

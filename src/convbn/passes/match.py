@@ -311,6 +311,15 @@ def _match_head(site: BNSite, tail: TailMatch, gm: fx.GraphModule, root: nn.Modu
     return MatchedLayer(None, site.node, site.bn, site.name, tuple(tail.ops), tuple(tail.shape_uses), head_input(site))
 
 
+def _head_conv_joins(node: fx.Node, out: fx.Node, bn: nn.Module, gm: fx.GraphModule, root: nn.Module) -> bool:
+    """Whether conv ``node``, reading the output ``out`` of a head with BatchNorm ``bn`` alone,
+    would be matched after the head and join its chain (:func:`_match_head`, :func:`group_chains`)."""
+    found = _match_conv(node, gm, root)
+    dims_ok = _BN_DIMS.get(type(bn))
+    return (isinstance(found, MatchedConv) and found.input is out and found.spec.pre_pad_mode == "constant"
+            and not found.absorbed and (dims_ok is None or found.spec.dims in dims_ok))
+
+
 def _end_layers(layers: List[MatchedLayer], gm: fx.GraphModule, root: nn.Module, prefix: str) -> List[MatchedLayer]:
     """End layers: a convolution with no BN after it that is the only reader of a layer's output."""
     claimed = {l.conv.node for l in layers if l.conv is not None}
@@ -340,7 +349,8 @@ def find_layers(gm: fx.GraphModule, root: nn.Module, prefix: str, report: Conver
         Ordinary layers, heads and end layers (Note: [matched layers and chains]), in graph order.
     """
     flatten_token_bns(gm)  # bn(linear(t).transpose(1, 2)) -> rows (token_bn.py)
-    split_shared_heads(gm, root, prefix)  # act(bn(x)) read by several convs -> one head each (shared_heads.py)
+    if chain:  # act(bn(x)) read by several convs -> one head each (shared_heads.py)
+        split_shared_heads(gm, root, prefix, lambda conv, out, bn: _head_conv_joins(conv, out, bn, gm, root))
     layers: List[MatchedLayer] = []
     for site in find_bn_sites(gm, prefix, report, root):
         node, bn, name, src = site.node, site.bn, site.name, site.input

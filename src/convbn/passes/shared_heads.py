@@ -15,7 +15,7 @@ no hooks on the BatchNorm or the tail's modules; otherwise the graph is left as 
 """
 from __future__ import annotations
 
-from typing import Dict, List, Optional
+from typing import Callable, Dict, List, Optional
 
 import torch.fx as fx
 from torch import nn
@@ -23,7 +23,7 @@ from torch import nn
 from ..functional.activations import Activation, activation_from_module
 from ..nn.bn_call import has_standard_bn_forward
 from ..nn.bn_shared import SharedBatchStats
-from .hooks import hook_reason
+from .hooks import global_hooks, hook_reason
 from .layers import layer_call
 from .match_tail import match_tail
 from .shape_uses import value_users
@@ -36,17 +36,20 @@ def _deterministic(element: object) -> bool:
         isinstance(element, nn.Module) and activation_from_module(element) is not None)
 
 
-def _conv_readers(out: fx.Node, gm: fx.GraphModule) -> Optional[List[fx.Node]]:
+def _conv_readers(out: fx.Node, bn: nn.Module, gm: fx.GraphModule, joins: Callable[[fx.Node, fx.Node, nn.Module], bool]
+                  ) -> Optional[List[fx.Node]]:
     """The readers of ``out`` if there are several and each is a conv / linear call reading it
-    as its (only) input, else ``None``."""
+    as its (only) input that a head chain can start with, else ``None``."""
     readers = value_users(out)
     if len(readers) < 2 or len(readers) != len(out.users):
         return None
     for r in readers:
         call = layer_call(r, gm)
-        if call is None or isinstance(call, str) or call.input is not out:
+        if call is None or isinstance(call, str) or call.input is not out or not joins(r, out, bn):
             return None
         if sum(a is out for a in (*r.args, *r.kwargs.values())) != 1:
+            return None
+        if call.module is not None and hook_reason(call.module):
             return None
     return readers
 
@@ -58,19 +61,27 @@ def _free_target(gm: fx.GraphModule, base: str) -> str:
     return name
 
 
-def split_shared_heads(gm: fx.GraphModule, root: nn.Module, prefix: str) -> List[str]:
+def split_shared_heads(gm: fx.GraphModule, root: nn.Module, prefix: str,
+                       joins: Callable[[fx.Node, fx.Node, nn.Module], bool]) -> List[str]:
     """Give each conv that reads a pre-activation ``act(BN(x))`` its own head, in ``gm``'s graph.
+
+    The copies call a module only ``gm`` holds, so every head made here must be fused: the
+    split is made only where ``joins`` accepts every reader.
 
     Args:
         gm: the traced graph module (BatchNorms and convs are leaves).
         root: the module it was traced from.
         prefix: its qualified name + ``"."``, for names.
+        joins: ``joins(conv_node, head_out, bn)``: whether the conv reading ``head_out`` would
+            be matched as a head's conv and join its chain (:func:`convbn.passes.match.find_layers`).
 
     Returns:
         The BatchNorm targets whose head was split (the graph is recompiled when any).
     """
     done: List[str] = []
     graph = gm.graph
+    if global_hooks():
+        return done
     for node in list(graph.nodes):
         if node.op != "call_module" or len(node.args) != 1 or node.kwargs or not isinstance(node.args[0], fx.Node):
             continue
@@ -91,7 +102,7 @@ def split_shared_heads(gm: fx.GraphModule, root: nn.Module, prefix: str) -> List
                if op.node.op == "call_module"):
             continue
         out = tail.out(node)
-        readers = _conv_readers(out, gm)
+        readers = _conv_readers(out, bn, gm, joins)
         if readers is None:
             continue
         inner = [node] + [n for op in tail.ops for n in (*op.extra, op.node)]
