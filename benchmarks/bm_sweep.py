@@ -557,14 +557,6 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--report", help="print the tables of a JSON / JSONL file written before, and exit")
     parser.add_argument("--one", nargs="*", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    if args.report:
-        with open(args.report) as f:
-            text = f.read()
-        records = json.loads(text) if text.lstrip().startswith("[") else [json.loads(ln) for ln in text.splitlines() if ln]
-        print(markdown(records, f"python benchmarks/bm_sweep.py --report {args.report}"))
-        print("\n" + causes_table(records) + "\n")
-        print(failures(records))
-        return 0
     if args.one:
         for label in args.one:
             print(json.dumps(run_one(label, peak=not args.no_peak), default=float), flush=True)
@@ -579,9 +571,21 @@ def main(argv: Optional[List[str]] = None) -> int:
                 per[MODELS[lb][0]] += 1
                 kept.append(lb)
         labels = kept
+    selection = "".join(f" --{k} {' '.join(v) if isinstance(v, list) else v}" for k, v in
+                        (("family", args.family), ("models", args.models), ("limit", args.limit)) if v)
     if args.list:
         print("\n".join(labels))
         return 0
+    if args.report:
+        with open(args.report) as f:
+            text = f.read()
+        records = json.loads(text) if text.lstrip().startswith("[") else [json.loads(ln) for ln in text.splitlines() if ln]
+        records = [r for r in records if r["label"] in set(labels)]  # the models --family / --models / --limit pick
+        print(markdown(records, f"python benchmarks/bm_sweep.py --report {args.report}{selection}"))
+        print("\n" + causes_table(records) + "\n")
+        print(failures(records))
+        return 0
+
     t0 = time.time()
 
     def chunk(group: List[str]) -> List[Dict[str, Any]]:
@@ -613,9 +617,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
     with open(args.json, "w") as f:
         json.dump(records, f, indent=1, default=float)
-    command = "python benchmarks/bm_sweep.py" + "".join(
-        f" --{k} {' '.join(v) if isinstance(v, list) else v}" for k, v in
-        (("family", args.family), ("models", args.models), ("limit", args.limit)) if v)
+    command = "python benchmarks/bm_sweep.py" + selection
     print(markdown(records, command))
     print(f"\n{len(records)} models in {time.time() - t0:.0f} s wall ({args.jobs} jobs)\n")
     print(causes_table(records) + "\n")
