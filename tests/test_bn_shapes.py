@@ -247,3 +247,26 @@ def test_shared_head_not_split_where_a_reader_cannot_join(chain: bool) -> None:
     assert [o.batchnorm for o in converted.convbn_report.skipped] == ["bn"]
     ref = _step(eager, x)
     _assert_same_step(ref, _step(converted, x, ref["g"]))
+
+
+class ConvActBN(nn.Module):
+    """conv -> act -> BN: fused as a head where a conv follows, else left saying the order."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.c1, self.a1, self.b1 = nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.BatchNorm2d(8)
+        self.c2, self.a2, self.b2 = nn.Conv2d(8, 8, 3, padding=1), nn.SiLU(), nn.BatchNorm2d(8)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.b2(self.a2(self.c2(self.b1(self.a1(self.c1(x))))))
+
+
+def test_conv_act_bn_order_fused_as_head_or_left_with_the_order_named() -> None:
+    torch.manual_seed(0)
+    model, x = ConvActBN().double(), torch.randn(2, 3, 6, 6, dtype=torch.float64)
+    converted = convbn.convert(copy.deepcopy(model), example_inputs=x)
+    assert _fused(converted.convbn_report) == {"b1": ["c2"]}
+    (left,) = converted.convbn_report.skipped
+    assert left.batchnorm == "b2" and "silu of convolution c2 (conv -> activation -> BN order)" in left.reason
+    ref = _step(model, x)
+    _assert_same_step(ref, _step(converted, x, ref["g"]))

@@ -14,7 +14,7 @@ replaces each chain by one fused module.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Tuple, Union
+from typing import Any, Dict, List, Optional, Tuple, Union
 
 import torch.fx as fx
 import torch.nn.functional as F
@@ -311,6 +311,21 @@ def _match_head(site: BNSite, tail: TailMatch, gm: fx.GraphModule, root: nn.Modu
     return MatchedLayer(None, site.node, site.bn, site.name, tuple(tail.ops), tuple(tail.shape_uses), head_input(site))
 
 
+def _conv_before_tail(src: Any, gm: fx.GraphModule, root: nn.Module, prefix: str) -> Optional[str]:
+    """``"<tail> of convolution <name>"`` if ``src`` ends the element-wise tail of a conv
+    output (conv -> act -> BN), else ``None``."""
+    node = src
+    while isinstance(node, fx.Node) and node.op in ("call_module", "call_function", "call_method") and node.args:
+        node = node.args[0]
+        conv = _match_conv(node, gm, root) if isinstance(node, fx.Node) else None
+        if isinstance(conv, MatchedConv):
+            tail = match_tail(node, root, prefix)
+            return f"{tail_label(tail.ops)} of convolution {prefix}{conv.name}" if tail.ops and tail.out(node) is src else None
+        if not isinstance(node, fx.Node) or len(node.users) != 1:
+            return None
+    return None
+
+
 def _head_conv_joins(node: fx.Node, out: fx.Node, bn: nn.Module, gm: fx.GraphModule, root: nn.Module) -> bool:
     """Whether conv ``node``, reading the output ``out`` of a head with BatchNorm ``bn`` alone,
     would be matched after the head and join its chain (:func:`_match_head`, :func:`group_chains`)."""
@@ -359,6 +374,10 @@ def find_layers(gm: fx.GraphModule, root: nn.Module, prefix: str, report: Conver
         conv_name: Optional[str] = None
         if conv is None:
             why: Optional[str] = f"its input is not a convolution output (it follows {describe_node(src)})"
+            after_act = _conv_before_tail(src, gm, root, prefix)
+            if after_act is not None:
+                why = (f"it follows {after_act} (conv -> activation -> BN order); convert fuses conv -> BN -> "
+                       "activation: a BN placed before the activation would fuse")
         elif isinstance(conv, str):
             why = conv
         else:
