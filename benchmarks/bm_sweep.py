@@ -475,7 +475,8 @@ def _run_subprocess(labels: List[str], timeout: float, peak: bool) -> List[Dict[
 
 
 def _failed(rec: Dict[str, Any], key: str) -> bool:
-    return "timeout" in rec or "crash" in rec or not rec.get(key, {}).get("ok", False)
+    """The check ``key`` failed (a crash fails every check; a timeout is counted apart)."""
+    return "timeout" not in rec and ("crash" in rec or not rec.get(key, {}).get("ok", False))
 
 
 def markdown(records: List[Dict[str, Any]], command: str) -> str:
@@ -484,8 +485,8 @@ def markdown(records: List[Dict[str, Any]], command: str) -> str:
         fams[r["family"]].append(r)
     lines = [f"Command: `{command}`", "",
              "| family | models | convert fail | convert-noei fail | fold fail | fold-noei fail | BN called | "
-             "fused (ran) | fused (report) | folded | max out / grad / buffer err | above eager peak | skipped |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|"]
+             "fused (ran) | fused (report) | folded | max out / grad / buffer err | above eager peak | timeout | skipped |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|"]
 
     def row(name: str, rs: List[Dict[str, Any]]) -> str:
         run = [r for r in rs if "skipped" not in r]
@@ -504,7 +505,8 @@ def markdown(records: List[Dict[str, Any]], command: str) -> str:
                 f"{sum(_failed(r, 'convert_noei') for r in run)} | {sum(_failed(r, 'fold') for r in run)} | "
                 f"{sum(_failed(r, 'fold_noei') for r in run)} | {called} | {ran} ({ran / max(called, 1):.0%}) | "
                 f"{rep} | {folded} / {bns} ({folded / max(bns, 1):.0%}) | "
-                f"{mx[0]:.1e} / {mx[1]:.1e} / {mx[2]:.1e} | {above} | {len(rs) - len(run)} |")
+                f"{mx[0]:.1e} / {mx[1]:.1e} / {mx[2]:.1e} | {above} | {sum('timeout' in r for r in run)} | "
+                f"{len(rs) - len(run)} |")
 
     for fam in sorted(fams):
         lines.append(row(fam, fams[fam]))
@@ -520,8 +522,10 @@ def causes_table(records: List[Dict[str, Any]]) -> str:
         if "skipped" in r:
             continue
         for key in keys:
-            if "timeout" in r or "crash" in r:
-                counts[cause(r.get("timeout", r.get("crash", "")))][key] += 1
+            if "timeout" in r:
+                continue
+            if "crash" in r:
+                counts[cause(r["crash"])][key] += 1
             elif key in r and not r[key].get("ok", False):
                 counts[cause(r[key].get("error", "?"))][key] += 1
     lines = ["| cause | " + " | ".join(keys) + " |", "|---|" + "---:|" * len(keys)]
@@ -549,7 +553,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--models", nargs="*", help="only labels containing one of these strings")
     parser.add_argument("--limit", type=int, help="at most this many models (per family with --family)")
     parser.add_argument("--jobs", type=int, default=2, help="models run at once (one subprocess each)")
-    parser.add_argument("--timeout", type=float, default=240.0, help="seconds per model")
+    parser.add_argument("--timeout", type=float, default=600.0, help="seconds per model")
     parser.add_argument("--json", default=os.path.join(HERE, "results", "bm_sweep.json"), help="output file")
     parser.add_argument("--no-peak", action="store_true", help="skip the peak measurement")
     parser.add_argument("--list", action="store_true", help="print the labels and exit")
