@@ -11,7 +11,9 @@ ordinary head that :func:`~convbn.passes.match.find_layers` matches and fuses.
 
 The rewrite is made only where every reader is a convolution a chain can start with and the
 tail is element-wise and deterministic (no dropout: two copies would draw two masks), with
-no hooks on the BatchNorm or the tail's modules; otherwise the graph is left as it was.
+no hooks on the BatchNorm, the tail's modules or the convs, and the BatchNorm computes with
+torch's own ``_BatchNorm.forward`` (not a SyncBatchNorm, whose copy would reduce its batch
+statistics over one process alone); otherwise the graph is left as it was.
 """
 from __future__ import annotations
 
@@ -19,9 +21,9 @@ from typing import Callable, Dict, List, Optional
 
 import torch.fx as fx
 from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
 
 from ..functional.activations import Activation, activation_from_module
-from ..nn.bn_call import has_standard_bn_forward
 from ..nn.bn_shared import SharedBatchStats
 from .hooks import global_hooks, hook_reason
 from .layers import layer_call
@@ -86,13 +88,14 @@ def split_shared_heads(gm: fx.GraphModule, root: nn.Module, prefix: str,
         if node.op != "call_module" or len(node.args) != 1 or node.kwargs or not isinstance(node.args[0], fx.Node):
             continue
         bn = gm.get_submodule(str(node.target))
-        if not isinstance(bn, nn.modules.batchnorm._BatchNorm) or isinstance(bn, SharedBatchStats):
+        if not isinstance(bn, _BatchNorm) or isinstance(bn, SharedBatchStats):
             continue
         src = node.args[0]
         src_call = layer_call(src, gm)
         if src_call is not None and not isinstance(src_call, str) and value_users(src) == [node]:
             continue  # conv -> BN: an ordinary layer, whose output any number of chains may read
-        if not has_standard_bn_forward(bn) or hook_reason(bn) or sum(
+        # torch's own forward only: a SyncBatchNorm's second head would reduce its statistics alone
+        if type(bn).forward is not _BatchNorm.forward or hook_reason(bn) or sum(
                 1 for n in graph.nodes if n.op == "call_module" and n.target == node.target) != 1:
             continue
         tail = match_tail(node, root, prefix)
