@@ -17,12 +17,14 @@ from torch.utils import _pytree as pytree
 from ..functional.fold import fold_bn_into_following, fold_bn_into_preceding
 from ..nn.bn_call import has_standard_bn_forward
 from .bn_sites import BNCall, bn_call
+from .concat_heads import cat_parts, channel_cat_pieces
 from .fold_layers import (UNSET, NormActTail, check_bn_foldable, clone_with, const_tensor, describe_activation,
                           free_name, get_attr_value, owner_path)
 from .fold_report import FoldReport
 from .layers import LayerCall, has_standard_forward, layer_call, layer_spec
 from .outcome import BNOutcome
 from .shape_uses import value_users
+from .token_bn import features_to_dim1
 
 __all__ = ["FoldContext", "GraphFolder"]
 
@@ -374,6 +376,11 @@ class GraphFolder:
     def fold_preceding(self, site: _BNSite) -> Tuple[bool, str]:
         layer = self.layer(site.input)
         if isinstance(layer, str):
+            if isinstance(site.input, fx.Node) and cat_parts(site.input) is not None:
+                return self.fold_preceding_cat(site, site.input)
+            src = features_to_dim1(site.input)
+            if src is not None:
+                return self.fold_preceding_tokens(site, src)
             return False, f"before it: {layer}"
         if len(value_users(layer.node)) != 1:  # x.shape / x.ndim reads stay valid after folding
             others = ", ".join(f"'{u.name}'" for u in value_users(layer.node) if u is not site.node)
@@ -386,6 +393,81 @@ class GraphFolder:
                                       site.eps, site.weight, site.bias,
                                       transposed=layer.kind == "convt", groups=layer.groups)
         return self._fold(site, layer, w, b, layer.node, "preceding")
+
+    # Note: [folding into the layers of a concatenation]
+    # BN is per channel, so BN(cat([y_1, ..., y_k], 1)) == cat([BN_1(y_1), ..., BN_k(y_k)], 1)
+    # where BN_i is BN restricted to the channels y_i occupies (its slice of running_mean,
+    # running_var, weight, bias; the same eps). Where every y_i is a conv / linear output read
+    # only by the concatenation (a mixed-kernel conv: split -> convs of several kernel sizes
+    # -> cat), each BN_i folds into its layer as a preceding BN does, and the BN goes.
+    def fold_preceding_cat(self, site: _BNSite, cat: fx.Node) -> Tuple[bool, str]:
+        """Fold ``site`` into every layer whose output its input concatenates (along channels)."""
+        layers = []
+        for piece in cat.args[0] if cat.args else cat.kwargs["tensors"]:
+            layer = self.layer(piece)
+            if isinstance(layer, str):
+                return False, (f"before it: a channel concatenation whose piece {layer}; a BN after a concatenation "
+                               "folds only when every piece is a conv/linear output")
+            layers.append(layer)
+        ranks = {layer.weight.dim() for layer in layers}
+        if len(ranks) != 1 or channel_cat_pieces(cat, ranks.pop()) is None or any(l.kind == "linear" for l in layers):
+            return False, "before it: a concatenation, but not along the channels of conv outputs of one rank"
+        if len({id(l.node) for l in layers}) != len(layers) or len(value_users(cat)) != 1:
+            return False, "before it: the concatenation (or a layer output in it) is also used elsewhere"
+        for layer in layers:
+            if len(value_users(layer.node)) != 1:
+                return False, (f"before it: output of {layer.name} is also used outside the concatenation "
+                               "(folding would change it there)")
+            why = self._rank_ok(site, layer)
+            if why:
+                return False, f"before it: {why}"
+        if sum(l.out_channels for l in layers) != site.running_mean.numel():
+            return False, (f"before it: the concatenated layers have {sum(l.out_channels for l in layers)} channels, "
+                           f"BN {site.running_mean.numel()}")
+        start, notes = 0, []
+        for layer in layers:
+            part = slice(start, start + layer.out_channels)
+            start += layer.out_channels
+            w, b = fold_bn_into_preceding(layer.weight, layer.bias, site.running_mean[part], site.running_var[part],
+                                          site.eps, None if site.weight is None else site.weight[part],
+                                          None if site.bias is None else site.bias[part],
+                                          transposed=layer.kind == "convt", groups=layer.groups)
+            note = self.install(layer, w, b)
+            if note:
+                notes.append(note)
+        self.remove_bn(site, cat)
+        names = ", ".join(l.name for l in layers)
+        self.ctx.report.outcomes.append(BNOutcome(site.name, "folded", names, "preceding", "; ".join(notes)))
+        return True, ""
+
+    # Note: [folding into a linear layer over tokens]
+    # A Linear on tokens (B, L, C_in) -> (B, L, C) with BatchNorm1d over its features is
+    # written y.transpose(1, 2) -> BN1d -> (B, C, L): the transpose moves the Linear's feature
+    # dim to BN's channel dim 1, so BN(y^T) == (s * y + t)^T folds into the Linear as a
+    # preceding BN does (W' = s W per output feature), and the BN's users read the transpose.
+    # The ranks seen on the sample input must say so: the BN's input 3-D, the Linear's output 3-D.
+    def fold_preceding_tokens(self, site: _BNSite, src: fx.Node) -> Tuple[bool, str]:
+        """Fold ``site`` into the linear layer whose 3-D output ``site.input`` transposes."""
+        layer = self.layer(src)
+        if isinstance(layer, str):
+            return False, f"before it: a transpose of features to dim 1, but {layer}"
+        if layer.kind != "linear":
+            return False, f"before it: a transpose of {layer.name}'s output, not of a linear layer's tokens"
+        if len(value_users(src)) != 1 or len(value_users(site.input)) != 1:
+            return False, f"before it: the output of {layer.name} (or its transpose) is also used elsewhere"
+        bn_ranks = self.ctx.bn_input_ranks.get(id(site.module)) if site.module is not None else None
+        lin_ranks = self.ctx.linear_out_ranks.get(id(layer.module)) if layer.module is not None else None
+        if bn_ranks != {3} or (layer.module is not None and lin_ranks != {3}):
+            return False, (f"before it: a transpose of {layer.name}'s output; it folds only where the sample input "
+                           "shows 3-D tokens (pass example_inputs to fold())")
+        if layer.out_channels != site.running_mean.numel():
+            return False, f"before it: {layer.name} has {layer.out_channels} output features, BN {site.running_mean.numel()}"
+        w, b = fold_bn_into_preceding(layer.weight, layer.bias, site.running_mean, site.running_var,
+                                      site.eps, site.weight, site.bias)
+        note = self.install(layer, w, b)
+        self.remove_bn(site, site.input)
+        self.ctx.report.outcomes.append(BNOutcome(site.name, "folded", layer.name, "preceding", note))
+        return True, ""
 
     # Note: [folding into the following conv]
     # conv(BN(x)) == conv'(x) with W' = W * s (per input channel) and b' = b + sum(W * t)

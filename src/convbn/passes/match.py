@@ -14,7 +14,7 @@ replaces each chain by one fused module.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Tuple, Union
+from typing import Any, Dict, List, Optional, Tuple, Union
 
 import torch.fx as fx
 import torch.nn.functional as F
@@ -27,6 +27,8 @@ from .layers import has_standard_forward, layer_call, layer_spec
 from .match_tail import TailMatch, TailOpMatch, describe_node, match_tail, node_arg, tail_label
 from .report import ConvertReport
 from .shape_uses import is_rank_use, value_users
+from .shared_heads import split_shared_heads
+from .token_bn import flatten_token_bns
 
 __all__ = ["MatchedConv", "MatchedLayer", "find_layers", "group_chains", "head_input", "node_arg",
            "describe_node"]
@@ -309,6 +311,30 @@ def _match_head(site: BNSite, tail: TailMatch, gm: fx.GraphModule, root: nn.Modu
     return MatchedLayer(None, site.node, site.bn, site.name, tuple(tail.ops), tuple(tail.shape_uses), head_input(site))
 
 
+def _conv_before_tail(src: Any, gm: fx.GraphModule, root: nn.Module, prefix: str) -> Optional[str]:
+    """``"<tail> of convolution <name>"`` if ``src`` ends the element-wise tail of a conv
+    output (conv -> act -> BN), else ``None``."""
+    node = src
+    while isinstance(node, fx.Node) and node.op in ("call_module", "call_function", "call_method") and node.args:
+        node = node.args[0]
+        conv = _match_conv(node, gm, root) if isinstance(node, fx.Node) else None
+        if isinstance(conv, MatchedConv):
+            tail = match_tail(node, root, prefix)
+            return f"{tail_label(tail.ops)} of convolution {prefix}{conv.name}" if tail.ops and tail.out(node) is src else None
+        if not isinstance(node, fx.Node) or len(node.users) != 1:
+            return None
+    return None
+
+
+def _head_conv_joins(node: fx.Node, out: fx.Node, bn: nn.Module, gm: fx.GraphModule, root: nn.Module) -> bool:
+    """Whether conv ``node``, reading the output ``out`` of a head with BatchNorm ``bn`` alone,
+    would be matched after the head and join its chain (:func:`_match_head`, :func:`group_chains`)."""
+    found = _match_conv(node, gm, root)
+    dims_ok = _BN_DIMS.get(type(bn))
+    return (isinstance(found, MatchedConv) and found.input is out and found.spec.pre_pad_mode == "constant"
+            and not found.absorbed and (dims_ok is None or found.spec.dims in dims_ok))
+
+
 def _end_layers(layers: List[MatchedLayer], gm: fx.GraphModule, root: nn.Module, prefix: str) -> List[MatchedLayer]:
     """End layers: a convolution with no BN after it that is the only reader of a layer's output."""
     claimed = {l.conv.node for l in layers if l.conv is not None}
@@ -337,6 +363,9 @@ def find_layers(gm: fx.GraphModule, root: nn.Module, prefix: str, report: Conver
     Returns:
         Ordinary layers, heads and end layers (Note: [matched layers and chains]), in graph order.
     """
+    flatten_token_bns(gm)  # bn(linear(t).transpose(1, 2)) -> rows (token_bn.py)
+    if chain:  # act(bn(x)) read by several convs -> one head each (shared_heads.py)
+        split_shared_heads(gm, root, prefix, lambda conv, out, bn: _head_conv_joins(conv, out, bn, gm, root))
     layers: List[MatchedLayer] = []
     for site in find_bn_sites(gm, prefix, report, root):
         node, bn, name, src = site.node, site.bn, site.name, site.input
@@ -345,6 +374,10 @@ def find_layers(gm: fx.GraphModule, root: nn.Module, prefix: str, report: Conver
         conv_name: Optional[str] = None
         if conv is None:
             why: Optional[str] = f"its input is not a convolution output (it follows {describe_node(src)})"
+            after_act = _conv_before_tail(src, gm, root, prefix)
+            if after_act is not None:
+                why = (f"it follows {after_act} (conv -> activation -> BN order); convert fuses conv -> BN -> "
+                       "activation: a BN placed before the activation would fuse")
         elif isinstance(conv, str):
             why = conv
         else:

@@ -1,0 +1,633 @@
+"""Sweep over real third-party models: convert and fold never break them, and how much they fuse.
+
+Three model libraries the tests do not use (installed from the package index, no weights):
+``segmentation_models_pytorch`` (encoder-decoder segmentation nets, ``smp``), ``ultralytics``
+(YOLO detection / segmentation / pose / oriented boxes / classification models built from
+their yaml configs, ``yolo``) and ``pytorchcv`` (ImageNet, CIFAR, segmentation, pose,
+detection nets, ``cv``). Each model runs in its own subprocess with a time limit,
+on a small input (batch 2; 64 x 64 images, 32 x 32 for CIFAR nets, the model's own size where
+it needs one), float32, CPU, one thread:
+
+* ``convert``: :func:`convbn.convert` with ``example_inputs`` (and ``convert-noei``: without),
+  one training step of the converted model against the eager model's: outputs, every
+  parameter's gradient, every buffer (running statistics, ``num_batches_tracked``). Errors
+  are ``max|a - b| / max(1, max|b|)`` per tensor; above the float32 tolerance the step is
+  compared again in float64 (``where rounding is in doubt``) and judged there.
+* ``BN called / fused``: BatchNorm modules called in the eager training step, and those the
+  converted model no longer calls as modules (they ran inside a fused chain) -- the fused
+  path ran; ``report fused``: the BatchNorms its report lists as fused.
+* ``fold``: :func:`convbn.fold` (eval mode, with ``example_inputs``; ``fold-noei``: without,
+  ``check=False``), outputs against eager eval; ``folded``: BatchNorms folded.
+* ``peak``: exact peak of live tensor bytes over one training step
+  (:func:`convbn.memory.timeline`), converted (with ``example_inputs``) against eager.
+
+A failure is a raise of the pass or of the returned model, or a mismatch. Each model's record
+(with the error text and its traceback's last line) goes to the JSON file; the markdown table
+per family goes to stdout.
+
+Run::
+
+    python benchmarks/bm_sweep.py                              # all models, 2 jobs
+    python benchmarks/bm_sweep.py --family smp --limit 5       # a part
+    python benchmarks/bm_sweep.py --models cv:resnet10 --jobs 1
+    python benchmarks/bm_sweep.py --list                       # the model labels
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import copy
+import json
+import os
+import re
+import subprocess
+import sys
+import threading
+import time
+import traceback
+import warnings
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+__all__ = ["MODELS", "run_one", "markdown", "main"]
+
+# --------------------------------------------------------------------------- the models
+
+SMP_ARCHS = ["Unet", "UnetPlusPlus", "FPN", "PSPNet", "DeepLabV3", "DeepLabV3Plus", "Linknet", "MAnet", "PAN",
+             "UPerNet"]
+SMP_ENCODERS = ["resnet18", "mobilenet_v2", "efficientnet-b0", "timm-regnetx_002"]
+
+YOLO_CONFIGS = [
+    "yolov3-tiny", "yolov5n", "yolov5n-p6", "yolov6n", "yolov8n", "yolov8n-seg", "yolov8n-pose", "yolov8n-cls",
+    "yolov8n-obb", "yolov8n-ghost", "yolov8n-p2", "yolov8n-p6", "yolov8-cls-resnet50", "yolov9t", "yolov9c-seg",
+    "yolov10n", "yolo11n", "yolo11n-seg", "yolo11n-pose", "yolo11n-cls", "yolo11n-obb", "yolo12n", "yolo12n-seg",
+    "yolo12n-cls", "yolo26n", "yolo26n-seg", "yolo26n-pose", "yolo26n-cls", "yolo26n-obb", "rtdetr-l",
+]
+
+CV_CIFAR = [
+    "resnet20_cifar10", "preresnet20_cifar10", "resnext29_32x4d_cifar10", "seresnet20_cifar10",
+    "sepreresnet20_cifar10", "pyramidnet110_a48_cifar10", "densenet40_k12_cifar10", "densenet40_k12_bc_cifar10",
+    "xdensenet40_2_k24_bc_cifar10", "wrn16_10_cifar10", "ror3_56_cifar10", "shakeshakeresnet20_2x16d_cifar10",
+    "shakedropresnet20_cifar10", "diaresnet20_cifar10", "diapreresnet20_cifar10", "resdropresnet20_cifar10",
+    "nin_cifar10", "msdnet22_cifar10",
+]
+CV_IMAGENET = [
+    "resnet10", "resnet18_wd4", "preresnet10", "preresnet18_wd4", "sharesnet18", "diracnet18v2", "diapreresnet10",
+    "bam_resnet18", "cbam_resnet18", "resnesta18", "resnestabc14", "selecsls42", "dla34", "dla46c", "dpn68",
+    "hardnet39ds", "hardnet68ds", "peleenet", "vovnet27s", "condensenet74_c4_g4", "mobilenet_wd4", "mobilenetb_wd4",
+    "fdmobilenet_wd4", "mobilenetv3_small_w7d20", "mobilenetv3_large_w7d20", "mnasnet_small", "mnasnet_a1",
+    "proxylessnas_mobile", "fbnet_cb", "spnasnet", "efficientnet_b0", "mixnet_s", "ghostnet", "shufflenet_g1_wd4",
+    "shufflenetv2_wd2", "shufflenetv2b_wd2", "menet108_8x1_g3", "igcv3_wd4", "sqnxt23_w1", "sqnxt23v5_w1",
+    "squeezenet_v1_1", "channelnet", "dicenet_wd5", "espnetv2_wd2", "regnetx002", "regnetx004",
+    "hrnet_w18_small_v1", "octresnet10_ad2", "darts", "bagnet9", "airnet50_1x64d_r2", "scnet50",
+]
+CV_SEGMENTATION = [
+    "fastscnn_cityscapes", "sinet_cityscapes", "cgnet_cityscapes", "lednet_cityscapes", "enet_cityscapes",
+    "erfnet_cityscapes", "esnet_cityscapes", "edanet_cityscapes", "fpenet_cityscapes", "dabnet_cityscapes",
+    "bisenet_resnet18_celebamaskhq", "icnet_resnetd50b_cityscapes", "fcn8sd_resnetd50b_voc",
+]
+CV_OTHER = ["simplepose_resnet18_coco", "lwopenpose2d_mobilenet_cmupan_coco", "ibppose_coco", "centernet_resnet18_voc"]
+
+#: label -> (family, name, task)
+MODELS: Dict[str, Tuple[str, str, str]] = {}
+for _e in SMP_ENCODERS:  # encoder-major: --limit N takes N architectures with the first encoder
+    for _a in SMP_ARCHS:
+        MODELS[f"smp:{_a}/{_e}"] = ("smp", f"{_a}/{_e}", "segmentation")
+for _c in YOLO_CONFIGS:
+    _task = ("segmentation" if "seg" in _c else "pose" if "pose" in _c else "classification" if "cls" in _c
+             else "detection")
+    MODELS[f"yolo:{_c}"] = ("yolo", _c, _task)
+_CV_ORDER: List[Tuple[str, str]] = []
+for _i in range(max(len(CV_CIFAR), len(CV_IMAGENET), len(CV_SEGMENTATION), len(CV_OTHER))):  # interleaved: --limit
+    for _group, _task in ((CV_CIFAR, "classification"), (CV_IMAGENET, "classification"),
+                          (CV_SEGMENTATION, "segmentation"), (CV_OTHER, "")):
+        if _i < len(_group):
+            _CV_ORDER.append((_group[_i], _task or ("detection" if "centernet" in _group[_i] else "pose")))
+for _n, _t in _CV_ORDER:
+    MODELS[f"cv:{_n}"] = ("cv", _n, _t)
+
+
+def _import_zoo() -> None:
+    sys.path.insert(0, os.path.join(HERE, "..", "tests"))
+    from zoo import import_torchvision_without_fake_kernels
+
+    import_torchvision_without_fake_kernels()
+
+
+def _eager_runs(model: Any, inputs: Tuple[Any, ...]) -> bool:
+    import torch
+
+    try:
+        with torch.no_grad():
+            model.eval()(*inputs)
+        return True
+    except Exception:  # noqa: BLE001 - this input size does not fit: try the next
+        return False
+    finally:
+        model.train()
+
+
+def build(family: str, name: str) -> Tuple[Any, Tuple[Any, ...]]:
+    """The model (training mode, seeded) and its example inputs (a tuple)."""
+    import torch
+
+    _import_zoo()
+    torch.manual_seed(0)
+    gen = torch.Generator().manual_seed(1)
+    if family == "smp":
+        import segmentation_models_pytorch as smp
+
+        arch, encoder = name.split("/")
+        model = getattr(smp, arch)(encoder_name=encoder, encoder_weights=None, classes=3)
+        return model.train(), (torch.randn(2, 3, 64, 64, generator=gen),)
+    if family == "yolo":
+        os.environ.setdefault("YOLO_OFFLINE", "1")
+        from ultralytics.nn import tasks
+
+        cfg = tasks.yaml_model_load(f"{name}.yaml")
+        kind = tasks.guess_model_task(cfg)
+        cls = {"detect": tasks.DetectionModel, "segment": tasks.SegmentationModel, "pose": tasks.PoseModel,
+               "classify": tasks.ClassificationModel, "obb": tasks.OBBModel}.get(kind, tasks.DetectionModel)
+        if name.startswith("rtdetr"):
+            cls = tasks.RTDETRDetectionModel
+        model = cls(cfg, verbose=False)
+        return model.train(), (torch.randn(2, 3, 64, 64, generator=gen),)
+    if family == "cv":
+        from pytorchcv.model_provider import get_model
+
+        sizes = [32] if ("cifar" in name or "svhn" in name) else [64, 128]
+        for size in sizes:
+            for kwargs in ({"in_size": (size, size)}, {}):
+                try:
+                    model = get_model(name, pretrained=False, **kwargs)
+                except TypeError:
+                    continue
+                x = (torch.randn(2, 3, size, size, generator=gen),)
+                if _eager_runs(model, x):
+                    return model.train(), x
+        model = get_model(name, pretrained=False)
+        size = getattr(model, "in_size", (224, 224))
+        return model.train(), (torch.randn(2, 3, *size, generator=gen),)
+    raise ValueError(f"unknown family {family!r}; expected one of smp, yolo, cv")
+
+
+# --------------------------------------------------------------------------- one model
+
+TOL = {"float32": 2e-3, "float64": 1e-7}
+
+
+def _leaves(out: Any) -> List[Any]:
+    import torch
+
+    return [t for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor) and t.is_floating_point()]
+
+
+def _loss(out: Any) -> Any:
+    """A loss touching every output element with a fixed random weight (same on both sides)."""
+    import torch
+
+    gen = torch.Generator().manual_seed(7)
+    total = 0
+    for t in _leaves(out):
+        w = torch.randn(t.shape, generator=gen, dtype=torch.float64).to(t.dtype)
+        total = total + (t * w).sum() / max(1, t.numel()) ** 0.5
+    return total
+
+
+def _err(a: Any, b: Any) -> float:
+    import torch
+
+    if a is None and b is None:
+        return 0.0
+    if a is None or b is None:
+        return float("inf")
+    if a.shape != b.shape:
+        return float("inf")
+    if not a.is_floating_point():
+        return float((a != b).any())
+    a, b = a.double(), b.double()
+    if not torch.isfinite(b).all():
+        return 0.0 if torch.equal(torch.isfinite(a), torch.isfinite(b)) else float("inf")
+    return float((a - b).abs().max() / max(1.0, float(b.abs().max()))) if b.numel() else 0.0
+
+
+def _bn_hooks(model: Any) -> Tuple[set, List[Any]]:
+    from torch.nn.modules.batchnorm import _BatchNorm
+
+    called: set = set()
+    handles = []
+    for name, m in model.named_modules():
+        if isinstance(m, _BatchNorm):
+            def hook(mod: Any, args: Any, out: Any, name: str = name) -> None:
+                if mod.training:
+                    called.add(name)
+            hook.convbn_observer = True  # type: ignore[attr-defined]  # an observer: fused layers stay fused
+            handles.append(m.register_forward_hook(hook))
+    return called, handles
+
+
+def _step(model: Any, inputs: Tuple[Any, ...]) -> Dict[str, Any]:
+    """One training step (seeded), its output leaves, gradients and buffers by state_dict key."""
+    import torch
+
+    model.train()
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(123)
+    out = model(*inputs)
+    _loss(out).backward()
+    state = model.state_dict(keep_vars=True)
+    return {"out": [t.detach() for t in _leaves(out)],
+            "grads": {k: v.grad for k, v in state.items() if isinstance(v, torch.nn.Parameter)},
+            "buffers": {k: v.detach().clone() for k, v in state.items() if not isinstance(v, torch.nn.Parameter)}}
+
+
+def _compare(ref: Dict[str, Any], got: Dict[str, Any]) -> Dict[str, float]:
+    out = max([_err(a, b) for a, b in zip(got["out"], ref["out"])] or [0.0])
+    if len(got["out"]) != len(ref["out"]):
+        out = float("inf")
+    grads = max([_err(got["grads"].get(k), g) for k, g in ref["grads"].items()] or [0.0])
+    bufs = max([_err(got["buffers"].get(k), b) for k, b in ref["buffers"].items()] or [0.0])
+    return {"out": out, "grad": grads, "buffer": bufs}
+
+
+def _short(exc: BaseException) -> str:
+    tb = traceback.extract_tb(exc.__traceback__)
+    where = f" [{os.path.basename(tb[-1].filename)}:{tb[-1].lineno}]" if tb else ""
+    text = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}{where}"
+    inner = exc.__cause__ or exc.__context__
+    return text + (f" <- {_short(inner)}" if inner is not None and inner is not exc else "")
+
+
+#: failure causes, first match wins: (label, regular expression over the error text)
+CAUSES = [
+    ("frozen parameter (hook on a tensor without grad)", r"doesn't require gradient"),
+    ("module replaced: class attribute / property lost", r"object has no attribute"),
+    ("module replaced: container not iterable / indexable", r"not iterable|not subscriptable|object is not callable"),
+    ("module replaced: bare nn.Module without forward", r"_forward_unimplemented|missing the required \"forward\""),
+    ("trace hazard (isinstance / control flow on a proxy)", r"isinstance|symbolically traced variables cannot"),
+    ("gradients differ from eager", r"mismatch: .*grad"),
+    ("outputs / buffers differ from eager", r"mismatch"),
+    ("timeout", r"^over \d+ s"),
+]
+
+
+def cause(error: str) -> str:
+    """The cause a failure's error text names (:data:`CAUSES`), else ``other: <text>``."""
+    for label, pattern in CAUSES:
+        if re.search(pattern, error):
+            return label
+    return "other: " + error[:120]
+
+
+def _check_convert(model: Any, inputs: Tuple[Any, ...], with_inputs: bool, ref: Dict[str, Any],
+                   called_eager: set, dtype: str) -> Dict[str, Any]:
+    import torch
+
+    import convbn
+
+    res: Dict[str, Any] = {"ok": False, "dtype": dtype}
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            conv = convbn.convert(copy.deepcopy(model), example_inputs=inputs if with_inputs else None)
+    except Exception as exc:  # noqa: BLE001 - recorded as a convert failure
+        res["error"] = "convert raised: " + _short(exc)
+        return res
+    report = getattr(conv, "convbn_report", None)
+    res["report_fused"] = len({o.batchnorm for o in getattr(report, "outcomes", []) if o.result == "fused"})
+    called, handles = _bn_hooks(conv)
+    try:
+        got = _step(conv, inputs)
+    except Exception as exc:  # noqa: BLE001
+        res["error"] = "converted model raised: " + _short(exc)
+        return res
+    finally:
+        for h in handles:
+            h.remove()
+    res["still_called"] = len(called)
+    res["fused_ran"] = len(called_eager - called)
+    errs = _compare(ref, got)
+    res.update({f"{k}_err": v for k, v in errs.items()})
+    res["ok"] = max(errs.values()) <= TOL[dtype]
+    if not res["ok"]:
+        res["error"] = "mismatch: " + ", ".join(f"{k} {v:.2g}" for k, v in errs.items() if v > TOL[dtype])
+    res["conv"] = conv
+    if report is not None:
+        reasons = collections.Counter(re.sub(r"'[^']*'", "'…'", o.reason)[:120]
+                                      for o in report.outcomes if o.result == "left")
+        res["left_reasons"] = dict(reasons.most_common(5))
+        res["untraced"] = [f"{m}: {str(e)[:160]}" for m, e in list(getattr(report, "untraced", []))[:5]]
+    return res
+
+
+def _check_fold(model: Any, inputs: Tuple[Any, ...], with_inputs: bool) -> Dict[str, Any]:
+    import torch
+
+    import convbn
+
+    res: Dict[str, Any] = {"ok": False}
+    ev = copy.deepcopy(model).eval()
+    with torch.no_grad():
+        torch.manual_seed(123)
+        ref = _leaves(ev(*inputs))
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                if with_inputs:
+                    folded = convbn.fold(copy.deepcopy(ev), example_inputs=inputs)
+                else:
+                    folded = convbn.fold(copy.deepcopy(ev), check=False)
+        except Exception as exc:  # noqa: BLE001 - recorded as a fold failure
+            res["error"] = "fold raised: " + _short(exc)
+            return res
+        rep = getattr(folded, "fold_report", None)
+        res["folded"] = len({o.batchnorm for o in getattr(rep, "folded", [])})
+        try:
+            torch.manual_seed(123)
+            got = _leaves(folded(*inputs))
+        except Exception as exc:  # noqa: BLE001
+            res["error"] = "folded model raised: " + _short(exc)
+            return res
+    err = max([_err(a, b) for a, b in zip(got, ref)] or [0.0]) if len(got) == len(ref) else float("inf")
+    res["out_err"] = err
+    res["ok"] = err <= 1e-3
+    if not res["ok"]:
+        res["error"] = f"mismatch: out {err:.2g}"
+    if rep is not None:
+        reasons = collections.Counter(re.sub(r"'[^']*'", "'…'", o.reason)[:120] for o in rep.skipped)
+        res["left_reasons"] = dict(reasons.most_common(5))
+    return res
+
+
+def run_one(label: str, peak: bool = True) -> Dict[str, Any]:
+    """Every check on one model; a JSON-able record."""
+    import torch
+    from torch.nn.modules.batchnorm import _BatchNorm
+
+    torch.set_num_threads(1)
+    family, name, task = MODELS[label]
+    rec: Dict[str, Any] = {"label": label, "family": family, "task": task}
+    t0 = time.time()
+    try:
+        model, inputs = build(family, name)
+    except Exception as exc:  # noqa: BLE001 - the library cannot build it here: not counted
+        rec["skipped"] = "build: " + _short(exc)
+        return rec
+    rec["input"] = [list(t.shape) for t in inputs]
+    rec["bns"] = sum(isinstance(m, _BatchNorm) for m in model.modules())
+    snapshot = copy.deepcopy(model.state_dict())
+    eager = copy.deepcopy(model)
+    called, handles = _bn_hooks(eager)
+    try:
+        ref = _step(eager, inputs)
+    except Exception as exc:  # noqa: BLE001 - eager itself does not train on this input: not counted
+        rec["skipped"] = "eager: " + _short(exc)
+        return rec
+    for h in handles:
+        h.remove()
+    rec["bn_called"] = len(called)
+    times = {"build+eager": round(time.time() - t0, 1)}
+    ref64 = None
+    for key, with_inputs in (("convert", True), ("convert_noei", False)):
+        model.load_state_dict(snapshot)
+        res = _check_convert(model, inputs, with_inputs, ref, called, "float32")
+        if not res["ok"] and str(res.get("error", "")).startswith("mismatch"):
+            # rounding in doubt: judge the step in float64
+            m64 = copy.deepcopy(model).double()
+            m64.load_state_dict(snapshot)
+            m64 = m64.double()
+            x64 = tuple(t.double() if t.is_floating_point() else t for t in inputs)
+            if ref64 is None:
+                ref64 = _step(copy.deepcopy(m64), x64)
+            res64 = _check_convert(m64, x64, with_inputs, ref64, called, "float64")
+            res64.pop("conv", None)
+            res["float64"] = {k: v for k, v in res64.items() if k.endswith("_err") or k in ("ok", "error")}
+            res["ok"] = res64["ok"]
+            if res["ok"]:
+                res.pop("error", None)
+        conv = res.pop("conv", None)
+        if key == "convert" and peak and conv is not None:
+            from convbn.memory import timeline
+
+            try:
+                model.load_state_dict(snapshot)
+                e = copy.deepcopy(model)
+                pe = timeline(e, *inputs).peak
+                pc = timeline(conv, *inputs).peak
+                rec["peak"] = {"eager": pe, "converted": pc}
+            except Exception as exc:  # noqa: BLE001
+                rec["peak"] = {"error": _short(exc)}
+        rec[key] = res
+        times[key] = round(time.time() - t0 - sum(times.values()), 1)
+    model.load_state_dict(snapshot)
+    rec["fold"] = _check_fold(model, inputs, True)
+    times["fold"] = round(time.time() - t0 - sum(times.values()), 1)
+    rec["fold_noei"] = _check_fold(model, inputs, False)
+    times["fold_noei"] = round(time.time() - t0 - sum(times.values()), 1)
+    rec["times"] = times
+    rec["seconds"] = round(time.time() - t0, 1)
+    return rec
+
+
+# --------------------------------------------------------------------------- driver
+
+def _run_subprocess(labels: List[str], timeout: float, peak: bool) -> List[Dict[str, Any]]:
+    """Run ``labels`` in one subprocess (imports paid once); a model that times out or crashes
+    it is recorded so, and the rest of the chunk runs again in a fresh subprocess."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", YOLO_OFFLINE="1",
+               YOLO_CONFIG_DIR=os.environ.get("YOLO_CONFIG_DIR", "/tmp/bm_sweep_yolo_config"))
+    records: List[Dict[str, Any]] = []
+    todo = list(labels)
+    while todo:
+        cmd = [sys.executable, os.path.abspath(__file__), "--one", *todo] + ([] if peak else ["--no-peak"])
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+        assert proc.stdout is not None
+        done: Dict[str, Dict[str, Any]] = {}
+        timer = threading.Timer(timeout, proc.kill)  # restarted per model below
+        timer.start()
+        try:
+            for line in proc.stdout:
+                if line.startswith("{"):
+                    rec = json.loads(line)
+                    done[rec["label"]] = rec
+                    timer.cancel()
+                    timer = threading.Timer(timeout, proc.kill)
+                    timer.start()
+            proc.wait()
+        finally:
+            timer.cancel()
+        err = (proc.stderr.read() if proc.stderr else "").strip().splitlines()[-1:] or ["(no output)"]
+        for label in todo:
+            if label in done:
+                records.append(done[label])
+        rest = [lb for lb in todo if lb not in done]
+        if rest:  # the first model not done is the one that stopped the subprocess
+            bad = rest[0]
+            fam, _, task = MODELS[bad]
+            why = ({"timeout": f"over {timeout:.0f} s"} if proc.returncode == -9
+                   else {"crash": f"exit {proc.returncode}: {err[0][:300]}"})
+            records.append({"label": bad, "family": fam, "task": task, **why})
+            rest = rest[1:]
+        todo = rest
+    return records
+
+
+def _failed(rec: Dict[str, Any], key: str) -> bool:
+    """The check ``key`` failed (a crash fails every check; a timeout is counted apart)."""
+    return "timeout" not in rec and ("crash" in rec or not rec.get(key, {}).get("ok", False))
+
+
+def markdown(records: List[Dict[str, Any]], command: str) -> str:
+    fams: Dict[str, List[Dict[str, Any]]] = collections.defaultdict(list)
+    for r in records:
+        fams[r["family"]].append(r)
+    lines = [f"Command: `{command}`", "",
+             "| family | models | convert fail | convert-noei fail | fold fail | fold-noei fail | BN called | "
+             "fused (ran) | fused (report) | folded | max out / grad / buffer err | above eager peak | timeout | skipped |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|"]
+
+    def row(name: str, rs: List[Dict[str, Any]]) -> str:
+        run = [r for r in rs if "skipped" not in r]
+        called = sum(r.get("bn_called", 0) for r in run)
+        ran = sum(r.get("convert", {}).get("fused_ran", 0) for r in run)
+        rep = sum(r.get("convert", {}).get("report_fused", 0) for r in run)
+        folded = sum(r.get("fold", {}).get("folded", 0) for r in run)
+        bns = sum(r.get("bns", 0) for r in run)
+        errs = [max((r.get(k, {}).get(f"{e}_err", 0.0) for k in ("convert", "convert_noei")
+                     if r.get(k, {}).get("dtype") == "float32" and "float64" not in r.get(k, {})), default=0.0)
+                for r in run for e in ("out", "grad", "buffer")]
+        mx = [max(errs[i::3], default=0.0) for i in range(3)]
+        above = sum(1 for r in run if isinstance(r.get("peak"), dict) and "eager" in r["peak"]
+                    and r["peak"]["converted"] > r["peak"]["eager"])
+        return (f"| {name} | {len(run)} | {sum(_failed(r, 'convert') for r in run)} | "
+                f"{sum(_failed(r, 'convert_noei') for r in run)} | {sum(_failed(r, 'fold') for r in run)} | "
+                f"{sum(_failed(r, 'fold_noei') for r in run)} | {called} | {ran} ({ran / max(called, 1):.0%}) | "
+                f"{rep} | {folded} / {bns} ({folded / max(bns, 1):.0%}) | "
+                f"{mx[0]:.1e} / {mx[1]:.1e} / {mx[2]:.1e} | {above} | {sum('timeout' in r for r in run)} | "
+                f"{len(rs) - len(run)} |")
+
+    for fam in sorted(fams):
+        lines.append(row(fam, fams[fam]))
+    lines.append(row("**all**", records))
+    return "\n".join(lines)
+
+
+def causes_table(records: List[Dict[str, Any]]) -> str:
+    """Failures counted by cause (:func:`cause`) and pass."""
+    keys = ("convert", "convert_noei", "fold", "fold_noei")
+    counts: Dict[str, Dict[str, int]] = collections.defaultdict(lambda: collections.Counter())
+    for r in records:
+        if "skipped" in r:
+            continue
+        for key in keys:
+            if "timeout" in r:
+                continue
+            if "crash" in r:
+                counts[cause(r["crash"])][key] += 1
+            elif key in r and not r[key].get("ok", False):
+                counts[cause(r[key].get("error", "?"))][key] += 1
+    lines = ["| cause | " + " | ".join(keys) + " |", "|---|" + "---:|" * len(keys)]
+    for c in sorted(counts, key=lambda c: -sum(counts[c].values())):
+        lines.append(f"| {c} | " + " | ".join(str(counts[c][k]) for k in keys) + " |")
+    return "\n".join(lines)
+
+
+def failures(records: List[Dict[str, Any]]) -> str:
+    """One line per failing check: label, pass, error text."""
+    out = []
+    for r in records:
+        for key in ("timeout", "crash", "skipped"):
+            if key in r:
+                out.append(f"- {r['label']}: {key}: {r[key]}")
+        for key in ("convert", "convert_noei", "fold", "fold_noei"):
+            if key in r and not r[key].get("ok", False):
+                out.append(f"- {r['label']}: {key}: {r[key].get('error', '?')}")
+    return "\n".join(out)
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--family", nargs="*", choices=["smp", "yolo", "cv"], help="only these families")
+    parser.add_argument("--models", nargs="*", help="only labels containing one of these strings")
+    parser.add_argument("--limit", type=int, help="at most this many models (per family with --family)")
+    parser.add_argument("--jobs", type=int, default=2, help="models run at once (one subprocess each)")
+    parser.add_argument("--timeout", type=float, default=600.0, help="seconds per model")
+    parser.add_argument("--json", default=os.path.join(HERE, "results", "bm_sweep.json"), help="output file")
+    parser.add_argument("--no-peak", action="store_true", help="skip the peak measurement")
+    parser.add_argument("--list", action="store_true", help="print the labels and exit")
+    parser.add_argument("--chunk", type=int, default=4, help="models per subprocess (same family)")
+    parser.add_argument("--report", help="print the tables of a JSON / JSONL file written before, and exit")
+    parser.add_argument("--one", nargs="*", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.one:
+        for label in args.one:
+            print(json.dumps(run_one(label, peak=not args.no_peak), default=float), flush=True)
+        return 0
+    labels = [lb for lb in MODELS if (not args.family or MODELS[lb][0] in args.family)
+              and (not args.models or any(s in lb for s in args.models))]
+    if args.limit is not None:
+        per: Dict[str, int] = collections.Counter()
+        kept = []
+        for lb in labels:
+            if per[MODELS[lb][0]] < args.limit:
+                per[MODELS[lb][0]] += 1
+                kept.append(lb)
+        labels = kept
+    selection = "".join(f" --{k} {' '.join(v) if isinstance(v, list) else v}" for k, v in
+                        (("family", args.family), ("models", args.models), ("limit", args.limit)) if v)
+    if args.list:
+        print("\n".join(labels))
+        return 0
+    if args.report:
+        with open(args.report) as f:
+            text = f.read()
+        records = json.loads(text) if text.lstrip().startswith("[") else [json.loads(ln) for ln in text.splitlines() if ln]
+        records = [r for r in records if r["label"] in set(labels)]  # the models --family / --models / --limit pick
+        print(markdown(records, f"python benchmarks/bm_sweep.py --report {args.report}{selection}"))
+        print("\n" + causes_table(records) + "\n")
+        print(failures(records))
+        return 0
+
+    t0 = time.time()
+
+    def chunk(group: List[str]) -> List[Dict[str, Any]]:
+        recs = _run_subprocess(group, args.timeout, not args.no_peak)
+        for rec in recs:
+            bad = [k for k in ("convert", "convert_noei", "fold", "fold_noei") if _failed(rec, k)]
+            print(f"{rec['label']}: {rec.get('seconds', '?')} s" + (
+                " skipped" if "skipped" in rec else f" FAIL {','.join(bad)}" if bad else ""), file=sys.stderr, flush=True)
+        return recs
+
+    groups: List[List[str]] = []
+    for lb in labels:
+        if groups and len(groups[-1]) < args.chunk and MODELS[groups[-1][0]][0] == MODELS[lb][0]:
+            groups[-1].append(lb)
+        else:
+            groups.append([lb])
+    open(args.json + "l", "w").close()  # one line per model as it finishes (a run cut short keeps them)
+    lock = threading.Lock()
+
+    def chunk_logged(group: List[str]) -> List[Dict[str, Any]]:
+        recs = chunk(group)
+        with lock, open(args.json + "l", "a") as f:
+            for rec in recs:
+                f.write(json.dumps(rec, default=float) + "\n")
+        return recs
+
+    with ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
+        records = [r for recs in pool.map(chunk_logged, groups) for r in recs]
+    os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+    with open(args.json, "w") as f:
+        json.dump(records, f, indent=1, default=float)
+    command = "python benchmarks/bm_sweep.py" + selection
+    print(markdown(records, command))
+    print(f"\n{len(records)} models in {time.time() - t0:.0f} s wall ({args.jobs} jobs)\n")
+    print(causes_table(records) + "\n")
+    print(failures(records))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
