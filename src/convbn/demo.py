@@ -18,7 +18,7 @@ handwritten digits, no download) are upscaled to 28x28 with bilinear interpolati
 
 The closing table compares, per configuration: the bytes held for backward at the end of
 the forward pass (:func:`convbn.memory.saved_bytes`), the exact peak memory of one
-training step (:class:`convbn.memory.tensor_peak`, live tensor bytes, on CPU; the CUDA
+training step (:func:`convbn.memory.timeline`, live tensor bytes, on CPU; the CUDA
 allocator on a GPU), the median step time of the other steps (measured side by side in
 one process), and the test accuracy. A PNG of the memory figures is written.
 
@@ -63,7 +63,7 @@ from convbn.demo_results import (
     write_plot,
     write_timeline_plot,
 )
-from convbn.memory import peak_memory, saved_bytes, tensor_peak
+from convbn.memory import saved_bytes, timeline
 from convbn.nn.fused import FusedConvBN2d
 from convbn.passes.convert import convert
 
@@ -203,32 +203,24 @@ def _train_step(
     model: nn.Module, opt: torch.optim.Optimizer, x: Tensor, y: Tensor, device: torch.device, measure_peak: bool
 ) -> StepStats:
     """Forward, NLL loss, backward, optimizer step. A timed step runs bare; a ``measure_peak``
-    step runs under :class:`convbn.memory.tensor_peak` (CPU; exact, but slower, so not timed)
-    or :class:`convbn.memory.peak_memory` (CUDA allocator)."""
+    step is recorded by :func:`convbn.memory.timeline`, convbn's one definition of a step's
+    peak (exact live tensor bytes on CPU, the CUDA allocator on a GPU; slower, so not timed)."""
     cuda = device.type == "cuda"
-    meter: Any = None
     if measure_peak:
-        meter = peak_memory(device) if cuda else tensor_peak(model, opt)
+        t0 = time.perf_counter()
+        tl = timeline(model, x, loss_fn=lambda out: F.nll_loss(out, y), optimizer=opt)
+        return StepStats(float(tl.loss or 0.0), time.perf_counter() - t0, int(tl.peak))
     if cuda:
         torch.cuda.synchronize(device)
     t0 = time.perf_counter()
-    with meter if meter is not None else _nullcontext():
-        opt.zero_grad(set_to_none=True)
-        loss = F.nll_loss(model(x), y)
-        loss.backward()
-        opt.step()
-        if cuda:
-            torch.cuda.synchronize(device)
+    opt.zero_grad(set_to_none=True)
+    loss = F.nll_loss(model(x), y)
+    loss.backward()
+    opt.step()
+    if cuda:
+        torch.cuda.synchronize(device)
     seconds = time.perf_counter() - t0
-    return StepStats(float(loss.detach()), seconds, None if meter is None else int(meter.result.peak))
-
-
-class _nullcontext:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: Any) -> None:
-        return None
+    return StepStats(float(loss.detach()), seconds, None)
 
 
 @torch.no_grad()
