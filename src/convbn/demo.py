@@ -51,6 +51,7 @@ from convbn.cli import (
     positive_float,
     positive_int,
 )
+from convbn.batch_fit import max_batch
 from convbn.bench.table import require_rich
 from convbn.demo_data import Dataset, load_digits_28, load_mnist, read_idx
 from convbn.demo_results import (
@@ -155,6 +156,8 @@ class DemoConfig:
         lr / gamma: Adadelta learning rate and its per-epoch decay (the tutorial's optimiser).
         progress: show a progress bar.
         plot: PNG to write (saved bytes and exact peak per configuration); ``None``: none.
+        memory: with a size (``"1GiB"``), the demo ends with the largest batch eager and
+            convbn train within it (:func:`convbn.max_batch`, real steps on a fresh model).
     """
 
     epochs: int = 3
@@ -167,6 +170,7 @@ class DemoConfig:
     gamma: float = 0.7
     progress: bool = True
     plot: Optional[str] = None
+    memory: Optional[str] = None
 
 
 def _rng_state(device: torch.device) -> Tuple[Tensor, Optional[Tensor]]:
@@ -398,7 +402,19 @@ def run_demo(config: DemoConfig, console: Any = None, data: Optional[Dataset] = 
             console.print(f"plot written to {os.path.abspath(result.plot)}")
         if result.timeline_plot:
             console.print(f"memory timeline of one step written to {os.path.abspath(result.timeline_plot)}")
+    if config.memory is not None:
+        result.batch_fit = _batch_fit(train_x[:batch], config, device)
+        if console is not None:
+            console.print(result.batch_fit.summary())
     return result
+
+
+def _batch_fit(x: Tensor, config: DemoConfig, device: torch.device) -> Any:
+    """The largest batch the unfused network and its conversion train in ``config.memory``
+    (the demo's optimizer; a fresh model, the trained ones are left as they are)."""
+    torch.manual_seed(config.seed)
+    net = MnistNet(fused=False).to(device).train()
+    return max_batch(net, x, config.memory, optimizer=torch.optim.Adadelta(net.parameters(), lr=config.lr))
 
 
 # --------------------------------------------------------------------------- CLI
@@ -420,6 +436,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="PNG of saved bytes and exact peak per configuration")
     parser.add_argument("--no-plot", action="store_true", help="write no PNG")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument("--memory", type=str, default=None, metavar="SIZE",
+                        help="end with the largest batch eager and convbn train in SIZE (e.g. 1GiB): "
+                             "'in SIZE: eager trains batch A, convbn batch B'")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -432,7 +451,7 @@ def run(args: argparse.Namespace) -> int:
         demo_pyplot()  # fail before training, not after
     config = DemoConfig(
         epochs=args.epochs, batch_size=args.batch_size, device=args.device, seed=args.seed, mnist_dir=args.mnist_dir,
-        limit=args.limit, lr=args.lr, progress=not args.no_progress, plot=plot,
+        limit=args.limit, lr=args.lr, progress=not args.no_progress, plot=plot, memory=args.memory,
     )
     run_demo(config, console=Console())
     return 0

@@ -332,6 +332,9 @@ def chain_backward(
                 _free_storage(engine_grad)
                 engine_grad = None
             rb.release(i, free_kept)
+            if free_kept and spec.bn is not None:  # dead now, as eager frees a BN node's saved statistics
+                _free_storage(mean_of[i])
+                _free_storage(invstd_of[i])
         else:
             grad_y, g = g, None  # an end layer without tail: the incoming gradient is grad_y
         if spec.conv is None:  # a head: grad_y is the chain input's gradient
