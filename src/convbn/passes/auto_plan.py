@@ -229,8 +229,16 @@ def plan_auto(original: nn.Module, converted: nn.Module, inputs: Tuple[Any, ...]
                 f"bytes = {low / eager_peak:.3f} of eager's {eager_peak} (predicted); planned for that lowest peak",
                 stacklevel=3)
     elif memory_budget is None:
-        # the default plans for the step's peak (planner docstring), never above eager's
-        # (Note: [never above eager])
+        # the default plans for the step's peak (planner docstring), never above eager's.
+        # Note: [never above eager]
+        # A converted step could peak above eager's where weights dominate: a chain held
+        # all its weight gradients (fixed: Note: [weight gradients as eager releases them])
+        # and its BatchNorms' saved statistics (now freed after each BN backward) to its end.
+        # What remains is a plan whose recompute transient is not paid for by what it stops
+        # keeping: eager's peak is measured on the example inputs (the same meter as the
+        # prediction), and where the default plan's predicted peak is above it, the least
+        # recompute whose predicted peak is not (keeping everything, ``recompute_bn``,
+        # saves no more than eager and recomputes only element-wise).
         keeps = plan_for_peak(costs, floor_total, extra, gaps=gaps)
         if step_peak(costs, keeps, floor_total, gaps=gaps)[0] > eager_peak:
             keeps = plan_within_peak(costs, floor_total, extra, eager_peak, gaps)[0]
