@@ -5,6 +5,7 @@ fewer activations for backward (same outputs, gradients, running stats, paramete
 ``state_dict``). Inference: :func:`fold` folds BatchNorm into neighbouring layers.
 """
 from .autograd.dispatch import conv_bn_act
+from .batch_fit import BatchFit, max_batch
 from .functional.activations import ACTIVATIONS, Activation
 from .functional.strategies import STRATEGIES, ConvertStrategy, LayerMode, Strategy
 from .gradcheck import GradcheckReport, gradcheck_module
@@ -23,6 +24,7 @@ __all__ = [
     "ACTIVATIONS",
     "Activation",
     "BNOutcome",
+    "BatchFit",
     "CONVERT_STRATEGIES",
     "ConvertReport",
     "ConvertStrategy",
@@ -44,6 +46,7 @@ __all__ = [
     "fold_conv_bn_modules",
     "fused_modules",
     "gradcheck_module",
+    "max_batch",
     "peak_memory",
     "saved_bytes",
     "tensor_peak",

@@ -10,6 +10,7 @@ left alone with the reason.
 Example:
     $ convbn explain mnist --input-shape 64x1x28x28
     $ convbn explain mypkg.nets:build_net --input-shape 8x3x224x224 --budget 0.5
+    $ convbn explain mnist --memory 16GiB    # the largest batch eager and convbn train in 16 GiB
 """
 from __future__ import annotations
 
@@ -80,6 +81,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--peak-budget", type=fraction, default=None, metavar="X",
                         help="with --strategy auto: the training step's peak memory allowed, a fraction in (0, 1] "
                              "of eager's")
+    parser.add_argument("--memory", type=str, default=None, metavar="SIZE",
+                        help="also report the largest batch that trains within SIZE (e.g. 16GiB, 512MiB), eager "
+                             "and converted (convbn.max_batch; runs real steps at the batches it tries)")
     parser.add_argument("--no-chain", action="store_true", help="do not chain consecutive layers (tutorial's method)")
     parser.add_argument("--device", type=device_arg, default="cpu", help="torch device")
 
@@ -91,6 +95,12 @@ def run(args: argparse.Namespace) -> int:
     for flag, value in (("--budget", args.budget), ("--peak-budget", args.peak_budget)):
         if value is not None and args.strategy != "auto":
             raise ValueError(f"{flag} is used by --strategy auto only, but got --strategy {args.strategy}")
+    if args.memory is not None:
+        from .memory.budget import parse_memory
+
+        parse_memory(args.memory)  # a readable size, before any model is built
+        if args.strategy != "auto":
+            raise ValueError(f"--memory plans with --strategy auto only, but got --strategy {args.strategy}")
     model, default = load_model(args.spec)
     shape = resolve_shape(args.spec, args.input_shape, default, args.batch_size)
     model = model.to(args.device).train()
@@ -99,6 +109,11 @@ def run(args: argparse.Namespace) -> int:
                      chain=not args.no_chain)
     print(f"{args.spec}, input {'x'.join(map(str, shape))}")
     print(report)
+    if args.memory is not None:
+        from .batch_fit import max_batch
+
+        fit = max_batch(model, x, args.memory, chain=not args.no_chain)
+        print(fit)
     return 0
 
 

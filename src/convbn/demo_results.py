@@ -48,7 +48,7 @@ class DemoResult:
         accuracy: test accuracy after each epoch.
         saved: bytes held for backward at the end of one forward pass (parameters included).
         peak: exact peak memory of one training step above its start: live tensor bytes
-            on CPU (:class:`convbn.memory.tensor_peak`), the CUDA allocator on a GPU.
+            on CPU (:func:`convbn.memory.timeline`, Note: [a step's peak]), the CUDA allocator on a GPU.
         step_time: median seconds of the other training steps (first step left out).
         equality: one sentence per fused configuration: how its losses and gradients compare
             with unfused (the first step where either stops being bit-identical).
@@ -62,6 +62,7 @@ class DemoResult:
     accuracy: Dict[str, List[float]] = field(default_factory=lambda: {c: [] for c in CONFIGS})
     saved: Dict[str, int] = field(default_factory=dict)
     peak: Dict[str, int] = field(default_factory=dict)
+    batch_fit: Any = None  # convbn.BatchFit with DemoConfig.memory
     step_time: Dict[str, float] = field(default_factory=dict)
     equality: Dict[str, str] = field(default_factory=dict)
     plans: Dict[str, str] = field(default_factory=dict)

@@ -81,6 +81,7 @@ from .chain_input import ChainInput, split_grad
 from .chain_spec import ChainLayerSpec, ChainX0, LayerParams, head_input, layer_kind, param_offsets, split_params
 from .chain_tail import tail_backward, tail_forward, tail_reference
 from .double_backward import differentiable_backward
+from .grad_sink import GradSink, param_sink
 from .release import free_storage as _free_storage
 from .release import calibrate, incoming_refs
 from .release import keeping_graph as _keeping_graph
@@ -268,6 +269,7 @@ def chain_backward(
     free_grad_out: bool = False,
     free_kept: bool = False,
     rngs: Optional[Sequence[Tuple[RNGState, ...]]] = None,
+    sink: Optional[GradSink] = None,
 ) -> List[Optional[Tensor]]:
     """First-order backward of :func:`chain_forward` (Note: [chain backward order]).
 
@@ -279,8 +281,13 @@ def chain_backward(
     contract forbids touching its inputs (a custom op) leaves it ``False``.
     With ``free_kept`` each kept conv output's memory is returned right after its
     last use (Note: [freeing kept tensors early]); only for a graph that is not retained.
+    ``sink(j, grad)`` (:func:`~convbn.autograd.grad_sink.param_sink`) receives each
+    parameter gradient (slot ``j`` of the result) as soon as it is computed and gives what
+    the slot returns (Note: [weight gradients as eager releases them]).
     """
     grads: List[Optional[Tensor]] = [None] * len(needs)
+    if sink is None:
+        sink = _keep
     k = len(specs)
     drop: Optional[List[bool]] = None  # one layer (a single fused layer): its input is x0, never rebuilt
     if k > 1:
@@ -308,15 +315,16 @@ def chain_backward(
             grad_z, grad_tw = rb.grad_z(i, g)  # type: ignore[arg-type]
             g = None  # consumed: only grad_z lives on
             for j, gt in enumerate(grad_tw):
-                grads[1 + off[i + 1] - len(tws) + j] = gt
+                grads[1 + off[i + 1] - len(tws) + j] = sink(1 + off[i + 1] - len(tws) + j, gt)
             if engine_grad is not None and grad_z is not engine_grad:
                 _free_storage(engine_grad)
                 engine_grad = None
             if spec.bn is not None:
                 grad_y, gg, gbeta = bn_backward(grad_z, y, gamma, mean_of[i], invstd_of[i], spec.bn,
                                                 (nx or nw or nb, ng, nbeta))
-                grads[base + 2 * (spec.conv is not None)] = gg
-                grads[base + 2 * (spec.conv is not None) + 1] = gbeta
+                grads[base + 2 * (spec.conv is not None)] = sink(base + 2 * (spec.conv is not None), gg)
+                grads[base + 2 * (spec.conv is not None) + 1] = sink(base + 2 * (spec.conv is not None) + 1, gbeta)
+                del gg, gbeta
             else:
                 grad_y = grad_z  # an end layer: its tail's gradient is its conv output's
             del grad_z, y
@@ -324,6 +332,9 @@ def chain_backward(
                 _free_storage(engine_grad)
                 engine_grad = None
             rb.release(i, free_kept)
+            if free_kept and spec.bn is not None:  # dead now, as eager frees a BN node's saved statistics
+                _free_storage(mean_of[i])
+                _free_storage(invstd_of[i])
         else:
             grad_y, g = g, None  # an end layer without tail: the incoming gradient is grad_y
         if spec.conv is None:  # a head: grad_y is the chain input's gradient
@@ -331,8 +342,10 @@ def chain_backward(
             del grad_y
             continue
         x = rb.x(i)  # rebuilt now that y_i and grad_z are gone (Note: [chain backward order])
-        gx, grads[base], grads[base + 1] = conv_backward(grad_y, x, w, spec.conv, (nx, nw, nb))  # type: ignore[arg-type]
+        gx, gw, gb = conv_backward(grad_y, x, w, spec.conv, (nx, nw, nb))  # type: ignore[arg-type]
         del grad_y, x
+        grads[base], grads[base + 1] = sink(base, gw), sink(base + 1, gb)
+        del gw, gb
         if engine_grad is not None:  # an end layer without tail consumed the incoming gradient
             _free_storage(engine_grad)
             engine_grad = None
@@ -402,7 +415,7 @@ class ChainFunction(Function):
         grads = chain_backward(grad_out, x0, params, specs, kept, means, invstds,  # type: ignore[arg-type]
                                (any(needs[:m]), *needs[m: m + n]),
                                free_grad_out=_sole_owner(grad_out, refs), free_kept=not _keeping_graph(),
-                               rngs=ctx.rngs)
+                               rngs=ctx.rngs, sink=param_sink(ctx, 1, params))
         out = (*split_grad(grads[0], ctx.sizes, needs[:m]), *grads[1:])
         return out + (None,) * (len(needs) - len(out))
 
@@ -443,6 +456,10 @@ def _rebuild(specs: Sequence[ChainLayerSpec], means: Sequence[Tensor], invstds: 
         return x
 
     return rebuild
+
+
+def _keep(j: int, grad: Optional[Tensor]) -> Optional[Tensor]:
+    return grad
 
 
 def _layer_sizes(x0: ChainX0, params: Sequence[Optional[Tensor]],

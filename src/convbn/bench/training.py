@@ -25,11 +25,13 @@ Measured per configuration:
 
 * **saved bytes** of one training forward (:func:`convbn.memory.saved_bytes`, SPEC §3), and
   the same without parameter storages (**saved excl. params**, see Note: [Activation bytes]);
-* **peak**: peak memory of one training step above the memory in use just before it:
-  the CUDA allocator on GPU; on CPU the exact live-tensor peak
-  (:class:`convbn.memory.tensor_peak`), except for compiled graphs, which run outside
-  Python dispatch and get sampled RSS (:class:`convbn.memory.peak_memory`, noted in the
-  row); median of a few dedicated, untimed rounds;
+* **peak**: the training step's peak as convbn defines it everywhere
+  (:func:`convbn.memory.timeline`, Note: [a step's peak]): the standard loop, above the
+  parameters, buffers and optimizer state live before it, weight gradients counted;
+  the CUDA allocator on GPU, exact live tensor bytes on CPU, except for compiled graphs,
+  which run outside Python dispatch and get sampled RSS after the same ``zero_grad``
+  (:class:`convbn.memory.peak_memory`, noted in the row); median of a few dedicated,
+  untimed rounds;
 * **step time**: forward + loss + backward + ``SGD.step()``, median over ``steps`` timed
   rounds after ``warmup`` untimed ones;
 * **max |Δout|**, **max |Δgrad|**: largest absolute difference of the first step's output
@@ -97,7 +99,7 @@ from convbn.bench.training_configs import (
     config_names,
 )
 from convbn.bench.training_output import TrainingRow, print_table, rows_to_json, rows_to_markdown, write_plot
-from convbn.memory import peak_memory, tensor_peak, track_saved
+from convbn.memory import peak_memory, timeline, track_saved
 
 # The runner's public API; the configurations, checkpointing and output live in
 # training_configs.py, checkpointing.py and training_output.py.
@@ -365,17 +367,21 @@ def run_training_bench(
         peaks: Dict[str, List[int]] = {c.name: [] for c in cfgs}
 
         def measure_peak(cfg: TrainingConfig, r: int) -> None:
-            # Note: [peak on CPU] exact live-tensor bytes (tensor_peak) where possible;
+            # Note: [peak on CPU] exact live-tensor bytes (timeline, the one definition) where possible;
             # compiled graphs run outside Python dispatch, so for them fall back to
             # sampled process RSS and say so in the row.
             _release_freed_memory(device)
-            if device.type == "cpu" and "torch.compile" not in cfg.name:
-                meter: Any = tensor_peak(cfg.model, cfg.optimizer)
-            else:
-                meter = peak_memory(device)
-                if device.type == "cpu" and r == 0:
-                    rows[cfg.name].note += f"{'; ' if rows[cfg.name].note else ''}peak: sampled RSS"
-            with meter:
+            if "torch.compile" not in cfg.name:
+                with cfg.context():
+                    tl = timeline(cfg.model, x, loss_fn=lambda out: projection_loss(first_tensor(out), proj),
+                                  optimizer=cfg.optimizer)
+                peaks[cfg.name].append(tl.peak)
+                return
+            if device.type == "cpu" and r == 0:
+                rows[cfg.name].note += f"{'; ' if rows[cfg.name].note else ''}peak: sampled RSS"
+            cfg.optimizer.zero_grad(set_to_none=True)  # as timeline: freed gradients are not the step's
+            _release_freed_memory(device)
+            with peak_memory(device) as meter:
                 _step(cfg, x, proj)
             peaks[cfg.name].append(meter.result.peak)
 

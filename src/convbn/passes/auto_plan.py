@@ -175,7 +175,7 @@ def _layer_param_bytes(layer: ChainLayer) -> int:
 
 
 def plan_auto(original: nn.Module, converted: nn.Module, inputs: Tuple[Any, ...], memory_budget: Optional[float],
-              report: ConvertReport, peak_budget: Optional[float] = None) -> None:
+              report: ConvertReport, peak_budget: Optional[float] = None, peak_target: Optional[int] = None) -> None:
     """Plan every chain of ``converted`` (``convert(strategy="auto")``) and write the modes.
 
     Args:
@@ -187,6 +187,8 @@ def plan_auto(original: nn.Module, converted: nn.Module, inputs: Tuple[Any, ...]
         report: filled with the measured and predicted figures.
         peak_budget: the step's peak allowed, as a fraction of eager's measured step peak
             (Note: [saved bytes or peak]); ``None``: no peak asked for.
+        peak_target: the step's peak allowed in bytes (``convert(memory_limit=...)`` less
+            the resident bytes); ``None``: none.
 
     # Note: [saved bytes or peak]
     # ``memory_budget`` limits the *saved* bytes (held from forward to backward): the
@@ -203,7 +205,7 @@ def plan_auto(original: nn.Module, converted: nn.Module, inputs: Tuple[Any, ...]
     layers = [l for c in chains for l in c]
     with StateSnapshot(original), StateSnapshot(converted):
         eager = measure_saved(original, inputs)
-        eager_peak = measure_peak(original, inputs).peak if peak_budget is not None else None
+        eager_peak = measure_peak(original, inputs).peak
         for l in layers:
             l.mode = "recompute_conv"
         for m in _chains(converted):
@@ -225,20 +227,32 @@ def plan_auto(original: nn.Module, converted: nn.Module, inputs: Tuple[Any, ...]
                 f"use memory_budget >= {least:.3f}"
             )
         extra = target - floor
-    if peak_budget is not None and eager_peak is not None:
-        report.eager_peak_bytes = eager_peak
-        report.target_peak_bytes = int(peak_budget * eager_peak)
+    report.eager_peak_bytes = eager_peak
+    if peak_budget is not None or peak_target is not None:
+        asked = f"peak_budget={peak_budget}" if peak_target is None else "memory_limit"
+        report.target_peak_bytes = int(peak_budget * eager_peak) if peak_target is None else peak_target
         keeps, low, reached = plan_within_peak(costs, floor_total, extra, report.target_peak_bytes, gaps)
         report.lowest_peak_bytes = low
         if not reached:
             warnings.warn(
-                f"peak_budget={peak_budget} asks for a step peak of {report.target_peak_bytes} bytes, below the "
+                f"{asked} asks for a step peak of {report.target_peak_bytes} bytes, below the "
                 f"lowest any plan reaches{' within memory_budget' if memory_budget is not None else ''}: {low} "
                 f"bytes = {low / eager_peak:.3f} of eager's {eager_peak} (predicted); planned for that lowest peak",
                 stacklevel=3)
     elif memory_budget is None:
-        # the default plans for the step's peak (planner docstring)
+        # the default plans for the step's peak (planner docstring), never above eager's.
+        # Note: [never above eager]
+        # A converted step could peak above eager's where weights dominate: a chain held
+        # all its weight gradients (fixed: Note: [weight gradients as eager releases them])
+        # and its BatchNorms' saved statistics (now freed after each BN backward) to its end.
+        # What remains is a plan whose recompute transient is not paid for by what it stops
+        # keeping: eager's peak is measured on the example inputs (the same meter as the
+        # prediction), and where the default plan's predicted peak is above it, the least
+        # recompute whose predicted peak is not (keeping everything, ``recompute_bn``,
+        # saves no more than eager and recomputes only element-wise).
         keeps = plan_for_peak(costs, floor_total, extra, gaps=gaps)
+        if step_peak(costs, keeps, floor_total, gaps=gaps)[0] > eager_peak:
+            keeps = plan_within_peak(costs, floor_total, extra, eager_peak, gaps)[0]
     else:
         flags = iter(plan_layers(layers, extra))
         by_layer = {id(l): next(flags) for l in layers}

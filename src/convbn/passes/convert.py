@@ -17,6 +17,7 @@ import torch.fx as fx
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
+from ..memory.budget import parse_memory, resident_bytes, usable_bytes
 from ..nn.chain import FusedChain
 from ..nn.fused import _FusedConvBNNd
 from ..functional.strategies import CONVERT_STRATEGIES, check_strategy
@@ -196,10 +197,19 @@ def _finer(module: nn.Module, prefix: str, inputs: Dict[int, Tuple[Tuple[Any, ..
 
 
 def _check_args(model: Any, strategy: str, memory_budget: Optional[float], example_inputs: Any,
-                peak_budget: Optional[float] = None) -> None:
+                peak_budget: Optional[float] = None, memory_limit: Any = None) -> None:
     if not isinstance(model, nn.Module):
         raise TypeError(f"convert expects an nn.Module, but got {type(model).__name__}")
     check_strategy(strategy, CONVERT_STRATEGIES)
+    if memory_limit is not None:
+        parse_memory(memory_limit)  # TypeError / ValueError naming the value
+        if strategy != "auto":
+            raise ValueError(f"memory_limit is used by strategy='auto' only, but got strategy={strategy!r}")
+        if peak_budget is not None:
+            raise ValueError("give memory_limit (bytes for the whole step) or peak_budget (a fraction of eager's "
+                             "peak), not both")
+        if example_inputs is None:
+            raise ValueError("memory_limit needs example_inputs: the plan is made for their batch")
     if peak_budget is not None:
         if strategy != "auto":
             raise ValueError(f"peak_budget is used by strategy='auto' only, but got strategy={strategy!r}")
@@ -228,6 +238,7 @@ def convert(
     inplace: bool = False,
     chain: bool = True,
     peak_budget: Optional[float] = None,
+    memory_limit: Any = None,
 ) -> nn.Module:
     """Fuse every Conv -> BatchNorm (-> activation) of ``model`` for memory-lean training.
 
@@ -245,7 +256,7 @@ def convert(
             forward to backward, parameters excluded) as a fraction of the eager model's
             (e.g. ``0.35``): the plan recomputes least within it. ``None`` plans for the
             step's *peak* alone: the least recompute among plans whose predicted peak is
-            within 30 % of the lowest reachable, whatever their saved bytes, and a lower
+            within 8 % of the lowest reachable (``PEAK_TOLERANCE``), whatever their saved bytes, and a lower
             peak within that where a byte of it costs at most 16 MAC-equivalents of
             recompute (recompute is counted as MACs plus bytes moved plus a cost per call; see
             :mod:`convbn.passes.planner`; ``explain`` shows predicted and measured peaks;
@@ -259,6 +270,14 @@ def convert(
             reaches it, the plan with the lowest reachable peak, with a warning (the report's
             ``target_peak_bytes`` / ``lowest_peak_bytes`` say so too). With ``memory_budget``
             too, both are limits (Note: [saved bytes or peak] in ``passes/auto_plan.py``).
+        memory_limit: with ``"auto"``, the memory the training step may use in all on the
+            model's device, in bytes or as text (``"16GiB"``, :func:`convbn.memory.parse_memory`):
+            the parameters and buffers plus the step's peak on ``example_inputs`` (Note:
+            [a step's peak] in ``convbn/memory/timelines.py``: weight gradients included;
+            on CUDA less :data:`~convbn.memory.budget.CUDA_FRAGMENTATION_MARGIN`). The plan
+            is the least recompute whose predicted peak fits; where none fits, the lowest
+            peak, with a warning. Optimizer state is not known here: subtract it, or use
+            :func:`convbn.max_batch` (which does). Needs ``example_inputs``.
         example_inputs: a tensor or tuple of inputs. The result is *validated* on them:
             the original and the rewrite each run one forward and one backward (random
             upstream gradient) and outputs, gradients and running statistics are compared;
@@ -287,7 +306,7 @@ def convert(
         >>> fast[0].weight is net[0].weight
         True
     """
-    _check_args(model, strategy, memory_budget, example_inputs, peak_budget)
+    _check_args(model, strategy, memory_budget, example_inputs, peak_budget, memory_limit)
     report = ConvertReport(strategy=strategy)
     inputs = as_inputs(example_inputs) if example_inputs is not None else None
     work = model if inplace else share_copy(model)
@@ -306,9 +325,13 @@ def convert(
     untraced = [m for m, _ in report.untraced]
     report.outcomes += unreached(bn_module_names(model), report.outcomes, untraced, report.traced)
     if strategy == "auto" and inputs is not None and report.pairs:
+        target = None
+        if memory_limit is not None:
+            device = next((t.device for t in (*work.parameters(), *work.buffers())), torch.device("cpu"))
+            target = usable_bytes(parse_memory(memory_limit), device) - resident_bytes(work)
         with eager(work):  # the eager model: the very same modules, their own forwards
             reference = share_copy(work)
-        plan_auto(reference, work, inputs, memory_budget, report, peak_budget)
+        plan_auto(reference, work, inputs, memory_budget, report, peak_budget, target)
         del reference
     elif inputs is not None and report.pairs:
         with StateSnapshot(work):
