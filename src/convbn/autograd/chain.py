@@ -78,6 +78,7 @@ from ..functional.reference import conv_bn_act_reference
 from ..functional.tail import RNGState
 from .chain_memory import choose_drops
 from .chain_input import ChainInput, split_grad
+from .chain_kernels import fused_layer_backward, fused_layer_forward
 from .chain_spec import ChainLayerSpec, ChainX0, LayerParams, head_input, layer_kind, param_offsets, split_params
 from .chain_tail import tail_backward, tail_forward, tail_reference
 from .double_backward import differentiable_backward
@@ -235,6 +236,14 @@ def chain_forward(
         if spec.saves_y:
             kept.append(y)
             kept_idx.append(i)
+        fused = None if spec.tail else fused_layer_forward(y, g, beta, rm, rv, spec.bn, spec.act)
+        if fused is not None:  # the opt-in fused kernels (autograd/chain_kernels.py)
+            x, mean, invstd = fused
+            means.append(mean)
+            invstds.append(invstd)
+            rngs.append(())
+            del y
+            continue
         if spec.bn is not None:
             z, mean, invstd = bn_forward(y, g, beta, rm, rv, spec.bn)
             means.append(mean)
@@ -310,7 +319,23 @@ def chain_backward(
         nw, nb = (flags.pop(0), flags.pop(0)) if spec.conv is not None else (False, False)
         ng, nbeta = (flags.pop(0), flags.pop(0)) if spec.bn is not None else (False, False)
         nx = needs[0] if i == 0 else True
-        if spec.needs_y or spec.conv is None:
+        fused = None
+        if (spec.needs_y or spec.conv is None) and not spec.tail:  # the opt-in fused kernels
+            y = rb.get_y(i)
+            fused = fused_layer_backward(g, y, gamma, beta, mean_of.get(i), invstd_of.get(i), spec.bn, spec.act)  # type: ignore[arg-type]
+            del y
+        if fused is not None:
+            rb.outs.pop(i, None)  # a cached activation output (ReLU family) is not needed
+            grad_y, gg, gbeta = fused
+            g = None
+            grads[base + 2 * (spec.conv is not None)] = gg if ng else None
+            grads[base + 2 * (spec.conv is not None) + 1] = gbeta if nbeta else None
+            del gg, gbeta
+            if engine_grad is not None:
+                _free_storage(engine_grad)
+                engine_grad = None
+            rb.release(i, free_kept)
+        elif spec.needs_y or spec.conv is None:
             y = rb.get_y(i)
             grad_z, grad_tw = rb.grad_z(i, g)  # type: ignore[arg-type]
             g = None  # consumed: only grad_z lives on
