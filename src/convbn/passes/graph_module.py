@@ -83,7 +83,8 @@ class ConvbnGraphModule(fx.GraphModule):
     def __deepcopy__(self, memo: Dict[int, Any]) -> "ConvbnGraphModule":
         res = super().__deepcopy__(memo)
         _restore_preserved(res, self.__dict__, memo)
-        for key in ("_convbn_fallback", "_convbn_pending", "_convbn_mode_guard", "_convbn_inlined"):
+        # convbn_report too: an EMA copy (timm's ModelEmaV3 deep-copies the model) is a converted model
+        for key in ("_convbn_fallback", "_convbn_pending", "_convbn_mode_guard", "_convbn_inlined", "convbn_report"):
             if self.__dict__.get(key) is not None:
                 res.__dict__[key] = copy.deepcopy(self.__dict__[key], memo)
         return res
