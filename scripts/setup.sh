@@ -12,6 +12,8 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ constraints-dev.txt
     python -m pip install -q --upgrade pip
     # torch first, from the pinned CPU build, so no dependency can pull another torch.
     python -m pip install -q -c constraints-dev.txt "torch==2.13.0"
+    # .[dev] includes convbn[onnx] (onnx, onnxscript, onnxruntime) and convbn[integrations]
+    # (lightning, pytorch-ignite), pinned by constraints-dev.txt
     python -m pip install -q -c constraints-dev.txt -e ".[dev]"
     # torchvision / timm model code for the real-model tests and benchmarks: installed without
     # dependencies (pip would otherwise resolve another torch); torchvision's compiled ops do
