@@ -20,6 +20,10 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ constraints-dev.txt
     # not load on this CPU torch, so tests import it through tests/zoo.py (see there).
     python -m pip install -q -c constraints-dev.txt huggingface_hub pyyaml safetensors
     python -m pip install -q --no-deps -c constraints-dev.txt torchvision timm
+    # ultralytics' trainer for tests/test_integration_trainer.py: without its dependencies too
+    # (it would resolve another torch); training needs only OpenCV besides what is here.
+    python -m pip install -q -c constraints-dev.txt opencv-python-headless
+    python -m pip install -q --no-deps -c constraints-dev.txt ultralytics
     touch "$stamp"
 fi
 # graphviz's `dot` draws the autograd graphs of the examples; optional, best effort.
