@@ -166,3 +166,9 @@ def test_checkpoint_that_matches_nothing_names_the_keys(tmp_path, capsys):
     code = main(["explain", "mnist", "--checkpoint", str(path)])
     err = capsys.readouterr().err
     assert code == 2 and "holds no state_dict" in err and "optimizer" in err
+
+
+def test_missing_checkpoint_file_is_one_line(tmp_path, capsys):
+    code = main(["explain", "mnist", "--checkpoint", str(tmp_path / "nope.pt")])
+    err = capsys.readouterr().err
+    assert code == 2 and len(err.strip().splitlines()) == 1 and "nope.pt" in err, err

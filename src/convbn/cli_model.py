@@ -100,8 +100,8 @@ def load_checkpoint(model: nn.Module, path: str) -> str:
     """
     try:
         obj = torch.load(path, map_location="cpu", weights_only=True)
-    except (OSError, FileNotFoundError):
-        raise
+    except OSError:
+        raise  # a missing or unreadable file: the command reports it as one line
     except Exception as exc:  # noqa: BLE001 - unpickling errors of every kind
         raise ValueError(f"--checkpoint {path!r} cannot be read as weights only ({type(exc).__name__}: "
                          f"{' '.join(str(exc).split())[:200]})") from exc

@@ -40,7 +40,8 @@ def example_batch(x: Tensor) -> Tensor:
     return x if x.shape[0] >= 2 else x.expand(2, *x.shape[1:]).clone()
 
 
-def _dynamic_batch(x: Tensor) -> Tuple[Dict[int, Any], ...]:
+def _dynamic_batch() -> Tuple[Dict[int, Any], ...]:
+    """``dynamic_shapes`` for one input whose dimension 0, the batch, is dynamic."""
     return ({0: torch.export.Dim("batch", min=1)},)
 
 
@@ -52,7 +53,7 @@ def export_program(model: nn.Module, x: Tensor) -> "torch.export.ExportedProgram
     """
     x = example_batch(x)
     try:
-        return torch.export.export(model, (x,), dynamic_shapes=_dynamic_batch(x))
+        return torch.export.export(model, (x,), dynamic_shapes=_dynamic_batch())
     except Exception as exc:  # noqa: BLE001 - torch.export's constraint errors come in many types
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         raise ValueError(f"torch.export with a dynamic batch dimension failed ({type(exc).__name__}: {first}); "
@@ -89,7 +90,7 @@ def save_onnx(model: nn.Module, x: Tensor, path: str, opset: int = DEFAULT_OPSET
     try:
         with contextlib.redirect_stdout(quiet), warnings.catch_warnings():  # the exporter prints its progress
             warnings.simplefilter("ignore", FutureWarning)  # torch's own deprecations inside the exporter
-            torch.onnx.export(model, (x,), path, dynamo=True, dynamic_shapes=_dynamic_batch(x), opset_version=opset,
+            torch.onnx.export(model, (x,), path, dynamo=True, dynamic_shapes=_dynamic_batch(), opset_version=opset,
                               input_names=["input"], output_names=["output"], verbose=False)
     except Exception as exc:  # noqa: BLE001 - the exporter raises many types
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
