@@ -119,6 +119,30 @@ def test_plot_timelines_writes_png(tmp_path):
         record_timelines(_net(), torch.randn(4, 3, 12, 12), ["nope"])
 
 
+def test_timeline_legend_is_in_plain_words(tmp_path):
+    """The legend names fused chains by the layers they fuse and phases by name, never by
+    convbn's internal module / Function names."""
+    pytest.importorskip("matplotlib")
+    from convbn import convert
+    from convbn.bench.timeline import describe_point, plot_timelines
+    from convbn.memory import timeline
+
+    torch.manual_seed(0)
+    x = torch.randn(4, 3, 12, 12)
+    eager = _net().train()
+    fused = convert(copy.deepcopy(eager), strategy="recompute_conv")
+    tls = [timeline(eager, x, label="unfused"), timeline(fused, x, label="convert")]
+    legend = plot_timelines(tls, str(tmp_path / "tl.png"), models=[eager, fused])
+    text = " ".join(legend)
+    assert "convbn_chain" not in text and "ChainFunction" not in text, legend
+    assert legend[1].startswith("convert: peak ") and "x unfused's peak" in legend[1]
+    chain_points = [p for p in tls[1].points if p.module.startswith("convbn_chain")]
+    assert chain_points
+    described = describe_point(chain_points[-1], fused)
+    assert "fused layers" in described and "convbn_chain" not in described, described
+    assert "fused chain 1" in describe_point(chain_points[-1])  # without the model: numbered, counted from 1
+
+
 def test_bench_timeline_option_writes_png(tmp_path, capsys):
     pytest.importorskip("matplotlib")
     import argparse

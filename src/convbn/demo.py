@@ -58,6 +58,7 @@ from convbn.demo_results import (
     CONFIG_HELP,
     CONFIGS,
     DemoResult,
+    accuracy_sentence,
     compare_losses,
     demo_pyplot,
     results_table,
@@ -332,6 +333,7 @@ def run_demo(config: DemoConfig, console: Any = None, data: Optional[Dataset] = 
     opts = {k: torch.optim.Adadelta(m.parameters(), lr=config.lr) for k, m in models.items()}
     scheds = {k: torch.optim.lr_scheduler.StepLR(o, step_size=1, gamma=config.gamma) for k, o in opts.items()}
     result.plans = {k: _plan(m) for k, m in models.items()}
+    result.test_images = len(test_y)
     shuffle = torch.Generator().manual_seed(config.seed)
     stats: Dict[str, List[StepStats]] = {k: [] for k in models}
     first_grad_diff: Dict[str, Tuple[int, float]] = {}  # first step whose gradients differ from unfused's
@@ -398,6 +400,7 @@ def run_demo(config: DemoConfig, console: Any = None, data: Optional[Dataset] = 
         console.print(results_table(result, device))
         for name in CONFIGS[1:]:
             console.print(result.equality[name])
+        console.print(accuracy_sentence(result))
         if result.plot:
             console.print(f"plot written to {os.path.abspath(result.plot)}")
         if result.timeline_plot:

@@ -87,7 +87,7 @@ from torch.nn.modules.dropout import _DropoutNd
 from convbn.bench.checkpointing import CheckpointBlock, checkpoint_blocks, find_blocks
 from convbn.bench.common import DTYPES, add_output_arguments, first_tensor, projection_loss, short_error, timed_ms, write_outputs
 from convbn.bench.concat_checkpoint import NoConcatHead
-from convbn.bench.models import build_model
+from convbn.bench.models import build_model, check_input
 from convbn.bench.plotting import pyplot
 from convbn.bench.training_configs import (
     CONCAT_CHECKPOINT,
@@ -205,7 +205,9 @@ def _make_input(model: nn.Module, shape: Tuple[int, ...], batch_size: int, image
             finally:
                 for m, t in modes:
                     m.training = t
-    return torch.randn(batch_size, *shape, generator=gen).to(device, dtype)
+    x = torch.randn(batch_size, *shape, generator=gen).to(device, dtype)
+    check_input(model, x, spec, "pass --image-size with a size the model takes")
+    return x
 
 
 def run_training_bench(
@@ -421,7 +423,11 @@ def add_training_arguments(parser: argparse.ArgumentParser) -> argparse.Argument
 
     parser.add_argument("--model", action="append", default=None, metavar="SPEC",
                         help="model spec, repeatable: mnist, monai:resnet18, 'monai:resnet50(spatial_dims=2)', "
-                             f"efficientnet:b0 ... (default: {' '.join(DEFAULT_MODELS)})")
+                             "efficientnet:b0 ..., or module:callable (a function of yours returning the model) "
+                             f"(default: {' '.join(DEFAULT_MODELS)})")
+    parser.add_argument("--checkpoint", default=None, metavar="PATH",
+                        help="load these weights (a state_dict or a checkpoint holding one) into the model "
+                             "(one --model only)")
     parser.add_argument("--batch-size", type=batch_size, default=64, help="batch size")
     parser.add_argument("--image-size", type=positive_int, default=None,
                         help="override the spatial size where the model allows (a warning where it does not)")
@@ -478,10 +484,20 @@ def main_training(args: argparse.Namespace) -> int:
         pyplot("--plot")  # fail before the run, not after it
     if args.threads is not None:
         torch.set_num_threads(args.threads)
+    specs = args.model or list(DEFAULT_MODELS)
+    loaded: Dict[str, Any] = {}
+    if args.checkpoint is not None:
+        if len(specs) != 1:
+            raise ValueError(f"--checkpoint loads into one model, but got {len(specs)} --model specs: {specs}")
+        from convbn.cli_model import load_model
+
+        torch.manual_seed(args.seed)
+        model, shape = load_model(specs[0], args.checkpoint)
+        loaded = dict(model=model, input_shape=shape)
     rows: List[TrainingRow] = []
-    for spec in args.model or list(DEFAULT_MODELS):
+    for spec in specs:
         rows += run_training_bench(
-            spec, args.batch_size, configs, args.steps, args.warmup, args.device, DTYPES[args.dtype],
+            spec, args.batch_size, configs, args.steps, args.warmup, args.device, DTYPES[args.dtype], **loaded,
             budgets=args.budget, peak_budgets=args.peak_budget,
             compile_budgets=DEFAULT_COMPILE_BUDGETS if args.compile_budget is None else args.compile_budget,
             use_compile=not args.no_compile, image_size=args.image_size, memory_rounds=args.memory_rounds,
