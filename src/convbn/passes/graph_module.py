@@ -61,10 +61,34 @@ def _restore_preserved(dst: nn.Module, body: Dict[str, Any], memo: Optional[Dict
     dst.__dict__[_PRESERVED_KEY] = tuple(body.get(_PRESERVED_KEY, ()))
 
 
+class _SavedCodeTracer(fx.Tracer):
+    """Re-traces a saved graph's code: convbn's own functions in it stay single calls.
+
+    Note: [loading a graph that calls convbn functions]
+    ``torch.load`` rebuilds a GraphModule by tracing its saved Python code again. The
+    rewrite put calls of convbn functions in the graph (``pool_module_call``, the lean
+    pooling; inlined batch norms), which take control flow on tensor properties: traced
+    into, they fail (``TraceError``), or in the converting process they happened not to be
+    reached. Tracing keeps them as one ``call_function`` each, as the rewrite made them
+    (FX's autowrap), so the loaded graph is the saved one, in any process.
+    """
+
+    def trace(self, root: Any, concrete_args: Optional[Dict[str, Any]] = None) -> fx.Graph:
+        fn = getattr(type(root), "forward", None)
+        for value in getattr(fn, "__globals__", {}).values():
+            if callable(value) and type(value).__name__ == "function" and \
+                    str(getattr(value, "__module__", "")).startswith("convbn."):
+                self._autowrap_function_ids.add(id(value))
+        return super().trace(root, concrete_args)
+
+
 def _rebuild(body: Dict[str, Any], import_block: str) -> nn.Module:
     fn_src = body.get("_code") or body["code"]
     forward = _forward_from_src(import_block + fn_src, {})
-    gm = _deserialize_graph_module(forward, dict(body), graph_module_cls=ConvbnGraphModule)
+    tracer_cls = body.get("_tracer_cls")
+    gm = _deserialize_graph_module(forward, dict(body, _tracer_cls=_SavedCodeTracer), graph_module_cls=ConvbnGraphModule)
+    gm._tracer_cls = tracer_cls  # as saved (the loading tracer is not part of the model)
+    gm.graph._tracer_cls = tracer_cls
     _restore_preserved(gm, body, None)
     return gm
 

@@ -1,0 +1,158 @@
+"""The fusion watch: makes "convbn silently stopped fusing" a test failure (issue 23).
+
+``tests/conftest.py`` installs it once per test process and wraps every test body in
+:func:`watching`. While a test runs it records, without changing anything convbn does:
+
+* every model ``convbn.convert`` returns (``convbn.convert`` and
+  ``convbn.passes.convert.convert`` are replaced by a pass-through that keeps the result);
+* every ``FusedChain`` call that autograd records (grad enabled, an input or parameter
+  requiring grad), and whether its output came from the fused Function
+  (``ChainFunctionBackward``) or from the chain's eager modules.
+
+After the test body passed, :meth:`Watch.check` fails it when a converted model fused
+nothing, or a chain call ran unfused. No module hook is registered (``convert`` and the
+chain would see hooks and change course), and under ``torch.compile`` the watch steps
+aside (the compiled path is an opaque custom op, checked by its own tests).
+
+A test whose point is an unfused model -- ``convert`` leaving everything alone, hooks
+registered after conversion, a zero-size batch -- says so with
+``@pytest.mark.expect_unfused("why")`` and is not checked.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+from dataclasses import dataclass, field
+from typing import Any, Dict, Iterator, List, Optional, Tuple
+
+import pytest
+import torch
+from torch import Tensor, nn
+
+#: the grad_fn name of the fused chain's autograd Function
+CHAIN_BACKWARD = "ChainFunctionBackward"
+
+__all__ = ["CHAIN_BACKWARD", "Watch", "install", "watching", "current"]
+
+
+@dataclass
+class _ChainCalls:
+    chain: nn.Module
+    recorded: int = 0  # calls autograd recorded
+    fused: int = 0  # of those, outputs of the fused Function
+    unfused_grad_fn: str = ""
+
+
+@dataclass
+class Watch:
+    """What one test converted and ran (see the module docstring)."""
+
+    converted: List[nn.Module] = field(default_factory=list)
+    chains: Dict[int, _ChainCalls] = field(default_factory=dict)
+
+    def chain_call(self, chain: nn.Module, out: Any) -> None:
+        if not (isinstance(out, Tensor) and out.requires_grad):
+            return  # nothing recorded (no grad): the no-grad kernel, nothing to see from outside
+        rec = self.chains.setdefault(id(chain), _ChainCalls(chain))
+        rec.recorded += 1
+        name = type(out.grad_fn).__name__
+        if name == CHAIN_BACKWARD:
+            rec.fused += 1
+        else:
+            rec.unfused_grad_fn = name
+
+    def problems(self) -> List[str]:
+        out = []
+        for model in self.converted:
+            report = getattr(model, "convbn_report", None)
+            if report is not None and not report.pairs:
+                why = "; ".join(f"{s.batchnorm}: {s.reason}" for s in report.skipped[:3]) or "no Conv -> BatchNorm found"
+                out.append(f"convbn.convert({type(model).__name__}) fused nothing ({why})")
+        names = {id(m): n for model in self.converted for n, m in model.named_modules()}
+        for rec in self.chains.values():
+            if rec.fused < rec.recorded:
+                where = names.get(id(rec.chain)) or " -> ".join(n for l in rec.chain.layers for n in l.names[:2] if n)
+                out.append(f"FusedChain {where!r} ran {rec.recorded - rec.fused} of {rec.recorded} autograd-recorded "
+                           f"calls unfused (output grad_fn {rec.unfused_grad_fn}, not {CHAIN_BACKWARD})")
+        return out
+
+    def check(self) -> None:
+        """Fail the running test if anything it converted or ran was not fused."""
+        found = self.problems()
+        if found:
+            pytest.fail(
+                "fusion watch (tests/fusion_watch.py): this test passed but convbn did not fuse:\n  - "
+                + "\n  - ".join(found)
+                + "\nIf the test is about an unfused model (nothing to fuse, hooks added after convert, "
+                  "an eager fallback), mark it @pytest.mark.expect_unfused(\"why\"); otherwise convbn regressed.",
+                pytrace=False,
+            )
+
+
+_CURRENT: List[Optional[Watch]] = [None]
+
+
+def current() -> Optional[Watch]:
+    """The watch of the running test (``None`` outside a test body)."""
+    return _CURRENT[0]
+
+
+@contextlib.contextmanager
+def watching() -> Iterator[Watch]:
+    """Record conversions and chain calls for the duration of the block."""
+    before = _CURRENT[0]
+    w = Watch()
+    _CURRENT[0] = w
+    try:
+        yield w
+    finally:
+        _CURRENT[0] = before
+
+
+_INSTALLED: List[bool] = []
+
+
+def install() -> None:
+    """Wrap ``convbn.convert`` and ``FusedChain.forward`` with pass-through recorders (once)."""
+    if _INSTALLED:
+        return
+    _INSTALLED.append(True)
+    import convbn
+    import convbn.passes.convert as convert_mod
+    from convbn.nn.chain import FusedChain
+
+    convert = convert_mod.convert
+
+    @functools.wraps(convert)
+    def recording_convert(model: nn.Module, *args: Any, **kwargs: Any) -> nn.Module:
+        out = convert(model, *args, **kwargs)
+        w = _CURRENT[0]
+        if w is not None:
+            w.converted.append(out)
+        return out
+
+    convert_mod.convert = recording_convert
+    convbn.convert = recording_convert
+
+    forward = FusedChain.forward
+
+    @functools.wraps(forward)
+    def recording_forward(self: nn.Module, *inputs: Tensor) -> Tensor:
+        if torch.compiler.is_compiling():
+            return forward(self, *inputs)
+        out = forward(self, *inputs)
+        w = _CURRENT[0]
+        if w is not None:
+            w.chain_call(self, out)
+        return out
+
+    FusedChain.forward = recording_forward  # type: ignore[method-assign]
+
+
+def unwrapped() -> Tuple[Any, Any]:
+    """``(convert, FusedChain.forward)`` as convbn defines them (for tests of the watch itself)."""
+    import convbn.passes.convert as convert_mod
+    from convbn.nn.chain import FusedChain
+
+    return getattr(convert_mod.convert, "__wrapped__", convert_mod.convert), \
+        getattr(FusedChain.forward, "__wrapped__", FusedChain.forward)
