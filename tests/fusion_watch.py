@@ -5,9 +5,10 @@
 
 * every model ``convbn.convert`` returns (``convbn.convert`` and
   ``convbn.passes.convert.convert`` are replaced by a pass-through that keeps the result);
-* every ``FusedChain`` call that autograd records (grad enabled, an input or parameter
-  requiring grad), and whether its output came from the fused Function
-  (``ChainFunctionBackward``) or from the chain's eager modules.
+* every ``FusedChain`` call, and whether it ran fused: an output autograd records must come
+  from the fused Function (``ChainFunctionBackward``), one it does not (no grad) from the
+  chain's no-grad kernel (``chain_forward_no_grad``, counted by a pass-through wrapper),
+  not from the chain's eager modules.
 
 After the test body passed, :meth:`Watch.check` fails it when a converted model fused
 nothing, or a chain call ran unfused. No module hook is registered (``convert`` and the
@@ -38,9 +39,9 @@ __all__ = ["CHAIN_BACKWARD", "Watch", "install", "watching", "current"]
 @dataclass
 class _ChainCalls:
     chain: nn.Module
-    recorded: int = 0  # calls autograd recorded
-    fused: int = 0  # of those, outputs of the fused Function
-    unfused_grad_fn: str = ""
+    calls: int = 0
+    fused: int = 0  # of those, run by the fused Function or the no-grad kernel
+    unfused_how: str = ""
 
 
 @dataclass
@@ -50,16 +51,21 @@ class Watch:
     converted: List[nn.Module] = field(default_factory=list)
     chains: Dict[int, _ChainCalls] = field(default_factory=dict)
 
-    def chain_call(self, chain: nn.Module, out: Any) -> None:
-        if not (isinstance(out, Tensor) and out.requires_grad):
-            return  # nothing recorded (no grad): the no-grad kernel, nothing to see from outside
+    def chain_call(self, chain: nn.Module, out: Any, no_grad_kernel: bool) -> None:
+        if not isinstance(out, Tensor):
+            return
         rec = self.chains.setdefault(id(chain), _ChainCalls(chain))
-        rec.recorded += 1
-        name = type(out.grad_fn).__name__
-        if name == CHAIN_BACKWARD:
+        rec.calls += 1
+        if out.requires_grad:
+            name = type(out.grad_fn).__name__
+            if name == CHAIN_BACKWARD:
+                rec.fused += 1
+            else:
+                rec.unfused_how = f"output grad_fn {name}, not {CHAIN_BACKWARD}"
+        elif no_grad_kernel:
             rec.fused += 1
         else:
-            rec.unfused_grad_fn = name
+            rec.unfused_how = "a call without grad did not run the no-grad kernel"
 
     def problems(self) -> List[str]:
         out = []
@@ -70,10 +76,10 @@ class Watch:
                 out.append(f"convbn.convert({type(model).__name__}) fused nothing ({why})")
         names = {id(m): n for model in self.converted for n, m in model.named_modules()}
         for rec in self.chains.values():
-            if rec.fused < rec.recorded:
+            if rec.fused < rec.calls:
                 where = names.get(id(rec.chain)) or " -> ".join(n for l in rec.chain.layers for n in l.names[:2] if n)
-                out.append(f"FusedChain {where!r} ran {rec.recorded - rec.fused} of {rec.recorded} autograd-recorded "
-                           f"calls unfused (output grad_fn {rec.unfused_grad_fn}, not {CHAIN_BACKWARD})")
+                out.append(f"FusedChain {where!r} ran {rec.calls - rec.fused} of {rec.calls} calls as eager "
+                           f"modules ({rec.unfused_how})")
         return out
 
     def check(self) -> None:
@@ -110,6 +116,7 @@ def watching() -> Iterator[Watch]:
 
 
 _INSTALLED: List[bool] = []
+_NO_GRAD_RUNS = [0]  # calls of the chain's no-grad kernel in this process
 
 
 def install() -> None:
@@ -119,6 +126,7 @@ def install() -> None:
     _INSTALLED.append(True)
     import convbn
     import convbn.passes.convert as convert_mod
+    import convbn.nn.chain as chain_nn
     from convbn.nn.chain import FusedChain
 
     convert = convert_mod.convert
@@ -134,16 +142,26 @@ def install() -> None:
     convert_mod.convert = recording_convert
     convbn.convert = recording_convert
 
+    no_grad = chain_nn.chain_forward_no_grad
+
+    @functools.wraps(no_grad)
+    def counting_no_grad(*args: Any, **kwargs: Any) -> Any:
+        if not torch.compiler.is_compiling():
+            _NO_GRAD_RUNS[0] += 1
+        return no_grad(*args, **kwargs)
+
+    chain_nn.chain_forward_no_grad = counting_no_grad
     forward = FusedChain.forward
 
     @functools.wraps(forward)
     def recording_forward(self: nn.Module, *inputs: Tensor) -> Tensor:
         if torch.compiler.is_compiling():
             return forward(self, *inputs)
+        before = _NO_GRAD_RUNS[0]
         out = forward(self, *inputs)
         w = _CURRENT[0]
         if w is not None:
-            w.chain_call(self, out)
+            w.chain_call(self, out, _NO_GRAD_RUNS[0] > before)
         return out
 
     FusedChain.forward = recording_forward  # type: ignore[method-assign]
