@@ -13,7 +13,9 @@
 After the test body passed, :meth:`Watch.check` fails it when a converted model fused
 nothing, or a chain call ran unfused. No module hook is registered (``convert`` and the
 chain would see hooks and change course), and under ``torch.compile`` the watch steps
-aside (the compiled path is an opaque custom op, checked by its own tests).
+aside (the compiled path is an opaque custom op, checked by its own tests). Calls the chain
+runs as eager modules by design (:func:`eager_by_design`: hooks added after conversion, an
+empty batch ...) are not counted.
 
 A test whose point is an unfused model -- ``convert`` leaving everything alone, hooks
 registered after conversion, a zero-size batch -- says so with
@@ -51,8 +53,8 @@ class Watch:
     converted: List[nn.Module] = field(default_factory=list)
     chains: Dict[int, _ChainCalls] = field(default_factory=dict)
 
-    def chain_call(self, chain: nn.Module, out: Any, no_grad_kernel: bool) -> None:
-        if not isinstance(out, Tensor):
+    def chain_call(self, chain: nn.Module, out: Any, no_grad_kernel: bool, by_design: bool) -> None:
+        if not isinstance(out, Tensor) or by_design:
             return
         rec = self.chains.setdefault(id(chain), _ChainCalls(chain))
         rec.calls += 1
@@ -96,6 +98,19 @@ class Watch:
 
 
 _CURRENT: List[Optional[Watch]] = [None]
+
+
+def eager_by_design(chain: Any, inputs: Tuple[Tensor, ...]) -> bool:
+    """Whether the chain runs this call as eager modules by design (``FusedChain.forward``'s
+    documented fallbacks, read from the chain before the call): hooks on its modules, an empty
+    input, a linear layer on an input other than ``(N, C)``, a head chain under autocast.
+    Such calls are not counted; every other call must run fused."""
+    if not inputs or not all(isinstance(t, Tensor) for t in inputs):
+        return False
+    x = inputs[0]
+    if chain._hooked() or any(t.numel() == 0 for t in inputs) or chain._linear_on_other_shape(x):
+        return True
+    return bool(chain.layers[0].is_head and torch.is_autocast_enabled(x.device.type))
 
 
 def current() -> Optional[Watch]:
@@ -157,11 +172,12 @@ def install() -> None:
     def recording_forward(self: nn.Module, *inputs: Tensor) -> Tensor:
         if torch.compiler.is_compiling():
             return forward(self, *inputs)
+        w = _CURRENT[0]
+        by_design = w is not None and eager_by_design(self, inputs)
         before = _NO_GRAD_RUNS[0]
         out = forward(self, *inputs)
-        w = _CURRENT[0]
         if w is not None:
-            w.chain_call(self, out, _NO_GRAD_RUNS[0] > before)
+            w.chain_call(self, out, _NO_GRAD_RUNS[0] > before, by_design)
         return out
 
     FusedChain.forward = recording_forward  # type: ignore[method-assign]
