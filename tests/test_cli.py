@@ -191,6 +191,7 @@ def test_fold_reports_checks_and_saves(tmp_path, capsys):
     assert loaded(torch.randn(2, 1, 28, 28)).shape == (2, 10)
 
 
+@pytest.mark.expect_unfused("the warning convert gives when it fuses nothing")
 def test_convert_that_fuses_nothing_warns():
     import warnings
 

@@ -398,7 +398,7 @@ class ChainFunction(Function):
 
     @staticmethod
     def forward(ctx: Any, *args: Any) -> Tensor:  # type: ignore[override]
-        calibrate()  # Note: [calibrating outside backward]
+        calibrate()  # Note: [calibrated once, in a clean state] (autograd/release.py)
         n_pieces = args[-1] if isinstance(args[-1], int) else 1
         if isinstance(args[-1], int):
             args = args[:-1]
