@@ -77,6 +77,9 @@ def _applies(y: Tensor, bn: Optional[BNSpec], act: Activation) -> bool:
 
 
 def _run(name: str, fn: Callable[..., Any], *args: Any) -> Any:
+    # plain tensors: dynamo keeps a Parameter's shape static, which would make the channel
+    # count static too and compile one kernel per width
+    args = tuple(a.detach() if isinstance(a, Tensor) else a for a in args)
     try:
         return _compiled(name, fn)(*args)
     except Exception as e:  # no compiler, an unsupported case: the ATen path from now on
