@@ -44,6 +44,7 @@ import torch
 from torch import nn
 
 import convbn
+from convbn.autograd.chain_kernels import set_fused_kernels
 from convbn.bench.models import build_model
 from convbn.passes import auto_plan, planner
 
@@ -95,9 +96,14 @@ def _configs(model: nn.Module, x: torch.Tensor, budgets: List[float], peaks: Lis
 
 
 def _step(model: nn.Module, x: torch.Tensor) -> None:
-    for p in model.parameters():
-        p.grad = None
-    model(x).float().mean().backward()
+    # the "auto+kernels" configuration runs its whole step with the fused element-wise kernels
+    prev = set_fused_kernels(bool(getattr(model, "_bm_fused_kernels", False)))
+    try:
+        for p in model.parameters():
+            p.grad = None
+        model(x).float().mean().backward()
+    finally:
+        set_fused_kernels(prev)
 
 
 def _time(cfgs: Dict[str, nn.Module], x: torch.Tensor, rounds: int) -> Tuple[Dict[str, float], Dict[str, float]]:
@@ -148,6 +154,8 @@ def main() -> None:
                     help="add the default plan made with this tolerance above the lowest peak")
     ap.add_argument("--base", default=None, metavar="REV",
                     help="add 'base auto': convert(auto) of convbn at git revision REV, in this process")
+    ap.add_argument("--fused-kernels", action="store_true",
+                    help="add 'auto+kernels': the auto plan with the fused element-wise kernels (issue 25)")
     ap.add_argument("--ref", default="auto", help="the configuration the last ratio column is to")
     ap.add_argument("--profile", type=int, default=0, metavar="N", help="also profile N steps per configuration")
     ap.add_argument("--top", type=int, default=25, help="operators shown by --profile")
@@ -159,6 +167,9 @@ def main() -> None:
     x = torch.randn(args.batch_size, shape[0], *spatial)
     base = _import_revision(args.base, tempfile.mkdtemp(prefix="convbn_base_")) if args.base else None
     cfgs = _configs(model.train(), x, args.budget, args.peak_budget, args.tolerance, base)
+    if args.fused_kernels:  # the auto plan again, with autograd/chain_kernels.py's fused kernels on
+        cfgs["auto+kernels"] = copy.deepcopy(cfgs["auto"])
+        cfgs["auto+kernels"]._bm_fused_kernels = True
     if args.ref not in cfgs:
         raise SystemExit(f"--ref {args.ref!r} is not one of {list(cfgs)}")
     for m in cfgs.values():  # warm-up

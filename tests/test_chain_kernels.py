@@ -5,6 +5,7 @@ and wired into a converted model they match eager within float32 rounding, and t
 path is what ran (it is switched on here; off, the same model takes the ATen path).
 """
 import copy
+import shutil
 
 import pytest
 import torch
@@ -44,6 +45,7 @@ def _net():
                          nn.Conv2d(8, 4, 3, padding=1, bias=False), nn.BatchNorm2d(4), nn.ReLU())
 
 
+@pytest.mark.skipif(not (shutil.which("g++") or shutil.which("c++")), reason="inductor's CPU kernels need a C++ compiler")
 def test_fused_kernels_in_a_converted_model_match_eager(monkeypatch):
     torch.manual_seed(0)
     eager = _net()
