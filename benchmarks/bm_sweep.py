@@ -267,6 +267,7 @@ CAUSES = [
     ("module replaced: container not iterable / indexable", r"not iterable|not subscriptable|object is not callable"),
     ("module replaced: bare nn.Module without forward", r"_forward_unimplemented|missing the required \"forward\""),
     ("trace hazard (isinstance / control flow on a proxy)", r"isinstance|symbolically traced variables cannot"),
+    ("traced graph differs from the module's own code at run time (trace hazard)", r"\[graph_module\.py:\d+\]$"),
     ("gradients differ from eager", r"mismatch: .*grad"),
     ("outputs / buffers differ from eager", r"mismatch"),
     ("timeout", r"^over \d+ s"),
