@@ -585,7 +585,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         with open(args.report) as f:
             text = f.read()
         records = json.loads(text) if text.lstrip().startswith("[") else [json.loads(ln) for ln in text.splitlines() if ln]
-        records = [r for r in records if r["label"] in set(labels)]  # the models --family / --models / --limit pick
+        latest = {r["label"]: r for r in records}  # a model run twice: its last record
+        records = [latest[lb] for lb in labels if lb in latest]  # the models --family / --models / --limit pick
         print(markdown(records, f"python benchmarks/bm_sweep.py --report {args.report}{selection}"))
         print("\n" + causes_table(records) + "\n")
         print(failures(records))
