@@ -215,5 +215,5 @@ def test_torch_compile_dynamic_shapes_plans_auto_on_first_call():
     for s in (8, 10):
         _step_both(compiled, eager, _input(2, s=s))
     _assert_grads_close(conv, eager)
-    modes = [l.mode for m in conv.modules() if isinstance(m, convbn.FusedChain) for l in m.layers]
+    modes = [l.mode for _, m in convbn.fused_modules(conv) if isinstance(m, convbn.FusedChain) for l in m.layers]
     assert modes and set(modes) <= {"recompute_bn", "recompute_conv"}

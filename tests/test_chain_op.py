@@ -96,3 +96,54 @@ def test_op_updates_running_stats_like_eager():
     assert_close(out, ref)
     for b, be in zip(fused.buffers(), eager.buffers()):
         assert_close(b, be)
+
+
+def _layout_args(x_fmt, w_fmt, pieces, dtype=torch.float64):
+    """chain_fwd arguments for a two-layer chain (a head over ``pieces`` when > 1) in the given layouts."""
+    g = torch.Generator().manual_seed(0)
+    if pieces > 1:  # a head normalises the concatenation, then one conv layer
+        specs = [ChainLayerSpec(None, BNSpec(1e-5, True, 0.1), Activation("relu"), False),
+                 ChainLayerSpec(make_conv_spec(2, (3, 3), padding=1), BNSpec(1e-5, True, 0.1), Activation("silu"), False)]
+        shapes = [(6,), (6,), (4, 6, 3, 3), (4,), (4,), (4,)]
+        xs = [torch.randn(3, c, 5, 5, generator=g, dtype=dtype) for c in (2, 4)]
+    else:
+        specs = _specs((True, False))
+        shapes = [(6, 3, 3, 3), (6,), (6,), (6,), (4, 6, 1, 1), (0,), (4,), (4,)]
+        xs = [torch.randn(3, 3, 5, 5, generator=g, dtype=dtype)]
+    xs = [x.contiguous(memory_format=x_fmt).requires_grad_() for x in xs]
+    params = [torch.randn(s, generator=g, dtype=dtype).contiguous(memory_format=w_fmt if len(s) == 4 else torch.contiguous_format)
+              .requires_grad_(s != (0,)) for s in shapes]
+    key = register_chain([(s.conv, s.act, s.bn.eps) for s in specs])
+    running = [torch.zeros(6, dtype=dtype), torch.ones(6, dtype=dtype), torch.zeros(4, dtype=dtype), torch.ones(4, dtype=dtype)]
+    factors = torch.tensor([0.1, 0.1], dtype=torch.float64)
+    keep = [s.keep_y for s in specs]
+    return specs, (xs, params, running, factors, key, keep, [True, True], [True, True], [p.numel() > 0 for p in params])
+
+
+@pytest.mark.parametrize("x_fmt,w_fmt,pieces", [
+    (torch.channels_last, torch.contiguous_format, 1),   # the usual GPU recipe: channels_last input
+    (torch.contiguous_format, torch.channels_last, 1),   # channels_last weights only
+    (torch.channels_last, torch.channels_last, 1),
+    (torch.channels_last, torch.contiguous_format, 2),   # a head over a concatenation
+])
+def test_opcheck_across_layouts(x_fmt, w_fmt, pieces):
+    """The fake kernels give the real ops' strides in every layout (Note: [the chain ops'
+    output strides]); ``chain_bwd`` is checked on the saved set ``chain_fwd`` returns."""
+    from convbn.autograd.chain_op import _chain_bwd
+
+    specs, args = _layout_args(x_fmt, w_fmt, pieces)
+    torch.library.opcheck(_chain_fwd, args, test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
+    xs, params, running, factors, key, keep, bs, _, present = args
+    with torch.no_grad():
+        out, saved, _ = _chain_fwd(xs, params, [t.clone() for t in running], factors, key, keep, bs, [True, True], present)
+    assert out.is_contiguous(memory_format=torch.channels_last)  # either layout channels_last: the output is too
+    grad = torch.randn_like(out).contiguous(memory_format=x_fmt)
+    needs = [True] + [p.requires_grad for p in params]
+    torch.library.opcheck(_chain_bwd, (grad, [x.detach() for x in xs], [p.detach() for p in params], list(saved), key, keep, bs,
+                                       needs, present), test_utils=("test_schema", "test_faketensor"))
+    grads = _chain_bwd(grad, [x.detach() for x in xs], [p.detach() for p in params], list(saved), key, keep, bs, needs, present)
+    if pieces == 1:
+        assert grads[0].stride() == xs[0].stride()
+    for g, p in zip(grads[1:], params):
+        if p.requires_grad:
+            assert g.stride() == p.stride()

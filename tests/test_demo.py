@@ -111,9 +111,21 @@ def test_python_m_convbn_demo_prints_table(tmp_path: Any) -> None:
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = " ".join(proc.stdout.split())  # rich wraps at the console width
     for text in ("epoch 1:", "saved for backward", "live tensors, exact", "tutorial:", "bit-identical",
-                 f"plot written to {png}"):
+                 "final test accuracy: unfused", f"plot written to {png}"):
         assert text in out, text
     assert png.exists() and "Traceback" not in proc.stderr
+
+
+def test_accuracy_sentence_says_equal_only_when_equal() -> None:
+    from convbn.demo_results import DemoResult, accuracy_sentence
+
+    r = DemoResult(test_images=359)
+    r.accuracy = {"unfused": [0.5, 0.944], "auto": [0.5, 0.944], "tutorial": [0.5, 0.944]}
+    assert accuracy_sentence(r).endswith(": equal")
+    r.accuracy = {"unfused": [0.933], "auto": [0.944], "tutorial": [0.933]}
+    text = accuracy_sentence(r)
+    assert "not equal" in text and "4 of 359 test images apart" in text
+    assert "unfused 93.3%, auto 94.4%, tutorial 93.3%" in text
 
 
 def test_mnist_net_fused_unfused_same_keys_and_outputs() -> None:

@@ -130,7 +130,7 @@ def test_monai_densenet121_training_steps_equal_eager(dims: int, shape: Tuple[in
     assert len([b for b in _fused_bns(fast) if b.endswith("norm1")]) == 58  # every dense layer's head
     assert [s.bn for s in report.skipped] == ["features.norm5"]  # BN -> ReLU -> pool: no conv to fuse into
     # 54 heads read a concatenation (pieces); a block's first layer reads the block input
-    assert sum(1 for c in fast.modules() if isinstance(c, FusedChain) and c.layers[0].is_head) == 61
+    assert sum(1 for _, c in convbn.fused_modules(fast) if isinstance(c, FusedChain) and c.layers[0].is_head) == 61
     names = [n for n, _ in eager.named_parameters()]
     exact = _train(copy.deepcopy(eager).double(), x.double(), 3, names)
     want = _train(eager, x, 3, names)

@@ -451,7 +451,7 @@ def _monai_worker(rank: int, world: int, state: Dict[str, Tensor], x: Tensor, y:
     net.load_state_dict(state)
     synced = nn.SyncBatchNorm.convert_sync_batchnorm(net)
     converted = convbn.convert(synced)
-    n_chains = sum(isinstance(m, convbn.FusedChain) for m in converted.modules())
+    n_chains = sum(isinstance(m, convbn.FusedChain) for _, m in convbn.fused_modules(converted))
     ddp = DDP(converted)
     out = ddp(_shard(x, rank))
     F.cross_entropy(out, _shard(y, rank), reduction="sum").mul(world / GLOBAL).backward()

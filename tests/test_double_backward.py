@@ -277,7 +277,7 @@ def _eager_blocks(eager: Discriminator) -> nn.Module:
 
 
 def _chains(model: nn.Module) -> List[FusedChain]:
-    return [m for m in model.modules() if isinstance(m, FusedChain)]
+    return [m for _, m in convbn.fused_modules(model) if isinstance(m, FusedChain)]
 
 
 def _pair(case: str) -> Tuple[nn.Module, nn.Module]:

@@ -243,7 +243,7 @@ def test_retain_graph_keeps_the_kept_outputs():
 
 
 def _chain_cost(fused):
-    layers = [l for m in fused.modules() if isinstance(m, convbn.nn.FusedChain) for l in m.layers]
+    layers = [l for _, m in convbn.fused_modules(fused) if isinstance(m, convbn.nn.FusedChain) for l in m.layers]
     kinds = ["identity" if l.act.is_identity else "output" if l.act.output_derivable else "smooth" for l in layers]
     x_bytes = [_bytes(*l.x_shape) for l in layers]
     w_bytes = [sum(t.numel() * 4 for t in (l.weight, l.bias, l.bn.weight, l.bn.bias) if t is not None) for l in layers]

@@ -89,7 +89,7 @@ def extra_flops(model: nn.Module) -> int:
 
 
 def layers_of(model: nn.Module) -> List[ChainLayer]:
-    return [l for m in model.modules() if isinstance(m, FusedChain) for l in m.layers]
+    return [l for _, m in convbn.fused_modules(model) if isinstance(m, FusedChain) for l in m.layers]
 
 
 # --------------------------------------------------------------------------- predictions on models
@@ -113,7 +113,7 @@ def test_budget_one_keeps_every_conv_output(planned: Dict[str, Any]) -> None:
     assert {p.strategy for p in report.pairs} == {"recompute_bn"}
     assert extra_flops(fast) == 0
     assert report.saved_bytes == report.floor_saved_bytes + sum(p.kept_bytes for p in report.pairs)
-    assert report.saved_bytes == report.floor_saved_bytes + all_keep_bytes([c.layers for c in fast.modules() if isinstance(c, FusedChain)])
+    assert report.saved_bytes == report.floor_saved_bytes + all_keep_bytes([c.layers for _, c in convbn.fused_modules(fast) if isinstance(c, FusedChain)])
     assert measure(fast, x) == report.saved_bytes
 
 
@@ -161,7 +161,7 @@ def test_lazy_auto_reaches_the_tutorial_memory(planned: Dict[str, Any]) -> None:
     model, x = planned["model"], planned["x"]
     lazy = convbn.convert(model)
     first = measure(lazy, x)
-    assert all(m.plan_on_first_call is None for m in lazy.modules() if isinstance(m, FusedChain))
+    assert all(m.plan_on_first_call is None for _, m in convbn.fused_modules(lazy) if isinstance(m, FusedChain))
     assert measure(lazy, x) == first  # planned once, stable afterwards
     tutorial = measure(convbn.convert(model, strategy="recompute_conv", chain=False), x)
     assert first <= tutorial
@@ -304,7 +304,7 @@ def test_lazy_plan_is_attached_by_convert_and_nn_never_imports_passes() -> None:
 
     net = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.Conv2d(4, 4, 3), nn.BatchNorm2d(4))
     fast = convbn.convert(net)
-    chains = [m for m in fast.modules() if isinstance(m, FusedChain)]
+    chains = [m for _, m in convbn.fused_modules(fast) if isinstance(m, FusedChain)]
     assert chains and all(c.plan_on_first_call is plan_on_first_call for c in chains)
     calls = []
     chains[0].plan_on_first_call = lambda layers: calls.append(len(layers)) or [False] * len(layers)

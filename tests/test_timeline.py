@@ -49,12 +49,14 @@ def test_timeline_max_equals_tensor_peak(name):
         opt.step()
 
     step()  # gradients exist from here on, as in training
+    opt.zero_grad(set_to_none=True)  # the step's peak is above what is live after zero_grad
     with tensor_peak(model, opt) as tp:
         step()
     tl = timeline(model, x, loss_fn=_loss, optimizer=opt)
     assert tl.source == "tensors"
     assert tp.result.peak > 0
     assert tl.peak == tp.result.peak
+    opt.zero_grad(set_to_none=True)
     with tensor_peak(model, opt) as again:  # and the timeline changed nothing the next step sees
         step()
     assert again.result.peak == tp.result.peak
@@ -115,6 +117,30 @@ def test_plot_timelines_writes_png(tmp_path):
         plot_timelines([], str(path))
     with pytest.raises(ValueError, match="must be among"):
         record_timelines(_net(), torch.randn(4, 3, 12, 12), ["nope"])
+
+
+def test_timeline_legend_is_in_plain_words(tmp_path):
+    """The legend names fused chains by the layers they fuse and phases by name, never by
+    convbn's internal module / Function names."""
+    pytest.importorskip("matplotlib")
+    from convbn import convert
+    from convbn.bench.timeline import describe_point, plot_timelines
+    from convbn.memory import timeline
+
+    torch.manual_seed(0)
+    x = torch.randn(4, 3, 12, 12)
+    eager = _net().train()
+    fused = convert(copy.deepcopy(eager), strategy="recompute_conv")
+    tls = [timeline(eager, x, label="unfused"), timeline(fused, x, label="convert")]
+    legend = plot_timelines(tls, str(tmp_path / "tl.png"), models=[eager, fused])
+    text = " ".join(legend)
+    assert "convbn_chain" not in text and "ChainFunction" not in text, legend
+    assert legend[1].startswith("convert: peak ") and "x unfused's peak" in legend[1]
+    chain_points = [p for p in tls[1].points if p.module.startswith("convbn_chain")]
+    assert chain_points
+    described = describe_point(chain_points[-1], fused)
+    assert "fused layers" in described and "convbn_chain" not in described, described
+    assert "fused chain 1" in describe_point(chain_points[-1])  # without the model: numbered, counted from 1
 
 
 def test_bench_timeline_option_writes_png(tmp_path, capsys):

@@ -64,7 +64,7 @@ def pair(setup: Optional[Callable[[nn.Module], Any]] = None, **kw: Any) -> Tuple
 
 
 def num_fused(model: nn.Module) -> int:
-    return sum(len(m.layers) for m in model.modules() if isinstance(m, FusedChain))
+    return sum(len(m.layers) for _, m in convbn.fused_modules(model) if isinstance(m, FusedChain))
 
 
 def train(model: nn.Module, x: Tensor, steps: int = 3, lr: float = 0.1) -> List[Tuple[Tensor, Optional[Tensor], Dict[str, Tensor]]]:

@@ -5,6 +5,7 @@ fewer activations for backward (same outputs, gradients, running stats, paramete
 ``state_dict``). Inference: :func:`fold` folds BatchNorm into neighbouring layers.
 """
 from .autograd.dispatch import conv_bn_act
+from .batch_fit import BatchFit, max_batch
 from .functional.activations import ACTIVATIONS, Activation
 from .functional.strategies import STRATEGIES, ConvertStrategy, LayerMode, Strategy
 from .gradcheck import GradcheckReport, gradcheck_module
@@ -13,6 +14,7 @@ from .nn.chain import FusedChain
 from .nn.fused import FusedConvBN1d, FusedConvBN2d, FusedConvBN3d
 from .passes.convert import CONVERT_STRATEGIES, convert, explain
 from .passes.fold import FoldReport, fold, fold_conv_bn_modules
+from .passes.graph_module import fused_modules
 from .passes.outcome import BNOutcome
 from .passes.report import ConvertReport
 
@@ -22,6 +24,7 @@ __all__ = [
     "ACTIVATIONS",
     "Activation",
     "BNOutcome",
+    "BatchFit",
     "CONVERT_STRATEGIES",
     "ConvertReport",
     "ConvertStrategy",
@@ -41,7 +44,9 @@ __all__ = [
     "explain",
     "fold",
     "fold_conv_bn_modules",
+    "fused_modules",
     "gradcheck_module",
+    "max_batch",
     "peak_memory",
     "saved_bytes",
     "tensor_peak",

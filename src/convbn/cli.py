@@ -85,7 +85,16 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescript
 
 
 class ArgumentParser(argparse.ArgumentParser):
-    """argparse with a one-line error: ``PROG: error: MESSAGE (see PROG --help)``, exit status 2."""
+    """argparse with a one-line error: ``PROG: error: MESSAGE (see PROG --help)``, exit status 2.
+
+    Options are never abbreviated (``allow_abbrev=False``): ``--input-shap`` is an error, not
+    ``--input-shape``, so a typo cannot silently pick an option and a new option cannot change
+    what an old command line means.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str) -> "NoReturn":  # type: ignore[name-defined]  # noqa: F821
         self.exit(2, f"{self.prog}: error: {message} (see '{self.prog} --help')\n")

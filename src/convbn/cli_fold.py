@@ -1,14 +1,20 @@
 """``convbn fold SPEC ...``: fold a model's BatchNorms for inference, check it, optionally save it.
 
-Builds the model (a benchmark spec or ``module:callable``, see :mod:`convbn.cli_explain`),
-puts it in eval mode, runs :func:`convbn.fold` with the numerical check on a random input
-and prints the per-BatchNorm report. ``--save-state PATH`` writes the folded model's
-``state_dict`` (``torch.save``), ``--save-script PATH`` a TorchScript module
-(``torch.jit.script``, falling back to ``torch.jit.trace``) and ``--save-export PATH`` a
-``torch.export`` program (``.pt2``).
+Builds the model (a benchmark spec or ``module:callable``, see :mod:`convbn.cli_explain`;
+``--checkpoint`` loads trained weights into it), puts it in eval mode, runs
+:func:`convbn.fold` with the numerical check on a random input and prints the
+per-BatchNorm report. Saving:
+
+* ``--save-onnx PATH``: ONNX (opset ``--onnx-opset``), batch dimension dynamic, checked
+  in ONNX Runtime at batch 1 and 7 when it is installed (:mod:`convbn.deploy`);
+* ``--save-export PATH``: a ``torch.export`` program (``.pt2``), batch dimension dynamic;
+* ``--save-script PATH``: TorchScript (``torch.jit.script``, falling back to ``torch.jit.trace``);
+* ``--save-state PATH``: the folded model's ``state_dict``. It has no BatchNorm entries
+  (they are folded into the conv weights and biases), so it loads into ``convbn.fold(model)``
+  of the same model, not into the model itself: keep the original checkpoint for training.
 
 Example:
-    $ convbn fold monai:resnet18 --batch-size 1 --save-script resnet18-folded.pt
+    $ convbn fold monai:resnet18 --checkpoint last.ckpt --save-onnx resnet18.onnx
 """
 from __future__ import annotations
 
@@ -17,44 +23,63 @@ import warnings
 
 import torch
 
-from .cli import Command, device_arg, output_path, input_shape
-from .cli_explain import load_model, resolve_shape
+from .cli import Command, output_path, positive_int
+from .cli_model import add_model_arguments, load_model, model_input
 
 __all__ = ["add_arguments", "run", "COMMAND"]
+
+#: The batch sizes an ONNX or torch.export file is checked at after saving.
+CHECK_BATCHES = (1, 7)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of ``convbn fold``."""
-    parser.add_argument("spec", metavar="SPEC", help="model spec (mnist, monai:resnet18, ...) or module:callable")
-    parser.add_argument("--input-shape", type=input_shape, default=None, metavar="NxCxHxW",
-                        help="full input shape with batch (default: the spec's own shape with --batch-size)")
-    parser.add_argument("--batch-size", type=int, default=2, help="batch for the spec's default shape")
-    parser.add_argument("--device", type=device_arg, default="cpu", help="torch device")
-    parser.add_argument("--save-state", type=output_path, default=None, metavar="PATH",
-                        help="torch.save the folded model's state_dict")
+    from .deploy import DEFAULT_OPSET
+
+    add_model_arguments(parser)
+    parser.add_argument("--save-onnx", type=output_path, default=None, metavar="PATH",
+                        help="save the folded model as ONNX with a dynamic batch dimension (needs onnxscript)")
+    parser.add_argument("--onnx-opset", type=positive_int, default=DEFAULT_OPSET, help="ONNX opset of --save-onnx")
+    parser.add_argument("--save-export", type=output_path, default=None, metavar="PATH",
+                        help="save the folded model as a torch.export program (.pt2) with a dynamic batch dimension")
     parser.add_argument("--save-script", type=output_path, default=None, metavar="PATH",
                         help="save the folded model as TorchScript (script, else trace)")
-    parser.add_argument("--save-export", type=output_path, default=None, metavar="PATH",
-                        help="save the folded model as a torch.export program (.pt2)")
+    parser.add_argument("--save-state", type=output_path, default=None, metavar="PATH",
+                        help="torch.save the folded model's state_dict (loads into convbn.fold(model), not into model)")
+
+
+def _check_batches(x: torch.Tensor) -> list:
+    return [torch.randn(b, *x.shape[1:], device=x.device) for b in CHECK_BATCHES]
 
 
 def run(args: argparse.Namespace) -> int:
     """Fold, check, report and save; returns the exit code."""
+    from . import deploy
     from .passes.fold import fold
 
-    model, default = load_model(args.spec)
-    shape = resolve_shape(args.spec, args.input_shape, default, args.batch_size)
+    model, default = load_model(args.spec, args.checkpoint)
     model = model.to(args.device).eval()
-    x = torch.randn(*shape, device=args.device)
+    x = model_input(args, model, default)
     folded = fold(model, example_inputs=x, check=True)
-    print(f"{args.spec}, input {'x'.join(map(str, shape))}")
+    print(f"{args.spec}, input {'x'.join(map(str, x.shape))}")
     print(folded.fold_report)
     with torch.no_grad():
         diff = (folded(x) - model(x)).abs().max().item()
     print(f"max |folded - original| on a random input: {diff:.2e}")
-    if args.save_state:
-        torch.save(folded.state_dict(), args.save_state)
-        print(f"state_dict written to {args.save_state}")
+    batches = ", ".join(map(str, CHECK_BATCHES))
+    if args.save_onnx:
+        deploy.save_onnx(folded, x, args.save_onnx, opset=args.onnx_opset)
+        try:
+            errors = deploy.check_onnx(args.save_onnx, folded, _check_batches(x))
+            checked = f"; ONNX Runtime at batch {batches}: max relative error {max(errors):.1e}"
+        except ImportError:
+            checked = " (onnxruntime not installed: not checked)"
+        print(f"ONNX (opset {args.onnx_opset}, dynamic batch) written to {args.save_onnx}{checked}")
+    if args.save_export:
+        program = deploy.save_export(folded, x, args.save_export)
+        errors = deploy.check_program(program, folded, _check_batches(x))
+        print(f"torch.export program (dynamic batch) written to {args.save_export}; at batch {batches}: "
+              f"max relative error {max(errors):.1e}")
     if args.save_script:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # TorchScript's tracer warnings: explained by the fallback note
@@ -66,16 +91,16 @@ def run(args: argparse.Namespace) -> int:
                 how = "torch.jit.trace (script failed)"
         scripted.save(args.save_script)
         print(f"TorchScript ({how}) written to {args.save_script}")
-    if args.save_export:
-        program = torch.export.export(folded, (x,))
-        torch.export.save(program, args.save_export)
-        print(f"torch.export program written to {args.save_export}")
+    if args.save_state:
+        torch.save(folded.state_dict(), args.save_state)
+        print(f"state_dict of the folded model written to {args.save_state} (no BatchNorm entries: it loads into "
+              "convbn.fold(model), not into the original model)")
     return 0
 
 
 COMMAND = Command(
     name="fold",
-    help="fold BatchNorm into neighbouring layers for inference; report, check, save state/TorchScript/export",
+    help="fold BatchNorm into neighbouring layers for inference; report, check, save ONNX/export/TorchScript/state",
     add_arguments=add_arguments,
     run=run,
 )

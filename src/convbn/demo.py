@@ -18,7 +18,7 @@ handwritten digits, no download) are upscaled to 28x28 with bilinear interpolati
 
 The closing table compares, per configuration: the bytes held for backward at the end of
 the forward pass (:func:`convbn.memory.saved_bytes`), the exact peak memory of one
-training step (:class:`convbn.memory.tensor_peak`, live tensor bytes, on CPU; the CUDA
+training step (:func:`convbn.memory.timeline`, live tensor bytes, on CPU; the CUDA
 allocator on a GPU), the median step time of the other steps (measured side by side in
 one process), and the test accuracy. A PNG of the memory figures is written.
 
@@ -51,19 +51,21 @@ from convbn.cli import (
     positive_float,
     positive_int,
 )
+from convbn.batch_fit import max_batch
 from convbn.bench.table import require_rich
 from convbn.demo_data import Dataset, load_digits_28, load_mnist, read_idx
 from convbn.demo_results import (
     CONFIG_HELP,
     CONFIGS,
     DemoResult,
+    accuracy_sentence,
     compare_losses,
     demo_pyplot,
     results_table,
     write_plot,
     write_timeline_plot,
 )
-from convbn.memory import peak_memory, saved_bytes, tensor_peak
+from convbn.memory import saved_bytes, timeline
 from convbn.nn.fused import FusedConvBN2d
 from convbn.passes.convert import convert
 
@@ -155,6 +157,8 @@ class DemoConfig:
         lr / gamma: Adadelta learning rate and its per-epoch decay (the tutorial's optimiser).
         progress: show a progress bar.
         plot: PNG to write (saved bytes and exact peak per configuration); ``None``: none.
+        memory: with a size (``"1GiB"``), the demo ends with the largest batch eager and
+            convbn train within it (:func:`convbn.max_batch`, real steps on a fresh model).
     """
 
     epochs: int = 3
@@ -167,6 +171,7 @@ class DemoConfig:
     gamma: float = 0.7
     progress: bool = True
     plot: Optional[str] = None
+    memory: Optional[str] = None
 
 
 def _rng_state(device: torch.device) -> Tuple[Tensor, Optional[Tensor]]:
@@ -203,32 +208,24 @@ def _train_step(
     model: nn.Module, opt: torch.optim.Optimizer, x: Tensor, y: Tensor, device: torch.device, measure_peak: bool
 ) -> StepStats:
     """Forward, NLL loss, backward, optimizer step. A timed step runs bare; a ``measure_peak``
-    step runs under :class:`convbn.memory.tensor_peak` (CPU; exact, but slower, so not timed)
-    or :class:`convbn.memory.peak_memory` (CUDA allocator)."""
+    step is recorded by :func:`convbn.memory.timeline`, convbn's one definition of a step's
+    peak (exact live tensor bytes on CPU, the CUDA allocator on a GPU; slower, so not timed)."""
     cuda = device.type == "cuda"
-    meter: Any = None
     if measure_peak:
-        meter = peak_memory(device) if cuda else tensor_peak(model, opt)
+        t0 = time.perf_counter()
+        tl = timeline(model, x, loss_fn=lambda out: F.nll_loss(out, y), optimizer=opt)
+        return StepStats(float(tl.loss or 0.0), time.perf_counter() - t0, int(tl.peak))
     if cuda:
         torch.cuda.synchronize(device)
     t0 = time.perf_counter()
-    with meter if meter is not None else _nullcontext():
-        opt.zero_grad(set_to_none=True)
-        loss = F.nll_loss(model(x), y)
-        loss.backward()
-        opt.step()
-        if cuda:
-            torch.cuda.synchronize(device)
+    opt.zero_grad(set_to_none=True)
+    loss = F.nll_loss(model(x), y)
+    loss.backward()
+    opt.step()
+    if cuda:
+        torch.cuda.synchronize(device)
     seconds = time.perf_counter() - t0
-    return StepStats(float(loss.detach()), seconds, None if meter is None else int(meter.result.peak))
-
-
-class _nullcontext:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: Any) -> None:
-        return None
+    return StepStats(float(loss.detach()), seconds, None)
 
 
 @torch.no_grad()
@@ -336,6 +333,7 @@ def run_demo(config: DemoConfig, console: Any = None, data: Optional[Dataset] = 
     opts = {k: torch.optim.Adadelta(m.parameters(), lr=config.lr) for k, m in models.items()}
     scheds = {k: torch.optim.lr_scheduler.StepLR(o, step_size=1, gamma=config.gamma) for k, o in opts.items()}
     result.plans = {k: _plan(m) for k, m in models.items()}
+    result.test_images = len(test_y)
     shuffle = torch.Generator().manual_seed(config.seed)
     stats: Dict[str, List[StepStats]] = {k: [] for k in models}
     first_grad_diff: Dict[str, Tuple[int, float]] = {}  # first step whose gradients differ from unfused's
@@ -402,11 +400,24 @@ def run_demo(config: DemoConfig, console: Any = None, data: Optional[Dataset] = 
         console.print(results_table(result, device))
         for name in CONFIGS[1:]:
             console.print(result.equality[name])
+        console.print(accuracy_sentence(result))
         if result.plot:
             console.print(f"plot written to {os.path.abspath(result.plot)}")
         if result.timeline_plot:
             console.print(f"memory timeline of one step written to {os.path.abspath(result.timeline_plot)}")
+    if config.memory is not None:
+        result.batch_fit = _batch_fit(train_x[:batch], config, device)
+        if console is not None:
+            console.print(result.batch_fit.summary())
     return result
+
+
+def _batch_fit(x: Tensor, config: DemoConfig, device: torch.device) -> Any:
+    """The largest batch the unfused network and its conversion train in ``config.memory``
+    (the demo's optimizer; a fresh model, the trained ones are left as they are)."""
+    torch.manual_seed(config.seed)
+    net = MnistNet(fused=False).to(device).train()
+    return max_batch(net, x, config.memory, optimizer=torch.optim.Adadelta(net.parameters(), lr=config.lr))
 
 
 # --------------------------------------------------------------------------- CLI
@@ -428,6 +439,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="PNG of saved bytes and exact peak per configuration")
     parser.add_argument("--no-plot", action="store_true", help="write no PNG")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument("--memory", type=str, default=None, metavar="SIZE",
+                        help="end with the largest batch eager and convbn train in SIZE (e.g. 1GiB): "
+                             "'in SIZE: eager trains batch A, convbn batch B'")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -440,7 +454,7 @@ def run(args: argparse.Namespace) -> int:
         demo_pyplot()  # fail before training, not after
     config = DemoConfig(
         epochs=args.epochs, batch_size=args.batch_size, device=args.device, seed=args.seed, mnist_dir=args.mnist_dir,
-        limit=args.limit, lr=args.lr, progress=not args.no_progress, plot=plot,
+        limit=args.limit, lr=args.lr, progress=not args.no_progress, plot=plot, memory=args.memory,
     )
     run_demo(config, console=Console())
     return 0

@@ -78,9 +78,11 @@ from ..functional.reference import conv_bn_act_reference
 from ..functional.tail import RNGState
 from .chain_memory import choose_drops
 from .chain_input import ChainInput, split_grad
+from .chain_kernels import fused_layer_backward, fused_layer_forward
 from .chain_spec import ChainLayerSpec, ChainX0, LayerParams, head_input, layer_kind, param_offsets, split_params
 from .chain_tail import tail_backward, tail_forward, tail_reference
 from .double_backward import differentiable_backward
+from .grad_sink import GradSink, param_sink
 from .release import free_storage as _free_storage
 from .release import calibrate, incoming_refs
 from .release import keeping_graph as _keeping_graph
@@ -234,6 +236,14 @@ def chain_forward(
         if spec.saves_y:
             kept.append(y)
             kept_idx.append(i)
+        fused = None if spec.tail else fused_layer_forward(y, g, beta, rm, rv, spec.bn, spec.act)
+        if fused is not None:  # the opt-in fused kernels (autograd/chain_kernels.py)
+            x, mean, invstd = fused
+            means.append(mean)
+            invstds.append(invstd)
+            rngs.append(())
+            del y
+            continue
         if spec.bn is not None:
             z, mean, invstd = bn_forward(y, g, beta, rm, rv, spec.bn)
             means.append(mean)
@@ -268,6 +278,7 @@ def chain_backward(
     free_grad_out: bool = False,
     free_kept: bool = False,
     rngs: Optional[Sequence[Tuple[RNGState, ...]]] = None,
+    sink: Optional[GradSink] = None,
 ) -> List[Optional[Tensor]]:
     """First-order backward of :func:`chain_forward` (Note: [chain backward order]).
 
@@ -279,8 +290,13 @@ def chain_backward(
     contract forbids touching its inputs (a custom op) leaves it ``False``.
     With ``free_kept`` each kept conv output's memory is returned right after its
     last use (Note: [freeing kept tensors early]); only for a graph that is not retained.
+    ``sink(j, grad)`` (:func:`~convbn.autograd.grad_sink.param_sink`) receives each
+    parameter gradient (slot ``j`` of the result) as soon as it is computed and gives what
+    the slot returns (Note: [weight gradients as eager releases them]).
     """
     grads: List[Optional[Tensor]] = [None] * len(needs)
+    if sink is None:
+        sink = _keep
     k = len(specs)
     drop: Optional[List[bool]] = None  # one layer (a single fused layer): its input is x0, never rebuilt
     if k > 1:
@@ -303,20 +319,37 @@ def chain_backward(
         nw, nb = (flags.pop(0), flags.pop(0)) if spec.conv is not None else (False, False)
         ng, nbeta = (flags.pop(0), flags.pop(0)) if spec.bn is not None else (False, False)
         nx = needs[0] if i == 0 else True
-        if spec.needs_y or spec.conv is None:
+        fused = None
+        if (spec.needs_y or spec.conv is None) and not spec.tail:  # the opt-in fused kernels
+            y = rb.get_y(i)
+            fused = fused_layer_backward(g, y, gamma, beta, mean_of.get(i), invstd_of.get(i), spec.bn, spec.act)  # type: ignore[arg-type]
+            del y
+        if fused is not None:
+            rb.outs.pop(i, None)  # a cached activation output (ReLU family) is not needed
+            grad_y, gg, gbeta = fused
+            g = None
+            grads[base + 2 * (spec.conv is not None)] = gg if ng else None
+            grads[base + 2 * (spec.conv is not None) + 1] = gbeta if nbeta else None
+            del gg, gbeta
+            if engine_grad is not None:
+                _free_storage(engine_grad)
+                engine_grad = None
+            rb.release(i, free_kept)
+        elif spec.needs_y or spec.conv is None:
             y = rb.get_y(i)
             grad_z, grad_tw = rb.grad_z(i, g)  # type: ignore[arg-type]
             g = None  # consumed: only grad_z lives on
             for j, gt in enumerate(grad_tw):
-                grads[1 + off[i + 1] - len(tws) + j] = gt
+                grads[1 + off[i + 1] - len(tws) + j] = sink(1 + off[i + 1] - len(tws) + j, gt)
             if engine_grad is not None and grad_z is not engine_grad:
                 _free_storage(engine_grad)
                 engine_grad = None
             if spec.bn is not None:
                 grad_y, gg, gbeta = bn_backward(grad_z, y, gamma, mean_of[i], invstd_of[i], spec.bn,
                                                 (nx or nw or nb, ng, nbeta))
-                grads[base + 2 * (spec.conv is not None)] = gg
-                grads[base + 2 * (spec.conv is not None) + 1] = gbeta
+                grads[base + 2 * (spec.conv is not None)] = sink(base + 2 * (spec.conv is not None), gg)
+                grads[base + 2 * (spec.conv is not None) + 1] = sink(base + 2 * (spec.conv is not None) + 1, gbeta)
+                del gg, gbeta
             else:
                 grad_y = grad_z  # an end layer: its tail's gradient is its conv output's
             del grad_z, y
@@ -324,6 +357,9 @@ def chain_backward(
                 _free_storage(engine_grad)
                 engine_grad = None
             rb.release(i, free_kept)
+            if free_kept and spec.bn is not None:  # dead now, as eager frees a BN node's saved statistics
+                _free_storage(mean_of[i])
+                _free_storage(invstd_of[i])
         else:
             grad_y, g = g, None  # an end layer without tail: the incoming gradient is grad_y
         if spec.conv is None:  # a head: grad_y is the chain input's gradient
@@ -331,8 +367,10 @@ def chain_backward(
             del grad_y
             continue
         x = rb.x(i)  # rebuilt now that y_i and grad_z are gone (Note: [chain backward order])
-        gx, grads[base], grads[base + 1] = conv_backward(grad_y, x, w, spec.conv, (nx, nw, nb))  # type: ignore[arg-type]
+        gx, gw, gb = conv_backward(grad_y, x, w, spec.conv, (nx, nw, nb))  # type: ignore[arg-type]
         del grad_y, x
+        grads[base], grads[base + 1] = sink(base, gw), sink(base + 1, gb)
+        del gw, gb
         if engine_grad is not None:  # an end layer without tail consumed the incoming gradient
             _free_storage(engine_grad)
             engine_grad = None
@@ -360,7 +398,7 @@ class ChainFunction(Function):
 
     @staticmethod
     def forward(ctx: Any, *args: Any) -> Tensor:  # type: ignore[override]
-        calibrate()  # Note: [calibrating outside backward]
+        calibrate()  # Note: [calibrated once, in a clean state] (autograd/release.py)
         n_pieces = args[-1] if isinstance(args[-1], int) else 1
         if isinstance(args[-1], int):
             args = args[:-1]
@@ -402,7 +440,7 @@ class ChainFunction(Function):
         grads = chain_backward(grad_out, x0, params, specs, kept, means, invstds,  # type: ignore[arg-type]
                                (any(needs[:m]), *needs[m: m + n]),
                                free_grad_out=_sole_owner(grad_out, refs), free_kept=not _keeping_graph(),
-                               rngs=ctx.rngs)
+                               rngs=ctx.rngs, sink=param_sink(ctx, 1, params))
         out = (*split_grad(grads[0], ctx.sizes, needs[:m]), *grads[1:])
         return out + (None,) * (len(needs) - len(out))
 
@@ -443,6 +481,10 @@ def _rebuild(specs: Sequence[ChainLayerSpec], means: Sequence[Tensor], invstds: 
         return x
 
     return rebuild
+
+
+def _keep(j: int, grad: Optional[Tensor]) -> Optional[Tensor]:
+    return grad
 
 
 def _layer_sizes(x0: ChainX0, params: Sequence[Optional[Tensor]],

@@ -23,6 +23,7 @@ import hashlib
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
+import torch._functorch.config
 from torch import Tensor
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
@@ -31,6 +32,7 @@ from ..functional.conv import conv_output_shape
 from ..functional.tail import TailOp
 from .chain import ChainLayerSpec, chain_backward, chain_forward, param_offsets
 from .chain_input import ChainInput, concat_shape, split_grad
+from .chain_layout import conform, dense_strides, empty_strided_like, layer_formats, memory_format_of, strides_for
 
 __all__ = ["register_chain", "chain_op_apply"]
 
@@ -79,8 +81,23 @@ def _chain_fwd(
     new_running = [t.clone() for t in running]
     specs, stats = _specs(key, factors, keep_y, batch_stats), _stats(new_running, has_stats)
     with torch.no_grad():
-        out, _, kept, means, invstds, _ = chain_forward(_x0(pieces), _optional(params, present), specs, stats)
-    return out, [*kept, *means, *invstds], new_running
+        out, kept_idx, kept, means, invstds, _ = chain_forward(_x0(pieces), _optional(params, present), specs, stats)
+    # Note: [the chain ops' output strides] in autograd/chain_layout.py
+    fmts = _formats(pieces, params, specs)
+    kept = [conform(y, strides_for(y.shape, fmts[i])) for i, y in zip(kept_idx, kept)]
+    return conform(out, strides_for(out.shape, fmts[-1])), [*kept, *means, *invstds], new_running
+
+
+def _formats(pieces: Sequence[Tensor], params: Sequence[Tensor], specs: Sequence[ChainLayerSpec]) -> List[torch.memory_format]:
+    off = param_offsets(specs)
+    return layer_formats(pieces[0], [params[off[i]] if s.conv is not None else None for i, s in enumerate(specs)])
+
+
+def _grad_x_strides(pieces: Sequence[Tensor]) -> Tuple[Any, ...]:
+    """Strides of the chain input's gradient (Note: [the chain ops' output strides])."""
+    if len(pieces) == 1:
+        return dense_strides(pieces[0])
+    return strides_for(concat_shape(pieces), memory_format_of(pieces[0]))
 
 
 def _x0(pieces: Sequence[Tensor]) -> Any:
@@ -98,9 +115,8 @@ def _stat_dtype(x: Tensor, running: Optional[Tensor], batch_stats: bool) -> torc
 def _(pieces: List[Tensor], params: List[Tensor], running: List[Tensor], factors: Tensor, key: str,
       keep_y: List[bool], batch_stats: List[bool], has_stats: List[bool], present: List[bool]) -> Tuple[Tensor, List[Tensor], List[Tensor]]:
     specs = _specs(key, None, keep_y, batch_stats)
-    x0 = pieces[0]  # dtype, device and memory format (pieces share them); the shape is the concatenation's
-    fmt = torch.channels_last if x0.dim() == 4 and x0.is_contiguous(memory_format=torch.channels_last) and not x0.is_contiguous() else (
-        torch.channels_last_3d if x0.dim() == 5 and x0.is_contiguous(memory_format=torch.channels_last_3d) and not x0.is_contiguous() else torch.contiguous_format)
+    x0 = pieces[0]  # dtype and device (pieces share them); the shape is the concatenation's
+    fmts = _formats(pieces, params, specs)
     shape: Sequence[int] = concat_shape(pieces)
     kept, means, invstds = [], [], []
     off = param_offsets(specs)
@@ -116,14 +132,13 @@ def _(pieces: List[Tensor], params: List[Tensor], running: List[Tensor], factors
         rm = next(it) if has_stats[i] else None
         if has_stats[i]:
             next(it)
-        y = x0.new_empty(shape).contiguous(memory_format=fmt)
         if s.saves_y:
-            kept.append(y)
+            kept.append(empty_strided_like(x0, shape, strides_for(shape, fmts[i])))
         if s.bn is not None:
             dt = _stat_dtype(x0, rm, s.bn.batch_stats)
             means.append(x0.new_empty((shape[1],), dtype=dt))
             invstds.append(x0.new_empty((shape[1],), dtype=dt))
-    out = x0.new_empty(shape).contiguous(memory_format=fmt)
+    out = empty_strided_like(x0, shape, strides_for(shape, fmts[-1]))
     return out, [*kept, *means, *invstds], [torch.empty_like(t) for t in running]
 
 
@@ -140,15 +155,20 @@ def _chain_bwd(
     # ``needs``: the chain input's flag, then the parameters'; the input's gradient comes back
     # whole (returns may not alias each other) and is split into the pieces' by the caller
     grads = chain_backward(grad_out, _x0(pieces), _optional(params, present), specs, kept, means, invstds, needs)
-    # custom ops return tensors: an empty tensor stands for "no gradient"
-    return [g if g is not None else pieces[0].new_empty(0) for g in grads]
+    # custom ops return tensors: an empty tensor stands for "no gradient"; each gradient in
+    # the layout the fake kernel says (Note: [the chain ops' output strides])
+    strides = [_grad_x_strides(pieces), *[dense_strides(p) for p in params]]
+    return [conform(g, st) if g is not None else pieces[0].new_empty(0) for g, st in zip(grads, strides)]
 
 
 @_chain_bwd.register_fake
 def _(grad_out: Tensor, pieces: List[Tensor], params: List[Tensor], saved: List[Tensor],
       key: str, keep_y: List[bool], batch_stats: List[bool], needs: List[bool], present: List[bool]) -> List[Tensor]:
-    x0 = pieces[0].new_empty(concat_shape(pieces))
-    return [torch.empty_like(t) if n else pieces[0].new_empty(0) for t, n in zip([x0, *params], needs)]
+    x0 = pieces[0]
+    shapes = [concat_shape(pieces), *[p.shape for p in params]]
+    strides = [_grad_x_strides(pieces), *[dense_strides(p) for p in params]]
+    return [empty_strided_like(x0, sh, st, dtype=t.dtype) if n else x0.new_empty(0)
+            for t, sh, st, n in zip([x0, *params], shapes, strides, needs)]
 
 
 def _setup_context(ctx: Any, inputs: Tuple[Any, ...], output: Any) -> None:
@@ -178,6 +198,13 @@ def _backward(ctx: Any, grad_out: Tensor, grad_saved: Any, grad_running: Any) ->
 
 
 torch.library.register_autograd("convbn::chain_fwd", _backward, setup_context=_setup_context)
+
+
+def _partitioner_may_recompute_ops() -> bool:
+    """Whether AOTAutograd's partitioner may recompute an op outside its allowlist (a custom op)."""
+    cfg = torch._functorch.config
+    return (float(getattr(cfg, "activation_memory_budget", 1.0)) < 1.0 or bool(getattr(cfg, "aggressive_recomputation", False))
+            or not bool(getattr(cfg, "ban_recompute_not_in_allowlist", True)))
 
 
 def _must_save_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
@@ -219,8 +246,11 @@ def chain_op_apply(
     # cheap to re-run, so it may recompute the whole chain in backward instead of keeping
     # its outputs (every convolution twice: the opposite of the plan). A selective
     # checkpoint policy marks the op MUST_SAVE; everything else stays the partitioner's call.
-    # (eager calls of the op, in tests, need no policy: nothing partitions them)
-    if torch.compiler.is_compiling():
+    # (eager calls of the op, in tests, need no policy: nothing partitions them). Only a
+    # partitioner that may recompute ops outside its allowlist (an activation memory budget
+    # below 1, or aggressive recomputation) needs it: by default a custom op is never
+    # recomputed, and the checkpoint region would only add a warning about ``context_fn``.
+    if torch.compiler.is_compiling() and _partitioner_may_recompute_ops():
         out, _, new_running = checkpoint(
             run, pieces, dense, running, factors, use_reentrant=False, context_fn=_must_save_chain
         )

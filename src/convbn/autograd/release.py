@@ -95,32 +95,45 @@ def _probe(hold: str = "") -> Optional[Tuple[int, int]]:
 
 
 #: ``(python refs, C++ uses)`` of a fresh, unshared incoming gradient; ``None`` where the
-#: counts cannot tell a held gradient from a fresh one (then nothing is freed).
+#: counts cannot tell a held gradient from a fresh one (then nothing is freed). Written once
+#: per process (Note: [calibrated once, in a clean state]), never changed afterwards.
 _FRESH: Optional[Tuple[int, int]] = None
 _CALIBRATED = False
-_STALE = False  # a backward used the counts since they were measured
 _LOCK = threading.Lock()
+
+
+def _traced() -> bool:
+    """Whether a Python trace or profile function is set for this thread (Note: [calibrated
+    once, in a clean state])."""
+    return sys.gettrace() is not None or sys.getprofile() is not None
 
 
 def _fresh_counts() -> Optional[Tuple[int, int]]:
     """The calibrated counts (Note: [freeing the incoming gradient]); ``None`` where they
-    cannot prove anything, and while not yet calibrated inside a backward.
+    cannot prove anything, and while not yet calibrated.
 
-    # Note: [calibrating outside backward, once per step]
-    # The counts are only meaningful if the probe ran in the state the real backward runs
-    # in, and that state can change within a process: in one full test run a fresh gradient
-    # counted 6 Python references when the process calibrated and 7 later (the cause, some
-    # state earlier tests left behind, was not pinned down). Calibrated in the wrong state
-    # the counts would never match a real gradient or -- the other way round -- match a
-    # shared one. So the probe runs outside any backward (a backward reached first sees
-    # ``None`` and frees nothing), and again at the first fused forward after a backward
-    # that used the counts (:func:`calibrate`): three tiny CPU backward passes per training
-    # step, not per layer.
+    # Note: [calibrated once, in a clean state]
+    # The counts are only meaningful for the call path a real backward takes, with nothing
+    # else holding references. One thing that adds references from outside is known and
+    # measured: a Python trace function (``sys.settrace``: debuggers, coverage's Python
+    # tracer, Hypothesis' explain phase) that reads ``frame.f_locals`` materialises the
+    # locals of every frame it sees, a dict holding the gradient once more (a fresh
+    # gradient then counts 8 references instead of 6 on CPython 3.11). A process that
+    # calibrated in such a state, or calibrated cleanly and later ran under a tracer, had
+    # counts that matched nothing -- or, the other way round, matched a *shared*
+    # gradient -- which is the drift (6, then 7) seen once in a full test run. So the probe
+    # runs once per process, outside any backward and with no trace or profile function
+    # set (elsewhere it reports ``None`` and tries again at the next fused forward), and
+    # its result is never rewritten: nothing a later step, thread or loaded model does can
+    # make it stale. A backward that runs while a trace or profile function is set frees
+    # no incoming gradient (:func:`sole_owner`): the counts mean nothing there.
     """
     global _FRESH, _CALIBRATED
+    if _CALIBRATED:
+        return _FRESH
     with _LOCK:
         if not _CALIBRATED:
-            if torch._C._current_autograd_node() is not None:
+            if torch._C._current_autograd_node() is not None or torch.compiler.is_compiling() or _traced():
                 return None
             fresh, by_python, by_engine = _probe(), _probe("python"), _probe("engine")
             sees_holders = (fresh is not None and by_python is not None and by_engine is not None
@@ -131,20 +144,10 @@ def _fresh_counts() -> Optional[Tuple[int, int]]:
 
 
 def calibrate() -> None:
-    """Measure the fresh-gradient counts now if they are not current (Note: [calibrating
-    outside backward, once per step]); a no-op inside a backward and while compiling."""
-    global _CALIBRATED, _STALE
-    if (_STALE or not _CALIBRATED) and not torch.compiler.is_compiling() \
-            and torch._C._current_autograd_node() is None:
-        _CALIBRATED, _STALE = False, False
+    """Measure the fresh-gradient counts if this process has not yet (Note: [calibrated once,
+    in a clean state]); a no-op inside a backward, while compiling and under a tracer."""
+    if not _CALIBRATED:
         _fresh_counts()
-
-
-def _used() -> None:
-    """A backward used the counts: the next fused forward measures them again (the rest of
-    this backward keeps using them)."""
-    global _STALE
-    _STALE = True
 
 
 def frees_incoming_gradients() -> bool:
@@ -185,8 +188,7 @@ def sole_owner(t: Tensor, refs: int) -> bool:
         return False
     if t.requires_grad or t.dim() == 0:
         return False
-    fresh = _FRESH if _CALIBRATED else None  # measured outside backward, at this step's forward
-    _used()
+    fresh = _FRESH if _CALIBRATED and not _traced() else None  # Note: [calibrated once, in a clean state]
     if fresh is None or refs != fresh[0] or cpp_uses(t) != fresh[1]:
         return False
     try:

@@ -260,9 +260,10 @@ def run_ddp_bench(
                          f"world_size={world_size}, batch_size={batch_size}, steps={steps}, warmup={warmup}")
     if torch.device(device).type not in ("cpu", "cuda"):
         raise ValueError(f"device must be 'cpu' or 'cuda', but got device={device!r}")
-    from convbn.bench.models import build_model
+    from convbn.bench.models import build_model, check_input
 
-    build_model(spec)  # a bad spec or a missing package fails here, before any process starts
+    model, shape = build_model(spec)  # a bad spec or a missing package fails here, before any process starts
+    check_input(model, torch.randn(batch_size, *shape), spec, "give the model its default input shape")
     threads = threads or max(1, (os.cpu_count() or 1) // world_size)
     bench_args = (spec, batch_size, steps, warmup, device, seed, lr, threads)
     if launched_by_torchrun():
@@ -375,7 +376,8 @@ def add_ddp_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
 
     add("--ddp", type=positive_int, default=None, metavar="N",
         help="run the data-parallel SyncBatchNorm benchmark on N processes (gloo on CPU, nccl on CUDA)")
-    add("--model", action="append", default=None, metavar="SPEC", help="model spec, repeatable (default: mnist)")
+    add("--model", action="append", default=None, metavar="SPEC",
+        help="model spec or module:callable, repeatable (default: mnist)")
     add("--batch-size", type=batch_size, default=64, help="batch size (per rank with --ddp)")
     add("--steps", type=positive_int, default=10, help="timed rounds (median reported)")
     add("--warmup", type=non_negative_int, default=2, help="untimed rounds before the timed ones")

@@ -28,7 +28,8 @@ from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from convbn.bench.common import DTYPES, add_output_arguments, first_tensor, fmt, rows_to_json, short_error, write_outputs
-from convbn.bench.models import build_model
+from convbn.bench.models import build_model, check_input
+from convbn.cli_model import load_checkpoint
 from convbn.bench.plotting import pyplot
 from convbn.bench.table import markdown_table, print_rich_table
 from convbn.passes.fold import fold
@@ -131,6 +132,7 @@ def run_inference_bench(
     progress: bool = True,
     device: str = "cpu",
     dtype: torch.dtype = torch.float32,
+    checkpoint: Optional[str] = None,
 ) -> List[InferenceRow]:
     """Benchmark inference of each model spec (see :mod:`convbn.bench.models`).
 
@@ -144,6 +146,8 @@ def run_inference_bench(
         seed: seed of the weights, BatchNorm statistics and input.
         progress: show a rich progress bar.
         device / dtype: where and in which dtype the model and input live.
+        checkpoint: load these weights (:func:`convbn.cli_model.load_checkpoint`) into every
+            model instead of randomising its BatchNorm statistics.
 
     Returns:
         One :class:`InferenceRow` per (model, variant).
@@ -158,7 +162,10 @@ def run_inference_bench(
             bar.update(task, description=f"{spec}: building")
             torch.manual_seed(seed)
             model, shape = build_model(spec)
-            _randomize_bn(model, seed)
+            if checkpoint is None:
+                _randomize_bn(model, seed)
+            else:
+                load_checkpoint(model, checkpoint)
             model.eval().to(device=device, dtype=dtype)
             x = torch.randn(batch_size, *shape).to(device=device, dtype=dtype)
             if image_size is not None and len(shape) > 1:
@@ -169,6 +176,7 @@ def run_inference_bench(
                 except Exception as exc:  # noqa: BLE001 - fixed-size model (e.g. mnist): keep its size, say so
                     warnings.warn(f"{spec}: --image-size {image_size} does not fit this model ({short_error(exc, 100)}); "
                                   f"using its own input size {tuple(shape)}", stacklevel=2)
+            check_input(model, x, spec, "pass --image-size with a size the model takes")
             variants = _make_variants(model, x, use_compile)
             reference = first_tensor(model(x))
             times: Dict[str, List[float]] = {name: [] for name, fn, _ in variants if fn is not None}
@@ -291,7 +299,10 @@ def add_inference_arguments(parser: argparse.ArgumentParser) -> argparse.Argumen
 
     parser.add_argument("--model", action="append", default=None, metavar="SPEC",
                         help="model spec, repeatable, e.g. monai:resnet18 'monai:resnet50(spatial_dims=2)' "
-                             f"efficientnet:b0 mnist (default: {' '.join(DEFAULT_MODELS)})")
+                             "efficientnet:b0 mnist, or module:callable (a function of yours returning the model) "
+                             f"(default: {' '.join(DEFAULT_MODELS)})")
+    parser.add_argument("--checkpoint", default=None, metavar="PATH",
+                        help="load these weights (a state_dict or a checkpoint holding one) into the model")
     parser.add_argument("--models", nargs="+", action=_DeprecatedModels, metavar="SPEC", help=argparse.SUPPRESS)
     parser.add_argument("--batch-size", type=positive_int, default=8, help="batch size")
     parser.add_argument("--image-size", type=positive_int, default=None,
@@ -325,7 +336,7 @@ def main_inference(args: argparse.Namespace) -> int:
     rows = run_inference_bench(
         specs, args.batch_size, args.repeats, args.warmup, image_size=args.image_size,
         use_compile=args.compile, seed=args.seed, progress=not args.no_progress,
-        device=args.device, dtype=DTYPES[args.dtype],
+        device=args.device, dtype=DTYPES[args.dtype], checkpoint=args.checkpoint,
     )
     print_table(rows, title=f"Inference: unfused vs fx fuse vs convbn.fold ({args.device} {args.dtype}, eval, no grad)",
                 wide=args.wide)

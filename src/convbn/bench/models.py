@@ -7,7 +7,17 @@ A spec is ``[source:]name[(key=value, ...)]``; values are Python literals. Sourc
   ``DenseNet121``, ``UNet`` ... with 2-D / 3-D defaults below, overridable by kwargs);
 * ``efficientnet:b0`` .. ``b7`` — ``efficientnet_pytorch.EfficientNet.from_name`` (no download);
 * ``torchvision:NAME`` — ``torchvision.models.NAME(weights=None)``;
-* ``timm:NAME`` — ``timm.create_model(NAME, pretrained=False)``.
+* ``timm:NAME`` — ``timm.create_model(NAME, pretrained=False)``;
+* ``module:callable`` — any other ``module:name`` imports ``module`` (the current folder
+  first, as ``python -m`` does) and calls ``name()``, which must return an ``nn.Module``.
+  Its input shape is guessed from its first convolution or linear layer (its input
+  channels; 224 per spatial dimension for 2-D, 64 for 3-D, 1024 for 1-D) and checked
+  by :func:`check_input` before any work; ``--input-shape`` / ``--image-size`` override it.
+
+``torchvision:`` and ``timm:`` work where torchvision imports: with a torchvision build
+whose compiled operators match the installed torch. On a CPU-only torch whose torchvision
+build lacks them (``operator torchvision::nms does not exist``), use ``module:callable``
+with a function of your own that builds the model.
 
 Every builder also returns the default input shape *without* the batch dimension.
 """
@@ -15,14 +25,17 @@ from __future__ import annotations
 
 import ast
 import importlib
+import importlib.util
+import os
 import re
-from typing import Any, Callable, Dict, Tuple
+import sys
+from typing import Any, Callable, Dict, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-__all__ = ["MNISTNet", "build_model", "parse_spec", "MODEL_DEFAULTS", "SOURCES"]
+__all__ = ["MNISTNet", "build_model", "parse_spec", "check_input", "guess_input_shape", "MODEL_DEFAULTS", "SOURCES"]
 
 Shape = Tuple[int, ...]
 
@@ -86,13 +99,16 @@ def parse_spec(spec: str) -> Tuple[str, str, Dict[str, Any]]:
 
 
 def _import(package: str, install: str) -> Any:
+    """Import ``package``; an ImportError that says whether it is missing or installed but broken."""
     try:
         return importlib.import_module(package)
     except Exception as exc:  # noqa: BLE001 - broken installs raise more than ImportError
-        raise ImportError(
-            f"this model spec needs the package '{package}', which does not import here "
-            f"({type(exc).__name__}: {exc}); install it with `pip install {install}`"
-        ) from exc
+        detail = " ".join(f"{type(exc).__name__}: {exc}".split())
+        top = package.split(".")[0]
+        if importlib.util.find_spec(top) is None:
+            raise ImportError(f"this model spec needs the package '{top}', which is not installed; "
+                              f"install it with `pip install {install}`") from exc
+        raise ImportError(f"the package '{top}' is installed but fails to import: {detail}") from exc
 
 
 def _monai(name: str, kwargs: Dict[str, Any]) -> Tuple[nn.Module, Shape]:
@@ -141,16 +157,95 @@ _BUILDERS: Dict[str, Callable[[str, Dict[str, Any]], Tuple[nn.Module, Shape]]] =
 #: The spec sources: ``mnist`` and those before a colon.
 SOURCES = ("mnist",) + tuple(sorted(_BUILDERS))
 
+#: The spatial size :func:`guess_input_shape` gives each spatial dimension, by their count.
+GUESSED_SIZE = {1: 1024, 2: 224, 3: 64}
+
+
+def is_callable_spec(spec: str) -> bool:
+    """``True`` for ``module:callable`` (a module that is not a spec source, a colon, an identifier)."""
+    head, sep, name = spec.partition(":")
+    return bool(sep) and head not in SOURCES and name.isidentifier()
+
+
+def guess_input_shape(model: nn.Module) -> Optional[Shape]:
+    """The input shape without batch that ``model``'s first convolution or linear layer takes.
+
+    The first such module in ``model.modules()`` order gives the channels (``in_channels`` /
+    ``in_features``) and the number of spatial dimensions; each spatial size is
+    :data:`GUESSED_SIZE`. ``None`` when the model has neither.
+    """
+    for m in model.modules():
+        if isinstance(m, (nn.modules.conv._ConvNd)):
+            dims = len(m.kernel_size)
+            return (m.in_channels,) + (GUESSED_SIZE.get(dims, 64),) * dims
+        if isinstance(m, nn.Linear):
+            return (m.in_features,)
+    return None
+
+
+def _callable(spec: str) -> Tuple[nn.Module, Shape]:
+    head, _, name = spec.partition(":")
+    cwd = os.getcwd()
+    if "" not in sys.path and cwd not in sys.path:
+        # the installed `convbn` script does not put the current folder on sys.path; `python -m` does
+        sys.path.insert(0, cwd)
+    try:
+        module = importlib.import_module(head)
+    except Exception as exc:  # noqa: BLE001 - the user's module may raise anything while importing
+        detail = " ".join(f"{type(exc).__name__}: {exc}".split())
+        raise ImportError(f"cannot import module {head!r} of {spec!r} (looked in {cwd} and sys.path): {detail}") from exc
+    factory = getattr(module, name, None)
+    if not callable(factory):
+        raise ValueError(f"{head!r} has no callable {name!r} (spec {spec!r} must be module:callable)")
+    model = factory()
+    if not isinstance(model, nn.Module):
+        raise ValueError(f"{spec!r} returned {type(model).__name__}, expected an nn.Module")
+    shape = guess_input_shape(model)
+    if shape is None:
+        raise ValueError(f"{spec!r} has no convolution or linear layer, so convbn has nothing to fuse or fold in it")
+    return model, shape
+
+
+def check_input(model: nn.Module, x: Tensor, spec: str, hint: str = "pass --input-shape") -> None:
+    """Run ``model`` once on ``x`` (eval mode, no grad, modes restored); a one-line ValueError if it fails.
+
+    Args:
+        model: the model.
+        x: the input the command is about to use.
+        spec: the model's spec, for the message.
+        hint: what the user can do, for the message.
+
+    Raises:
+        ValueError: the model raised on ``x`` (its first line and the shape are in the message).
+    """
+    modes = [(m, m.training) for m in model.modules()]
+    try:
+        model.eval()
+        with torch.no_grad():
+            model(x)
+    except Exception as exc:  # noqa: BLE001 - any error of the model on this input is the user's to fix
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        shape = "x".join(map(str, x.shape))
+        raise ValueError(f"{spec} does not accept an input of shape {shape} ({type(exc).__name__}: {first}); "
+                         f"{hint}") from exc
+    finally:
+        for m, training in modes:
+            m.training = training
+
 
 def build_model(spec: str) -> Tuple[nn.Module, Shape]:
     """Build the model named by ``spec``; returns ``(model, input_shape_without_batch)``.
 
     The model is freshly initialised (no weights are downloaded) and in training mode.
 
+    A ``module:callable`` spec's shape is :func:`guess_input_shape`'s.
+
     Raises:
         ValueError: malformed spec or unknown source/name.
-        ImportError: the source's package does not import (the message names it).
+        ImportError: the source's package does not import (the message names it and why).
     """
+    if is_callable_spec(spec):
+        return _callable(spec)
     source, name, kwargs = parse_spec(spec)
     if source == "mnist":
         if kwargs:
@@ -158,8 +253,8 @@ def build_model(spec: str) -> Tuple[nn.Module, Shape]:
         return MNISTNet(), (1, 28, 28)
     if source not in _BUILDERS:
         raise ValueError(
-            f"unknown model source {source!r} in spec {spec!r}; expected 'mnist' or one of "
-            f"{sorted(_BUILDERS)} followed by ':NAME'"
+            f"unknown model source {source!r} in spec {spec!r}; expected 'mnist', one of "
+            f"{sorted(_BUILDERS)} followed by ':NAME', or module:callable"
         )
     try:
         return _BUILDERS[source](name, kwargs)

@@ -25,7 +25,8 @@ from ..memory import Timeline, format_bytes, timeline
 from .plotting import pyplot
 from ..passes.convert import convert
 
-__all__ = ["TIMELINE_CONFIGS", "record_timelines", "plot_timelines", "write_bench_timeline"]
+__all__ = ["TIMELINE_CONFIGS", "PHASE_NAMES", "describe_point", "record_timelines", "plot_timelines",
+           "write_bench_timeline"]
 
 #: configuration name -> ``convert`` keyword arguments (``None``: the eager model itself)
 TIMELINE_CONFIGS: Dict[str, Optional[Dict[str, object]]] = {
@@ -97,12 +98,65 @@ def record_timelines(
     return out
 
 
-def plot_timelines(timelines: Sequence[Timeline], path: str, title: Optional[str] = None) -> None:
+#: The phases of a training step, in plain words (x-axis labels).
+PHASE_NAMES = {"zero_grad": "zero grad", "forward": "forward", "loss": "loss", "backward": "backward",
+               "optimizer": "optimizer step"}
+
+
+def _plain_op(op: str) -> str:
+    """``"ReluBackward0/aten.threshold_backward"`` -> ``"relu"``, ``"aten.convolution.default"`` -> ``"convolution"``."""
+    head = op.split("/")[0]
+    if head.startswith("ChainFunction"):
+        return "fused conv + BN chain"
+    head = re.sub(r"Backward\d*$", "", head)
+    if head.startswith("aten."):
+        head = head.split(".")[1]
+    return head.lower()
+
+
+def describe_point(point: "object", model: Optional[nn.Module] = None) -> str:
+    """Where a timeline point falls, in plain words: ``"backward of block2.act (relu)"``.
+
+    A module that is a fused chain of the converted ``model`` is named by the layers it
+    fuses (``"backward of fused layers conv1 + conv2"``) rather than by its internal name.
+    """
+    phase = PHASE_NAMES.get(point.phase, point.phase)  # type: ignore[attr-defined]
+    name = point.module  # type: ignore[attr-defined]
+    op = _plain_op(point.op)  # type: ignore[attr-defined]
+    module = None
+    if model is not None and name:
+        try:
+            module = model.get_submodule(name)
+        except AttributeError:
+            module = None
+    layers = getattr(module, "layers", None)
+    if layers is not None and all(hasattr(l, "names") for l in layers):
+        convs = [l.names[0] for l in layers if l.names and l.names[0]]
+        return f"{phase} of fused layers {' + '.join(convs)}"
+    chain = re.fullmatch(r"convbn_chain(\d+)", name or "")
+    if chain:  # a converted model's fused chain, the model not at hand: its number, counted from 1
+        return f"{phase} of fused chain {int(chain.group(1)) + 1}"
+    return f"{phase} of {name or 'the model'} ({op})" if op else f"{phase} of {name or 'the model'}"
+
+
+def plot_timelines(timelines: Sequence[Timeline], path: str, title: Optional[str] = None,
+                   models: Optional[Sequence[Optional[nn.Module]]] = None) -> List[str]:
     """Draw ``timelines`` on one chart and write it to ``path`` (PNG).
 
-    The x axis is the fraction of the step's operators done (configurations run different
-    numbers of operators); each peak is marked and labelled with its size, its ratio to the
-    first timeline (the baseline) and where it falls.
+    The x axis is the training step, phase by phase (forward, loss, backward, optimizer step:
+    configurations run different numbers of operators, so each phase spans its share of the
+    first timeline's operators). Each peak is marked; the legend gives its size, its ratio to
+    the first timeline (the baseline) and where it falls, in plain words.
+
+    Args:
+        timelines: one per configuration, the baseline first.
+        path: the PNG to write.
+        title: the chart's title.
+        models: the model each timeline ran (optional): fused chains are then named by the
+            layers they fuse.
+
+    Returns:
+        The legend's lines, one per timeline.
 
     Raises:
         ImportError: matplotlib is missing (``pip install matplotlib``).
@@ -113,37 +167,45 @@ def plot_timelines(timelines: Sequence[Timeline], path: str, title: Optional[str
     plt = pyplot("--timeline")
     mib = float(1 << 20)
     base = timelines[0].peak or 1
-    fig, ax = plt.subplots(figsize=(10, 6.5))
+    fig, ax = plt.subplots(figsize=(10, 6.2))
     colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     segments = _phase_segments(timelines[0])
+    legend: List[str] = []
     for k, tl in enumerate(timelines):
         xs = _aligned_x(tl, segments)
         ys = [p.bytes / mib for p in tl.points]
         c = colours[k % len(colours)]
         i = tl.peak_index
-        p = tl.points[i]
-        where = f"{p.phase}: {p.module or '<root>'}, {p.op.split('/')[0]}"
-        ax.plot(xs, ys, color=c, lw=1.2,
-                label=f"{tl.label or f'config {k}'}: peak {format_bytes(tl.peak)} ({tl.peak / base:.2f}x) at {where}")
-        ax.plot([xs[i]], [ys[i]], marker="o", color=c, ms=7, markeredgecolor="black", markeredgewidth=0.5)
-        ax.annotate(f"{format_bytes(tl.peak)} ({tl.peak / base:.2f}x)", (xs[i], ys[i]), textcoords="offset points",
-                    xytext=(6, 4 + 11 * k), fontsize=8, color=c, fontweight="bold")  # staggered: peaks may tie
-    first = timelines[0]
-    for phase, (x0, _) in segments.items():
-        ax.axvline(x0, color="grey", lw=0.4, ls=":")
-        ax.text(x0, 1.0, f" {phase}", transform=ax.get_xaxis_transform(), fontsize=7, color="grey", va="top",
-                rotation=90 if phase in ("zero_grad", "loss") else 0)
-    ax.set_xlabel("operators of the training step (each phase scaled to its share of "
-                  f"{first.label or 'the first configuration'}'s operators)")
-    ax.set_ylabel("live bytes above the step's start (MiB)" + (" [CUDA allocator]" if first.source == "cuda" else
-                                                              " [exact live tensors]"))
+        model = models[k] if models is not None and k < len(models) else None
+        where = describe_point(tl.points[i], model)
+        ratio = "" if k == 0 else f", {tl.peak / base:.2f}x {timelines[0].label or 'the first'}'s peak"
+        legend.append(f"{tl.label or f'config {k}'}: peak {format_bytes(tl.peak)}{ratio}, in the {where}")
+        ax.plot(xs, ys, color=c, lw=1.6, label=legend[-1])
+        ax.plot([xs[i]], [ys[i]], marker="o", color=c, ms=8, markeredgecolor="black", markeredgewidth=0.6)
+    centres, names = [], []
+    for j, (phase, (x0, width)) in enumerate(segments.items()):
+        if j % 2:
+            ax.axvspan(x0, x0 + width, color="0.93", zorder=0, lw=0)
+        centres.append(x0 + width / 2)
+        names.append(PHASE_NAMES.get(phase, phase))
+    ax.set_xticks(centres, names, fontsize=10)
+    ax.tick_params(axis="x", length=0)
+    for tick, width in zip(ax.get_xticklabels(), (w for _, w in segments.values())):
+        if width < 0.06:  # a short phase (loss, zero grad): its label turned, so it does not run into its neighbours
+            tick.set_rotation(90)
+    ax.set_xlabel("one training step, left to right", fontsize=10)
+    meter = "CUDA allocator" if timelines[0].source == "cuda" else "exact live tensors"
+    ax.set_ylabel(f"memory in use above the step's start (MiB, {meter})\nlower is better", fontsize=10)
     ax.set_title(title or "Memory timeline of one training step")
-    ax.grid(True, alpha=0.3)
-    ax.set_ylim(top=max(p.bytes for tl in timelines for p in tl.points) / mib * 1.1)
-    ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=1, frameon=False)
+    ax.grid(True, axis="y", alpha=0.3)
+    ax.set_xlim(0, max(a + b for a, b in segments.values()))
+    ax.set_ylim(0, max(p.bytes for tl in timelines for p in tl.points) / mib * 1.08)
+    ax.legend(fontsize=9, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=1, frameon=False,
+              title="dot: each configuration's peak", title_fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+    return legend
 
 
 def _phase_segments(tl: Timeline) -> Dict[str, Tuple[float, float]]:

@@ -25,11 +25,13 @@ Measured per configuration:
 
 * **saved bytes** of one training forward (:func:`convbn.memory.saved_bytes`, SPEC §3), and
   the same without parameter storages (**saved excl. params**, see Note: [Activation bytes]);
-* **peak**: peak memory of one training step above the memory in use just before it:
-  the CUDA allocator on GPU; on CPU the exact live-tensor peak
-  (:class:`convbn.memory.tensor_peak`), except for compiled graphs, which run outside
-  Python dispatch and get sampled RSS (:class:`convbn.memory.peak_memory`, noted in the
-  row); median of a few dedicated, untimed rounds;
+* **peak**: the training step's peak as convbn defines it everywhere
+  (:func:`convbn.memory.timeline`, Note: [a step's peak]): the standard loop, above the
+  parameters, buffers and optimizer state live before it, weight gradients counted;
+  the CUDA allocator on GPU, exact live tensor bytes on CPU, except for compiled graphs,
+  which run outside Python dispatch and get sampled RSS after the same ``zero_grad``
+  (:class:`convbn.memory.peak_memory`, noted in the row); median of a few dedicated,
+  untimed rounds;
 * **step time**: forward + loss + backward + ``SGD.step()``, median over ``steps`` timed
   rounds after ``warmup`` untimed ones;
 * **max |Δout|**, **max |Δgrad|**: largest absolute difference of the first step's output
@@ -85,7 +87,7 @@ from torch.nn.modules.dropout import _DropoutNd
 from convbn.bench.checkpointing import CheckpointBlock, checkpoint_blocks, find_blocks
 from convbn.bench.common import DTYPES, add_output_arguments, first_tensor, projection_loss, short_error, timed_ms, write_outputs
 from convbn.bench.concat_checkpoint import NoConcatHead
-from convbn.bench.models import build_model
+from convbn.bench.models import build_model, check_input
 from convbn.bench.plotting import pyplot
 from convbn.bench.training_configs import (
     CONCAT_CHECKPOINT,
@@ -97,7 +99,7 @@ from convbn.bench.training_configs import (
     config_names,
 )
 from convbn.bench.training_output import TrainingRow, print_table, rows_to_json, rows_to_markdown, write_plot
-from convbn.memory import peak_memory, tensor_peak, track_saved
+from convbn.memory import peak_memory, timeline, track_saved
 
 # The runner's public API; the configurations, checkpointing and output live in
 # training_configs.py, checkpointing.py and training_output.py.
@@ -203,7 +205,9 @@ def _make_input(model: nn.Module, shape: Tuple[int, ...], batch_size: int, image
             finally:
                 for m, t in modes:
                     m.training = t
-    return torch.randn(batch_size, *shape, generator=gen).to(device, dtype)
+    x = torch.randn(batch_size, *shape, generator=gen).to(device, dtype)
+    check_input(model, x, spec, "pass --image-size with a size the model takes")
+    return x
 
 
 def run_training_bench(
@@ -365,17 +369,21 @@ def run_training_bench(
         peaks: Dict[str, List[int]] = {c.name: [] for c in cfgs}
 
         def measure_peak(cfg: TrainingConfig, r: int) -> None:
-            # Note: [peak on CPU] exact live-tensor bytes (tensor_peak) where possible;
+            # Note: [peak on CPU] exact live-tensor bytes (timeline, the one definition) where possible;
             # compiled graphs run outside Python dispatch, so for them fall back to
             # sampled process RSS and say so in the row.
             _release_freed_memory(device)
-            if device.type == "cpu" and "torch.compile" not in cfg.name:
-                meter: Any = tensor_peak(cfg.model, cfg.optimizer)
-            else:
-                meter = peak_memory(device)
-                if device.type == "cpu" and r == 0:
-                    rows[cfg.name].note += f"{'; ' if rows[cfg.name].note else ''}peak: sampled RSS"
-            with meter:
+            if "torch.compile" not in cfg.name:
+                with cfg.context():
+                    tl = timeline(cfg.model, x, loss_fn=lambda out: projection_loss(first_tensor(out), proj),
+                                  optimizer=cfg.optimizer)
+                peaks[cfg.name].append(tl.peak)
+                return
+            if device.type == "cpu" and r == 0:
+                rows[cfg.name].note += f"{'; ' if rows[cfg.name].note else ''}peak: sampled RSS"
+            cfg.optimizer.zero_grad(set_to_none=True)  # as timeline: freed gradients are not the step's
+            _release_freed_memory(device)
+            with peak_memory(device) as meter:
                 _step(cfg, x, proj)
             peaks[cfg.name].append(meter.result.peak)
 
@@ -415,7 +423,11 @@ def add_training_arguments(parser: argparse.ArgumentParser) -> argparse.Argument
 
     parser.add_argument("--model", action="append", default=None, metavar="SPEC",
                         help="model spec, repeatable: mnist, monai:resnet18, 'monai:resnet50(spatial_dims=2)', "
-                             f"efficientnet:b0 ... (default: {' '.join(DEFAULT_MODELS)})")
+                             "efficientnet:b0 ..., or module:callable (a function of yours returning the model) "
+                             f"(default: {' '.join(DEFAULT_MODELS)})")
+    parser.add_argument("--checkpoint", default=None, metavar="PATH",
+                        help="load these weights (a state_dict or a checkpoint holding one) into the model "
+                             "(one --model only)")
     parser.add_argument("--batch-size", type=batch_size, default=64, help="batch size")
     parser.add_argument("--image-size", type=positive_int, default=None,
                         help="override the spatial size where the model allows (a warning where it does not)")
@@ -472,10 +484,20 @@ def main_training(args: argparse.Namespace) -> int:
         pyplot("--plot")  # fail before the run, not after it
     if args.threads is not None:
         torch.set_num_threads(args.threads)
+    specs = args.model or list(DEFAULT_MODELS)
+    loaded: Dict[str, Any] = {}
+    if args.checkpoint is not None:
+        if len(specs) != 1:
+            raise ValueError(f"--checkpoint loads into one model, but got {len(specs)} --model specs: {specs}")
+        from convbn.cli_model import load_model
+
+        torch.manual_seed(args.seed)
+        model, shape = load_model(specs[0], args.checkpoint)
+        loaded = dict(model=model, input_shape=shape)
     rows: List[TrainingRow] = []
-    for spec in args.model or list(DEFAULT_MODELS):
+    for spec in specs:
         rows += run_training_bench(
-            spec, args.batch_size, configs, args.steps, args.warmup, args.device, DTYPES[args.dtype],
+            spec, args.batch_size, configs, args.steps, args.warmup, args.device, DTYPES[args.dtype], **loaded,
             budgets=args.budget, peak_budgets=args.peak_budget,
             compile_budgets=DEFAULT_COMPILE_BUDGETS if args.compile_budget is None else args.compile_budget,
             use_compile=not args.no_compile, image_size=args.image_size, memory_rounds=args.memory_rounds,

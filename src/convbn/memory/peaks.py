@@ -14,6 +14,8 @@ from typing import Any, Dict, Optional
 
 import torch
 
+from ..autograd.grad_sink import stand_ins
+
 __all__ = ["PeakMemory", "peak_memory", "tensor_peak"]
 
 
@@ -101,6 +103,27 @@ class peak_memory:
             self.result.end = now - self._start
 
 
+def _hookless(base: Any) -> Any:
+    """``MemTracker`` that installs no gradient hooks on parameters.
+
+    # Note: [a meter that does not change the step]
+    # ``MemTracker`` registers a tensor hook and a post-accumulate hook on every parameter
+    # of a module it sees run, only to label gradient storages as gradients in its
+    # per-category statistics; its totals come from its dispatch mode, which sees every
+    # allocation either way (tests/test_step_peak.py checks the totals equal to the byte). A tensor hook
+    # is an observer of the gradient, so with it convbn's chains must return their
+    # weight gradients to autograd instead of accumulating them as eager's engine does
+    # (Note: [weight gradients as eager releases them]): the meter would measure another
+    # step than the user runs. convbn only reads totals, so it measures without the hooks.
+    """
+
+    class HooklessMemTracker(base):  # type: ignore[misc, valid-type]
+        def _track_module_params_and_buffers(self, module: Any, install_grad_hooks: bool = True) -> Any:
+            return super()._track_module_params_and_buffers(module, install_grad_hooks=False)
+
+    return HooklessMemTracker
+
+
 class tensor_peak:
     """Context manager: exact peak of live tensor bytes in the block, on any device.
 
@@ -112,6 +135,8 @@ class tensor_peak:
     Args:
         *track: modules / optimizers whose existing tensors (parameters, gradients,
             buffers, optimizer state) count towards the live total from the start.
+        hooks: install ``MemTracker``'s gradient hooks on parameters (``True``: torch's
+            tracker exactly as it is, for checking the hookless one against it).
 
     Example:
         >>> net = torch.nn.Linear(8, 8)
@@ -121,7 +146,7 @@ class tensor_peak:
         True
     """
 
-    def __init__(self, *track: Any) -> None:
+    def __init__(self, *track: Any, hooks: bool = False) -> None:
         try:
             from torch.distributed._tools.mem_tracker import MemTracker
         except ImportError as err:  # pragma: no cover - torch builds without it
@@ -129,9 +154,9 @@ class tensor_peak:
                 "tensor_peak needs torch.distributed._tools.mem_tracker (PyTorch >= 2.5 with distributed); "
                 "use peak_memory() instead"
             ) from err
-        self._tracker = MemTracker()
-        if track:
-            self._tracker.track_external(*track)
+        self._tracker = _frozen_safe(MemTracker)() if hooks else _hookless(MemTracker)()
+        # the chains' zero-byte gradient stand-ins share scalars made once, before any step
+        self._tracker.track_external(*track, *stand_ins())
         self.result = PeakMemory(source="tensors")
         self._start = 0
 
@@ -150,3 +175,22 @@ class tensor_peak:
         self._tracker.__exit__(*exc)
         self.result.peak = peak - self._start
         self.result.end = end - self._start
+
+
+class _NoHandle:
+    def remove(self) -> None:
+        pass
+
+
+def _frozen_safe(tracker_cls: type) -> type:
+    """``MemTracker`` that skips the gradient hooks of frozen parameters: it registers one
+    on every parameter of a module it enters, which raises for ``requires_grad=False``."""
+
+    class FrozenSafeMemTracker(tracker_cls):  # type: ignore[misc, valid-type]
+        def _track_module_params_and_buffers(self, module: Any, install_grad_hooks: bool = True) -> Any:
+            for p in module.parameters():
+                if not p.requires_grad and self._param_to_grad_hook_handles.get(p, None) is None:
+                    self._param_to_grad_hook_handles[p] = (_NoHandle(), _NoHandle())
+            return super()._track_module_params_and_buffers(module, install_grad_hooks)
+
+    return FrozenSafeMemTracker

@@ -9,7 +9,7 @@ Parameters count too.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 from torch import Tensor, nn
@@ -109,17 +109,23 @@ class track_saved:
             self.result.per_module[mod] = self.result.per_module.get(mod, 0) + nbytes
             self.result.shapes.append((mod, tuple(t.shape), t.dtype, nbytes))
             self.result.is_param.append(key in self._params)
-        return t
+        # Note: [a saved-tensors hook must not return the tensor itself]
+        # Packing ``t`` itself makes the autograd node that saves it hold its own output
+        # strongly (output -> grad_fn -> saved output): a reference cycle through C++ that
+        # Python's collector cannot see, so the step's activations never die. A detached
+        # alias shares the storage (the bytes counted are the same) without the edge.
+        return t.detach() if t.grad_fn is not None else t
 
     @staticmethod
     def _unpack(t: Tensor) -> Tensor:
         return t
 
+
     def __enter__(self) -> "track_saved":
         if self.model is not None:
             self._params = {k for k in (_storage_key(p) for p in self.model.parameters()) if k is not None}
         if self.model is not None and self.per_module:
-            for name, mod in self.model.named_modules():
+            for name, mod in _with_fused(self.model):
                 self._handles.append(mod.register_forward_pre_hook(self._make_pre(name)))
                 self._handles.append(mod.register_forward_hook(self._post, always_call=True))
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
@@ -146,6 +152,19 @@ class track_saved:
         for h in self._handles:
             h.remove()
         self._handles.clear()
+
+
+def _with_fused(model: nn.Module) -> Iterator[Tuple[str, nn.Module]]:
+    """``model.named_modules()`` plus the unregistered modules a convbn rewrite added (listed by
+    the installed forward's ``added``; see Note: [where the fused modules live] in passes/graph_module.py)."""
+    for name, mod in model.named_modules():
+        yield name, mod
+        for target in getattr(vars(mod).get("forward"), "added", ()):
+            sub: Any = mod
+            for part in target.split("."):
+                sub = getattr(sub, part, None)
+            if isinstance(sub, nn.Module):
+                yield (f"{name}.{target}" if name else target), sub
 
 
 def saved_bytes(

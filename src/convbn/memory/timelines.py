@@ -3,6 +3,20 @@
 :func:`timeline` runs zero_grad, forward, loss, backward and the optimizer step under a
 dispatch mode and records, after each operator, the live bytes (exact tensor storages on
 CPU, the CUDA allocator on a GPU), the phase, the innermost module and the operator.
+Its peak is convbn's one definition of a training step's peak (Note: [a step's peak]);
+every figure convbn reports (``bench``, ``explain``, ``peak_budget``, the planner, the
+demo, :func:`convbn.max_batch`) is measured by it.
+
+# Note: [a step's peak]
+# The step is the standard loop: ``optimizer.zero_grad(set_to_none=True)``, forward,
+# loss, ``loss.backward()``, ``optimizer.step()``. Its peak is the most bytes in use during
+# forward, loss, backward and the optimizer step, above what is live when the step begins
+# after ``zero_grad``: parameters, buffers and optimizer state (and, when accumulating
+# gradients over micro-batches, the gradients so far). Weight gradients made by the step
+# count. On CPU the bytes are exact live tensor storages (``MemTracker``'s accounting,
+# without its gradient hooks: Note: [a meter that does not change the step]); on CUDA the
+# allocator's ``max_memory_allocated`` (cuDNN workspaces included). The memory a step
+# needs in all is then ``live before + peak``.
 """
 from __future__ import annotations
 
@@ -52,11 +66,13 @@ class Timeline:
         points: in execution order; a point ``0`` at the start precedes the first operator.
         source: ``"tensors"`` (exact live storages) or ``"cuda"`` (allocator).
         label: a name for plots.
+        loss: the step's loss value.
     """
 
     points: List[TimelinePoint] = field(default_factory=list)
     source: str = "tensors"
     label: str = ""
+    loss: Optional[float] = None
 
     @property
     def peak(self) -> int:
@@ -135,12 +151,15 @@ def timeline(
     loss_fn: Optional[Callable[[Any], Tensor]] = None,
     optimizer: Optional[torch.optim.Optimizer] = None,
     label: str = "",
+    accumulate: bool = False,
 ) -> Timeline:
     """Record live memory after every operator of one training step of ``model``.
 
-    The step is ``optimizer.zero_grad(set_to_none=True)`` (with an optimizer), forward
-    ``model(*inputs)``, ``loss = loss_fn(output)``, ``loss.backward()`` and
-    ``optimizer.step()``, each point labelled with its phase, module and operator. On CPU
+    The step is ``optimizer.zero_grad(set_to_none=True)`` (without an optimizer: every
+    parameter's ``.grad`` set to ``None``), forward ``model(*inputs)``,
+    ``loss = loss_fn(output)``, ``loss.backward()`` and ``optimizer.step()``, each point
+    labelled with its phase, module and operator. Bytes are above what is live once the
+    gradients are set to None (Note: [a step's peak]). On CPU
     the bytes are exact live tensor storages (the same accounting as :class:`tensor_peak`,
     so ``timeline(...).peak`` equals ``tensor_peak``'s ``peak`` on the same step); on CUDA
     each point is the allocator's peak during its operator (workspaces included, see
@@ -156,6 +175,9 @@ def timeline(
         optimizer: when given, its ``zero_grad``/``step`` are part of the step and its
             state counts.
         label: a name for plots (:func:`convbn.bench.timeline.plot_timelines`).
+        accumulate: keep the existing gradients (a later micro-batch of gradient
+            accumulation): no ``zero_grad``, backward adds into ``.grad``, and the
+            gradients so far count as live before the step.
 
     Returns:
         :class:`Timeline`.
@@ -190,11 +212,13 @@ def timeline(
         meter = tp
         source = "tensors"
     result = Timeline(source=source, label=label)
+    if not accumulate:  # before the meter starts: freed gradients are not part of the step
+        if optimizer is not None:
+            optimizer.zero_grad(set_to_none=True)
+        for p in model.parameters():
+            p.grad = None
     with torch.enable_grad(), meter, mode:
         mode.points.append(TimelinePoint(mode.read(), "zero_grad" if optimizer is not None else "forward", "", "start"))
-        if optimizer is not None:
-            mode.phase = "zero_grad"
-            optimizer.zero_grad(set_to_none=True)
         mode.phase = "forward"
         out = model(*inputs)
         mode.phase = "loss"
@@ -202,6 +226,7 @@ def timeline(
         del out
         mode.phase = "backward"
         loss.backward()
+        result.loss = float(loss.detach())
         del loss
         if optimizer is not None:
             mode.phase = "optimizer"

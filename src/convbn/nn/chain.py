@@ -220,13 +220,37 @@ class FusedChain(nn.Module):
         for l in self.layers:
             act, tail = _tail_spec(l, static=True)
             static.append((l.conv, act, None if l.bn is None else float(l.bn.eps), tail))
-        self.op_key = register_chain(static)
+        #: the structure the compiled path's custom op reads (plain records, no modules): it
+        #: travels with the chain (Note: [the chain's structure travels with it])
+        self.op_static = tuple(static)
+        self.op_key = register_chain(self.op_static)
         # per layer, the model's modules whose own calls this chain replaces (see ``watch``)
         object.__setattr__(self, "watched", [[m for m in (l.bn, *l.tail) if isinstance(m, nn.Module)]
                                              for l in self.layers])
 
     layers: List[ChainLayer]
     watched: List[List[nn.Module]]
+
+    def __setstate__(self, state: dict) -> None:
+        """Unpickling (``torch.load`` of a whole model, ``pickle``, ``copy.deepcopy``): registers
+        the chain's structure in this process.
+
+        Note: [the chain's structure travels with it]
+        Under ``torch.compile`` the chain runs as a custom op whose static structure (conv
+        geometry, activations, eps, tails) is looked up by the string key ``op_key`` in a
+        table of this process (Note: [why a custom op under torch.compile]). Unpickling
+        skips ``__init__``, so a chain saved in one process and loaded in another would find
+        no entry (``KeyError`` at its first compiled call). The structure itself is kept on
+        the chain (``op_static``: plain records, no modules, so it unpickles before and
+        independently of the model's modules) and registered again here; equal structures
+        get equal keys in every process, so the key saved with the chain stays valid.
+        """
+        super().__setstate__(state)
+        from ..autograd.chain_op import register_chain
+
+        static = self.__dict__.get("op_static")
+        if static is not None:
+            self.op_key = register_chain(static)
 
     def watch(self, modules: Sequence[Sequence[nn.Module]]) -> None:
         """Per layer, the modules (conv, BatchNorm, activation, tail modules) whose hooks must be honoured.

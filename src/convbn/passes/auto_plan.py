@@ -15,6 +15,7 @@ from ..memory import saved_bytes, timeline
 from ..nn.chain import ChainLayer, FusedChain
 from .planner import (ChainCost, all_keep_bytes, chain_backward_peak, plan_for_peak, plan_layers, plan_on_first_call,
                       plan_within_peak, step_peak, drops_needed)
+from .graph_module import fused_modules
 from .report import ConvertReport
 from .validate import StateSnapshot
 
@@ -39,8 +40,19 @@ def measure_saved(model: nn.Module, inputs: Tuple[Any, ...]) -> int:
     return saved_bytes(model, *inputs).activation_bytes
 
 
+def _chains(model: nn.Module) -> List[FusedChain]:
+    return [m for _, m in fused_modules(model) if isinstance(m, FusedChain)]
+
+
+def _names(model: nn.Module) -> Dict[int, str]:
+    """Qualified names of ``model``'s modules and of the fused modules a rewrite added."""
+    names = {id(m): n for n, m in model.named_modules()}
+    names.update({id(m): n for n, m in fused_modules(model)})
+    return names
+
+
 def _chain_layers(model: nn.Module) -> List[List[ChainLayer]]:
-    return [m.layers for m in model.modules() if isinstance(m, FusedChain)]
+    return [m.layers for m in _chains(model)]
 
 
 def _chain_costs(converted: nn.Module, inputs: Tuple[Any, ...]
@@ -60,8 +72,8 @@ def _chain_costs(converted: nn.Module, inputs: Tuple[Any, ...]
     """
     converted.train()
     rec = saved_bytes(converted, *inputs, per_module=True)
-    names = {id(m): n for n, m in converted.named_modules()}
-    chain_params = {names[id(m)]: _chain_param_bytes(m) for m in converted.modules() if isinstance(m, FusedChain)}
+    names = _names(converted)
+    chain_params = {names[id(m)]: _chain_param_bytes(m) for m in _chains(converted)}
     # walk the saves in forward order: a chain's prefix = activations saved before it +
     # gradients of every parameter used after it (saved ones, and later chains' own)
     first: Dict[str, Tuple[int, int]] = {}
@@ -77,7 +89,7 @@ def _chain_costs(converted: nn.Module, inputs: Tuple[Any, ...]
             acts_before += nbytes
     total_params = params_before
     prefix = {m: a + total_params - p - chain_params.get(m, 0) for m, (a, p) in first.items()}
-    chains = [m for m in converted.modules() if isinstance(m, FusedChain) and names.get(id(m)) in first]
+    chains = [m for m in _chains(converted) if names.get(id(m)) in first]
     chains.sort(key=lambda m: order[names[id(m)]])  # forward order
     costs = [
         ChainCost(
@@ -122,7 +134,7 @@ def _calibrate(converted: nn.Module, inputs: Tuple[Any, ...], chains: Sequence[F
             h.remove()
     peaks: Dict[int, int] = {}
     gaps = [0] * (len(chains) + 1)
-    names = {id(m): n for n, m in converted.named_modules()}
+    names = _names(converted)
     chain_of = {names[id(c)]: j for j, c in enumerate(chains) if id(c) in names}
     ran = -1  # the last chain (forward order) whose forward has started
     done = set()  # chains whose backward has started
@@ -163,7 +175,7 @@ def _layer_param_bytes(layer: ChainLayer) -> int:
 
 
 def plan_auto(original: nn.Module, converted: nn.Module, inputs: Tuple[Any, ...], memory_budget: Optional[float],
-              report: ConvertReport, peak_budget: Optional[float] = None) -> None:
+              report: ConvertReport, peak_budget: Optional[float] = None, peak_target: Optional[int] = None) -> None:
     """Plan every chain of ``converted`` (``convert(strategy="auto")``) and write the modes.
 
     Args:
@@ -175,6 +187,8 @@ def plan_auto(original: nn.Module, converted: nn.Module, inputs: Tuple[Any, ...]
         report: filled with the measured and predicted figures.
         peak_budget: the step's peak allowed, as a fraction of eager's measured step peak
             (Note: [saved bytes or peak]); ``None``: no peak asked for.
+        peak_target: the step's peak allowed in bytes (``convert(memory_limit=...)`` less
+            the resident bytes); ``None``: none.
 
     # Note: [saved bytes or peak]
     # ``memory_budget`` limits the *saved* bytes (held from forward to backward): the
@@ -191,12 +205,11 @@ def plan_auto(original: nn.Module, converted: nn.Module, inputs: Tuple[Any, ...]
     layers = [l for c in chains for l in c]
     with StateSnapshot(original), StateSnapshot(converted):
         eager = measure_saved(original, inputs)
-        eager_peak = measure_peak(original, inputs).peak if peak_budget is not None else None
+        eager_peak = measure_peak(original, inputs).peak
         for l in layers:
             l.mode = "recompute_conv"
-        for m in converted.modules():
-            if isinstance(m, FusedChain):
-                m.plan_on_first_call = None
+        for m in _chains(converted):
+            m.plan_on_first_call = None
         floor = measure_saved(converted, inputs)
         ordered, costs, floor_total, gaps = _chain_costs(converted, inputs)
     report.eager_saved_bytes, report.floor_saved_bytes = eager, floor
@@ -214,28 +227,40 @@ def plan_auto(original: nn.Module, converted: nn.Module, inputs: Tuple[Any, ...]
                 f"use memory_budget >= {least:.3f}"
             )
         extra = target - floor
-    if peak_budget is not None and eager_peak is not None:
-        report.eager_peak_bytes = eager_peak
-        report.target_peak_bytes = int(peak_budget * eager_peak)
+    report.eager_peak_bytes = eager_peak
+    if peak_budget is not None or peak_target is not None:
+        asked = f"peak_budget={peak_budget}" if peak_target is None else "memory_limit"
+        report.target_peak_bytes = int(peak_budget * eager_peak) if peak_target is None else peak_target
         keeps, low, reached = plan_within_peak(costs, floor_total, extra, report.target_peak_bytes, gaps)
         report.lowest_peak_bytes = low
         if not reached:
             warnings.warn(
-                f"peak_budget={peak_budget} asks for a step peak of {report.target_peak_bytes} bytes, below the "
+                f"{asked} asks for a step peak of {report.target_peak_bytes} bytes, below the "
                 f"lowest any plan reaches{' within memory_budget' if memory_budget is not None else ''}: {low} "
                 f"bytes = {low / eager_peak:.3f} of eager's {eager_peak} (predicted); planned for that lowest peak",
                 stacklevel=3)
     elif memory_budget is None:
-        # the default plans for the step's peak (planner docstring)
+        # the default plans for the step's peak (planner docstring), never above eager's.
+        # Note: [never above eager]
+        # A converted step could peak above eager's where weights dominate: a chain held
+        # all its weight gradients (fixed: Note: [weight gradients as eager releases them])
+        # and its BatchNorms' saved statistics (now freed after each BN backward) to its end.
+        # What remains is a plan whose recompute transient is not paid for by what it stops
+        # keeping: eager's peak is measured on the example inputs (the same meter as the
+        # prediction), and where the default plan's predicted peak is above it, the least
+        # recompute whose predicted peak is not (keeping everything, ``recompute_bn``,
+        # saves no more than eager and recomputes only element-wise).
         keeps = plan_for_peak(costs, floor_total, extra, gaps=gaps)
+        if step_peak(costs, keeps, floor_total, gaps=gaps)[0] > eager_peak:
+            keeps = plan_within_peak(costs, floor_total, extra, eager_peak, gaps)[0]
     else:
         flags = iter(plan_layers(layers, extra))
         by_layer = {id(l): next(flags) for l in layers}
         keeps = [[by_layer[id(l)] for l in c.layers] for c in ordered]
     # the planner is pure; its flags are applied here
     reached = {id(c) for c in ordered}
-    for m in converted.modules():
-        if isinstance(m, FusedChain) and id(m) not in reached:  # not run by example_inputs: plan when it runs
+    for m in _chains(converted):
+        if id(m) not in reached:  # not run by example_inputs: plan when it runs
             for l in m.layers:
                 l.mode = "recompute_bn"
             m.plan_on_first_call = plan_on_first_call
@@ -246,7 +271,7 @@ def plan_auto(original: nn.Module, converted: nn.Module, inputs: Tuple[Any, ...]
             l.may_drop = md
     peak, where = step_peak(costs, keeps, floor_total, may_drop=may_drop, gaps=gaps)
     report.predicted_peak_bytes = peak
-    names = {id(m): n for n, m in converted.named_modules()}
+    names = _names(converted)
     report.predicted_peak_where = "end of forward" if where == -1 else "outside the chains" if where == -2 else (
         f"backward, in {names.get(id(ordered[where]), '?')!r} ({ordered[where].layers[0].names[0]} ...)")
     if memory_budget is not None:  # the default and a peak budget alone set no saved-bytes target

@@ -8,29 +8,31 @@ where they were (the chains only reference them), so parameters, buffers and
 """
 from __future__ import annotations
 
-import copy
 import warnings
-from typing import Any, Callable, Dict, List, Optional, Tuple, TypeVar
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Set, Tuple, TypeVar
 
 import torch
 import torch.fx as fx
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
+from ..memory.budget import parse_memory, resident_bytes, usable_bytes
 from ..nn.chain import FusedChain
 from ..nn.fused import _FusedConvBNNd
 from ..functional.strategies import CONVERT_STRATEGIES, check_strategy
 from .auto_plan import as_inputs, measure_peak, measure_saved, plan_auto
 from .bn_recognise import may_normalise
 from .concat_heads import flatten_cats
-from .graph_module import ConvbnGraphModule
+from .graph_module import eager, forget_undo, install, installed, share_copy, uninstall
 from .match import find_layers, group_chains
 from .outcome import bn_module_names, unreached
 from .pools import lean_pools
 from .report import ConvertReport
-from .rewrite import drop_hooked, rewrite_chains, set_submodule, shallow_clone, swap_sync_batchnorm, watch_hooks
+from .rewrite import drop_hooked, rewrite_chains, swap_sync_batchnorm, watch_hooks
 from .trace import LayerTracer, short_reason, trace
-from .validate import StateSnapshot, compare_outputs, run_step
+from .check import called_inputs, check_step
+from .validate import StateSnapshot, tolerance
 
 __all__ = ["convert", "explain", "CONVERT_STRATEGIES"]
 
@@ -38,63 +40,106 @@ M = TypeVar("M", bound=nn.Module)
 
 
 
-def _tolerance(dtype: torch.dtype) -> float:
-    """Relative tolerance for validating a rewrite: rounding differences pass, a changed computation not."""
-    return {torch.float64: 1e-7, torch.float32: 1e-3}.get(dtype, 5e-2)
+@dataclass
+class _Context:
+    """What one :func:`convert` call carries through its recursion (instead of arguments
+    threaded through every call, and a report rolled back by slicing)."""
+
+    mode: str
+    chain: bool
+    report: ConvertReport
+    lazy: bool = False
+    done: Set[int] = field(default_factory=set)  # modules converted already (shared modules: once)
+
+    def mark(self) -> Tuple[int, int, int, int, int]:
+        r = self.report
+        return (len(r.pairs), len(r.outcomes), len(r.untraced), len(r.traced), len(r.lean_pools))
+
+    def rollback(self, mark: Tuple[int, int, int, int, int]) -> None:
+        r = self.report
+        del r.pairs[mark[0]:], r.outcomes[mark[1]:], r.untraced[mark[2]:], r.traced[mark[3]:], r.lean_pools[mark[4]:]
 
 
-def _convert(module: nn.Module, prefix: str, mode: str, chain: bool, inplace: bool,
-             report: ConvertReport, lazy: bool = False) -> nn.Module:
-    """Convert ``module`` (qualified name ``prefix``). Traced with partial tracing: a
-    submodule that cannot be traced, would trace misleadingly or has hooks is a leaf of
+def _convert(module: nn.Module, prefix: str, ctx: _Context, exposed: bool = False) -> None:
+    """Convert ``module`` (qualified name ``prefix``) in place. Traced with partial tracing:
+    a submodule that cannot be traced, would trace misleadingly or has hooks is a leaf of
     ``module``'s trace and is converted on its own; when ``module``'s own forward cannot be
-    traced, each child is converted instead. ``lazy``: rewritten GraphModules validate
-    themselves against the module they replace on their first call."""
-    if isinstance(module, (FusedChain, _FusedConvBNNd)) or not may_normalise(module):
-        return module
+    traced, each child is converted instead (its own forward, called however the parent
+    reaches it: directly, iterated, indexed or through ``_modules``). A traced module gets
+    its rewritten graph as its forward (:func:`convbn.passes.graph_module.install`); with
+    ``ctx.lazy`` that graph checks itself against the module's own forward on its first call.
+
+    ``exposed``: the module's parent could not be traced, so its forward may reach the
+    module's children itself (``for m in self.layers``, ``self.blocks[i]``): the children
+    of an exposed container (``Sequential``, ``ModuleList``, ``ModuleDict``) are converted
+    on their own too, even where the container's own graph inlines them."""
+    if id(module) in ctx.done or isinstance(module, (FusedChain, _FusedConvBNNd)) or not may_normalise(module):
+        return
+    ctx.done.add(id(module))
     if isinstance(module, _BatchNorm) and prefix:  # a lone BatchNorm child: nothing to fuse, nothing to trace
-        return module
+        return
+    report = ctx.report
     try:
+        if type(module).forward is nn.Module.forward and "forward" not in module.__dict__:
+            raise TypeError(f"{type(module).__name__} has no forward (a container)")
         traced = trace(module, LayerTracer, training=True)  # the graph convert builds is for training
     except Exception as err:  # any tracing failure: convert the children instead
-        report.untraced.append((prefix.rstrip("."), short_reason(err, 120)))
-        target = module if inplace else shallow_clone(module)
+        if type(module).forward is not nn.Module.forward:  # a container without forward is no failure
+            report.untraced.append((prefix.rstrip("."), short_reason(err, 120)))
         for name, child in module.named_children():
-            new = _convert(child, f"{prefix}{name}.", mode, chain, inplace, report, lazy)
-            if new is not child:
-                target._modules[name] = new
-        return target
+            _convert(child, f"{prefix}{name}.", ctx, exposed=True)
+        return
     report.traced.append(prefix.rstrip("."))
+    _rewrite(module, prefix, traced, ctx)
+    if exposed and isinstance(module, (nn.Sequential, nn.ModuleList, nn.ModuleDict)):
+        for name, child in module.named_children():
+            _convert(child, f"{prefix}{name}.", ctx, exposed=True)
+
+
+def _rewrite(module: nn.Module, prefix: str, traced: Any, ctx: _Context) -> None:
+    """Fuse what ``traced`` (``module``'s trace) shows and install the graph as its forward."""
+    report = ctx.report
     gm = traced.gm
     flatten_cats(gm.graph)  # nested concatenations -> one cat of their leaves (concat_heads.py)
-    replaced: List[Tuple[str, nn.Module]] = []
     for name in traced.descend():
-        sub = module.get_submodule(name)
-        new = _convert(sub, f"{prefix}{name}.", mode, chain, inplace, report, lazy)
-        if new is not sub:
-            replaced.append((name, new))
-    layers = drop_hooked(find_layers(gm, module, prefix, report, chain), gm, report)
+        _convert(module.get_submodule(name), f"{prefix}{name}.", ctx)
+    layers = drop_hooked(find_layers(gm, module, prefix, report, ctx.chain), gm, report)
     if not layers:
-        if not replaced:
-            return module
-        target = module if inplace else shallow_clone(module)
-        for name, new in replaced:
-            set_submodule(target, name, new, inplace)
-        return target
-    chains = group_chains(layers, chain, report)
+        return
+    chains = group_chains(layers, ctx.chain, report)
     before = [n for n, _ in gm.named_children()]
-    out = rewrite_chains(module, gm, chains, mode, report)
+    out = rewrite_chains(module, gm, chains, ctx.mode, report)
     report.lean_pools += lean_pools(out, prefix)  # after the chains: their outputs feed pools
     watch_hooks(out, chains, before)
-    for name, new in replaced:
-        set_submodule(out, name, new, inplace)
-    if isinstance(out, ConvbnGraphModule):
-        out.watch_inlined(module, _inlined_modules(module, out))
-        if traced.mode_dependent:  # traced in one mode; the other runs the original (eager) code
-            out.guard_modes(module, traced.modes)
-        if lazy:
-            out.validate_on_first_call(module, _tolerance)
-    return out
+    inlined = _inlined_modules(module, out)
+    fwd = install(module, out)
+    fwd.inlined = inlined
+    if traced.mode_dependent:  # traced in one mode; the other runs the module's own forward
+        fwd.modes = list(traced.modes)
+    if ctx.lazy:
+        fwd.pending = tolerance
+
+
+def _dedupe(report: ConvertReport) -> None:
+    """One pair and one outcome per BatchNorm: a layer of an exposed container is fused both
+    in the container's graph and in its own (whichever runs), reported once."""
+    seen = set()
+    pairs = []
+    for p in report.pairs:
+        key = (p.conv, p.bn)
+        if key not in seen:
+            seen.add(key)
+            pairs.append(p)
+    report.pairs[:] = pairs
+    done = set()
+    outcomes = []
+    for o in report.outcomes:
+        if o.result == "fused":
+            if o.batchnorm in done:
+                continue
+            done.add(o.batchnorm)
+        outcomes.append(o)
+    report.outcomes[:] = [o for o in outcomes if o.result == "fused" or o.batchnorm not in done]
 
 
 def _inlined_modules(module: nn.Module, gm: fx.GraphModule) -> List[nn.Module]:
@@ -109,129 +154,62 @@ def _inlined_modules(module: nn.Module, gm: fx.GraphModule) -> List[nn.Module]:
             and not any(name == t or name.startswith(t + ".") for t in called)]
 
 
-def _validated_convert(module: nn.Module, prefix: str, args: Tuple[Any, ...], kwargs: Dict[str, Any], mode: str,
-                       chain: bool, inplace: bool, report: ConvertReport) -> nn.Module:
-    """:func:`_convert`, then run ``module`` and the result on the inputs (forward and a
-    backward with a random upstream gradient, state restored) and compare outputs,
-    gradients and buffers. On a mismatch, convert finer: each child on its own inputs
-    (recorded from an eager run), each validated the same way."""
-    mark = (len(report.pairs), len(report.outcomes), len(report.untraced), len(report.traced))
-    converted = _convert(module, prefix, mode, chain, inplace, report)
-    if converted is module:
-        return module
-    params = list(module.parameters())
-    buffers = list(module.buffers())
-    runs = []
-    for model in (module, converted):
-        with StateSnapshot(module), StateSnapshot(converted):
-            try:
-                out, grads = run_step(_Bound(model, kwargs), args, params, seed=0)
-            except Exception as exc:  # noqa: BLE001 - the original must run; the rewrite must not fail
-                if model is module:
-                    raise
-                out, grads = exc, []
-            runs.append((out, grads, [b.detach().clone() for b in buffers]))
-    if isinstance(runs[1][0], Exception):
-        result_note = f"the rewrite fails: {short_reason(runs[1][0])}"
-        ok = False
-    else:
-        result = compare_outputs(runs[0], runs[1], _tolerance, relative=True)
-        if not result.ok:  # rounding amplified by the model itself? ask a float64 copy (costly: only now)
-            slack = _eager_error(module, args, kwargs, runs[0])
-            if slack is not None:
-                result = compare_outputs(runs[0], runs[1], _tolerance, slack=slack, relative=True)
-        ok, result_note = result.ok, result.describe()
-    if ok:
-        report.validated.append(prefix.rstrip("."))
-        return converted
-    del report.pairs[mark[0]:], report.outcomes[mark[1]:], report.untraced[mark[2]:], report.traced[mark[3]:]
-    report.untraced.append((prefix.rstrip("."), f"the traced rewrite differs from eager ({result_note}); "
-                            "converted child by child"))
-    inputs = _child_inputs(module, args, kwargs)
-    target = module if inplace else shallow_clone(module)
+def _validated_convert(module: nn.Module, prefix: str, args: Tuple[Any, ...], kwargs: Dict[str, Any],
+                       ctx: _Context) -> None:
+    """:func:`_convert`, then run ``module`` as it was (:func:`eager`) and as converted on the
+    inputs and compare (:func:`convbn.passes.validate.check_step`: outputs, every gradient,
+    buffers, the RNG state afterwards). On a mismatch, undo and convert finer: each module
+    called inside (recorded from an eager run, however the parent reaches it), each
+    validated the same way."""
+    if id(module) in ctx.done:
+        return
+    mark = ctx.mark()
+    _convert(module, prefix, ctx)
+    if not any(installed(m) is not None for m in module.modules()):
+        return
+    result = check_step(module, args, kwargs)
+    if result.ok:
+        ctx.report.validated.append(prefix.rstrip("."))
+        return
+    ctx.rollback(mark)
+    uninstall(module)
+    _forget(module, ctx)
+    ctx.report.untraced.append((prefix.rstrip("."), f"the traced rewrite differs from eager ({result.describe()}); "
+                                "converted part by part"))
+    ctx.done.add(id(module))
+    inputs = called_inputs(module, args, kwargs)
+    _finer(module, prefix, inputs, ctx)
+
+
+def _forget(module: nn.Module, ctx: _Context) -> None:
+    for m in module.modules():
+        ctx.done.discard(id(m))
+
+
+def _finer(module: nn.Module, prefix: str, inputs: Dict[int, Tuple[Tuple[Any, ...], Dict[str, Any]]],
+           ctx: _Context) -> None:
+    """Convert, each on its own inputs, the outermost modules under ``module`` that were called."""
     for name, child in module.named_children():
-        if name not in inputs:
-            continue
-        new = _validated_convert(child, f"{prefix}{name}.", *inputs[name], mode, chain, inplace, report)
-        if new is not child:
-            target._modules[name] = new
-    return target
-
-
-# Note: [validation tolerance follows eager's own rounding]
-# A rewrite only reorders rounding, but how much rounding matters depends on the model:
-# a BatchNorm over two nearly equal values (small images deep in a network) amplifies
-# float32 rounding by up to 1/sqrt(eps). So, below float64, the validation also runs a
-# float64 copy of the original and allows each compared tensor ``_EAGER_ERROR_FACTOR``
-# times eager's own distance to it on top of the relative tolerance (as fold's check does).
-_EAGER_ERROR_FACTOR = 4.0
-
-
-def _eager_error(module: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any], eager: Any) -> Optional[List[float]]:
-    """Per floating leaf of ``eager`` (outputs, gradients, buffers of one step), 4x its
-    distance to the same step of a float64 copy; ``None`` when everything is float64 already
-    or the copy cannot be made (e.g. old-style ``weight_norm`` tensors refuse deepcopy)."""
-    leaves = [t for t in torch.utils._pytree.tree_leaves(eager) if isinstance(t, Tensor) and t.is_floating_point()]
-    if all(t.dtype == torch.float64 for t in leaves):
-        return None
-    to64 = lambda t: t.double() if isinstance(t, Tensor) and t.is_floating_point() else t  # noqa: E731
-    try:
-        model64 = copy.deepcopy(module).double()
-        args64 = torch.utils._pytree.tree_map(to64, args)
-        kwargs64 = torch.utils._pytree.tree_map(to64, kwargs)
-        with StateSnapshot(model64):
-            out, grads = run_step(_Bound(model64, kwargs64), args64, list(model64.parameters()), seed=0)
-            exact = (out, grads, [b.detach().clone() for b in model64.buffers()])
-    except Exception:  # noqa: BLE001 - no float64 reference: the relative tolerance alone
-        return None
-    exact_leaves = [t for t in torch.utils._pytree.tree_leaves(exact) if isinstance(t, Tensor) and t.is_floating_point()]
-    if len(exact_leaves) != len(leaves):
-        return None
-    slack = []
-    for a, e in zip(leaves, exact_leaves):
-        finite = torch.isfinite(a) & torch.isfinite(e)
-        err = (a.detach().double() - e.detach())[finite].abs().max().item() if a.shape == e.shape and finite.any() else 0.0
-        slack.append(_EAGER_ERROR_FACTOR * err)
-    return slack
-
-
-class _Bound:
-    """``model`` called with fixed keyword arguments (for :func:`run_step`)."""
-
-    def __init__(self, model: nn.Module, kwargs: Dict[str, Any]) -> None:
-        self.model, self.kwargs = model, kwargs
-
-    def __call__(self, *args: Any) -> Any:
-        return self.model(*args, **self.kwargs)
-
-
-def _child_inputs(module: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any]
-                  ) -> Dict[str, Tuple[Tuple[Any, ...], Dict[str, Any]]]:
-    """Each direct child's inputs at its first call in one eager forward of ``module`` (state restored)."""
-    seen: Dict[str, Tuple[Tuple[Any, ...], Dict[str, Any]]] = {}
-    clone = lambda t: t.detach().clone() if isinstance(t, Tensor) else t  # noqa: E731
-
-    def record(name: str) -> Callable[..., None]:
-        def hook(mod: nn.Module, a: Tuple[Any, ...], k: Dict[str, Any]) -> None:
-            if name not in seen:
-                seen[name] = (tuple(torch.utils._pytree.tree_map(clone, a)), torch.utils._pytree.tree_map(clone, k))
-        return hook
-
-    handles = [c.register_forward_pre_hook(record(n), with_kwargs=True) for n, c in module.named_children()]
-    try:
-        with StateSnapshot(module), torch.no_grad():
-            module(*args, **kwargs)
-    finally:
-        for h in handles:
-            h.remove()
-    return seen
+        if id(child) in inputs:
+            _validated_convert(child, f"{prefix}{name}.", *inputs[id(child)], ctx)
+        else:  # a container the parent iterates, indexes or walks: look inside
+            _finer(child, f"{prefix}{name}.", inputs, ctx)
 
 
 def _check_args(model: Any, strategy: str, memory_budget: Optional[float], example_inputs: Any,
-                peak_budget: Optional[float] = None) -> None:
+                peak_budget: Optional[float] = None, memory_limit: Any = None) -> None:
     if not isinstance(model, nn.Module):
         raise TypeError(f"convert expects an nn.Module, but got {type(model).__name__}")
     check_strategy(strategy, CONVERT_STRATEGIES)
+    if memory_limit is not None:
+        parse_memory(memory_limit)  # TypeError / ValueError naming the value
+        if strategy != "auto":
+            raise ValueError(f"memory_limit is used by strategy='auto' only, but got strategy={strategy!r}")
+        if peak_budget is not None:
+            raise ValueError("give memory_limit (bytes for the whole step) or peak_budget (a fraction of eager's "
+                             "peak), not both")
+        if example_inputs is None:
+            raise ValueError("memory_limit needs example_inputs: the plan is made for their batch")
     if peak_budget is not None:
         if strategy != "auto":
             raise ValueError(f"peak_budget is used by strategy='auto' only, but got strategy={strategy!r}")
@@ -260,6 +238,7 @@ def convert(
     inplace: bool = False,
     chain: bool = True,
     peak_budget: Optional[float] = None,
+    memory_limit: Any = None,
 ) -> nn.Module:
     """Fuse every Conv -> BatchNorm (-> activation) of ``model`` for memory-lean training.
 
@@ -277,7 +256,7 @@ def convert(
             forward to backward, parameters excluded) as a fraction of the eager model's
             (e.g. ``0.35``): the plan recomputes least within it. ``None`` plans for the
             step's *peak* alone: the least recompute among plans whose predicted peak is
-            within 30 % of the lowest reachable, whatever their saved bytes, and a lower
+            within 8 % of the lowest reachable (``PEAK_TOLERANCE``), whatever their saved bytes, and a lower
             peak within that where a byte of it costs at most 16 MAC-equivalents of
             recompute (recompute is counted as MACs plus bytes moved plus a cost per call; see
             :mod:`convbn.passes.planner`; ``explain`` shows predicted and measured peaks;
@@ -291,6 +270,14 @@ def convert(
             reaches it, the plan with the lowest reachable peak, with a warning (the report's
             ``target_peak_bytes`` / ``lowest_peak_bytes`` say so too). With ``memory_budget``
             too, both are limits (Note: [saved bytes or peak] in ``passes/auto_plan.py``).
+        memory_limit: with ``"auto"``, the memory the training step may use in all on the
+            model's device, in bytes or as text (``"16GiB"``, :func:`convbn.memory.parse_memory`):
+            the parameters and buffers plus the step's peak on ``example_inputs`` (Note:
+            [a step's peak] in ``convbn/memory/timelines.py``: weight gradients included;
+            on CUDA less :data:`~convbn.memory.budget.CUDA_FRAGMENTATION_MARGIN`). The plan
+            is the least recompute whose predicted peak fits; where none fits, the lowest
+            peak, with a warning. Optimizer state is not known here: subtract it, or use
+            :func:`convbn.max_batch` (which does). Needs ``example_inputs``.
         example_inputs: a tensor or tuple of inputs. The result is *validated* on them:
             the original and the rewrite each run one forward and one backward (random
             upstream gradient) and outputs, gradients and running statistics are compared;
@@ -319,39 +306,45 @@ def convert(
         >>> fast[0].weight is net[0].weight
         True
     """
-    _check_args(model, strategy, memory_budget, example_inputs, peak_budget)
+    _check_args(model, strategy, memory_budget, example_inputs, peak_budget, memory_limit)
     report = ConvertReport(strategy=strategy)
-    root = swap_sync_batchnorm(model, inplace)
+    inputs = as_inputs(example_inputs) if example_inputs is not None else None
+    work = model if inplace else share_copy(model)
+    swap_sync_batchnorm(work, inplace=True)
+    ctx = _Context(strategy, chain, report, lazy=example_inputs is None)
     # Conversion changes no state: reading a parametrized weight (spectral_norm's power
     # iteration) or tracing must not move buffers or the RNG.
-    with StateSnapshot(root):
-        if example_inputs is not None:
-            converted = _validated_convert(root, "", as_inputs(example_inputs), {}, strategy, chain, inplace, report)
+    with StateSnapshot(work):
+        if inputs is not None:
+            _validated_convert(work, "", inputs, {}, ctx)
         else:
-            converted = _convert(root, "", strategy, chain, inplace, report, lazy=True)
+            _convert(work, "", ctx)
+    forget_undo(work)
+    _dedupe(report)
     # every BatchNorm module gets an outcome: fused, left with a reason, or not reached
     untraced = [m for m, _ in report.untraced]
     report.outcomes += unreached(bn_module_names(model), report.outcomes, untraced, report.traced)
-    if strategy == "auto" and example_inputs is not None and report.pairs:
-        # measure on ``root``: its SyncBatchNorms are convbn's, which run on CPU too
-        plan_auto(root, converted, as_inputs(example_inputs), memory_budget, report, peak_budget)
-    elif example_inputs is not None and report.pairs:
-        inputs = as_inputs(example_inputs)
-        with StateSnapshot(root), StateSnapshot(converted):
-            report.eager_saved_bytes = measure_saved(root, inputs)
-            report.saved_bytes = measure_saved(converted, inputs)
-    try:
-        if converted is model and not inplace:
-            converted = shallow_clone(model)  # nothing fused: carry the report without touching ``model``
-        converted.convbn_report = report  # type: ignore[assignment]
-    except AttributeError:  # pragma: no cover - modules refusing attributes
-        pass
+    if strategy == "auto" and inputs is not None and report.pairs:
+        target = None
+        if memory_limit is not None:
+            device = next((t.device for t in (*work.parameters(), *work.buffers())), torch.device("cpu"))
+            target = usable_bytes(parse_memory(memory_limit), device) - resident_bytes(work)
+        with eager(work):  # the eager model: the very same modules, their own forwards
+            reference = share_copy(work)
+        plan_auto(reference, work, inputs, memory_budget, report, peak_budget, target)
+        del reference
+    elif inputs is not None and report.pairs:
+        with StateSnapshot(work):
+            with eager(work):
+                report.eager_saved_bytes = measure_saved(work, inputs)
+            report.saved_bytes = measure_saved(work, inputs)
+    work.__dict__["convbn_report"] = report
     if not report.pairs:
         why = "; ".join([f"{s.batchnorm}: {s.reason}" for s in report.skipped[:3]]
                         + [f"{m or '<root>'} not traceable: {e}" for m, e in report.untraced[:2]])
         warnings.warn(f"convbn.convert fused nothing in {type(model).__name__} (no Conv -> BatchNorm pair found"
                       f"{': ' + why if why else ''}); it computes exactly as before", stacklevel=2)
-    return converted
+    return work
 
 
 def explain(model: nn.Module, example_inputs: Any = None, **kwargs: Any) -> ConvertReport:

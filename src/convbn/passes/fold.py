@@ -28,7 +28,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import warnings
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, List, Optional, Set, Tuple
 
 import torch
 from torch import Tensor, nn
@@ -42,7 +42,9 @@ from .fold_layers import fold_conv_bn_modules
 from .layers import LAYER_MODULES
 from .fold_report import FoldCheck, FoldReport
 from .outcome import BNOutcome, bn_module_names, unreached
-from .graph_module import preserve_module_state
+from .check import called_inputs
+from .graph_module import forget_undo, install, installed
+from .validate import tolerance
 from .trace import LayerTracer, short_reason, trace
 
 __all__ = ["fold", "fold_conv_bn_modules", "FoldReport", "BNOutcome", "FoldCheck"]
@@ -53,86 +55,112 @@ __all__ = ["fold", "fold_conv_bn_modules", "FoldReport", "BNOutcome", "FoldCheck
 # --------------------------------------------------------------------------------------
 
 
-def _is_container_only(m: nn.Module) -> bool:
-    return isinstance(m, (nn.ModuleList, nn.ModuleDict))
-
-
-def fold_module(module: nn.Module, prefix: str, ctx: FoldContext) -> nn.Module:
-    """Fold inside ``module`` (qualified name ``prefix``); returns its replacement."""
-    if _is_container_only(module):
-        fold_children(module, prefix, ctx)
-        return module
+def fold_module(module: nn.Module, prefix: str, ctx: FoldContext, done: Set[int]) -> bool:
+    """Fold inside ``module`` (qualified name ``prefix``), in place: a traced module whose
+    graph changed runs it as its forward (:func:`convbn.passes.graph_module.install`), keeping
+    its class and its place; an untraceable one keeps its forward and is folded inside, in
+    every module it calls, however it reaches them. Returns whether anything changed."""
+    if id(module) in done:
+        return False
+    done.add(id(module))
+    if type(module).forward is nn.Module.forward and "forward" not in module.__dict__:  # a container
+        return fold_children(module, prefix, ctx, done)
     try:
         traced = trace(module, LayerTracer)
     except Exception as exc:  # noqa: BLE001 - untraceable: fold its children one by one
         ctx.report.untraceable.append((prefix.rstrip("."), f"{short_reason(exc)} (folded part by part)"))
-        fold_children(module, prefix, ctx)
-        return module
+        return fold_children(module, prefix, ctx, done)
     gm = traced.gm
-    preserve_module_state(module, gm)
+    mark = len(ctx.report.outcomes)
     folder = GraphFolder(gm, module, prefix, ctx)
     folder.run()
     changed = folder.changed
+    if changed:
+        fwd = install(module, gm, register_new=True)
+        _neutralise_folded(module, gm, prefix, ctx.report.outcomes[mark:], fwd)
     for target, why in traced.descend().items():
-        if target not in dict(gm.named_modules()):
-            continue
         if target in traced.opaque:
             ctx.report.untraceable.append((prefix + target, f"{why} (kept as an opaque module)"))
-        sub = gm.get_submodule(target)
-        new = fold_module(sub, f"{prefix}{target}.", ctx)
-        if new is not sub:
-            parent, _, attr = target.rpartition(".")
-            setattr(gm.get_submodule(parent), attr, new)
-            changed = True
-    return gm if changed else module
+        try:
+            sub = module.get_submodule(target)
+        except AttributeError:
+            continue
+        changed = fold_module(sub, f"{prefix}{target}.", ctx, done) or changed
+    return changed
 
 
-def fold_children(module: nn.Module, prefix: str, ctx: FoldContext) -> None:
+# Note: [a folded BatchNorm becomes its tail in its slot]
+# Folding rewrites in place: the layer a BatchNorm folded into takes its folded weights in
+# its own slot (``install``), so a path that does not run the rewritten graph -- a parent
+# iterating an ``nn.Sequential`` of conv, BN, act, or a block's own forward -- calls the
+# folded layer too. For that path to stay right the BatchNorm's slot holds what is left of
+# it: ``nn.Identity`` (or, for a norm-act module, its tail). Where the fold made a fresh copy
+# of the layer (the original is also used elsewhere), the original layer and the
+# BatchNorm stay as they are. ``eager`` and a failed first-call check put both back.
+def _neutralise_folded(module: nn.Module, gm: Any, prefix: str, outcomes: List[BNOutcome], fwd: Any) -> None:
+    for o in outcomes:
+        if o.result != "folded" or o.reason or not o.batchnorm.startswith(prefix):
+            continue
+        path = o.batchnorm[len(prefix):]
+        parent_path, _, name = path.rpartition(".")
+        try:
+            parent = module.get_submodule(parent_path)
+        except AttributeError:
+            continue
+        bn = parent._modules.get(name)
+        if not isinstance(bn, _BatchNorm):
+            continue
+        try:
+            left = gm.get_submodule(path)
+        except AttributeError:
+            left = None
+        new = left if isinstance(left, nn.Module) and left is not bn else nn.Identity()
+        fwd.undo.append((parent, name, "_modules", bn))
+        parent._modules[name] = new
+
+
+def fold_children(module: nn.Module, prefix: str, ctx: FoldContext, done: Set[int]) -> bool:
+    changed = False
     for name, child in list(module.named_children()):
         if isinstance(child, (_BatchNorm,) + LAYER_MODULES):
             continue  # a lone layer: nothing to fold inside
-        if type(child).__module__.startswith("torch.nn.") and not isinstance(
-                child, (nn.Sequential, nn.ModuleList, nn.ModuleDict)):
+        if type(child).__module__.startswith("torch.nn.") and not any(True for _ in child.children()):
             continue  # a torch leaf (activation, pooling...): nothing to fold inside
-        new = fold_module(child, f"{prefix}{name}.", ctx)
-        if new is not child:
-            setattr(module, name, new)
+        changed = fold_module(child, f"{prefix}{name}.", ctx, done) or changed
+    return changed
 
 
 def _fold_finer(model: nn.Module, args: Tuple[Any, ...], reference: Any, eager_errors: Optional[List[float]],
                 why: str) -> Optional[nn.Module]:
     """Where the whole-model fold differs from eager (a trace that misleads in a way no
-    hazard check saw), fold each child of a fresh copy on its own -- each validated on the
-    inputs it received in an eager run, recursively finer where it differs too -- and keep
-    the model's own forward. ``None`` if that is not closer to eager either."""
+    hazard check saw), fold, in a fresh copy, each outermost module called inside on its own
+    -- each validated on the inputs it received in an eager run, recursively finer where it
+    differs too, however the parent reaches it -- and keep the model's own forward. ``None``
+    if that is not closer to eager either."""
     work = copy.deepcopy(model)
-    inputs: Dict[str, Tuple[Any, ...]] = {}
-    handles = []
-    for name, child in work.named_children():
-        def record(mod: nn.Module, a: Tuple[Any, ...], k: Dict[str, Any], name: str = name) -> None:
-            if name not in inputs and not k:
-                inputs[name] = pytree.tree_map(lambda t: t.detach().clone() if isinstance(t, Tensor) else t, a)
-        handles.append(child.register_forward_pre_hook(record, with_kwargs=True))
-    try:
-        run_no_grad(work, args)
-    finally:
-        for h in handles:
-            h.remove()
+    inputs = called_inputs(work, args, {})
     report = FoldReport()
     report.untraceable.append(("", f"folding the whole model changed its outputs ({why}); folded child by child"))
-    for name, child in list(work.named_children()):
-        if name not in inputs or not may_normalise(child):
-            continue
-        try:
-            new = fold(child, example_inputs=inputs[name])
-        except RuntimeError as exc:  # this child cannot be folded faithfully: keep it as it is
-            report.untraceable.append((name, f"left unfolded: {short_reason(exc)}"))
-            continue
-        sub = new.fold_report
-        report.outcomes += [dataclasses.replace(a, batchnorm=f"{name}.{a.batchnorm}",
-                                                layer=a.layer and f"{name}.{a.layer}") for a in sub.outcomes]
-        report.untraceable += [(f"{name}.{n}" if n else name, w) for n, w in sub.untraceable]
-        work._modules[name] = new
+
+    def finer(module: nn.Module, prefix: str) -> None:
+        for name, child in list(module.named_children()):
+            if id(child) not in inputs or inputs[id(child)][1]:
+                finer(child, f"{prefix}{name}.")
+                continue
+            if not may_normalise(child):
+                continue
+            try:
+                new = fold(child, example_inputs=inputs[id(child)][0])
+            except RuntimeError as exc:  # this part cannot be folded faithfully: keep it as it is
+                report.untraceable.append((prefix + name, f"left unfolded: {short_reason(exc)}"))
+                continue
+            module._modules[name] = new  # the folded copy of the same class, in the child's place
+            sub = new.__dict__.pop("fold_report")
+            report.outcomes += [dataclasses.replace(a, batchnorm=f"{prefix}{name}.{a.batchnorm}",
+                                                    layer=a.layer and f"{prefix}{name}.{a.layer}") for a in sub.outcomes]
+            report.untraceable += [(f"{prefix}{name}.{n}" if n else prefix + name, w) for n, w in sub.untraceable]
+
+    finer(work, "")
     seen = {a.batchnorm for a in report.outcomes}
     for bn_name, m in work.named_modules():
         if isinstance(m, _BatchNorm) and bn_name not in seen:
@@ -145,7 +173,8 @@ def _fold_finer(model: nn.Module, args: Tuple[Any, ...], reference: Any, eager_e
         return None
     warnings.warn(f"fold(): folding the whole model changed its outputs ({why}); folded it child by child "
                   "instead (see fold_report)", RuntimeWarning, stacklevel=3)
-    work.fold_report = report
+    forget_undo(work)
+    work.__dict__["fold_report"] = report
     return work
 
 
@@ -225,7 +254,13 @@ def fold(
     # [fold's tolerance follows eager's own rounding]); with inplace, copied before folding.
     original = (copy.deepcopy(work) if inplace else model) if check and args is not None else None
 
-    folded = fold_module(work, "", ctx)
+    fold_module(work, "", ctx, set())
+    folded = work
+    if not check or args is None:  # unchecked: each rewritten module checks itself on its first call
+        for m in work.modules():
+            fwd = installed(m)
+            if fwd is not None:
+                fwd.pending = tolerance
 
     # every BatchNorm module gets an outcome, including ones tracing never reached
     report.outcomes += unreached(bn_names, report.outcomes, [name for name, _ in report.untraceable])
@@ -263,5 +298,6 @@ def fold(
                     f"tolerance (max abs diff {diff:.3g} > {tol:.3g}); this is a bug in convbn, "
                     f"please report it with the model. Use check=False to get the model anyway.\n{report}"
                 )
-    folded.fold_report = report
+    forget_undo(folded)
+    folded.__dict__["fold_report"] = report
     return folded

@@ -1,7 +1,9 @@
 """Rewriting: replace each matched chain by one :class:`~convbn.nn.chain.FusedChain` call.
 
-The rewritten ``GraphModule`` keeps the user's module tree (same objects, same order) plus
-the new chain modules, so ``state_dict()`` keys and parameters are unchanged. Layers whose
+The rewritten graph runs as the user's module's own forward, in place
+(:func:`convbn.passes.graph_module.install`): the module tree stays (same objects, same
+order) and the new chain modules are unregistered attributes, so ``state_dict()`` keys
+and parameters are unchanged. Layers whose
 modules carry hooks are left unfused here (a fused chain would bypass them), and each new
 chain learns which modules' hooks it must honour when they are registered later.
 """
@@ -17,7 +19,6 @@ from torch import nn
 from ..nn.bn_call import has_standard_bn_forward
 from ..nn.sync import SyncBatchNorm
 from ..nn.chain import ChainLayer, FusedChain
-from .graph_module import ConvbnGraphModule, preserve_module_state
 from .hooks import hook_reason
 from .concat_heads import chain_call_inputs, erase_unused_cat, shared_pieces
 from .match import MatchedLayer
@@ -25,26 +26,7 @@ from .planner import plan_on_first_call
 from .outcome import BNOutcome
 from .report import ConvertReport, FusedPair
 
-__all__ = ["rewrite_chains", "swap_sync_batchnorm", "chain_layer", "graph_module_like", "shallow_clone", "set_submodule", "drop_hooked", "watch_hooks"]
-
-
-def graph_module_like(root: nn.Module, traced: fx.GraphModule, extra: Sequence[Tuple[str, nn.Module]]) -> fx.GraphModule:
-    """A GraphModule running ``traced.graph`` whose module tree is ``root``'s own (same
-    objects, same order) plus ``extra``, so ``state_dict()`` keys and parameters are unchanged;
-    ``root``'s plain attributes, hooks and ``_version`` come along (see
-    :func:`convbn.passes.trace.preserve_module_state`)."""
-    gm = ConvbnGraphModule(traced, traced.graph, class_name=type(root).__name__)
-    gm._modules = OrderedDict(root._modules)
-    for name, mod in extra:
-        gm._modules[name] = mod
-    # the very same dicts: a root-level parameter re-assigned on either model is the one
-    # the chains read (they hold ``root`` as the owner of root-level weights)
-    gm._parameters = root._parameters
-    gm._buffers = root._buffers
-    gm._non_persistent_buffers_set = set(root._non_persistent_buffers_set)
-    gm.training = root.training
-    preserve_module_state(root, gm)
-    return gm
+__all__ = ["rewrite_chains", "swap_sync_batchnorm", "chain_layer", "shallow_clone", "set_submodule", "drop_hooked", "watch_hooks"]
 
 
 def rewrite_chains(root: nn.Module, gm: fx.GraphModule, chains: List[List[MatchedLayer]], mode: str,
@@ -101,7 +83,8 @@ def rewrite_chains(root: nn.Module, gm: fx.GraphModule, chains: List[List[Matche
     for piece, k in shared_pieces([[replaced.get(x, x) for x in p] for p in pieces_of]).items():
         report.shared_pieces[prefix + piece.name] = k
     graph.lint()
-    return graph_module_like(root, gm, built)
+    gm.recompile()
+    return gm
 
 
 def _root_prefix(chains: Sequence[Sequence[MatchedLayer]]) -> str:

@@ -14,16 +14,33 @@ import torch
 from torch import Tensor, nn
 from torch.utils import _pytree as pytree
 
-__all__ = ["StateSnapshot", "Comparison", "compare_outputs", "run_step", "seeded", "as_args", "float64_slack"]
+__all__ = ["StateSnapshot", "Comparison", "compare_outputs", "run_step", "seeded", "as_args", "float64_slack",
+           "tolerance", "TOLERANCE", "EAGER_ERROR_FACTOR"]
 
 
 def as_args(example_inputs: Any) -> Tuple[Any, ...]:
-    """``example_inputs`` as positional arguments: a tuple/list is spread, anything else is one argument."""
+    """``example_inputs`` as positional arguments, the one normalisation both passes use: a
+    tuple or list is spread, anything else (a tensor, a dict...) is one argument."""
     if isinstance(example_inputs, tuple):
         return example_inputs
     if isinstance(example_inputs, list):
         return tuple(example_inputs)
     return (example_inputs,)
+
+
+# Note: [one tolerance rule]
+# A rewrite (convert's chains, fold's folded weights) only reorders rounding. Compared with
+# eager, a floating leaf passes when ``max|new - eager| <= TOLERANCE[dtype] * scale +
+# EAGER_ERROR_FACTOR * (eager's own distance to a float64 run of the same step)``, the
+# second term asked for only when the first alone fails (see Note: [validation tolerance
+# follows eager's own rounding] in convert.py). ``scale`` is :func:`compare_outputs`'.
+TOLERANCE = {torch.float64: 1e-7, torch.float32: 1e-3}
+EAGER_ERROR_FACTOR = 4.0
+
+
+def tolerance(dtype: torch.dtype) -> float:
+    """The relative tolerance of a rewrite's check for ``dtype`` (Note: [one tolerance rule])."""
+    return TOLERANCE.get(dtype, 5e-2)
 
 
 class StateSnapshot:
@@ -136,11 +153,12 @@ def compare_outputs(reference: Any, candidate: Any, tolerance: Callable[[torch.d
 
 
 def run_step(model: nn.Module, args: Tuple[Any, ...], params: Sequence[Tensor], seed: int,
-             backward: bool = True) -> Tuple[Any, List[Optional[Tensor]]]:
+             backward: bool = True, rng: Optional[List[Tensor]] = None) -> Tuple[Any, List[Optional[Tensor]]]:
     """One forward (RNG seeded with ``seed``) and, where possible, one backward with a random
     upstream gradient (also from ``seed``), returning outputs and the gradients of ``params``
     and of the floating tensor inputs. ``.grad`` fields are left alone (``torch.autograd.grad``);
-    the caller restores state (:class:`StateSnapshot`)."""
+    the caller restores state (:class:`StateSnapshot`). ``rng``: a list to which the global
+    RNG state after the forward and after the backward are appended (what each drew)."""
     inputs = [a.detach().clone().requires_grad_(a.is_floating_point()) if isinstance(a, Tensor) else a
               for a in pytree.tree_leaves(args)]
     leaves, spec = pytree.tree_flatten(args)
@@ -148,18 +166,23 @@ def run_step(model: nn.Module, args: Tuple[Any, ...], params: Sequence[Tensor], 
     call_args = pytree.tree_unflatten([next(it) for _ in leaves], spec)
     with seeded(seed):
         out = model(*call_args)
+        if rng is not None:
+            rng.append(torch.get_rng_state())
     outs = [o for o in pytree.tree_leaves(out) if isinstance(o, Tensor) and o.requires_grad]
     wrt = [p for p in params if p.requires_grad] + [t for t in inputs if isinstance(t, Tensor) and t.requires_grad]
     if not backward or not outs or not wrt or not torch.is_grad_enabled():
         return pytree.tree_map(lambda t: t.detach() if isinstance(t, Tensor) else t, out), []
     gen = torch.Generator().manual_seed(seed + 1)
     ups = [torch.randn(o.shape, generator=gen, dtype=torch.float64).to(o) for o in outs]
-    grads = torch.autograd.grad(outs, wrt, ups, allow_unused=True)
+    with seeded(seed + 2):  # a backward drawing random numbers draws the same on both sides
+        grads = torch.autograd.grad(outs, wrt, ups, allow_unused=True)
+        if rng is not None:
+            rng.append(torch.get_rng_state())
     return pytree.tree_map(lambda t: t.detach() if isinstance(t, Tensor) else t, out), list(grads)
 
 
 def float64_slack(model: nn.Module, run: Callable[[nn.Module], Any], reference: Any,
-                  factor: float = 4.0) -> Optional[List[float]]:
+                  factor: float = EAGER_ERROR_FACTOR) -> Optional[List[float]]:
     """``factor`` times what ``reference`` (``run(model)``'s result in the model's dtype) gets
     wrong against ``run`` of a float64 copy, per floating leaf: the slack a comparison of
     two float32 computations needs where rounding is amplified (see Note: [validation

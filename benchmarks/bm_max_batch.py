@@ -1,0 +1,76 @@
+"""The largest batch that trains within a memory limit, eager and converted (issue 24), on CPU.
+
+For each model: :func:`convbn.max_batch` (SGD with momentum, loss the output's mean), then
+an independent check on fresh copies: the standard-loop step at the batch it found, the
+converted model planned for that batch (``convert(memory_limit=...)``), measured by
+:func:`convbn.memory.timeline`, against the peak ``max_batch`` reported; and the batch
+above it, measured during the search, over the limit.
+
+    python benchmarks/bm_max_batch.py [--memory 256MiB] [--models LABEL ...]
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import sys
+from typing import List, Optional
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bm_peak_vs_eager import MODELS  # noqa: E402
+
+import convbn  # noqa: E402
+from convbn.batch_fit import _batch_of  # noqa: E402
+from convbn.memory import timeline  # noqa: E402
+from convbn.memory.budget import parse_memory, resident_bytes  # noqa: E402
+
+DEFAULT = ["tv:resnet18", "tv:mobilenet_v3_small", "tv:shufflenet_v2_x0_5", "tv:regnet_x_400mf",
+           "monai:DenseNet121 (2-D)", "monai:BasicUNet (BN, dropout 0.1)", "monai:resnet18 (2-D)",
+           "efficientnet_pytorch:b0", "tv:densenet121"]
+
+
+def check(model, opt, sample, batch, limit, fused):
+    """The step's peak at ``batch`` on fresh copies (the optimizer warmed as max_batch does)."""
+    m, o = copy.deepcopy((model, opt))
+    timeline(m, *_batch_of(sample, 2), optimizer=o)
+    x = _batch_of(sample, batch)
+    if fused:
+        state = resident_bytes(m, o) - resident_bytes(m)
+        m = convbn.convert(m, example_inputs=x, memory_limit=limit - state)
+    return timeline(m, *x, optimizer=o).peak
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", nargs="*", default=DEFAULT)
+    parser.add_argument("--memory", default="256MiB")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    limit = parse_memory(args.memory)
+    mib = 2.0**20
+    print(f"limit {args.memory}; SGD(momentum=0.9); loss: mean of the output\n")
+    print("| model (sample) | eager batch | convbn batch | **gain** | resident | max_batch's convbn peak | "
+          "measured again | diff | batch+1 needs (eager / convbn) |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for label in args.models:
+        torch.manual_seed(0)
+        model, shape = MODELS[label]()
+        model.train()
+        sample = (torch.randn(2, *shape),)
+        opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
+        fit = convbn.max_batch(model, sample, limit, optimizer=opt)
+        again = check(model, opt, sample, fit.convbn_batch, limit, fused=True)
+        again_e = check(model, opt, sample, fit.eager_batch, limit, fused=False)
+        over_e = fit.resident + fit.probes["eager"][fit.eager_batch + 1]
+        over_c = fit.resident + fit.probes["convbn"][fit.convbn_batch + 1]
+        diff = max(abs(again - fit.convbn_peak) / fit.convbn_peak, abs(again_e - fit.eager_peak) / fit.eager_peak)
+        print(f"| {label} ({'x'.join(map(str, shape))}) | {fit.eager_batch} | {fit.convbn_batch} | **{fit.gain:.2f}** | "
+              f"{fit.resident / mib:.1f} MiB | {fit.convbn_peak / mib:.2f} MiB | {again / mib:.2f} MiB | "
+              f"{100 * diff:.2f} % | {over_e / mib:.1f} / {over_c / mib:.1f} MiB |", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,228 @@
+#!/usr/bin/env python
+"""Mutation testing: deliberate bugs in convbn, one at a time, that the tests must catch.
+
+Each mutant is a small source edit applied to a *temporary copy* of ``src/convbn`` (the
+tree is never modified); the tests then run against that copy (``PYTHONPATH`` first) in a
+subprocess. A mutant the tests do not fail on has *survived*: the suite would stay green if
+that bug were real. Every mutant must be killed.
+
+Usage::
+
+    python scripts/mutants.py                   # every mutant against its fast subset
+    python scripts/mutants.py fused_forward_eager planner_keeps_all
+    python scripts/mutants.py --tests tests/    # every mutant against the whole suite (slow)
+    python scripts/mutants.py --measure         # the fused-forward mutant on the whole default
+                                                # suite: fraction of convert-calling tests failing
+
+``tests/test_mutants.py`` runs each mutant against its subset in CI. A mutant whose edit no
+longer applies (the code it edits changed) is an error, not a pass: update its edit.
+"""
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Sequence, Tuple
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SRC = os.path.join(ROOT, "src", "convbn")
+
+__all__ = ["Mutant", "MUTANTS", "apply_mutant", "run_mutant", "main"]
+
+
+@dataclass(frozen=True)
+class Mutant:
+    """A deliberate bug: ``edits`` of ``(file under src/convbn, old text, new text)``, each old
+    text found exactly once; ``tests``: the fast subset (pytest arguments) that must kill it."""
+
+    doc: str
+    edits: Tuple[Tuple[str, str, str], ...]
+    tests: Tuple[str, ...] = field(default=())
+
+
+# Fast subsets of the suite, by what they compare (each mutant lists those that must kill it).
+_CHAIN = "tests/test_chain_tails.py::test_every_dropout_kind[0.3-Dropout-recompute_conv]"  # float64 1e-10, RNG,
+# running stats, num_batches_tracked, every gradient, and the fusion watch
+_PLAN_ALL = "tests/test_planner.py::test_budget_one_keeps_every_conv_output"
+_PLAN_SOME = "tests/test_planner.py::test_predicted_saved_bytes_are_exact_and_monotone"
+_FOLD = "tests/test_fold.py::test_report_str_lists_every_bn"
+_POOL = "tests/test_lean_pools.py::test_function_saves_no_input_for_a_contiguous_one"
+
+MUTANTS: Dict[str, Mutant] = {
+    "fused_forward_eager": Mutant(
+        "FusedChain runs every call as eager modules (nothing fused at run time, numbers equal to eager's)",
+        (("nn/chain.py", "return self._forward_fused(pieces, input)", "return self._forward_eager(_concat(pieces))"),),
+        (_CHAIN,)),
+    "planner_keeps_all": Mutant(
+        "the auto planner keeps every conv output (recompute_bn everywhere)",
+        (("passes/auto_plan.py", 'l.mode = "recompute_bn" if k else "recompute_conv"', 'l.mode = "recompute_bn"'),
+         ("nn/chain.py", 'l.mode = "recompute_bn" if k else "recompute_conv"', 'l.mode = "recompute_bn"')),
+        (_PLAN_SOME,)),
+    "planner_keeps_nothing": Mutant(
+        "the auto planner keeps no conv output (recompute_conv everywhere)",
+        (("passes/auto_plan.py", 'l.mode = "recompute_bn" if k else "recompute_conv"', 'l.mode = "recompute_conv"'),
+         ("nn/chain.py", 'l.mode = "recompute_bn" if k else "recompute_conv"', 'l.mode = "recompute_conv"')),
+        (_PLAN_ALL,)),
+    "dropout_fresh_rng": Mutant(
+        "dropout replay in backward draws from a fresh RNG state instead of the captured one",
+        (("functional/tail.py", "        torch.set_rng_state(cpu)\n", "        torch.manual_seed(torch.initial_seed() + 1)\n"),),
+        (_CHAIN,)),
+    "running_stats_skipped": Mutant(
+        "the BatchNorm running-statistics update is skipped",
+        (("functional/batchnorm.py",
+          "y, weight, bias, running_mean, running_var, True, spec.momentum, spec.eps\n        )",
+          "y, weight, bias, None, None, True, spec.momentum, spec.eps\n        )"),),
+        (_CHAIN,)),
+    "num_batches_not_tracked": Mutant(
+        "num_batches_tracked is not incremented by a fused training forward",
+        (("nn/sync.py", "            bn.num_batches_tracked.add_(1)\n", "            pass\n"),),
+        (_CHAIN,)),
+    "fold_nothing": Mutant(
+        "fold() folds nothing (returns the model unfolded)",
+        (("passes/fold.py", 'folded = fold_module(work, "", ctx)', "folded = work"),),
+        (_FOLD,)),
+    "fold_check_skipped": Mutant(
+        "fold()'s numerical check is skipped",
+        (("passes/fold.py", "    if check:\n        if args is None:", "    if False:\n        if args is None:"),),
+        (_FOLD,)),
+    "weight_grad_scaled": Mutant(
+        "the first convolution's weight gradient of every chain is scaled by (1 + 1e-6)",
+        (("autograd/chain.py",
+          "        del grad_y, x\n",
+          "        del grad_y, x\n        if i == 0 and grads[base] is not None:\n"
+          "            grads[base] = grads[base] * (1 + 1e-6)\n"),),
+        (_CHAIN,)),
+    "lean_pool_keeps_input": Mutant(
+        "the lean pooling keeps its whole input for backward, as eager pooling does",
+        (("autograd/pool.py", "keep = not stand_in_fits(x)", "keep = True"),),
+        (_POOL,)),
+}
+
+
+def apply_mutant(name: str, dest: str) -> str:
+    """Copy ``src/convbn`` under ``dest`` with mutant ``name`` applied; returns the directory to
+    put first on ``PYTHONPATH``. Raises ``ValueError`` when an edit no longer applies."""
+    if name not in MUTANTS:
+        raise ValueError(f"unknown mutant {name!r}; known: {sorted(MUTANTS)}")
+    pkg = os.path.join(dest, "convbn")
+    shutil.copytree(SRC, pkg, ignore=shutil.ignore_patterns("__pycache__"))
+    for rel, old, new in MUTANTS[name].edits:
+        path = os.path.join(pkg, rel)
+        with open(path) as f:
+            text = f.read()
+        n = text.count(old)
+        if n != 1:
+            raise ValueError(f"mutant {name!r}: expected the text to edit exactly once in src/convbn/{rel}, "
+                             f"found it {n} times; update the mutant's edit in scripts/mutants.py:\n{old}")
+        with open(path, "w") as f:
+            f.write(text.replace(old, new))
+    return dest
+
+
+def _env(pythonpath: str) -> Dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([pythonpath, os.path.join(ROOT, "scripts")])
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env["PYTHONDONTWRITEBYTECODE"] = "1"
+    return env
+
+
+def run_mutant(name: str, tests: Optional[Sequence[str]] = None, extra: Sequence[str] = (),
+               timeout: float = 3600) -> Tuple[bool, float, str]:
+    """Run ``tests`` (default: the mutant's subset) against mutant ``name``.
+
+    Returns:
+        ``(killed, seconds, output tail)``: killed when pytest reports a failure (exit code 1).
+    """
+    tests = list(tests or MUTANTS[name].tests)
+    t0 = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix=f"convbn-mutant-{name}-") as tmp:
+        path = apply_mutant(name, tmp)
+        cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-o", "addopts=", *tests, *extra]
+        proc = subprocess.run(cmd, cwd=ROOT, env=_env(path), capture_output=True, text=True, timeout=timeout)
+    out = proc.stdout + proc.stderr
+    if proc.returncode not in (0, 1):
+        raise RuntimeError(f"mutant {name!r}: pytest could not run the tests (exit {proc.returncode}):\n{out[-3000:]}")
+    return proc.returncode == 1, time.perf_counter() - t0, out[-2000:]
+
+
+def measure(name: str = "fused_forward_eager", workers: int = 2, extra: Sequence[str] = ()) -> Dict[str, float]:
+    """The default suite against mutant ``name`` with ``convert_probe`` recording, per test,
+    whether it called ``convbn.convert`` (or built a ``FusedChain``) and whether it failed."""
+    t0 = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix=f"convbn-measure-{name}-") as tmp:
+        src = os.path.join(tmp, "src")
+        os.makedirs(src)
+        path = apply_mutant(name, src) if name != "none" else os.path.join(ROOT, "src")
+        out_dir = os.path.join(tmp, "probe")
+        os.makedirs(out_dir)
+        env = _env(path)
+        env["CONVBN_PROBE_DIR"] = out_dir
+        cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "convert_probe",
+               *(["-n", str(workers)] if workers > 1 else []), *extra]
+        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+        rows: Dict[str, Dict[str, bool]] = {}
+        for fn in glob.glob(os.path.join(out_dir, "*.json")):
+            with open(fn) as f:
+                for k, v in json.load(f).items():
+                    r = rows.setdefault(k, {"convert": False, "chain": False, "failed": False})
+                    for key in r:
+                        r[key] = r[key] or v.get(key, False)
+    conv = [k for k, r in rows.items() if r["convert"]]
+    any_ = [k for k, r in rows.items() if r["convert"] or r["chain"]]
+    res = {
+        "tests": len(rows),
+        "convert_tests": len(conv),
+        "convert_failed": sum(rows[k]["failed"] for k in conv),
+        "chain_or_convert_tests": len(any_),
+        "chain_or_convert_failed": sum(rows[k]["failed"] for k in any_),
+        "seconds": round(time.perf_counter() - t0, 1),
+    }
+    res["fraction_failed"] = round(res["convert_failed"] / max(1, res["convert_tests"]), 4)
+    res["fraction_failed_chain_or_convert"] = round(res["chain_or_convert_failed"] / max(1, len(any_)), 4)
+    survivors = sorted(k for k in conv if not rows[k]["failed"])
+    print("\n".join(l for l in proc.stdout.splitlines() if l.startswith(("FAILED", "ERROR")))[-20000:])
+    print(proc.stdout[-300:])
+    print(json.dumps(res, indent=1))
+    if survivors:
+        print(f"{len(survivors)} convert-calling tests pass against mutant {name}:")
+        for k in survivors:
+            print("   ", k)
+    return res
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("mutants", nargs="*", help=f"mutants to run (default: all): {', '.join(MUTANTS)}")
+    p.add_argument("--tests", nargs="+", help="pytest arguments to run instead of each mutant's subset")
+    p.add_argument("--measure", action="store_true",
+                   help="run the whole default suite against the mutant (default fused_forward_eager) and print "
+                        "the fraction of convert-calling tests that fail")
+    p.add_argument("-n", "--workers", type=int, default=2, help="pytest-xdist workers for --measure")
+    args = p.parse_args(argv)
+    if args.measure:
+        res = measure(args.mutants[0] if args.mutants else "fused_forward_eager", args.workers, args.tests or ())
+        return 0 if res["fraction_failed"] >= 0.9 else 1
+    names = args.mutants or list(MUTANTS)
+    t0 = time.perf_counter()
+    survived: List[str] = []
+    for name in names:
+        killed, secs, out = run_mutant(name, args.tests)
+        print(f"{'killed  ' if killed else 'SURVIVED'} {name:<26} {secs:6.1f} s  {MUTANTS[name].doc}", flush=True)
+        if not killed:
+            survived.append(name)
+            print("   " + out.strip().splitlines()[-1] if out.strip() else "")
+    print(f"{len(names) - len(survived)} of {len(names)} mutants killed in {time.perf_counter() - t0:.1f} s"
+          + (f"; SURVIVED: {', '.join(survived)}" if survived else ""))
+    return 1 if survived else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

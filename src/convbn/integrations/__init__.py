@@ -1,0 +1,20 @@
+"""Where users train: helpers for the training loops people use.
+
+Importing this package imports no third-party library; each module imports its own lazily
+and raises ``ImportError`` naming the package to install:
+
+* :mod:`convbn.integrations.common`: :func:`convert_submodules`, the one call every recipe
+  makes (torch only);
+* :mod:`convbn.integrations.lightning`: :class:`~convbn.integrations.lightning.ConvertCallback`
+  for PyTorch Lightning (``pip install lightning``);
+* trainers that build the model themselves, MONAI's engines, EMA copies: recipes in the
+  README ("Use it in your training loop"), tested in ``tests/test_integration_*.py``.
+
+The rule all of them follow (README "Use it in your training loop"): convert the bare model
+once, before anything wraps or copies it (DDP / FSDP, ``torch.compile``, an EMA copy,
+``SyncBatchNorm`` conversion). The optimizer may be built before or after: the converted
+model's parameters are the model's own objects.
+"""
+from .common import convert_submodules, has_batchnorm
+
+__all__ = ["convert_submodules", "has_batchnorm"]
