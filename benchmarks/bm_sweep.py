@@ -416,6 +416,7 @@ def run_one(label: str, peak: bool = True) -> Dict[str, Any]:
                 model.load_state_dict(snapshot)
                 e = copy.deepcopy(model)
                 pe = timeline(e, *inputs).peak
+                conv.zero_grad(set_to_none=True)  # as the fresh eager copy: no gradient before the step
                 pc = timeline(conv, *inputs).peak
                 rec["peak"] = {"eager": pe, "converted": pc}
             except Exception as exc:  # noqa: BLE001
