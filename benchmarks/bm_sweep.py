@@ -267,6 +267,7 @@ CAUSES = [
     ("module replaced: container not iterable / indexable", r"not iterable|not subscriptable|object is not callable"),
     ("module replaced: bare nn.Module without forward", r"_forward_unimplemented|missing the required \"forward\""),
     ("trace hazard (isinstance / control flow on a proxy)", r"isinstance|symbolically traced variables cannot"),
+    ("traced graph differs from the module's own code at run time (trace hazard)", r"\[graph_module\.py:\d+\]$"),
     ("gradients differ from eager", r"mismatch: .*grad"),
     ("outputs / buffers differ from eager", r"mismatch"),
     ("timeout", r"^over \d+ s"),
@@ -415,6 +416,7 @@ def run_one(label: str, peak: bool = True) -> Dict[str, Any]:
                 model.load_state_dict(snapshot)
                 e = copy.deepcopy(model)
                 pe = timeline(e, *inputs).peak
+                conv.zero_grad(set_to_none=True)  # as the fresh eager copy: no gradient before the step
                 pc = timeline(conv, *inputs).peak
                 rec["peak"] = {"eager": pe, "converted": pc}
             except Exception as exc:  # noqa: BLE001
@@ -584,7 +586,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         with open(args.report) as f:
             text = f.read()
         records = json.loads(text) if text.lstrip().startswith("[") else [json.loads(ln) for ln in text.splitlines() if ln]
-        records = [r for r in records if r["label"] in set(labels)]  # the models --family / --models / --limit pick
+        latest = {r["label"]: r for r in records}  # a model run twice: its last record
+        records = [latest[lb] for lb in labels if lb in latest]  # the models --family / --models / --limit pick
         print(markdown(records, f"python benchmarks/bm_sweep.py --report {args.report}{selection}"))
         print("\n" + causes_table(records) + "\n")
         print(failures(records))

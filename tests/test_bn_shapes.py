@@ -16,7 +16,7 @@ the same; ``convbn.fold`` folds where it is exact and its outputs equal eval-mod
 from __future__ import annotations
 
 import copy
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import pytest
 import torch
@@ -123,25 +123,36 @@ def _fused(report: Any) -> Dict[str, List[Optional[str]]]:
     return found
 
 
+def _chains(model: nn.Module) -> List[FusedChain]:
+    return [m for _, m in convbn.fused_modules(model) if isinstance(m, FusedChain)]
+
+
+def _heads(model: nn.Module) -> List[Tuple[str, str]]:
+    """``(BatchNorm, conv after it)`` of every pre-activation head of the fused chains."""
+    return sorted((c.layers[0].names[1], c.layers[1].names[0]) for c in _chains(model)
+                  if c.layers[0].conv_owner is None)
+
+
 CASES = {
-    "preact_projection": (PreActProjection, (2, 8, 8, 8), {"bn": ["body1", "proj"], "bn2": ["body1"]}),
-    "token_mlp": (TokenMLP, (2, 3, 4, 4), {"bn": ["fc"]}),
+    "preact_projection": (PreActProjection, (2, 8, 8, 8), {"bn", "bn2"}, [("bn", "body1"), ("bn", "proj")]),
+    "token_mlp": (TokenMLP, (2, 3, 4, 4), {"bn"}, []),
 }
 
 
 @pytest.mark.parametrize("with_inputs", [True, False], ids=["example_inputs", "no_example_inputs"])
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_convert_fuses_the_shape_and_trains_like_eager(case: str, with_inputs: bool) -> None:
-    cls, shape, want = CASES[case]
+    cls, shape, want, heads = CASES[case]
     torch.manual_seed(0)
     model = cls().double()
     x = torch.randn(shape, dtype=torch.float64)
     eager = copy.deepcopy(model)
     converted = convbn.convert(copy.deepcopy(model), example_inputs=x if with_inputs else None)
     report = converted.convbn_report
-    assert {bn: sorted(layers) for bn, layers in _fused(report).items()} == want
+    assert set(_fused(report)) == want
     assert not report.skipped
-    assert any(isinstance(m, FusedChain) for m in converted.modules())
+    assert _chains(converted)
+    assert _heads(converted) == heads
     calls = _bn_calls(converted)
     for i in range(2):  # two steps: running statistics and num_batches_tracked advance alike
         calls.clear()  # (without example_inputs the first call checks itself against the original once)
@@ -158,10 +169,11 @@ def test_preact_projection_keeps_less_than_eager() -> None:
     torch.manual_seed(0)
     model, x = PreActProjection(), torch.randn(2, 8, 8, 8)
     report = convbn.explain(model, x)
-    assert sorted(_fused(report)["bn"]) == ["body1", "proj"]
+    assert set(_fused(report)) == {"bn", "bn2"} and not report.skipped
     assert report.saved_bytes < report.eager_saved_bytes
-    shared = [m for m in convbn.convert(model, example_inputs=x).modules() if isinstance(m, FusedChain)]
-    assert len(shared) == 2  # [head(bn), body1 -> bn2 -> body2] and [head(bn view), proj]
+    converted = convbn.convert(model, example_inputs=x)
+    assert len(_chains(converted)) == 2  # [head(bn), body1 -> bn2 -> body2] and [head(bn's view), proj]
+    assert _heads(converted) == [("bn", "body1"), ("bn", "proj")]
 
 
 def test_shared_head_in_eval_mode_reads_running_statistics() -> None:
@@ -265,7 +277,7 @@ def test_conv_act_bn_order_fused_as_head_or_left_with_the_order_named() -> None:
     torch.manual_seed(0)
     model, x = ConvActBN().double(), torch.randn(2, 3, 6, 6, dtype=torch.float64)
     converted = convbn.convert(copy.deepcopy(model), example_inputs=x)
-    assert _fused(converted.convbn_report) == {"b1": ["c2"]}
+    assert set(_fused(converted.convbn_report)) == {"b1"} and _heads(converted) == [("b1", "c2")]
     (left,) = converted.convbn_report.skipped
     assert left.batchnorm == "b2" and "silu of convolution c2 (conv -> activation -> BN order)" in left.reason
     ref = _step(model, x)
