@@ -233,7 +233,7 @@ def test_explain_and_fold_keep_the_model_and_fold_everything() -> None:
         torch.testing.assert_close(unchecked(x), eager(x), rtol=1e-9, atol=1e-9)
 
 
-def test_converted_model_survives_deepcopy_pickle_and_script_of_folded() -> None:
+def test_converted_model_survives_deepcopy_and_torch_save() -> None:
     eager = build(LayerList)
     x = inp(2, 3, 8, 8)
     fast = convbn.convert(copy.deepcopy(eager))
