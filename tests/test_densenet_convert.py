@@ -93,7 +93,7 @@ def test_densenet_bc_heads_are_fused_and_keep_pieces(style: str) -> None:
     explained = convbn.explain(copy.deepcopy(eager), x)
     assert explained.shared_pieces == report.shared_pieces and "shared pieces" in str(explained)
     # no concatenation feeds a BatchNorm any more (the heads take the pieces)
-    for node in fast.graph.nodes:
+    for node in fast.forward.graph.nodes:
         if node.op == "call_module" and isinstance(fast.get_submodule(str(node.target)), _BatchNorm):
             assert not (node.args[0].op == "call_function" and node.args[0].target is torch.cat) or \
                 node.target == "features.norm5", node

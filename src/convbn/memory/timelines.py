@@ -28,6 +28,7 @@ from torch import Tensor, nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from .peaks import tensor_peak
+from .saved import _with_fused
 
 __all__ = ["PHASES", "Timeline", "TimelinePoint", "timeline"]
 
@@ -207,6 +208,7 @@ def timeline(
     else:
         tp = tensor_peak(*track)
         tracker = tp._tracker
+        _name_fused(tracker._mod_tracker, model)
         mode = _TimelineMode(lambda: tp._total(tracker._curr_mem_snap) - tp._start,
                              lambda: _innermost(tracker._mod_tracker.parents))
         meter = tp
@@ -233,6 +235,16 @@ def timeline(
             optimizer.step()
     result.points = mode.points
     return result
+
+
+def _name_fused(mod_tracker: Any, model: nn.Module) -> None:
+    """Tell ``mod_tracker`` the qualified names of the unregistered modules a convbn rewrite
+    added (it names modules by walking ``named_children``, which does not list them)."""
+    root = type(model).__name__
+    registered = {id(m) for m in model.modules()}
+    for name, mod in _with_fused(model):
+        if id(mod) not in registered:
+            mod_tracker._known_modules[mod] = f"{root}.{name}"
 
 
 def _default_loss(out: Any) -> Tensor:

@@ -108,12 +108,14 @@ def _neutralise_folded(module: nn.Module, gm: Any, prefix: str, outcomes: List[B
         except AttributeError:
             continue
         bn = parent._modules.get(name)
-        if not isinstance(bn, _BatchNorm):
+        if bn is None:
             continue
         try:
             left = gm.get_submodule(path)
         except AttributeError:
             left = None
+        if not isinstance(bn, _BatchNorm) and not (left is not None and left is not bn) and any(bn.children()):
+            continue  # a module computing more than the batch norm (its class path keeps it)
         new = left if isinstance(left, nn.Module) and left is not bn else nn.Identity()
         fwd.undo.append((parent, name, "_modules", bn))
         parent._modules[name] = new
