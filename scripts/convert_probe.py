@@ -1,8 +1,8 @@
 """pytest plugin for ``scripts/mutants.py --measure``: records, per test, whether it called
 ``convbn.convert`` (however imported) or built a ``FusedChain``, and whether it failed.
 
-Loaded with ``-p convert_probe`` (``scripts/`` on ``PYTHONPATH``); writes one JSON file per
-process into ``$CONVBN_PROBE_DIR``. It wraps without changing behaviour: ``convert``'s
+Loaded with ``-p convert_probe`` (``scripts/`` on ``PYTHONPATH``); writes one JSON line per
+test into ``$CONVBN_PROBE_DIR`` (a crashed worker loses nothing already run). It wraps without changing behaviour: ``convert``'s
 argument check (called first by every ``convert``) and ``FusedChain.__init__``.
 """
 from __future__ import annotations
@@ -59,10 +59,9 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: Any) -> Any:
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     if report.failed and report.nodeid in _ROWS:
         _ROWS[report.nodeid]["failed"] = True
-
-
-def pytest_sessionfinish(session: pytest.Session) -> None:
     out = os.environ.get("CONVBN_PROBE_DIR")
-    if out and _ROWS:
-        with open(os.path.join(out, f"probe-{os.getpid()}.json"), "w") as f:
-            json.dump(_ROWS, f)
+    if out and report.when == "teardown" and report.nodeid in _ROWS:  # one line per test: survives a crash
+        with open(os.path.join(out, f"probe-{os.getpid()}.jsonl"), "a") as f:
+            f.write(json.dumps({report.nodeid: _ROWS[report.nodeid]}) + "\n")
+
+

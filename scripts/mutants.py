@@ -169,12 +169,13 @@ def measure(name: str = "fused_forward_eager", workers: int = 2, extra: Sequence
                *(["-n", str(workers)] if workers > 1 else []), *extra]
         proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
         rows: Dict[str, Dict[str, bool]] = {}
-        for fn in glob.glob(os.path.join(out_dir, "*.json")):
+        for fn in glob.glob(os.path.join(out_dir, "*.jsonl")):
             with open(fn) as f:
-                for k, v in json.load(f).items():
-                    r = rows.setdefault(k, {"convert": False, "chain": False, "failed": False})
-                    for key in r:
-                        r[key] = r[key] or v.get(key, False)
+                for line in f:
+                    for k, v in json.loads(line).items():
+                        r = rows.setdefault(k, {"convert": False, "chain": False, "failed": False})
+                        for key in r:
+                            r[key] = r[key] or v.get(key, False)
     conv = [k for k, r in rows.items() if r["convert"]]
     any_ = [k for k, r in rows.items() if r["convert"] or r["chain"]]
     res = {

@@ -34,15 +34,40 @@ def _one_thread_per_worker():
     torch.set_num_threads(before)
 
 
-@pytest.hookimpl(wrapper=True)
-def pytest_runtest_call(item: pytest.Item):
-    """Watch the test body; after it passed, fail it if it converted a model that fused
-    nothing or ran a chain unfused (:func:`fusion_watch.check`)."""
+def _marker(item: pytest.Item):
     marker = item.get_closest_marker("expect_unfused")
     if marker is not None and not (marker.args and isinstance(marker.args[0], str) and marker.args[0]):
         raise TypeError("expect_unfused needs a reason: @pytest.mark.expect_unfused(\"why nothing is fused\")")
-    with fusion_watch.watching() as watch:
+    return marker
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_setup(item: pytest.Item):
+    """Watch from the test's set-up on: fixtures that convert (a module's shared converted
+    model) are checked with the first test that builds them."""
+    _marker(item)
+    item.stash[_WATCH] = fusion_watch.start()
+    return (yield)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item: pytest.Item):
+    """After the test body passed, fail it if it (or its set-up) converted a model that fused
+    nothing or ran a chain unfused (:meth:`fusion_watch.Watch.check`)."""
+    watch = item.stash.get(_WATCH, None) or fusion_watch.start()
+    try:
         result = yield
-    if marker is None:
+    finally:
+        fusion_watch.stop()
+    if _marker(item) is None:
         watch.check()
     return result
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem):
+    fusion_watch.stop()
+    return (yield)
+
+
+_WATCH = pytest.StashKey()

@@ -35,7 +35,7 @@ from torch import Tensor, nn
 #: the grad_fn name of the fused chain's autograd Function
 CHAIN_BACKWARD = "ChainFunctionBackward"
 
-__all__ = ["CHAIN_BACKWARD", "Watch", "install", "watching", "current"]
+__all__ = ["CHAIN_BACKWARD", "Watch", "install", "start", "stop", "watching", "current"]
 
 
 @dataclass
@@ -116,6 +116,18 @@ def eager_by_design(chain: Any, inputs: Tuple[Tensor, ...]) -> bool:
 def current() -> Optional[Watch]:
     """The watch of the running test (``None`` outside a test body)."""
     return _CURRENT[0]
+
+
+def start() -> Watch:
+    """Start recording for the running test (see :func:`watching`)."""
+    w = Watch()
+    _CURRENT[0] = w
+    return w
+
+
+def stop() -> None:
+    """Stop recording."""
+    _CURRENT[0] = None
 
 
 @contextlib.contextmanager

@@ -251,3 +251,9 @@ def test_convert_memory_budget_outside_0_1_is_an_error_naming_it(budget) -> None
     model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU())
     with pytest.raises(ValueError, match=r"memory_budget must be a fraction .* in \(0, 1\], but got " + repr(budget).replace(".", r"\.")):
         convbn.convert(model, example_inputs=torch.randn(2, 3, 8, 8), memory_budget=budget)
+    # the rejected call changed nothing: the model still converts, and trains fused
+    from fusion_checks import assert_chain_ran, assert_fused
+
+    fast = convbn.convert(model, strategy="recompute_conv")
+    assert_fused(fast, pairs=1, chains=1)
+    assert_chain_ran(fast(torch.randn(2, 3, 8, 8, requires_grad=True)), calls=1)

@@ -14,7 +14,7 @@ import pytest
 _PATH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts", "mutants.py")
 _spec = importlib.util.spec_from_file_location("convbn_mutants", _PATH)
 mutants = importlib.util.module_from_spec(_spec)
-sys.modules[_spec.name] = mutants  # dataclasses look their module up there
+sys.modules["convbn_mutants"] = mutants  # dataclasses look their module up there
 _spec.loader.exec_module(mutants)  # type: ignore[union-attr]
 
 

@@ -1,5 +1,6 @@
 """``convert(peak_budget=...)``: the step's peak as a budget (issue 12), beside ``memory_budget``
 (saved bytes). Peaks on CPU are exact live-tensor bytes, so they are asserted to the byte."""
+import copy
 import itertools
 import random
 import warnings
@@ -11,6 +12,7 @@ import torch.nn.functional as F
 import convbn
 from convbn.passes.planner import ChainCost, plan_within_peak, step_peak
 
+from fusion_checks import assert_chain_ran, assert_fused, fused_chains
 from test_peak_memory import _residual_net
 
 
@@ -65,11 +67,19 @@ def test_memory_and_peak_budgets_together_are_both_limits(net_and_input):
         convbn.explain(net, x, peak_budget=0.3, memory_budget=0.5)
 
 
+def _still_converts_and_trains_fused(net, x) -> None:
+    """A rejected call changed nothing: the model converts and trains through its chains."""
+    fast = convbn.convert(copy.deepcopy(net), strategy="recompute_conv")
+    assert_fused(fast, strategies={"recompute_conv"})
+    assert_chain_ran(fast(x[:2].clone().requires_grad_()), calls=len(fused_chains(fast)))
+
+
 @pytest.mark.parametrize("bad", [0, -0.5, 1.5, True, "0.5", float("nan")])
 def test_bad_peak_budgets_raise_naming_the_value(net_and_input, bad):
     net, x = net_and_input
     with pytest.raises(ValueError, match=f"peak_budget must be .* but got {bad!r}"):
         convbn.convert(net, peak_budget=bad, example_inputs=x)
+    _still_converts_and_trains_fused(net, x)
 
 
 def test_peak_budget_needs_auto_and_example_inputs(net_and_input):
@@ -78,6 +88,7 @@ def test_peak_budget_needs_auto_and_example_inputs(net_and_input):
         convbn.convert(net, peak_budget=0.5)
     with pytest.raises(ValueError, match="strategy='auto' only"):
         convbn.convert(net, strategy="recompute_conv", peak_budget=0.5, example_inputs=x)
+    _still_converts_and_trains_fused(net, x)
 
 
 def test_plan_within_peak_is_the_least_recompute_under_the_peak():
