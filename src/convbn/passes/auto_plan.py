@@ -89,6 +89,7 @@ def _chain_costs(converted: nn.Module, inputs: Tuple[Any, ...]
             w_bytes=tuple(_layer_param_bytes(l) for l in c.layers),
             head=c.layers[0].is_head,
             end=c.layers[-1].is_end,
+            s_bytes=tuple(_stat_bytes(l) for l in c.layers),
         )
         for c in chains
     ]
@@ -150,6 +151,12 @@ def _calibrate(converted: nn.Module, inputs: Tuple[Any, ...], chains: Sequence[F
             cost = replace(cost, prefix=max(0, peaks[j] - own))
         out.append(cost)
     return out, gaps
+
+
+def _stat_bytes(layer: ChainLayer) -> int:
+    """Bytes of the mean and inverse std a layer's BatchNorm saves (float32, freed after its
+    BN backward: Note: [never above eager])."""
+    return 0 if layer.bn is None else 2 * 4 * int(layer.bn.num_features)
 
 
 def _chain_param_bytes(chain: FusedChain) -> int:
