@@ -265,6 +265,20 @@ def plan_auto(original: nn.Module, converted: nn.Module, inputs: Tuple[Any, ...]
         for l, k in zip(c.layers, kp):
             l.mode = "recompute_bn" if k else "recompute_conv"
             l.may_drop = md
+    # Note: [never above eager], last resort: a step measured above eager's (what a chain
+    # recomputes outweighs what it stops keeping, e.g. tiny weight-dominated models) runs
+    # its chains as eager modules, with the same peak as eager's. Measured only where the
+    # prediction (exact on the models measured, BENCHMARKS.md "## Issue 24") is within 10 %
+    # of eager's: elsewhere one more recorded step would only confirm it.
+    predicted = step_peak(costs, keeps, floor_total, may_drop=may_drop, gaps=gaps)[0]
+    if peak_target is None and peak_budget is None and memory_budget is None and predicted > 0.9 * eager_peak:
+        with StateSnapshot(converted):
+            fused_peak = measure_peak(converted, inputs).peak
+        if fused_peak > eager_peak:
+            for m in converted.modules():
+                if isinstance(m, FusedChain):
+                    m.eager = True
+            report.eager_fallback = True
     peak, where = step_peak(costs, keeps, floor_total, may_drop=may_drop, gaps=gaps)
     report.predicted_peak_bytes = peak
     names = {id(m): n for n, m in converted.named_modules()}
