@@ -1,12 +1,14 @@
 """The largest batch that trains within a memory limit, eager and converted (issue 24), on CPU.
 
-For each model: :func:`convbn.max_batch` (SGD with momentum, loss the output's mean), then
+For each model, a limit of its resident bytes (parameters, buffers, SGD momentum) plus
+eager's step peak at batch 4 plus ``--times`` times what 4 more samples add to it (so eager
+fits about ``4 + 4 * times`` samples and the search stays affordable on a CPU): :func:`convbn.max_batch` (loss the output's mean), then
 an independent check on fresh copies: the standard-loop step at the batch it found, the
 converted model planned for that batch (``convert(memory_limit=...)``), measured by
 :func:`convbn.memory.timeline`, against the peak ``max_batch`` reported; and the batch
 above it, measured during the search, over the limit.
 
-    python benchmarks/bm_max_batch.py [--memory 256MiB] [--models LABEL ...]
+    python benchmarks/bm_max_batch.py [--times 3] [--models LABEL ...]
 """
 from __future__ import annotations
 
@@ -24,11 +26,11 @@ from bm_peak_vs_eager import MODELS  # noqa: E402
 import convbn  # noqa: E402
 from convbn.batch_fit import _batch_of  # noqa: E402
 from convbn.memory import timeline  # noqa: E402
-from convbn.memory.budget import parse_memory, resident_bytes  # noqa: E402
+from convbn.memory.budget import resident_bytes  # noqa: E402
 
-DEFAULT = ["tv:resnet18", "tv:mobilenet_v3_small", "tv:shufflenet_v2_x0_5", "tv:regnet_x_400mf",
-           "monai:DenseNet121 (2-D)", "monai:BasicUNet (BN, dropout 0.1)", "monai:resnet18 (2-D)",
-           "efficientnet_pytorch:b0", "tv:densenet121"]
+DEFAULT = ["tv:mobilenet_v3_small", "tv:shufflenet_v2_x0_5", "monai:BasicUNet (BN, dropout 0.1)",
+           "monai:UNet (BN, dropout 0.1, PReLU)", "efficientnet_pytorch:b0", "tv:regnet_x_400mf", "tv:resnet18",
+           "monai:resnet18 (2-D)", "monai:DenseNet121 (2-D)"]
 
 
 def check(model, opt, sample, batch, limit, fused):
@@ -45,28 +47,32 @@ def check(model, opt, sample, batch, limit, fused):
 def main(argv: Optional[List[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="*", default=DEFAULT)
-    parser.add_argument("--memory", default="256MiB")
+    parser.add_argument("--times", type=float, default=3.0)
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
-    limit = parse_memory(args.memory)
     mib = 2.0**20
-    print(f"limit {args.memory}; SGD(momentum=0.9); loss: mean of the output\n")
-    print("| model (sample) | eager batch | convbn batch | **gain** | resident | max_batch's convbn peak | "
+    print(f"limit: resident + eager's peak at batch 4 + {args.times} x (its peak at 8 - at 4); SGD(momentum=0.9); loss: mean of the output\n")
+    print("| model (sample) | limit | eager batch | convbn batch | **gain** | resident | max_batch's convbn peak | "
           "measured again | diff | batch+1 needs (eager / convbn) |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for label in args.models:
         torch.manual_seed(0)
         model, shape = MODELS[label]()
         model.train()
         sample = (torch.randn(2, *shape),)
         opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
+        m, o = copy.deepcopy((model, opt))
+        timeline(m, *_batch_of(sample, 2), optimizer=o)
+        p4 = timeline(m, *_batch_of(sample, 4), optimizer=o).peak
+        p8 = timeline(m, *_batch_of(sample, 8), optimizer=o).peak
+        limit = resident_bytes(m, o) + p4 + int(args.times * (p8 - p4))
         fit = convbn.max_batch(model, sample, limit, optimizer=opt)
         again = check(model, opt, sample, fit.convbn_batch, limit, fused=True)
         again_e = check(model, opt, sample, fit.eager_batch, limit, fused=False)
         over_e = fit.resident + fit.probes["eager"][fit.eager_batch + 1]
         over_c = fit.resident + fit.probes["convbn"][fit.convbn_batch + 1]
         diff = max(abs(again - fit.convbn_peak) / fit.convbn_peak, abs(again_e - fit.eager_peak) / fit.eager_peak)
-        print(f"| {label} ({'x'.join(map(str, shape))}) | {fit.eager_batch} | {fit.convbn_batch} | **{fit.gain:.2f}** | "
+        print(f"| {label} ({'x'.join(map(str, shape))}) | {limit / mib:.1f} MiB | {fit.eager_batch} | {fit.convbn_batch} | **{fit.gain:.2f}** | "
               f"{fit.resident / mib:.1f} MiB | {fit.convbn_peak / mib:.2f} MiB | {again / mib:.2f} MiB | "
               f"{100 * diff:.2f} % | {over_e / mib:.1f} / {over_c / mib:.1f} MiB |", flush=True)
     return 0

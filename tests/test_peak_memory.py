@@ -247,8 +247,9 @@ def _chain_cost(fused):
     kinds = ["identity" if l.act.is_identity else "output" if l.act.output_derivable else "smooth" for l in layers]
     x_bytes = [_bytes(*l.x_shape) for l in layers]
     w_bytes = [sum(t.numel() * 4 for t in (l.weight, l.bias, l.bn.weight, l.bn.bias) if t is not None) for l in layers]
+    s_bytes = [0 if l.bn is None else 8 * l.bn.num_features for l in layers]  # mean, inverse std
     return ChainCost(tuple(l.y_bytes() for l in layers), tuple(x_bytes), tuple(l.flops() for l in layers),
-                     tuple(kinds), w_bytes=tuple(w_bytes)), [l.mode == "recompute_bn" for l in layers]
+                     tuple(kinds), w_bytes=tuple(w_bytes), s_bytes=tuple(s_bytes)), [l.mode == "recompute_bn" for l in layers]
 
 
 @pytest.mark.parametrize("act", [nn.ReLU, nn.SiLU])
@@ -257,7 +258,7 @@ def test_measured_chain_backward_matches_the_planner_prediction(act, plan):
     """The planner's replay of the chain backward (sizes only, the chain's parameter
     gradients included) predicts the measured transient to the byte: rebuilt inputs never
     live beside the conv output they were recomputed into, consumed gradients are dropped
-    at once, weight gradients are held until the chain returns."""
+    at once, weight gradients are accumulated as made, BN statistics freed after their BN backward."""
     torch.manual_seed(0)
     base = _chain_net((4, 8, 16, 8), act)
     x, proj = torch.randn(8, 4, 16, 16), torch.randn(8, 8, 16, 16)
@@ -267,7 +268,7 @@ def test_measured_chain_backward_matches_the_planner_prediction(act, plan):
     predicted, _ = chain_backward_peak(cost, keep)
     idx = [i for i, p in enumerate(tl.points) if p.op.startswith("ChainFunctionBackward/")]
     before = tl.points[idx[0] - 1].bytes  # the incoming gradient and the kept outputs are alive
-    alive = sum(y for y, k in zip(cost.y_bytes, keep) if k) + cost.y_bytes[-1]
+    alive = sum(y for y, k in zip(cost.y_bytes, keep) if k) + cost.y_bytes[-1] + sum(cost.s_bytes)  # + BN stats
     measured = max(tl.points[i].bytes for i in idx) - (before - alive)
     assert measured == predicted
 
@@ -300,7 +301,8 @@ def test_fused_layer_frees_the_incoming_gradient_and_kept_output(monkeypatch, st
     # the incoming gradient (where the probe can prove it unshared), and for recompute_bn
     # the kept output, are gone at the conv backward
     freed = (strategy == "recompute_bn") + frees_incoming_gradients()
-    assert without - with_cuts == freed * out_bytes
+    stats = 2 * 4 * 4  # and the BN's saved mean and inverse std (4 channels, float32)
+    assert without - with_cuts == freed * out_bytes + stats
     for a, b in zip(grads, grads_off):
         assert torch.equal(a, b)
 

@@ -33,6 +33,7 @@ def replay(
     w_sizes: Optional[Sequence[int]] = None,
     head: bool = False,
     end: bool = False,
+    s_sizes: Optional[Sequence[int]] = None,
 ) -> Tuple[int, int]:
     """Peak of the chain's backward and the layer reaching it.
 
@@ -51,6 +52,8 @@ def replay(
             never allocated nor counted), its BN backward gives the chain input's gradient.
         end: the last layer has no BN: its backward needs its conv output only for a
             tail (kind not ``"identity"``), and the gradient reaching the conv is its tail's.
+        s_sizes: each layer's saved BatchNorm statistics (mean and inverse std), alive from
+            the start and freed right after its BN backward; ``None``: not counted.
 
     Returns:
         ``(peak, layer)``: counting the kept outputs, the incoming gradient (freed once
@@ -63,6 +66,9 @@ def replay(
 
     live: Dict[object, int] = {("y", i): y_sizes[i] for i in range(k) if keep[i] and needs_y(i)}
     live["g"] = y_sizes[-1]
+    for i, n in enumerate(s_sizes or ()):
+        if n:
+            live[("st", i)] = n
     state = [sum(live.values()), k - 1, k - 1]  # peak, its layer, current layer
 
     def alloc(name: object, n: int) -> None:
@@ -193,6 +199,8 @@ def replay(
                 alloc("gy", y_sizes[i])  # BN backward
                 free(grad)
             free(("y", i))
+            if ("st", i) in live:
+                free(("st", i))
         else:  # an end layer without tail: the incoming gradient goes to the conv
             live["gy"] = live.pop(grad)  # type: ignore[arg-type]
         if head and i == 0:

@@ -214,6 +214,9 @@ class FusedChain(nn.Module):
         #: returns one keep flag per layer (``True``: ``recompute_bn``). ``convbn.convert``
         #: attaches its planner here for ``strategy="auto"`` without ``example_inputs``.
         self.plan_on_first_call: Optional[Callable[[Sequence[ChainLayer]], Sequence[bool]]] = None
+        #: run as eager modules (``convert`` measured the fused step above eager's peak:
+        #: Note: [never above eager] in passes/auto_plan.py)
+        self.eager = False
         from ..autograd.chain_op import register_chain
 
         static = []
@@ -317,7 +320,7 @@ class FusedChain(nn.Module):
         concatenation] in autograd/chain.py: the chain keeps the pieces, not the concatenation)."""
         pieces = _check_pieces(inputs, self.layers[0])
         input = pieces[0] if len(pieces) == 1 else _stand_in(pieces)
-        if input.numel() == 0 or self._hooked() or self._linear_on_other_shape(input):
+        if input.numel() == 0 or self.eager or self._hooked() or self._linear_on_other_shape(input):
             return self._forward_eager(_concat(pieces))
         # The chain reads a layer's weight several times (checks, planning, the Function);
         # eager's conv reads it once. Under ``parametrize.cached()`` a parametrization (e.g.

@@ -146,6 +146,8 @@ class ChainCost:
         prefix: bytes alive besides the chain during its backward that no plan changes:
             activations saved before it (every earlier chain keeping nothing) and the
             gradients of the parameters used after it.
+        s_bytes: each layer's saved BatchNorm statistics (mean, inverse std), freed after
+            its BN backward (empty: not counted).
         w_bytes: each layer's parameter-gradient bytes, made during the chain's backward
             and held until it returns (empty: not counted).
         head: layer 0 has no conv: its BN input (``y_bytes[0]``) is the chain input, always
@@ -162,6 +164,7 @@ class ChainCost:
     w_bytes: Tuple[int, ...] = ()
     head: bool = False
     end: bool = False
+    s_bytes: Tuple[int, ...] = ()
 
     def kept_bytes(self, keep: Sequence[bool]) -> int:
         """Bytes the chain keeps above the floor under ``keep``."""
@@ -188,7 +191,8 @@ def chain_backward_peak(cost: ChainCost, keep: Sequence[bool], may_drop: bool = 
     # where the chain may not drop (Note: [drops only where the step peaks])
     drop = choose_drops(cost.y_bytes, cost.x_bytes, keep, cost.acts, cost.head, cost.end) if may_drop \
         else [False] * len(keep)
-    return replay(cost.y_bytes, cost.x_bytes, keep, cost.acts, drop, cost.w_bytes or None, cost.head, cost.end)
+    return replay(cost.y_bytes, cost.x_bytes, keep, cost.acts, drop, cost.w_bytes or None, cost.head, cost.end,
+                  cost.s_bytes or None)
 
 
 def step_peak(costs: Sequence[ChainCost], keeps: Sequence[Sequence[bool]], floor: int,

@@ -78,6 +78,8 @@ class ConvertReport:
             asked for (``peak_budget`` times ``eager_peak_bytes``) and the lowest any plan
             reaches; the plan meets the target when ``predicted_peak_bytes <= target_peak_bytes``,
             else it is the lowest-peak plan.
+        eager_fallback: the default plan's step was measured above eager's peak on
+            ``example_inputs``, so the chains run as eager modules (Note: [never above eager]).
         shared_pieces: for each tensor kept by several chains that start at a concatenation
             (a DenseNet's feature maps: every later layer of the block reads them), the number
             of chains keeping it; it is held once, whatever the count.
@@ -107,6 +109,7 @@ class ConvertReport:
     eager_peak_bytes: Optional[int] = None
     target_peak_bytes: Optional[int] = None
     lowest_peak_bytes: Optional[int] = None
+    eager_fallback: bool = False
     shared_pieces: Dict[str, int] = field(default_factory=dict)
     lean_pools: List[str] = field(default_factory=list)
 
@@ -133,6 +136,8 @@ class ConvertReport:
                             f"({self.saved_bytes / self.eager_saved_bytes:.2f}x)" if self.saved_bytes is not None else "")
                          + (f", floor {format_bytes(self.floor_saved_bytes)}" if self.floor_saved_bytes else "")
                          + (f", target {format_bytes(self.target_saved_bytes)}" if self.target_saved_bytes else ""))
+        if self.eager_fallback:
+            lines.append("  chains run as eager modules: the fused step measured above eager's peak on example_inputs")
         if self.predicted_peak_bytes is not None:
             lines.append(f"  predicted peak: {format_bytes(self.predicted_peak_bytes)} (saved + backward transient) "
                          f"at {self.predicted_peak_where}")
