@@ -9,10 +9,11 @@ minimum for every test, these say more.
 """
 from __future__ import annotations
 
-from typing import Any, Collection, List, Optional
+from typing import Any, Collection, Dict, List, Optional
 
 from torch import Tensor, nn
 
+import convbn
 from convbn.nn.chain import FusedChain
 from fusion_watch import CHAIN_BACKWARD
 
@@ -20,8 +21,13 @@ __all__ = ["assert_fused", "chain_nodes", "assert_chain_ran", "fused_chains"]
 
 
 def fused_chains(model: nn.Module) -> List[FusedChain]:
-    """The ``FusedChain`` modules of ``model``, in ``named_modules()`` order."""
-    return [m for _, m in model.named_modules() if isinstance(m, FusedChain)]
+    """The ``FusedChain`` modules of ``model``: registered ones (``named_modules()``) and those
+    an in-place rewrite added (``convbn.fused_modules``), each once, in that order."""
+    found: Dict[int, FusedChain] = {}
+    for _, m in (*model.named_modules(), *convbn.fused_modules(model)):
+        if isinstance(m, FusedChain):
+            found.setdefault(id(m), m)
+    return list(found.values())
 
 
 def assert_fused(model: nn.Module, *, pairs: Optional[int] = None, chains: Optional[int] = None,

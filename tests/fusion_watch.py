@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
@@ -40,7 +41,7 @@ __all__ = ["CHAIN_BACKWARD", "Watch", "install", "start", "stop", "watching", "c
 
 @dataclass
 class _ChainCalls:
-    chain: nn.Module
+    name: str  # the chain's layers, read at its first call (the watch keeps no module alive)
     calls: int = 0
     fused: int = 0  # of those, run by the fused Function or the no-grad kernel
     unfused_how: str = ""
@@ -50,13 +51,18 @@ class _ChainCalls:
 class Watch:
     """What one test converted and ran (see the module docstring)."""
 
-    converted: List[nn.Module] = field(default_factory=list)
+    # (model, its report, its class name): weak references, so that a test of what convert
+    # leaves alive is not defeated by the watch itself
+    converted: List[Tuple["weakref.ref[nn.Module]", Any, str]] = field(default_factory=list)
     chains: Dict[int, _ChainCalls] = field(default_factory=dict)
 
     def chain_call(self, chain: nn.Module, out: Any, no_grad_kernel: bool, by_design: bool) -> None:
         if not isinstance(out, Tensor) or by_design:
             return
-        rec = self.chains.setdefault(id(chain), _ChainCalls(chain))
+        rec = self.chains.get(id(chain))
+        if rec is None:
+            name = " -> ".join(n for l in chain.layers for n in l.names[:2] if n)
+            rec = self.chains[id(chain)] = _ChainCalls(name)
         rec.calls += 1
         if out.requires_grad:
             name = type(out.grad_fn).__name__
@@ -71,15 +77,13 @@ class Watch:
 
     def problems(self) -> List[str]:
         out = []
-        for model in self.converted:
-            report = getattr(model, "convbn_report", None)
+        for _, report, cls in self.converted:
             if report is not None and not report.pairs:
                 why = "; ".join(f"{s.batchnorm}: {s.reason}" for s in report.skipped[:3]) or "no Conv -> BatchNorm found"
-                out.append(f"convbn.convert({type(model).__name__}) fused nothing ({why})")
-        names = {id(m): n for model in self.converted for n, m in model.named_modules()}
+                out.append(f"convbn.convert({cls}) fused nothing ({why})")
         for rec in self.chains.values():
             if rec.fused < rec.calls:
-                where = names.get(id(rec.chain)) or " -> ".join(n for l in rec.chain.layers for n in l.names[:2] if n)
+                where = rec.name
                 out.append(f"FusedChain {where!r} ran {rec.calls - rec.fused} of {rec.calls} calls as eager "
                            f"modules ({rec.unfused_how})")
         return out
@@ -163,7 +167,7 @@ def install() -> None:
         out = convert(model, *args, **kwargs)
         w = _CURRENT[0]
         if w is not None:
-            w.converted.append(out)
+            w.converted.append((weakref.ref(out), getattr(out, "convbn_report", None), type(out).__name__))
         return out
 
     convert_mod.convert = recording_convert

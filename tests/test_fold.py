@@ -620,7 +620,9 @@ def test_inference_bench_smoke() -> None:
     assert parse_spec("monai:resnet50(spatial_dims=2,n_input_channels=3)") == (
         "monai", "resnet50", {"spatial_dims": 2, "n_input_channels": 3})
     with pytest.raises(ValueError, match="source"):
-        build_model("nosuch:net")
+        build_model("nosuch:bad-name")  # not a module:callable spelling: an unknown source
+    with pytest.raises(ImportError, match="nosuch"):
+        build_model("nosuch:net")  # module:callable whose module does not import
     rows = run_inference_bench(["mnist"], batch_size=2, repeats=2, warmup=1, progress=False)
     by_variant = {r.variant: r for r in rows}
     assert set(by_variant) == {"unfused", "fx fuse", "convbn.fold", "fold + jit.script"}

@@ -632,7 +632,7 @@ def test_convert_padded_and_keyword_functional_transposed(strategy: str) -> None
     report = fast.convbn_report
     assert [(p.conv, p.bn, p.activation, p.chain) for p in report.pairs] == [
         ("up", "bn", "relu", 0), ("weight", "bn2", "silu", 0)]
-    assert "pad" in [str(n.target) for n in fast.graph.nodes if n.op == "call_module"]
+    assert "pad" in [str(n.target) for n in fast.forward.graph.nodes if n.op == "call_module"]
 
 
 @pytest.mark.parametrize("kind", ["transposed", "linear"])
