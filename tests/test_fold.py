@@ -618,7 +618,7 @@ def test_inference_bench_smoke() -> None:
     assert parse_spec("monai:resnet50(spatial_dims=2,n_input_channels=3)") == (
         "monai", "resnet50", {"spatial_dims": 2, "n_input_channels": 3})
     with pytest.raises(ValueError, match="source"):
-        build_model("nosuch:net")
+        build_model("nosuch:bad-name")
     rows = run_inference_bench(["mnist"], batch_size=2, repeats=2, warmup=1, progress=False)
     by_variant = {r.variant: r for r in rows}
     assert set(by_variant) == {"unfused", "fx fuse", "convbn.fold", "fold + jit.script"}
