@@ -73,7 +73,7 @@ def test_main_ddp_bad_options_exit_2_without_launching(capsys: Any) -> None:
             _parse(bad)
         assert err.value.code == 2
     assert "must be a positive integer, but got 0" in capsys.readouterr().err
-    assert main_ddp(_parse(["--ddp", "2", "--model", "nosuch:thing"])) == 2
+    assert main_ddp(_parse(["--ddp", "2", "--model", "nosuch:bad-name"])) == 2
     assert "unknown model source" in capsys.readouterr().err
 
 

@@ -124,13 +124,13 @@ def test_budget_below_floor_is_reported_in_its_row() -> None:
 
 def test_bad_spec_is_a_clear_error(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(ValueError, match="unknown model source 'nosuch'"):
-        run_training_bench("nosuch:net", batch_size=2, steps=1, use_compile=False, progress=False)
+        run_training_bench("nosuch:bad-name", batch_size=2, steps=1, use_compile=False, progress=False)
     with pytest.raises(ValueError, match="needs input_shape"):
         run_training_bench("mine", model=nn.Linear(2, 2), use_compile=False, progress=False)
     with pytest.raises(ValueError, match="steps >= 1"):
         run_training_bench("mnist", batch_size=2, steps=0, use_compile=False, progress=False)
     with pytest.raises(ValueError, match="unknown model source"):  # convbn.cli.main prints it as one line, exit 2
-        main_training(_parse(["--model", "nosuch:net", "--no-progress"]))
+        main_training(_parse(["--model", "nosuch:bad-name", "--no-progress"]))
 
 
 def test_outputs_written(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:

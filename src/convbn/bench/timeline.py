@@ -185,7 +185,9 @@ def plot_timelines(timelines: Sequence[Timeline], path: str, title: Optional[str
     centres, names = [], []
     for j, (phase, (x0, width)) in enumerate(segments.items()):
         if j % 2:
-            ax.axvspan(x0, x0 + width, color="0.93", zorder=0, lw=0)
+            ax.axvspan(x0, x0 + width, color="0.95", zorder=0, lw=0)
+        if j:
+            ax.axvline(x0, color="0.75", lw=0.6, zorder=0)
         centres.append(x0 + width / 2)
         names.append(PHASE_NAMES.get(phase, phase))
     ax.set_xticks(centres, names, fontsize=10)
@@ -193,15 +195,15 @@ def plot_timelines(timelines: Sequence[Timeline], path: str, title: Optional[str
     for tick, width in zip(ax.get_xticklabels(), (w for _, w in segments.values())):
         if width < 0.06:  # a short phase (loss, zero grad): its label turned, so it does not run into its neighbours
             tick.set_rotation(90)
-    ax.set_xlabel("one training step, left to right", fontsize=10)
+            tick.set_fontsize(8)
     meter = "CUDA allocator" if timelines[0].source == "cuda" else "exact live tensors"
     ax.set_ylabel(f"memory in use above the step's start (MiB, {meter})\nlower is better", fontsize=10)
     ax.set_title(title or "Memory timeline of one training step")
     ax.grid(True, axis="y", alpha=0.3)
     ax.set_xlim(0, max(a + b for a, b in segments.values()))
     ax.set_ylim(0, max(p.bytes for tl in timelines for p in tl.points) / mib * 1.08)
-    ax.legend(fontsize=9, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=1, frameon=False,
-              title="dot: each configuration's peak", title_fontsize=9)
+    ax.legend(fontsize=9, loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=1, frameon=False,
+              title="one training step, left to right; a dot marks each configuration's peak", title_fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
