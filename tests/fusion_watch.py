@@ -51,9 +51,10 @@ class _ChainCalls:
 class Watch:
     """What one test converted and ran (see the module docstring)."""
 
-    # (model, its report, its class name): weak references, so that a test of what convert
-    # leaves alive is not defeated by the watch itself
-    converted: List[Tuple["weakref.ref[nn.Module]", Any, str]] = field(default_factory=list)
+    # (model, why it fused nothing or None, its class name): a weak reference and strings only
+    # (the report names modules), so that a test of what convert leaves alive is not defeated
+    # by the watch itself
+    converted: List[Tuple["weakref.ref[nn.Module]", Optional[str], str]] = field(default_factory=list)
     chains: Dict[int, _ChainCalls] = field(default_factory=dict)
 
     def chain_call(self, chain: nn.Module, out: Any, no_grad_kernel: bool, by_design: bool) -> None:
@@ -77,10 +78,9 @@ class Watch:
 
     def problems(self) -> List[str]:
         out = []
-        for _, report, cls in self.converted:
-            if report is not None and not report.pairs:
-                why = "; ".join(f"{s.batchnorm}: {s.reason}" for s in report.skipped[:3]) or "no Conv -> BatchNorm found"
-                out.append(f"convbn.convert({cls}) fused nothing ({why})")
+        for _, nothing_fused, cls in self.converted:
+            if nothing_fused is not None:
+                out.append(f"convbn.convert({cls}) fused nothing ({nothing_fused})")
         for rec in self.chains.values():
             if rec.fused < rec.calls:
                 where = rec.name
@@ -99,6 +99,13 @@ class Watch:
                   "an eager fallback), mark it @pytest.mark.expect_unfused(\"why\"); otherwise convbn regressed.",
                 pytrace=False,
             )
+
+
+def _nothing_fused(report: Any) -> Optional[str]:
+    """Why ``convert`` fused nothing (its first skipped BatchNorms), or ``None`` if it fused something."""
+    if report is None or report.pairs:
+        return None
+    return "; ".join(f"{s.batchnorm}: {s.reason}" for s in report.skipped[:3]) or "no Conv -> BatchNorm found"
 
 
 _CURRENT: List[Optional[Watch]] = [None]
@@ -167,7 +174,7 @@ def install() -> None:
         out = convert(model, *args, **kwargs)
         w = _CURRENT[0]
         if w is not None:
-            w.converted.append((weakref.ref(out), getattr(out, "convbn_report", None), type(out).__name__))
+            w.converted.append((weakref.ref(out), _nothing_fused(getattr(out, "convbn_report", None)), type(out).__name__))
         return out
 
     convert_mod.convert = recording_convert
