@@ -46,7 +46,7 @@ from torch import nn
 import convbn
 from convbn.autograd.chain_kernels import set_fused_kernels
 from convbn.bench.models import build_model
-from convbn.passes import auto_plan, planner
+from convbn.passes.plan import auto_plan, planner
 
 
 def _import_revision(rev: str, into: str) -> Any:

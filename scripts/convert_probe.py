@@ -25,7 +25,7 @@ def _mark(key: str) -> None:
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    import convbn.passes.convert as conv_mod
+    import convbn.passes.convert.api as conv_mod
     from convbn.nn.chain import FusedChain
 
     check = conv_mod._check_args

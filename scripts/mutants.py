@@ -62,12 +62,12 @@ MUTANTS: Dict[str, Mutant] = {
         (_CHAIN,)),
     "planner_keeps_all": Mutant(
         "the auto planner keeps every conv output (recompute_bn everywhere)",
-        (("passes/auto_plan.py", 'l.mode = "recompute_bn" if k else "recompute_conv"', 'l.mode = "recompute_bn"'),
+        (("passes/plan/auto_plan.py", 'l.mode = "recompute_bn" if k else "recompute_conv"', 'l.mode = "recompute_bn"'),
          ("nn/chain.py", 'l.mode = "recompute_bn" if k else "recompute_conv"', 'l.mode = "recompute_bn"')),
         (_PLAN_SOME,)),
     "planner_keeps_nothing": Mutant(
         "the auto planner keeps no conv output (recompute_conv everywhere)",
-        (("passes/auto_plan.py", 'l.mode = "recompute_bn" if k else "recompute_conv"', 'l.mode = "recompute_conv"'),
+        (("passes/plan/auto_plan.py", 'l.mode = "recompute_bn" if k else "recompute_conv"', 'l.mode = "recompute_conv"'),
          ("nn/chain.py", 'l.mode = "recompute_bn" if k else "recompute_conv"', 'l.mode = "recompute_conv"')),
         (_PLAN_ALL,)),
     "dropout_fresh_rng": Mutant(
@@ -86,11 +86,11 @@ MUTANTS: Dict[str, Mutant] = {
         (_CHAIN,)),
     "fold_nothing": Mutant(
         "fold() folds nothing (returns the model unfolded)",
-        (("passes/fold.py", 'folded = fold_module(work, "", ctx)', "folded = work"),),
+        (("passes/fold/api.py", 'folded = fold_module(work, "", ctx)', "folded = work"),),
         (_FOLD,)),
     "fold_check_skipped": Mutant(
         "fold()'s numerical check is skipped",
-        (("passes/fold.py", "    if check:\n        if args is None:", "    if False:\n        if args is None:"),),
+        (("passes/fold/api.py", "    if check:\n        if args is None:", "    if False:\n        if args is None:"),),
         (_FOLD,)),
     "weight_grad_scaled": Mutant(
         "the first convolution's weight gradient of every chain is scaled by (1 + 1e-6)",

@@ -4,7 +4,7 @@
 :func:`watching`. While a test runs it records, without changing anything convbn does:
 
 * every model ``convbn.convert`` returns (``convbn.convert`` and
-  ``convbn.passes.convert.convert`` are replaced by a pass-through that keeps the result);
+  ``convbn.passes.convert.api.convert`` are replaced by a pass-through that keeps the result);
 * every ``FusedChain`` call, and whether it ran fused: an output autograd records must come
   from the fused Function (``ChainFunctionBackward``), one it does not (no grad) from the
   chain's no-grad kernel (``chain_forward_no_grad``, counted by a pass-through wrapper),
@@ -163,7 +163,7 @@ def install() -> None:
         return
     _INSTALLED.append(True)
     import convbn
-    import convbn.passes.convert as convert_mod
+    import convbn.passes.convert.api as convert_mod
     import convbn.nn.chain as chain_nn
     from convbn.nn.chain import FusedChain
 
@@ -208,7 +208,7 @@ def install() -> None:
 
 def unwrapped() -> Tuple[Any, Any]:
     """``(convert, FusedChain.forward)`` as convbn defines them (for tests of the watch itself)."""
-    import convbn.passes.convert as convert_mod
+    import convbn.passes.convert.api as convert_mod
     from convbn.nn.chain import FusedChain
 
     return getattr(convert_mod.convert, "__wrapped__", convert_mod.convert), \

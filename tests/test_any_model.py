@@ -23,7 +23,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 import convbn
 from convbn import FusedChain
-from convbn.passes.graph_module import installed
+from convbn.passes.graph.graph_module import installed
 from test_trace import build, inp
 
 DT = torch.float64

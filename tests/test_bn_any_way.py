@@ -20,8 +20,8 @@ from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 import convbn
-from convbn.passes.bn_frozen import frozen_bn_ranks, recognise_frozen_norm_act
-from convbn.passes.bn_recognise import recognise_norm_act
+from convbn.passes.bn.frozen import frozen_bn_ranks, recognise_frozen_norm_act
+from convbn.passes.bn.recognise import recognise_norm_act
 
 STRATEGIES = ("recompute_bn", "recompute_conv", "auto")
 TOL = dict(rtol=1e-10, atol=1e-10)

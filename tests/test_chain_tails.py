@@ -26,7 +26,7 @@ from convbn.functional.conv import conv_spec_from_module, make_conv_spec
 from convbn.functional.tail import DropoutOp, PReLUOp
 from convbn.memory import saved_bytes
 from convbn.nn.chain import LAYER_MODES, ChainLayer, FusedChain
-from convbn.passes.planner import ChainCost, chain_backward_peak
+from convbn.passes.plan.planner import ChainCost, chain_backward_peak
 
 CONV = {1: nn.Conv1d, 2: nn.Conv2d, 3: nn.Conv3d}
 TRANSPOSED = {1: nn.ConvTranspose1d, 2: nn.ConvTranspose2d, 3: nn.ConvTranspose3d}
@@ -457,7 +457,7 @@ def test_torch_compile_with_active_dropout_runs_the_eager_modules() -> None:
 def test_planner_counts_what_head_and_end_layers_keep() -> None:
     """A head keeps nothing beyond x0, an end layer without tail nothing: the planner's kept
     bytes are the middle conv output only, and the measured saved bytes agree."""
-    from convbn.passes.planner import all_keep_bytes, plan_layers
+    from convbn.passes.plan.planner import all_keep_bytes, plan_layers
 
     _, fused = build(2, 4, structure("preact", [lambda c: nn.ReLU()]), "recompute_conv", dtype=torch.float32)
     x = torch.randn(3, 4, 6, 5)

@@ -23,9 +23,9 @@ from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 import convbn
-from convbn.passes.graph_module import installed
+from convbn.passes.graph.graph_module import installed
 from convbn import ConvertReport, FusedChain
-from convbn.passes.planner import tutorial_bytes
+from convbn.passes.plan.planner import tutorial_bytes
 
 from adversarial_models import (  # shared with test_fold / test_transposed_linear
     BNDoingMore, ConvOutputUsedTwice, DataDependent, FunctionalConv, SharedBN, TransposedOutputSizeThenBN)

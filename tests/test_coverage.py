@@ -14,7 +14,7 @@ from torch import Tensor, nn
 
 from convbn import fold
 from convbn.functional.activations import Activation, activation_from_module
-from convbn.passes.fold import FoldReport
+from convbn.passes.fold.api import FoldReport
 from test_convert import STRATS, assert_every_bn_once, assert_same_training, convert_pair, fused, inp
 
 

@@ -87,11 +87,11 @@ DOCUMENTED_MODULES = [
     "convbn.memory.saved",
     "convbn.memory.peaks",
     "convbn.memory.timelines",
-    "convbn.passes.match_tail",
+    "convbn.passes.convert.match_tail",
     "convbn.autograd.fused",
     "convbn.functional.pool",
     "convbn.functional.conv",
-    "convbn.passes.planner",
+    "convbn.passes.plan.planner",
     "convbn.autograd.pool",
     "convbn.nn.pool",
 ]

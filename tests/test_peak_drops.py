@@ -10,8 +10,8 @@ from torch import nn
 import convbn
 import convbn.autograd.chain as chain_mod
 from convbn.nn.chain import FusedChain
-from convbn.passes.auto_plan import measure_peak
-from convbn.passes.planner import ChainCost, drops_needed, step_peak
+from convbn.passes.plan.auto_plan import measure_peak
+from convbn.passes.plan.planner import ChainCost, drops_needed, step_peak
 
 
 def _cbr(i, o):

@@ -24,7 +24,7 @@ from convbn.functional.activations import Activation
 from convbn.functional.conv import COST_PER_BYTE, COST_PER_CALL, conv_spec_from_module, recompute_cost
 from convbn.memory import saved_bytes
 from convbn.nn.chain import ChainLayer
-from convbn.passes.planner import PEAK_TOLERANCE, all_keep_bytes, plan, plan_layers, plan_on_first_call, tutorial_bytes
+from convbn.passes.plan.planner import PEAK_TOLERANCE, all_keep_bytes, plan, plan_layers, plan_on_first_call, tutorial_bytes
 
 
 

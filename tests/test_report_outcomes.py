@@ -13,7 +13,7 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 import convbn
-from convbn.passes.outcome import BNOutcome
+from convbn.passes.report.outcome import BNOutcome
 
 
 class Mixed(nn.Module):

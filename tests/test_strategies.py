@@ -23,7 +23,7 @@ def test_every_api_spells_the_same_names() -> None:
     assert set(s.CONVERT_STRATEGIES) == set(s.LAYER_MODES) | {"auto"}
     # the public names, and the copies in convert / FusedChain until they import these
     from convbn.nn.chain import LAYER_MODES
-    from convbn.passes.convert import CONVERT_STRATEGIES
+    from convbn.passes.convert.api import CONVERT_STRATEGIES
 
     assert convbn.STRATEGIES == s.STRATEGIES
     assert convbn.CONVERT_STRATEGIES == CONVERT_STRATEGIES == s.CONVERT_STRATEGIES

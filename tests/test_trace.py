@@ -1,4 +1,4 @@
-"""``convbn.passes.trace``: traces that would mislead, partial tracing, what a replaced module
+"""``convbn.passes.graph.trace``: traces that would mislead, partial tracing, what a replaced module
 keeps, and validation -- through both passes (``convert`` and ``fold``).
 
 Every model is small and hand-written (or a real MONAI network), run against an eager copy:
@@ -21,10 +21,10 @@ from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 import convbn
-from convbn.passes.graph_module import installed
+from convbn.passes.graph.graph_module import installed
 from convbn import FusedChain
-from convbn.passes.hooks import hook_reason
-from convbn.passes.trace import LayerTracer, TraceHazard, trace
+from convbn.passes.graph.hooks import hook_reason
+from convbn.passes.graph.trace import LayerTracer, TraceHazard, trace
 
 DT = torch.float64
 TOL = dict(rtol=1e-10, atol=1e-10)
@@ -464,7 +464,7 @@ def test_fold_tolerance_follows_float32_eager_error(seed: int) -> None:
 
 
 def test_fold_check_still_catches_a_wrong_fold_in_float32(monkeypatch: pytest.MonkeyPatch) -> None:
-    import convbn.passes.fold_graph as fold_mod  # where the graph folder calls the fold maths
+    import convbn.passes.fold.graph as fold_mod  # where the graph folder calls the fold maths
 
     net = deep_offset_net(0, depth=2)
     real = fold_mod.fold_bn_into_preceding

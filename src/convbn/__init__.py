@@ -12,11 +12,11 @@ from .gradcheck import GradcheckReport, gradcheck_module
 from .memory import PeakMemory, SavedBytes, Timeline, peak_memory, saved_bytes, tensor_peak, timeline, track_saved
 from .nn.chain import FusedChain
 from .nn.fused import FusedConvBN1d, FusedConvBN2d, FusedConvBN3d
-from .passes.convert import CONVERT_STRATEGIES, convert, explain
-from .passes.fold import FoldReport, fold, fold_conv_bn_modules
-from .passes.graph_module import fused_modules
-from .passes.outcome import BNOutcome
-from .passes.report import ConvertReport
+from .passes.convert.api import CONVERT_STRATEGIES, convert, explain
+from .passes.fold.api import FoldReport, fold, fold_conv_bn_modules
+from .passes.graph.graph_module import fused_modules
+from .passes.report.outcome import BNOutcome
+from .passes.report.convert_report import ConvertReport
 
 __version__ = "0.1.0"
 

@@ -28,7 +28,7 @@ from torch import Tensor, nn
 from .memory import timeline
 from .memory.budget import parse_memory, resident_bytes, usable_bytes
 from .memory.saved import format_bytes
-from .passes.convert import convert
+from .passes.convert.api import convert
 
 __all__ = ["BatchFit", "max_batch"]
 

@@ -53,7 +53,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Print the report of :func:`convbn.explain`; returns the exit code."""
-    from .passes.convert import explain
+    from .passes.convert.api import explain
 
     for flag, value in (("--budget", args.budget), ("--peak-budget", args.peak_budget)):
         if value is not None and args.strategy != "auto":

@@ -55,7 +55,7 @@ def _check_batches(x: torch.Tensor) -> list:
 def run(args: argparse.Namespace) -> int:
     """Fold, check, report and save; returns the exit code."""
     from . import deploy
-    from .passes.fold import fold
+    from .passes.fold.api import fold
 
     model, default = load_model(args.spec, args.checkpoint)
     model = model.to(args.device).eval()

@@ -67,7 +67,7 @@ from convbn.demo_results import (
 )
 from convbn.memory import saved_bytes, timeline
 from convbn.nn.fused import FusedConvBN2d
-from convbn.passes.convert import convert
+from convbn.passes.convert.api import convert
 
 __all__ = [  # the data loaders (convbn.demo_data) and the results and their output (convbn.demo_results) are re-exported here
     "MnistNet",

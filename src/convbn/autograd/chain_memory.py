@@ -6,7 +6,7 @@ outputs, rebuilt inputs, the incoming gradient, grad_z, grad_y and grad_x, each
 allocated and freed where the real backward does. It serves twice: the backward asks
 :func:`choose_drops` which rebuilt inputs are worth dropping and rebuilding (an extra
 element-wise pass) because that lowers its peak, and the planner
-(:func:`convbn.passes.planner.chain_backward_peak`) predicts each plan's peak with it.
+(:func:`convbn.passes.plan.planner.chain_backward_peak`) predicts each plan's peak with it.
 Pure Python: no tensors, no torch.
 """
 from __future__ import annotations

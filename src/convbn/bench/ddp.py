@@ -64,7 +64,7 @@ from convbn.bench.common import first_tensor, fmt, projection_loss, rows_to_json
 from convbn.bench.launch import default_backend, launch_workers, launched_by_torchrun
 from convbn.bench.table import markdown_table, print_rich_table
 from convbn.memory import format_bytes
-from convbn.passes.rewrite import swap_sync_batchnorm
+from convbn.passes.convert.rewrite import swap_sync_batchnorm
 
 __all__ = [
     "DDPRow",
@@ -133,7 +133,7 @@ def _bench_worker(rank: int, world_size: int, spec: str, batch_size: int, steps:
 
     from convbn.bench.models import build_model
     from convbn.memory import track_saved
-    from convbn.passes.convert import convert
+    from convbn.passes.convert.api import convert
 
     torch.set_num_threads(threads)
     device = torch.device(device_name)

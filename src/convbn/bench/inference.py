@@ -32,7 +32,7 @@ from convbn.bench.models import build_model, check_input
 from convbn.cli_model import load_checkpoint
 from convbn.bench.plotting import pyplot
 from convbn.bench.table import markdown_table, print_rich_table
-from convbn.passes.fold import fold
+from convbn.passes.fold.api import fold
 
 __all__ = [
     "InferenceRow",

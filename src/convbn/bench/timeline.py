@@ -23,7 +23,7 @@ from torch import Tensor, nn
 
 from ..memory import Timeline, format_bytes, timeline
 from .plotting import pyplot
-from ..passes.convert import convert
+from ..passes.convert.api import convert
 
 __all__ = ["TIMELINE_CONFIGS", "PHASE_NAMES", "describe_point", "record_timelines", "plot_timelines",
            "write_bench_timeline"]

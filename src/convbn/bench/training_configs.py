@@ -19,7 +19,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from convbn.bench.checkpointing import CheckpointBlock, checkpoint_blocks, find_blocks
 from convbn.bench.concat_checkpoint import checkpoint_concat_heads
-from convbn.passes.convert import convert
+from convbn.passes.convert.api import convert
 
 __all__ = ["CONFIG_KEYS", "CONCAT_CHECKPOINT", "DEFAULT_COMPILE_BUDGETS", "TrainingConfig", "budget_backend",
            "build_config", "config_names"]

@@ -5,7 +5,7 @@ from typing import Any, List, Optional, Sequence
 
 from torch import nn
 
-from ..passes.convert import convert
+from ..passes.convert.api import convert
 
 __all__ = ["convert_submodules", "has_batchnorm", "is_converted"]
 

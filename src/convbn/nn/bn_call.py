@@ -4,7 +4,7 @@ Model zoos write BatchNorm in more ways than ``nn.BatchNorm2d``: ``_BatchNorm`` 
 whose ``forward`` normalises and then applies a dropout and an activation (norm-act
 layers), modules that hold BatchNorm tensors and call ``F.batch_norm`` on them, frozen
 BatchNorms holding only buffers. :func:`convbn.convert` recognises the batch-norm
-*computation* inside them (:mod:`convbn.passes.bn_recognise`) and fuses it; these two
+*computation* inside them (:mod:`convbn.passes.bn.recognise`) and fuses it; these two
 helpers are what the fused model runs with:
 
 * :func:`standard_batch_norm` -- what ``_BatchNorm.forward`` (or ``nn.SyncBatchNorm.forward``)
@@ -67,7 +67,7 @@ def standard_batch_norm(bn: _BatchNorm, input: Tensor) -> Tensor:
 
 def frozen_batch_norm(bn: nn.Module, input: Tensor, ranks: Tuple[int, ...]) -> Tensor:
     """Eval-mode batch norm of ``input`` with ``bn``'s buffers: what a frozen BatchNorm computes
-    on inputs of the ranks it was recognised on (:mod:`convbn.passes.bn_frozen`).
+    on inputs of the ranks it was recognised on (:mod:`convbn.passes.bn.frozen`).
 
     Args:
         bn: a module with tensors ``weight``, ``bias``, ``running_mean``, ``running_var`` and ``eps``.

@@ -1,0 +1,146 @@
+"""fold()'s numerical check: sample inputs (given or inferred), a reference run, and the
+comparison whose tolerance follows eager's own rounding."""
+from __future__ import annotations
+
+import copy
+from typing import Any, Dict, Iterator, List, Optional, Set, Tuple
+
+import torch
+from torch import Tensor, nn
+from torch.nn.modules.batchnorm import _BatchNorm
+from torch.utils import _pytree as pytree
+
+from ..fold.graph import FoldContext
+from ..graph.layers import LAYER_MODULES
+from ..graph.trace import short_reason
+from .validate import as_args, compare_outputs
+
+__all__ = ["CHECK_TOLERANCE", "EAGER_ERROR_FACTOR"]
+
+
+# Note: [what "exact" means for the check]
+# Folding changes the order of floating point operations, nothing else, so folded and
+# unfolded outputs agree to rounding. The check in ``fold(check=True)`` allows, per
+# floating output tensor, ``max|folded - reference| <= tol * max(1, max|reference|)`` with
+# ``tol`` from this table (other dtypes: 1e-2).
+CHECK_TOLERANCE: Dict[torch.dtype, float] = {
+    torch.float64: 1e-10,
+    torch.float32: 1e-4,
+}
+DEFAULT_TOLERANCE = 1e-2
+
+
+# --------------------------------------------------------------------------------------
+# Sample inputs and the check
+# --------------------------------------------------------------------------------------
+
+
+def candidate_inputs(model: nn.Module) -> Iterator[Tuple[Tensor, ...]]:
+    first = next((m for m in model.modules() if isinstance(m, LAYER_MODULES)), None)
+    if first is None:
+        return
+    w = first.weight
+    if isinstance(first, nn.Linear):
+        yield (torch.randn(2, first.in_features, dtype=w.dtype, device=w.device),)
+        return
+    dims = w.dim() - 2
+    sizes = {1: (64, 128, 32), 2: (32, 64, 28, 224), 3: (32, 16, 64)}[dims]
+    for s in sizes:
+        yield (torch.randn(2, first.in_channels, *([s] * dims), dtype=w.dtype, device=w.device),)
+
+
+def run_no_grad(model: nn.Module, args: Tuple[Any, ...]) -> Any:
+    """``model(*args)`` without grad, with a fixed RNG seed (so dropout left in training
+    mode draws the same masks twice), on copies of the inputs (the model may modify them
+    in place) and without changing the buffers of modules in training mode."""
+    args = pytree.tree_map(lambda t: t.clone() if isinstance(t, Tensor) else t, args)
+    cuda = sorted({t.device.index or 0 for t in pytree.tree_leaves(args) if isinstance(t, Tensor) and t.is_cuda})
+    saved = [(b, b.clone()) for m in model.modules() if m.training for b in m.buffers(recurse=False)]
+    try:
+        with torch.no_grad(), torch.random.fork_rng(devices=cuda):
+            torch.manual_seed(0)
+            return model(*args)
+    finally:
+        with torch.no_grad():
+            for b, value in saved:
+                b.copy_(value)
+
+
+def reference_run(model: nn.Module, example_inputs: Any, ctx: FoldContext) -> Tuple[Optional[Tuple[Any, ...]], Any, str]:
+    """Run ``model`` once on a sample input, recording BN input / Linear output ranks.
+
+    Returns ``(args, output, note)``; ``args`` is None when no input could be found."""
+    handles = []
+
+    def record(store: Dict[int, Set[int]], use_output: bool):
+        def hook(mod: nn.Module, inputs: Tuple[Any, ...], output: Any) -> None:
+            t = output if use_output else (inputs[0] if inputs else None)
+            if isinstance(t, Tensor):
+                store.setdefault(id(mod), set()).add(t.dim())
+        return hook
+
+    for m in model.modules():
+        if isinstance(m, _BatchNorm):
+            handles.append(m.register_forward_hook(record(ctx.bn_input_ranks, False)))
+        elif isinstance(m, nn.Linear):
+            handles.append(m.register_forward_hook(record(ctx.linear_out_ranks, True)))
+    try:
+        if example_inputs is not None:
+            args = as_args(example_inputs)
+            out = run_no_grad(model, args)
+            return args, out, ""
+        tried = []
+        for args in candidate_inputs(model):
+            try:
+                out = run_no_grad(model, args)
+            except Exception as exc:  # noqa: BLE001 - wrong guess, try the next one
+                tried.append(f"{tuple(args[0].shape)} ({short_reason(exc)[:60]})")
+                ctx.bn_input_ranks.clear()
+                ctx.linear_out_ranks.clear()
+                continue
+            return args, out, f"inferred input {tuple(args[0].shape)}"
+        note = "could not infer a sample input"
+        if tried:
+            note += " (tried " + ", ".join(tried) + ")"
+        return None, None, note + "; pass example_inputs=... to fold() to check the result"
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def float64_errors(model: nn.Module, args: Tuple[Any, ...], reference: Any) -> Optional[List[float]]:
+    """Per floating output of ``reference`` (the model's own run), ``max|reference - exact|``
+    where ``exact`` is a float64 run of a copy of ``model`` on the same inputs: what eager
+    itself gets wrong in its dtype. ``None`` if the model does not run in float64."""
+    leaves = [t for t in pytree.tree_leaves(reference) if isinstance(t, Tensor) and t.is_floating_point()]
+    if all(t.dtype == torch.float64 for t in leaves):
+        return [0.0] * len(leaves)
+    try:
+        model64 = copy.deepcopy(model).double()
+        args64 = pytree.tree_map(lambda t: t.double() if isinstance(t, Tensor) and t.is_floating_point() else t, args)
+        exact = [t for t in pytree.tree_leaves(run_no_grad(model64, args64)) if isinstance(t, Tensor) and t.is_floating_point()]
+    except Exception:  # noqa: BLE001 - e.g. a kernel without float64: fall back to the fixed tolerance
+        return None
+    if len(exact) != len(leaves):
+        return None
+    errs = []
+    for a, e in zip(leaves, exact):
+        finite = torch.isfinite(a) & torch.isfinite(e)
+        errs.append((a.double() - e)[finite].abs().max().item() if finite.any() else 0.0)
+    return errs
+
+
+# Note: [fold's tolerance follows eager's own rounding]
+# A fixed relative tolerance is tighter than float32 itself on deep nets: folding only
+# reorders rounding, but eager's float32 result is already off the exact one by an amount
+# that grows with depth and with the BN scales. So the check runs the *original* once more
+# in float64 and allows, per output, ``tol * max(1, max|ref|)`` plus ``EAGER_ERROR_FACTOR``
+# times eager's own distance to that float64 result: a fold as accurate as eager differs
+# from eager by at most twice it; a wrong fold differs by far more.
+EAGER_ERROR_FACTOR = 4.0
+
+
+def compare_to_reference(reference: Any, folded: Any, eager_errors: Optional[List[float]] = None) -> Tuple[float, float, bool, str]:
+    slack = None if eager_errors is None else [EAGER_ERROR_FACTOR * e for e in eager_errors]
+    result = compare_outputs(reference, folded, lambda dt: CHECK_TOLERANCE.get(dt, DEFAULT_TOLERANCE), slack)
+    return result.max_abs_diff, result.allowed, result.ok, result.note

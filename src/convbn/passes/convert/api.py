@@ -1,0 +1,374 @@
+"""``convbn.convert``: one call turns a CNN into a memory-lean training model.
+
+The pass traces the model with ``torch.fx``, finds every Conv -> BatchNorm (-> activation)
+in the data flow, groups consecutive ones into chains, and replaces each chain by a
+:class:`convbn.nn.chain.FusedChain` call. The model's own modules stay registered
+where they were (the chains only reference them), so parameters, buffers and
+``state_dict()`` are the very same objects and keys.
+"""
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Set, Tuple, TypeVar
+
+import torch
+import torch.fx as fx
+from torch import Tensor, nn
+from torch.nn.modules.batchnorm import _BatchNorm
+
+from ...memory.budget import parse_memory, resident_bytes, usable_bytes
+from ...nn.chain import FusedChain
+from ...nn.fused import _FusedConvBNNd
+from ...functional.strategies import CONVERT_STRATEGIES, check_strategy
+from ..plan.auto_plan import as_inputs, measure_peak, measure_saved, plan_auto
+from ..bn.recognise import may_normalise
+from .concat_heads import flatten_cats
+from ..graph.graph_module import eager, forget_undo, install, installed, share_copy, uninstall
+from .match import find_layers, group_chains
+from ..report.outcome import bn_module_names, unreached
+from .pools import lean_pools
+from ..report.convert_report import ConvertReport
+from .rewrite import drop_hooked, rewrite_chains, swap_sync_batchnorm, watch_hooks
+from ..graph.trace import LayerTracer, short_reason, trace
+from ..check.step import called_inputs, check_step
+from ..check.validate import StateSnapshot, tolerance
+
+__all__ = ["convert", "explain", "CONVERT_STRATEGIES"]
+
+M = TypeVar("M", bound=nn.Module)
+
+
+
+@dataclass
+class _Context:
+    """What one :func:`convert` call carries through its recursion (instead of arguments
+    threaded through every call, and a report rolled back by slicing)."""
+
+    mode: str
+    chain: bool
+    report: ConvertReport
+    lazy: bool = False
+    done: Set[int] = field(default_factory=set)  # modules converted already (shared modules: once)
+
+    def mark(self) -> Tuple[int, int, int, int, int]:
+        r = self.report
+        return (len(r.pairs), len(r.outcomes), len(r.untraced), len(r.traced), len(r.lean_pools))
+
+    def rollback(self, mark: Tuple[int, int, int, int, int]) -> None:
+        r = self.report
+        del r.pairs[mark[0]:], r.outcomes[mark[1]:], r.untraced[mark[2]:], r.traced[mark[3]:], r.lean_pools[mark[4]:]
+
+
+def _convert(module: nn.Module, prefix: str, ctx: _Context, exposed: bool = False) -> None:
+    """Convert ``module`` (qualified name ``prefix``) in place. Traced with partial tracing:
+    a submodule that cannot be traced, would trace misleadingly or has hooks is a leaf of
+    ``module``'s trace and is converted on its own; when ``module``'s own forward cannot be
+    traced, each child is converted instead (its own forward, called however the parent
+    reaches it: directly, iterated, indexed or through ``_modules``). A traced module gets
+    its rewritten graph as its forward (:func:`convbn.passes.graph.graph_module.install`); with
+    ``ctx.lazy`` that graph checks itself against the module's own forward on its first call.
+
+    ``exposed``: the module's parent could not be traced, so its forward may reach the
+    module's children itself (``for m in self.layers``, ``self.blocks[i]``): the children
+    of an exposed container (``Sequential``, ``ModuleList``, ``ModuleDict``) are converted
+    on their own too, even where the container's own graph inlines them."""
+    if id(module) in ctx.done or isinstance(module, (FusedChain, _FusedConvBNNd)) or not may_normalise(module):
+        return
+    ctx.done.add(id(module))
+    if isinstance(module, _BatchNorm) and prefix:  # a lone BatchNorm child: nothing to fuse, nothing to trace
+        return
+    report = ctx.report
+    try:
+        if type(module).forward is nn.Module.forward and "forward" not in module.__dict__:
+            raise TypeError(f"{type(module).__name__} has no forward (a container)")
+        traced = trace(module, LayerTracer, training=True)  # the graph convert builds is for training
+    except Exception as err:  # any tracing failure: convert the children instead
+        if type(module).forward is not nn.Module.forward:  # a container without forward is no failure
+            report.untraced.append((prefix.rstrip("."), short_reason(err, 120)))
+        for name, child in module.named_children():
+            _convert(child, f"{prefix}{name}.", ctx, exposed=True)
+        return
+    report.traced.append(prefix.rstrip("."))
+    _rewrite(module, prefix, traced, ctx)
+    if exposed and isinstance(module, (nn.Sequential, nn.ModuleList, nn.ModuleDict)):
+        for name, child in module.named_children():
+            _convert(child, f"{prefix}{name}.", ctx, exposed=True)
+
+
+def _rewrite(module: nn.Module, prefix: str, traced: Any, ctx: _Context) -> None:
+    """Fuse what ``traced`` (``module``'s trace) shows and install the graph as its forward."""
+    report = ctx.report
+    gm = traced.gm
+    flatten_cats(gm.graph)  # nested concatenations -> one cat of their leaves (concat_heads.py)
+    for name in traced.descend():
+        _convert(module.get_submodule(name), f"{prefix}{name}.", ctx)
+    layers = drop_hooked(find_layers(gm, module, prefix, report, ctx.chain), gm, report)
+    if not layers:
+        return
+    chains = group_chains(layers, ctx.chain, report)
+    before = [n for n, _ in gm.named_children()]
+    out = rewrite_chains(module, gm, chains, ctx.mode, report)
+    report.lean_pools += lean_pools(out, prefix)  # after the chains: their outputs feed pools
+    watch_hooks(out, chains, before)
+    inlined = _inlined_modules(module, out)
+    fwd = install(module, out)
+    fwd.inlined = inlined
+    if traced.mode_dependent:  # traced in one mode; the other runs the module's own forward
+        fwd.modes = list(traced.modes)
+    if ctx.lazy:
+        fwd.pending = tolerance
+
+
+def _dedupe(report: ConvertReport) -> None:
+    """One pair and one outcome per BatchNorm: a layer of an exposed container is fused both
+    in the container's graph and in its own (whichever runs), reported once."""
+    seen = set()
+    pairs = []
+    for p in report.pairs:
+        key = (p.conv, p.bn)
+        if key not in seen:
+            seen.add(key)
+            pairs.append(p)
+    report.pairs[:] = pairs
+    done = set()
+    outcomes = []
+    for o in report.outcomes:
+        if o.result == "fused":
+            if o.batchnorm in done:
+                continue
+            done.add(o.batchnorm)
+        outcomes.append(o)
+    report.outcomes[:] = [o for o in outcomes if o.result == "fused" or o.batchnorm not in done]
+
+
+def _inlined_modules(module: nn.Module, gm: fx.GraphModule) -> List[nn.Module]:
+    """Submodules of ``module`` that ``gm``'s graph never calls: traced through (their code
+    inlined) and not watched by a FusedChain (which handles its own modules' hooks)."""
+    # a pooling module the graph passes to its lean call (passes/pools.py) checks its own hooks
+    submodules = dict(gm.named_modules())
+    called = [str(n.target) for n in gm.graph.nodes if n.op == "call_module"
+              or (n.op == "get_attr" and str(n.target) in submodules)]
+    watched = {id(m) for c in gm.modules() if isinstance(c, FusedChain) for ms in c.watched for m in ms}
+    return [m for name, m in module.named_modules() if name and id(m) not in watched
+            and not any(name == t or name.startswith(t + ".") for t in called)]
+
+
+def _validated_convert(module: nn.Module, prefix: str, args: Tuple[Any, ...], kwargs: Dict[str, Any],
+                       ctx: _Context) -> None:
+    """:func:`_convert`, then run ``module`` as it was (:func:`eager`) and as converted on the
+    inputs and compare (:func:`convbn.passes.check.validate.check_step`: outputs, every gradient,
+    buffers, the RNG state afterwards). On a mismatch, undo and convert finer: each module
+    called inside (recorded from an eager run, however the parent reaches it), each
+    validated the same way."""
+    if id(module) in ctx.done:
+        return
+    mark = ctx.mark()
+    _convert(module, prefix, ctx)
+    if not any(installed(m) is not None for m in module.modules()):
+        return
+    result = check_step(module, args, kwargs)
+    if result.ok:
+        ctx.report.validated.append(prefix.rstrip("."))
+        return
+    ctx.rollback(mark)
+    uninstall(module)
+    _forget(module, ctx)
+    ctx.report.untraced.append((prefix.rstrip("."), f"the traced rewrite differs from eager ({result.describe()}); "
+                                "converted part by part"))
+    ctx.done.add(id(module))
+    inputs = called_inputs(module, args, kwargs)
+    _finer(module, prefix, inputs, ctx)
+
+
+def _forget(module: nn.Module, ctx: _Context) -> None:
+    for m in module.modules():
+        ctx.done.discard(id(m))
+
+
+def _finer(module: nn.Module, prefix: str, inputs: Dict[int, Tuple[Tuple[Any, ...], Dict[str, Any]]],
+           ctx: _Context) -> None:
+    """Convert, each on its own inputs, the outermost modules under ``module`` that were called."""
+    for name, child in module.named_children():
+        if id(child) in inputs:
+            _validated_convert(child, f"{prefix}{name}.", *inputs[id(child)], ctx)
+        else:  # a container the parent iterates, indexes or walks: look inside
+            _finer(child, f"{prefix}{name}.", inputs, ctx)
+
+
+def _check_args(model: Any, strategy: str, memory_budget: Optional[float], example_inputs: Any,
+                peak_budget: Optional[float] = None, memory_limit: Any = None) -> None:
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"convert expects an nn.Module, but got {type(model).__name__}")
+    check_strategy(strategy, CONVERT_STRATEGIES)
+    if memory_limit is not None:
+        parse_memory(memory_limit)  # TypeError / ValueError naming the value
+        if strategy != "auto":
+            raise ValueError(f"memory_limit is used by strategy='auto' only, but got strategy={strategy!r}")
+        if peak_budget is not None:
+            raise ValueError("give memory_limit (bytes for the whole step) or peak_budget (a fraction of eager's "
+                             "peak), not both")
+        if example_inputs is None:
+            raise ValueError("memory_limit needs example_inputs: the plan is made for their batch")
+    if peak_budget is not None:
+        if strategy != "auto":
+            raise ValueError(f"peak_budget is used by strategy='auto' only, but got strategy={strategy!r}")
+        if isinstance(peak_budget, bool) or not isinstance(peak_budget, (int, float)) or not 0 < peak_budget <= 1:
+            raise ValueError(f"peak_budget must be a fraction of the eager step's peak memory in (0, 1], "
+                             f"but got {peak_budget!r}")
+        if example_inputs is None:
+            raise ValueError("peak_budget needs example_inputs: the planner measures the eager step's peak on them")
+    if memory_budget is not None:
+        if strategy != "auto":
+            raise ValueError(f"memory_budget is used by strategy='auto' only, but got strategy={strategy!r}")
+        if isinstance(memory_budget, bool) or not isinstance(memory_budget, (int, float)) or not 0 < memory_budget <= 1:
+            raise ValueError(
+                f"memory_budget must be a fraction of eager saved activation bytes in (0, 1], but got {memory_budget!r}"
+            )
+        if example_inputs is None:
+            raise ValueError("memory_budget needs example_inputs: the planner measures eager saved bytes on them")
+
+
+def convert(
+    model: M,
+    *,
+    strategy: str = "auto",
+    memory_budget: Optional[float] = None,
+    example_inputs: Any = None,
+    inplace: bool = False,
+    chain: bool = True,
+    peak_budget: Optional[float] = None,
+    memory_limit: Any = None,
+) -> nn.Module:
+    """Fuse every Conv -> BatchNorm (-> activation) of ``model`` for memory-lean training.
+
+    The result computes the same outputs, gradients and running statistics as
+    ``model``; its parameters and buffers are ``model``'s own objects (an optimizer
+    built before conversion keeps working) and its ``state_dict()`` has the same keys.
+
+    Args:
+        model: any ``nn.Module``. Traced with ``torch.fx``; when the whole model cannot be
+            traced, each child is converted instead (recursively).
+        strategy: ``"auto"`` (plan per layer), ``"recompute_bn"`` (every layer keeps its
+            conv output; element-wise recompute only) or ``"recompute_conv"`` (keep no
+            layer's conv output; with ``chain=False`` this is the tutorial's method).
+        memory_budget: with ``"auto"``, the target *saved* activation bytes (held from
+            forward to backward, parameters excluded) as a fraction of the eager model's
+            (e.g. ``0.35``): the plan recomputes least within it. ``None`` plans for the
+            step's *peak* alone: the least recompute among plans whose predicted peak is
+            within 8 % of the lowest reachable (``PEAK_TOLERANCE``), whatever their saved bytes, and a lower
+            peak within that where a byte of it costs at most 16 MAC-equivalents of
+            recompute (recompute is counted as MACs plus bytes moved plus a cost per call; see
+            :mod:`convbn.passes.plan.planner`; ``explain`` shows predicted and measured peaks;
+            without ``example_inputs`` each chain keeps the tutorial method's saved bytes).
+            Needs ``example_inputs``. A budget below the reachable floor raises
+            ``ValueError`` naming the floor.
+        peak_budget: with ``"auto"``, the training step's *peak* memory allowed, as a fraction
+            of the eager model's peak measured on ``example_inputs`` (one step, gradients set
+            to None first, parameters not counted, as :func:`explain` measures it): the least
+            recompute whose predicted peak fits. Needs ``example_inputs``. Where no plan
+            reaches it, the plan with the lowest reachable peak, with a warning (the report's
+            ``target_peak_bytes`` / ``lowest_peak_bytes`` say so too). With ``memory_budget``
+            too, both are limits (Note: [saved bytes or peak] in ``passes/auto_plan.py``).
+        memory_limit: with ``"auto"``, the memory the training step may use in all on the
+            model's device, in bytes or as text (``"16GiB"``, :func:`convbn.memory.parse_memory`):
+            the parameters and buffers plus the step's peak on ``example_inputs`` (Note:
+            [a step's peak] in ``convbn/memory/timelines.py``: weight gradients included;
+            on CUDA less :data:`~convbn.memory.budget.CUDA_FRAGMENTATION_MARGIN`). The plan
+            is the least recompute whose predicted peak fits; where none fits, the lowest
+            peak, with a warning. Optimizer state is not known here: subtract it, or use
+            :func:`convbn.max_batch` (which does). Needs ``example_inputs``.
+        example_inputs: a tensor or tuple of inputs. The result is *validated* on them:
+            the original and the rewrite each run one forward and one backward (random
+            upstream gradient) and outputs, gradients and running statistics are compared;
+            where a part differs (a trace that misleads), that part is converted finer,
+            child by child, and the report says so. Also used to measure and plan. Running
+            stats, ``num_batches_tracked``, RNG and modes are restored exactly afterwards.
+            Without it, each rewritten part validates its outputs against the original on
+            its first call (a mismatch warns and runs that part unfused from then on), and
+            ``"auto"`` plans each chain on its first training call.
+        inplace: modify ``model`` itself where the pass replaces children of modules that
+            could not be traced whole; by default those containers are shallow-copied.
+        chain: group consecutive fused layers into chains (see :mod:`convbn.autograd.chain`).
+
+    Hooks and parametrizations (see README "What convert preserves"): a conv, BatchNorm or
+    activation module with hooks (including old-style ``weight_norm`` / ``spectral_norm`` and
+    pruning) is left unfused and reported; hooks registered later are honoured at call time
+    (the affected chain, or the affected part of the model, then runs as eager modules).
+
+    Returns:
+        The converted model (a ``torch.fx.GraphModule`` where the model traced, with the
+        report in ``.convbn_report``), or ``model``'s structure with converted children.
+
+    Example:
+        >>> net = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU())
+        >>> fast = convert(net)
+        >>> fast[0].weight is net[0].weight
+        True
+    """
+    _check_args(model, strategy, memory_budget, example_inputs, peak_budget, memory_limit)
+    report = ConvertReport(strategy=strategy)
+    inputs = as_inputs(example_inputs) if example_inputs is not None else None
+    work = model if inplace else share_copy(model)
+    swap_sync_batchnorm(work, inplace=True)
+    ctx = _Context(strategy, chain, report, lazy=example_inputs is None)
+    # Conversion changes no state: reading a parametrized weight (spectral_norm's power
+    # iteration) or tracing must not move buffers or the RNG.
+    with StateSnapshot(work):
+        if inputs is not None:
+            _validated_convert(work, "", inputs, {}, ctx)
+        else:
+            _convert(work, "", ctx)
+    forget_undo(work)
+    _dedupe(report)
+    # every BatchNorm module gets an outcome: fused, left with a reason, or not reached
+    untraced = [m for m, _ in report.untraced]
+    report.outcomes += unreached(bn_module_names(model), report.outcomes, untraced, report.traced)
+    if strategy == "auto" and inputs is not None and report.pairs:
+        target = None
+        if memory_limit is not None:
+            device = next((t.device for t in (*work.parameters(), *work.buffers())), torch.device("cpu"))
+            target = usable_bytes(parse_memory(memory_limit), device) - resident_bytes(work)
+        with eager(work):  # the eager model: the very same modules, their own forwards
+            reference = share_copy(work)
+        plan_auto(reference, work, inputs, memory_budget, report, peak_budget, target)
+        del reference
+    elif inputs is not None and report.pairs:
+        with StateSnapshot(work):
+            with eager(work):
+                report.eager_saved_bytes = measure_saved(work, inputs)
+            report.saved_bytes = measure_saved(work, inputs)
+    work.__dict__["convbn_report"] = report
+    if not report.pairs:
+        why = "; ".join([f"{s.batchnorm}: {s.reason}" for s in report.skipped[:3]]
+                        + [f"{m or '<root>'} not traceable: {e}" for m, e in report.untraced[:2]])
+        warnings.warn(f"convbn.convert fused nothing in {type(model).__name__} (no Conv -> BatchNorm pair found"
+                      f"{': ' + why if why else ''}); it computes exactly as before", stacklevel=2)
+    return work
+
+
+def explain(model: nn.Module, example_inputs: Any = None, **kwargs: Any) -> ConvertReport:
+    """What :func:`convert` would do to ``model``, without changing it.
+
+    Args:
+        model: the model.
+        example_inputs: inputs for measuring saved bytes and planning (recommended).
+        **kwargs: ``strategy``, ``memory_budget``, ``peak_budget``, ``chain`` as for :func:`convert`.
+
+    Returns:
+        The :class:`ConvertReport`: each pair with its strategy, kept bytes and extra
+        MACs, and each BatchNorm skipped with its reason. With ``example_inputs`` it also
+        has the measured peak of one training step (:func:`convbn.memory.timeline`, loss:
+        the output's mean) of the converted and the eager model, and where the converted
+        one peaks; with ``strategy="auto"`` the planner's predicted peak too.
+    """
+    converted = convert(model, example_inputs=example_inputs, inplace=False, **kwargs)
+    report: ConvertReport = converted.convbn_report  # type: ignore[assignment]
+    if example_inputs is not None and report.pairs:
+        inputs = as_inputs(example_inputs)
+        with StateSnapshot(model):
+            eager = measure_peak(model, inputs)
+        tl = measure_peak(converted, inputs)
+        report.eager_peak_bytes = eager.peak
+        report.measured_peak_bytes, report.measured_peak_where = tl.peak, tl.where()
+    return report

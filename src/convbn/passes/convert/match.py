@@ -1,0 +1,437 @@
+"""Matching: find Conv -> BatchNorm -> tail layers (and pre-activation heads and conv ends)
+in a traced graph, and group them into chains.
+
+Input: a ``torch.fx`` graph traced with :class:`~convbn.passes.graph.trace.LayerTracer`
+(convolutions with the standard forward, BatchNorms and convbn's own modules are leaves)
+and its BatchNorm sites
+(:mod:`convbn.passes.bn.sites`). Output: :class:`MatchedLayer` records (conv node and
+geometry, BatchNorm node and module, the tail of element-wise ops found by
+:mod:`convbn.passes.convert.match_tail`) and, for every BatchNorm that is not matched, a
+ ``"left"`` outcome with the reason. :func:`group_chains` groups
+consecutive matched layers into chains; the rewrite (:mod:`convbn.passes.convert.rewrite`)
+replaces each chain by one fused module.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Tuple, Union
+
+import torch.fx as fx
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
+
+from ...functional.conv import ConvSpec, conv_out_channels
+from ..bn.sites import BNSite, find_bn_sites
+from ..graph.layers import has_standard_forward, layer_call, layer_spec
+from .match_tail import TailMatch, TailOpMatch, describe_node, match_tail, node_arg, tail_label
+from ..report.convert_report import ConvertReport
+from ..graph.shape_uses import is_rank_use, value_users
+from .shared_heads import split_shared_heads
+from ..bn.tokens import flatten_token_bns
+
+__all__ = ["MatchedConv", "MatchedLayer", "find_layers", "group_chains", "head_input", "node_arg",
+           "describe_node"]
+
+# a linear layer is a 0-D convolution (Note: [three kinds of convolution] in functional/conv.py)
+_BN_DIMS = {nn.BatchNorm1d: (0, 1), nn.BatchNorm2d: (2,), nn.BatchNorm3d: (3,)}
+
+
+# --------------------------------------------------------------------------- matching
+
+
+@dataclass
+class MatchedConv:
+    node: fx.Node
+    input: fx.Node
+    owner: nn.Module
+    weight_name: str
+    bias_name: Optional[str]
+    spec: ConvSpec
+    name: str
+    absorbed: Tuple[fx.Node, ...] = ()  # zero-padding nodes folded into ``spec``
+
+
+@dataclass
+class MatchedLayer:
+    """One fused layer found in the graph: ``[conv] -> [BN] -> tail``.
+
+    Note: [matched layers and chains]
+    Three kinds, as in :class:`convbn.nn.chain.ChainLayer` (Note: [layers of a chain]):
+
+    * ordinary: a conv whose output only the BN reads, the BN, and its tail;
+    * *head* (``conv is None``): a BN whose input is not a fusable conv output but whose
+      tail output only a conv reads (pre-activation: BN -> act -> conv). Its input, the
+      chain input, is :attr:`input` (found in one place, :func:`head_input`);
+    * *end* (``bn_node is None``): a conv reading only the previous layer's output with no
+      BN after it; the chain ends at its output.
+
+    :func:`group_chains` links a layer to the one whose output its conv reads; a head only
+    starts a chain, an end only ends one, and a head that ends up alone is not fused.
+    """
+
+    conv: Optional[MatchedConv]
+    bn_node: Optional[fx.Node]
+    bn: Optional[_BatchNorm]
+    bn_name: str
+    tail: Tuple[TailOpMatch, ...] = ()
+    shape_uses: Tuple[fx.Node, ...] = ()  # x.shape / x.ndim / x.size() of the conv, BN or inner tail outputs
+    head_input: Optional[fx.Node] = None  # a head's chain input
+
+    @property
+    def is_head(self) -> bool:
+        return self.conv is None
+
+    @property
+    def is_end(self) -> bool:
+        return self.bn_node is None
+
+    @property
+    def input(self) -> fx.Node:
+        """The node the layer reads: its conv's input, or a head's chain input."""
+        if self.conv is not None:
+            return self.conv.input
+        assert self.head_input is not None  # a head always has one (find_layers)
+        return self.head_input
+
+    @property
+    def first(self) -> fx.Node:
+        """The layer's first node in the graph (the chain call goes before it)."""
+        return self.conv.node if self.conv is not None else self.bn_node  # type: ignore[return-value]
+
+    @property
+    def out(self) -> fx.Node:
+        if self.tail:
+            return self.tail[-1].node
+        return self.bn_node if self.bn_node is not None else self.conv.node  # type: ignore[union-attr]
+
+    @property
+    def activation(self) -> str:
+        """The tail as text (``relu``, ``dropout(0.1) -> prelu``, ``identity``)."""
+        return tail_label(list(self.tail))
+
+    def nodes(self) -> List[fx.Node]:
+        """Every node the layer replaces, last first (the order to erase them in)."""
+        found: List[fx.Node] = []
+        for op in reversed(self.tail):
+            found += [op.node, *op.extra]
+        if self.bn_node is not None:
+            found.append(self.bn_node)
+        if self.conv is not None:
+            found += [self.conv.node, *reversed(self.conv.absorbed)]
+        return found
+
+
+_ZERO_PADS = (nn.ZeroPad1d, nn.ZeroPad2d, nn.ZeroPad3d, nn.ConstantPad1d, nn.ConstantPad2d, nn.ConstantPad3d)
+
+
+def _zero_pad_of(node: fx.Node, gm: fx.GraphModule) -> Optional[Tuple[int, ...]]:
+    """``F.pad``-style amounts if ``node`` only zero-pads its input (``()`` for an Identity)."""
+    if node.op == "call_module":
+        mod = gm.get_submodule(str(node.target))
+        if type(mod) is nn.Identity:
+            return ()
+        if isinstance(mod, _ZERO_PADS) and float(getattr(mod, "value", 0.0)) == 0.0:
+            return tuple(int(p) for p in mod.padding)
+        return None
+    if node.op == "call_function" and node.target is F.pad:
+        pad, mode, value = node_arg(node, 1, "pad", None), node_arg(node, 2, "mode", "constant"), node_arg(node, 3, "value", None)
+        if mode == "constant" and not value and isinstance(pad, (list, tuple)) and all(isinstance(p, int) for p in pad):
+            return tuple(pad)
+    return None
+
+
+def _absorb_zero_pad(conv: MatchedConv, gm: fx.GraphModule) -> MatchedConv:
+    """Fold a zero-padding op that only feeds this conv into its spec (exact: zeros are zeros)."""
+    inp = conv.input
+    if conv.spec.pre_pad or len(inp.users) != 1:
+        return conv
+    pads = _zero_pad_of(inp, gm)
+    src = node_arg(inp, 0, "input", None)
+    if pads is None or not isinstance(src, fx.Node) or len(pads) > 2 * conv.spec.dims or any(p < 0 for p in pads):
+        return conv
+    pads = tuple(pads) + (0,) * (2 * conv.spec.dims - len(pads))
+    padding, pre = [], []
+    for i in range(conv.spec.dims):  # natural order; F.pad lists the last dim first
+        j = conv.spec.dims - 1 - i
+        left, right = conv.spec.padding[i] + pads[2 * j], conv.spec.padding[i] + pads[2 * j + 1]
+        padding.append(min(left, right))
+    for j in range(conv.spec.dims):
+        i = conv.spec.dims - 1 - j
+        pre += [conv.spec.padding[i] + pads[2 * j] - padding[i], conv.spec.padding[i] + pads[2 * j + 1] - padding[i]]
+    spec = ConvSpec(conv.spec.dims, conv.spec.stride, tuple(padding), conv.spec.dilation, conv.spec.groups,
+                    tuple(pre) if any(pre) else (), "constant")
+    return MatchedConv(conv.node, src, conv.owner, conv.weight_name, conv.bias_name, spec, conv.name,
+                 conv.absorbed + (inp,))
+
+
+def _match_conv(node: fx.Node, gm: fx.GraphModule, root: nn.Module) -> Union[MatchedConv, str, None]:
+    """A conv node as :class:`MatchedConv`, a string reason why it cannot be fused, or ``None``.
+
+    Weight owners are looked up on ``root``, the user's module: the traced GraphModule
+    holds stand-in containers for ``get_attr`` targets, which later re-assignments of
+    the real modules' parameters (``load_state_dict(assign=True)``) would not reach.
+    """
+    found = _match_conv_node(node, gm, root)
+    # zero padding before a transposed conv is not its ``padding`` (which crops the output)
+    if (isinstance(found, MatchedConv) and found.spec.pre_pad_mode == "constant" and found.spec.dims > 0
+            and not found.spec.transposed):
+        found = _absorb_zero_pad(found, gm)
+    return found
+
+
+def _match_conv_node(node: fx.Node, gm: fx.GraphModule, root: nn.Module) -> Union[MatchedConv, str, None]:
+    call = layer_call(node, gm)
+    if call is None or isinstance(call, str):
+        return call
+    inp = call.input
+    if call.module is not None:
+        mod = call.module
+        what = "linear layer" if call.kind == "linear" else "convolution"
+        if call.kind == "convt" and call.args["output_size"] is not None:
+            # its output_padding then follows the input's size at run time: not a fixed geometry
+            return (f"its input is a transposed convolution ({node.target}) called with output_size=, which "
+                    "sets its output_padding from each input's shape; left unfused (give the module "
+                    "output_padding instead to fuse it)")
+        if not has_standard_forward(mod):
+            return f"its input comes from {type(mod).__name__}, a {what} with a custom forward"
+        if not isinstance(inp, fx.Node):
+            return f"the {what}'s input is not a traced tensor"
+        return MatchedConv(node, inp, mod, "weight", "bias" if mod.bias is not None else None,
+                           layer_spec(call, mod.weight.shape), str(node.target))
+    what = {"conv": "convolution", "convt": "transposed convolution", "linear": "linear"}[call.kind]
+    w, b = call.args["weight"], call.args["bias"]
+    if not isinstance(w, fx.Node) or w.op != "get_attr":
+        return f"the functional {what}'s weight is not a module parameter"
+    if b is not None and (not isinstance(b, fx.Node) or b.op != "get_attr"):
+        return f"the functional {what}'s bias is not a module parameter"
+    geometry = [call.args[n] for n, _ in call.sig[3:]]
+    if any(isinstance(g, fx.Node) for g in geometry) or not isinstance(inp, fx.Node):
+        return f"the functional {what}'s arguments are not constants"
+    found = _param_owner(w, b, root, what)
+    if isinstance(found, str):
+        return found
+    owner, wpath, wname, bname = found
+    spec = layer_spec(call, getattr(owner, wname).shape)
+    return MatchedConv(node, inp, owner, wname, bname, spec, wpath or str(w.target))
+
+
+def _param_owner(w: fx.Node, b: Optional[fx.Node], root: nn.Module, what: str
+                 ) -> Union[Tuple[nn.Module, str, str, Optional[str]], str]:
+    """``(owner, owner path, weight name, bias name)`` of a functional layer's ``get_attr``
+    weight and bias, looked up on ``root``; a reason where they live in different modules."""
+    wpath, _, wname = str(w.target).rpartition(".")
+    owner = root.get_submodule(wpath) if wpath else root
+    bname = None
+    if b is not None:
+        bpath, _, bname = str(b.target).rpartition(".")
+        if bpath != wpath:
+            return f"the functional {what}'s weight and bias live in different modules"
+    return owner, wpath, wname, bname
+
+
+def head_input(site: BNSite) -> fx.Node:
+    """The chain input of a pre-activation head starting at ``site``: the tensor its BN normalises.
+
+    Note: [where a head's input is found]
+    This is the one place that decides what a head reads: today the BN's input node,
+    whatever computes it (a concatenation, an addition, a conv output others read too).
+    A pass that gives a chain a structured input (the pieces of a channel concatenation,
+    :mod:`convbn.passes.convert.concat_heads`) plugs in here; the rewrite passes :attr:`MatchedLayer.input`
+    to the chain and nothing else assumes what it is.
+    """
+    return site.input
+
+
+def _conv_bn_mismatch(conv: MatchedConv, bn: _BatchNorm) -> Optional[str]:
+    """Why ``bn`` cannot normalise ``conv``'s output (rank or channels), or ``None``."""
+    dims_ok = _BN_DIMS.get(type(bn))
+    if dims_ok is not None and conv.spec.dims not in dims_ok:
+        what = "a linear layer" if conv.spec.is_linear else f"a {conv.spec.dims}-D convolution"
+        return f"{type(bn).__name__} after {what}"
+    if bn.num_features != conv_out_channels(getattr(conv.owner, conv.weight_name).shape, conv.spec):
+        return "BatchNorm num_features does not match the convolution's output channels"
+    return None
+
+
+def _rank_mismatch(site: BNSite, conv: MatchedConv) -> Optional[str]:
+    """Why ``site`` (a batch norm recognised only for some input ranks) cannot normalise
+    tensors of ``conv``'s rank, or ``None``."""
+    if site.ranks and conv.spec.dims + 2 not in site.ranks:
+        return (f"{site.name} computes a batch norm only on {site.ranks}-D inputs, not on this "
+                f"layer's {conv.spec.dims + 2}-D tensors")
+    return None
+
+
+def _conv_reading(out: fx.Node, gm: fx.GraphModule, root: nn.Module, prefix: str) -> Union[MatchedConv, str]:
+    """The fusable convolution that is the only reader of ``out``'s values (directly, or
+    through a zero padding it absorbs), with its qualified name; else why not."""
+    users = value_users(out)
+    if not users:
+        return "nothing reads the value"
+    if len(users) > 1:
+        return "the value is read by " + ", ".join(describe_node(u) for u in users)
+    user = cand = users[0]
+    if _zero_pad_of(user, gm) is not None and len(user.users) == 1:
+        cand = next(iter(user.users))
+    found = _match_conv(cand, gm, root)
+    if found is None:
+        return f"{describe_node(user)} reads the value, not a convolution"
+    if isinstance(found, str):
+        return found
+    if found.input is not out:
+        return f"{describe_node(cand)} reads the value, but not as the convolution's input"
+    if found.spec.pre_pad_mode != "constant":
+        return (f"the convolution {prefix}{found.name} pads its input with mode {found.spec.pre_pad_mode!r}, "
+                "which only a chain's first convolution can do")
+    found.name = prefix + found.name
+    return found
+
+
+def _match_head(site: BNSite, tail: TailMatch, gm: fx.GraphModule, root: nn.Module, prefix: str,
+                chain: bool) -> Union[MatchedLayer, str]:
+    """``site`` as a pre-activation head (BN -> tail -> conv), or why it is not one."""
+    out = tail.out(site.node)
+    after = f" after {tail_label(tail.ops)}," if tail.ops else ""
+    conv = _conv_reading(out, gm, root, prefix)
+    if isinstance(conv, str):
+        why = f"it does not start a pre-activation chain (BN -> element-wise ops -> conv):{after} {conv}"
+        if tail.blocked:
+            why += f"; the element-wise ops stop at {tail.blocked}"
+        return why
+    if not chain:
+        return (f"it starts a pre-activation BN -> {tail_label(tail.ops)} -> {conv.name}, which is fused only in "
+                "chains; pass chain=True")
+    dims_ok = _BN_DIMS.get(type(site.bn))
+    if dims_ok is not None and conv.spec.dims not in dims_ok:
+        return f"{type(site.bn).__name__} before a {conv.spec.dims}-D convolution"
+    wrong_rank = _rank_mismatch(site, conv)
+    if wrong_rank is not None:
+        return wrong_rank
+    return MatchedLayer(None, site.node, site.bn, site.name, tuple(tail.ops), tuple(tail.shape_uses), head_input(site))
+
+
+def _conv_before_tail(src: Any, gm: fx.GraphModule, root: nn.Module, prefix: str) -> Optional[str]:
+    """``"<tail> of convolution <name>"`` if ``src`` ends the element-wise tail of a conv
+    output (conv -> act -> BN), else ``None``."""
+    node = src
+    while isinstance(node, fx.Node) and node.op in ("call_module", "call_function", "call_method") and node.args:
+        node = node.args[0]
+        conv = _match_conv(node, gm, root) if isinstance(node, fx.Node) else None
+        if isinstance(conv, MatchedConv):
+            tail = match_tail(node, root, prefix)
+            return f"{tail_label(tail.ops)} of convolution {prefix}{conv.name}" if tail.ops and tail.out(node) is src else None
+        if not isinstance(node, fx.Node) or len(node.users) != 1:
+            return None
+    return None
+
+
+def _head_conv_joins(node: fx.Node, out: fx.Node, bn: nn.Module, gm: fx.GraphModule, root: nn.Module) -> bool:
+    """Whether conv ``node``, reading the output ``out`` of a head with BatchNorm ``bn`` alone,
+    would be matched after the head and join its chain (:func:`_match_head`, :func:`group_chains`)."""
+    found = _match_conv(node, gm, root)
+    dims_ok = _BN_DIMS.get(type(bn))
+    return (isinstance(found, MatchedConv) and found.input is out and found.spec.pre_pad_mode == "constant"
+            and not found.absorbed and (dims_ok is None or found.spec.dims in dims_ok))
+
+
+def _end_layers(layers: List[MatchedLayer], gm: fx.GraphModule, root: nn.Module, prefix: str) -> List[MatchedLayer]:
+    """End layers: a convolution with no BN after it that is the only reader of a layer's output."""
+    claimed = {l.conv.node for l in layers if l.conv is not None}
+    ends: List[MatchedLayer] = []
+    for l in layers:
+        conv = _conv_reading(l.out, gm, root, prefix)
+        if isinstance(conv, MatchedConv) and conv.node not in claimed:
+            claimed.add(conv.node)
+            ends.append(MatchedLayer(conv, None, None, ""))
+    return ends
+
+
+def find_layers(gm: fx.GraphModule, root: nn.Module, prefix: str, report: ConvertReport,
+                chain: bool = True) -> List[MatchedLayer]:
+    """Every fusable layer of ``gm`` in graph order; each BatchNorm not matched is reported
+    left in ``report``, with the reason.
+
+    Args:
+        gm: the traced graph module.
+        root: the user's module it was traced from (weights and tail modules are looked up on it).
+        prefix: ``root``'s qualified name + ``"."`` (``""`` for the model itself), for reports.
+        report: receives the skipped BatchNorms.
+        chain: whether chains will be built; without them there are no heads and no ends
+            (a pre-activation layer only pays inside a chain).
+
+    Returns:
+        Ordinary layers, heads and end layers (Note: [matched layers and chains]), in graph order.
+    """
+    flatten_token_bns(gm)  # bn(linear(t).transpose(1, 2)) -> rows (token_bn.py)
+    if chain:  # act(bn(x)) read by several convs -> one head each (shared_heads.py)
+        split_shared_heads(gm, root, prefix, lambda conv, out, bn: _head_conv_joins(conv, out, bn, gm, root))
+    layers: List[MatchedLayer] = []
+    for site in find_bn_sites(gm, prefix, report, root):
+        node, bn, name, src = site.node, site.bn, site.name, site.input
+        tail = match_tail(node, root, prefix)
+        conv = _match_conv(src, gm, root)
+        conv_name: Optional[str] = None
+        if conv is None:
+            why: Optional[str] = f"its input is not a convolution output (it follows {describe_node(src)})"
+            after_act = _conv_before_tail(src, gm, root, prefix)
+            if after_act is not None:
+                why = (f"it follows {after_act} (conv -> activation -> BN order); convert fuses conv -> BN -> "
+                       "activation: a BN placed before the activation would fuse")
+        elif isinstance(conv, str):
+            why = conv
+        else:
+            conv.name = conv_name = prefix + conv.name
+            others = [u for u in value_users(src) if u is not node]
+            why = (f"the convolution's output is also used by {', '.join(describe_node(u) for u in others)}"
+                   if others else _conv_bn_mismatch(conv, bn) or _rank_mismatch(site, conv))
+        if why is None:
+            assert isinstance(conv, MatchedConv)
+            shape_uses = tuple(u for u in src.users if u is not node) + tuple(tail.shape_uses)
+            layers.append(MatchedLayer(conv, node, bn, name, tuple(tail.ops), shape_uses))
+            continue
+        head = _match_head(site, tail, gm, root, prefix, chain)
+        if isinstance(head, MatchedLayer):
+            layers.append(head)
+        else:
+            report.leave(name, f"{why}; {head}", conv_name)
+    if chain:
+        layers += _end_layers(layers, gm, root, prefix)
+    index = {n: i for i, n in enumerate(gm.graph.nodes)}
+    return sorted(layers, key=lambda l: index[l.first])
+
+
+def group_chains(layers: List[MatchedLayer], chain: bool, report: Optional[ConvertReport] = None
+                 ) -> List[List[MatchedLayer]]:
+    """Group layers (in graph order) into chains: a layer joins the chain whose last layer's
+    output its conv alone reads. Heads only start chains, ends only end them; an end that
+    joins nothing is dropped, and a head left alone is reported in ``report`` and dropped."""
+    by_out = {l.out: l for l in layers if not l.is_end}
+    chains: List[List[MatchedLayer]] = []
+    where: Dict[int, List[MatchedLayer]] = {}
+    for l in layers:  # graph (topological) order
+        prev = None if l.is_head else by_out.get(l.input)
+        # a layer whose inner tensors' shapes are read must end its chain: only the
+        # chain's output exists to read them from (see Note: [shape-only uses] in shape_uses.py);
+        # rank reads (x.ndim, as norm-act layers check) are the same on every tensor of a chain
+        if (chain and prev is not None and id(prev) in where and where[id(prev)][-1] is prev
+                and len(prev.out.users) == 1 and all(is_rank_use(u) for u in prev.shape_uses)
+                and l.conv is not None and l.conv.spec.pre_pad_mode == "constant"):
+            c = where[id(prev)]
+        elif l.is_end:
+            continue
+        else:
+            c = []
+            chains.append(c)
+        c.append(l)
+        where[id(l)] = c
+    kept = []
+    for c in chains:
+        if len(c) == 1 and c[0].is_head:
+            if report is not None:
+                report.leave(c[0].bn_name, f"it would start a pre-activation chain (BN -> {c[0].activation} -> conv), "
+                             "but the convolution after it cannot join the chain (see that layer's line); BN -> act "
+                             "alone saves nothing")
+            continue
+        kept.append(c)
+    return kept

@@ -1,0 +1,125 @@
+"""Pre-activation heads read by several convolutions: one head per convolution.
+
+A pre-activation block that downsamples computes ``z = act(BN(x))`` once and reads it with
+two convolutions (the body and the projection shortcut). A head chain (Note: [matched layers
+and chains] in match.py) has one convolution after its tail, so :func:`split_shared_heads`
+rewrites the graph before matching: the first convolution keeps the BatchNorm call and its
+tail; each further one reads a copy of the tail over a :class:`~convbn.nn.bn_shared.SharedBatchStats`
+of the BatchNorm (the same batch norm, no second running-statistics update; Note: [a
+pre-activation head shared by several convs] in nn/bn_shared.py). Every copy is then an
+ordinary head that :func:`~convbn.passes.convert.match.find_layers` matches and fuses.
+
+The rewrite is made only where every reader is a convolution a chain can start with and the
+tail is element-wise and deterministic (no dropout: two copies would draw two masks), with
+no hooks on the BatchNorm, the tail's modules or the convs, and the BatchNorm computes with
+torch's own ``_BatchNorm.forward`` (not a SyncBatchNorm, whose copy would reduce its batch
+statistics over one process alone); otherwise the graph is left as it was.
+"""
+from __future__ import annotations
+
+from typing import Callable, Dict, List, Optional
+
+import torch.fx as fx
+from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
+
+from ...functional.activations import Activation, activation_from_module
+from ...nn.bn_shared import SharedBatchStats
+from ..graph.hooks import global_hooks, hook_reason
+from ..graph.layers import layer_call
+from .match_tail import match_tail
+from ..graph.shape_uses import value_users
+
+__all__ = ["split_shared_heads"]
+
+
+def _deterministic(element: object) -> bool:
+    return isinstance(element, (Activation, nn.PReLU)) or (
+        isinstance(element, nn.Module) and activation_from_module(element) is not None)
+
+
+def _conv_readers(out: fx.Node, bn: nn.Module, gm: fx.GraphModule, joins: Callable[[fx.Node, fx.Node, nn.Module], bool]
+                  ) -> Optional[List[fx.Node]]:
+    """The readers of ``out`` if there are several and each is a conv / linear call reading it
+    as its (only) input that a head chain can start with, else ``None``."""
+    readers = value_users(out)
+    if len(readers) < 2 or len(readers) != len(out.users):
+        return None
+    for r in readers:
+        call = layer_call(r, gm)
+        if call is None or isinstance(call, str) or call.input is not out or not joins(r, out, bn):
+            return None
+        if sum(a is out for a in (*r.args, *r.kwargs.values())) != 1:
+            return None
+        if call.module is not None and hook_reason(call.module):
+            return None
+    return readers
+
+
+def _free_target(gm: fx.GraphModule, base: str) -> str:
+    name = base.replace(".", "_")
+    while hasattr(gm, name):
+        name += "_"
+    return name
+
+
+def split_shared_heads(gm: fx.GraphModule, root: nn.Module, prefix: str,
+                       joins: Callable[[fx.Node, fx.Node, nn.Module], bool]) -> List[str]:
+    """Give each conv that reads a pre-activation ``act(BN(x))`` its own head, in ``gm``'s graph.
+
+    The copies call a module only ``gm`` holds, so every head made here must be fused: the
+    split is made only where ``joins`` accepts every reader.
+
+    Args:
+        gm: the traced graph module (BatchNorms and convs are leaves).
+        root: the module it was traced from.
+        prefix: its qualified name + ``"."``, for names.
+        joins: ``joins(conv_node, head_out, bn)``: whether the conv reading ``head_out`` would
+            be matched as a head's conv and join its chain (:func:`convbn.passes.convert.match.find_layers`).
+
+    Returns:
+        The BatchNorm targets whose head was split (the graph is recompiled when any).
+    """
+    done: List[str] = []
+    graph = gm.graph
+    if global_hooks():
+        return done
+    for node in list(graph.nodes):
+        if node.op != "call_module" or len(node.args) != 1 or node.kwargs or not isinstance(node.args[0], fx.Node):
+            continue
+        bn = gm.get_submodule(str(node.target))
+        if not isinstance(bn, _BatchNorm) or isinstance(bn, SharedBatchStats):
+            continue
+        src = node.args[0]
+        src_call = layer_call(src, gm)
+        if src_call is not None and not isinstance(src_call, str) and value_users(src) == [node]:
+            continue  # conv -> BN: an ordinary layer, whose output any number of chains may read
+        # torch's own forward only: a SyncBatchNorm's second head would reduce its statistics alone
+        if type(bn).forward is not _BatchNorm.forward or hook_reason(bn) or sum(
+                1 for n in graph.nodes if n.op == "call_module" and n.target == node.target) != 1:
+            continue
+        tail = match_tail(node, root, prefix)
+        if not tail.ops or tail.shape_uses or not all(_deterministic(op.element) for op in tail.ops):
+            continue
+        if any(op.module_name and hook_reason(gm.get_submodule(str(op.node.target))) for op in tail.ops
+               if op.node.op == "call_module"):
+            continue
+        out = tail.out(node)
+        readers = _conv_readers(out, bn, gm, joins)
+        if readers is None:
+            continue
+        inner = [node] + [n for op in tail.ops for n in (*op.extra, op.node)]
+        for reader in readers[1:]:
+            target = _free_target(gm, f"{node.target}_shared")
+            gm.add_submodule(target, SharedBatchStats(bn, prefix + str(node.target)))
+            copies: Dict[fx.Node, fx.Node] = {}
+            with graph.inserting_before(reader):
+                copies[node] = graph.call_module(target, node.args)
+                for n in [n for n in graph.nodes if n in inner[1:]]:  # graph order
+                    copies[n] = graph.node_copy(n, lambda a: copies.get(a, a))
+            reader.replace_input_with(out, copies[out])
+        done.append(str(node.target))
+    if done:
+        graph.lint()
+        gm.recompile()
+    return done

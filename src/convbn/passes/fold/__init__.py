@@ -1,0 +1,1 @@
+"""The inference pass: BatchNorm folded into a neighbouring conv / linear layer (``api``: fold)."""

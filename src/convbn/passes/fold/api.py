@@ -1,0 +1,305 @@
+"""``convbn.fold``: fold eval-mode BatchNorm into neighbouring conv / linear layers (FX pass).
+
+For inference a BatchNorm with running statistics is a per-channel affine map, so it can
+be absorbed by the linear layer next to it (the maths lives in
+:mod:`convbn.functional.fold`; this file only finds the patterns and does the graph
+surgery):
+
+* ``Conv{1,2,3}d -> BN``, ``ConvTranspose{1,2,3}d -> BN`` (any ``groups``) and
+  ``Linear -> BatchNorm1d`` fold into the *preceding* layer (always exact);
+* ``BN -> Conv`` / ``BN -> Linear`` fold into the *following* layer where that is exact
+  (see Note: [folding into the following conv]).
+
+Layers may be modules (``nn.Conv2d``...) or functional calls (``F.conv2d(x, self.weight)``
+as in ``efficientnet_pytorch``), BatchNorms may be any ``_BatchNorm`` subclass
+(``BatchNorm1d/2d/3d``, ``SyncBatchNorm``, user subclasses) or ``F.batch_norm`` /
+``torch.batch_norm`` calls with constant running statistics and ``training=False``.
+
+Public API::
+
+    folded = convbn.fold(model)          # model must be in eval mode
+    print(folded.fold_report)            # FoldReport: every BatchNorm, folded or why not
+
+The report is attached to the returned module as the attribute ``fold_report`` (it is
+not part of ``state_dict``). See :func:`fold` for the full contract.
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import warnings
+from typing import Any, List, Optional, Set, Tuple
+
+import torch
+from torch import Tensor, nn
+from torch.nn.modules.batchnorm import _BatchNorm
+from torch.utils import _pytree as pytree
+
+from ..bn.recognise import may_normalise
+from ..check.fold_check import EAGER_ERROR_FACTOR, compare_to_reference, float64_errors, reference_run, run_no_grad
+from .graph import FoldContext, GraphFolder
+from .layers import fold_conv_bn_modules
+from ..graph.layers import LAYER_MODULES
+from ..report.fold_report import FoldCheck, FoldReport
+from ..report.outcome import BNOutcome, bn_module_names, unreached
+from ..check.step import called_inputs
+from ..graph.graph_module import forget_undo, install, installed
+from ..check.validate import tolerance
+from ..graph.trace import LayerTracer, short_reason, trace
+
+__all__ = ["fold", "fold_conv_bn_modules", "FoldReport", "BNOutcome", "FoldCheck"]
+
+
+# --------------------------------------------------------------------------------------
+# Entry point
+# --------------------------------------------------------------------------------------
+
+
+def fold_module(module: nn.Module, prefix: str, ctx: FoldContext, done: Set[int]) -> bool:
+    """Fold inside ``module`` (qualified name ``prefix``), in place: a traced module whose
+    graph changed runs it as its forward (:func:`convbn.passes.graph.graph_module.install`), keeping
+    its class and its place; an untraceable one keeps its forward and is folded inside, in
+    every module it calls, however it reaches them. Returns whether anything changed."""
+    if id(module) in done:
+        return False
+    done.add(id(module))
+    if type(module).forward is nn.Module.forward and "forward" not in module.__dict__:  # a container
+        return fold_children(module, prefix, ctx, done)
+    try:
+        traced = trace(module, LayerTracer)
+    except Exception as exc:  # noqa: BLE001 - untraceable: fold its children one by one
+        ctx.report.untraceable.append((prefix.rstrip("."), f"{short_reason(exc)} (folded part by part)"))
+        return fold_children(module, prefix, ctx, done)
+    gm = traced.gm
+    mark = len(ctx.report.outcomes)
+    folder = GraphFolder(gm, module, prefix, ctx)
+    folder.run()
+    changed = folder.changed
+    if changed:
+        fwd = install(module, gm, register_new=True)
+        _neutralise_folded(module, gm, prefix, ctx.report.outcomes[mark:], fwd)
+    for target, why in traced.descend().items():
+        if target in traced.opaque:
+            ctx.report.untraceable.append((prefix + target, f"{why} (kept as an opaque module)"))
+        try:
+            sub = module.get_submodule(target)
+        except AttributeError:
+            continue
+        changed = fold_module(sub, f"{prefix}{target}.", ctx, done) or changed
+    return changed
+
+
+# Note: [a folded BatchNorm becomes its tail in its slot]
+# Folding rewrites in place: the layer a BatchNorm folded into takes its folded weights in
+# its own slot (``install``), so a path that does not run the rewritten graph -- a parent
+# iterating an ``nn.Sequential`` of conv, BN, act, or a block's own forward -- calls the
+# folded layer too. For that path to stay right the BatchNorm's slot holds what is left of
+# it: ``nn.Identity`` (or, for a norm-act module, its tail). Where the fold made a fresh copy
+# of the layer (the original is also used elsewhere), the original layer and the
+# BatchNorm stay as they are. ``eager`` and a failed first-call check put both back.
+def _neutralise_folded(module: nn.Module, gm: Any, prefix: str, outcomes: List[BNOutcome], fwd: Any) -> None:
+    for o in outcomes:
+        if o.result != "folded" or o.reason or not o.batchnorm.startswith(prefix):
+            continue
+        path = o.batchnorm[len(prefix):]
+        parent_path, _, name = path.rpartition(".")
+        try:
+            parent = module.get_submodule(parent_path)
+        except AttributeError:
+            continue
+        bn = parent._modules.get(name)
+        if bn is None:
+            continue
+        try:
+            left = gm.get_submodule(path)
+        except AttributeError:
+            left = None
+        if not isinstance(bn, _BatchNorm) and not (left is not None and left is not bn) and any(bn.children()):
+            continue  # a module computing more than the batch norm (its class path keeps it)
+        new = left if isinstance(left, nn.Module) and left is not bn else nn.Identity()
+        fwd.undo.append((parent, name, "_modules", bn))
+        parent._modules[name] = new
+
+
+def fold_children(module: nn.Module, prefix: str, ctx: FoldContext, done: Set[int]) -> bool:
+    changed = False
+    for name, child in list(module.named_children()):
+        if isinstance(child, (_BatchNorm,) + LAYER_MODULES):
+            continue  # a lone layer: nothing to fold inside
+        if type(child).__module__.startswith("torch.nn.") and not any(True for _ in child.children()):
+            continue  # a torch leaf (activation, pooling...): nothing to fold inside
+        changed = fold_module(child, f"{prefix}{name}.", ctx, done) or changed
+    return changed
+
+
+def _fold_finer(model: nn.Module, args: Tuple[Any, ...], reference: Any, eager_errors: Optional[List[float]],
+                why: str) -> Optional[nn.Module]:
+    """Where the whole-model fold differs from eager (a trace that misleads in a way no
+    hazard check saw), fold, in a fresh copy, each outermost module called inside on its own
+    -- each validated on the inputs it received in an eager run, recursively finer where it
+    differs too, however the parent reaches it -- and keep the model's own forward. ``None``
+    if that is not closer to eager either."""
+    work = copy.deepcopy(model)
+    inputs = called_inputs(work, args, {})
+    report = FoldReport()
+    report.untraceable.append(("", f"folding the whole model changed its outputs ({why}); folded child by child"))
+
+    def finer(module: nn.Module, prefix: str) -> None:
+        for name, child in list(module.named_children()):
+            if id(child) not in inputs or inputs[id(child)][1]:
+                finer(child, f"{prefix}{name}.")
+                continue
+            if not may_normalise(child):
+                continue
+            try:
+                new = fold(child, example_inputs=inputs[id(child)][0])
+            except RuntimeError as exc:  # this part cannot be folded faithfully: keep it as it is
+                report.untraceable.append((prefix + name, f"left unfolded: {short_reason(exc)}"))
+                continue
+            module._modules[name] = new  # the folded copy of the same class, in the child's place
+            sub = new.__dict__.pop("fold_report")
+            report.outcomes += [dataclasses.replace(a, batchnorm=f"{prefix}{name}.{a.batchnorm}",
+                                                    layer=a.layer and f"{prefix}{name}.{a.layer}") for a in sub.outcomes]
+            report.untraceable += [(f"{prefix}{name}.{n}" if n else prefix + name, w) for n, w in sub.untraceable]
+
+    finer(work, "")
+    seen = {a.batchnorm for a in report.outcomes}
+    for bn_name, m in work.named_modules():
+        if isinstance(m, _BatchNorm) and bn_name not in seen:
+            report.leave(bn_name, "called by the model's own forward, which is kept")
+    out = run_no_grad(work, args)
+    diff, tol, ok, note = compare_to_reference(reference, out, eager_errors)
+    shapes = tuple(tuple(a.shape) for a in args if isinstance(a, Tensor))
+    report.check = FoldCheck(True, note, shapes, diff, tol, ok)
+    if not ok or not report.folded:  # nothing gained: report the whole-model failure instead
+        return None
+    warnings.warn(f"fold(): folding the whole model changed its outputs ({why}); folded it child by child "
+                  "instead (see fold_report)", RuntimeWarning, stacklevel=3)
+    forget_undo(work)
+    work.__dict__["fold_report"] = report
+    return work
+
+
+def fold(
+    model: nn.Module,
+    *,
+    inplace: bool = False,
+    example_inputs: Any = None,
+    check: bool = True,
+) -> nn.Module:
+    """Fold every foldable eval-mode BatchNorm of ``model`` into a neighbouring layer.
+
+    ``model`` is traced with ``torch.fx`` (nested ``Sequential``\\ s and wrapper modules are
+    flattened). Each BatchNorm is folded into the conv / conv-transpose / linear layer
+    before it (``W' = s W``, ``b' = s (b - mu) + beta`` with ``s = gamma / sqrt(var + eps)``)
+    or, where exact, into the conv / linear after it; otherwise it stays and the report
+    says why. Never folded: BatchNorms in training mode or without running statistics, a
+    layer whose output is also used elsewhere, a following conv with zero padding. A layer
+    that is called more than once is folded into a fresh copy for the BN's call only.
+    Submodules that cannot be traced are kept as they are and folded inside on their own
+    (the whole model too, child by child, if its own ``forward`` cannot be traced).
+
+    Args:
+        model: the network, in eval mode (``model.eval()``).
+        inplace: ``False`` (default) works on a deep copy: ``model`` keeps its parameters
+            and outputs. ``True`` reuses ``model``'s submodules and overwrites the weights
+            of layers it folds into (less memory); afterwards use only the returned
+            module, ``model`` itself no longer computes the same function.
+        example_inputs: a tensor or a tuple of positional arguments for ``model``; used
+            for the check and to see tensor ranks (needed to fold Linear <-> BatchNorm1d).
+            If ``None`` a small input is inferred from the first conv/linear layer when
+            possible (the report says when it is not).
+        check: run the sample input through the model before and after folding (eval,
+            no grad, same RNG seed) and raise if the outputs differ by more than
+            ``tol * max(1, max|reference|)`` (``tol`` = 1e-4 for float32, 1e-10 for
+            float64, see ``CHECK_TOLERANCE``) plus 4x what the original itself gets wrong
+            in its dtype, measured against a float64 run of a copy (see Note: [fold's
+            tolerance follows eager's own rounding]).
+
+    Returns:
+        The folded model (a ``torch.fx.GraphModule`` when ``model`` traced whole and
+        something was folded, else the (copied) model with folded children). Its
+        attribute ``fold_report`` is a :class:`FoldReport` listing every BatchNorm.
+
+    Raises:
+        TypeError: ``model`` is not an ``nn.Module`` (or is a TorchScript module).
+        ValueError: ``model`` is in training mode.
+        RuntimeError: ``check=True`` and the folded model's outputs differ.
+
+    Example:
+        >>> net = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.BatchNorm2d(8)).eval()
+        >>> folded = fold(net, example_inputs=torch.randn(1, 3, 16, 16))
+        >>> print(folded.fold_report)  # doctest: +SKIP
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"fold() expects a torch.nn.Module, but got {type(model).__name__}")
+    if isinstance(model, torch.jit.ScriptModule):
+        raise TypeError(
+            "fold() needs the eager nn.Module, but got a TorchScript module; fold first, then "
+            "torch.jit.script the folded model"
+        )
+    if model.training:
+        raise ValueError(
+            "fold() folds BatchNorm running statistics, which only define the model's output in "
+            "eval mode, but the model is in training mode. Call model.eval() first (a BatchNorm "
+            "you deliberately left in training mode inside an eval model is skipped and reported)."
+        )
+    work = model if inplace else copy.deepcopy(model)
+    report = FoldReport()
+    ctx = FoldContext(report, inplace, {}, {})
+    bn_names = bn_module_names(work)  # before folding removes them
+
+    args, reference, note = (None, None, "")
+    if check or example_inputs is not None:
+        args, reference, note = reference_run(work, example_inputs, ctx)
+    # A float64 copy of the original is run only if the fixed tolerance fails (see Note:
+    # [fold's tolerance follows eager's own rounding]); with inplace, copied before folding.
+    original = (copy.deepcopy(work) if inplace else model) if check and args is not None else None
+
+    fold_module(work, "", ctx, set())
+    folded = work
+    if not check or args is None:  # unchecked: each rewritten module checks itself on its first call
+        for m in work.modules():
+            fwd = installed(m)
+            if fwd is not None:
+                fwd.pending = tolerance
+
+    # every BatchNorm module gets an outcome, including ones tracing never reached
+    report.outcomes += unreached(bn_names, report.outcomes, [name for name, _ in report.untraceable])
+
+    if check:
+        if args is None:
+            report.check = FoldCheck(ran=False, note=note)
+        else:
+            try:
+                out = run_no_grad(folded, args)
+            except Exception as exc:
+                report.check = FoldCheck(ran=True, note=f"folded model failed: {short_reason(exc)}", passed=False)
+                finer = None if inplace else _fold_finer(model, args, reference, None, short_reason(exc))
+                if finer is not None:
+                    return finer
+                raise RuntimeError(f"fold(): the folded model fails on the sample input.\n{report}") from exc
+            diff, tol, ok, why = compare_to_reference(reference, out)
+            eager_errors = None
+            if not ok and original is not None:
+                eager_errors = float64_errors(original, args, reference)
+                if eager_errors is not None:
+                    diff, tol, ok, why = compare_to_reference(reference, out, eager_errors)
+            if not ok and not inplace:
+                finer = _fold_finer(model, args, reference, eager_errors, f"max abs diff {diff:.3g} > {tol:.3g}")
+                if finer is not None:
+                    return finer
+            if eager_errors is not None and any(eager_errors):
+                note = "; ".join(x for x in (note, f"allowed includes {EAGER_ERROR_FACTOR:g}x eager's own error vs a "
+                                             f"float64 run (max {max(eager_errors):.3g})") if x)
+            shapes = tuple(tuple(a.shape) for a in args if isinstance(a, Tensor))
+            report.check = FoldCheck(True, "; ".join(x for x in (note, why) if x), shapes, diff, tol, ok)
+            if not ok:
+                raise RuntimeError(
+                    "fold(): the folded model's outputs differ from the original's beyond the "
+                    f"tolerance (max abs diff {diff:.3g} > {tol:.3g}); this is a bug in convbn, "
+                    f"please report it with the model. Use check=False to get the model anyway.\n{report}"
+                )
+    forget_undo(folded)
+    folded.__dict__["fold_report"] = report
+    return folded

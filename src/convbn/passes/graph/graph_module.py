@@ -1,0 +1,444 @@
+"""Rewriting a user's module *in place*: the module object stays, its forward is replaced.
+
+``convert`` and ``fold`` never replace a module of the user's model by another object.
+A module whose forward traced is given :class:`GraphForward`, the rewritten graph's
+generated code, as the instance attribute ``forward``: ``nn.Module.__call__`` runs it (with
+the module's hooks around it, as before), while the module keeps its class, properties,
+methods, container behaviour (iteration, indexing, ``_modules``) and identity.
+
+Note: [where the fused modules live]
+The modules a rewrite adds (``FusedChain``\\ s) are *unregistered* attributes of the module
+whose graph calls them (plain ``__dict__`` entries, read by the generated code as
+``self.convbn_chain0``): registering them would add them to ``_modules``, which an
+``nn.Sequential`` (its own forward, run in the other train/eval mode or after a fallback),
+a parent iterating the container, or a ``children()`` walk would then call. They hold no
+tensors of their own (they reference the model's conv and BatchNorm modules), so
+``state_dict()``, ``.to()`` and ``.train()`` are unaffected. :func:`fused_modules` lists
+them; ``copy.deepcopy`` and ``pickle`` carry them with the module's ``__dict__``.
+
+A :class:`GraphForward` falls back to the module's own forward (its class's, or one the user
+had set on the instance) where its trace does not hold: the other train/eval mode for a
+mode-dependent trace, hooks registered later on a module the graph inlined, or a first-call
+check that failed (without ``example_inputs``).
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+import inspect
+import os
+import sys
+import types
+import warnings
+from collections import OrderedDict
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+
+import torch
+import torch.fx as fx
+from torch import Tensor, nn
+from torch.fx.graph_module import _forward_from_src
+from torch.utils import _pytree as pytree
+
+from ...nn.fused import hooks_of
+from .hooks import global_hooks, hook_reason
+from ..check.validate import StateSnapshot, compare_outputs, float64_slack, seeded
+
+__all__ = ["GraphForward", "install", "uninstall", "installed", "eager", "share_copy", "fused_modules",
+           "forget_undo"]
+
+_CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
+_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
+_TORCHSCRIPT_DIRS = (_TORCH_DIR + "jit" + os.sep, _TORCH_DIR + "_sources.py")
+
+
+class _ModuleRef:
+    """A Python module in the generated code's globals, pickled by name."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+
+def _picklable_globals(glob: Dict[str, Any]) -> Dict[str, Any]:
+    return {k: _ModuleRef(v.__name__) if isinstance(v, types.ModuleType) else v
+            for k, v in glob.items() if k != "__builtins__"}
+
+
+def _live_globals(glob: Dict[str, Any]) -> Dict[str, Any]:
+    import importlib
+
+    return {k: importlib.import_module(v.name) if isinstance(v, _ModuleRef) else v for k, v in glob.items()}
+
+
+class GraphForward:
+    """The generated forward of a module rewritten in place (see module docstring).
+
+    Attributes:
+        owner: the module it runs on (the generated code's ``self``).
+        graph: the rewritten ``fx.Graph`` (``None`` after unpickling: the code is kept).
+        code: the generated Python source.
+        previous: a forward the user had set on the instance before, or ``None`` (the class's).
+        added: attribute paths the rewrite added to ``owner`` (fused modules, new weights).
+    """
+
+    def __init__(self, owner: nn.Module, graph: fx.Graph, added: Sequence[str] = ()) -> None:
+        self.owner = owner
+        self.graph = graph
+        python_code = graph.python_code(root_module="self")
+        self.code: str = python_code.src
+        self._globals = dict(python_code.globals)
+        self.fn: Callable[..., Any] = _forward_from_src(self.code, self._globals)
+        prev = owner.__dict__.get("forward")
+        self.previous = prev if not isinstance(prev, GraphForward) else prev.previous
+        self.added = list(added)
+        self.fallback = False
+        self.pending: Optional[Callable[[torch.dtype], float]] = None
+        self.modes: Optional[List[Tuple[nn.Module, bool]]] = None
+        self.inlined: List[nn.Module] = []
+        self.undo: Optional[List[Tuple[nn.Module, str, str, Any]]] = None
+
+    # TorchScript (``torch.jit.script`` of a folded model) compiles a module's ``forward``
+    # from its source: it reads these off the generated function (the guards above are
+    # Python-only; a scripted module runs the graph).
+    __name__ = "forward"
+
+    @property
+    def __wrapped__(self) -> Callable[..., Any]:
+        return self.fn
+
+    @property
+    def __globals__(self) -> Dict[str, Any]:
+        return self.fn.__globals__  # type: ignore[attr-defined]
+
+    @property
+    def __code__(self) -> Any:
+        return self.fn.__code__  # type: ignore[attr-defined]
+
+    @property
+    def __closure__(self) -> Any:
+        return self.fn.__closure__  # type: ignore[attr-defined]
+
+    @property
+    def __signature__(self) -> inspect.Signature:  # the bound method's: ``self`` left out
+        sig = inspect.signature(self.fn)
+        return sig.replace(parameters=list(sig.parameters.values())[1:])
+
+    @property  # type: ignore[misc]
+    def __class__(self) -> type:  # noqa: D401
+        # ``inspect.getfile`` accepts functions only; TorchScript reads the source through it
+        frame = sys._getframe(1)
+        if frame.f_code.co_filename == inspect.__file__:
+            outer = frame.f_back
+            while outer is not None:
+                if outer.f_code.co_filename.startswith(_TORCHSCRIPT_DIRS):
+                    return types.FunctionType
+                outer = outer.f_back
+        return GraphForward
+
+    # -- what runs ------------------------------------------------------------------
+    def original(self, *args: Any, **kwargs: Any) -> Any:
+        """The module's own forward (the class's, or the instance forward it had before), on
+        the modules and weights it had before (where the rewrite replaced some: fold)."""
+        replaced = [u for u in self.undo or () if u[2]]
+        if not replaced:
+            return self._own_forward(*args, **kwargs)
+        now = [(parent, name, *_slot(parent, name)) for parent, name, _, _ in replaced]
+        for parent, name, kind, old in replaced:
+            _put(parent, name, kind, old)
+        try:
+            return self._own_forward(*args, **kwargs)
+        finally:
+            for parent, name, kind, new in now:
+                _put(parent, name, kind, new)
+
+    def _own_forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self.previous is not None:
+            return self.previous(*args, **kwargs)
+        return type(self.owner).forward(self.owner, *args, **kwargs)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self.fallback:
+            return self.original(*args, **kwargs)
+        if self.modes is not None and any(m.training != t for m, t in self.modes):
+            return self.original(*args, **kwargs)
+        if self.inlined and any(hooks_of(m) for m in self.inlined):
+            return self.original(*args, **kwargs)
+        if self.pending is not None and not torch.compiler.is_compiling():
+            tolerance, self.pending = self.pending, None
+            return self._first_call(tolerance, args, kwargs)
+        return self.fn(self.owner, *args, **kwargs)
+
+    def _first_call(self, tolerance: Callable[[torch.dtype], float], args: Tuple[Any, ...],
+                    kwargs: Dict[str, Any]) -> Any:
+        """Run the original and the graph on copies of the inputs (state restored) and compare;
+        on a difference, or an error of the graph, warn and run the original from now on."""
+        owner = self.owner
+        if global_hooks() or any(hook_reason(m) for m in owner.modules() if m is not owner):
+            # hooks may have side effects (collected features, counters): never call them
+            # more often than eager would; such models are validated with example_inputs only
+            return self.fn(owner, *args, **kwargs)
+        with torch.no_grad():
+            try:
+                with StateSnapshot(owner), seeded(0):
+                    ref = self.original(*_clone(args), **_clone(kwargs))
+            except Exception:  # noqa: BLE001 - the module itself fails: let it raise as eager would
+                return self.original(*args, **kwargs)
+            try:
+                with StateSnapshot(owner), seeded(0):
+                    out = self.fn(owner, *_clone(args), **_clone(kwargs))
+                result = compare_outputs(ref, out, tolerance)
+                if not result.ok:  # rounding amplified by the model itself? ask a float64 copy (only now)
+                    slack = float64_slack(owner, lambda m64: _eager_run64(m64, args, kwargs), ref)
+                    if slack is not None:
+                        result = compare_outputs(ref, out, tolerance, slack=slack)
+                why = result.describe() if not result.ok else ""
+            except Exception as exc:  # noqa: BLE001 - the rewrite fails: fall back
+                why = f"the rewrite raised {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+        if not why:
+            self.undo = None  # checked: the weights it replaced are no longer needed
+        if why:
+            self.fallback = True
+            warnings.warn(
+                f"convbn: the rewritten {type(owner).__name__} differs from the original on its first call "
+                f"({why}); running the original (unfused) forward from now on. Pass example_inputs=... to "
+                "convert/fold to validate (and convert finer) up front.",
+                RuntimeWarning,
+                stacklevel=4,
+            )
+            return self.original(*args, **kwargs)
+        return self.fn(owner, *args, **kwargs)
+
+    # -- copies -----------------------------------------------------------------------
+    def __deepcopy__(self, memo: Dict[int, Any]) -> "GraphForward":
+        new = object.__new__(GraphForward)
+        memo[id(self)] = new
+        for key, value in self.__dict__.items():
+            if key in ("graph", "code", "_globals", "fn"):
+                new.__dict__[key] = value  # immutable once installed: shared
+            elif key == "undo" and self.pending is None:
+                new.__dict__[key] = None
+            else:
+                new.__dict__[key] = copy.deepcopy(value, memo)
+        return new
+
+    def __reduce_ex__(self, protocol: Any) -> Tuple[Any, ...]:
+        return (_new_graph_forward, (), self.__getstate__())
+
+    def __getstate__(self) -> Dict[str, Any]:
+        state = {k: v for k, v in self.__dict__.items() if k not in ("graph", "fn")}
+        if self.pending is None:
+            state["undo"] = None
+        state["_globals"] = _picklable_globals(self._globals)
+        return state
+
+    def __setstate__(self, state: Dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._globals = _live_globals(state["_globals"])
+        self.graph = None
+        self.fn = _forward_from_src(self.code, self._globals)
+
+    def __repr__(self) -> str:
+        return f"GraphForward({type(self.owner).__name__}, fallback={self.fallback})"
+
+
+def _new_graph_forward() -> GraphForward:
+    return object.__new__(GraphForward)
+
+
+def _eager_run64(model64: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
+    to64 = lambda t: t.double() if isinstance(t, Tensor) and t.is_floating_point() else t  # noqa: E731
+    with torch.no_grad(), seeded(0), eager(model64):
+        return model64(*pytree.tree_map(to64, args), **pytree.tree_map(to64, kwargs))
+
+
+def _clone(tree: Any) -> Any:
+    return pytree.tree_map(lambda t: t.clone() if isinstance(t, Tensor) else t, tree)
+
+
+# -- installing ------------------------------------------------------------------------
+
+
+def _resolve(root: Any, path: str) -> Any:
+    obj = root
+    for part in path.split(".") if path else ():
+        obj = getattr(obj, part)
+    return obj
+
+
+def _slot(parent: nn.Module, name: str) -> Tuple[str, Any]:
+    for kind in ("_modules", "_parameters", "_buffers"):
+        d = parent.__dict__.get(kind, {})
+        if name in d:
+            return kind, d[name]
+    if name in parent.__dict__:
+        return "__dict__", parent.__dict__[name]
+    return "", None
+
+
+def _put(parent: nn.Module, name: str, kind: str, value: Any) -> None:
+    if kind in ("_modules", "_parameters", "_buffers") and name in parent.__dict__[kind]:
+        parent.__dict__[kind][name] = value  # in its place: a container's order stays
+        return
+    for k in ("_modules", "_parameters", "_buffers"):
+        parent.__dict__[k].pop(name, None)
+    parent.__dict__.pop(name, None)
+    if kind:
+        (parent.__dict__ if kind == "__dict__" else parent.__dict__[kind])[name] = value
+
+
+def install(owner: nn.Module, gm: fx.GraphModule, register_new: bool = False) -> GraphForward:
+    """Run ``gm``'s graph as ``owner``'s forward, in place.
+
+    What the graph reads (``call_module`` / ``get_attr`` targets) and ``owner`` does not hold
+    at that path (new fused modules, a folded conv copy, new weights) is put there first:
+    a replacement takes the old one's slot (a registered child stays registered, in its
+    place); a new module is an unregistered attribute (Note: [where the fused modules
+    live]) unless ``register_new`` and its parent is not a container; new parameters and
+    buffers are registered. ``GraphForward.undo`` remembers the old state for :func:`uninstall`.
+
+    Args:
+        owner: the user's module (its tree holds everything else the graph reads).
+        gm: the rewritten trace of ``owner``.
+        register_new: register new modules (``fold``'s layer copies hold weights that ``.to()`` must move).
+
+    Returns:
+        The installed :class:`GraphForward` (``owner.forward``).
+    """
+    undo: List[Tuple[nn.Module, str, str, Any]] = []
+    added: List[str] = []
+    seen = set()
+    for node in gm.graph.nodes:
+        if node.op not in ("call_module", "get_attr") or str(node.target) in seen:
+            continue
+        target = str(node.target)
+        seen.add(target)
+        value = _resolve(gm, target)
+        parent_path, _, name = target.rpartition(".")
+        parent = _resolve(owner, parent_path)
+        gm_parent = _resolve(gm, parent_path)
+        kind, current = _slot(parent, name)
+        if kind and current is value:
+            continue
+        if isinstance(value, nn.Module):
+            new_kind = "_modules" if kind == "_modules" or (
+                not kind and register_new and not isinstance(parent, _CONTAINERS)) else "__dict__"
+        elif name in gm_parent.__dict__.get("_parameters", {}) or isinstance(value, nn.Parameter):
+            new_kind = "_parameters"
+        elif name in gm_parent.__dict__.get("_buffers", {}):
+            new_kind = "_buffers"
+        else:
+            new_kind = "__dict__"
+        undo.append((parent, name, kind, current))
+        _put(parent, name, new_kind, value)
+        if not kind:
+            added.append(target)
+    fwd = GraphForward(owner, gm.graph, added)
+    fwd.undo = undo
+    owner.__dict__["forward"] = fwd
+    return fwd
+
+
+def installed(module: nn.Module) -> Optional[GraphForward]:
+    """``module``'s :class:`GraphForward`, if it was rewritten."""
+    fwd = module.__dict__.get("forward")
+    return fwd if isinstance(fwd, GraphForward) else None
+
+
+def uninstall(root: nn.Module) -> None:
+    """Undo :func:`install` on ``root`` and every module under it (while ``undo`` is known)."""
+    for m in list(root.modules()):
+        fwd = installed(m)
+        if fwd is None:
+            continue
+        for parent, name, kind, old in reversed(fwd.undo or []):
+            _put(parent, name, kind, old)
+        if fwd.previous is not None:
+            m.__dict__["forward"] = fwd.previous
+        else:
+            del m.__dict__["forward"]
+
+
+def forget_undo(root: nn.Module) -> None:
+    """Drop what :func:`uninstall` would need (it references replaced weights), except where a
+    first-call check is pending: its fallback runs the module as it was."""
+    for m in root.modules():
+        fwd = installed(m)
+        if fwd is not None:
+            fwd.undo = None if fwd.pending is None else [u for u in fwd.undo or () if u[2]]
+
+
+@contextlib.contextmanager
+def eager(root: nn.Module) -> Iterator[None]:
+    """Run ``root`` as it was before rewriting: every installed forward set aside.
+
+    (``convert``'s rewrite only adds forwards and unregistered modules, so this *is* the
+    original model, on the very same parameters and buffers.)
+    """
+    saved = []
+    swapped: List[Tuple[nn.Module, str, str, Any]] = []
+    for m in list(root.modules()):
+        fwd = installed(m)
+        if fwd is not None:
+            saved.append((m, fwd))
+            if fwd.previous is not None:
+                m.__dict__["forward"] = fwd.previous
+            else:
+                del m.__dict__["forward"]
+            for parent, name, kind, old in fwd.undo or ():
+                if kind:  # a module or weight the rewrite replaced (fold): the old one, meanwhile
+                    swapped.append((parent, name, *_slot(parent, name)))
+                    _put(parent, name, kind, old)
+    try:
+        yield
+    finally:
+        for parent, name, kind, new in reversed(swapped):
+            _put(parent, name, kind, new)
+        for m, fwd in saved:
+            m.__dict__["forward"] = fwd
+
+
+def fused_modules(model: nn.Module) -> Iterator[Tuple[str, nn.Module]]:
+    """``(qualified name, module)`` of every module a rewrite added (unregistered; see
+    Note: [where the fused modules live]), in ``named_modules()`` order of their owners.
+
+    Example:
+        >>> fast = convbn.convert(net)                      # doctest: +SKIP
+        >>> [n for n, _ in fused_modules(fast)]             # doctest: +SKIP
+        ['convbn_chain0']
+    """
+    for prefix, m in model.named_modules():
+        fwd = installed(m)
+        if fwd is None:
+            continue
+        for target in fwd.added:
+            value = _resolve(m, target)
+            if isinstance(value, nn.Module):
+                yield (f"{prefix}.{target}" if prefix else target), value
+
+
+def share_copy(model: nn.Module) -> nn.Module:
+    """A copy of ``model`` whose modules are new objects (same classes, attributes, hooks)
+    but whose parameters, buffers and other tensor attributes are ``model``'s own (an
+    optimizer built on ``model`` keeps working on the copy)."""
+    memo: Dict[int, Any] = {}
+    for m in model.modules():
+        for t in (*m._parameters.values(), *m._buffers.values(), *vars(m).values()):
+            if isinstance(t, Tensor):
+                memo[id(t)] = t
+    try:
+        return copy.deepcopy(model, memo)
+    except Exception:  # noqa: BLE001 - something in the model refuses deepcopy: copy the tree only
+        return _clone_tree(model, {})
+
+
+def _clone_tree(module: nn.Module, seen: Dict[int, nn.Module]) -> nn.Module:
+    if id(module) in seen:
+        return seen[id(module)]
+    clone = copy.copy(module)
+    seen[id(module)] = clone
+    clone._modules = OrderedDict((k, None if c is None else _clone_tree(c, seen)) for k, c in module._modules.items())
+    clone._parameters = OrderedDict(module._parameters)
+    clone._buffers = OrderedDict(module._buffers)
+    for key, value in vars(module).items():
+        if "hook" in key and isinstance(value, dict):
+            clone.__dict__[key] = copy.copy(value)
+    return clone

@@ -1,0 +1,441 @@
+"""Tracing shared by :func:`convbn.convert` and :func:`convbn.fold`.
+
+One place decides how a user's model becomes an ``fx.Graph`` and how a rewritten graph
+goes back into a module without changing what the user built:
+
+* **Leaf policy** (:class:`LayerTracer`, both passes): BatchNorms, the conv / linear
+  layers of :mod:`convbn.passes.graph.layers` that keep torch's ``forward`` and convbn's fused
+  modules are leaves (a layer subclass with its own ``forward`` is traced into: its
+  functional call is matched instead). On top of it, a module with hooks is always a
+  leaf (its hooks then run at call time, as in eager; tracing through it would run them
+  once on proxies and never again).
+* **Partial tracing**: a submodule whose forward cannot be traced, or whose trace would
+  mislead (see below), is rolled back and becomes a *leaf of its parent's trace*, so the
+  rest of the parent is still traced whole; the caller then works inside it on its own.
+* **Trace hazards**: ``torch.fx`` proxies answer ``isinstance(x, torch.Tensor)`` and
+  ``torch.jit.isinstance(x, torch.Tensor)`` with ``False``, so code branching on them
+  silently records the *other* branch (MONAI's ``UpCat`` drops its skip connection).
+  While tracing, both checks on a traced value raise :class:`TraceHazard` inside the
+  module that made them, which partial tracing turns into a leaf. Python control flow on
+  shapes already fails under ``torch.fx`` and is handled the same way.
+* **BatchNorm written any way**: a ``_BatchNorm`` subclass with its own ``forward`` that
+  :func:`~convbn.passes.bn.recognise.recognise_norm_act` recognises is *inlined*: the graph
+  gets ``standard_batch_norm(<the module>, x)`` (reading its mode and statistics at call
+  time) followed by the rest of its forward (its ``drop`` / ``act`` children called by
+  their own names), so matchers see an ordinary BatchNorm and its tail; one not recognised
+  stays a leaf and :attr:`Traced.norm_act` says why. A frozen BatchNorm
+  (:func:`~convbn.passes.bn.recognise.frozen_bn_ranks`) is always a leaf.
+* **Mode dependence**: the trace is repeated with ``training`` flipped; a graph that
+  differs runs the original code in the other mode (:mod:`convbn.passes.graph.graph_module`).
+
+What a replaced module keeps is :mod:`convbn.passes.graph.graph_module`; running and comparing
+the original and a rewrite is :mod:`convbn.passes.check.validate`; hooks: :mod:`convbn.passes.graph.hooks`.
+"""
+from __future__ import annotations
+
+import linecache
+import os
+import sys
+import traceback
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Type
+
+import torch
+import torch.fx as fx
+from torch import nn
+
+from torch.nn.modules.batchnorm import _BatchNorm
+
+from ...nn.bn_call import frozen_batch_norm, has_standard_bn_forward, standard_batch_norm
+from ...nn.chain import FusedChain
+from ...nn.fused import _FusedConvBNNd
+from ..bn.frozen import frozen_bn_ranks, holds_frozen_bn_tensors, recognise_frozen_norm_act
+from ..bn.recognise import NormActBody, recognise_norm_act
+from .hooks import hook_reason
+from .layers import LAYER_MODULES, has_standard_forward
+from .trace_hazards import FunctionCall, _answer_could_differ, _opaque_apply, _tensor_valued
+
+__all__ = ["TraceHazard", "LayerTracer", "Traced", "trace", "resolve_string_annotations", "short_reason", "FunctionCall"]
+
+
+class LayerTracer(fx.Tracer):
+    """The leaf policy of :func:`convbn.convert` and :func:`convbn.fold`: the modules they
+    match stay single calls.
+
+    Leaves: BatchNorms with torch's forward (``_BatchNorm`` cannot be traced into: its
+    ``_check_input_dim`` branches on the input's rank), conv / conv-transpose / linear
+    modules that keep torch's ``forward`` (subclasses too; one with its own ``forward`` is
+    traced into, and its ``F.conv2d`` call matched), and convbn's fused modules (already
+    fused). Everything else as ``fx.Tracer``. Partial tracing, hooks and hazards:
+    :func:`trace`.
+
+    Note: [BatchNorm subclasses with their own forward]
+    One that :func:`~convbn.passes.bn.recognise.recognise_norm_act` recognises is inlined
+    (:class:`_PartialTracing`). One it does not is a leaf in training mode: its forward may
+    update running statistics in ways a trace runs once, and convert reports it left. In
+    eval mode (fold) it is traced into like any module: a ``batch_norm`` call on constant
+    statistics inside it folds like any other, and fold's check runs the result.
+    """
+
+    def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
+        if isinstance(m, (FusedChain, _FusedConvBNNd)):
+            return True
+        if isinstance(m, _BatchNorm):
+            return has_standard_bn_forward(m) or m.training or super().is_leaf_module(m, module_qualified_name)
+        if isinstance(m, LAYER_MODULES):
+            return has_standard_forward(m)
+        return super().is_leaf_module(m, module_qualified_name)
+
+
+class TraceHazard(RuntimeError):
+    """Raised while tracing where ``torch.fx`` would record a different computation than eager runs."""
+
+
+def short_reason(exc: BaseException, limit: int = 160) -> str:
+    """``"TypeName: first line of the message"``, shortened to ``limit`` characters."""
+    text = str(exc).strip().splitlines()
+    first = text[0] if text else ""
+    if len(first) > limit:
+        first = first[: limit - 3] + "..."
+    return f"{type(exc).__name__}: {first}"
+
+
+_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
+_OWN_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+# torch's own code inspects proxies on purpose (FX itself, pytree, dispatch, Parameter's
+# metaclass); ``torch.is_tensor`` (torch/__init__.py) is the model's question, not torch's.
+_IS_TENSOR_FILE = _TORCH_DIR + "__init__.py"
+
+
+def _trusted(filename: str) -> bool:
+    return (filename.startswith(_TORCH_DIR) and filename != _IS_TENSOR_FILE) or filename.startswith(_OWN_DIR)
+
+
+def _asks_type(filename: str, lineno: int) -> bool:
+    line = linecache.getline(filename, lineno)
+    return "isinstance" in line or "is_tensor" in line or "issubclass" in line
+
+
+class _WatchedProxy(fx.Proxy):
+    """A proxy that notices ``isinstance`` checks made on it by the model's own code.
+
+    ``isinstance(p, C)`` for a class ``C`` that ``type(p)`` is not a subclass of reads
+    ``p.__class__``; eager code would have seen a Tensor there. The check is a hazard
+    unless it comes from FX or torch internals.
+    """
+
+    @property  # type: ignore[misc]
+    def __class__(self) -> type:  # noqa: D401
+        frame = sys._getframe(1)
+        filename = frame.f_code.co_filename
+        # C code (a torch op's argument parser) also reads ``__class__``; only an
+        # ``isinstance`` / ``is_tensor`` written on the calling line is the model's question.
+        if not _trusted(filename) and _asks_type(filename, frame.f_lineno) and _answer_could_differ(self, frame):
+            raise TraceHazard(
+                f"isinstance() on a traced value at {os.path.basename(filename)}:{frame.f_lineno} "
+                "(torch.fx would record the non-tensor branch)"
+            )
+        return type(self)
+
+
+def _patched_jit_isinstance(original: Callable[[Any, Any], bool]) -> Callable[[Any, Any], bool]:
+    def jit_isinstance(obj: Any, target_type: Any) -> bool:
+        if type(obj) is _WatchedProxy or isinstance(obj, fx.Proxy):
+            frame = sys._getframe(1)
+            if (isinstance(target_type, type) and _tensor_valued(obj.node)
+                    and issubclass(torch.Tensor, target_type) == issubclass(type(obj), target_type)):
+                return original(obj, target_type)
+            raise TraceHazard(
+                f"torch.jit.isinstance() on a traced value at {os.path.basename(frame.f_code.co_filename)}:"
+                f"{frame.f_lineno} (torch.fx would record the non-tensor branch)"
+            )
+        return original(obj, target_type)
+
+    return jit_isinstance
+
+
+class _PartialTracing:
+    """Mixed in front of a tracer class: leaves for hooked / forced / failing modules, rollback.
+
+    Attributes:
+        opaque: qualified name -> reason, for submodules whose trace failed or misled
+            (rolled back and called as leaves).
+        hooked: qualified name -> hooks, for submodules kept as leaves for their hooks.
+    """
+
+    def __init__(self, *args: Any, leaves: Sequence[str] = (), wrapped: Sequence[Callable[..., Any]] = (),
+                 **kwargs: Any) -> None:
+        if wrapped:
+            kwargs["autowrap_functions"] = tuple(wrapped)
+        super().__init__(*args, **kwargs)  # type: ignore[call-arg]
+        self.opaque: Dict[str, str] = {name: "asked to be a leaf" for name in leaves}
+        self.hooked: Dict[str, str] = {}
+        self._param_cache: Optional[Dict[str, Any]] = None
+        #: qualified name -> why a BatchNorm subclass with its own forward was not inlined
+        self.norm_act: Dict[str, str] = {}
+        self._frozen: Dict[int, bool] = {}
+        self._bodies: Dict[int, NormActBody] = {}
+
+    def proxy(self, node: fx.Node) -> fx.Proxy:
+        return _WatchedProxy(node, self)  # type: ignore[arg-type]
+
+    def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
+        if module_qualified_name in self.opaque:
+            return True
+        why = hook_reason(m)
+        if why is not None and m is not getattr(self, "root", None):
+            self.hooked[module_qualified_name] = why
+            return True
+        if self._frozen.get(id(m), False):
+            return True
+        return super().is_leaf_module(m, module_qualified_name)  # type: ignore[misc]
+
+    def getattr(self, attr: str, attr_val: Any, parameter_proxy_cache: Dict[str, Any]) -> Any:
+        self._param_cache = parameter_proxy_cache  # kept so a rollback can drop stale proxies
+        return super().getattr(attr, attr_val, parameter_proxy_cache)  # type: ignore[misc]
+
+    def call_module(self, m: nn.Module, forward: Callable[..., Any], args: Tuple[Any, ...],
+                    kwargs: Dict[str, Any]) -> Any:
+        name = self.path_of_module(m)  # type: ignore[attr-defined]
+        if (isinstance(m, _BatchNorm) and not has_standard_bn_forward(m) and m is not self.root
+                and name not in self.opaque and hook_reason(m) is None):
+            body = self._bodies.get(id(m)) or NormActBody(reason="it was not found among the traced module's submodules")
+            x = args[0] if len(args) == 1 and not kwargs else None
+            if body.reason is None and isinstance(x, fx.Proxy):
+                return self._inline_norm_act(m, name, body, x)
+            self.norm_act[name] = body.reason or "it is called with other than one tensor argument"
+        elif id(m) in self._bodies and m is not self.root and name not in self.opaque and hook_reason(m) is None:
+            body = self._bodies[id(m)]
+            x = args[0] if len(args) == 1 and not kwargs else None
+            if body.reason is None and isinstance(x, fx.Proxy):
+                return self._inline_norm_act(m, name, body, x)
+        if self.is_leaf_module(m, name) or m is self.root:  # type: ignore[attr-defined]
+            return super().call_module(m, forward, args, kwargs)  # type: ignore[misc]
+        graph: fx.Graph = self.graph  # type: ignore[attr-defined]
+        last_node = graph._root._prev  # everything after it belongs to this call
+        stack = list(self.module_stack.items())  # type: ignore[attr-defined]
+        num_calls = dict(self.num_calls)  # type: ignore[attr-defined]
+        try:
+            return super().call_module(m, forward, args, kwargs)  # type: ignore[misc]
+        except _Retrace:
+            raise
+        except Exception as exc:  # noqa: BLE001 - any failure or hazard makes the module a leaf
+            fn = _plain_function_of(exc)
+            if fn is not None and id(fn) not in self._autowrap_function_ids:  # type: ignore[attr-defined]
+                raise _Retrace(fn) from exc
+            self._rollback(last_node)
+            self.module_stack.clear()  # type: ignore[attr-defined]
+            self.module_stack.update(stack)  # type: ignore[attr-defined]
+            self.num_calls = num_calls
+            self.opaque[name] = short_reason(exc)
+            return super().call_module(m, forward, args, kwargs)  # type: ignore[misc]
+
+    def _inline_norm_act(self, m: nn.Module, name: str, body: NormActBody, x: fx.Proxy) -> Any:
+        """The standard batch norm of ``m`` on ``x`` as one node, then ``m``'s tail replayed."""
+        create = self.create_proxy  # type: ignore[attr-defined]
+        module = create("get_attr", name, (), {})
+        if body.ranks:  # a frozen BatchNorm: eval-mode batch norm with its buffers
+            return body.replay(m, x, lambda inp: create("call_function", frozen_batch_norm, (module, inp, body.ranks), {}))
+        return body.replay(m, x, lambda inp: create("call_function", standard_batch_norm, (module, inp), {}))
+
+    def _rollback(self, last_node: fx.Node) -> None:
+        graph: fx.Graph = self.graph  # type: ignore[attr-defined]
+        created: List[fx.Node] = []
+        node = last_node._next
+        while node is not graph._root:
+            created.append(node)
+            node = node._next
+        erased = set(created)
+        for node in reversed(created):
+            graph.erase_node(node)
+        if self._param_cache:
+            for key in [k for k, p in self._param_cache.items() if p.node in erased]:
+                del self._param_cache[key]
+
+    def trace(self, root: Any, concrete_args: Optional[Dict[str, Any]] = None) -> fx.Graph:
+        # recognised before tracing: the recogniser traces on its own, which must not record
+        # into this trace
+        self._bodies = {id(m): recognise_norm_act(m) for m in root.modules()
+                        if isinstance(m, _BatchNorm) and not has_standard_bn_forward(m) and m is not root}
+        self._frozen = {id(m): bool(frozen_bn_ranks(m)) for m in root.modules() if m is not root}
+        for m in root.modules():  # frozen BatchNorms with a tail of children: inlined like norm-act
+            if m is not root and not self._frozen[id(m)] and holds_frozen_bn_tensors(m) and any(m.children()):
+                self._bodies[id(m)] = recognise_frozen_norm_act(m)
+        original = torch.jit.isinstance
+        apply = torch.autograd.Function.__dict__["apply"]
+        torch.jit.isinstance = _patched_jit_isinstance(original)  # type: ignore[assignment]
+        torch.autograd.Function.apply = classmethod(_opaque_apply(apply.__func__))  # type: ignore[assignment]
+        try:
+            return super().trace(root, concrete_args)  # type: ignore[misc]
+        finally:
+            torch.jit.isinstance = original  # type: ignore[assignment]
+            torch.autograd.Function.apply = apply  # type: ignore[assignment]
+
+
+class _Retrace(Exception):
+    """Restart the trace with ``fn`` recorded as one call instead of traced through."""
+
+    def __init__(self, fn: Callable[..., Any]) -> None:
+        super().__init__(getattr(fn, "__qualname__", repr(fn)))
+        self.fn = fn
+
+
+def _plain_function_of(exc: BaseException) -> Optional[Callable[..., Any]]:
+    """The module-level Python function (called from a module's ``forward``) in which tracing
+    failed, if the failure happened inside one: e.g. a helper calling ``len(x.shape)``.
+
+    Such a function can run as one opaque ``call_function`` node (FX's ``autowrap``): at
+    call time it then runs for real, exactly as in eager.
+    """
+    frames = [f for f, _ in traceback.walk_tb(exc.__traceback__)]
+    user = [f for f in frames if not _trusted(f.f_code.co_filename)]
+    if not user or isinstance(exc, TraceHazard):
+        return None
+    found = None
+    for frame in reversed(user):  # innermost first
+        fn = frame.f_globals.get(frame.f_code.co_name)
+        if getattr(fn, "__code__", None) is not frame.f_code or "self" in frame.f_code.co_varnames[:1]:
+            break  # a method (a module's forward): stop at the first non-plain frame
+        found = fn
+    return found
+
+
+_PARTIAL_CLASSES: Dict[type, type] = {}
+
+
+def _partial_class(tracer_cls: Type[fx.Tracer]) -> type:
+    if tracer_cls not in _PARTIAL_CLASSES:
+        _PARTIAL_CLASSES[tracer_cls] = type(f"Partial{tracer_cls.__name__}", (_PartialTracing, tracer_cls), {})
+    return _PARTIAL_CLASSES[tracer_cls]
+
+
+@dataclass
+class Traced:
+    """Result of :func:`trace`.
+
+    Attributes:
+        gm: a GraphModule of the trace (holding only what the graph uses).
+        graph: its graph.
+        opaque: submodules rolled back to leaves, with the reason (failed or misleading trace).
+        hooked: submodules kept as leaves because they have hooks, with the hooks.
+        norm_act: BatchNorm subclasses with their own forward left as leaves, with why.
+        wrapped: helper functions recorded as single calls (their trace failed inside).
+        mode_dependent: the graph differs when traced with ``training`` flipped.
+        modes: every module's ``training`` flag when traced.
+    """
+
+    gm: fx.GraphModule
+    graph: fx.Graph
+    opaque: Dict[str, str] = field(default_factory=dict)
+    hooked: Dict[str, str] = field(default_factory=dict)
+    norm_act: Dict[str, str] = field(default_factory=dict)
+    wrapped: List[str] = field(default_factory=list)
+    mode_dependent: bool = False
+    modes: List[Tuple[nn.Module, bool]] = field(default_factory=list, repr=False)
+
+    def descend(self) -> Dict[str, str]:
+        """Leaves the caller should work inside on their own (opaque and hooked), outermost first."""
+        both = {**self.hooked, **self.opaque}
+        names = sorted(both, key=lambda n: n.count("."))
+        kept: Dict[str, str] = {}
+        for n in names:  # a leaf inside another leaf is reached through the outer one
+            if n and not any(n.startswith(k + ".") for k in kept if k):
+                kept[n] = both[n]
+        return kept
+
+
+def trace(module: nn.Module, tracer_cls: Type[fx.Tracer] = fx.Tracer, *, leaves: Sequence[str] = (),
+          training: Optional[bool] = None) -> Traced:
+    """Trace ``module`` with ``tracer_cls``'s leaf policy plus partial tracing and hazard checks.
+
+    A failure inside a module-level helper function (not a module) restarts the trace with
+    that function recorded as one call (it then runs for real at call time); a failure or
+    hazard inside a submodule makes that submodule a leaf. The trace is repeated with every
+    module's ``training`` flag flipped: where the two graphs differ (code that branches on
+    ``self.training``, or passes it to a recorded call) the result is *mode dependent*.
+
+    Args:
+        module: the module to trace.
+        tracer_cls: the caller's ``fx.Tracer`` subclass (its ``is_leaf_module`` decides
+            the ordinary leaves).
+        leaves: qualified names of submodules to keep as leaves regardless.
+        training: trace as if ``module.train(training)`` had been called (flags restored
+            afterwards); ``None`` traces the modes as they are.
+
+    Returns:
+        A :class:`Traced`.
+
+    Raises:
+        Exception: whatever tracing raised when ``module``'s *own* code cannot be traced
+        (including :class:`TraceHazard`); submodules never make the whole trace fail.
+
+    Example:
+        >>> t = trace(nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8)))
+        >>> [n.op for n in t.graph.nodes]
+        ['placeholder', 'call_module', 'call_module', 'output']
+    """
+    flags = [(m, m.training) for m in module.modules()]
+    if training is not None and module.training != training:
+        module.train(training)
+    try:
+        return _trace(module, tracer_cls, leaves)
+    finally:
+        for m, t in flags:
+            m.training = t
+
+
+def _trace(module: nn.Module, tracer_cls: Type[fx.Tracer], leaves: Sequence[str]) -> Traced:
+    wrapped: List[Callable[..., Any]] = []
+    for _ in range(16):
+        tracer = _partial_class(tracer_cls)(leaves=leaves, wrapped=wrapped)
+        try:
+            graph = tracer.trace(module)
+            break
+        except _Retrace as again:
+            wrapped.append(again.fn)
+    else:  # pragma: no cover - 16 nested helpers failing one after the other
+        raise RuntimeError(f"tracing {type(module).__name__} kept failing in helper functions {wrapped}")
+    graph._tracer_cls = tracer_cls  # picklable (torch.save re-traces the generated code with it)
+    graph.lint()
+    resolve_string_annotations(graph, module)
+    gm = fx.GraphModule(tracer.root, graph, type(module).__name__)
+    opaque = {k: v for k, v in tracer.opaque.items() if k not in leaves or v != "asked to be a leaf"}
+    opaque.update({k: "asked to be a leaf" for k in leaves})
+    traced = Traced(gm, graph, opaque, dict(tracer.hooked), dict(tracer.norm_act), [getattr(f, "__qualname__", repr(f)) for f in wrapped])
+    traced.modes = [(m, m.training) for m in module.modules()]
+    traced.mode_dependent = _mode_dependent(module, tracer_cls, leaves, wrapped, gm.code)
+    return traced
+
+
+def _mode_dependent(module: nn.Module, tracer_cls: Type[fx.Tracer], leaves: Sequence[str],
+                    wrapped: Sequence[Callable[..., Any]], code: str) -> bool:
+    modes = [(m, m.training) for m in module.modules()]
+    try:
+        for m, t in modes:
+            m.training = not t
+        tracer = _partial_class(tracer_cls)(leaves=leaves, wrapped=wrapped)
+        graph = tracer.trace(module)
+        resolve_string_annotations(graph, module)
+        other = fx.GraphModule(tracer.root, graph).code
+    except Exception:  # noqa: BLE001 - the other mode does not even trace: surely dependent
+        return True
+    finally:
+        for m, t in modes:
+            m.training = t
+    return other != code
+
+
+def resolve_string_annotations(graph: fx.Graph, module: nn.Module) -> None:
+    """Replace string annotations (``from __future__ import annotations``) on the graph's
+    inputs/output by the types they name, or drop them: FX writes them into the generated
+    code under names TorchScript and ``torch.save`` cannot resolve."""
+    try:
+        hints = typing.get_type_hints(type(module).forward)
+    except Exception:  # noqa: BLE001 - unresolvable names: just drop them
+        hints = {}
+    for node in graph.nodes:
+        if node.op == "placeholder" and isinstance(node.type, str):
+            node.type = hints.get(node.target.lstrip("*"))
+        elif node.op == "output" and isinstance(node.type, str):
+            node.type = hints.get("return")

@@ -1,0 +1,137 @@
+"""Trace hazards, exactly: where ``torch.fx`` would record another computation than eager runs.
+
+* ``isinstance`` on a proxy is a hazard only where its answer could differ from the real
+  value's (Note: [an isinstance hazard only where the answer could differ]);
+* a custom ``torch.autograd.Function`` stays one opaque call (Note: [autograd Functions stay whole]).
+
+Used by :mod:`convbn.passes.graph.trace` while tracing.
+"""
+from __future__ import annotations
+
+import linecache
+from typing import Any, Callable, List, Optional, Tuple
+
+import torch
+import torch.fx as fx
+
+__all__ = ["FunctionCall"]
+
+
+# Note: [an isinstance hazard only where the answer could differ]
+# ``isinstance(p, C)`` on a proxy ``p`` answers ``issubclass(type(p), C)``; eager asks the
+# real value. For a value that is a tensor in eager (a module's input, an op's result) the
+# two answers differ exactly when ``C`` is ``torch.Tensor`` or one of its bases: asking
+# ``isinstance(x, dict)`` / ``(list, tuple)`` takes the same branch on both and is no
+# hazard. The classes asked are read off the calling line (each ``isinstance(..., C)``
+# call on it, ``C`` evaluated in the caller's frame: names, attributes and tuples only);
+# where they cannot be read, or the proxy may stand for a non-tensor (a shape, a number,
+# a tuple of pieces), any ``isinstance`` is a hazard, as before.
+_NON_TENSOR_METHODS = frozenset({"size", "dim", "ndimension", "numel", "nelement", "tolist", "item", "split",
+                                 "chunk", "unbind", "stride", "element_size", "is_contiguous", "__len__",
+                                 "tensor_split", "keys", "values", "items"})
+
+
+def _tensor_valued(node: fx.Node) -> bool:
+    """Whether ``node`` surely stands for a tensor in eager (conservative)."""
+    import builtins
+    import operator
+
+    if node.op in ("call_module", "get_attr"):
+        return True
+    if node.op == "placeholder":
+        ann = node.type  # an input is a tensor unless annotated as a class that is not one
+        return not isinstance(ann, type) or issubclass(ann, torch.Tensor)
+    if node.op == "call_method":
+        return str(node.target) not in _NON_TENSOR_METHODS
+    if node.op == "call_function":
+        target = node.target
+        if target in (getattr, operator.getitem, len, torch.split, torch.chunk, torch.unbind, torch.tensor_split):
+            return False
+        return not (getattr(target, "__module__", None) == builtins.__name__ or isinstance(target, FunctionCall))
+    return False
+
+
+def _asked_classes(line: str, frame: Any) -> Optional[List[Any]]:
+    """The classes of every ``isinstance(obj, C)`` call on ``line``, evaluated in ``frame``;
+    ``None`` where one cannot be read."""
+    import ast
+
+    found: List[Any] = []
+    start = 0
+    while True:
+        i = line.find("isinstance(", start)
+        if i < 0:
+            break
+        depth, j = 0, i + len("isinstance")
+        for j in range(i + len("isinstance"), len(line)):
+            depth += {"(": 1, ")": -1}.get(line[j], 0)
+            if depth == 0:
+                break
+        if depth != 0:
+            return None  # the call continues on the next line
+        try:
+            call = ast.parse(line[i:j + 1], mode="eval").body
+        except SyntaxError:
+            return None
+        if not isinstance(call, ast.Call) or len(call.args) != 2:
+            return None
+        expr = call.args[1]
+        if not all(isinstance(n, (ast.Name, ast.Attribute, ast.Tuple, ast.Load)) for n in ast.walk(expr)):
+            return None
+        try:
+            value = eval(compile(ast.Expression(expr), "<isinstance>", "eval"), frame.f_globals, dict(frame.f_locals))
+        except Exception:  # noqa: BLE001 - unreadable: a hazard
+            return None
+        found += list(value) if isinstance(value, tuple) else [value]
+        start = j + 1
+    return found or None
+
+
+def _answer_could_differ(proxy: fx.Proxy, frame: Any) -> bool:
+    """Whether ``isinstance`` on ``proxy`` at ``frame``'s line could answer otherwise than on
+    the value it stands for in eager (Note: [an isinstance hazard only where the answer could differ])."""
+    line = linecache.getline(frame.f_code.co_filename, frame.f_lineno)
+    if "is_tensor" in line or "issubclass" in line:
+        return True
+    classes = _asked_classes(line, frame)
+    if classes is None or not _tensor_valued(proxy.node):
+        return True
+    for c in classes:
+        if not isinstance(c, type):
+            return True
+        if issubclass(torch.Tensor, c) != issubclass(type(proxy), c):
+            return True
+    return False
+
+
+class FunctionCall:
+    """``cls.apply(...)`` of a custom ``torch.autograd.Function`` as one call in a traced graph.
+
+    Note: [autograd Functions stay whole]
+    ``torch.fx`` would run a Function's ``forward`` on proxies and record its ops, losing its
+    hand-written ``backward`` (a regulariser drawing a random factor in backward computed
+    other gradients). While tracing, ``Function.apply`` on proxies records one node calling
+    this object instead; at call time it runs ``cls.apply`` for real.
+    """
+
+    def __init__(self, cls: type) -> None:
+        self.cls = cls
+        self.__name__ = f"{cls.__name__}_apply"  # how fx names the call in generated code
+        self.__module__ = cls.__module__
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.cls.apply(*args, **kwargs)
+
+    def __reduce__(self) -> Tuple[Any, ...]:
+        return (FunctionCall, (self.cls,))
+
+
+def _opaque_apply(original: Callable[..., Any]) -> Callable[..., Any]:
+    def apply(cls: type, *args: Any, **kwargs: Any) -> Any:
+        leaves = torch.utils._pytree.tree_leaves((args, kwargs))
+        proxy = next((a for a in leaves if isinstance(a, fx.Proxy)), None)
+        if proxy is None:
+            return original(cls, *args, **kwargs)
+        return proxy.tracer.create_proxy("call_function", FunctionCall(cls), args, kwargs)
+
+    return apply

@@ -1,0 +1,179 @@
+"""What :func:`convbn.convert` did: every pair fused (and how), and one
+:class:`~convbn.passes.report.outcome.BNOutcome` per BatchNorm -- fused, or left and why."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Dict, List, Optional
+
+from ...memory import format_bytes
+from .outcome import BNOutcome
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ...nn.chain import ChainLayer
+
+__all__ = ["FusedPair", "ConvertReport"]
+
+
+@dataclass
+class FusedPair:
+    """One fused layer: Conv -> BN -> tail, fused into chain ``chain`` at ``position``.
+
+    A pre-activation *head* (BN -> tail, reading the chain input) has ``conv == ""``; a
+    chain's *end* (a convolution with no BN after it) has ``bn == ""``. ``activation`` is
+    the tail as text (``"relu"``, ``"dropout(0.1) -> prelu"``, ``"identity"``).
+    """
+
+    conv: str
+    bn: str
+    activation: str
+    chain: int
+    position: int
+    layer: "ChainLayer" = field(repr=False)
+
+    @property
+    def kind(self) -> str:
+        """``"head"``, ``"end"`` or ``"layer"`` (an ordinary Conv -> BN -> tail)."""
+        return "head" if self.layer.is_head else "end" if self.layer.is_end else "layer"
+
+    @property
+    def strategy(self) -> str:
+        return self.layer.mode
+
+    @property
+    def kept_bytes(self) -> int:
+        """Bytes this layer keeps for backward beyond the chain input (its conv output, if
+        kept; a head and a bare end keep none)."""
+        return self.layer.keep_bytes() if self.layer.mode == "recompute_bn" else 0
+
+    @property
+    def extra_flops(self) -> int:
+        """Multiply-accumulates recomputed in backward (the conv, for ``recompute_conv``)."""
+        return self.layer.flops() if self.layer.mode == "recompute_conv" else 0
+
+
+@dataclass
+class ConvertReport:
+    """Result of :func:`convbn.convert` / :func:`convbn.explain`.
+
+    Attributes:
+        pairs: every fused layer: Conv -> BN (-> act), a pre-activation head, a chain's end.
+        outcomes: one :class:`~convbn.passes.report.outcome.BNOutcome` per BatchNorm module or
+            ``batch_norm`` call: ``"fused"`` (with the conv and whether it precedes the
+            BatchNorm or follows it, as a pre-activation head's does) or ``"left"`` with the
+            reason -- the same record :func:`convbn.fold`'s report lists.
+        skipped: the outcomes ``"left"``, as a new list (record one with :meth:`leave`).
+        untraced: ``(module, error)`` for modules that could not be traced whole.
+        traced: modules traced whole (``""`` is the root).
+        validated: modules whose rewrite was run against the original on ``example_inputs``
+            (outputs, gradients, running statistics) and matched.
+        strategy: the strategy asked for.
+        eager_saved_bytes / saved_bytes / floor_saved_bytes / target_saved_bytes:
+            measured (with ``example_inputs``) saved activation bytes -- bytes held for
+            backward, parameters excluded -- of the eager model, of the converted model,
+            of the lowest-memory plan, and the planner's target.
+        predicted_peak_bytes / predicted_peak_where: the ``auto`` planner's prediction of
+            the plan-dependent bytes alive at the step's peak (saved tensors plus a chain's
+            backward transient; parameters' gradients and the loss excluded) and where.
+        target_peak_bytes / lowest_peak_bytes: with ``peak_budget``, the predicted step peak
+            asked for (``peak_budget`` times ``eager_peak_bytes``) and the lowest any plan
+            reaches; the plan meets the target when ``predicted_peak_bytes <= target_peak_bytes``,
+            else it is the lowest-peak plan.
+        eager_fallback: the default plan's step was measured above eager's peak on
+            ``example_inputs``, so the chains run as eager modules (Note: [never above eager]).
+        shared_pieces: for each tensor kept by several chains that start at a concatenation
+            (a DenseNet's feature maps: every later layer of the block reads them), the number
+            of chains keeping it; it is held once, whatever the count.
+        measured_peak_bytes / measured_peak_where / eager_peak_bytes: from
+            :func:`convbn.explain` with example inputs, one training step's measured peak
+            (:func:`convbn.memory.timeline`) of the converted model, where it occurs, and
+            the eager model's.
+        lean_pools: max/average pooling calls that keep their indices instead of their input
+            for backward (:mod:`convbn.passes.convert.pools`): module names, or graph node names of
+            functional calls.
+    """
+
+    pairs: List[FusedPair] = field(default_factory=list)
+    outcomes: List[BNOutcome] = field(default_factory=list)
+    untraced: List[tuple] = field(default_factory=list)
+    traced: List[str] = field(default_factory=list)
+    validated: List[str] = field(default_factory=list)
+    strategy: str = "auto"
+    eager_saved_bytes: Optional[int] = None
+    saved_bytes: Optional[int] = None
+    floor_saved_bytes: Optional[int] = None
+    target_saved_bytes: Optional[int] = None
+    predicted_peak_bytes: Optional[int] = None
+    predicted_peak_where: Optional[str] = None
+    measured_peak_bytes: Optional[int] = None
+    measured_peak_where: Optional[str] = None
+    eager_peak_bytes: Optional[int] = None
+    target_peak_bytes: Optional[int] = None
+    lowest_peak_bytes: Optional[int] = None
+    eager_fallback: bool = False
+    shared_pieces: Dict[str, int] = field(default_factory=dict)
+    lean_pools: List[str] = field(default_factory=list)
+
+    @property
+    def skipped(self) -> List[BNOutcome]:
+        """Every BatchNorm left as it was, with its reason (``.bn``, ``.reason``, ``.conv``)."""
+        return [o for o in self.outcomes if o.left]
+
+    def leave(self, bn: str, reason: str, conv: Optional[str] = None) -> None:
+        """Record that BatchNorm ``bn`` is left as it was, and why (``conv``: the convolution
+        considered, if the match got that far)."""
+        self.outcomes.append(BNOutcome(bn, "left", conv, None, reason))
+
+    @property
+    def num_chains(self) -> int:
+        return len({p.chain for p in self.pairs})
+
+    def __str__(self) -> str:
+        lines = [f"convbn.convert report (strategy={self.strategy!r}): {len(self.pairs)} pairs fused "
+                 f"in {self.num_chains} chains, {len(self.skipped)} BatchNorms skipped"]
+        if self.eager_saved_bytes:
+            lines.append(f"  saved activation bytes: eager {format_bytes(self.eager_saved_bytes)}"
+                         + (f", converted {format_bytes(self.saved_bytes)} "
+                            f"({self.saved_bytes / self.eager_saved_bytes:.2f}x)" if self.saved_bytes is not None else "")
+                         + (f", floor {format_bytes(self.floor_saved_bytes)}" if self.floor_saved_bytes else "")
+                         + (f", target {format_bytes(self.target_saved_bytes)}" if self.target_saved_bytes else ""))
+        if self.eager_fallback:
+            lines.append("  chains run as eager modules: the fused step measured above eager's peak on example_inputs")
+        if self.predicted_peak_bytes is not None:
+            lines.append(f"  predicted peak: {format_bytes(self.predicted_peak_bytes)} (saved + backward transient) "
+                         f"at {self.predicted_peak_where}")
+        if self.target_peak_bytes is not None:
+            met = self.predicted_peak_bytes is not None and self.predicted_peak_bytes <= self.target_peak_bytes
+            lines.append(f"  peak budget: {format_bytes(self.target_peak_bytes)} "
+                         + ("met" if met else f"unreachable, planned for the lowest reachable peak "
+                            f"{format_bytes(self.lowest_peak_bytes or 0)}"))
+        if self.measured_peak_bytes is not None:
+            ratio = f" ({self.measured_peak_bytes / self.eager_peak_bytes:.2f}x eager " \
+                    f"{format_bytes(self.eager_peak_bytes)})" if self.eager_peak_bytes else ""
+            lines.append(f"  measured step peak: {format_bytes(self.measured_peak_bytes)}{ratio} "
+                         f"at {self.measured_peak_where}")
+        width = max([12] + [len(p.activation) for p in self.pairs])
+        lines.append(f"  {'chain.pos':>9}  {'conv':<32} {'bn':<32} {'tail':<{width}} {'strategy':<15} {'kept':>10} "
+                     f"{'extra MACs':>12}")
+        for p in self.pairs:
+            # a head has no conv and an end no BN: "-" there, and the kind instead of a strategy
+            # (neither keeps a conv output of its own, whatever its mode says)
+            strategy = p.strategy if p.kind == "layer" or (p.kind == "end" and p.layer.elements) else p.kind
+            lines.append(
+                f"  {p.chain:>6}.{p.position:<2}  {p.conv or '- (pre-act head)':<32} {p.bn or '- (chain end)':<32} "
+                f"{p.activation:<{width}} {strategy:<15} {format_bytes(p.kept_bytes):>10} {p.extra_flops / 1e6:>10.1f}M"
+            )
+        if self.shared_pieces:
+            most = sorted(self.shared_pieces.items(), key=lambda kv: -kv[1])
+            shown = ", ".join(f"{n} ({k} chains)" for n, k in most[:4]) + (", ..." if len(most) > 4 else "")
+            lines.append(f"  shared pieces: {len(most)} concatenated tensors kept once for "
+                         f"{sum(self.shared_pieces.values())} chain inputs: {shown}")
+        if self.lean_pools:
+            shown = ", ".join(self.lean_pools[:4]) + (", ..." if len(self.lean_pools) > 4 else "")
+            lines.append(f"  pooling keeping indices, not inputs: {len(self.lean_pools)} ({shown})")
+        for s in self.skipped:
+            lines.append(f"  skipped {s.batchnorm}: {s.reason}")
+        for mod, err in self.untraced:
+            lines.append(f"  not traced as a whole: {mod or '<root>'}: {err}")
+        for mod in self.validated:
+            lines.append(f"  validated against eager on example_inputs: {mod or '<root>'}")
+        return "\n".join(lines)

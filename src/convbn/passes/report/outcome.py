@@ -1,0 +1,148 @@
+"""What a pass did with one BatchNorm: the record both reports list, one per BatchNorm.
+
+:func:`convbn.convert` fuses a BatchNorm into a chain, :func:`convbn.fold` folds it into a
+neighbouring layer; either pass may leave it as it was, and then says why. Both reports
+(:class:`~convbn.passes.report.convert_report.ConvertReport` and
+:class:`~convbn.passes.report.fold_report.FoldReport`) expose the same list of
+:class:`BNOutcome` records as ``outcomes``: one per BatchNorm module or ``batch_norm``
+call the pass found, and one per BatchNorm module it never reached. Convert lists a
+BatchNorm module once however often it is called (a shared one is left: its running
+statistics would be updated per call); fold lists each call, since a module applied twice
+is an affine map that may fold into two different layers.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, Iterable, List, Optional, Sequence
+
+from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
+
+from ..bn.frozen import frozen_bn_ranks
+
+__all__ = ["BNOutcome", "OUTCOME_RESULTS", "DIRECTIONS", "bn_module_names", "unreached"]
+
+#: what can happen to a BatchNorm: fused (convert), folded (fold), left as it was (either)
+OUTCOME_RESULTS = ("fused", "folded", "left")
+#: where the layer sits: ``"preceding"`` -- it runs before the BatchNorm (Conv -> BN);
+#: ``"following"`` -- it reads the BatchNorm's output (BN [-> act] -> Conv: fold into the
+#: next conv, or convert's pre-activation head)
+DIRECTIONS = ("preceding", "following")
+
+
+@dataclass(frozen=True)
+class BNOutcome:
+    """What happened to one BatchNorm (a module, or a functional ``batch_norm`` call).
+
+    Attributes:
+        batchnorm: qualified name of the BatchNorm module in the input model, or a
+            description of a functional ``batch_norm`` call.
+        result: ``"fused"`` (convert: in a fused chain), ``"folded"`` (fold: absorbed by a
+            conv / linear) or ``"left"`` (either pass: computed as before).
+        layer: qualified name of the conv / linear it was fused or folded with; for a
+            BatchNorm left as it was, the layer the pass considered, if it got that far.
+        direction: ``"preceding"`` or ``"following"`` (see :data:`DIRECTIONS`); ``None``
+            when left.
+        reason: why it was left; for a fused or folded one an optional note (e.g. fold made
+            a fresh copy of a layer that is also used elsewhere).
+
+    Example:
+        >>> o = BNOutcome("bn1", "folded", "conv1", "preceding")
+        >>> o.folded, o.left
+        (True, False)
+    """
+
+    batchnorm: str
+    result: str
+    layer: Optional[str] = None
+    direction: Optional[str] = None
+    reason: str = ""
+
+    def __post_init__(self) -> None:
+        if self.result not in OUTCOME_RESULTS:
+            raise ValueError(f"result must be one of {OUTCOME_RESULTS}, but got result={self.result!r}")
+        if self.direction is not None and self.direction not in DIRECTIONS:
+            raise ValueError(f"direction must be one of {DIRECTIONS} or None, but got direction={self.direction!r}")
+        if self.result == "left" and not self.reason:
+            raise ValueError(f"a BatchNorm left as it was needs the reason why ({self.batchnorm})")
+
+    @property
+    def left(self) -> bool:
+        """The BatchNorm still computes as before."""
+        return self.result == "left"
+
+    @property
+    def folded(self) -> bool:
+        """Folded away by :func:`convbn.fold` (the field fold's reports always had)."""
+        return self.result == "folded"
+
+    # the names convert's skipped-BatchNorm lines had, so ``report.skipped`` reads as before
+    @property
+    def bn(self) -> str:
+        """Same as :attr:`batchnorm`."""
+        return self.batchnorm
+
+    @property
+    def conv(self) -> Optional[str]:
+        """Same as :attr:`layer`."""
+        return self.layer
+
+
+def bn_module_names(model: nn.Module) -> List[List[str]]:
+    """The qualified names of each BatchNorm module of ``model`` (a ``_BatchNorm`` or a frozen
+    BatchNorm), all its names where it is registered more than once, in
+    ``model.named_modules()`` order.
+
+    Example:
+        >>> bn = nn.BatchNorm2d(4)
+        >>> bn_module_names(nn.Sequential(nn.Conv2d(3, 4, 1), bn, bn))
+        [['1', '2']]
+    """
+    names: Dict[int, List[str]] = {}
+    for name, m in model.named_modules(remove_duplicate=False):
+        if isinstance(m, _BatchNorm) or frozen_bn_ranks(m):
+            names.setdefault(id(m), []).append(name)
+    return list(names.values())
+
+
+def unreached(bn_names: Sequence[Sequence[str]], outcomes: Sequence[BNOutcome], untraced: Iterable[str],
+              traced: Iterable[str] = ()) -> List[BNOutcome]:
+    """A ``"left"`` outcome for every BatchNorm module that ``outcomes`` name under none of its
+    names: the pass never reached it, either inside a module it could not trace or because
+    the traced forward never calls it. Both passes end with this, so every BatchNorm module
+    has an outcome.
+
+    Args:
+        bn_names: every BatchNorm module's names (:func:`bn_module_names` of the model the
+            pass was given, taken before the pass changed it).
+        outcomes: the outcomes the pass recorded.
+        untraced: qualified names of modules that could not be traced as a whole (``""``:
+            the model itself).
+        traced: qualified names of modules traced whole, where the pass records them.
+
+    Returns:
+        The outcomes to add, in the order of ``bn_names``.
+
+    Example:
+        >>> net = nn.Sequential(nn.Conv2d(3, 4, 1), nn.BatchNorm2d(4))
+        >>> [o.batchnorm for o in unreached(bn_module_names(net), [], untraced=[""])]
+        ['1']
+    """
+    seen = {o.batchnorm for o in outcomes}
+    whole = {m: True for m in traced}
+    whole.update({m: False for m in untraced})
+    left = []
+    for aliases in bn_names:
+        if seen.intersection(aliases):
+            continue
+        name = aliases[0]
+        # the deepest enclosing module the pass tried to trace ("" is the model)
+        owner = max((o for o in whole if o == "" or name.startswith(o + ".")), key=len, default="")
+        where = owner or "<root>"
+        if whole.get(owner) is False:
+            reason = f"it is called from '{where}', which could not be traced as a whole; left as is"
+        else:
+            reason = (f"it is not called in the traced forward pass of '{where}' (unused, or only reached in a way "
+                      "tracing cannot see); left as is")
+        left.append(BNOutcome(name, "left", reason=reason))
+    return left
