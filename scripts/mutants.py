@@ -86,7 +86,7 @@ MUTANTS: Dict[str, Mutant] = {
         (_CHAIN,)),
     "fold_nothing": Mutant(
         "fold() folds nothing (returns the model unfolded)",
-        (("passes/fold/api.py", 'folded = fold_module(work, "", ctx)', "folded = work"),),
+        (("passes/fold/api.py", '    fold_module(work, "", ctx, set())\n', "    pass  # mutant: nothing folded\n"),),
         (_FOLD,)),
     "fold_check_skipped": Mutant(
         "fold()'s numerical check is skipped",
@@ -96,8 +96,8 @@ MUTANTS: Dict[str, Mutant] = {
         "the first convolution's weight gradient of every chain is scaled by (1 + 1e-6)",
         (("autograd/chain.py",
           "        del grad_y, x\n",
-          "        del grad_y, x\n        if i == 0 and grads[base] is not None:\n"
-          "            grads[base] = grads[base] * (1 + 1e-6)\n"),),
+          "        del grad_y, x\n        if i == 0 and gw is not None:  # before the sink adds it into .grad\n"
+          "            gw = gw * (1 + 1e-6)\n"),),
         (_CHAIN,)),
     "lean_pool_keeps_input": Mutant(
         "the lean pooling keeps its whole input for backward, as eager pooling does",

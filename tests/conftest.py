@@ -19,6 +19,16 @@ fusion_watch.install()
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    # pytest-xdist's controller rebuilds each warning a worker reports by importing the module
+    # that defines its category; Lightning's warnings import torchvision, whose fake-kernel
+    # registration fails on this CPU torch. Import it the way the tests do, before any worker
+    # reports, so that the controller can (else the whole run stops with an INTERNALERROR).
+    try:
+        from zoo import import_torchvision_without_fake_kernels
+
+        import_torchvision_without_fake_kernels()
+    except ImportError:  # torchvision not installed: no warning category can need it
+        pass
     config.addinivalue_line(
         "markers",
         "expect_unfused(reason): the test expects convbn.convert to fuse nothing, or chains to run as eager "

@@ -120,7 +120,7 @@ def test_one_training_step_matches_eager(model_name: str, strategy: str) -> None
     assert len(chains) == report.num_chains > 0
     if strategy == "recompute_conv-nochain":
         assert all(len(c.layers) == 1 for c in chains)
-    called = {str(n.target) for n in fast.graph.nodes if n.op == "call_module"}
+    called = {str(n.target) for n in fast.forward.graph.nodes if n.op == "call_module"}
     assert not called & {p.bn for p in report.pairs}
     modes = {p.strategy for p in report.pairs}
     if strategy in ("recompute_bn", "recompute_conv"):

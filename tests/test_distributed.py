@@ -121,7 +121,7 @@ def _ddp_strategies_worker(rank: int, world: int, state: Dict[str, Tensor],
         base.load_state_dict(state)
         synced = nn.SyncBatchNorm.convert_sync_batchnorm(base)
         converted = convbn.convert(synced, **kwargs)
-        called = [type(converted.get_submodule(n.target)) for n in converted.graph.nodes if n.op == "call_module"]
+        called = [type(converted.get_submodule(n.target)) for n in converted.forward.graph.nodes if n.op == "call_module"]
         ddp = DDP(converted)
         opt = torch.optim.SGD(synced.parameters(), lr=0.1)
         rec: Dict[str, Any] = {"out": [], "grads": [], "state": [], "called": called}

@@ -254,7 +254,8 @@ def test_pool_module_call_leaves_what_it_cannot_run():
 
 def test_no_state_and_module_identity():
     model = StemNet()
-    conv = convbn.convert(model, example_inputs=torch.randn(2, 3, 16, 16))
+    conv = convbn.convert(model, example_inputs=torch.randn(2, 3, 16, 16), inplace=True)
+    assert conv is model  # rewritten in place: the user's own objects
     assert conv.get_submodule("pool") is model.pool
 
 

@@ -286,9 +286,8 @@ def plan_auto(original: nn.Module, converted: nn.Module, inputs: Tuple[Any, ...]
         with StateSnapshot(converted):
             fused_peak = measure_peak(converted, inputs).peak
         if fused_peak > eager_peak:
-            for m in converted.modules():
-                if isinstance(m, FusedChain):
-                    m.eager = True
+            for m in _chains(converted):  # registered or added by the in-place rewrite
+                m.eager = True
             report.eager_fallback = True
     peak, where = step_peak(costs, keeps, floor_total, may_drop=may_drop, gaps=gaps)
     report.predicted_peak_bytes = peak
