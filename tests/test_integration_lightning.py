@@ -2,6 +2,7 @@
 a converted model, resumes from its checkpoint, runs bf16-mixed and DDP (gloo, 2 processes),
 and ends where the same runs without convbn end (losses, weights, running statistics)."""
 import copy
+import os
 
 import pytest
 import torch
@@ -71,6 +72,17 @@ def _fit_and_resume(tmp_path, convert, **kw):
     trainer2.fit(resumed, _loader(), ckpt_path=str(ckpt))
     return lit, resumed, trainer2
 
+
+
+@pytest.fixture(autouse=True)
+def _restore_environment():
+    """Lightning's DDP strategies write MASTER_ADDR / MASTER_PORT / RANK / WORLD_SIZE into this
+    process's environment and leave them there; a later test in the same worker would then
+    look launched by torchrun (``convbn bench --ddp`` reads them). Put the environment back."""
+    before = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(before)
 
 def test_callback_converts_before_the_optimizer_and_resumes_like_eager(tmp_path):
     lit, resumed, trainer = _fit_and_resume(tmp_path, convert=True)
