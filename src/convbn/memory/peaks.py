@@ -15,6 +15,7 @@ from typing import Any, Dict, Optional
 import torch
 
 from ..autograd.grad_sink import stand_ins
+from .mod_tracking import releasing_mod_tracker
 
 __all__ = ["PeakMemory", "peak_memory", "tensor_peak"]
 
@@ -155,6 +156,9 @@ class tensor_peak:
                 "use peak_memory() instead"
             ) from err
         self._tracker = _frozen_safe(MemTracker)() if hooks else _hookless(MemTracker)()
+        # torch's ModTracker leaves a cycle through autograd nodes behind, which keeps the
+        # parameters of a measured model alive (Note: [a module tracker that leaves nothing alive])
+        self._tracker._mod_tracker = releasing_mod_tracker()
         # the chains' zero-byte gradient stand-ins share scalars made once, before any step
         self._tracker.track_external(*track, *stand_ins())
         self.result = PeakMemory(source="tensors")

@@ -27,6 +27,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from .mod_tracking import releasing_mod_tracker
 from .peaks import tensor_peak
 from .saved import _with_fused
 
@@ -196,13 +197,11 @@ def timeline(
     devices = {t.device.type for t in (*inputs, *model.parameters()) if isinstance(t, Tensor)}
     track: Tuple[Any, ...] = (model,) if optimizer is None else (model, optimizer)
     if "cuda" in devices:
-        from torch.distributed._tools.mod_tracker import ModTracker
-
         dev = next(t.device for t in (*inputs, *model.parameters()) if isinstance(t, Tensor) and t.is_cuda)
         torch.cuda.synchronize(dev)
         start = torch.cuda.memory_allocated(dev)
         torch.cuda.reset_peak_memory_stats(dev)
-        meter: Any = ModTracker()
+        meter: Any = releasing_mod_tracker()
         mode = _TimelineMode(_cuda_peak_reader(dev, start), lambda: _innermost(meter.parents))
         source = "cuda"
     else:
