@@ -233,6 +233,55 @@ def test_without_example_inputs_the_first_call_validates_and_falls_back() -> Non
     assert_same_training(eager, fast, x)  # from then on: the original, exactly
 
 
+class _DoubleGrad(torch.autograd.Function):
+    """Identity forward, gradient doubled in backward."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor) -> Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, g: Tensor) -> Tensor:
+        return 2 * g
+
+
+class GradOnlySkip(nn.Module):
+    """``type(t) is torch.Tensor`` hides a branch from the trace that changes only the
+    backward: outputs agree, gradients do not."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = cbr(3, 4)
+        self.b = cbr(4, 4)
+
+    def forward(self, x: Tensor) -> Tensor:
+        y = self.a(x)
+        if type(y) is torch.Tensor:
+            y = _DoubleGrad.apply(y)
+        return self.b(y)
+
+
+def test_first_call_in_grad_mode_checks_gradients_too() -> None:
+    eager = build(GradOnlySkip)
+    x = inp(2, 3, 6, 6)
+    fast = convbn.convert(copy.deepcopy(eager))
+    assert num_chained(fast) == 2
+    with pytest.warns(RuntimeWarning, match="differs from the original on its first call"):
+        assert_same_training(eager, fast, x, steps=1)
+    assert_same_training(eager, fast, x)  # from then on: the original, exactly
+
+
+def test_first_call_under_no_grad_compares_outputs_only() -> None:
+    eager = build(GradOnlySkip)
+    x = inp(2, 3, 6, 6)
+    fast = convbn.convert(copy.deepcopy(eager))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with torch.no_grad():
+            torch.testing.assert_close(fast(x), eager(x), rtol=0, atol=0)
+    assert not fast.forward.fallback  # inference cannot see the gradient: the rewrite stays
+
+
 def test_first_call_validation_passes_silently_and_changes_no_state() -> None:
     eager = build(lambda: nn.Sequential(cbr(3, 4), nn.Dropout(0.3), cbr(4, 4)))
     x = inp(2, 3, 6, 6)

@@ -284,11 +284,14 @@ def convert(
             where a part differs (a trace that misleads), that part is converted finer,
             child by child, and the report says so. Also used to measure and plan. Running
             stats, ``num_batches_tracked``, RNG and modes are restored exactly afterwards.
-            Without it, each rewritten part validates its outputs against the original on
-            its first call (a mismatch warns and runs that part unfused from then on), and
+            Without it, each rewritten part checks itself against the original on its
+            first call: in grad mode one seeded step each side, outputs and gradients of
+            parameters and inputs compared; under ``no_grad`` outputs (a mismatch warns and
+            runs that part unfused from then on), and
             ``"auto"`` plans each chain on its first training call.
-        inplace: modify ``model`` itself where the pass replaces children of modules that
-            could not be traced whole; by default those containers are shallow-copied.
+        inplace: rewrite ``model`` itself (its module objects keep their classes and
+            identity and get the fused forwards); by default a copy whose module objects
+            are new but share ``model``'s parameters, buffers and other tensors is rewritten.
         chain: group consecutive fused layers into chains (see :mod:`convbn.autograd.chain`).
 
     Hooks and parametrizations (see README "What convert preserves"): a conv, BatchNorm or
@@ -297,8 +300,9 @@ def convert(
     (the affected chain, or the affected part of the model, then runs as eager modules).
 
     Returns:
-        The converted model (a ``torch.fx.GraphModule`` where the model traced, with the
-        report in ``.convbn_report``), or ``model``'s structure with converted children.
+        The converted model, with the report in ``.convbn_report``: ``model`` itself with
+        ``inplace``, else its share-copy; every module keeps its class, and the rewritten
+        ones run fused forwards (:func:`convbn.fused_modules` lists the chains added).
 
     Example:
         >>> net = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU())

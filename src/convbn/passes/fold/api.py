@@ -217,8 +217,8 @@ def fold(
             tolerance follows eager's own rounding]).
 
     Returns:
-        The folded model (a ``torch.fx.GraphModule`` when ``model`` traced whole and
-        something was folded, else the (copied) model with folded children). Its
+        The folded model (``model``'s deep copy, or ``model`` itself with ``inplace``):
+        every module keeps its class, and the rewritten ones run folded forwards. Its
         attribute ``fold_report`` is a :class:`FoldReport` listing every BatchNorm.
 
     Raises:
@@ -263,6 +263,7 @@ def fold(
             fwd = installed(m)
             if fwd is not None:
                 fwd.pending = tolerance
+                fwd.check_gradients = False  # folded weights: other parameters by design (inference)
 
     # every BatchNorm module gets an outcome, including ones tracing never reached
     report.outcomes += unreached(bn_names, report.outcomes, [name for name, _ in report.untraceable])
