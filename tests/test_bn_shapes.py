@@ -11,11 +11,14 @@ the same; ``convbn.fold`` folds where it is exact and its outputs equal eval-mod
 * ``Linear -> transpose(1, 2) -> BatchNorm1d`` over tokens (``token_bn.py``, and fold's
   ``fold_preceding_tokens``);
 * a BatchNorm after the channel concatenation of several convs' outputs, mixed kernel
-  sizes (fold's ``fold_preceding_cat``).
+  sizes: convert gives each conv its slice of the BatchNorm (``cat_norms.py``,
+  ``nn/bn_slice.py``), fold folds into each conv (``fold_preceding_cat``); also written as
+  ``zip(convs, torch.split(x, sizes, 1))``, which the tracer now iterates.
 """
 from __future__ import annotations
 
 import copy
+import pickle
 from typing import Any, Dict, List, Optional, Tuple
 
 import pytest
@@ -26,6 +29,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 import convbn
 from convbn.nn import FusedChain
 from convbn.nn.bn_shared import SharedBatchStats
+from convbn.nn.bn_slice import BatchNormSlice
 
 
 class PreActProjection(nn.Module):
@@ -79,6 +83,26 @@ class MixedKernel(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         a, b = torch.split(self.stem(x), [3, 3], 1)
         return self.out(self.act(self.bn(torch.cat([self.k3(a), self.k5(b)], 1))))
+
+
+class ZipMix(nn.Module):
+    """MixConv as pytorchcv / geffnet write it: ``zip`` over a split into listed sizes, three
+    kernel sizes, one BatchNorm (cumulative average: ``momentum=None``) and SiLU after the
+    concatenation, then a conv."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(3, 9, 1)
+        self.sizes = [3, 3, 3]
+        self.convs = nn.ModuleList(nn.Conv2d(3, c, k, padding=k // 2, bias=False)
+                                   for c, k in zip((4, 2, 2), (3, 5, 7)))
+        self.bn = nn.BatchNorm2d(8, momentum=None)
+        self.act = nn.SiLU()
+        self.out = nn.Conv2d(8, 4, 1)
+
+    def forward(self, x: Tensor) -> Tensor:
+        parts = [conv(p) for conv, p in zip(self.convs, torch.split(self.stem(x), self.sizes, 1))]
+        return self.out(self.act(self.bn(torch.cat(parts, 1))))
 
 
 def _bn_calls(model: nn.Module) -> Dict[str, int]:
@@ -136,6 +160,8 @@ def _heads(model: nn.Module) -> List[Tuple[str, str]]:
 CASES = {
     "preact_projection": (PreActProjection, (2, 8, 8, 8), {"bn", "bn2"}, [("bn", "body1"), ("bn", "proj")]),
     "token_mlp": (TokenMLP, (2, 3, 4, 4), {"bn"}, []),
+    "mixed_kernel": (MixedKernel, (2, 3, 8, 8), {"bn"}, []),
+    "mixed_kernel_zip": (ZipMix, (2, 3, 8, 8), {"bn"}, []),
 }
 
 
@@ -218,6 +244,74 @@ def test_fold_bn_after_concatenation_with_a_non_layer_piece_is_left_with_reason(
     folded = _fold(CatInput(), torch.randn(2, 3, 8, 8))
     (left,) = folded.fold_report.skipped
     assert "every piece is a conv/linear output" in left.reason
+
+
+@pytest.mark.parametrize("cls", [MixedKernel, ZipMix])
+def test_bn_after_concatenation_is_one_slice_per_conv_fused_with_its_tail(cls: type) -> None:
+    """Each conv's chain normalises its own channels and runs the activation; the
+    concatenation and the BatchNorm module are gone from the graph, bitwise as eager."""
+    torch.manual_seed(0)
+    model, x = cls(), torch.randn(2, 3, 8, 8)
+    eager = copy.deepcopy(model)
+    converted = convbn.convert(copy.deepcopy(model), example_inputs=x)
+    chains = [c for c in _chains(converted) if any(isinstance(l.bn, BatchNormSlice) for l in c.layers)]
+    pieces = sorted((l.bn.start, l.bn.stop, l.bn.counts) for c in chains for l in c.layers)
+    assert pieces == ([(0, 4, True), (4, 8, False)] if cls is MixedKernel else
+                      [(0, 4, True), (4, 6, False), (6, 8, False)])
+    pairs = [p for p in converted.convbn_report.pairs if p.bn == "bn"]
+    assert len(pairs) == len(chains) and {p.activation for p in pairs} == {"relu" if cls is MixedKernel else "silu"}
+    for _ in range(3):
+        ref = _step(eager, x)
+        got = _step(converted, x, ref["g"])
+        for key in ("out",):
+            assert torch.equal(got[key], ref[key])
+        for k in ref["grads"]:
+            assert torch.equal(got["grads"][k], ref["grads"][k]), k
+        for k in ref["buffers"]:
+            assert torch.equal(got["buffers"][k], ref["buffers"][k]), k
+    assert converted.state_dict().keys() == model.state_dict().keys()
+    for clone in (copy.deepcopy(converted), pickle.loads(pickle.dumps(converted))):
+        ref, got = _step(copy.deepcopy(eager), x), _step(clone, x)
+        assert torch.equal(got["out"], ref["out"])
+    converted.eval(), eager.eval()
+    with torch.no_grad():  # eval: the running statistics' slices (rounding as any fused eval layer)
+        torch.testing.assert_close(converted(x), eager(x))
+
+
+@pytest.mark.expect_unfused("a BatchNorm over a concatenation with a piece that is no conv output: left, with its reason")
+def test_bn_after_concatenation_with_a_non_layer_piece_is_left_by_convert() -> None:
+    class CatInput(MixedKernel):
+        def forward(self, x: Tensor) -> Tensor:
+            a, b = torch.split(self.stem(x), [3, 3], 1)
+            return self.act(self.bn(torch.cat([self.k3(a), self.k5(b) * 2.0], 1)))  # no conv after: no head
+
+    torch.manual_seed(0)
+    model, x = CatInput().double(), torch.randn(2, 3, 8, 8, dtype=torch.float64)
+    converted = convbn.convert(copy.deepcopy(model), example_inputs=x)
+    assert [o.batchnorm for o in converted.convbn_report.skipped] == ["bn"]
+    assert "follows function cat" in converted.convbn_report.skipped[0].reason
+    ref = _step(model, x)
+    _assert_same_step(ref, _step(converted, x, ref["g"]))
+
+
+def test_fold_zip_over_split_mixed_kernels() -> None:
+    torch.manual_seed(0)
+    folded = _fold(ZipMix(), torch.randn(2, 3, 8, 8))
+    assert {o.batchnorm: o.layer for o in folded.fold_report.folded} == {"bn": "convs.0, convs.1, convs.2"}
+
+
+def test_batch_norm_slice_checks_its_arguments() -> None:
+    bn = nn.BatchNorm2d(4)
+    with pytest.raises(TypeError, match="expects a _BatchNorm source, but got Conv2d"):
+        BatchNormSlice(nn.Conv2d(1, 1, 1), 0, 1, counts=True)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"0 <= start < stop <= 4 .* start=2, stop=6"):
+        BatchNormSlice(bn, 2, 6, counts=True)
+    view = BatchNormSlice(bn, 1, 3, counts=False, source_name="bn")
+    assert view.num_features == 2 and view.num_batches_tracked is None
+    assert view.weight._base is bn.weight and view.running_mean.data_ptr() == bn.running_mean[1:].data_ptr()
+    assert "channels 1:3 of bn" in repr(view)
+    bn.eval()
+    assert not view.training
 
 
 def test_fold_token_batchnorm_into_the_linear() -> None:

@@ -22,6 +22,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from ...nn.bn_call import BatchNormView, frozen_batch_norm, has_standard_bn_forward, standard_batch_norm
 from ...nn.bn_shared import SharedBatchStats
+from ...nn.bn_slice import BatchNormSlice
 from .frozen import frozen_bn_ranks
 from .recognise import BN_FUNCTIONS, bn_call_args, recognise_norm_act
 from ..graph.layers import node_arg
@@ -84,7 +85,8 @@ def bn_call(node: fx.Node, gm: fx.GraphModule, prefix: str = "", root: Optional[
     if node.op == "call_module":
         target = str(node.target)
         mod = gm.get_submodule(target)
-        if isinstance(mod, SharedBatchStats):  # a second head of one BatchNorm (shared_heads.py): its name
+        if isinstance(mod, (SharedBatchStats, BatchNormSlice)):  # part of one BatchNorm (shared_heads.py,
+            # cat_norms.py): reported under its name
             return BNCall(node, "module", mod.source_name, target, mod, node_arg(node, 0, "input", None))
         if isinstance(mod, _BatchNorm):
             return BNCall(node, "module", prefix + target, target, mod, node_arg(node, 0, "input", None))

@@ -27,6 +27,7 @@ from ..graph.layers import has_standard_forward, layer_call, layer_spec
 from .match_tail import TailMatch, TailOpMatch, describe_node, match_tail, node_arg, tail_label
 from ..report.convert_report import ConvertReport
 from ..graph.shape_uses import is_rank_use, value_users
+from .cat_norms import split_cat_norms
 from .shared_heads import split_shared_heads
 from ..bn.tokens import flatten_token_bns
 
@@ -364,6 +365,7 @@ def find_layers(gm: fx.GraphModule, root: nn.Module, prefix: str, report: Conver
         Ordinary layers, heads and end layers (Note: [matched layers and chains]), in graph order.
     """
     flatten_token_bns(gm)  # bn(linear(t).transpose(1, 2)) -> rows (token_bn.py)
+    split_cat_norms(gm, root, prefix)  # BN(cat(conv_i)) -> cat(BN_i(conv_i)) (cat_norms.py)
     if chain:  # act(bn(x)) read by several convs -> one head each (shared_heads.py)
         split_shared_heads(gm, root, prefix, lambda conv, out, bn: _head_conv_joins(conv, out, bn, gm, root))
     layers: List[MatchedLayer] = []

@@ -30,7 +30,7 @@ from ..graph.layers import layer_call
 from .match_tail import match_tail
 from ..graph.shape_uses import value_users
 
-__all__ = ["split_shared_heads"]
+__all__ = ["split_shared_heads", "free_target"]
 
 
 def _deterministic(element: object) -> bool:
@@ -56,7 +56,8 @@ def _conv_readers(out: fx.Node, bn: nn.Module, gm: fx.GraphModule, joins: Callab
     return readers
 
 
-def _free_target(gm: fx.GraphModule, base: str) -> str:
+def free_target(gm: fx.GraphModule, base: str) -> str:
+    """``base`` with dots as underscores, made unique among ``gm``'s attributes."""
     name = base.replace(".", "_")
     while hasattr(gm, name):
         name += "_"
@@ -110,7 +111,7 @@ def split_shared_heads(gm: fx.GraphModule, root: nn.Module, prefix: str,
             continue
         inner = [node] + [n for op in tail.ops for n in (*op.extra, op.node)]
         for reader in readers[1:]:
-            target = _free_target(gm, f"{node.target}_shared")
+            target = free_target(gm, f"{node.target}_shared")
             gm.add_submodule(target, SharedBatchStats(bn, prefix + str(node.target)))
             copies: Dict[fx.Node, fx.Node] = {}
             with graph.inserting_before(reader):

@@ -155,6 +155,25 @@ def _patched_jit_isinstance(original: Callable[[Any, Any], bool]) -> Callable[[A
     return jit_isinstance
 
 
+_SPLITS = (torch.split, torch.functional.split, torch.Tensor.split, torch.tensor_split, torch.Tensor.tensor_split)
+
+
+def _static_length(node: fx.Node) -> Optional[int]:
+    """How many tensors ``node`` returns, where its arguments fix it: ``split`` into a list of
+    sizes (that many), ``tensor_split`` at a list of indices (one more); else ``None``."""
+    if node.op == "call_function" and node.target in _SPLITS:
+        args, name = node.args[1:], getattr(node.target, "__name__", "")
+    elif node.op == "call_method" and node.target in ("split", "tensor_split"):
+        args, name = node.args[1:], str(node.target)
+    else:
+        return None
+    sizes = args[0] if args else node.kwargs.get("split_size_or_sections", node.kwargs.get(
+        "split_size", node.kwargs.get("indices", node.kwargs.get("sections"))))
+    if not isinstance(sizes, (list, tuple)):
+        return None
+    return len(sizes) + (1 if name == "tensor_split" else 0)
+
+
 class _PartialTracing:
     """Mixed in front of a tracer class: leaves for hooked / forced / failing modules, rollback.
 
@@ -179,6 +198,16 @@ class _PartialTracing:
 
     def proxy(self, node: fx.Node) -> fx.Proxy:
         return _WatchedProxy(node, self)  # type: ignore[arg-type]
+
+    def iter(self, obj: fx.Proxy) -> Any:
+        """Iterating a traced value whose length the code fixes (``torch.split`` into listed
+        sizes): its items. fx itself iterates only where the code unpacks a fixed number
+        (``a, b = ...``); ``zip(convs, torch.split(x, sizes, 1))`` (mixed-kernel convolutions)
+        made the whole module opaque."""
+        n = _static_length(obj.node)
+        if n is not None:
+            return iter([obj[i] for i in range(n)])
+        return super().iter(obj)  # type: ignore[misc]
 
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
         if module_qualified_name in self.opaque:
