@@ -1,6 +1,7 @@
 """Tests for convbn.fold (inference BatchNorm folding): numbers, structure, report, safety."""
 from __future__ import annotations
 
+import copy
 import operator
 from typing import Callable, Tuple
 
@@ -666,3 +667,82 @@ def test_conv_bn_bn_chain_folds_twice() -> None:
     folded = fold(model)
     assert_same(run(model, x), run(folded, x))
     assert [a.layer for a in report_of(folded).actions] == ["0", "0"] and bn_modules(folded) == []
+
+
+class _Jump(nn.Module):
+    """conv -> BN, then a step: ``y + 100 * (y > t)``. Rounding near ``t`` becomes a jump of 100."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3, padding=1)
+        self.bn = nn.BatchNorm2d(8)
+        self.register_buffer("t", torch.zeros(()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.bn(self.conv(x))
+        return y + 100.0 * (y > self.t).to(y.dtype)
+
+
+def test_fold_check_judges_a_jump_in_float64_not_as_a_bug() -> None:
+    """A threshold between eager's and the fold's float32 value of one element (with eager's
+    float64 value on eager's side): float32 outputs differ by 100 there, which no rounding
+    slack explains; the float64 fold equals the float64 original, so fold passes and says why
+    (Note: [a fold checked in float64])."""
+    torch.manual_seed(0)
+    model = _Jump()
+    x = torch.randn(2, 3, 8, 8)
+    for _ in range(2):
+        model(x)
+    model.eval()
+    with torch.no_grad():
+        y32 = model.bn(model.conv(x))
+        f32 = fold(copy.deepcopy(model), check=False)
+        m64 = copy.deepcopy(model).double()
+        y64 = m64.bn(m64.conv(x.double()))
+    # the folded pre-step value: run the folded model with t far away and subtract the step
+    f32.t.fill_(1e9)
+    with torch.no_grad():
+        folded32 = f32(x)
+    differ = (folded32 != y32).flatten().nonzero().flatten().tolist()
+    chosen = None
+    for i in differ:
+        a, b, e = y32.flatten()[i].item(), folded32.flatten()[i].item(), y64.flatten()[i].item()
+        t = torch.tensor((a + b) / 2, dtype=torch.float32).item()  # the buffer is float32
+        if not min(a, b) < t < max(a, b):
+            continue  # adjacent floats: nothing strictly between
+        others = torch.cat([y32.flatten()[:i], y32.flatten()[i + 1:]])
+        if (e > t) == (a > t) and not ((others - t).abs() < 1e-4).any():
+            chosen = t
+            break
+    assert chosen is not None, "no element whose fold rounds across a threshold (pick another seed)"
+    model.t.fill_(chosen)
+    folded = fold(copy.deepcopy(model), example_inputs=x)
+    assert "folded in float64 it equals the float64 original" in folded.fold_report.check.note
+    assert folded.fold_report.check.passed
+    with torch.no_grad():
+        assert (folded(x) - model(x)).abs().max().item() == 100.0  # the jump is real in float32
+
+
+def test_inplace_unchecked_fold_has_no_first_call_check_against_overwritten_weights() -> None:
+    """``inplace=True`` may overwrite the original's weights, so an unchecked in-place fold
+    installs no first-call check against the module's own forward: its first call is the
+    fold's, silently (the float64 fold check relies on this, see test above)."""
+    import warnings
+
+    class Net(nn.Module):  # a traced forward (a Sequential folds module by module)
+        def __init__(self) -> None:
+            super().__init__()
+            self.conv, self.bn = nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.relu(self.bn(self.conv(x)))
+
+    model = Net()
+    randomize_bn(nn.Sequential(model.bn))
+    model.eval()
+    x = torch.randn(2, 3, 8, 8)
+    ref = run(copy.deepcopy(model), x)
+    folded = fold(model, inplace=True, check=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        torch.testing.assert_close(run(folded, x), ref)

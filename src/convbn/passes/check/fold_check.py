@@ -3,7 +3,7 @@ comparison whose tolerance follows eager's own rounding."""
 from __future__ import annotations
 
 import copy
-from typing import Any, Dict, Iterator, List, Optional, Set, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Set, Tuple
 
 import torch
 from torch import Tensor, nn
@@ -128,6 +128,35 @@ def float64_errors(model: nn.Module, args: Tuple[Any, ...], reference: Any) -> O
         finite = torch.isfinite(a) & torch.isfinite(e)
         errs.append((a.double() - e)[finite].abs().max().item() if finite.any() else 0.0)
     return errs
+
+
+def float64_fold_error(model: nn.Module, args: Tuple[Any, ...],
+                       fold_fn: Callable[[nn.Module, Tuple[Any, ...]], nn.Module]) -> Optional[float]:
+    """``max|fold(model64) - model64|`` over the floating outputs, relative to ``max(1, |ref|)``,
+    on float64 copies of ``model`` and ``args`` (``fold_fn(model64, args64)`` folds without
+    checking); ``None`` where either does not run in float64.
+
+    Note: [a fold checked in float64]
+    Some models turn rounding into jumps: RT-DETR's decoder picks its queries by a top-k of
+    scores, so a fold that changes the last bit of a near-tied score picks another query,
+    and the float32 outputs differ by far more than any rounding slack (0.25 of 73). That
+    says nothing about the fold; a float64 fold does: folding is exact algebra, so in
+    float64 the folded model equals the float64 original to ~1e-15, while a wrong fold
+    stays wrong in every dtype.
+    """
+    try:
+        model64 = copy.deepcopy(model).double()
+        args64 = pytree.tree_map(lambda t: t.double() if isinstance(t, Tensor) and t.is_floating_point() else t, args)
+        ref = run_no_grad(model64, args64)
+        out = run_no_grad(fold_fn(model64, args64), args64)
+    except Exception:  # noqa: BLE001 - no float64 run: no verdict
+        return None
+    a = [t for t in pytree.tree_leaves(ref) if isinstance(t, Tensor) and t.is_floating_point()]
+    b = [t for t in pytree.tree_leaves(out) if isinstance(t, Tensor) and t.is_floating_point()]
+    if len(a) != len(b) or any(x.shape != y.shape for x, y in zip(a, b)):
+        return None
+    errs = [((x - y).abs().max().item() / max(1.0, x.abs().max().item())) if x.numel() else 0.0 for x, y in zip(a, b)]
+    return max(errs, default=0.0)
 
 
 # Note: [fold's tolerance follows eager's own rounding]
