@@ -21,10 +21,32 @@ from typing import Any
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-__all__ = ["SharedBatchStats"]
+__all__ = ["SharedBatchStats", "BatchNormOfSource"]
 
 
-class SharedBatchStats(_BatchNorm):
+class BatchNormOfSource(_BatchNorm):
+    """Base of the BatchNorms that compute with another BatchNorm's tensors: it holds the
+    source unregistered (no ``state_dict`` keys, no tensors of its own), takes its mode from
+    the source (``model.train()`` reaches it through the source) and checks inputs as the
+    source does. Subclasses say which attributes they read from the source."""
+
+    def __init__(self, source: _BatchNorm, source_name: str = "") -> None:
+        if not isinstance(source, _BatchNorm):
+            raise TypeError(f"{type(self).__name__} expects a _BatchNorm source, but got {type(source).__name__}")
+        nn.Module.__init__(self)
+        object.__setattr__(self, "_source", source)  # not a submodule: no state_dict keys
+        self.source_name = source_name
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name == "training":  # the mode is the source's (model.train() sets it there)
+            return
+        super().__setattr__(name, value)
+
+    def _check_input_dim(self, input: Tensor) -> None:
+        object.__getattribute__(self, "_source")._check_input_dim(input)
+
+
+class SharedBatchStats(BatchNormOfSource):
     """The batch norm of ``source`` (a ``_BatchNorm``) that never updates its running statistics.
 
     Every attribute is ``source``'s, read at each access (mode, eps, momentum, weight, bias,
@@ -47,13 +69,6 @@ class SharedBatchStats(_BatchNorm):
 
     _own = ("_source", "source_name", "_parameters", "_buffers", "_modules", "__dict__", "__class__")
 
-    def __init__(self, source: _BatchNorm, source_name: str = "") -> None:
-        if not isinstance(source, _BatchNorm):
-            raise TypeError(f"SharedBatchStats expects a _BatchNorm source, but got {type(source).__name__}")
-        nn.Module.__init__(self)
-        object.__setattr__(self, "_source", source)  # not a submodule: no state_dict keys
-        self.source_name = source_name
-
     def __getattribute__(self, name: str) -> Any:
         if name in ("weight", "bias", "running_mean", "running_var", "eps", "momentum", "affine",
                     "num_features", "training", "track_running_stats", "num_batches_tracked"):
@@ -64,14 +79,6 @@ class SharedBatchStats(_BatchNorm):
                 return None
             return getattr(src, name)
         return super().__getattribute__(name)
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        if name == "training":  # the mode is the source's (model.train() sets it there)
-            return
-        super().__setattr__(name, value)
-
-    def _check_input_dim(self, input: Tensor) -> None:
-        object.__getattribute__(self, "_source")._check_input_dim(input)
 
     def extra_repr(self) -> str:
         return f"batch statistics of {self.source_name or type(self._source).__name__}, no running-statistics update"

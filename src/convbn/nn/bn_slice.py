@@ -22,8 +22,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from torch import Tensor, nn
+from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
+
+from .bn_shared import BatchNormOfSource
 
 __all__ = ["BatchNormSlice"]
 
@@ -31,7 +33,7 @@ _SLICED = ("weight", "bias", "running_mean", "running_var")
 _SHARED = ("eps", "affine", "training", "track_running_stats")
 
 
-class BatchNormSlice(_BatchNorm):
+class BatchNormSlice(BatchNormOfSource):
     """The batch norm of ``source`` restricted to channels ``start:stop``.
 
     Args:
@@ -53,15 +55,11 @@ class BatchNormSlice(_BatchNorm):
     """
 
     def __init__(self, source: _BatchNorm, start: int, stop: int, counts: bool, source_name: str = "") -> None:
-        if not isinstance(source, _BatchNorm):
-            raise TypeError(f"BatchNormSlice expects a _BatchNorm source, but got {type(source).__name__}")
-        if not 0 <= start < stop <= source.num_features:
+        if isinstance(source, _BatchNorm) and not 0 <= start < stop <= source.num_features:
             raise ValueError(f"BatchNormSlice expects 0 <= start < stop <= {source.num_features} "
                              f"(the source's num_features), but got start={start}, stop={stop}")
-        nn.Module.__init__(self)
-        object.__setattr__(self, "_source", source)  # not a submodule: no state_dict keys
+        super().__init__(source, source_name)
         self.start, self.stop, self.counts = int(start), int(stop), bool(counts)
-        self.source_name = source_name
 
     def __getattribute__(self, name: str) -> Any:
         if name in _SLICED or name in _SHARED or name in ("num_features", "momentum", "num_batches_tracked"):
@@ -83,14 +81,6 @@ class BatchNormSlice(_BatchNorm):
                 return 0.0
             return getattr(src, name)
         return super().__getattribute__(name)
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        if name == "training":  # the mode is the source's (model.train() sets it there)
-            return
-        super().__setattr__(name, value)
-
-    def _check_input_dim(self, input: Tensor) -> None:
-        object.__getattribute__(self, "_source")._check_input_dim(input)
 
     def extra_repr(self) -> str:
         return (f"channels {self.start}:{self.stop} of {self.source_name or type(self._source).__name__}"
