@@ -284,10 +284,8 @@ def convert(
             where a part differs (a trace that misleads), that part is converted finer,
             child by child, and the report says so. Also used to measure and plan. Running
             stats, ``num_batches_tracked``, RNG and modes are restored exactly afterwards.
-            Without it, each rewritten part checks itself against the original on its
-            first call: in grad mode one seeded step each side, outputs and gradients of
-            parameters and inputs compared; under ``no_grad`` outputs (a mismatch warns and
-            runs that part unfused from then on), and
+            Without it, each rewritten part validates its outputs against the original on
+            its first call (a mismatch warns and runs that part unfused from then on), and
             ``"auto"`` plans each chain on its first training call.
         inplace: rewrite ``model`` itself (its module objects keep their classes and
             identity and get the fused forwards); by default a copy whose module objects

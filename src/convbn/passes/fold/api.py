@@ -266,7 +266,6 @@ def fold(
             fwd = installed(m)
             if fwd is not None:
                 fwd.pending = tolerance
-                fwd.check_gradients = False  # folded weights: other parameters by design (inference)
 
     # every BatchNorm module gets an outcome, including ones tracing never reached
     report.outcomes += unreached(bn_names, report.outcomes, [name for name, _ in report.untraceable])

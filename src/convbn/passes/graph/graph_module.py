@@ -41,7 +41,7 @@ from torch.utils import _pytree as pytree
 
 from ...nn.fused import hooks_of
 from .hooks import global_hooks, hook_reason
-from ..check.validate import StateSnapshot, compare_outputs, float64_slack, run_step, seeded
+from ..check.validate import StateSnapshot, compare_outputs, float64_slack, seeded
 
 __all__ = ["GraphForward", "install", "uninstall", "installed", "eager", "share_copy", "fused_modules",
            "forget_undo"]
@@ -92,8 +92,6 @@ class GraphForward:
         self.added = list(added)
         self.fallback = False
         self.pending: Optional[Callable[[torch.dtype], float]] = None
-        #: the first call in grad mode compares gradients too (``fold``: its parameters differ by design)
-        self.check_gradients = True
         self.modes: Optional[List[Tuple[nn.Module, bool]]] = None
         self.inlined: List[nn.Module] = []
         self.undo: Optional[List[Tuple[nn.Module, str, str, Any]]] = None
@@ -172,61 +170,42 @@ class GraphForward:
     def _first_call(self, tolerance: Callable[[torch.dtype], float], args: Tuple[Any, ...],
                     kwargs: Dict[str, Any]) -> Any:
         """Run the original and the graph on copies of the inputs (state restored) and compare;
-        on a difference, or an error of the graph, warn and run the original from now on.
-
-        # Note: [the first call checks what a backward will use]
-        # Without ``example_inputs`` the first real call is the only input convert ever sees.
-        # With grad enabled a backward may follow, and a rewrite can agree on outputs and
-        # differ in gradients (a hand-written backward lost, a statistic used twice): so in
-        # grad mode each side runs one seeded step, forward and a backward of a random
-        # upstream gradient (seeded alike, so a backward that draws random numbers draws
-        # the same), and outputs *and* the gradients of every parameter and floating input
-        # are compared. ``torch.autograd.grad`` leaves ``.grad`` alone, and the state
-        # snapshot puts buffers back, so the user's step that follows is the first one
-        # that counts. Under ``no_grad`` (inference) outputs alone are compared.
-        """
+        on a difference, or an error of the graph, warn and run the original from now on."""
         owner = self.owner
         if global_hooks() or any(hook_reason(m) for m in owner.modules() if m is not owner):
             # hooks may have side effects (collected features, counters): never call them
             # more often than eager would; such models are validated with example_inputs only
             return self.fn(owner, *args, **kwargs)
-        why = self._check(tolerance, args, kwargs,
-                          step=torch.is_grad_enabled() and getattr(self, "check_gradients", True))
-        if why is None:  # the module itself fails: let it raise as eager would
-            return self.original(*args, **kwargs)
+        with torch.no_grad():
+            try:
+                with StateSnapshot(owner), seeded(0):
+                    ref = self.original(*_clone(args), **_clone(kwargs))
+            except Exception:  # noqa: BLE001 - the module itself fails: let it raise as eager would
+                return self.original(*args, **kwargs)
+            try:
+                with StateSnapshot(owner), seeded(0):
+                    out = self.fn(owner, *_clone(args), **_clone(kwargs))
+                result = compare_outputs(ref, out, tolerance)
+                if not result.ok:  # rounding amplified by the model itself? ask a float64 copy (only now)
+                    slack = float64_slack(owner, lambda m64: _eager_run64(m64, args, kwargs), ref)
+                    if slack is not None:
+                        result = compare_outputs(ref, out, tolerance, slack=slack)
+                why = result.describe() if not result.ok else ""
+            except Exception as exc:  # noqa: BLE001 - the rewrite fails: fall back
+                why = f"the rewrite raised {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
         if not why:
             self.undo = None  # checked: the weights it replaced are no longer needed
-            return self.fn(owner, *args, **kwargs)
-        self.fallback = True
-        warnings.warn(
-            f"convbn: the rewritten {type(owner).__name__} differs from the original on its first call "
-            f"({why}); running the original (unfused) forward from now on. Pass example_inputs=... to "
-            "convert/fold to validate (and convert finer) up front.",
-            RuntimeWarning,
-            stacklevel=4,
-        )
-        return self.original(*args, **kwargs)
-
-    def _check(self, tolerance: Callable[[torch.dtype], float], args: Tuple[Any, ...],
-               kwargs: Dict[str, Any], step: bool) -> Optional[str]:
-        """``""`` when the graph agrees with the original, else why not; ``None`` when the
-        original itself fails (on a step: then outputs alone are compared)."""
-        owner = self.owner
-        with torch.enable_grad() if step else torch.no_grad():
-            try:
-                ref = _run(owner, self.original, args, kwargs, step)
-            except Exception:  # noqa: BLE001
-                return self._check(tolerance, args, kwargs, step=False) if step else None
-            try:
-                out = _run(owner, lambda *a, **k: self.fn(owner, *a, **k), args, kwargs, step)
-                result = compare_outputs(ref, out, tolerance, relative=step)
-                if not result.ok:  # rounding amplified by the model itself? ask a float64 copy (only now)
-                    slack = float64_slack(owner, lambda m64: _eager_run64(m64, args, kwargs, step), ref)
-                    if slack is not None:
-                        result = compare_outputs(ref, out, tolerance, slack=slack, relative=step)
-                return result.describe() if not result.ok else ""
-            except Exception as exc:  # noqa: BLE001 - the rewrite fails: fall back
-                return f"the rewrite raised {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+        if why:
+            self.fallback = True
+            warnings.warn(
+                f"convbn: the rewritten {type(owner).__name__} differs from the original on its first call "
+                f"({why}); running the original (unfused) forward from now on. Pass example_inputs=... to "
+                "convert/fold to validate (and convert finer) up front.",
+                RuntimeWarning,
+                stacklevel=4,
+            )
+            return self.original(*args, **kwargs)
+        return self.fn(owner, *args, **kwargs)
 
     # -- copies -----------------------------------------------------------------------
     def __deepcopy__(self, memo: Dict[int, Any]) -> "GraphForward":
@@ -265,22 +244,10 @@ def _new_graph_forward() -> GraphForward:
     return object.__new__(GraphForward)
 
 
-def _run(owner: nn.Module, forward: Callable[..., Any], args: Tuple[Any, ...], kwargs: Dict[str, Any],
-         step: bool) -> Any:
-    """``forward`` on copies of the inputs, seeded, ``owner``'s state put back after it: the
-    outputs, or with ``step`` the outputs and gradients of one step (:func:`run_step`)."""
-    with StateSnapshot(owner):
-        if not step:
-            with seeded(0):
-                return forward(*_clone(args), **_clone(kwargs))
-        out, grads = run_step(lambda *a: forward(*a, **_clone(kwargs)), args, list(owner.parameters()), seed=0)
-        return out, grads
-
-
-def _eager_run64(model64: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any], step: bool = False) -> Any:
+def _eager_run64(model64: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
     to64 = lambda t: t.double() if isinstance(t, Tensor) and t.is_floating_point() else t  # noqa: E731
-    with eager(model64):
-        return _run(model64, model64, pytree.tree_map(to64, args), pytree.tree_map(to64, kwargs), step)
+    with torch.no_grad(), seeded(0), eager(model64):
+        return model64(*pytree.tree_map(to64, args), **pytree.tree_map(to64, kwargs))
 
 
 def _clone(tree: Any) -> Any:
