@@ -13,7 +13,7 @@ from torch.utils import _pytree as pytree
 from ..fold.graph import FoldContext
 from ..graph.layers import LAYER_MODULES
 from ..graph.trace import short_reason
-from .validate import as_args, compare_outputs
+from .validate import as_args, compare_outputs, to_float64
 
 __all__ = ["CHECK_TOLERANCE", "EAGER_ERROR_FACTOR"]
 
@@ -117,7 +117,7 @@ def float64_errors(model: nn.Module, args: Tuple[Any, ...], reference: Any) -> O
         return [0.0] * len(leaves)
     try:
         model64 = copy.deepcopy(model).double()
-        args64 = pytree.tree_map(lambda t: t.double() if isinstance(t, Tensor) and t.is_floating_point() else t, args)
+        args64 = to_float64(args)
         exact = [t for t in pytree.tree_leaves(run_no_grad(model64, args64)) if isinstance(t, Tensor) and t.is_floating_point()]
     except Exception:  # noqa: BLE001 - e.g. a kernel without float64: fall back to the fixed tolerance
         return None
@@ -146,7 +146,7 @@ def float64_fold_error(model: nn.Module, args: Tuple[Any, ...],
     """
     try:
         model64 = copy.deepcopy(model).double()
-        args64 = pytree.tree_map(lambda t: t.double() if isinstance(t, Tensor) and t.is_floating_point() else t, args)
+        args64 = to_float64(args)
         ref = run_no_grad(model64, args64)
         out = run_no_grad(fold_fn(model64, args64), args64)
     except Exception:  # noqa: BLE001 - no float64 run: no verdict

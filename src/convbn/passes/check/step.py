@@ -13,7 +13,7 @@ from torch import Tensor, nn
 from torch.utils import _pytree as pytree
 
 from ..graph.graph_module import eager
-from .validate import Comparison, StateSnapshot, compare_outputs, float64_slack, run_step, tolerance
+from .validate import Comparison, StateSnapshot, compare_outputs, float64_slack, run_step, to_float64, tolerance
 
 __all__ = ["check_step", "called_inputs"]
 
@@ -58,11 +58,9 @@ def check_step(module: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any])
         return Comparison(False, float("inf"), 0.0, "the global RNG state after the step differs")
     result = compare_outputs(ref[:3], new[:3], tolerance, relative=True)
     if not result.ok:  # rounding amplified by the model itself? ask a float64 copy (costly: only now)
-        to64 = lambda t: t.double() if isinstance(t, Tensor) and t.is_floating_point() else t  # noqa: E731
-
         def run64(model64: nn.Module) -> Any:
             with eager(model64):
-                return _step(model64, pytree.tree_map(to64, args), pytree.tree_map(to64, kwargs))[:3]
+                return _step(model64, to_float64(args), to_float64(kwargs))[:3]
 
         slack = float64_slack(module, run64, ref[:3])
         if slack is not None:

@@ -14,7 +14,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils import _pytree as pytree
 
-__all__ = ["StateSnapshot", "Comparison", "compare_outputs", "run_step", "seeded", "as_args", "float64_slack",
+__all__ = ["StateSnapshot", "Comparison", "compare_outputs", "run_step", "seeded", "as_args", "float64_slack", "to_float64",
            "tolerance", "TOLERANCE", "EAGER_ERROR_FACTOR"]
 
 
@@ -179,6 +179,11 @@ def run_step(model: nn.Module, args: Tuple[Any, ...], params: Sequence[Tensor], 
         if rng is not None:
             rng.append(torch.get_rng_state())
     return pytree.tree_map(lambda t: t.detach() if isinstance(t, Tensor) else t, out), list(grads)
+
+
+def to_float64(tree: Any) -> Any:
+    """``tree`` with every floating tensor converted to float64 (the rest as it is)."""
+    return pytree.tree_map(lambda t: t.double() if isinstance(t, Tensor) and t.is_floating_point() else t, tree)
 
 
 def float64_slack(model: nn.Module, run: Callable[[nn.Module], Any], reference: Any,

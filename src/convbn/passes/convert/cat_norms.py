@@ -25,17 +25,15 @@ from typing import Dict, List, Optional, Tuple
 
 import torch.fx as fx
 from torch import nn
-from torch.nn.modules.batchnorm import _BatchNorm
 
 from ...functional.activations import Activation, activation_from_module
 from ...nn.bn_slice import BatchNormSlice
-from ...nn.bn_shared import SharedBatchStats
 from ..graph.hooks import global_hooks, hook_reason
 from ..graph.layers import layer_call
 from ..graph.shape_uses import value_users
 from .concat_heads import cat_parts
 from .match_tail import TailMatch, match_tail
-from .shared_heads import free_target
+from .shared_heads import free_target, plain_bn_calls
 
 __all__ = ["split_cat_norms"]
 
@@ -94,15 +92,7 @@ def split_cat_norms(gm: fx.GraphModule, root: nn.Module, prefix: str) -> List[st
     if global_hooks():
         return done
     order = {n: i for i, n in enumerate(graph.nodes)}
-    for node in list(graph.nodes):
-        if node.op != "call_module" or len(node.args) != 1 or node.kwargs or not isinstance(node.args[0], fx.Node):
-            continue
-        bn = gm.get_submodule(str(node.target))
-        if not isinstance(bn, _BatchNorm) or isinstance(bn, (SharedBatchStats, BatchNormSlice)):
-            continue
-        if type(bn).forward is not _BatchNorm.forward or hook_reason(bn) or sum(
-                1 for n in graph.nodes if n.op == "call_module" and n.target == node.target) != 1:
-            continue
+    for node, bn in plain_bn_calls(gm):
         src = node.args[0]
         found = _pieces(src, gm) if value_users(src) == [node] and len(src.users) == 1 else None
         if found is None or sum(c for _, c in found[0]) != bn.num_features:
@@ -123,11 +113,11 @@ def split_cat_norms(gm: fx.GraphModule, root: nn.Module, prefix: str) -> List[st
             start += channels
             copies: Dict[fx.Node, fx.Node] = {}
             with graph.inserting_after(piece):  # right after its conv: the slices run in the convs' order
-                copies[node] = graph.call_module(target, (piece,))
-            for n in inner[1:]:
-                with graph.inserting_after(copies[inner[inner.index(n) - 1]]):
-                    copies[n] = graph.node_copy(n, lambda a: copies.get(a, a))
-            outs.append(copies[inner[-1]])
+                last = copies[node] = graph.call_module(target, (piece,))
+            for n in inner[1:]:  # the tail, each copy after the one before
+                with graph.inserting_after(last):
+                    last = copies[n] = graph.node_copy(n, lambda a: copies.get(a, a))
+            outs.append(last)
         src.args, src.kwargs = (outs, dim), {}
         inner[-1].replace_all_uses_with(src)
         for n in reversed(inner):

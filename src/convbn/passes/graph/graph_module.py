@@ -41,7 +41,7 @@ from torch.utils import _pytree as pytree
 
 from ...nn.fused import hooks_of
 from .hooks import global_hooks, hook_reason
-from ..check.validate import StateSnapshot, compare_outputs, float64_slack, seeded
+from ..check.validate import StateSnapshot, compare_outputs, float64_slack, seeded, to_float64
 
 __all__ = ["GraphForward", "install", "uninstall", "installed", "eager", "share_copy", "fused_modules",
            "forget_undo"]
@@ -245,9 +245,8 @@ def _new_graph_forward() -> GraphForward:
 
 
 def _eager_run64(model64: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
-    to64 = lambda t: t.double() if isinstance(t, Tensor) and t.is_floating_point() else t  # noqa: E731
     with torch.no_grad(), seeded(0), eager(model64):
-        return model64(*pytree.tree_map(to64, args), **pytree.tree_map(to64, kwargs))
+        return model64(*to_float64(args), **to_float64(kwargs))
 
 
 def _clone(tree: Any) -> Any:

@@ -155,7 +155,7 @@ def _patched_jit_isinstance(original: Callable[[Any, Any], bool]) -> Callable[[A
     return jit_isinstance
 
 
-_SPLITS = (torch.split, torch.functional.split, torch.Tensor.split, torch.tensor_split, torch.Tensor.tensor_split)
+_SPLITS = (torch.split, torch.Tensor.split, torch.tensor_split, torch.Tensor.tensor_split)  # torch.split is torch.functional.split
 
 
 def _static_length(node: fx.Node) -> Optional[int]:
