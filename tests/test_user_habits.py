@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import io
 import os
+import warnings
 from collections import OrderedDict
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
@@ -23,6 +24,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 import convbn
 from convbn import FusedChain
+from fusion_checks import assert_chain_ran, fused_chains
 
 DT = torch.float64
 TOL = dict(rtol=1e-10, atol=1e-10)
@@ -561,3 +563,29 @@ def test_hooks_on_containers_traced_through_are_seen_after_conversion() -> None:
     assert len(seen["fast"]) == len(seen["eager"]) == 2
     for a, b in zip(seen["fast"], seen["eager"]):
         torch.testing.assert_close(a, b, **TOL)
+
+
+def test_first_call_in_a_forked_worker_of_a_cuda_machine_leaves_cuda_alone(monkeypatch) -> None:
+    """A DataLoader / DDP worker forked on a machine with a GPU may not initialise CUDA (torch
+    raises "Cannot re-initialize CUDA in forked subprocess"). A CPU model converted without
+    example_inputs checks its first call: that check must not read the CUDA RNG there, or it
+    fails and the call silently runs unfused."""
+    def refuse(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("Cannot re-initialize CUDA in forked subprocess")
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    for name in ("get_rng_state", "get_rng_state_all", "set_rng_state", "set_rng_state_all"):  # (seeding is deferred)
+        monkeypatch.setattr(torch.cuda, name, refuse)
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8), nn.ReLU(),
+                        nn.Conv2d(8, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8), nn.ReLU())
+    ref = copy.deepcopy(net)
+    fast = convbn.convert(net)
+    x = torch.randn(2, 3, 8, 8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no fallback warning either
+        out = fast(x.clone().requires_grad_())
+    assert_chain_ran(out, calls=len(fused_chains(fast)))
+    torch.testing.assert_close(out, ref(x), rtol=0, atol=0)

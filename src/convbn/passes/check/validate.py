@@ -43,6 +43,16 @@ def tolerance(dtype: torch.dtype) -> float:
     return TOLERANCE.get(dtype, 5e-2)
 
 
+def _cuda_in_use() -> bool:
+    """Whether this process has initialised CUDA (so its RNG states exist and may move).
+
+    Not ``torch.cuda.is_available()``: reading the RNG state initialises CUDA, which raises in
+    a forked worker (DDP's fork / notebook start methods) and costs a context elsewhere; a
+    process that has not initialised CUDA has no CUDA tensor a model could draw numbers for.
+    """
+    return torch.cuda.is_available() and torch.cuda.is_initialized()
+
+
 class StateSnapshot:
     """Snapshot buffers, ``training`` flags and RNG states of ``model``; put them back on exit.
 
@@ -58,7 +68,7 @@ class StateSnapshot:
         self.buffers = [(b, b.detach().clone()) for b in self.model.buffers()]
         self.modes = [(m, m.training) for m in self.model.modules()]
         self.rng = torch.get_rng_state()
-        self.cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+        self.cuda_rng = torch.cuda.get_rng_state_all() if _cuda_in_use() else None
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -75,7 +85,7 @@ class StateSnapshot:
 
 @contextlib.contextmanager
 def seeded(seed: int) -> Iterator[None]:
-    devices = list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []
+    devices = list(range(torch.cuda.device_count())) if _cuda_in_use() else []
     with torch.random.fork_rng(devices=devices):
         torch.manual_seed(seed)
         yield
