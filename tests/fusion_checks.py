@@ -61,13 +61,15 @@ def assert_fused(model: nn.Module, *, pairs: Optional[int] = None, chains: Optio
 def chain_nodes(out: Tensor) -> List[Any]:
     """Every ``ChainFunctionBackward`` node in ``out``'s autograd graph (each fused chain call
     that produced it, directly or through later ops)."""
-    found, seen = [], set()
+    # visited nodes are kept (not their ids): the Python object of a C++ autograd node can be
+    # freed once read and its id reused by the next one read, which would end the walk early
+    found, seen = [], {}
     stack = [out.grad_fn] if out.grad_fn is not None else []
     while stack:
         node = stack.pop()
         if node is None or id(node) in seen:
             continue
-        seen.add(id(node))
+        seen[id(node)] = node
         if type(node).__name__ == CHAIN_BACKWARD:
             found.append(node)
         stack.extend(n for n, _ in node.next_functions)

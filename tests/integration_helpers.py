@@ -25,12 +25,12 @@ def grad_fn_names(out: Tensor) -> Set[str]:
     """The names of every autograd node behind ``out``."""
     seen: Set[str] = set()
     stack = [out.grad_fn]
-    visited = set()
+    visited = {}  # the nodes themselves kept alive: a freed node's id can be reused (fusion_checks.chain_nodes)
     while stack:
         fn = stack.pop()
         if fn is None or id(fn) in visited:
             continue
-        visited.add(id(fn))
+        visited[id(fn)] = fn
         seen.add(type(fn).__name__)
         stack.extend(f for f, _ in fn.next_functions)
     return seen
