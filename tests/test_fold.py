@@ -632,6 +632,18 @@ def test_inference_bench_smoke() -> None:
     assert "convbn.fold" in rows_to_markdown(rows)
 
 
+def test_a_spec_whose_library_is_missing_names_the_spec_and_the_package(monkeypatch) -> None:
+    import sys
+
+    from convbn.bench.models import build_model
+
+    monkeypatch.setitem(sys.modules, "monai", None)  # as if not installed
+    spec = "monai:resnet18(spatial_dims=5)"
+    with pytest.raises(ImportError) as info:
+        build_model(spec)
+    assert repr(spec) in str(info.value) and "'monai', which is not installed" in str(info.value)
+
+
 class AliasedAndTied(nn.Module):
     """``a`` and ``b`` are the same conv object; ``c`` shares its weight with ``d``."""
 

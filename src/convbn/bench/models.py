@@ -106,7 +106,7 @@ def _import(package: str, install: str) -> Any:
         detail = " ".join(f"{type(exc).__name__}: {exc}".split())
         top = package.split(".")[0]
         if importlib.util.find_spec(top) is None:
-            raise ImportError(f"this model spec needs the package '{top}', which is not installed; "
+            raise ImportError(f"it needs the package '{top}', which is not installed; "
                               f"install it with `pip install {install}`") from exc
         raise ImportError(f"the package '{top}' is installed but fails to import: {detail}") from exc
 
@@ -258,7 +258,9 @@ def build_model(spec: str) -> Tuple[nn.Module, Shape]:
         )
     try:
         return _BUILDERS[source](name, kwargs)
-    except (ValueError, ImportError):
+    except ImportError as exc:  # the spec named beside the package it needs
+        raise ImportError(f"model spec {spec!r} could not be built: {exc}") from exc
+    except ValueError:
         raise
     except Exception as exc:  # noqa: BLE001 - the library's own error for arguments it cannot build
         detail = " ".join(str(exc).split()) or type(exc).__name__
