@@ -1,7 +1,8 @@
 """One chain layer's element-wise cost per shape: the ATen path against inductor-fused kernels.
 
 Per shape ``(N, C, H, W)`` (ResNet-50 b8's BN sites by default), in one process, interleaved
-rounds, thread CPU time (``time.thread_time``; one intra-op thread unless ``--threads``):
+rounds, thread CPU time (``time.thread_time``; one intra-op thread unless ``--threads``), or
+with ``--device cuda`` the CUDA-event time of each call after a synchronize:
 
 * forward: ATen = ``native_batch_norm`` + the activation in place (what ``chain_forward``
   runs); fused = ``torch.compile(bn_act_forward, dynamic=True)`` (functional/bn_act.py);
@@ -18,6 +19,7 @@ Run::
 
     python benchmarks/bm_elementwise.py --rounds 7
     python benchmarks/bm_elementwise.py --shapes 8x256x56x56 --act silu --channels-last
+    python benchmarks/bm_elementwise.py --device cuda --shapes 128x64x112x112 128x256x56x56
 """
 from __future__ import annotations
 
@@ -42,12 +44,22 @@ def _cpu_time(fn: Callable[[], object]) -> float:
     return time.thread_time() - t
 
 
-def bandwidth(mib: int = 256, rounds: int = 5) -> float:
+def _cuda_time(fn: Callable[[], object]) -> float:
+    torch.cuda.synchronize()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    fn()
+    b.record()
+    torch.cuda.synchronize()
+    return a.elapsed_time(b) / 1e3
+
+
+def bandwidth(timer: Callable[[Callable[[], object]], float], device: str, mib: int = 256, rounds: int = 5) -> float:
     """Bytes per second of ``dst.copy_(src)`` (one read + one write counted), best of ``rounds``."""
-    src = torch.empty(mib * 2**20 // 4).uniform_()
+    src = torch.empty(mib * 2**20 // 4, device=device).uniform_()
     dst = torch.empty_like(src)
     dst.copy_(src)
-    best = min(_cpu_time(lambda: dst.copy_(src)) for _ in range(rounds))
+    best = min(timer(lambda: dst.copy_(src)) for _ in range(rounds))
     return 2 * src.numel() * 4 / best
 
 
@@ -58,11 +70,15 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--channels-last", action="store_true")
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     args = p.parse_args()
     torch.set_num_threads(args.threads)
+    timer = _cuda_time if args.device == "cuda" else _cpu_time
+    dev = args.device
     act = Activation(args.act)
-    bw = bandwidth()
-    print(f"# torch {torch.__version__}, {args.threads} thread(s), act={args.act}, channels_last={args.channels_last}, "
+    bw = bandwidth(timer, dev)
+    where = torch.cuda.get_device_name() if dev == "cuda" else f"{args.threads} thread(s)"
+    print(f"# torch {torch.__version__}, {where}, act={args.act}, channels_last={args.channels_last}, "
           f"copy bandwidth {bw / 1e9:.1f} GB/s (read+write)")
     fwd_c = torch.compile(bn_act_forward, dynamic=True)
     bwd_c = torch.compile(bn_act_backward, dynamic=True)
@@ -71,11 +87,11 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|---|---|---|")
     for s in args.shapes:
         shape = tuple(int(v) for v in s.split("x"))
-        y = torch.randn(shape)
+        y = torch.randn(shape, device=dev)
         if args.channels_last:
             y = y.contiguous(memory_format=torch.channels_last)
         g = torch.randn_like(y)
-        w, b = torch.rand(shape[1]) + 0.5, torch.randn(shape[1])
+        w, b = torch.rand(shape[1], device=dev) + 0.5, torch.randn(shape[1], device=dev)
 
         def fwd_aten():
             z, m, i = bn_forward(y, w, b, None, None, spec)
@@ -106,7 +122,7 @@ def main() -> None:
         for r in range(args.rounds):
             keys = list(fns)
             for k in keys[r % len(keys):] + keys[: r % len(keys)]:
-                times[k].append(_cpu_time(fns[k]))
+                times[k].append(timer(fns[k]))
         med = {k: statistics.median(v) for k, v in times.items()}
         med["ba"] -= med["c"]
         nbytes = y.numel() * y.element_size()

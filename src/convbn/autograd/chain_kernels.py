@@ -8,8 +8,9 @@ the forward's statistics + normalise + activation, and the backward's rebuild + 
 backward + BN backward reductions + input gradient, in the passes Note: [one layer's
 element-wise passes] counts. They return ``None`` where they do not apply, and the caller
 runs the ATen path: kernels off, a layer with a tail, running statistics, a process group or
-a momentum tensor, a dtype other than float32, a device other than the CPU (unmeasured), a
-tensor traced by a compiler, or a failed compilation (then off for the process, with a warning).
+a momentum tensor, a dtype other than float32, a device other than the CPU (on an H100 the
+fused forward lost to cuDNN's batch norm at most ResNet-50 shapes: BENCHMARKS.md), a tensor
+traced by a compiler, or a failed compilation (then off for the process, with a warning).
 
 Selection: the environment variable ``CONVBN_FUSED_KERNELS=1`` or :func:`set_fused_kernels`.
 Off by default: compiling costs seconds per (activation, layout, affine) variant on a cold
