@@ -637,7 +637,8 @@ def test_a_spec_whose_library_is_missing_names_the_spec_and_the_package(monkeypa
 
     from convbn.bench.models import build_model
 
-    monkeypatch.setitem(sys.modules, "monai", None)  # as if not installed
+    for name in [n for n in sys.modules if n == "monai" or n.startswith("monai.")] + ["monai"]:
+        monkeypatch.setitem(sys.modules, name, None)  # as if not installed (imported or not)
     spec = "monai:resnet18(spatial_dims=5)"
     with pytest.raises(ImportError) as info:
         build_model(spec)
