@@ -110,15 +110,48 @@ class Shake(torch.autograd.Function):
         return g * beta, g * (1 - beta)
 
 
+class ShakeSetup(torch.autograd.Function):
+    """The same with ``setup_context`` (forward without ``ctx``)."""
+
+    @staticmethod
+    def forward(a: Tensor, b: Tensor) -> Tensor:
+        return (a + b) / 2
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: Tuple[Tensor, Tensor], output: Tensor) -> None:
+        ctx.batch = inputs[0].shape[0]
+
+    @staticmethod
+    def backward(ctx: Any, g: Tensor) -> Tuple[Tensor, Tensor]:
+        beta = torch.rand(ctx.batch, 1, 1, 1, dtype=g.dtype)
+        return g * beta, g * (1 - beta)
+
+
+shake_alias = Shake.apply  # bound at import, before any trace
+
+
 class ShakeNet(nn.Module):
-    def __init__(self) -> None:
+    """``reach``: how the forward calls the Function: ``Shake.apply`` itself, a bound ``apply``
+    kept on the instance (``self.shake = Shake.apply``) or at module level, or a
+    ``setup_context``-style Function's ``apply`` kept on the instance."""
+
+    def __init__(self, reach: str = "apply") -> None:
         super().__init__()
         self.a = ConvBNAct(3, 4)
         self.b = ConvBNAct(3, 4)
         self.c = ConvBNAct(4, 4)
+        self.reach = reach
+        self.shake = ShakeSetup.apply if reach == "setup_context" else Shake.apply
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.c(Shake.apply(self.a(x), self.b(x)))
+        a, b = self.a(x), self.b(x)
+        if self.reach == "apply":
+            mixed = Shake.apply(a, b)
+        elif self.reach == "module alias":
+            mixed = shake_alias(a, b)
+        else:
+            mixed = self.shake(a, b)
+        return self.c(mixed)
 
 
 class Frozen(nn.Module):
@@ -267,14 +300,17 @@ def test_isinstance_dict_in_forward_traces_whole() -> None:
     assert folded.fold_report.untraceable == [] and len(folded.fold_report.folded) == 2
 
 
-def test_custom_function_with_random_backward_is_never_inlined() -> None:
-    eager = build(ShakeNet)
+@pytest.mark.parametrize("reach", ["apply", "instance attribute", "module alias", "setup_context"])
+def test_custom_function_with_random_backward_is_never_inlined(reach: str) -> None:
+    eager = build(lambda: ShakeNet(reach))
     x = inp(2, 3, 6, 6)
+    fn = ShakeSetup if reach == "setup_context" else Shake
     for kw in ({}, {"example_inputs": x}):
         fast = convbn.convert(copy.deepcopy(eager), **kw)
         assert fused_bns(fast.convbn_report) == ["a.bn", "b.bn", "c.bn"]
         graph = fast.forward.graph
-        assert any(getattr(n.target, "cls", None) is Shake for n in graph.nodes)  # one opaque call
+        assert any(getattr(n.target, "cls", None) is fn for n in graph.nodes)  # one opaque call
+        assert fn.__dict__["forward"].__func__.__qualname__ == f"{fn.__name__}.forward"  # restored after tracing
         calls = chain_calls(fast)
         assert_same_step(eager, fast, x)  # the backward's random mix drawn alike: same gradients
         assert len(calls) == 3 and all(calls.values())

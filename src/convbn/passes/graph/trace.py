@@ -54,7 +54,7 @@ from ..bn.frozen import frozen_bn_ranks, holds_frozen_bn_tensors, recognise_froz
 from ..bn.recognise import NormActBody, recognise_norm_act
 from .hooks import hook_reason
 from .layers import LAYER_MODULES, has_standard_forward
-from .trace_hazards import FunctionCall, _answer_could_differ, _opaque_apply, _tensor_valued
+from .trace_hazards import FunctionCall, _answer_could_differ, _tensor_valued, opaque_functions
 
 __all__ = ["TraceHazard", "LayerTracer", "Traced", "trace", "resolve_string_annotations", "short_reason", "FunctionCall"]
 
@@ -292,14 +292,12 @@ class _PartialTracing:
             if m is not root and not self._frozen[id(m)] and holds_frozen_bn_tensors(m) and any(m.children()):
                 self._bodies[id(m)] = recognise_frozen_norm_act(m)
         original = torch.jit.isinstance
-        apply = torch.autograd.Function.__dict__["apply"]
         torch.jit.isinstance = _patched_jit_isinstance(original)  # type: ignore[assignment]
-        torch.autograd.Function.apply = classmethod(_opaque_apply(apply.__func__))  # type: ignore[assignment]
         try:
-            return super().trace(root, concrete_args)  # type: ignore[misc]
+            with opaque_functions():
+                return super().trace(root, concrete_args)  # type: ignore[misc]
         finally:
             torch.jit.isinstance = original  # type: ignore[assignment]
-            torch.autograd.Function.apply = apply  # type: ignore[assignment]
 
 
 class _Retrace(Exception):

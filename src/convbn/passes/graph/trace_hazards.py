@@ -8,13 +8,15 @@ Used by :mod:`convbn.passes.graph.trace` while tracing.
 """
 from __future__ import annotations
 
+import contextlib
+import inspect
 import linecache
-from typing import Any, Callable, List, Optional, Tuple
+from typing import Any, Callable, Iterator, List, Optional, Tuple
 
 import torch
 import torch.fx as fx
 
-__all__ = ["FunctionCall"]
+__all__ = ["FunctionCall", "opaque_functions"]
 
 
 # Note: [an isinstance hazard only where the answer could differ]
@@ -110,8 +112,13 @@ class FunctionCall:
     Note: [autograd Functions stay whole]
     ``torch.fx`` would run a Function's ``forward`` on proxies and record its ops, losing its
     hand-written ``backward`` (a regulariser drawing a random factor in backward computed
-    other gradients). While tracing, ``Function.apply`` on proxies records one node calling
-    this object instead; at call time it runs ``cls.apply`` for real.
+    other gradients). While tracing (:func:`opaque_functions`), ``Function.apply`` on proxies
+    records one node calling this object instead; at call time it runs ``cls.apply`` for
+    real. Patching ``apply`` alone misses a reference bound before the trace
+    (``self.shake = ShakeDrop.apply`` in ``__init__``, ``fn = MyFn.apply`` at module level):
+    that bound method calls the unpatched ``apply``, which calls the class's ``forward``. So
+    every loaded Function subclass's ``forward`` is wrapped too for the trace: on proxies it
+    records the same one call (the arguments ``apply`` passed it, ``ctx`` left out).
     """
 
     def __init__(self, cls: type) -> None:
@@ -126,12 +133,89 @@ class FunctionCall:
         return (FunctionCall, (self.cls,))
 
 
+def _first_proxy(tree: Any) -> Optional[fx.Proxy]:
+    return next((a for a in torch.utils._pytree.tree_leaves(tree) if isinstance(a, fx.Proxy)), None)
+
+
 def _opaque_apply(original: Callable[..., Any]) -> Callable[..., Any]:
     def apply(cls: type, *args: Any, **kwargs: Any) -> Any:
-        leaves = torch.utils._pytree.tree_leaves((args, kwargs))
-        proxy = next((a for a in leaves if isinstance(a, fx.Proxy)), None)
+        proxy = _first_proxy((args, kwargs))
         if proxy is None:
             return original(cls, *args, **kwargs)
         return proxy.tracer.create_proxy("call_function", FunctionCall(cls), args, kwargs)
 
     return apply
+
+
+def _opaque_forward(cls: type, forward: Callable[..., Any], takes_ctx: bool) -> Callable[..., Any]:
+    def opaque(*args: Any, **kwargs: Any) -> Any:
+        given = args[1:] if takes_ctx else args  # what ``apply`` was called with
+        proxy = _first_proxy((given, kwargs))
+        if proxy is None:
+            return forward(*args, **kwargs)
+        return proxy.tracer.create_proxy("call_function", FunctionCall(cls), tuple(given), kwargs)
+
+    return opaque
+
+
+def _skip_setup(setup: Callable[..., Any]) -> Callable[..., Any]:
+    def setup_context(ctx: Any, inputs: Any, output: Any) -> Any:
+        if _first_proxy((inputs, output)) is not None:  # the call was recorded whole: nothing to set up
+            return None
+        return setup(ctx, inputs, output)
+
+    return setup_context
+
+
+def _function_classes() -> List[type]:
+    found: List[type] = []
+    todo = list(torch.autograd.Function.__subclasses__())
+    seen = set()
+    while todo:
+        c = todo.pop()
+        if c in seen:
+            continue
+        seen.add(c)
+        found.append(c)
+        todo += c.__subclasses__()
+    return found
+
+
+@contextlib.contextmanager
+def opaque_functions() -> Iterator[None]:
+    """While tracing, every custom ``torch.autograd.Function`` called on proxies is recorded as
+    one :class:`FunctionCall` (Note: [autograd Functions stay whole]); restored on exit."""
+    from torch.autograd.function import _SingleLevelFunction
+
+    base_setup = _SingleLevelFunction.__dict__["setup_context"]
+    apply = torch.autograd.Function.__dict__["apply"]
+    undo: List[Tuple[type, str, Any]] = []  # (class, name, what its __dict__ held, or _ABSENT)
+    torch.autograd.Function.apply = classmethod(_opaque_apply(apply.__func__))  # type: ignore[assignment]
+    try:
+        for cls in _function_classes():
+            fwd = inspect.getattr_static(cls, "forward", None)
+            if not isinstance(fwd, staticmethod):  # legacy (instance-method) Functions: left as they are
+                continue
+            setup = inspect.getattr_static(cls, "setup_context", None)
+            takes_ctx = setup is base_setup  # no setup_context: forward(ctx, *args)
+            try:
+                for name, new in (("forward", _opaque_forward(cls, fwd.__func__, takes_ctx)),
+                                  ("setup_context", None if takes_ctx or not isinstance(setup, staticmethod)
+                                   else _skip_setup(setup.__func__))):
+                    if new is None:
+                        continue
+                    undo.append((cls, name, cls.__dict__.get(name, _ABSENT)))
+                    setattr(cls, name, staticmethod(new))
+            except (TypeError, AttributeError):  # an immutable class: left as it is
+                continue
+        yield
+    finally:
+        for cls, name, old in reversed(undo):
+            if old is _ABSENT:
+                delattr(cls, name)
+            else:
+                setattr(cls, name, old)
+        torch.autograd.Function.apply = apply  # type: ignore[assignment]
+
+
+_ABSENT = object()
