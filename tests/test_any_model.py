@@ -24,6 +24,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 import convbn
 from convbn import FusedChain
 from convbn.passes.graph.graph_module import installed
+from fusion_checks import assert_chain_ran
 from test_trace import build, inp
 
 DT = torch.float64
@@ -314,6 +315,41 @@ def test_custom_function_with_random_backward_is_never_inlined(reach: str) -> No
         calls = chain_calls(fast)
         assert_same_step(eager, fast, x)  # the backward's random mix drawn alike: same gradients
         assert len(calls) == 3 and all(calls.values())
+
+
+def test_without_example_inputs_the_first_backward_checks_gradients(monkeypatch) -> None:
+    """The net under the tracer: with the Function inlined again (mutant: no opaque Functions
+    while tracing), outputs still match on the first call, but the first backward's check
+    finds the gradients differ, warns, and the next calls run the original forward."""
+    import contextlib
+
+    import convbn.passes.graph.trace as trace_module
+
+    monkeypatch.setattr(trace_module, "opaque_functions", contextlib.nullcontext)
+    eager = build(ShakeNet)
+    ref = copy.deepcopy(eager)
+    x = inp(4, 3, 6, 6)
+    fast = convbn.convert(copy.deepcopy(eager))
+    assert not any(getattr(n.target, "cls", None) is Shake for n in fast.forward.graph.nodes)  # inlined
+    with pytest.warns(RuntimeWarning, match="gradients differ from the original's on its first backward"):
+        step(fast, x)
+    step(ref, x)  # the same state on both sides again (running statistics)
+    assert fast.forward.fallback
+    assert_same_step(ref, fast, x)  # the original forward now: eager's gradients
+
+
+def test_first_backward_check_passes_silently_and_runs_once() -> None:
+    eager = build(ShakeNet)
+    x = inp(4, 3, 6, 6)
+    fast = convbn.convert(copy.deepcopy(eager))
+    assert fast.forward.backward_check is not None
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert_same_step(eager, fast, x)
+    assert fast.forward.backward_check is None and not fast.forward.fallback  # checked, once
+    assert_chain_ran(fast(x.clone().requires_grad_()))
 
 
 # ---------------------------------------------------------------- frozen parameters

@@ -118,6 +118,7 @@ def _rewrite(module: nn.Module, prefix: str, traced: Any, ctx: _Context) -> None
         fwd.modes = list(traced.modes)
     if ctx.lazy:
         fwd.pending = tolerance
+        fwd.backward_check = check_step  # Note: [gradients checked on the first backward]
 
 
 def _dedupe(report: ConvertReport) -> None:

@@ -20,6 +20,21 @@ A :class:`GraphForward` falls back to the module's own forward (its class's, or 
 had set on the instance) where its trace does not hold: the other train/eval mode for a
 mode-dependent trace, hooks registered later on a module the graph inlined, or a first-call
 check that failed (without ``example_inputs``).
+
+Note: [gradients checked on the first backward]
+Without ``example_inputs``, the first call compares the rewrite's outputs with the
+original's (no grad, state restored). Outputs equal, gradients can still differ (a custom
+``autograd.Function``'s hand-written backward lost in a trace). Running a training step of
+each inside the user's first call would show the check to everything that call touches
+(saved-tensor hooks, the chains' lazy plan, parameter hooks, DDP), so the check waits for
+the user's backward instead: a pre-hook on each output's autograd node runs, once, one
+seeded training step of the module as it was and as rewritten (``check_step``: outputs,
+every gradient through ``torch.autograd.grad``, buffers and RNG restored) on the first two
+samples of that call's batch (a full second batch would raise the first step's peak); on a
+difference it warns and the module runs its original forward from the next call. The step
+being differentiated then has the rewrite's gradients (the warning says so). Not checked
+(nothing to compare against without side effects): module or global hooks, parameter
+tensor hooks, an initialised process group, a batch of one, inputs eager cannot run sliced.
 """
 from __future__ import annotations
 
@@ -92,6 +107,8 @@ class GraphForward:
         self.added = list(added)
         self.fallback = False
         self.pending: Optional[Callable[[torch.dtype], float]] = None
+        # (module, args, kwargs) -> Comparison; run on the first backward (Note above)
+        self.backward_check: Optional[Callable[..., Any]] = None
         self.modes: Optional[List[Tuple[nn.Module, bool]]] = None
         self.inlined: List[nn.Module] = []
         self.undo: Optional[List[Tuple[nn.Module, str, str, Any]]] = None
@@ -164,8 +181,59 @@ class GraphForward:
             return self.original(*args, **kwargs)
         if self.pending is not None and not torch.compiler.is_compiling():
             tolerance, self.pending = self.pending, None
-            return self._first_call(tolerance, args, kwargs)
-        return self.fn(self.owner, *args, **kwargs)
+            out = self._first_call(tolerance, args, kwargs)
+        else:
+            out = self.fn(self.owner, *args, **kwargs)
+        if self.backward_check is not None and not self.fallback:
+            self._check_on_backward(out, args, kwargs)
+        return out
+
+    def _check_on_backward(self, out: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> None:
+        """Note: [gradients checked on the first backward]."""
+        owner = self.owner
+        if torch.compiler.is_compiling() or not torch.is_grad_enabled() or not owner.training:
+            return
+        nodes = {id(t.grad_fn): t.grad_fn for t in pytree.tree_leaves(out)
+                 if isinstance(t, Tensor) and t.grad_fn is not None}
+        if not nodes:
+            return
+        if (global_hooks() or any(hook_reason(m) for m in owner.modules() if m is not owner)
+                or any(p._backward_hooks or getattr(p, "_post_accumulate_grad_hooks", None) for p in owner.parameters())
+                or (torch.distributed.is_available() and torch.distributed.is_initialized())):
+            self.backward_check = None  # side effects the check would show (Note above): not checked
+            return
+        sample = _batch_sample((args, kwargs))
+        if sample is None:
+            self.backward_check = None
+            return
+        fired = [False]
+
+        def check(grad_outputs: Any) -> None:
+            if fired[0] or self.backward_check is None:
+                return
+            fired[0] = True
+            run, self.backward_check = self.backward_check, None
+            try:
+                # a backward runs its hooks without grad mode; the buffers are swapped for copies:
+                # restoring them in place would bump versions this backward's nodes saved
+                with torch.enable_grad(), _buffers_set_aside(owner), _chain_records_kept(owner):
+                    result = run(owner, *sample)
+            except Exception:  # noqa: BLE001 - the original fails on the sample: nothing to compare
+                return
+            if not result.ok:
+                self.fallback = True
+                warnings.warn(
+                    f"convbn: the rewritten {type(owner).__name__}'s gradients differ from the original's on its "
+                    f"first backward ({result.describe()}; one training step of each on the first samples of "
+                    "the batch); this step's gradients come from the rewrite, and the original (unfused) forward "
+                    "runs from the next call. Pass example_inputs=... to convert to validate (and convert "
+                    "finer) up front.",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
+
+        for node in nodes.values():
+            node.register_prehook(check)
 
     def _first_call(self, tolerance: Callable[[torch.dtype], float], args: Tuple[Any, ...],
                     kwargs: Dict[str, Any]) -> Any:
@@ -247,6 +315,46 @@ def _new_graph_forward() -> GraphForward:
 def _eager_run64(model64: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
     with torch.no_grad(), seeded(0), eager(model64):
         return model64(*to_float64(args), **to_float64(kwargs))
+
+
+@contextlib.contextmanager
+def _buffers_set_aside(module: nn.Module) -> Iterator[None]:
+    """Every buffer of ``module`` replaced by a copy for the block, the originals put back after
+    (untouched: not even their version counters move)."""
+    held = [(m, name, b) for m in module.modules() for name, b in m._buffers.items() if b is not None]
+    for m, name, b in held:
+        m._buffers[name] = b.detach().clone()
+    try:
+        yield
+    finally:
+        for m, name, b in held:
+            m._buffers[name] = b
+
+
+@contextlib.contextmanager
+def _chain_records_kept(module: nn.Module) -> Iterator[None]:
+    """What the fused chains under ``module`` record per call (each layer's shapes seen, for
+    the planner and the report) put back after the block."""
+    layers = [l for _, f in fused_modules(module) for l in getattr(f, "layers", ())]
+    kept = [(l, dict(vars(l))) for l in layers]
+    try:
+        yield
+    finally:
+        for l, fields in kept:
+            vars(l).update(fields)
+
+
+def _batch_sample(tree: Any, n: int = 2) -> Optional[Tuple[Tuple[Any, ...], Dict[str, Any]]]:
+    """Detached copies of ``(args, kwargs)`` cut to their first ``n`` samples (every tensor whose
+    first dimension is the batch's, read off the first tensor); ``None`` for a batch of one
+    (BatchNorm in training needs two values per channel)."""
+    leaves = [t for t in pytree.tree_leaves(tree) if isinstance(t, Tensor)]
+    if not leaves or leaves[0].dim() == 0 or leaves[0].shape[0] < 2:
+        return None
+    batch = leaves[0].shape[0]
+    return pytree.tree_map(
+        lambda t: (t[:n] if t.dim() and t.shape[0] == batch else t).detach().clone() if isinstance(t, Tensor) else t,
+        tree)
 
 
 def _clone(tree: Any) -> Any:
