@@ -37,12 +37,13 @@ import torch
 from torch import Tensor, nn
 
 import convbn
+from convbn.autograd.chain_compiled import set_compile_chains
 from convbn.bench.models import build_model
 from convbn.bench.training import budget_backend, checkpoint_blocks
 
 AMP = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 CONFIGS = ("eager", "auto", "budget", "tutorial", "checkpoint", "compile", "compile0.5", "compile0.1",
-           "convert+compile")
+           "convert+compile", "convert+compile:inductor")
 
 
 @dataclass
@@ -85,6 +86,10 @@ def build_config(name: str, base: nn.Module, x_plan: Tensor) -> nn.Module:
     if name.startswith("compile"):
         return torch.compile(model, backend=budget_backend(float(name[len("compile"):])))
     if name == "convert+compile":
+        set_compile_chains("op")
+        return torch.compile(convbn.convert(model, example_inputs=x_plan))
+    if name == "convert+compile:inductor":  # Note: [a chain inductor can see into]
+        set_compile_chains("inductor")
         return torch.compile(convbn.convert(model, example_inputs=x_plan))
     raise ValueError(f"unknown configuration {name!r}; choose from {CONFIGS}")
 

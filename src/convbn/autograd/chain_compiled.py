@@ -1,0 +1,146 @@
+"""The chain under ``torch.compile`` as ops inductor can fuse, its saved set kept by a
+selective-checkpoint policy.
+
+# Note: [a chain inductor can see into]
+# The custom op (Note: [why a custom op under torch.compile]) keeps the chain's saved set
+# exactly, but inductor fuses nothing inside it: each BN, activation and their backward
+# stay separate ATen kernels, and a compiled converted model ran at 2.2x of compiled eager
+# on an H100 (BENCHMARKS.md "Issue 25: the GPU table"). Here a plain chain (conv -> BN with
+# batch statistics -> activation per layer) is written as differentiable ops inside
+# ``torch.utils.checkpoint`` with a selective policy that states the plan to the
+# partitioner:
+#
+#     convolution of a ``recompute_bn`` layer     MUST_SAVE       (the kept ``y``)
+#     convolution of a ``recompute_conv`` layer   MUST_RECOMPUTE  (recomputed in backward)
+#     batch statistics (mean, variance)           MUST_SAVE       (per channel: small)
+#     everything else (normalise, affine, act)    PREFER_RECOMPUTE
+#
+# so what backward keeps is the chain input, the kept conv outputs and the statistics,
+# as in the eager chain, while inductor fuses the normalisation, the activation and their
+# backward into the kernels around them. The running statistics are updated outside the
+# region (unbiased variance, ``lerp_`` by the momentum factor, as ``native_batch_norm``),
+# never twice by a recompute. Float rounding: inductor's, like compiled eager's.
+#
+# Chains with anything else (tails, heads, linear layers, no batch statistics, a process
+# group, a momentum tensor) keep the custom op.
+#
+# Opt-in (``CONVBN_COMPILE_CHAINS=inductor`` or :func:`set_compile_chains`): measured on
+# the CPU only so far (BENCHMARKS.md "Issue 25"), and torch logs once per process that a
+# ``context_fn`` reached ``torch.utils.checkpoint`` under compile (the region holds no
+# in-place op, which is what that message asks to check).
+"""
+from __future__ import annotations
+
+import functools
+import os
+from typing import Any, Callable, List, Optional, Sequence, Tuple
+
+import torch
+from torch import Tensor
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+from .chain_spec import ChainLayerSpec, param_offsets, split_params
+
+__all__ = ["set_compile_chains", "compile_chains", "fusible_by_inductor", "chain_inductor_apply"]
+
+_MODES = ("op", "inductor")
+_STATE = {"mode": os.environ.get("CONVBN_COMPILE_CHAINS", "op")}
+
+
+def set_compile_chains(mode: str) -> str:
+    """How a fused chain runs under ``torch.compile``: ``"op"`` (the opaque custom op, the
+    default) or ``"inductor"`` (plain ops in a selective checkpoint, Note: [a chain inductor
+    can see into]); returns the previous mode. Takes effect for graphs compiled afterwards.
+
+    Args:
+        mode: ``"op"`` or ``"inductor"``.
+
+    Returns:
+        The previous mode.
+
+    Example:
+        >>> prev = set_compile_chains("inductor")
+        >>> compile_chains()
+        'inductor'
+        >>> _ = set_compile_chains(prev)
+    """
+    if mode not in _MODES:
+        raise ValueError(f"set_compile_chains expects one of {_MODES}, but got {mode!r}")
+    prev, _STATE["mode"] = _STATE["mode"], mode
+    return prev
+
+
+def compile_chains() -> str:
+    """The mode :func:`set_compile_chains` set (``CONVBN_COMPILE_CHAINS`` at import; default ``"op"``)."""
+    mode = _STATE["mode"]
+    return mode if mode in _MODES else "op"
+
+_aten = torch.ops.aten
+_STATS_OPS = {_aten.var_mean.correction}
+
+
+def fusible_by_inductor(specs: Sequence[ChainLayerSpec]) -> bool:
+    """Whether a chain can run as plain ops under a selective checkpoint (Note above)."""
+    return all(
+        s.conv is not None and not s.conv.is_linear and s.bn is not None and s.bn.batch_stats
+        and s.bn.process_group is None and not isinstance(s.bn.momentum, Tensor) and not s.tail
+        for s in specs
+    )
+
+
+def _contexts(keep_y: Tuple[bool, ...]) -> Any:
+    """The selective-checkpoint contexts of one call (a module-level function: Dynamo takes a
+    ``functools.partial`` of one as ``context_fn``, not a closure)."""
+    seen = {False: 0, True: 0}
+
+    def policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+        if op is _aten.convolution.default:
+            i = seen[ctx.is_recompute]
+            seen[ctx.is_recompute] += 1
+            return CheckpointPolicy.MUST_SAVE if keep_y[i % len(keep_y)] else CheckpointPolicy.MUST_RECOMPUTE
+        if op in _STATS_OPS:
+            return CheckpointPolicy.MUST_SAVE
+        return CheckpointPolicy.PREFER_RECOMPUTE
+
+    return create_selective_checkpoint_contexts(policy)
+
+
+def _body(specs: Sequence[ChainLayerSpec]) -> Callable[..., Tuple[Tensor, ...]]:
+    off = param_offsets(specs)
+
+    def run(x: Tensor, *params: Optional[Tensor]) -> Tuple[Tensor, ...]:
+        stats: List[Tensor] = []
+        for i, spec in enumerate(specs):
+            w, b, g, beta, _ = split_params(spec, params[off[i]: off[i + 1]])
+            if i > 0:
+                x = spec.conv.pad_input(x)  # type: ignore[union-attr]
+            c = spec.conv
+            y = torch.convolution(x, w, b, list(c.stride), list(c.padding), list(c.dilation),  # type: ignore[union-attr]
+                                  c.transposed, c.kernel_output_padding(), c.groups)  # type: ignore[union-attr]
+            dims = [0] + list(range(2, y.dim()))
+            var, mean = torch.var_mean(y, dims, correction=0, keepdim=True)
+            z = (y - mean) * torch.rsqrt(var + spec.bn.eps)  # type: ignore[union-attr]
+            if g is not None:
+                shape = [1, -1] + [1] * (y.dim() - 2)
+                z = z * g.view(shape) + beta.view(shape)  # type: ignore[union-attr]
+            x = spec.act(z)
+            n = y.numel() // y.shape[1]
+            stats += [mean.detach().flatten(), (var.detach() * (n / max(n - 1, 1))).flatten()]  # unbiased, as eager's
+        return (x, *stats)
+
+    return run
+
+
+def chain_inductor_apply(x: Tensor, params: Sequence[Optional[Tensor]], specs: Sequence[ChainLayerSpec],
+                         stats: Sequence[Tuple[Optional[Tensor], Optional[Tensor]]]) -> Tensor:
+    """Run a chain :func:`fusible_by_inductor` accepts as plain ops in a selective checkpoint
+    (Note: [a chain inductor can see into]); running statistics updated as eager's."""
+    keep = [s.keep_y for s in specs]
+    out, *moments = checkpoint(_body(specs), x, *params, use_reentrant=False, context_fn=functools.partial(_contexts, tuple(keep)))
+    with torch.no_grad():
+        for i, (spec, (rm, rv)) in enumerate(zip(specs, stats)):
+            if rm is not None and rv is not None:
+                m = float(spec.bn.momentum)  # type: ignore[union-attr]
+                rm.lerp_(moments[2 * i].to(rm.dtype), m)
+                rv.lerp_(moments[2 * i + 1].to(rv.dtype), m)
+    return out

@@ -1,0 +1,120 @@
+"""Chains under torch.compile as ops inductor fuses (opt-in ``set_compile_chains("inductor")``):
+the same values as eager, the same activations saved as the custom op's, the op not called.
+
+Note: [a chain inductor can see into] in ``convbn/autograd/chain_compiled.py``.
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+from typing import Dict, Iterator, List, Tuple
+
+import pytest
+import torch
+from torch import Tensor, nn
+from torch.testing import assert_close
+
+import convbn
+from convbn.autograd.chain_compiled import compile_chains, set_compile_chains
+from fusion_checks import assert_fused
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+
+
+def _net() -> nn.Sequential:
+    def block(i: int, o: int) -> List[nn.Module]:
+        return [nn.Conv2d(i, o, 3, padding=1, bias=False), nn.BatchNorm2d(o), nn.ReLU()]
+
+    torch.manual_seed(0)
+    net = nn.Sequential(*block(3, 8), *block(8, 8), *block(8, 16), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(16, 4))
+    with torch.no_grad():
+        for m in net.modules():
+            if isinstance(m, nn.BatchNorm2d):
+                m.weight.uniform_(0.5, 1.5)
+                m.bias.uniform_(-0.5, 0.5)
+    return net
+
+
+def _op_calls(model: nn.Module, x: Tensor) -> Dict[str, int]:
+    """convbn's custom ops called by one training step of ``model`` (profiled)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        model(x).sum().backward()
+    model.zero_grad(set_to_none=True)
+    return {e.key: e.count for e in prof.key_averages() if e.key.startswith("convbn::")}
+
+
+@contextlib.contextmanager
+def _chains(mode: str) -> Iterator[None]:
+    prev = set_compile_chains(mode)
+    torch._dynamo.reset()
+    try:
+        yield
+    finally:
+        set_compile_chains(prev)
+
+
+def _saved_activation_shapes(model: nn.Module, x: Tensor) -> List[Tuple[int, ...]]:
+    """Shapes of the batch-sized tensors the (compiled) forward saves for backward."""
+    shapes: List[Tuple[int, ...]] = []
+
+    def pack(t: Tensor) -> Tensor:
+        if t.dim() and t.shape[0] == x.shape[0]:
+            shapes.append(tuple(t.shape))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(x).sum().backward()
+    model.zero_grad(set_to_none=True)
+    return sorted(shapes)
+
+
+def _converted(modes: List[str]) -> Tuple[nn.Module, nn.Module]:
+    net = _net()
+    fast = convbn.convert(copy.deepcopy(net), strategy="recompute_bn")
+    chain = dict(convbn.fused_modules(fast))["convbn_chain0"]
+    for layer, m in zip(chain.layers, modes):  # a plan with both kinds of layer
+        layer.mode = m
+    return net, fast
+
+
+MODES = ["recompute_conv", "recompute_bn", "recompute_conv"]
+
+
+def test_inductor_chains_match_eager_and_do_not_call_the_op():
+    eager, fast = _converted(MODES)
+    with _chains("inductor"):
+        compiled = torch.compile(fast, fullgraph=True)
+        for seed in (1, 2):  # the first traces (under this mode), the second runs the compiled graph
+            x = torch.randn(4, 3, 8, 8, generator=torch.Generator().manual_seed(seed))
+            xe, xc = x.clone().requires_grad_(), x.clone().requires_grad_()
+            out_e, out_c = eager(xe), compiled(xc)
+            g = torch.randn_like(out_e)
+            out_e.backward(g)
+            out_c.backward(g)
+            assert_close(out_c, out_e, rtol=1e-4, atol=1e-5)
+            assert_close(xc.grad, xe.grad, rtol=1e-4, atol=1e-5)
+        assert_fused(fast)
+        for (n, p), pe in zip(fast.named_parameters(), eager.parameters()):
+            assert_close(p.grad, pe.grad, rtol=1e-4, atol=1e-4 * max(1.0, pe.grad.abs().max().item()), msg=n)
+        for (n, b), be in zip(fast.named_buffers(), eager.buffers()):
+            assert_close(b, be, rtol=1e-5, atol=1e-6, msg=n)  # running stats and num_batches_tracked
+        assert _op_calls(compiled, torch.randn(4, 3, 8, 8)) == {}  # inductor's ops, not convbn::chain_fwd
+    with _chains("op"):
+        assert _op_calls(torch.compile(_converted(MODES)[1], fullgraph=True), torch.randn(4, 3, 8, 8)) != {}
+
+
+def test_inductor_chains_save_what_the_op_saves():
+    x = torch.randn(4, 3, 8, 8)
+    saved = {}
+    for mode in ("op", "inductor"):
+        with _chains(mode):
+            saved[mode] = _saved_activation_shapes(torch.compile(_converted(MODES)[1], fullgraph=True), x)
+    # the chain input and the one kept conv output (8 channels): nothing recomputable kept
+    assert saved["inductor"] == saved["op"], saved
+    assert (4, 8, 8, 8) in saved["op"]
+
+
+def test_set_compile_chains_rejects_other_modes():
+    with pytest.raises(ValueError, match="'fused'"):
+        set_compile_chains("fused")
+    assert compile_chains() == "op"
