@@ -115,6 +115,26 @@ def test_inductor_chains_save_what_the_op_saves():
 
 
 def test_set_compile_chains_rejects_other_modes():
+    before = compile_chains()
     with pytest.raises(ValueError, match="'fused'"):
         set_compile_chains("fused")
-    assert compile_chains() == "op"
+    assert compile_chains() == before  # unchanged
+
+
+def test_inductor_chains_keep_float64():
+    """The region's maths in the tensor's own precision (float32 at least): float64 through
+    AOTAutograd without inductor equals eager to float64 rounding."""
+    eager, fast = _converted(MODES)
+    eager, fast = eager.double(), fast.double()
+    x = torch.randn(4, 3, 8, 8, dtype=torch.float64)
+    with _chains("inductor"):
+        compiled = torch.compile(fast, fullgraph=True, backend="aot_eager")
+        xe, xc = x.clone().requires_grad_(), x.clone().requires_grad_()
+        out_e, out_c = eager(xe), compiled(xc)
+        out_e.square().sum().backward()
+        out_c.square().sum().backward()
+    assert out_c.dtype == torch.float64
+    assert_close(out_c, out_e, rtol=1e-10, atol=1e-10)
+    assert_close(xc.grad, xe.grad, rtol=1e-9, atol=1e-9)
+    for p, pe in zip(fast.parameters(), eager.parameters()):
+        assert_close(p.grad, pe.grad, rtol=1e-9, atol=1e-9)

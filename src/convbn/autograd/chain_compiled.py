@@ -21,8 +21,9 @@ selective-checkpoint policy.
 # region (unbiased variance, ``lerp_`` by the momentum factor, as ``native_batch_norm``),
 # never twice by a recompute. Float rounding: inductor's, like compiled eager's.
 #
-# Chains with anything else (tails, heads, linear layers, no batch statistics, a process
-# group, a momentum tensor) keep the custom op.
+# Chains with anything else (tails, heads, linear or transposed convolutions (whose saved
+# set came out larger), no batch statistics, a process group, a momentum tensor) keep the
+# custom op.
 #
 # Opt-in (``CONVBN_COMPILE_CHAINS=inductor`` or :func:`set_compile_chains`): measured on
 # the CPU only so far (BENCHMARKS.md "Issue 25"), and torch logs once per process that a
@@ -81,9 +82,11 @@ _STATS_OPS = {_aten.var_mean.correction}
 
 def fusible_by_inductor(specs: Sequence[ChainLayerSpec]) -> bool:
     """Whether a chain can run as plain ops under a selective checkpoint (Note above)."""
+    # (``len(s.tail) == 0``: Dynamo traces this and cannot apply ``not`` to a tuple)
     return all(
-        s.conv is not None and not s.conv.is_linear and s.bn is not None and s.bn.batch_stats
-        and s.bn.process_group is None and not isinstance(s.bn.momentum, Tensor) and not s.tail
+        s.conv is not None and not s.conv.is_linear and not s.conv.transposed and s.bn is not None
+        and s.bn.batch_stats and s.bn.process_group is None and not isinstance(s.bn.momentum, Tensor)
+        and len(s.tail) == 0
         for s in specs
     )
 
@@ -118,12 +121,14 @@ def _body(specs: Sequence[ChainLayerSpec]) -> Callable[..., Tuple[Tensor, ...]]:
             y = torch.convolution(x, w, b, list(c.stride), list(c.padding), list(c.dilation),  # type: ignore[union-attr]
                                   c.transposed, c.kernel_output_padding(), c.groups)  # type: ignore[union-attr]
             dims = [0] + list(range(2, y.dim()))
-            var, mean = torch.var_mean(y, dims, correction=0, keepdim=True)
-            z = (y - mean) * torch.rsqrt(var + spec.bn.eps)  # type: ignore[union-attr]
+            # statistics and normalisation in float32 at least, as batch norm computes them
+            yf = y if y.dtype in (torch.float32, torch.float64) else y.float()
+            var, mean = torch.var_mean(yf, dims, correction=0, keepdim=True)
+            z = (yf - mean) * torch.rsqrt(var + spec.bn.eps)  # type: ignore[union-attr]
             if g is not None:
                 shape = [1, -1] + [1] * (y.dim() - 2)
                 z = z * g.view(shape) + beta.view(shape)  # type: ignore[union-attr]
-            x = spec.act(z)
+            x = spec.act(z.to(y.dtype))
             n = y.numel() // y.shape[1]
             stats += [mean.detach().flatten(), (var.detach() * (n / max(n - 1, 1))).flatten()]  # unbiased, as eager's
         return (x, *stats)
