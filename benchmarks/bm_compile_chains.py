@@ -2,8 +2,8 @@
 
 Configurations (each a deep copy of one model, compiled with ``fullgraph=False``):
 ``compile`` (eager model), ``compile0.5`` (activation memory budget 0.5), ``convert+compile``
-with the chains as the opaque custom op (``CONVBN_COMPILE_CHAINS=op``) and as ops inductor
-fuses (``inductor``, Note: [a chain inductor can see into]). Per configuration: thread CPU
+with the chains as the opaque custom op (``set_compile_chains("op")``) and as ops inductor
+fuses (``"inductor"``, Note: [a chain inductor can see into]). Per configuration: thread CPU
 time of one training step (forward + backward, median of interleaved rounds after warm-up),
 the bytes saved for backward (distinct storages saved by the compiled graphs, parameters
 excluded), and the first step's largest output / gradient difference from eager.
@@ -28,6 +28,7 @@ from zoo import import_torchvision_without_fake_kernels  # noqa: E402
 
 import convbn  # noqa: E402
 from convbn.bench.models import build_model  # noqa: E402
+from convbn.autograd.chain_compiled import set_compile_chains  # noqa: E402
 from convbn.bench.training import budget_backend  # noqa: E402
 
 
@@ -72,7 +73,7 @@ def main() -> None:
     models, steps, info = {}, {}, {}
     ref = None
     for name, make in configs.items():
-        os.environ["CONVBN_COMPILE_CHAINS"] = "op" if "(op)" in name else "inductor"
+        set_compile_chains("inductor" if "(inductor)" in name else "op")  # read when the graph is traced, below
         t0 = time.time()
         m = make()
         xx = x.clone().requires_grad_()
