@@ -138,3 +138,26 @@ def test_inductor_chains_keep_float64():
     assert_close(xc.grad, xe.grad, rtol=1e-9, atol=1e-9)
     for p, pe in zip(fast.parameters(), eager.parameters()):
         assert_close(p.grad, pe.grad, rtol=1e-9, atol=1e-9)
+
+
+def test_inductor_chains_take_prelu_and_a_dropout_that_drops_nothing():
+    """MONAI's blocks: Conv -> BN -> Dropout(p=0) -> PReLU, fused and run as inductor's ops."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.Dropout(0.0), nn.PReLU(8),
+                        nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm2d(8), nn.Dropout(0.0), nn.PReLU())
+    fast = convbn.convert(copy.deepcopy(net), strategy="recompute_conv")
+    x = torch.randn(4, 3, 8, 8)
+    with _chains("inductor"):
+        compiled = torch.compile(fast, fullgraph=True)
+        xe, xc = x.clone().requires_grad_(), x.clone().requires_grad_()
+        out_e, out_c = net(xe), compiled(xc)
+        g = torch.randn_like(out_e)
+        out_e.backward(g)
+        out_c.backward(g)
+        assert_close(out_c, out_e, rtol=1e-4, atol=1e-5)
+        assert_close(xc.grad, xe.grad, rtol=1e-4, atol=1e-5)
+        for p, pe in zip(fast.parameters(), net.parameters()):  # the PReLU slopes' gradients too
+            assert_close(p.grad, pe.grad, rtol=1e-4, atol=1e-4 * max(1.0, pe.grad.abs().max().item()))
+        for b, be in zip(fast.buffers(), net.buffers()):
+            assert_close(b, be, rtol=1e-5, atol=1e-6)
+        assert _op_calls(compiled, x) == {}

@@ -21,9 +21,9 @@ selective-checkpoint policy.
 # region (unbiased variance, ``lerp_`` by the momentum factor, as ``native_batch_norm``),
 # never twice by a recompute. Float rounding: inductor's, like compiled eager's.
 #
-# Chains with anything else (tails, heads, linear or transposed convolutions (whose saved
-# set came out larger), no batch statistics, a process group, a momentum tensor) keep the
-# custom op.
+# Tails of PReLUs and dropouts with p = 0 run in the region too. Chains with anything else
+# (other tails, heads, linear or transposed convolutions (whose saved set came out larger),
+# no batch statistics, a process group, a momentum tensor) keep the custom op.
 #
 # Opt-in (``CONVBN_COMPILE_CHAINS=inductor`` or :func:`set_compile_chains`): measured on
 # the CPU only so far (BENCHMARKS.md "Issue 25"), and torch logs once per process that a
@@ -40,6 +40,7 @@ import torch
 from torch import Tensor
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
+from ..functional.tail import DropoutOp, PReLUOp
 from .chain_spec import ChainLayerSpec, param_offsets, split_params
 
 __all__ = ["set_compile_chains", "compile_chains", "fusible_by_inductor", "chain_inductor_apply"]
@@ -82,13 +83,18 @@ _STATS_OPS = {_aten.var_mean.correction}
 
 def fusible_by_inductor(specs: Sequence[ChainLayerSpec]) -> bool:
     """Whether a chain can run as plain ops under a selective checkpoint (Note above)."""
-    # (``len(s.tail) == 0``: Dynamo traces this and cannot apply ``not`` to a tuple)
     return all(
         s.conv is not None and not s.conv.is_linear and not s.conv.transposed and s.bn is not None
         and s.bn.batch_stats and s.bn.process_group is None and not isinstance(s.bn.momentum, Tensor)
-        and len(s.tail) == 0
+        and all(_plain_tail_op(op) for op in s.tail)
         for s in specs
     )
+
+
+def _plain_tail_op(op: Any) -> bool:
+    """A tail op the region runs as a plain op: a PReLU, or a dropout that drops nothing (p = 0,
+    as MONAI's blocks build by default); a dropout that draws is left to the custom op."""
+    return isinstance(op, PReLUOp) or (isinstance(op, DropoutOp) and op.p == 0.0)
 
 
 def _contexts(keep_y: Tuple[bool, ...]) -> Any:
@@ -114,7 +120,7 @@ def _body(specs: Sequence[ChainLayerSpec]) -> Callable[..., Tuple[Tensor, ...]]:
     def run(x: Tensor, *params: Optional[Tensor]) -> Tuple[Tensor, ...]:
         stats: List[Tensor] = []
         for i, spec in enumerate(specs):
-            w, b, g, beta, _ = split_params(spec, params[off[i]: off[i + 1]])
+            w, b, g, beta, tail_weights = split_params(spec, params[off[i]: off[i + 1]])
             if i > 0:
                 x = spec.conv.pad_input(x)  # type: ignore[union-attr]
             c = spec.conv
@@ -129,6 +135,10 @@ def _body(specs: Sequence[ChainLayerSpec]) -> Callable[..., Tuple[Tensor, ...]]:
                 shape = [1, -1] + [1] * (y.dim() - 2)
                 z = z * g.view(shape) + beta.view(shape)  # type: ignore[union-attr]
             x = spec.act(z.to(y.dtype))
+            weights = iter(tail_weights)
+            for op in spec.tail:  # PReLU, or a dropout with p = 0 (identity): fusible_by_inductor
+                if isinstance(op, PReLUOp):
+                    x = torch.prelu(x, next(weights))
             n = y.numel() // y.shape[1]
             stats += [mean.detach().flatten(), (var.detach() * (n / max(n - 1, 1))).flatten()]  # unbiased, as eager's
         return (x, *stats)
