@@ -161,3 +161,28 @@ def test_inductor_chains_take_prelu_and_a_dropout_that_drops_nothing():
         for b, be in zip(fast.buffers(), net.buffers()):
             assert_close(b, be, rtol=1e-5, atol=1e-6)
         assert _op_calls(compiled, x) == {}
+
+
+def test_inductor_chains_take_transposed_convolutions():
+    """A decoder's ConvTranspose -> BN -> ReLU: eager's values, inductor's ops, and the same
+    activations saved as the custom op's (batch 2: no weight shares the batch dimension)."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8), nn.ReLU(),
+                        nn.ConvTranspose2d(8, 6, 3, stride=2, padding=1, output_padding=1), nn.BatchNorm2d(6), nn.ReLU())
+    x = torch.randn(2, 3, 6, 6)
+    saved = {}
+    for mode in ("op", "inductor"):
+        fast = convbn.convert(copy.deepcopy(net), strategy="recompute_bn")
+        with _chains(mode):
+            compiled = torch.compile(fast, fullgraph=True)
+            saved[mode] = _saved_activation_shapes(compiled, x)
+            if mode == "inductor":
+                ref = copy.deepcopy(net)
+                xe, xc = x.clone().requires_grad_(), x.clone().requires_grad_()
+                out_e, out_c = ref(xe), compiled(xc)
+                out_e.square().sum().backward()
+                out_c.square().sum().backward()
+                assert_close(out_c, out_e, rtol=1e-4, atol=1e-5)
+                assert_close(xc.grad, xe.grad, rtol=1e-4, atol=1e-4)
+                assert _op_calls(compiled, x) == {}
+    assert saved["inductor"] == saved["op"], saved

@@ -21,9 +21,11 @@ selective-checkpoint policy.
 # region (unbiased variance, ``lerp_`` by the momentum factor, as ``native_batch_norm``),
 # never twice by a recompute. Float rounding: inductor's, like compiled eager's.
 #
-# Tails of PReLUs and dropouts with p = 0 run in the region too. Chains with anything else
-# (other tails, heads, linear or transposed convolutions (whose saved set came out larger),
-# no batch statistics, a process group, a momentum tensor) keep the custom op.
+# Tails of PReLUs and dropouts with p = 0, and transposed convolutions, run in the region
+# too. Chains with anything else (other tails, heads, linear layers, no batch statistics, a
+# process group, a momentum tensor) keep the custom op. (On the CPU inductor saves copies of
+# the conv weights in its own layout, as it does for compiled eager: weight-sized, not
+# activations.)
 #
 # Opt-in (``CONVBN_COMPILE_CHAINS=inductor`` or :func:`set_compile_chains`): measured on
 # the CPU only so far (BENCHMARKS.md "Issue 25"), and torch logs once per process that a
@@ -84,7 +86,7 @@ _STATS_OPS = {_aten.var_mean.correction}
 def fusible_by_inductor(specs: Sequence[ChainLayerSpec]) -> bool:
     """Whether a chain can run as plain ops under a selective checkpoint (Note above)."""
     return all(
-        s.conv is not None and not s.conv.is_linear and not s.conv.transposed and s.bn is not None
+        s.conv is not None and not s.conv.is_linear and s.bn is not None
         and s.bn.batch_stats and s.bn.process_group is None and not isinstance(s.bn.momentum, Tensor)
         and all(_plain_tail_op(op) for op in s.tail)
         for s in specs
