@@ -77,6 +77,22 @@ def _converted(modes: List[str]) -> Tuple[nn.Module, nn.Module]:
     return net, fast
 
 
+def _assert_step_like_eager(eager: nn.Module, fast: nn.Module, compiled: nn.Module, x: Tensor) -> None:
+    """One training step of ``compiled`` (``fast`` compiled) and of ``eager``: outputs, input
+    and parameter gradients, running stats and ``num_batches_tracked`` within float32 rounding."""
+    xe, xc = x.clone().requires_grad_(), x.clone().requires_grad_()
+    out_e, out_c = eager(xe), compiled(xc)
+    g = torch.randn_like(out_e)
+    out_e.backward(g)
+    out_c.backward(g)
+    assert_close(out_c, out_e, rtol=1e-4, atol=1e-5)
+    assert_close(xc.grad, xe.grad, rtol=1e-4, atol=1e-5)
+    for (n, p), pe in zip(fast.named_parameters(), eager.parameters()):
+        assert_close(p.grad, pe.grad, rtol=1e-4, atol=1e-4 * max(1.0, pe.grad.abs().max().item()), msg=n)
+    for (n, b), be in zip(fast.named_buffers(), eager.buffers()):
+        assert_close(b, be, rtol=1e-5, atol=1e-6, msg=n)
+
+
 MODES = ["recompute_conv", "recompute_bn", "recompute_conv"]
 
 
@@ -86,18 +102,8 @@ def test_inductor_chains_match_eager_and_do_not_call_the_op():
         compiled = torch.compile(fast, fullgraph=True)
         for seed in (1, 2):  # the first traces (under this mode), the second runs the compiled graph
             x = torch.randn(4, 3, 8, 8, generator=torch.Generator().manual_seed(seed))
-            xe, xc = x.clone().requires_grad_(), x.clone().requires_grad_()
-            out_e, out_c = eager(xe), compiled(xc)
-            g = torch.randn_like(out_e)
-            out_e.backward(g)
-            out_c.backward(g)
-            assert_close(out_c, out_e, rtol=1e-4, atol=1e-5)
-            assert_close(xc.grad, xe.grad, rtol=1e-4, atol=1e-5)
+            _assert_step_like_eager(eager, fast, compiled, x)
         assert_fused(fast)
-        for (n, p), pe in zip(fast.named_parameters(), eager.parameters()):
-            assert_close(p.grad, pe.grad, rtol=1e-4, atol=1e-4 * max(1.0, pe.grad.abs().max().item()), msg=n)
-        for (n, b), be in zip(fast.named_buffers(), eager.buffers()):
-            assert_close(b, be, rtol=1e-5, atol=1e-6, msg=n)  # running stats and num_batches_tracked
         assert _op_calls(compiled, torch.randn(4, 3, 8, 8)) == {}  # inductor's ops, not convbn::chain_fwd
     with _chains("op"):
         assert _op_calls(torch.compile(_converted(MODES)[1], fullgraph=True), torch.randn(4, 3, 8, 8)) != {}
@@ -149,17 +155,7 @@ def test_inductor_chains_take_prelu_and_a_dropout_that_drops_nothing():
     x = torch.randn(4, 3, 8, 8)
     with _chains("inductor"):
         compiled = torch.compile(fast, fullgraph=True)
-        xe, xc = x.clone().requires_grad_(), x.clone().requires_grad_()
-        out_e, out_c = net(xe), compiled(xc)
-        g = torch.randn_like(out_e)
-        out_e.backward(g)
-        out_c.backward(g)
-        assert_close(out_c, out_e, rtol=1e-4, atol=1e-5)
-        assert_close(xc.grad, xe.grad, rtol=1e-4, atol=1e-5)
-        for p, pe in zip(fast.parameters(), net.parameters()):  # the PReLU slopes' gradients too
-            assert_close(p.grad, pe.grad, rtol=1e-4, atol=1e-4 * max(1.0, pe.grad.abs().max().item()))
-        for b, be in zip(fast.buffers(), net.buffers()):
-            assert_close(b, be, rtol=1e-5, atol=1e-6)
+        _assert_step_like_eager(net, fast, compiled, x)  # the PReLU slopes' gradients too
         assert _op_calls(compiled, x) == {}
 
 
