@@ -197,7 +197,7 @@ class GraphForward:
                  if isinstance(t, Tensor) and t.grad_fn is not None}
         if not nodes:
             return
-        if (global_hooks() or any(hook_reason(m) for m in owner.modules() if m is not owner)
+        if (_hooked(owner)
                 or any(p._backward_hooks or getattr(p, "_post_accumulate_grad_hooks", None) for p in owner.parameters())
                 or (torch.distributed.is_available() and torch.distributed.is_initialized())):
             self.backward_check = None  # side effects the check would show (Note above): not checked
@@ -206,12 +206,9 @@ class GraphForward:
         if sample is None:
             self.backward_check = None
             return
-        fired = [False]
-
         def check(grad_outputs: Any) -> None:
-            if fired[0] or self.backward_check is None:
+            if self.backward_check is None:  # checked already (by this call's or an earlier call's hook)
                 return
-            fired[0] = True
             run, self.backward_check = self.backward_check, None
             try:
                 # a backward runs its hooks without grad mode; the buffers are swapped for copies:
@@ -240,7 +237,7 @@ class GraphForward:
         """Run the original and the graph on copies of the inputs (state restored) and compare;
         on a difference, or an error of the graph, warn and run the original from now on."""
         owner = self.owner
-        if global_hooks() or any(hook_reason(m) for m in owner.modules() if m is not owner):
+        if _hooked(owner):
             # hooks may have side effects (collected features, counters): never call them
             # more often than eager would; such models are validated with example_inputs only
             return self.fn(owner, *args, **kwargs)
@@ -315,6 +312,12 @@ def _new_graph_forward() -> GraphForward:
 def _eager_run64(model64: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
     with torch.no_grad(), seeded(0), eager(model64):
         return model64(*to_float64(args), **to_float64(kwargs))
+
+
+def _hooked(owner: nn.Module) -> bool:
+    """Whether a check calling ``owner``'s modules again would call hooks eager calls once:
+    global module hooks, or hooks on a module under ``owner``."""
+    return global_hooks() or any(hook_reason(m) for m in owner.modules() if m is not owner)
 
 
 @contextlib.contextmanager
