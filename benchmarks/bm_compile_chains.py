@@ -17,7 +17,7 @@ import copy
 import os
 import statistics
 import time
-from typing import Any, Callable, Dict, List
+from typing import Any, Callable, Dict
 
 import sys
 
@@ -30,22 +30,7 @@ import convbn  # noqa: E402
 from convbn.bench.models import build_model  # noqa: E402
 from convbn.autograd.chain_compiled import set_compile_chains  # noqa: E402
 from convbn.bench.training import budget_backend  # noqa: E402
-
-
-def saved_bytes(model: Any, x: torch.Tensor) -> int:
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    seen: Dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        s = t.untyped_storage()
-        if s.data_ptr() not in params:
-            seen[s.data_ptr()] = s.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = model(x)
-    out.sum().backward()
-    return sum(seen.values())
+from convbn.memory import saved_bytes  # noqa: E402
 
 
 def main() -> None:
@@ -86,7 +71,7 @@ def main() -> None:
             ref = (out.detach(), grads)
         dout = (out.detach() - ref[0]).abs().max().item()
         dgrad = max((a - b).abs().max().item() for a, b in zip(grads, ref[1]))
-        info[name] = dict(saved=saved_bytes(m, x), dout=dout, dgrad=dgrad, build_s=time.time() - t0)
+        info[name] = dict(saved=saved_bytes(m, x).activation_bytes, dout=dout, dgrad=dgrad, build_s=time.time() - t0)
         m.zero_grad(set_to_none=True)
         models[name] = m
         steps[name] = []

@@ -16,6 +16,7 @@ from torch.testing import assert_close
 
 import convbn
 from convbn.autograd.chain_compiled import compile_chains, set_compile_chains
+from convbn.memory import saved_bytes
 from fusion_checks import assert_fused
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
@@ -54,18 +55,8 @@ def _chains(mode: str) -> Iterator[None]:
 
 
 def _saved_activation_shapes(model: nn.Module, x: Tensor) -> List[Tuple[int, ...]]:
-    """Shapes of the batch-sized tensors the (compiled) forward saves for backward."""
-    shapes: List[Tuple[int, ...]] = []
-
-    def pack(t: Tensor) -> Tensor:
-        if t.dim() and t.shape[0] == x.shape[0]:
-            shapes.append(tuple(t.shape))
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        model(x).sum().backward()
-    model.zero_grad(set_to_none=True)
-    return sorted(shapes)
+    """Shapes of the batch-sized storages the (compiled) forward saves for backward."""
+    return sorted(tuple(shape) for _, shape, _, _ in saved_bytes(model, x).shapes if len(shape) and shape[0] == x.shape[0])
 
 
 def _converted(modes: List[str]) -> Tuple[nn.Module, nn.Module]:
