@@ -87,3 +87,46 @@ def test_fused_kernels_in_a_converted_model_match_eager(monkeypatch):
 def test_set_fused_kernels_rejects_non_bool():
     with pytest.raises(TypeError, match="bool"):
         chain_kernels.set_fused_kernels("yes")
+
+
+def _allocator_peak(step) -> int:
+    """The step's peak of live bytes at the CPU allocator (torch.profiler's memory events:
+    every allocation, inductor's own buffers included, which no dispatch mode sees)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        step()
+    events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
+                    key=lambda e: e.start_ns())
+    live = peak = 0
+    for e in events:
+        live += e.nbytes()
+        peak = max(peak, live)
+    return peak
+
+
+@pytest.mark.skipif(not (shutil.which("g++") or shutil.which("c++")), reason="inductor's CPU kernels need a C++ compiler")
+def test_fused_kernels_peak_is_the_aten_paths_at_the_allocator_and_in_the_timeline():
+    torch.manual_seed(0)
+    net = nn.Sequential(*[m for _ in range(3) for m in (nn.Conv2d(16, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU())])
+    fused = convbn.convert(net, strategy="recompute_conv")
+    x = torch.randn(8, 16, 24, 24)
+
+    def step():
+        for p in fused.parameters():
+            p.grad = None
+        fused(x).sum().backward()
+
+    peaks = {}
+    for on in (False, True):
+        prev = chain_kernels.set_fused_kernels(on)
+        try:
+            step()  # compiled and warm
+            peaks[on] = (_allocator_peak(step), convbn.memory.timeline(fused, x).peak)
+        finally:
+            chain_kernels.set_fused_kernels(prev)
+    # the kernels hold no tensor-sized temporary the ATen path does not (per-channel buffers aside)
+    assert peaks[True][0] <= peaks[False][0] + 16 * 1024, peaks
+    # and the timeline, whose dispatch mode would make Dynamo run the kernels' pure functions
+    # op by op, reports the ATen path's peak for them: the same bytes
+    assert peaks[True][1] == peaks[False][1], peaks

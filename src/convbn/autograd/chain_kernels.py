@@ -7,10 +7,11 @@ reference and fallback.
 the forward's statistics + normalise + activation, and the backward's rebuild + activation
 backward + BN backward reductions + input gradient, in the passes Note: [one layer's
 element-wise passes] counts. They return ``None`` where they do not apply, and the caller
-runs the ATen path: kernels off, a layer with a tail, running statistics, a process group or
-a momentum tensor, a dtype other than float32, a device other than the CPU (on an H100 the
-fused forward lost to cuDNN's batch norm at most ResNet-50 shapes: BENCHMARKS.md), a tensor
-traced by a compiler, or a failed compilation (then off for the process, with a warning).
+runs the ATen path: kernels off, a layer with a tail, a BN normalising with its running
+statistics, a process group or a momentum tensor, a dtype other than float32, a device other
+than the CPU (on an H100 the fused forward lost to cuDNN's batch norm at most ResNet-50
+shapes: BENCHMARKS.md), a tensor traced by a compiler, an active dispatch mode (a memory
+timeline), or a failed compilation (then off for the process, with a warning).
 
 Selection: the environment variable ``CONVBN_FUSED_KERNELS=1`` or :func:`set_fused_kernels`.
 Off by default: compiling costs seconds per (activation, layout, affine) variant on a cold
@@ -27,6 +28,7 @@ from typing import Any, Callable, Dict, Optional, Tuple
 
 import torch
 from torch import Tensor
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from ..functional.activations import Activation
 from ..functional.batchnorm import BNSpec
@@ -75,9 +77,14 @@ def _compiled(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def _applies(y: Tensor, bn: Optional[BNSpec], act: Activation) -> bool:
+    # Under a dispatch mode (convbn.memory.timeline, MemTracker) the compiled kernel would not
+    # run: Dynamo would run the pure functions op by op, each temporary a tensor the mode
+    # counts, and report a peak the kernels never reach. The ATen path runs instead: its peak
+    # is the kernels' (tests/test_chain_kernels.py measures both at the allocator).
     return (fused_kernels_enabled() and bn is not None and bn.batch_stats and bn.process_group is None
             and not isinstance(bn.momentum, Tensor) and act.name in _ACTS and y.dtype == torch.float32
-            and y.device.type == "cpu" and type(y) is Tensor and not torch.compiler.is_compiling())
+            and y.device.type == "cpu" and type(y) is Tensor and not torch.compiler.is_compiling()
+            and _get_current_dispatch_mode() is None)
 
 
 def _run(name: str, fn: Callable[..., Any], *args: Any) -> Any:
