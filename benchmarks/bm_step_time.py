@@ -78,7 +78,7 @@ def _import_revision(rev: str, into: str) -> Any:
 
 
 def _configs(model: nn.Module, x: torch.Tensor, budgets: List[float], peaks: List[float],
-             tolerances: List[float] = (), base: Any = None) -> Dict[str, nn.Module]:
+             tolerances: List[float] = (), base: Any = None, strategies: List[str] = ()) -> Dict[str, nn.Module]:
     out: Dict[str, nn.Module] = {"eager": model, "auto": convbn.convert(copy.deepcopy(model), example_inputs=x)}
     if base is not None:
         out["base auto"] = base.convert(copy.deepcopy(model), example_inputs=x)
@@ -92,6 +92,8 @@ def _configs(model: nn.Module, x: torch.Tensor, budgets: List[float], peaks: Lis
         out[f"budget={b:g}"] = convbn.convert(copy.deepcopy(model), example_inputs=x, memory_budget=b)
     for p in peaks:
         out[f"peak={p:g}"] = convbn.convert(copy.deepcopy(model), example_inputs=x, peak_budget=p)
+    for s in strategies:
+        out[s] = convbn.convert(copy.deepcopy(model), example_inputs=x, strategy=s)
     return out
 
 
@@ -154,8 +156,11 @@ def main() -> None:
                     help="add the default plan made with this tolerance above the lowest peak")
     ap.add_argument("--base", default=None, metavar="REV",
                     help="add 'base auto': convert(auto) of convbn at git revision REV, in this process")
+    ap.add_argument("--strategy", action="append", default=[], choices=("recompute_bn", "recompute_conv"),
+                    help="add convert(strategy=S)")
     ap.add_argument("--fused-kernels", action="store_true",
-                    help="add 'auto+kernels': the auto plan with the fused element-wise kernels (issue 25)")
+                    help="add 'C+kernels' for every converted configuration C: the same plan with the fused "
+                         "element-wise kernels (issue 25)")
     ap.add_argument("--ref", default="auto", help="the configuration the last ratio column is to")
     ap.add_argument("--profile", type=int, default=0, metavar="N", help="also profile N steps per configuration")
     ap.add_argument("--top", type=int, default=25, help="operators shown by --profile")
@@ -166,10 +171,11 @@ def main() -> None:
     spatial = shape[1:] if args.image_size is None else [args.image_size] * (len(shape) - 1)
     x = torch.randn(args.batch_size, shape[0], *spatial)
     base = _import_revision(args.base, tempfile.mkdtemp(prefix="convbn_base_")) if args.base else None
-    cfgs = _configs(model.train(), x, args.budget, args.peak_budget, args.tolerance, base)
-    if args.fused_kernels:  # the auto plan again, with autograd/chain_kernels.py's fused kernels on
-        cfgs["auto+kernels"] = copy.deepcopy(cfgs["auto"])
-        cfgs["auto+kernels"]._bm_fused_kernels = True
+    cfgs = _configs(model.train(), x, args.budget, args.peak_budget, args.tolerance, base, args.strategy)
+    if args.fused_kernels:  # each plan again, with autograd/chain_kernels.py's fused kernels on
+        for n in [n for n in cfgs if n not in ("eager", "base auto")]:
+            cfgs[f"{n}+kernels"] = copy.deepcopy(cfgs[n])
+            cfgs[f"{n}+kernels"]._bm_fused_kernels = True
     if args.ref not in cfgs:
         raise SystemExit(f"--ref {args.ref!r} is not one of {list(cfgs)}")
     for m in cfgs.values():  # warm-up
