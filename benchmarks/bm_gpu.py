@@ -42,8 +42,8 @@ from convbn.bench.models import build_model
 from convbn.bench.training import budget_backend, checkpoint_blocks
 
 AMP = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}
-CONFIGS = ("eager", "auto", "budget", "tutorial", "checkpoint", "compile", "compile0.5", "compile0.1",
-           "convert+compile", "convert+compile:inductor")
+CONFIGS = ("eager", "auto", "auto:peak0.45", "auto:peak0.6", "budget", "tutorial", "checkpoint", "compile",
+           "compile0.5", "compile0.1", "convert+compile", "convert+compile:inductor")
 
 
 @dataclass
@@ -75,6 +75,8 @@ def build_config(name: str, base: nn.Module, x_plan: Tensor) -> nn.Module:
         return model
     if name == "auto":
         return convbn.convert(model, example_inputs=x_plan)
+    if name.startswith("auto:peak"):  # the least recompute whose predicted peak fits this fraction of eager's
+        return convbn.convert(model, example_inputs=x_plan, peak_budget=float(name[len("auto:peak"):]))
     if name == "budget":
         return convbn.convert(model, example_inputs=x_plan, memory_budget=_floor_budget(model, x_plan))
     if name == "tutorial":
@@ -147,13 +149,26 @@ def measure(step: Stepper, x: Tensor, steps: int, warmup: int) -> Dict[str, floa
     return dict(peak=peak, fwd_end=held[0], ms=statistics.median(times))
 
 
+def profile(step: Stepper, x: Tensor, path: str, steps: int = 3) -> None:
+    """Write the CUDA kernels of ``steps`` training steps, by total device time, to ``path``."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step(x)
+        torch.cuda.synchronize()
+    with open(path, "w") as f:
+        f.write(prof.key_averages().table(sort_by="self_device_time_total", row_limit=60, max_name_column_width=90))
+
+
 def _free() -> None:
     gc.collect()
     torch.cuda.empty_cache()
 
 
 def run_table(spec: str, batch: int, image_size: Optional[int], amps: List[str], configs: List[str],
-              steps: int, warmup: int) -> List[Row]:
+              steps: int, warmup: int, profile_dir: Optional[str] = None) -> List[Row]:
     torch.manual_seed(0)
     base, shape = build_model(spec)
     if image_size is not None:
@@ -181,6 +196,8 @@ def run_table(spec: str, batch: int, image_size: Optional[int], amps: List[str],
                 row.max_dout = (first.float() - ref_out).abs().max().item()
                 r = measure(step, x, steps, warmup)
                 row.peak_gib, row.fwd_end_gib, row.step_ms = r["peak"] / 2**30, r["fwd_end"] / 2**30, r["ms"]
+                if profile_dir is not None:
+                    profile(step, x, f"{profile_dir}/{amp}_{name.replace(':', '-')}.txt")
                 if name == "budget":
                     row.note = f"memory_budget={_floor_budget(copy.deepcopy(base), x_plan)}"
             except torch.OutOfMemoryError as exc:
@@ -300,6 +317,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--max-batch-config", choices=("eager", "auto", "budget", "checkpoint"), default=None,
                    help="max-batch: search this configuration only (in this process)")
     p.add_argument("--json", default=None, metavar="PATH")
+    p.add_argument("--profile", default=None, metavar="DIR",
+                   help="table: also write each configuration's CUDA kernels (torch.profiler) to DIR")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("bm_gpu: needs a CUDA device", file=sys.stderr)
@@ -309,7 +328,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(f"# {torch.cuda.get_device_name()} | torch {torch.__version__} | convbn {convbn.__version__}")
     if args.mode == "table":
         print(HEADER)
-        rows = run_table(args.model, args.batch_size, args.image_size, args.amp, args.configs, args.steps, args.warmup)
+        rows = run_table(args.model, args.batch_size, args.image_size, args.amp, args.configs, args.steps, args.warmup,
+                         args.profile)
     elif args.mode == "mnist":
         print(HEADER)
         rows = run_mnist(args.batch_size, args.steps, args.warmup)
