@@ -37,13 +37,14 @@ import torch
 from torch import Tensor, nn
 
 import convbn
-from convbn.autograd.chain_compiled import set_compile_chains
+from convbn.autograd.chain_compiled import compile_chains, set_compile_chains
 from convbn.bench.models import build_model
 from convbn.bench.training import budget_backend, checkpoint_blocks
 
+DEFAULT_CHAINS = compile_chains()  # convbn's default (or CONVBN_COMPILE_CHAINS), before any config sets one
 AMP = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 CONFIGS = ("eager", "auto", "auto:peak0.45", "auto:peak0.6", "budget", "tutorial", "checkpoint", "compile",
-           "compile0.5", "compile0.1", "convert+compile", "convert+compile:inductor")
+           "compile0.5", "compile0.1", "convert+compile", "convert+compile:op", "convert+compile:inductor")
 
 
 @dataclass
@@ -87,11 +88,9 @@ def build_config(name: str, base: nn.Module, x_plan: Tensor) -> nn.Module:
         return torch.compile(model)
     if name.startswith("compile"):
         return torch.compile(model, backend=budget_backend(float(name[len("compile"):])))
-    if name == "convert+compile":
-        set_compile_chains("op")
-        return torch.compile(convbn.convert(model, example_inputs=x_plan))
-    if name == "convert+compile:inductor":  # Note: [a chain inductor can see into]
-        set_compile_chains("inductor")
+    if name.startswith("convert+compile"):  # ":op" / ":inductor", or the default (Note: [a chain inductor can see into])
+        mode = name.partition(":")[2] or DEFAULT_CHAINS
+        set_compile_chains(mode)
         return torch.compile(convbn.convert(model, example_inputs=x_plan))
     raise ValueError(f"unknown configuration {name!r}; choose from {CONFIGS}")
 

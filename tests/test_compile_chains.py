@@ -1,5 +1,6 @@
-"""Chains under torch.compile as ops inductor fuses (opt-in ``set_compile_chains("inductor")``):
-the same values as eager, the same activations saved as the custom op's, the op not called.
+"""Chains under torch.compile as ops inductor fuses (the default; ``set_compile_chains("op")``
+selects the custom op): the same values as eager, the same activations saved as the custom
+op's, the op not called, and torch's advisory about a ``context_fn`` not logged for them.
 
 Note: [a chain inductor can see into] in ``convbn/autograd/chain_compiled.py``.
 """
@@ -7,12 +8,15 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
+import logging
 from typing import Dict, Iterator, List, Tuple
 
 import pytest
 import torch
 from torch import Tensor, nn
 from torch.testing import assert_close
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 import convbn
 from convbn.autograd.chain_compiled import compile_chains, set_compile_chains
@@ -173,3 +177,46 @@ def test_inductor_chains_take_transposed_convolutions():
                 assert_close(xc.grad, xe.grad, rtol=1e-4, atol=1e-4)
                 assert _op_calls(compiled, x) == {}
     assert saved["inductor"] == saved["op"], saved
+
+
+class _Records(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.messages: List[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+def _logged_while(fn) -> List[str]:
+    """What torch logged at WARNING while ``fn`` ran, its one-time warnings made fresh first."""
+    from torch._logging._internal import warning_once
+
+    warning_once.cache_clear()
+    records = _Records()
+    root = logging.getLogger("torch")
+    root.addHandler(records)
+    try:
+        fn()
+    finally:
+        root.removeHandler(records)
+    return records.messages
+
+
+def test_compiled_by_default_as_inductor_chains_without_the_context_fn_advisory():
+    assert compile_chains() == "inductor"  # the default (CONVBN_COMPILE_CHAINS unset)
+    torch._dynamo.reset()
+    fast = _converted(MODES)[1]
+    compiled = torch.compile(fast, fullgraph=True)
+    logged = _logged_while(lambda: compiled(torch.randn(4, 3, 8, 8)).sum().backward())
+    assert not [m for m in logged if "context_fn" in m], logged
+    assert _op_calls(compiled, torch.randn(4, 3, 8, 8)) == {}
+
+    # a user's own context_fn under compile still gets torch's advisory
+    def own(x: Tensor) -> Tensor:
+        policy = functools.partial(create_selective_checkpoint_contexts, lambda *a, **k: CheckpointPolicy.PREFER_RECOMPUTE)
+        return checkpoint(torch.sin, x, use_reentrant=False, context_fn=policy)
+
+    user = torch.compile(own, fullgraph=True)
+    logged = _logged_while(lambda: user(torch.randn(3, requires_grad=True)).sum().backward())
+    assert [m for m in logged if "context_fn" in m], logged

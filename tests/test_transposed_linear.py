@@ -551,7 +551,12 @@ def test_torch_compile_fullgraph_transposed_chain() -> None:
         torch.testing.assert_close(p.grad, pe.grad, rtol=1e-3, atol=1e-4 * max(1.0, pe.grad.abs().max().item()))
     for b, be in zip(fused.buffers(), eager.buffers()):
         torch.testing.assert_close(b, be, rtol=1e-4, atol=1e-6)
-    assert saved_bytes(compiled, x).activation_bytes <= saved_bytes(conv, x).activation_bytes
+    # batch-sized storages: on the CPU inductor also keeps copies of the conv weights in its
+    # own layout (as it does compiling eager), weight-sized, not activations
+    def batch_sized(model: nn.Module) -> int:
+        return sum(n for _, shape, _, n in saved_bytes(model, x).shapes if len(shape) and shape[0] == x.shape[0])
+
+    assert 0 < batch_sized(compiled) <= batch_sized(conv)
 
 
 def test_planner_costs_of_transposed_and_linear_layers() -> None:
