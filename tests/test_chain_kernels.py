@@ -89,22 +89,6 @@ def test_set_fused_kernels_rejects_non_bool():
         chain_kernels.set_fused_kernels("yes")
 
 
-def _allocator_peak(step) -> int:
-    """The step's peak of live bytes at the CPU allocator (torch.profiler's memory events:
-    every allocation, inductor's own buffers included, which no dispatch mode sees)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        step()
-    events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
-                    key=lambda e: e.start_ns())
-    live = peak = 0
-    for e in events:
-        live += e.nbytes()
-        peak = max(peak, live)
-    return peak
-
-
 @pytest.mark.skipif(not (shutil.which("g++") or shutil.which("c++")), reason="inductor's CPU kernels need a C++ compiler")
 def test_fused_kernels_peak_is_the_aten_paths_at_the_allocator_and_in_the_timeline():
     torch.manual_seed(0)
@@ -122,7 +106,7 @@ def test_fused_kernels_peak_is_the_aten_paths_at_the_allocator_and_in_the_timeli
         prev = chain_kernels.set_fused_kernels(on)
         try:
             step()  # compiled and warm
-            peaks[on] = (_allocator_peak(step), convbn.memory.timeline(fused, x).peak)
+            peaks[on] = (convbn.memory.allocator_peak(step), convbn.memory.timeline(fused, x).peak)
         finally:
             chain_kernels.set_fused_kernels(prev)
     # the kernels hold no tensor-sized temporary the ATen path does not (per-channel buffers aside)

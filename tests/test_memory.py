@@ -208,3 +208,23 @@ def test_peak_memory_cuda_allocator() -> None:
     assert pm.result.source == "cuda"
     assert pm.result.peak >= (1 << 20) * F32
     assert pm.result.end == 0
+
+
+def test_allocator_peak_counts_exact_bytes_freed_ones_and_compiled_buffers() -> None:
+    from convbn.memory import allocator_peak
+
+    def block() -> None:
+        a = torch.empty(1 << 18)  # 1 MiB, freed before the next
+        del a
+        b = torch.empty(1 << 17)  # 0.5 MiB
+        c = torch.empty(1 << 17)  # and 0.5 MiB more while b lives: 1 MiB, not 1.5
+        del b, c
+
+    assert allocator_peak(block) == 1 << 20
+    # compiled code allocates outside the dispatcher; the allocator still sees its output
+    x = torch.randn(1 << 16)
+    f = torch.compile(lambda t: t * 2 + 1)
+    f(x)
+    assert allocator_peak(lambda: f(x)) == x.numel() * 4
+    with pytest.raises(TypeError, match="callable"):
+        allocator_peak(3)  # type: ignore[arg-type]

@@ -1,8 +1,11 @@
-"""Peak memory of a block: the CUDA allocator, sampled process RSS, or exact live tensor bytes.
+"""Peak memory of a block: the CUDA allocator, sampled process RSS, exact live tensor bytes,
+or the CPU allocator's live bytes.
 
 :class:`peak_memory` reads the CUDA allocator's peak on a GPU and samples RSS on CPU
 (indicative: RSS includes allocator caching); :class:`tensor_peak` counts tensor storages
-as they are created and freed, exact and deterministic on any device.
+as they are created and freed, exact and deterministic on any device; :func:`allocator_peak`
+counts what the CPU allocator serves, which includes compiled code's own buffers (inductor
+allocates outside the dispatcher, where no dispatch mode sees it).
 """
 from __future__ import annotations
 
@@ -10,14 +13,14 @@ import os
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Dict, Optional
+from typing import Any, Callable, Dict, Optional
 
 import torch
 
 from ..autograd.grad_sink import stand_ins
 from .mod_tracking import releasing_mod_tracker
 
-__all__ = ["PeakMemory", "peak_memory", "tensor_peak"]
+__all__ = ["PeakMemory", "allocator_peak", "peak_memory", "tensor_peak"]
 
 
 def _rss_bytes() -> int:
@@ -28,6 +31,41 @@ def _rss_bytes() -> int:
         import resource
 
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def allocator_peak(fn: Callable[[], Any]) -> int:
+    """The most bytes live at the CPU allocator while ``fn()`` runs, above what was live when
+    it began: every allocation and free the allocator reports to ``torch.profiler``
+    (``profile_memory=True``), replayed in order. Unlike :func:`~convbn.memory.timeline` it
+    sees compiled code's buffers (a ``torch.compile``\ d step); it does not name operators.
+    Workspaces freed before ``fn`` returns count; allocator caching does not (these are
+    tensor bytes, not RSS).
+
+    Args:
+        fn: the block to measure, e.g. one training step.
+
+    Returns:
+        Peak live CPU bytes above the start.
+
+    Example:
+        >>> x = torch.randn(256, 256)
+        >>> allocator_peak(lambda: (x @ x).sum()) >= 256 * 256 * 4
+        True
+    """
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    if not callable(fn):
+        raise TypeError(f"allocator_peak expects a callable, but got {type(fn).__name__}")
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    events = sorted((e for e in prof.profiler.kineto_results.events()
+                     if e.name() == "[memory]" and e.device_type() == DeviceType.CPU), key=lambda e: e.start_ns())
+    live = peak = 0
+    for e in events:
+        live += e.nbytes()
+        peak = max(peak, live)
+    return peak
 
 
 @dataclass
