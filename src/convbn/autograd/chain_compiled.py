@@ -27,9 +27,11 @@ selective-checkpoint policy.
 # the conv weights in its own layout, as it does for compiled eager: weight-sized, not
 # activations.)
 #
-# The default under compile since it was measured: on an H100, ResNet-50 b128 fp32, a
-# compiled converted model ran at 0.77x eager (1.20x compiled eager) this way and 1.41x
-# eager with the op; on the CPU the two time alike (BENCHMARKS.md "Issue 25").
+# The default under compile, as measured (BENCHMARKS.md "Issue 25"), against the op:
+#   H100, ResNet-50 b128 fp32:  0.77x eager (1.20x compiled eager), the op 1.41x eager;
+#   CPU, U-Net 2d b8 128²:      1.15x compiled eager at 0.79x its peak, the op 2.0x at 1.10x;
+#   CPU, ResNet-18 b8 112²:     1.03x compiled eager at 0.89x its peak, the op 1.02x at
+#                               0.71x (inductor's weight copies, above, are the difference).
 # ``CONVBN_COMPILE_CHAINS=op`` or :func:`set_compile_chains` selects the op.
 #
 # torch logs a one-time advisory when a ``context_fn`` reaches a checkpoint under compile:
