@@ -220,3 +220,30 @@ def test_compiled_by_default_as_inductor_chains_without_the_context_fn_advisory(
     user = torch.compile(own, fullgraph=True)
     logged = _logged_while(lambda: user(torch.randn(3, requires_grad=True)).sum().backward())
     assert [m for m in logged if "context_fn" in m], logged
+
+
+def test_every_converted_model_compiled_in_one_process_gets_compiled_graphs():
+    """Note: [one Dynamo frame per rewritten forward]: six converted models compiled one
+    after another each compile (one shared frame would reach Dynamo's recompile limit at the
+    fifth and run the rest uncompiled); copies of one converted model share its graphs."""
+    from torch._dynamo.utils import counters
+
+    def small() -> nn.Module:
+        return nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU())
+
+    torch._dynamo.reset()
+    x = torch.randn(2, 3, 6, 6)
+    graphs = []
+    for _ in range(6):
+        model = torch.compile(convbn.convert(small()))
+        before = counters["stats"]["unique_graphs"]
+        for _ in range(2):
+            model(x).sum().backward()
+        graphs.append(counters["stats"]["unique_graphs"] - before)
+    assert all(g >= 1 for g in graphs), graphs
+    converted = convbn.convert(small())
+    torch.compile(converted)(x).sum().backward()
+    before = counters["stats"]["unique_graphs"]
+    for _ in range(6):
+        torch.compile(copy.deepcopy(converted))(x).sum().backward()
+    assert counters["stats"]["unique_graphs"] - before <= 2

@@ -16,6 +16,15 @@ tensors of their own (they reference the model's conv and BatchNorm modules), so
 ``state_dict()``, ``.to()`` and ``.train()`` are unaffected. :func:`fused_modules` lists
 them; ``copy.deepcopy`` and ``pickle`` carry them with the module's ``__dict__``.
 
+Note: [one Dynamo frame per rewritten forward]
+``torch.compile`` of a converted model starts tracing at the first frame outside torch:
+``GraphForward.__call__``. Were that one code object shared by every rewritten forward,
+each model compiled in a process would add its own cache entries to it (guarded on its
+generated code), and past Dynamo's recompile limit (8) every further converted model would
+run uncompiled: the fifth of a sweep, two entries each. So each :class:`GraphForward` is an
+instance of a subclass of its own whose ``__call__`` is a copy of the code object; compiled
+eager models of one class share one graph, and so do copies of one converted model.
+
 A :class:`GraphForward` falls back to the module's own forward (its class's, or one the user
 had set on the instance) where its trace does not hold: the other train/eval mode for a
 mode-dependent trace, hooks registered later on a module the graph inlined, or a first-call
@@ -94,6 +103,15 @@ class GraphForward:
         previous: a forward the user had set on the instance before, or ``None`` (the class's).
         added: attribute paths the rewrite added to ``owner`` (fused modules, new weights).
     """
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> "GraphForward":
+        # Note: [one Dynamo frame per rewritten forward]
+        if cls is GraphForward:
+            call = GraphForward.__call__
+            own = types.FunctionType(call.__code__.replace(), call.__globals__, call.__name__, call.__defaults__,
+                                     call.__closure__)
+            cls = type("GraphForward", (GraphForward,), {"__call__": own, "__module__": __name__})
+        return object.__new__(cls)
 
     def __init__(self, owner: nn.Module, graph: fx.Graph, added: Sequence[str] = ()) -> None:
         self.owner = owner
@@ -274,7 +292,7 @@ class GraphForward:
 
     # -- copies -----------------------------------------------------------------------
     def __deepcopy__(self, memo: Dict[int, Any]) -> "GraphForward":
-        new = object.__new__(GraphForward)
+        new = object.__new__(type(self))  # a copy: the same generated code, so the same frame
         memo[id(self)] = new
         for key, value in self.__dict__.items():
             if key in ("graph", "code", "_globals", "fn"):
@@ -306,7 +324,7 @@ class GraphForward:
 
 
 def _new_graph_forward() -> GraphForward:
-    return object.__new__(GraphForward)
+    return GraphForward.__new__(GraphForward)
 
 
 def _eager_run64(model64: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
