@@ -8,14 +8,14 @@ import contextlib
 import copy
 import math
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor, nn
 from torch.utils import _pytree as pytree
 
 __all__ = ["StateSnapshot", "Comparison", "compare_outputs", "run_step", "seeded", "as_args", "float64_slack", "to_float64",
-           "tolerance", "TOLERANCE", "EAGER_ERROR_FACTOR"]
+           "tolerance", "TOLERANCE", "EAGER_ERROR_FACTOR", "buffers_set_aside", "batch_sample", "clone_tensors"]
 
 
 def as_args(example_inputs: Any) -> Tuple[Any, ...]:
@@ -224,3 +224,35 @@ def float64_slack(model: nn.Module, run: Callable[[nn.Module], Any], reference: 
         err = (a.detach().double() - e.detach().double())[finite].abs().max().item() if finite.any() else 0.0
         slack.append(factor * err)
     return slack
+
+
+@contextlib.contextmanager
+def buffers_set_aside(module: nn.Module) -> Iterator[None]:
+    """Every buffer of ``module`` replaced by a copy for the block, the originals put back after
+    (untouched: not even their version counters move)."""
+    held = [(m, name, b) for m in module.modules() for name, b in m._buffers.items() if b is not None]
+    for m, name, b in held:
+        m._buffers[name] = b.detach().clone()
+    try:
+        yield
+    finally:
+        for m, name, b in held:
+            m._buffers[name] = b
+
+
+def batch_sample(tree: Any, n: int = 2) -> Optional[Tuple[Tuple[Any, ...], Dict[str, Any]]]:
+    """Detached copies of ``(args, kwargs)`` cut to their first ``n`` samples (every tensor whose
+    first dimension is the batch's, read off the first tensor); ``None`` for a batch of one
+    (BatchNorm in training needs two values per channel)."""
+    leaves = [t for t in pytree.tree_leaves(tree) if isinstance(t, Tensor)]
+    if not leaves or leaves[0].dim() == 0 or leaves[0].shape[0] < 2:
+        return None
+    batch = leaves[0].shape[0]
+    return pytree.tree_map(
+        lambda t: (t[:n] if t.dim() and t.shape[0] == batch else t).detach().clone() if isinstance(t, Tensor) else t,
+        tree)
+
+
+def clone_tensors(tree: Any) -> Any:
+    """``tree`` with every tensor cloned (a check's own copy of a call's inputs)."""
+    return pytree.tree_map(lambda t: t.clone() if isinstance(t, Tensor) else t, tree)

@@ -24,7 +24,8 @@ from ...functional.strategies import CONVERT_STRATEGIES, check_strategy
 from ..plan.auto_plan import as_inputs, measure_peak, measure_saved, plan_auto
 from ..bn.recognise import may_normalise
 from .concat_heads import flatten_cats
-from ..graph.graph_module import eager, forget_undo, install, installed, share_copy, uninstall
+from ..graph.graph_module import eager, forget_undo, install, installed, uninstall
+from ..graph.share_copy import share_copy
 from .match import find_layers, group_chains
 from ..report.outcome import bn_module_names, unreached
 from .pools import lean_pools

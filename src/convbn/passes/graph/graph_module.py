@@ -54,7 +54,6 @@ import os
 import sys
 import types
 import warnings
-from collections import OrderedDict
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
@@ -65,10 +64,10 @@ from torch.utils import _pytree as pytree
 
 from ...nn.fused import hooks_of
 from .hooks import global_hooks, hook_reason
-from ..check.validate import StateSnapshot, compare_outputs, float64_slack, seeded, to_float64
+from ..check.validate import (StateSnapshot, batch_sample, buffers_set_aside, clone_tensors, compare_outputs,
+                              float64_slack, seeded, to_float64)
 
-__all__ = ["GraphForward", "install", "uninstall", "installed", "eager", "share_copy", "fused_modules",
-           "forget_undo"]
+__all__ = ["GraphForward", "install", "uninstall", "installed", "eager", "fused_modules", "forget_undo"]
 
 _CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
@@ -220,7 +219,7 @@ class GraphForward:
                 or (torch.distributed.is_available() and torch.distributed.is_initialized())):
             self.backward_check = None  # side effects the check would show (Note above): not checked
             return
-        sample = _batch_sample((args, kwargs))
+        sample = batch_sample((args, kwargs))
         if sample is None:
             self.backward_check = None
             return
@@ -231,7 +230,7 @@ class GraphForward:
             try:
                 # a backward runs its hooks without grad mode; the buffers are swapped for copies:
                 # restoring them in place would bump versions this backward's nodes saved
-                with torch.enable_grad(), _buffers_set_aside(owner), _chain_records_kept(owner):
+                with torch.enable_grad(), buffers_set_aside(owner), _chain_records_kept(owner):
                     result = run(owner, *sample)
             except Exception:  # noqa: BLE001 - the original fails on the sample: nothing to compare
                 return
@@ -262,12 +261,12 @@ class GraphForward:
         with torch.no_grad():
             try:
                 with StateSnapshot(owner), seeded(0):
-                    ref = self.original(*_clone(args), **_clone(kwargs))
+                    ref = self.original(*clone_tensors(args), **clone_tensors(kwargs))
             except Exception:  # noqa: BLE001 - the module itself fails: let it raise as eager would
                 return self.original(*args, **kwargs)
             try:
                 with StateSnapshot(owner), seeded(0):
-                    out = self.fn(owner, *_clone(args), **_clone(kwargs))
+                    out = self.fn(owner, *clone_tensors(args), **clone_tensors(kwargs))
                 result = compare_outputs(ref, out, tolerance)
                 if not result.ok:  # rounding amplified by the model itself? ask a float64 copy (only now)
                     slack = float64_slack(owner, lambda m64: _eager_run64(m64, args, kwargs), ref)
@@ -339,20 +338,6 @@ def _hooked(owner: nn.Module) -> bool:
 
 
 @contextlib.contextmanager
-def _buffers_set_aside(module: nn.Module) -> Iterator[None]:
-    """Every buffer of ``module`` replaced by a copy for the block, the originals put back after
-    (untouched: not even their version counters move)."""
-    held = [(m, name, b) for m in module.modules() for name, b in m._buffers.items() if b is not None]
-    for m, name, b in held:
-        m._buffers[name] = b.detach().clone()
-    try:
-        yield
-    finally:
-        for m, name, b in held:
-            m._buffers[name] = b
-
-
-@contextlib.contextmanager
 def _chain_records_kept(module: nn.Module) -> Iterator[None]:
     """What the fused chains under ``module`` record per call (each layer's shapes seen, for
     the planner and the report) put back after the block."""
@@ -363,23 +348,6 @@ def _chain_records_kept(module: nn.Module) -> Iterator[None]:
     finally:
         for l, fields in kept:
             vars(l).update(fields)
-
-
-def _batch_sample(tree: Any, n: int = 2) -> Optional[Tuple[Tuple[Any, ...], Dict[str, Any]]]:
-    """Detached copies of ``(args, kwargs)`` cut to their first ``n`` samples (every tensor whose
-    first dimension is the batch's, read off the first tensor); ``None`` for a batch of one
-    (BatchNorm in training needs two values per channel)."""
-    leaves = [t for t in pytree.tree_leaves(tree) if isinstance(t, Tensor)]
-    if not leaves or leaves[0].dim() == 0 or leaves[0].shape[0] < 2:
-        return None
-    batch = leaves[0].shape[0]
-    return pytree.tree_map(
-        lambda t: (t[:n] if t.dim() and t.shape[0] == batch else t).detach().clone() if isinstance(t, Tensor) else t,
-        tree)
-
-
-def _clone(tree: Any) -> Any:
-    return pytree.tree_map(lambda t: t.clone() if isinstance(t, Tensor) else t, tree)
 
 
 # -- installing ------------------------------------------------------------------------
@@ -541,32 +509,3 @@ def fused_modules(model: nn.Module) -> Iterator[Tuple[str, nn.Module]]:
             value = _resolve(m, target)
             if isinstance(value, nn.Module):
                 yield (f"{prefix}.{target}" if prefix else target), value
-
-
-def share_copy(model: nn.Module) -> nn.Module:
-    """A copy of ``model`` whose modules are new objects (same classes, attributes, hooks)
-    but whose parameters, buffers and other tensor attributes are ``model``'s own (an
-    optimizer built on ``model`` keeps working on the copy)."""
-    memo: Dict[int, Any] = {}
-    for m in model.modules():
-        for t in (*m._parameters.values(), *m._buffers.values(), *vars(m).values()):
-            if isinstance(t, Tensor):
-                memo[id(t)] = t
-    try:
-        return copy.deepcopy(model, memo)
-    except Exception:  # noqa: BLE001 - something in the model refuses deepcopy: copy the tree only
-        return _clone_tree(model, {})
-
-
-def _clone_tree(module: nn.Module, seen: Dict[int, nn.Module]) -> nn.Module:
-    if id(module) in seen:
-        return seen[id(module)]
-    clone = copy.copy(module)
-    seen[id(module)] = clone
-    clone._modules = OrderedDict((k, None if c is None else _clone_tree(c, seen)) for k, c in module._modules.items())
-    clone._parameters = OrderedDict(module._parameters)
-    clone._buffers = OrderedDict(module._buffers)
-    for key, value in vars(module).items():
-        if "hook" in key and isinstance(value, dict):
-            clone.__dict__[key] = copy.copy(value)
-    return clone
