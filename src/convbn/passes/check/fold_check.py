@@ -13,7 +13,7 @@ from torch.utils import _pytree as pytree
 from ..fold.graph import FoldContext
 from ..graph.layers import LAYER_MODULES
 from ..graph.trace import short_reason
-from .validate import as_args, compare_outputs, to_float64
+from .validate import as_args, clone_tensors, compare_outputs, to_float64
 
 __all__ = ["CHECK_TOLERANCE", "EAGER_ERROR_FACTOR"]
 
@@ -53,7 +53,7 @@ def run_no_grad(model: nn.Module, args: Tuple[Any, ...]) -> Any:
     """``model(*args)`` without grad, with a fixed RNG seed (so dropout left in training
     mode draws the same masks twice), on copies of the inputs (the model may modify them
     in place) and without changing the buffers of modules in training mode."""
-    args = pytree.tree_map(lambda t: t.clone() if isinstance(t, Tensor) else t, args)
+    args = clone_tensors(args)
     cuda = sorted({t.device.index or 0 for t in pytree.tree_leaves(args) if isinstance(t, Tensor) and t.is_cuda})
     saved = [(b, b.clone()) for m in model.modules() if m.training for b in m.buffers(recurse=False)]
     try:
