@@ -9,7 +9,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
-import logging
 from typing import Dict, Iterator, List, Tuple
 
 import pytest
@@ -22,6 +21,7 @@ import convbn
 from convbn.autograd.chain_compiled import compile_chains, set_compile_chains
 from convbn.memory import saved_bytes
 from fusion_checks import assert_fused
+from torch_logs import torch_warnings
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
@@ -179,36 +179,13 @@ def test_inductor_chains_take_transposed_convolutions():
     assert saved["inductor"] == saved["op"], saved
 
 
-class _Records(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.WARNING)
-        self.messages: List[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.messages.append(record.getMessage())
-
-
-def _logged_while(fn) -> List[str]:
-    """What torch logged at WARNING while ``fn`` ran, its one-time warnings made fresh first."""
-    from torch._logging._internal import warning_once
-
-    warning_once.cache_clear()
-    records = _Records()
-    root = logging.getLogger("torch")
-    root.addHandler(records)
-    try:
-        fn()
-    finally:
-        root.removeHandler(records)
-    return records.messages
-
-
 def test_compiled_by_default_as_inductor_chains_without_the_context_fn_advisory():
     assert compile_chains() == "inductor"  # the default (CONVBN_COMPILE_CHAINS unset)
     torch._dynamo.reset()
     fast = _converted(MODES)[1]
     compiled = torch.compile(fast, fullgraph=True)
-    logged = _logged_while(lambda: compiled(torch.randn(4, 3, 8, 8)).sum().backward())
+    with torch_warnings() as logged:
+        compiled(torch.randn(4, 3, 8, 8)).sum().backward()
     assert not [m for m in logged if "context_fn" in m], logged
     assert _op_calls(compiled, torch.randn(4, 3, 8, 8)) == {}
 
@@ -218,7 +195,8 @@ def test_compiled_by_default_as_inductor_chains_without_the_context_fn_advisory(
         return checkpoint(torch.sin, x, use_reentrant=False, context_fn=policy)
 
     user = torch.compile(own, fullgraph=True)
-    logged = _logged_while(lambda: user(torch.randn(3, requires_grad=True)).sum().backward())
+    with torch_warnings() as logged:
+        user(torch.randn(3, requires_grad=True)).sum().backward()
     assert [m for m in logged if "context_fn" in m], logged
 
 

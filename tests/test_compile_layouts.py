@@ -11,7 +11,6 @@ the converted model uncompiled: outputs, parameter gradients, the input's gradie
 running stats, and which chain path the compiled step ran.
 """
 import copy
-import logging
 
 import pytest
 import torch
@@ -21,6 +20,7 @@ from torch.testing import assert_close
 
 import convbn
 from convbn.autograd.chain_compiled import set_compile_chains
+from torch_logs import torch_warnings
 
 STRATEGIES = ["auto", "recompute_bn", "recompute_conv"]
 DIMS = [1, 2, 3]
@@ -75,15 +75,6 @@ class _Model(nn.Module):
         return out
 
 
-class _Warnings(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.WARNING)
-        self.messages = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.messages.append(record.getMessage())
-
-
 @pytest.fixture(scope="module", params=["op", "inductor"])
 def run(request):
     """Eager and compiled-converted models after one step from the same state."""
@@ -101,16 +92,11 @@ def run(request):
     torch._dynamo.reset()
     compiled = torch.compile(fused, fullgraph=True)
     xs = [x.clone().requires_grad_(), x.clone().requires_grad_()]
-    warn = _Warnings()
-    root = logging.getLogger("torch")
-    root.addHandler(warn)
-    try:
-        outs = {}
-        xs.append(x.clone().requires_grad_())
+    outs = {}
+    xs.append(x.clone().requires_grad_())
+    with torch_warnings() as warned:
         for name, model, xi in (("fused", compiled, xs[0]), ("eager", eager, xs[1]), ("plain", plain, xs[2])):
             outs[name] = _step(model, xi)
-    finally:
-        root.removeHandler(warn)
     state = {k: [t.grad.clone() if t.grad is not None else None for t in m.parameters()] + [b.clone() for b in m.buffers()]
              for k, m in (("fused", fused), ("eager", eager), ("plain", plain))}
     # a second compiled step, profiled: the chains' custom ops are what ran
@@ -120,7 +106,7 @@ def run(request):
     finally:
         set_compile_chains(prev)
     calls = {e.key: e.count for e in prof.key_averages()}
-    return dict(eager=eager, fused=fused, plain=plain, reports=reports, outs=outs, xs=xs, warnings=warn.messages, calls=calls,
+    return dict(eager=eager, fused=fused, plain=plain, reports=reports, outs=outs, xs=xs, warnings=warned, calls=calls,
                 state=state, mode=request.param)
 
 
