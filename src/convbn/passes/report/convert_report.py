@@ -79,7 +79,8 @@ class ConvertReport:
             reaches; the plan meets the target when ``predicted_peak_bytes <= target_peak_bytes``,
             else it is the lowest-peak plan.
         eager_fallback: the default plan's step was measured above eager's peak on
-            ``example_inputs``, so the chains run as eager modules (Note: [never above eager]).
+            ``example_inputs``, so the chains run as eager modules (the default plan never
+            peaks above the model as it was).
         shared_pieces: for each tensor kept by several chains that start at a concatenation
             (a DenseNet's feature maps: every later layer of the block reads them), the number
             of chains keeping it; it is held once, whatever the count.
