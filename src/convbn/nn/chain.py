@@ -215,7 +215,7 @@ class FusedChain(nn.Module):
         #: attaches its planner here for ``strategy="auto"`` without ``example_inputs``.
         self.plan_on_first_call: Optional[Callable[[Sequence[ChainLayer]], Sequence[bool]]] = None
         #: run as eager modules (``convert`` measured the fused step above eager's peak:
-        #: Note: [never above eager] in passes/auto_plan.py)
+        #: Note: [never above eager] in passes/plan/auto_plan.py)
         self.eager = False
         from ..autograd.chain_op import register_chain
 

@@ -147,7 +147,7 @@ def _dedupe(report: ConvertReport) -> None:
 def _inlined_modules(module: nn.Module, gm: fx.GraphModule) -> List[nn.Module]:
     """Submodules of ``module`` that ``gm``'s graph never calls: traced through (their code
     inlined) and not watched by a FusedChain (which handles its own modules' hooks)."""
-    # a pooling module the graph passes to its lean call (passes/pools.py) checks its own hooks
+    # a pooling module the graph passes to its lean call (passes/convert/pools.py) checks its own hooks
     submodules = dict(gm.named_modules())
     called = [str(n.target) for n in gm.graph.nodes if n.op == "call_module"
               or (n.op == "get_attr" and str(n.target) in submodules)]
