@@ -41,13 +41,15 @@ def _page_id(path: Path) -> str:
 # --------------------------------------------------------------------------- the examples run
 
 
-@pytest.mark.parametrize("page", PAGES, ids=_page_id)
+def runnable(page: Path) -> List[Tuple[int, str]]:
+    return [(line, body) for line, lang, body, why in code_blocks(page.read_text()) if lang == "python" and not why]
+
+
+@pytest.mark.parametrize("page", [p for p in PAGES if runnable(p)], ids=_page_id)
 def test_every_python_block_of_the_page_runs(page: Path, tmp_path, monkeypatch):
     """The page's ```python blocks run in order in one namespace (as a reader pastes them),
     in an empty folder, except those marked ``<!-- no-run: why -->``."""
-    blocks = [(line, body) for line, lang, body, why in code_blocks(page.read_text()) if lang == "python" and not why]
-    if not blocks:
-        pytest.skip(f"{_page_id(page)} has no Python block to run")
+    blocks = runnable(page)
     monkeypatch.chdir(tmp_path)
     torch.manual_seed(0)
     namespace = {"__name__": "__docs__"}

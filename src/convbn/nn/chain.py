@@ -190,7 +190,7 @@ class ChainLayer:
 
 
 class FusedChain(nn.Module):
-    """Runs ``layers`` as one :class:`convbn.autograd.chain.ChainFunction`.
+    """Runs ``layers`` as one autograd Function that keeps only what each layer's plan says for backward.
 
     Args:
         layers: the chain's layers, input to output.

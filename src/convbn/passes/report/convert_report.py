@@ -57,7 +57,7 @@ class ConvertReport:
 
     Attributes:
         pairs: every fused layer: Conv -> BN (-> act), a pre-activation head, a chain's end.
-        outcomes: one :class:`~convbn.passes.report.outcome.BNOutcome` per BatchNorm module or
+        outcomes: one :class:`convbn.BNOutcome` per BatchNorm module or
             ``batch_norm`` call: ``"fused"`` (with the conv and whether it precedes the
             BatchNorm or follows it, as a pre-activation head's does) or ``"left"`` with the
             reason -- the same record :func:`convbn.fold`'s report lists.
@@ -89,8 +89,7 @@ class ConvertReport:
             (:func:`convbn.memory.timeline`) of the converted model, where it occurs, and
             the eager model's.
         lean_pools: max/average pooling calls that keep their indices instead of their input
-            for backward (:mod:`convbn.passes.convert.pools`): module names, or graph node names of
-            functional calls.
+            for backward: module names, or graph node names of functional calls.
     """
 
     pairs: List[FusedPair] = field(default_factory=list)
