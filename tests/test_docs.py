@@ -168,6 +168,16 @@ def test_the_docstring_check_catches_what_it_is_for():
     assert not INTERNAL.search("the step's peak, weight gradients counted; see convbn.memory.timeline")
 
 
+def test_sphinx_roles_show_as_code_in_the_api_reference():
+    spec = importlib.util.spec_from_file_location("sphinx_roles", DOCS / "_ext" / "sphinx_roles.py")
+    if importlib.util.find_spec("griffe") is None:
+        pytest.skip("griffe is not installed: pip install '.[docs]'")
+    roles = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(roles)
+    assert roles.plain("see :func:`convert` and :class:`~convbn.BNOutcome`; :data:`convbn.ACTIVATIONS`.") == (
+        "see `convert` and `BNOutcome`; `convbn.ACTIVATIONS`.")
+
+
 # --------------------------------------------------------------------------- the site builds
 
 def test_the_site_builds_in_strict_mode(tmp_path):
