@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import inspect
+import os
 import re
 import subprocess
 import sys
@@ -187,7 +188,7 @@ def test_the_site_builds_in_strict_mode(tmp_path):
         if importlib.util.find_spec(module.split(".")[0]) is None or importlib.util.find_spec(module) is None:
             pytest.skip(f"{module} is not installed: pip install '.[docs]' (scripts/setup.sh does)")
     site = tmp_path / "site"
-    env = {"NO_MKDOCS_2_WARNING": "1", "PATH": "/usr/bin:/bin"}
+    env = {**os.environ, "NO_MKDOCS_2_WARNING": "1"}
     done = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "-f", str(ROOT / "mkdocs.yml"),
                            "-d", str(site)], cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
