@@ -15,6 +15,8 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ constraints-dev.txt
     # .[dev] includes convbn[onnx] (onnx, onnxscript, onnxruntime) and convbn[integrations]
     # (lightning, pytorch-ignite), pinned by constraints-dev.txt
     python -m pip install -q -c constraints-dev.txt -e ".[dev]"
+    # the documentation site's tools (convbn[docs]): tests/test_docs.py builds it in strict mode
+    python -m pip install -q -c constraints-dev.txt -e ".[docs]"
     # torchvision / timm model code for the real-model tests and benchmarks: installed without
     # dependencies (pip would otherwise resolve another torch); torchvision's compiled ops do
     # not load on this CPU torch, so tests import it through tests/zoo.py (see there).

@@ -44,7 +44,7 @@ def digits_small() -> Any:
 def test_demo_reduced_size_accuracy_exact_peak_identical_losses(digits_small: Any, tmp_path: Any) -> None:
     """The demo at a reduced size (480 digits, 1 epoch of batch 16): a real result, exact
     deterministic peaks, and the losses' equality stated exactly. (The full demo reaches
-    >= 90%: 3 epochs of batch 64 on all 1438 training digits, see the README.)"""
+    >= 90%: 3 epochs of batch 64 on all 1438 training digits, see docs/demo.md.)"""
     cfg = DemoConfig(epochs=1, batch_size=16, limit=480, device="cpu", progress=False, plot=str(tmp_path / "d.png"))
     r = run_demo(cfg, data=digits_small)
     steps = 480 // 16

@@ -1,5 +1,5 @@
 """A trainer that builds the model itself (ultralytics' DetectionTrainer, YOLOv8n from its bundled
-yaml, a tiny synthetic dataset on disk, no downloads): the README's recipe converts the model
+yaml, a tiny synthetic dataset on disk, no downloads): the recipe of docs/guides/trainers.md converts the model
 where the trainer creates it, before its EMA, optimizer and wrappers exist, and training ends
 where the same trainer without convbn ends."""
 import copy

@@ -1,5 +1,5 @@
 """Lean pooling: max/average pooling that keeps its indices, not its input, for backward
-(functional/pool.py, autograd/pool.py, nn/pool.py, passes/pools.py)."""
+(functional/pool.py, autograd/pool.py, nn/pool.py, passes/convert/pools.py)."""
 from __future__ import annotations
 
 import copy

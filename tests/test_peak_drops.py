@@ -1,4 +1,4 @@
-"""Note: [drops only where the step peaks] (passes/planner.py): the planner forbids a chain's
+"""Note: [drops only where the step peaks] (passes/plan/planner.py): the planner forbids a chain's
 backward to drop and rebuild inputs where the step peaks elsewhere; the peak stays the same
 to the byte, the gradients bit for bit, and the element-wise rebuilds are fewer."""
 import random

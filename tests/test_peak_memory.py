@@ -33,7 +33,7 @@ def _mnist():
 # Sizes where activations, not weights, dominate memory (the case convbn is for). At
 # tiny batches of weight-heavy layers a chain's weight-gradient buffers, released
 # together when the chain's backward returns rather than layer by layer, can outweigh
-# the activations saved (see the README's limitations).
+# the activations saved (see Limitations in docs/how-it-works.md).
 def _resnet():
     monai = pytest.importorskip("monai")
     return monai.networks.nets.resnet18(spatial_dims=2, n_input_channels=3, num_classes=10), torch.randn(8, 3, 96, 96)

@@ -1,7 +1,7 @@
 """The largest batch that trains within a memory limit, for eager and for ``convbn.convert``.
 
 :func:`max_batch` answers "will it fit?" before a run: it steps copies of the model (the
-standard loop, Note: [a step's peak] in ``convbn/memory/timelines.py``) at candidate batch
+standard loop, see Note: [a step's peak] in ``memory/timelines.py``) at candidate batch
 sizes and reports the largest whose ``resident + peak`` stays within the limit, eager's and
 the converted model's, each with the peak it measured at that batch.
 
@@ -44,7 +44,7 @@ class BatchFit:
         eager_batch / convbn_batch: the largest batch that trains within the limit (0: not
             even one sample).
         eager_peak / convbn_peak: the step's peak at that batch, above ``resident``
-            (Note: [a step's peak]); ``resident + peak <= usable``.
+            (as :func:`convbn.timeline` measures it); ``resident + peak <= usable``.
         probes: ``{"eager": {batch: peak}, "convbn": {batch: peak}}``, every batch measured.
         device: where it was measured.
     """
@@ -143,14 +143,15 @@ def max_batch(
     """The largest batch that trains within ``memory``, eager and converted.
 
     A training step needs the resident bytes (parameters, buffers, optimizer state) plus
-    its peak (the standard loop, gradients set to None first, weight gradients counted:
-    Note: [a step's peak] in ``convbn/memory/timelines.py``). Copies of ``model`` (and of
-    ``optimizer``, one warm-up step made so its state exists) take real steps at candidate
-    batches (Note: [searching the batch]); the converted model is planned for each batch
+    its peak (the standard loop, gradients set to None first, weight gradients counted, as
+    :func:`convbn.timeline` measures it). Copies of ``model`` (and of ``optimizer``, one
+    warm-up step made so its state exists) take real steps at candidate batches (a line
+    through two measured peaks gives the next batch to try, until the answer was measured
+    within the limit and the next batch above it); the converted model is planned for each batch
     within the limit (``convert(memory_limit=...)``). ``model`` and ``optimizer`` are not
     changed. On CPU the peaks are exact live tensor bytes; on CUDA the allocator's peak
-    (cuDNN workspaces included) against the limit less a fragmentation margin (Note:
-    [CUDA headroom] in ``convbn/memory/budget.py``; not yet verified on a GPU).
+    (cuDNN workspaces included) against the limit less a 10 % margin for allocator
+    fragmentation (not yet verified on a GPU).
 
     Each probe runs a real step at that batch, so the search takes a few steps of the
     largest batches it tries (and, for convbn, a conversion at each).

@@ -227,7 +227,7 @@ def choose_drops(
     rebuild, so it is taken only where it pays in memory). ``allowed``: the layers that
     may drop at all (default: every one); the planner forbids drops in a chain whose
     backward is not where the step peaks (Note: [drops only where the step peaks] in
-    passes/planner.py)."""
+    passes/plan/planner.py)."""
     # every backward of a chain asks the same question: answered once per shape and plan
     args = (tuple(y_sizes), tuple(x_sizes), tuple(bool(f) for f in keep), tuple(acts), head, end,
             None if allowed is None else tuple(bool(f) for f in allowed))

@@ -110,7 +110,7 @@ def conv_bn_act(
         running_mean, running_var: BatchNorm running statistics or ``None``.
         stride, padding, dilation, groups, padding_mode: as ``nn.ConvNd``.
         training, momentum, eps: as :func:`torch.nn.functional.batch_norm`.
-        activation: ``None`` or a name in :data:`convbn.functional.activations.ACTIVATIONS`.
+        activation: ``None`` or a name in :data:`convbn.ACTIVATIONS`.
         strategy: ``"recompute_bn"``, ``"recompute_conv"`` or ``"frozen"``.
 
     Returns:

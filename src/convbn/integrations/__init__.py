@@ -8,9 +8,9 @@ and raises ``ImportError`` naming the package to install:
 * :mod:`convbn.integrations.lightning`: :class:`~convbn.integrations.lightning.ConvertCallback`
   for PyTorch Lightning (``pip install lightning``);
 * trainers that build the model themselves, MONAI's engines, EMA copies: recipes in the
-  README ("Use it in your training loop"), tested in ``tests/test_integration_*.py``.
+  documentation's guides ("Your training loop" and the pages beside it).
 
-The rule all of them follow (README "Use it in your training loop"): convert the bare model
+The rule all of them follow: convert the bare model
 once, before anything wraps or copies it (DDP / FSDP, ``torch.compile``, an EMA copy,
 ``SyncBatchNorm`` conversion). The optimizer may be built before or after: the converted
 model's parameters are the model's own objects.

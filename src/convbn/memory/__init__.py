@@ -1,6 +1,6 @@
 """Measuring what a model keeps for backward, and how much memory a step peaks at.
 
-* :mod:`~convbn.memory.saved` -- *saved bytes* (SPEC §3), the primary, deterministic
+* :mod:`~convbn.memory.saved` -- *saved bytes* (activations held from forward to backward, parameters excluded), the primary, deterministic
   metric: :func:`saved_bytes`, :class:`track_saved`;
 * :mod:`~convbn.memory.peaks` -- the peak of a block: :class:`peak_memory` (CUDA
   allocator / sampled RSS), :class:`tensor_peak` (exact live tensors),

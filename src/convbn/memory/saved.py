@@ -156,7 +156,7 @@ class track_saved:
 
 def _with_fused(model: nn.Module) -> Iterator[Tuple[str, nn.Module]]:
     """``model.named_modules()`` plus the unregistered modules a convbn rewrite added (listed by
-    the installed forward's ``added``; see Note: [where the fused modules live] in passes/graph_module.py)."""
+    the installed forward's ``added``; see Note: [where the fused modules live] in passes/graph/graph_module.py)."""
     for name, mod in model.named_modules():
         yield name, mod
         for target in getattr(vars(mod).get("forward"), "added", ()):

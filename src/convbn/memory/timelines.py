@@ -161,11 +161,12 @@ def timeline(
     parameter's ``.grad`` set to ``None``), forward ``model(*inputs)``,
     ``loss = loss_fn(output)``, ``loss.backward()`` and ``optimizer.step()``, each point
     labelled with its phase, module and operator. Bytes are above what is live once the
-    gradients are set to None (Note: [a step's peak]). On CPU
+    gradients are set to None (parameters, buffers, optimizer state); weight gradients the
+    step makes count. This is the one definition of a step's peak every figure of convbn
+    uses. On CPU
     the bytes are exact live tensor storages (the same accounting as :class:`tensor_peak`,
     so ``timeline(...).peak`` equals ``tensor_peak``'s ``peak`` on the same step); on CUDA
-    each point is the allocator's peak during its operator (workspaces included, see
-    :func:`_cuda_peak_reader`). Bytes are relative to the start of
+    each point is the allocator's peak during its operator (workspaces included). Bytes are relative to the start of
     the step. Recording slows the step down; do not time it.
 
     Args:

@@ -44,7 +44,6 @@ TailElement = Union[Activation, nn.Module]
 class ChainLayer:
     """One fused layer inside a :class:`FusedChain`: ``conv -> BN -> tail``.
 
-    Note: [layers of a chain]
     A layer is an optional convolution, an optional BatchNorm and a *tail*: any sequence
     of element-wise ops after the BN (activations, PReLU, dropout), recomputed in
     backward. Three kinds of layer:
@@ -59,8 +58,8 @@ class ChainLayer:
     A PreAct-ResNet body ``BN1 -> ReLU -> conv1 -> BN2 -> ReLU -> conv2`` is one chain
     ``[head(BN1, relu), (conv1, BN2, relu), (conv2, no BN)]``. A head chain may be called
     with several tensors, the *pieces* of its input concatenated along dim 1 (a DenseNet
-    layer's earlier feature maps): it keeps the pieces, never their concatenation (Note:
-    [a head over a concatenation] in autograd/chain.py).
+    layer's earlier feature maps): it keeps the pieces, never their concatenation, and
+    rebuilds the concatenation in backward.
 
     The tail is ``tail`` when given, else ``(act,)``: a single activation is the fast path
     (in-place buffers in backward) and is normalised into ``act`` (give one of the two,
@@ -78,8 +77,8 @@ class ChainLayer:
         mode: ``"recompute_bn"`` or ``"recompute_conv"`` (what an ordinary layer keeps; a head
             keeps nothing beyond ``x0``, an end layer without tail nothing at all).
         may_drop: whether backward may drop and rebuild this layer's input to lower its chain's
-            peak (``ChainLayerSpec.may_drop``); the ``auto`` planner clears it where the step
-            peaks elsewhere (Note: [drops only where the step peaks] in passes/planner.py).
+            peak; the ``auto`` planner clears it where the step peaks elsewhere (dropping
+            there would add recompute and lower no peak).
         names: qualified names for reports: ``(conv, bn, *one per tail element)`` (``""``
             where absent).
         y_shape: conv output (BN input) shape seen at the last call (for the planner).
@@ -167,7 +166,7 @@ class ChainLayer:
         return self.y_bytes()
 
     def tail_kind(self) -> str:
-        """The tail's kind for the memory replay (:data:`convbn.autograd.chain_memory.ACT_KINDS`), now."""
+        """The tail's kind, as the planner's memory replay of the chain's backward classifies it, now."""
         act, tail = _tail_spec(self)
         return layer_kind(ChainLayerSpec(self.conv, None if self.bn is None else _NO_BN, act, True, tail))
 
@@ -185,13 +184,13 @@ class ChainLayer:
         return conv_flops(self.y_shape, w.shape, self.conv, self.x_shape)  # type: ignore[arg-type]
 
     def recompute_cost(self) -> int:
-        """What running the conv again costs, in MAC equivalents (Note: [what a recompute
-        costs] in functional/conv.py): the planner's measure; 0 for a head."""
+        """What running the conv again costs, in MAC equivalents (its multiply-accumulates plus
+        a cost per byte it reads and writes and per call): the planner's measure; 0 for a head."""
         return recompute_cost(self.flops(), self.x_bytes(), self.y_bytes())
 
 
 class FusedChain(nn.Module):
-    """Runs ``layers`` as one :class:`convbn.autograd.chain.ChainFunction`.
+    """Runs ``layers`` as one autograd Function that keeps only what each layer's plan says for backward.
 
     Args:
         layers: the chain's layers, input to output.
@@ -216,7 +215,7 @@ class FusedChain(nn.Module):
         #: attaches its planner here for ``strategy="auto"`` without ``example_inputs``.
         self.plan_on_first_call: Optional[Callable[[Sequence[ChainLayer]], Sequence[bool]]] = None
         #: run as eager modules (``convert`` measured the fused step above eager's peak:
-        #: Note: [never above eager] in passes/auto_plan.py)
+        #: Note: [never above eager] in passes/plan/auto_plan.py)
         self.eager = False
         from ..autograd.chain_op import register_chain
 
@@ -259,7 +258,6 @@ class FusedChain(nn.Module):
     def watch(self, modules: Sequence[Sequence[nn.Module]]) -> None:
         """Per layer, the modules (conv, BatchNorm, activation, tail modules) whose hooks must be honoured.
 
-        Note: [hooks on fused modules]
         A fused chain computes conv, BN and tail without calling those modules, so
         their hooks would be skipped. ``convert`` leaves hooked modules unfused; hooks
         registered *after* conversion are seen here at call time: the chain then runs its
@@ -317,8 +315,8 @@ class FusedChain(nn.Module):
 
     def forward(self, *inputs: Tensor) -> Tensor:
         """Run the chain on its input: one tensor, or (a head chain) the pieces of its input,
-        concatenated along dim 1 as ``torch.cat(inputs, 1)`` would (Note: [a head over a
-        concatenation] in autograd/chain.py: the chain keeps the pieces, not the concatenation)."""
+        concatenated along dim 1 as ``torch.cat(inputs, 1)`` would (the chain keeps the pieces,
+        not the concatenation)."""
         pieces = _check_pieces(inputs, self.layers[0])
         input = pieces[0] if len(pieces) == 1 else _stand_in(pieces)
         if input.numel() == 0 or self.eager or self._hooked() or self._linear_on_other_shape(input):

@@ -216,8 +216,8 @@ class FusedConvBN2d(_FusedConvBNNd):
     is kept for backward (and so what is recomputed) changes with ``strategy``.
 
     Args:
-        in_channels, out_channels, kernel_size, stride, padding, dilation, groups, bias,
-            padding_mode: as ``nn.Conv2d`` (same order and defaults).
+        in_channels, out_channels, kernel_size, stride, padding, dilation, groups, bias, padding_mode: as
+            ``nn.Conv2d`` (same order and defaults).
         eps, momentum, affine, track_running_stats: as ``nn.BatchNorm2d``.
         activation: ``None``, ``"relu"``, ``"relu6"``, ``"leaky_relu"``, ``"silu"``,
             ``"gelu"``, ``"hardswish"`` or the matching ``nn`` module instance.

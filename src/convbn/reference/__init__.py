@@ -2,7 +2,7 @@
 
 Hand-written backward passes, kept plain and obviously right: the oracle the fast paths
 are tested against and what ``examples/`` runs. Production code (``autograd/``, ``nn/``,
-``passes/``) never imports them; see ARCHITECTURE.md.
+``passes/``) never imports them.
 """
 from .batchnorm2d import BatchNorm2dFunction
 from .conv2d import Conv2dFunction

@@ -147,7 +147,7 @@ def _dedupe(report: ConvertReport) -> None:
 def _inlined_modules(module: nn.Module, gm: fx.GraphModule) -> List[nn.Module]:
     """Submodules of ``module`` that ``gm``'s graph never calls: traced through (their code
     inlined) and not watched by a FusedChain (which handles its own modules' hooks)."""
-    # a pooling module the graph passes to its lean call (passes/pools.py) checks its own hooks
+    # a pooling module the graph passes to its lean call (passes/convert/pools.py) checks its own hooks
     submodules = dict(gm.named_modules())
     called = [str(n.target) for n in gm.graph.nodes if n.op == "call_module"
               or (n.op == "get_attr" and str(n.target) in submodules)]
@@ -258,11 +258,11 @@ def convert(
             forward to backward, parameters excluded) as a fraction of the eager model's
             (e.g. ``0.35``): the plan recomputes least within it. ``None`` plans for the
             step's *peak* alone: the least recompute among plans whose predicted peak is
-            within 8 % of the lowest reachable (``PEAK_TOLERANCE``), whatever their saved bytes, and a lower
+            within 8 % of the lowest reachable, whatever their saved bytes, and a lower
             peak within that where a byte of it costs at most 16 MAC-equivalents of
-            recompute (recompute is counted as MACs plus bytes moved plus a cost per call; see
-            :mod:`convbn.passes.plan.planner`; ``explain`` shows predicted and measured peaks;
-            without ``example_inputs`` each chain keeps the tutorial method's saved bytes).
+            recompute (recompute is counted as MACs plus bytes moved plus a cost per call;
+            :func:`explain` shows predicted and measured peaks; without ``example_inputs``
+            each chain keeps the tutorial method's saved bytes).
             Needs ``example_inputs``. A budget below the reachable floor raises
             ``ValueError`` naming the floor.
         peak_budget: with ``"auto"``, the training step's *peak* memory allowed, as a fraction
@@ -271,12 +271,13 @@ def convert(
             recompute whose predicted peak fits. Needs ``example_inputs``. Where no plan
             reaches it, the plan with the lowest reachable peak, with a warning (the report's
             ``target_peak_bytes`` / ``lowest_peak_bytes`` say so too). With ``memory_budget``
-            too, both are limits (Note: [saved bytes or peak] in ``passes/auto_plan.py``).
+            too, both are limits: the least recompute meeting both, or, where no plan within
+            the saved bytes reaches the peak, the lowest peak reached within them.
         memory_limit: with ``"auto"``, the memory the training step may use in all on the
             model's device, in bytes or as text (``"16GiB"``, :func:`convbn.memory.parse_memory`):
-            the parameters and buffers plus the step's peak on ``example_inputs`` (Note:
-            [a step's peak] in ``convbn/memory/timelines.py``: weight gradients included;
-            on CUDA less :data:`~convbn.memory.budget.CUDA_FRAGMENTATION_MARGIN`). The plan
+            the parameters and buffers plus the step's peak on ``example_inputs`` (the peak
+            as :func:`convbn.timeline` measures it, weight gradients included; on CUDA the
+            limit less a 10 % margin for allocator fragmentation). The plan
             is the least recompute whose predicted peak fits; where none fits, the lowest
             peak, with a warning. Optimizer state is not known here: subtract it, or use
             :func:`convbn.max_batch` (which does). Needs ``example_inputs``.
@@ -292,9 +293,10 @@ def convert(
         inplace: rewrite ``model`` itself (its module objects keep their classes and
             identity and get the fused forwards); by default a copy whose module objects
             are new but share ``model``'s parameters, buffers and other tensors is rewritten.
-        chain: group consecutive fused layers into chains (see :mod:`convbn.autograd.chain`).
+        chain: group consecutive fused layers into chains (one autograd Function per chain,
+            which rebuilds a layer's input from the layer before; ``False``: one per layer).
 
-    Hooks and parametrizations (see README "What convert preserves"): a conv, BatchNorm or
+    Hooks and parametrizations: a conv, BatchNorm or
     activation module with hooks (including old-style ``weight_norm`` / ``spectral_norm`` and
     pruning) is left unfused and reported; hooks registered later are honoured at call time
     (the affected chain, or the affected part of the model, then runs as eager modules).

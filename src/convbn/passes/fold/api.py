@@ -213,9 +213,9 @@ def fold(
         check: run the sample input through the model before and after folding (eval,
             no grad, same RNG seed) and raise if the outputs differ by more than
             ``tol * max(1, max|reference|)`` (``tol`` = 1e-4 for float32, 1e-10 for
-            float64, see ``CHECK_TOLERANCE``) plus 4x what the original itself gets wrong
-            in its dtype, measured against a float64 run of a copy (see Note: [fold's
-            tolerance follows eager's own rounding]).
+            float64) plus 4x what the original itself gets wrong in its dtype, measured
+            against a float64 run of a copy: the check allows what float rounding of the
+            unfolded model already allows, and no more.
 
     Returns:
         The folded model (``model``'s deep copy, or ``model`` itself with ``inplace``):

@@ -493,8 +493,10 @@ def eager(root: nn.Module) -> Iterator[None]:
 
 
 def fused_modules(model: nn.Module) -> Iterator[Tuple[str, nn.Module]]:
-    """``(qualified name, module)`` of every module a rewrite added (unregistered; see
-    Note: [where the fused modules live]), in ``named_modules()`` order of their owners.
+    """``(qualified name, module)`` of every module a rewrite added, in ``named_modules()``
+    order of their owners. They are unregistered attributes of the module whose forward
+    calls them, so ``named_modules()``, ``children()`` and ``state_dict()`` list only the
+    model's own modules; this is how to find the fused chains.
 
     Example:
         >>> fast = convbn.convert(net)                      # doctest: +SKIP

@@ -116,7 +116,7 @@ def _calibrate(converted: nn.Module, inputs: Tuple[Any, ...], chains: Sequence[F
     plan. A chain's backward is found by its autograd node (its output's ``grad_fn``), its
     forward by the module running. Also the moments outside every chain's backward, as
     ``gaps[m]``: the most bytes in use while the first ``m`` chains in forward order may
-    hold kept outputs (Note: [moments outside the chains] in passes/planner.py)."""
+    hold kept outputs (Note: [moments outside the chains] in passes/plan/planner.py)."""
     nodes: Dict[int, int] = {}
     held: List[Any] = []  # the nodes stay alive (their ids unique) until the step is read
 

@@ -57,7 +57,7 @@ class ConvertReport:
 
     Attributes:
         pairs: every fused layer: Conv -> BN (-> act), a pre-activation head, a chain's end.
-        outcomes: one :class:`~convbn.passes.report.outcome.BNOutcome` per BatchNorm module or
+        outcomes: one :class:`convbn.BNOutcome` per BatchNorm module or
             ``batch_norm`` call: ``"fused"`` (with the conv and whether it precedes the
             BatchNorm or follows it, as a pre-activation head's does) or ``"left"`` with the
             reason -- the same record :func:`convbn.fold`'s report lists.
@@ -79,7 +79,8 @@ class ConvertReport:
             reaches; the plan meets the target when ``predicted_peak_bytes <= target_peak_bytes``,
             else it is the lowest-peak plan.
         eager_fallback: the default plan's step was measured above eager's peak on
-            ``example_inputs``, so the chains run as eager modules (Note: [never above eager]).
+            ``example_inputs``, so the chains run as eager modules (the default plan never
+            peaks above the model as it was).
         shared_pieces: for each tensor kept by several chains that start at a concatenation
             (a DenseNet's feature maps: every later layer of the block reads them), the number
             of chains keeping it; it is held once, whatever the count.
@@ -88,8 +89,7 @@ class ConvertReport:
             (:func:`convbn.memory.timeline`) of the converted model, where it occurs, and
             the eager model's.
         lean_pools: max/average pooling calls that keep their indices instead of their input
-            for backward (:mod:`convbn.passes.convert.pools`): module names, or graph node names of
-            functional calls.
+            for backward: module names, or graph node names of functional calls.
     """
 
     pairs: List[FusedPair] = field(default_factory=list)

@@ -27,7 +27,7 @@ class FoldReport:
     """Everything :func:`fold` did. ``str(report)`` is a readable table.
 
     Attributes:
-        outcomes: one :class:`~convbn.passes.report.outcome.BNOutcome` per BatchNorm call found and
+        outcomes: one :class:`convbn.BNOutcome` per BatchNorm call found and
             one per BatchNorm module never reached by tracing: ``"folded"`` (with the layer
             and ``direction``) or ``"left"`` with the reason -- the same record
             :func:`convbn.convert`'s report lists.
