@@ -82,9 +82,9 @@ from .chain_kernels import fused_layer_backward, fused_layer_forward
 from .chain_spec import ChainLayerSpec, ChainX0, LayerParams, head_input, layer_kind, param_offsets, split_params
 from .chain_tail import tail_backward, tail_forward, tail_reference
 from .double_backward import differentiable_backward
-from .grad_sink import GradSink, param_sink
+from .grad_sink import GradSink, Recording, param_sink
 from .release import free_storage as _free_storage
-from .release import calibrate, incoming_refs
+from .release import BACKWARD_TWICE, calibrate, incoming_refs
 from .release import freed as _freed
 from .release import keeping_graph as _keeping_graph
 from .release import sole_owner as _sole_owner
@@ -441,7 +441,7 @@ class ChainFunction(Function):
                                             needs=(any(needs[:m]), *needs[m: m + n]))
             return (*split_grad(grads[0], ctx.sizes, needs[:m]), *grads[1: 1 + n]) + (None,) * (len(needs) - m - n)
         free_kept = not _keeping_graph()
-        sink = _Recording(param_sink(ctx, 1, params))
+        sink = Recording(param_sink(ctx, 1, params))
         try:
             grads = chain_backward(grad_out, x0, params, specs, kept, means, invstds,  # type: ignore[arg-type]
                                    (any(needs[:m]), *needs[m: m + n]),
@@ -452,50 +452,6 @@ class ChainFunction(Function):
                 ctx.spent = True
         out = (*split_grad(grads[0], ctx.sizes, needs[:m]), *grads[1:])
         return out + (None,) * (len(needs) - len(out))
-
-
-#: what eager autograd raises for a backward through a graph whose saved values are freed
-BACKWARD_TWICE = (
-    "Trying to backward through the graph a second time (or directly access saved tensors after they have "
-    "already been freed). Saved intermediate values of the graph are freed when you call .backward() or "
-    "autograd.grad(). Specify retain_graph=True if you need to backward through the graph a second time or "
-    "if you need to access saved tensors after calling backward. (An earlier backward through this fused "
-    "chain ran, in full or part way, and freed what it saved.)"
-)
-
-
-class _Recording:
-    """A :data:`GradSink` that remembers whether it accumulated a gradient into a ``.grad``.
-
-    # Note: [a backward that stops part way]
-    # A chain is one autograd node for what eager runs as several, and its backward does
-    # what eager's later nodes would have done by then: frees kept tensors (Note: [freeing
-    # kept tensors early]) and accumulates weight gradients into ``.grad`` (Note: [weight
-    # gradients as eager releases them]). When the backward raises part way (a failed
-    # allocation, an exception in a hook or a later op, Ctrl-C) the engine does not release
-    # the node (nor where a hook on the node raises after it returned), so a retried
-    # ``backward`` would run it again: on freed storage (a crash) and adding the gradients
-    # already accumulated a second time. Eager raises there: the nodes that had run were
-    # released. So, in a backward that does not retain the graph, a chain that freed or
-    # accumulated anything marks its node (``ctx.spent``), and every later backward
-    # through it raises eager's error, before unpacking anything; ``.grad`` keeps what was
-    # accumulated before the fault, as eager's does. A chain that raised before either
-    # (nothing observable done) runs again in full, as eager's nodes would. With
-    # ``retain_graph=True`` nothing is freed and a retry recomputes and accumulates again,
-    # as eager's retained nodes do.
-    """
-
-    def __init__(self, sink: Optional[GradSink]) -> None:
-        self.sink = sink
-        self.accumulated = False
-
-    def __call__(self, j: int, grad: Optional[Tensor]) -> Optional[Tensor]:
-        if self.sink is None:
-            return grad
-        out = self.sink(j, grad)
-        if out is not grad:
-            self.accumulated = True
-        return out
 
 
 def _rebuild(specs: Sequence[ChainLayerSpec], means: Sequence[Tensor], invstds: Sequence[Tensor],

@@ -13,8 +13,18 @@ from typing import Any, List, Optional, Tuple
 import torch
 from torch import Tensor
 
-__all__ = ["free_storage", "freed", "keeping_graph", "sole_owner", "incoming_refs", "cpp_uses", "frees_incoming_gradients",
+__all__ = ["BACKWARD_TWICE", "free_storage", "freed", "keeping_graph", "sole_owner", "incoming_refs", "cpp_uses", "frees_incoming_gradients",
            "calibrate"]
+
+
+#: what eager autograd raises for a backward through a graph whose saved values are freed
+BACKWARD_TWICE = (
+    "Trying to backward through the graph a second time (or directly access saved tensors after they have "
+    "already been freed). Saved intermediate values of the graph are freed when you call .backward() or "
+    "autograd.grad(). Specify retain_graph=True if you need to backward through the graph a second time or "
+    "if you need to access saved tensors after calling backward. (An earlier backward through this fused "
+    "chain ran, in full or part way, and freed what it saved.)"
+)
 
 
 def free_storage(t: Tensor) -> None:
@@ -37,7 +47,7 @@ def free_storage(t: Tensor) -> None:
     # every later unpack of its saved slot raises autograd's "modified by an inplace
     # operation" error instead (the chain itself raises eager's "backward through the
     # graph a second time" before unpacking: Note: [a backward that stops part way] in
-    # autograd/chain.py).
+    # autograd/grad_sink.py).
     """
     if type(t) is not Tensor or torch.compiler.is_compiling():  # fake / traced tensors: nothing to free
         return
