@@ -45,6 +45,7 @@ from ..report.fold_report import FoldCheck, FoldReport
 from ..report.outcome import BNOutcome, bn_module_names, unreached
 from ..check.step import called_inputs
 from ..graph.graph_module import forget_undo, install, installed
+from ..graph.transaction import transaction
 from ..check.validate import tolerance
 from ..graph.trace import LayerTracer, short_reason, trace
 
@@ -175,7 +176,7 @@ def _fold_finer(model: nn.Module, args: Tuple[Any, ...], reference: Any, eager_e
     if not ok or not report.folded:  # nothing gained: report the whole-model failure instead
         return None
     warnings.warn(f"fold(): folding the whole model changed its outputs ({why}); folded it child by child "
-                  "instead (see fold_report)", RuntimeWarning, stacklevel=3)
+                  "instead (see fold_report)", RuntimeWarning, stacklevel=4)
     forget_undo(work)
     work.__dict__["fold_report"] = report
     return work
@@ -245,6 +246,12 @@ def fold(
             "eval mode, but the model is in training mode. Call model.eval() first (a BatchNorm "
             "you deliberately left in training mode inside an eval model is skipped and reported)."
         )
+    with transaction(model):  # Note: [a failed pass changes nothing]
+        return _fold_model(model, inplace, example_inputs, check)
+
+
+def _fold_model(model: nn.Module, inplace: bool, example_inputs: Any, check: bool) -> nn.Module:
+    """:func:`fold` once its arguments are checked (warnings: stack level 4 from ``_fold_finer``)."""
     work = model if inplace else copy.deepcopy(model)
     report = FoldReport()
     ctx = FoldContext(report, inplace, {}, {})
