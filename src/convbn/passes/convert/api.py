@@ -27,6 +27,7 @@ from .concat_heads import flatten_cats
 from ..graph.graph_module import eager, forget_undo, install, installed, uninstall
 from ..graph.share_copy import share_copy
 from ..graph.transaction import transaction
+from ..graph.scripted import reject_torchscript
 from .match import find_layers, group_chains
 from ..report.outcome import bn_module_names, unreached
 from .pools import lean_pools
@@ -203,6 +204,7 @@ def _check_args(model: Any, strategy: str, memory_budget: Optional[float], examp
                 peak_budget: Optional[float] = None, memory_limit: Any = None) -> None:
     if not isinstance(model, nn.Module):
         raise TypeError(f"convert expects an nn.Module, but got {type(model).__name__}")
+    reject_torchscript(model, "convert")
     check_strategy(strategy, CONVERT_STRATEGIES)
     if memory_limit is not None:
         parse_memory(memory_limit)  # TypeError / ValueError naming the value
