@@ -366,8 +366,13 @@ def test_linear_chain_on_3d_input_runs_as_eager() -> None:
 
 def test_linear_layer_errors_name_the_shape() -> None:
     fused = FusedConvBN1d.from_modules(nn.Linear(5, 4), nn.BatchNorm1d(4))
-    with pytest.raises(ValueError, match=r"expected 2D input \(N, C\) for a fused Linear\+BatchNorm1d"):
+    # eager's type: BatchNorm1d reads Linear's (3, 2, 4) output as 2 channels, a RuntimeError
+    with pytest.raises(RuntimeError, match=r"expected 2D input \(N, C\) for a fused Linear\+BatchNorm1d"):
         fused(torch.randn(3, 2, 5))
+    with pytest.raises(RuntimeError, match="running_mean should contain 2 elements"):
+        nn.Sequential(nn.Linear(5, 4), nn.BatchNorm1d(4))(torch.randn(3, 2, 5))
+    with pytest.raises(ValueError, match=r"expected 2D input \(N, C\) for a fused Linear\+BatchNorm1d"):
+        fused(torch.randn(5))  # BatchNorm1d's own rank check in eager
     with pytest.raises(RuntimeError, match="to have 5 channels, but got 6"):
         fused(torch.randn(3, 6))
     with pytest.raises(ValueError, match="more than 1 value per channel"):

@@ -82,9 +82,10 @@ from .chain_kernels import fused_layer_backward, fused_layer_forward
 from .chain_spec import ChainLayerSpec, ChainX0, LayerParams, head_input, layer_kind, param_offsets, split_params
 from .chain_tail import tail_backward, tail_forward, tail_reference
 from .double_backward import differentiable_backward
-from .grad_sink import GradSink, param_sink
+from .grad_sink import GradSink, Recording, param_sink
 from .release import free_storage as _free_storage
-from .release import calibrate, incoming_refs
+from .release import BACKWARD_TWICE, calibrate, incoming_refs
+from .release import freed as _freed
 from .release import keeping_graph as _keeping_graph
 from .release import sole_owner as _sole_owner
 from .saving import load_tensors, save_tensors
@@ -420,6 +421,8 @@ class ChainFunction(Function):
     @staticmethod
     def backward(ctx: Any, grad_out: Tensor) -> Tuple[Optional[Tensor], ...]:  # type: ignore[override]
         refs = incoming_refs(grad_out)  # first: Note: [freeing the incoming gradient]
+        if getattr(ctx, "spent", False):  # Note: [a backward that stops part way]
+            raise RuntimeError(BACKWARD_TWICE)
         saved = load_tensors(ctx)
         specs: Tuple[ChainLayerSpec, ...] = ctx.specs
         n, k, m = ctx.n_params, sum(s.bn is not None for s in specs), ctx.n_pieces
@@ -437,10 +440,16 @@ class ChainFunction(Function):
             grads = differentiable_backward(ctx, grad_out, (x, *params), _rebuild(specs, means, invstds, ctx.rngs),
                                             needs=(any(needs[:m]), *needs[m: m + n]))
             return (*split_grad(grads[0], ctx.sizes, needs[:m]), *grads[1: 1 + n]) + (None,) * (len(needs) - m - n)
-        grads = chain_backward(grad_out, x0, params, specs, kept, means, invstds,  # type: ignore[arg-type]
-                               (any(needs[:m]), *needs[m: m + n]),
-                               free_grad_out=_sole_owner(grad_out, refs), free_kept=not _keeping_graph(),
-                               rngs=ctx.rngs, sink=param_sink(ctx, 1, params))
+        free_kept = not _keeping_graph()
+        sink = Recording(param_sink(ctx, 1, params))
+        try:
+            grads = chain_backward(grad_out, x0, params, specs, kept, means, invstds,  # type: ignore[arg-type]
+                                   (any(needs[:m]), *needs[m: m + n]),
+                                   free_grad_out=_sole_owner(grad_out, refs), free_kept=free_kept,
+                                   rngs=ctx.rngs, sink=sink)
+        finally:  # Note: [a backward that stops part way]
+            if free_kept and (sink.accumulated or any(_freed(t) for t in (*kept.values(), *means, *invstds))):
+                ctx.spent = True
         out = (*split_grad(grads[0], ctx.sizes, needs[:m]), *grads[1:])
         return out + (None,) * (len(needs) - len(out))
 

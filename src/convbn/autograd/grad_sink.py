@@ -32,7 +32,7 @@ from typing import Any, Callable, Dict, Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
-__all__ = ["GradSink", "param_sink", "stand_ins"]
+__all__ = ["GradSink", "Recording", "param_sink", "stand_ins"]
 
 #: ``sink(index, grad)``: the value to return in that gradient slot
 GradSink = Callable[[int, Optional[Tensor]], Optional[Tensor]]
@@ -131,3 +131,37 @@ def param_sink(node: Any, first: int, tensors: Sequence[Optional[Tensor]]) -> Op
         return _zero(grad).expand(param.shape)
 
     return sink
+
+
+class Recording:
+    """A :data:`GradSink` that remembers whether it accumulated a gradient into a ``.grad``.
+
+    # Note: [a backward that stops part way]
+    # A chain is one autograd node for what eager runs as several, and its backward does
+    # what eager's later nodes would have done by then: frees kept tensors (Note: [freeing
+    # kept tensors early] in autograd/release.py) and accumulates weight gradients into
+    # ``.grad`` (Note: [weight gradients as eager releases them]). When the backward raises part way (a failed
+    # allocation, an exception in a hook or a later op, Ctrl-C) the engine does not release
+    # the node (nor where a hook on the node raises after it returned), so a retried
+    # ``backward`` would run it again: on freed storage (a crash) and adding the gradients
+    # already accumulated a second time. Eager raises there: the nodes that had run were
+    # released. So, in a backward that does not retain the graph, a chain that freed or
+    # accumulated anything marks its node (``ctx.spent``), and every later backward
+    # through it raises eager's error, before unpacking anything; ``.grad`` keeps what was
+    # accumulated before the fault, as eager's does. A chain that raised before either
+    # (nothing observable done) runs again in full, as eager's nodes would. With
+    # ``retain_graph=True`` nothing is freed and a retry recomputes and accumulates again,
+    # as eager's retained nodes do.
+    """
+
+    def __init__(self, sink: Optional[GradSink]) -> None:
+        self.sink = sink
+        self.accumulated = False
+
+    def __call__(self, j: int, grad: Optional[Tensor]) -> Optional[Tensor]:
+        if self.sink is None:
+            return grad
+        out = self.sink(j, grad)
+        if out is not grad:
+            self.accumulated = True
+        return out

@@ -58,14 +58,8 @@ def check_inputs(
     """
     if not isinstance(x, Tensor):
         raise TypeError(f"input must be a Tensor, but got {type(x).__name__}")
-    want = conv.dims + 2
-    if x.dim() != want:
-        layer = ("Linear+BatchNorm1d" if conv.is_linear
-                 else f"Conv{'Transpose' if conv.transposed else ''}{conv.dims}d+BatchNorm{conv.dims}d")
-        axes = "".join(", " + a for a in "DHW"[3 - conv.dims:])
-        raise ValueError(
-            f"expected {want}D input (N, C{axes}) for a fused {layer}, but got {x.dim()}D input of shape {tuple(x.shape)}"
-        )
+    if x.dim() != conv.dims + 2:
+        raise _rank_error(x, conv)
     c_in = conv_in_channels(weight.shape, conv)
     if x.shape[1] != c_in:
         raise RuntimeError(
@@ -101,6 +95,29 @@ def check_inputs(
                 f"{torch.Size(out_shape)} after the convolution"
             )
     return out_shape
+
+
+def _rank_error(x: Tensor, conv: ConvSpec) -> Exception:
+    """The exception eager ``nn.ConvNd`` -> ``nn.BatchNormNd`` raises for an input of the wrong rank.
+
+    # Note: [eager's exception type for a wrong rank]
+    # The type is eager's, so code that catches it keeps working: the conv (or linear) itself
+    # rejects most ranks with a ``RuntimeError``; an unbatched input, which the conv accepts,
+    # reaches the BatchNorm, whose rank check raises ``ValueError`` (BatchNorm2d / 3d, and
+    # BatchNorm1d after a linear layer on 1-D or 4-D+ input); BatchNorm1d reads an unbatched
+    # Conv1d output ``(C, L)`` as ``(N, C)`` and a linear layer's 3-D output ``(N, L, C)`` as
+    # ``(N, C, L)``, and rejects them by their channel count, a ``RuntimeError``.
+    """
+    want = conv.dims + 2
+    layer = ("Linear+BatchNorm1d" if conv.is_linear
+             else f"Conv{'Transpose' if conv.transposed else ''}{conv.dims}d+BatchNorm{conv.dims}d")
+    axes = "".join(", " + a for a in "DHW"[3 - conv.dims:])
+    msg = f"expected {want}D input (N, C{axes}) for a fused {layer}, but got {x.dim()}D input of shape {tuple(x.shape)}"
+    if conv.is_linear:
+        return RuntimeError(msg) if x.dim() in (0, 3) else ValueError(msg)
+    if x.dim() == want - 1 and conv.dims > 1:
+        return ValueError(msg + f" (the unbatched conv output is {want - 1}D; BatchNorm{conv.dims}d needs {want}D)")
+    return RuntimeError(msg)
 
 
 def autocast_dtype(x: Tensor) -> Optional[torch.dtype]:

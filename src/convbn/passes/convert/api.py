@@ -26,6 +26,8 @@ from ..bn.recognise import may_normalise
 from .concat_heads import flatten_cats
 from ..graph.graph_module import eager, forget_undo, install, installed, uninstall
 from ..graph.share_copy import share_copy
+from ..graph.transaction import transaction
+from ..graph.scripted import reject_torchscript
 from .match import find_layers, group_chains
 from ..report.outcome import bn_module_names, unreached
 from .pools import lean_pools
@@ -202,6 +204,7 @@ def _check_args(model: Any, strategy: str, memory_budget: Optional[float], examp
                 peak_budget: Optional[float] = None, memory_limit: Any = None) -> None:
     if not isinstance(model, nn.Module):
         raise TypeError(f"convert expects an nn.Module, but got {type(model).__name__}")
+    reject_torchscript(model, "convert")
     check_strategy(strategy, CONVERT_STRATEGIES)
     if memory_limit is not None:
         parse_memory(memory_limit)  # TypeError / ValueError naming the value
@@ -313,6 +316,14 @@ def convert(
         True
     """
     _check_args(model, strategy, memory_budget, example_inputs, peak_budget, memory_limit)
+    with transaction(model):  # Note: [a failed pass changes nothing]
+        return _convert_model(model, strategy, memory_budget, example_inputs, inplace, chain, peak_budget,
+                              memory_limit)
+
+
+def _convert_model(model: nn.Module, strategy: str, memory_budget: Optional[float], example_inputs: Any,
+                   inplace: bool, chain: bool, peak_budget: Optional[float], memory_limit: Any) -> nn.Module:
+    """:func:`convert` once its arguments are checked (warnings: stack level 3, the caller of ``convert``)."""
     report = ConvertReport(strategy=strategy)
     inputs = as_inputs(example_inputs) if example_inputs is not None else None
     work = model if inplace else share_copy(model)
@@ -349,7 +360,7 @@ def convert(
         why = "; ".join([f"{s.batchnorm}: {s.reason}" for s in report.skipped[:3]]
                         + [f"{m or '<root>'} not traceable: {e}" for m, e in report.untraced[:2]])
         warnings.warn(f"convbn.convert fused nothing in {type(model).__name__} (no Conv -> BatchNorm pair found"
-                      f"{': ' + why if why else ''}); it computes exactly as before", stacklevel=2)
+                      f"{': ' + why if why else ''}); it computes exactly as before", stacklevel=3)
     return work
 
 

@@ -18,8 +18,8 @@ from ...functional.fold import fold_bn_into_following, fold_bn_into_preceding
 from ...nn.bn_call import has_standard_bn_forward
 from ..bn.sites import BNCall, bn_call
 from ..convert.concat_heads import cat_parts, channel_cat_pieces
-from .layers import (UNSET, NormActTail, check_bn_foldable, clone_with, const_tensor, describe_activation,
-                          free_name, get_attr_value, owner_path)
+from .layers import (UNSET, NormActTail, check_bn_foldable, clone_with, const_tensor, delete_unused_submodules,
+                     describe_activation, free_name, get_attr_value, owner_path)
 from ..report.fold_report import FoldReport
 from ..graph.layers import LayerCall, has_standard_forward, layer_call, layer_spec
 from ..report.outcome import BNOutcome
@@ -540,5 +540,5 @@ class GraphFolder:
         if self.changed:
             self._norm_act_tails()
             self.gm.graph.lint()
-            self.gm.delete_all_unused_submodules()
+            delete_unused_submodules(self.gm, self.root)  # never a child of the user's own modules
             self.gm.recompile()

@@ -4,7 +4,7 @@ graph folder uses (the layers it recognises: :mod:`convbn.passes.graph.layers`).
 from __future__ import annotations
 
 import copy
-from typing import Any, Callable, Dict, Optional, TypeVar, Union
+from typing import Any, Callable, Dict, Optional, Set, TypeVar, Union
 
 import torch
 import torch.fx as fx
@@ -180,3 +180,37 @@ def free_name(gm: fx.GraphModule, base: str) -> str:
             return name
         i += 1
         name = f"{base}{i}"
+
+
+def delete_unused_submodules(gm: fx.GraphModule, owned: nn.Module) -> None:
+    """``gm.delete_all_unused_submodules()``, except that no child is ever taken from a module
+    of ``owned`` (the user's module that ``gm`` traced).
+
+    A ``GraphModule`` holds the user's module objects themselves wherever its graph reads a
+    module whole (``call_module``, and ``get_attr`` of a module passed as a value, e.g. to a
+    wrapped function or ``checkpoint``); torch's version counts the children of a module read
+    by ``get_attr`` as unused and deletes them from that object, which the model still owns
+    and calls. Only the containers ``GraphModule`` made for itself lose unused children here.
+    """
+    used: Set[str] = set()
+    for node in gm.graph.nodes:
+        if node.op not in ("call_module", "get_attr") or not isinstance(node.target, str):
+            continue
+        parts = node.target.split(".")
+        used.update(".".join(parts[:i]) for i in range(1, len(parts) + 1))
+        try:
+            sub = gm.get_submodule(node.target)
+        except AttributeError:  # a parameter or buffer: its owner's path is used
+            continue
+        used.update(f"{node.target}.{n}" for n, _ in sub.named_modules() if n)
+    mine = {id(m) for m in owned.modules()}
+    for name, _ in list(gm.named_modules()):
+        if not name or name in used:
+            continue
+        parent_path, _, leaf = name.rpartition(".")
+        try:
+            parent = gm.get_submodule(parent_path)
+        except AttributeError:  # removed with its parent already
+            continue
+        if id(parent) not in mine:
+            parent._modules.pop(leaf, None)

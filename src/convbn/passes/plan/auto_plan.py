@@ -245,7 +245,7 @@ def plan_auto(original: nn.Module, converted: nn.Module, inputs: Tuple[Any, ...]
                 f"{asked} asks for a step peak of {report.target_peak_bytes} bytes, below the "
                 f"lowest any plan reaches{' within memory_budget' if memory_budget is not None else ''}: {low} "
                 f"bytes = {low / eager_peak:.3f} of eager's {eager_peak} (predicted); planned for that lowest peak",
-                stacklevel=3)
+                stacklevel=4)  # plan_auto <- convert internals <- convert <- the caller
     elif memory_budget is None:
         # the default plans for the step's peak (planner docstring), never above eager's.
         # Note: [never above eager]
