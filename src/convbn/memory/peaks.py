@@ -37,7 +37,7 @@ def allocator_peak(fn: Callable[[], Any]) -> int:
     """The most bytes live at the CPU allocator while ``fn()`` runs, above what was live when
     it began: every allocation and free the allocator reports to ``torch.profiler``
     (``profile_memory=True``), replayed in order. Unlike :func:`~convbn.memory.timeline` it
-    sees compiled code's buffers (a ``torch.compile``\ d step); it does not name operators.
+    sees compiled code's buffers (a step run by ``torch.compile``); it does not name operators.
     Workspaces freed before ``fn`` returns count; allocator caching does not (these are
     tensor bytes, not RSS).
 
