@@ -23,7 +23,7 @@ try:  # transformers' image models import torchvision: through the helper (see t
 except Exception as exc:  # noqa: BLE001
     pytest.skip(f"transformers / accelerate do not import here: {type(exc).__name__}: {exc}", allow_module_level=True)
 
-from convbn.passes.graph.graph_module import GraphForward, installed  # noqa: E402
+from convbn.passes.graph.graph_module import GraphForward, eager, installed  # noqa: E402
 
 N_BN = 6  # the tiny ResNet below: stem, two basic blocks of two, one shortcut
 CHAINS = 4
@@ -197,3 +197,18 @@ def test_fused_modules_see_through_accelerates_mixed_precision_forward():
     # bf16 rounds conv outputs to 8 bits of mantissa: the runs agree to bf16's resolution
     assert_close_losses(losses, ref_losses, rtol=2e-2)
     assert_same_state(prepared.state_dict(), eager.state_dict(), rtol=2e-2, atol=2e-2)
+
+
+def test_running_a_prepared_model_as_eager_puts_accelerates_wrapper_back():
+    """convbn's checks run a model as it was (its own forward) for a moment; the forward a wrapper
+    was set around comes back as the wrapper, not as the bare rewritten forward."""
+    accelerator = Accelerator(cpu=True, mixed_precision="bf16")
+    torch.manual_seed(0)
+    prepared = accelerator.prepare(convbn.convert(small_net(), example_inputs=torch.randn(2, 3, 8, 8)))
+    wrapper, x = prepared.__dict__["forward"], torch.randn(2, 3, 8, 8)
+    with eager(prepared):
+        assert "forward" not in prepared.__dict__  # the class's forward: eager modules
+        assert not fused_chains(prepared)
+    assert prepared.__dict__["forward"] is wrapper
+    out = prepared(x)
+    assert out.dtype == torch.float32 and assert_chain_ran(out)

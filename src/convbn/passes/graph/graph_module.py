@@ -495,10 +495,8 @@ def eager(root: nn.Module) -> Iterator[None]:
     for m in list(root.modules()):
         fwd = installed(m)
         if fwd is not None:
-            saved.append((m, m.__dict__["forward"], fwd, fwd.fallback))
-            if m.__dict__["forward"] is not fwd:  # wrapped (autocast ...): the wrapper stays, around the original
-                fwd.fallback = True
-            elif fwd.previous is not None:
+            saved.append((m, m.__dict__["forward"]))  # the GraphForward, or a wrapper set around it later
+            if fwd.previous is not None:
                 m.__dict__["forward"] = fwd.previous
             else:
                 del m.__dict__["forward"]
@@ -511,8 +509,8 @@ def eager(root: nn.Module) -> Iterator[None]:
     finally:
         for parent, name, kind, new in reversed(swapped):
             _put(parent, name, kind, new)
-        for m, entry, fwd, fallback in saved:
-            m.__dict__["forward"], fwd.fallback = entry, fallback
+        for m, entry in saved:
+            m.__dict__["forward"] = entry
 
 
 def fused_modules(model: nn.Module) -> Iterator[Tuple[str, nn.Module]]:
