@@ -49,9 +49,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--onnx-opset", type=positive_int, default=DEFAULT_OPSET, help="ONNX opset of --save-onnx")
     parser.add_argument("--save-export", type=output_path, default=None, metavar="PATH",
                         help="save the folded model as a torch.export program (.pt2)")
-    parser.add_argument("--dynamic-axes", type=dynamic_axes, default=("batch",), metavar="AXES",
-                        help="dimensions of --save-onnx / --save-export left dynamic: batch (default), spatial "
-                             "(every dimension after the channels), batch,spatial, or none")
+    parser.add_argument("--dynamic-axes", type=dynamic_axes, default="batch", metavar="AXES",
+                        help="dimensions of --save-onnx / --save-export left dynamic: batch, spatial (every "
+                             "dimension after the channels), batch,spatial, or none")
     parser.add_argument("--save-script", type=output_path, default=None, metavar="PATH",
                         help="save the folded model as TorchScript (script, else trace)")
     parser.add_argument("--save-state", type=output_path, default=None, metavar="PATH",
