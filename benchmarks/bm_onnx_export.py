@@ -4,10 +4,14 @@ For each model: BatchNorm statistics and affine parameters set away from identit
 ``convbn.fold`` on a batch of 2, :func:`convbn.deploy.save_onnx`, then ONNX Runtime at batch
 1 and 7 against the *unfolded* model: max |ort - model| / max |model|. Also prints how many
 BatchNorms were folded, how many BatchNormalization / ConvTranspose nodes the ONNX graph has,
-and the seconds each stage took (the export dominates: torch's decompositions).
+how many files the export wrote (1: self-contained) and their size, and the seconds each
+stage took (the export dominates: torch's decompositions). With ``--dynamic-axes
+batch,spatial`` the spatial sizes are dynamic too and the second run (batch 7) is at a
+larger spatial size (each size plus its largest power-of-two factor).
 
-    python benchmarks/bm_onnx_export.py            # every model
-    python benchmarks/bm_onnx_export.py unet3d     # some
+    python benchmarks/bm_onnx_export.py                                   # every model
+    python benchmarks/bm_onnx_export.py unet3d                            # some
+    python benchmarks/bm_onnx_export.py --dynamic-axes batch,spatial unet2d
 """
 from __future__ import annotations
 
@@ -23,6 +27,7 @@ from torch import nn
 import convbn
 from convbn import deploy
 from convbn.bench.models import MNISTNet
+from convbn.cli_fold import other_size
 
 
 def _randomize_bn(model: nn.Module, seed: int = 0) -> nn.Module:
@@ -56,11 +61,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("names", nargs="*", choices=[[]] + list(models), default=[], metavar="MODEL",
                         help=f"models to run (default: all of {', '.join(models)})")
+    parser.add_argument("--dynamic-axes", default="batch", help="batch (default), spatial, batch,spatial or none")
     args = parser.parse_args()
+    axes = deploy.dynamic_axes_arg(args.dynamic_axes)
     import onnx
 
-    print(f"{'model':<16} {'BN folded':>9} {'ONNX BN':>7} {'ConvT':>5} {'fold s':>6} {'export s':>8} "
-          f"{'rel err b=1':>11} {'rel err b=7':>11}")
+    print(f"{'model':<16} {'BN folded':>9} {'ONNX BN':>7} {'ConvT':>5} {'files':>5} {'MB':>6} {'fold s':>6} "
+          f"{'export s':>8} {'rel err b=1':>11} {'rel err b=7':>11}")
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.names or list(models):
             build, shape = models[name]
@@ -71,13 +78,15 @@ def main() -> None:
             folded = convbn.fold(model, example_inputs=x)
             t1 = time.perf_counter()
             path = os.path.join(tmp, f"{name}.onnx")
-            deploy.save_onnx(folded, x, path)
+            files = deploy.save_onnx(folded, x, path, dynamic_axes=axes)
             t2 = time.perf_counter()
-            errors = deploy.check_onnx(path, model, [torch.randn(1, *shape), torch.randn(7, *shape)])
+            second = (shape[0], *map(other_size, shape[1:])) if "spatial" in axes else shape
+            errors = deploy.check_onnx(path, model, [torch.randn(1, *shape), torch.randn(7, *second)])
+            megabytes = sum(os.path.getsize(f) for f in files) / 2**20
             ops = [n.op_type for n in onnx.load(path).graph.node]
             n_folded = sum(o.result == "folded" for o in folded.fold_report.outcomes)
             print(f"{name:<16} {n_folded:>9} {ops.count('BatchNormalization'):>7} {ops.count('ConvTranspose'):>5} "
-                  f"{t1 - t0:>6.1f} {t2 - t1:>8.1f} {errors[0]:>11.1e} {errors[1]:>11.1e}", flush=True)
+                  f"{len(files):>5} {megabytes:>6.1f} {t1 - t0:>6.1f} {t2 - t1:>8.1f} {errors[0]:>11.1e} {errors[1]:>11.1e}", flush=True)
 
 
 if __name__ == "__main__":

@@ -7,6 +7,11 @@ and raises ``ImportError`` naming the package to install:
   makes (torch only);
 * :mod:`convbn.integrations.lightning`: :class:`~convbn.integrations.lightning.ConvertCallback`
   for PyTorch Lightning (``pip install lightning``);
+* Hugging Face ``transformers.Trainer`` and ``accelerate``: no helper needed; convert the
+  model (built from its config or ``from_pretrained``) before the Trainer or
+  ``Accelerator.prepare`` gets it. ``save_pretrained`` / ``from_pretrained`` work unchanged
+  both ways (a converted model has the same ``state_dict`` keys), and
+  :func:`convbn.fused_modules` sees through accelerate's mixed-precision forward;
 * trainers that build the model themselves, MONAI's engines, EMA copies: recipes in the
   documentation's guides ("Your training loop" and the pages beside it).
 

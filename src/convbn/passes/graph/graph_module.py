@@ -230,7 +230,7 @@ class GraphForward:
             try:
                 # a backward runs its hooks without grad mode; the buffers are swapped for copies:
                 # restoring them in place would bump versions this backward's nodes saved
-                with torch.enable_grad(), buffers_set_aside(owner), _chain_records_kept(owner):
+                with torch.enable_grad(), buffers_set_aside(owner), _chain_records_kept(owner), _unwrapped(self):
                     result = run(owner, *sample)
             except Exception:  # noqa: BLE001 - the original fails on the sample: nothing to compare
                 return
@@ -338,6 +338,19 @@ def _hooked(owner: nn.Module) -> bool:
 
 
 @contextlib.contextmanager
+def _unwrapped(fwd: GraphForward) -> Iterator[None]:
+    """``fwd`` as its owner's ``forward`` for the block, without a wrapper set around it later (an
+    accelerate mixed-precision forward re-enters autocast: a check after the forward, in float32 as
+    eager's backward runs, would compare low-precision runs)."""
+    entry = fwd.owner.__dict__.get("forward")
+    fwd.owner.__dict__["forward"] = fwd
+    try:
+        yield
+    finally:
+        fwd.owner.__dict__["forward"] = entry
+
+
+@contextlib.contextmanager
 def _chain_records_kept(module: nn.Module) -> Iterator[None]:
     """What the fused chains under ``module`` record per call (each layer's shapes seen, for
     the planner and the report) put back after the block."""
@@ -434,13 +447,21 @@ def install(owner: nn.Module, gm: fx.GraphModule, register_new: bool = False) ->
 
 
 def installed(module: nn.Module) -> Optional[GraphForward]:
-    """``module``'s :class:`GraphForward`, if it was rewritten."""
+    """``module``'s :class:`GraphForward`, if it was rewritten: the instance ``forward`` or inside
+    wrappers set later that keep it as ``__wrapped__`` (``functools.wraps``; accelerate's
+    mixed-precision forward), which still call it; a wrapper copied from another module is not this one's."""
     fwd = module.__dict__.get("forward")
-    return fwd if isinstance(fwd, GraphForward) else None
+    for _ in range(16):  # wrappers of wrappers, up to a bound
+        if fwd is None or isinstance(fwd, GraphForward):
+            break
+        fwd = getattr(fwd, "__wrapped__", None)  # a bound method reads its function's
+    return fwd if isinstance(fwd, GraphForward) and fwd.owner is module else None
 
 
 def uninstall(root: nn.Module) -> None:
-    """Undo :func:`install` on ``root`` and every module under it (while ``undo`` is known)."""
+    """Undo :func:`install` on ``root`` and every module under it (while ``undo`` is known).
+
+    A wrapper around the installed forward (see :func:`installed`) goes with it."""
     for m in list(root.modules()):
         fwd = installed(m)
         if fwd is None:
@@ -474,7 +495,7 @@ def eager(root: nn.Module) -> Iterator[None]:
     for m in list(root.modules()):
         fwd = installed(m)
         if fwd is not None:
-            saved.append((m, fwd))
+            saved.append((m, m.__dict__["forward"]))  # the GraphForward, or a wrapper set around it later
             if fwd.previous is not None:
                 m.__dict__["forward"] = fwd.previous
             else:
@@ -488,8 +509,8 @@ def eager(root: nn.Module) -> Iterator[None]:
     finally:
         for parent, name, kind, new in reversed(swapped):
             _put(parent, name, kind, new)
-        for m, fwd in saved:
-            m.__dict__["forward"] = fwd
+        for m, entry in saved:
+            m.__dict__["forward"] = entry
 
 
 def fused_modules(model: nn.Module) -> Iterator[Tuple[str, nn.Module]]:
