@@ -17,7 +17,6 @@ Example:
 """
 from __future__ import annotations
 
-import importlib
 import io
 import contextlib
 import warnings
@@ -26,8 +25,10 @@ from typing import Any, Dict, List, Sequence, Tuple
 import torch
 from torch import Tensor, nn
 
+from .extras import require
+
 __all__ = ["DEFAULT_OPSET", "example_batch", "export_program", "save_export", "save_onnx", "check_onnx",
-           "check_program"]
+           "check_program", "require_onnx_export"]
 
 #: The ONNX opset :func:`save_onnx` writes unless told otherwise.
 DEFAULT_OPSET = 18
@@ -67,6 +68,17 @@ def save_export(model: nn.Module, x: Tensor, path: str) -> "torch.export.Exporte
     return program
 
 
+def require_onnx_export(needed_by: str = "ONNX export") -> None:
+    """Raise one ImportError line naming ``convbn[onnx]`` when torch's ONNX exporter cannot run
+    (it needs the packages ``onnxscript`` and ``onnx``), so a command can fail before its work.
+
+    Raises:
+        ImportError: ``"ONNX export needs onnxscript: pip install 'convbn[onnx]'"``.
+    """
+    for module in ("onnxscript", "onnx"):
+        require(module, needed_by, "onnx")
+
+
 def save_onnx(model: nn.Module, x: Tensor, path: str, opset: int = DEFAULT_OPSET) -> None:
     """Write ``model`` as ONNX to ``path``: input ``input``, output ``output``, the batch dimension dynamic.
 
@@ -77,14 +89,10 @@ def save_onnx(model: nn.Module, x: Tensor, path: str, opset: int = DEFAULT_OPSET
         opset: the ONNX opset (default :data:`DEFAULT_OPSET`).
 
     Raises:
-        ImportError: ``onnxscript`` (torch's ONNX exporter needs it) is not installed.
+        ImportError: ``onnxscript`` or ``onnx`` (torch's ONNX exporter needs them) is not installed.
         ValueError: the export failed (the exporter's first line).
     """
-    try:
-        importlib.import_module("onnxscript")
-    except ImportError as exc:
-        raise ImportError("ONNX export needs the package 'onnxscript' (torch's exporter is built on it); "
-                          "install it with `pip install onnxscript onnx`") from exc
+    require_onnx_export()
     x = example_batch(x)
     quiet = io.StringIO()
     try:
@@ -129,11 +137,7 @@ def check_onnx(path: str, model: nn.Module, inputs: Sequence[Tensor]) -> List[fl
         ImportError: ``onnxruntime`` is not installed.
         ValueError: the outputs differ in count or shape.
     """
-    try:
-        ort = importlib.import_module("onnxruntime")
-    except ImportError as exc:
-        raise ImportError("checking an ONNX file needs the package 'onnxruntime'; install it with "
-                          "`pip install onnxruntime`") from exc
+    ort = require("onnxruntime", "checking an ONNX file", "onnx")
     session = ort.InferenceSession(path, providers=["CPUExecutionProvider"])
     name = session.get_inputs()[0].name
     errors = []
