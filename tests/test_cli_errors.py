@@ -15,6 +15,7 @@ import textwrap
 
 import pytest
 
+import convbn.bench.ddp as bench_ddp
 import convbn.bench.training as bench_training
 import convbn.demo as demo
 import convbn.passes.fold.api as fold_api
@@ -213,4 +214,10 @@ def test_bench_checks_every_model_spec_before_the_first_runs(project, monkeypatc
     _one_line(*_run(["bench", "--model", "mnist", "--model", "nosuchmodule_cli_errors:build"], capsys),
               "cannot import module 'nosuchmodule_cli_errors'")
     _one_line(*_run(["bench", "--model", "mnist", "--model", "errnets_cli:nope"], capsys),
+              "'errnets_cli' has no 'nope'")
+
+
+def test_bench_ddp_checks_every_model_spec_before_launching(project, monkeypatch, capsys):
+    monkeypatch.setattr(bench_ddp, "run_ddp_bench", _must_not_run("the data-parallel benchmark"))
+    _one_line(*_run(["bench", "--ddp", "2", "--model", "mnist", "--model", "errnets_cli:nope"], capsys),
               "'errnets_cli' has no 'nope'")
