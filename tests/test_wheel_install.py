@@ -18,9 +18,10 @@ import re
 import shutil
 import subprocess
 import sys
-import sysconfig
+import tarfile
 import textwrap
 import time
+import zipfile
 from pathlib import Path
 from typing import Dict, List, Set
 
@@ -76,13 +77,15 @@ def _requirements(dist: str) -> Set[str]:
     return seen
 
 
-def _top_level_entries(dist: str) -> Set[str]:
-    """The names in site-packages that distribution ``dist`` installed (packages, modules, its .dist-info, .libs)."""
-    entries = set()
-    for file in importlib.metadata.distribution(dist).files or []:
+def _top_level_entries(dist: str) -> Dict[str, Path]:
+    """What distribution ``dist`` installed at the top of its site-packages (packages, modules,
+    its .dist-info, .libs), by name, with where each is."""
+    found = importlib.metadata.distribution(dist)
+    entries = {}
+    for file in found.files or []:
         first = file.parts[0]
         if first not in ("..", "__pycache__") and not first.endswith(".pth"):
-            entries.add(first)
+            entries[first] = Path(str(found.locate_file(first)))
     return entries
 
 
@@ -92,11 +95,10 @@ def _torch_only_venv(where: Path) -> Path:
     python = where / "bin" / "python"
     site = Path(subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
                                capture_output=True, text=True, check=True, env=_clean_env()).stdout.strip())
-    ours = Path(sysconfig.get_paths()["purelib"])
     for dist in sorted(_requirements("torch")):
-        for entry in _top_level_entries(dist):
-            if (ours / entry).exists() and not (site / entry).exists():
-                (site / entry).symlink_to(ours / entry)
+        for name, path in _top_level_entries(dist).items():
+            if path.exists() and not (site / name).exists():
+                (site / name).symlink_to(path)
     return python
 
 
@@ -107,14 +109,22 @@ def _clean_env() -> Dict[str, str]:
     return env
 
 
-def _build_wheel(tmp: Path) -> Path:
-    """``pip wheel`` of a copy of the project (packaging files and src/): the build leaves the checkout alone."""
+def _copy_project(tmp: Path) -> Path:
+    """A copy of what a build reads (packaging files, src/, and tests/ to see that the sdist leaves it out)."""
     project = tmp / "project"
     project.mkdir()
     for name in PACKAGING:
         if (ROOT / name).exists():
             shutil.copy2(ROOT / name, project / name)
-    shutil.copytree(ROOT / "src", project / "src", ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
+    ignore = shutil.ignore_patterns("__pycache__", "*.egg-info", ".hypothesis", ".pytest_cache")
+    shutil.copytree(ROOT / "src", project / "src", ignore=ignore)
+    shutil.copytree(ROOT / "tests", project / "tests", ignore=ignore)
+    return project
+
+
+def _build_wheel(tmp: Path) -> Path:
+    """``pip wheel`` of a copy of the project: the build leaves the checkout alone."""
+    project = _copy_project(tmp)
     out = tmp / "wheels"
     proc = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
                            "--no-index", "--quiet", "-w", str(out), str(project)],
@@ -176,3 +186,29 @@ def test_wheel_in_a_torch_only_venv(tmp_path: Path) -> None:
     assert "Traceback" not in demo.stderr and len(demo.stderr.strip().splitlines()) == 1, demo.stderr
     assert "pip install 'convbn[demo]'" in demo.stderr, demo.stderr
     assert demo.stdout == "", demo.stdout
+
+
+@pytest.mark.expect_unfused("packaging only: nothing is converted")
+def test_wheel_and_sdist_ship_the_licence_and_the_sdist_leaves_tests_out(tmp_path: Path) -> None:
+    """The sdist holds the package, README, CHANGELOG and LICENSE; the tests stay in the repository
+    (they need its examples, benchmarks and README and the dev extras' models)."""
+    project = _copy_project(tmp_path)
+    proc = subprocess.run([sys.executable, "-c", "import sys; from setuptools import build_meta as b; "
+                           "out = sys.argv[1]; s = b.build_sdist(out); w = b.build_wheel(out); print('BUILT', s, w)", str(tmp_path / "dist")],
+                          cwd=project, capture_output=True, text=True, timeout=300, env=_clean_env())
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    built = [line.split() for line in proc.stdout.splitlines() if line.startswith("BUILT ")][-1]
+    sdist, wheel = tmp_path / "dist" / built[1], tmp_path / "dist" / built[2]
+    with tarfile.open(sdist) as tar:
+        names = {n.split("/", 1)[1] for n in tar.getnames() if "/" in n}
+    assert {"LICENSE", "CHANGELOG.md", "README.md", "pyproject.toml", "src/convbn/__init__.py",
+            "src/convbn/py.typed"} <= names, sorted(names)
+    assert not [n for n in names if n.startswith("tests")], sorted(n for n in names if n.startswith("tests"))
+    with zipfile.ZipFile(wheel) as whl:
+        files = whl.namelist()
+        metadata = whl.read(next(f for f in files if f.endswith(".dist-info/METADATA"))).decode()
+    assert any(f.endswith(".dist-info/licenses/LICENSE") for f in files), files
+    assert "License-Expression: BSD-3-Clause" in metadata and "Author: convbn developers" in metadata
+    extras = set(re.findall(r"^Provides-Extra: (\S+)$", metadata, flags=re.M))
+    assert {"cli", "plot", "onnx", "demo", "all", "dev"} <= extras and "sweep" not in extras, extras
+    assert not re.search(r"^Requires-Dist: (torch|torchvision)\b.*extra ==", metadata, flags=re.M), metadata
