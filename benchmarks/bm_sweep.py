@@ -28,6 +28,11 @@ A failure is a raise of the pass or of the returned model, or a mismatch. Each m
 (with the error text and its traceback's last line) goes to the JSON file; the markdown table
 per family goes to stdout.
 
+Set-up (once, in the dev environment of ``scripts/setup.sh``; ``--no-deps`` because some of
+these libraries would resolve another torch)::
+
+    pip install --no-deps -r benchmarks/requirements-sweep.txt
+
 Run::
 
     python benchmarks/bm_sweep.py                              # all models, 2 jobs

@@ -173,7 +173,10 @@ def test_checkpoint_that_matches_nothing_names_the_keys(tmp_path, capsys):
 
 
 def test_missing_checkpoint_file_is_one_line(tmp_path, capsys):
-    code = main(["explain", "mnist", "--checkpoint", str(tmp_path / "nope.pt")])
+    try:
+        code = main(["explain", "mnist", "--checkpoint", str(tmp_path / "nope.pt")])
+    except SystemExit as exc:  # checked while parsing, before the model is built
+        code = exc.code
     err = capsys.readouterr().err
     assert code == 2 and len(err.strip().splitlines()) == 1 and "nope.pt" in err, err
 

@@ -55,7 +55,7 @@ def test_bench_table_without_rich_names_the_package() -> None:
             print(exc)
     """)
     assert proc.returncode == 0, proc.stderr
-    assert "printing a benchmark table needs rich: pip install rich (or convbn[cli])" in proc.stdout
+    assert "printing a benchmark table needs rich: pip install 'convbn[cli]'" in proc.stdout
 
 
 def test_require_rich_passes_when_installed() -> None:

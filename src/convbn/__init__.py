@@ -4,6 +4,14 @@ Training: :func:`convert` turns a CNN into one whose Conv -> BN (-> act) layers 
 fewer activations for backward (same outputs, gradients, running stats, parameters and
 ``state_dict``). Inference: :func:`fold` folds BatchNorm into neighbouring layers.
 """
+import warnings as _warnings
+
+with _warnings.catch_warnings():
+    # torch.export (which convbn's modules import) warns "Failed to initialize NumPy" where numpy
+    # is not installed; convbn does not need numpy, so importing convbn stays quiet there
+    _warnings.filterwarnings("ignore", message="Failed to initialize NumPy", category=UserWarning)
+    import torch.export as _torch_export  # noqa: F401
+
 from .autograd.dispatch import conv_bn_act
 from .batch_fit import BatchFit, max_batch
 from .functional.activations import ACTIVATIONS, Activation

@@ -18,6 +18,7 @@ Example:
 from __future__ import annotations
 
 import argparse
+import difflib
 import importlib
 import logging
 import os
@@ -41,6 +42,8 @@ __all__ = [
     "existing_dir",
     "output_path",
     "input_shape",
+    "memory_size",
+    "existing_file",
 ]
 
 AddArguments = Callable[[argparse.ArgumentParser], None]
@@ -98,6 +101,33 @@ class ArgumentParser(argparse.ArgumentParser):
 
     def error(self, message: str) -> "NoReturn":  # type: ignore[name-defined]  # noqa: F821
         self.exit(2, f"{self.prog}: error: {message} (see '{self.prog} --help')\n")
+
+    def parse_args(self, args: Optional[Sequence[str]] = None,  # type: ignore[override]
+                   namespace: Optional[argparse.Namespace] = None) -> argparse.Namespace:
+        """argparse's ``parse_args``; an unknown option is reported by the subcommand that got it,
+        with its usage and the closest option it has (``--input-shap``: did you mean ``--input-shape``?)."""
+        parsed, extras = self.parse_known_args(args, namespace)
+        if extras:
+            target = self._chosen_subparser(parsed) or self
+            target.error(f"unrecognized arguments: {' '.join(extras)}{_suggestion(target, extras)}")
+        return parsed
+
+    def _chosen_subparser(self, parsed: argparse.Namespace) -> Optional[argparse.ArgumentParser]:
+        for action in self._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                return action.choices.get(getattr(parsed, action.dest, None) or "")
+        return None
+
+
+def _suggestion(parser: argparse.ArgumentParser, extras: Sequence[str]) -> str:
+    """``"; did you mean --input-shape?"`` for the first unknown option close to one of ``parser``'s."""
+    known = [s for action in parser._actions for s in action.option_strings if s.startswith("--")]
+    for extra in extras:
+        if extra.startswith("--"):
+            close = difflib.get_close_matches(extra.split("=", 1)[0], known, n=1, cutoff=0.6)
+            if close:
+                return f"; did you mean {close[0]}?"
+    return ""
 
 
 # --------------------------------------------------------------------------- option types
@@ -171,6 +201,28 @@ def existing_dir(text: str) -> str:
     """A directory that exists."""
     if not os.path.isdir(text):
         raise argparse.ArgumentTypeError(f"{text!r} is not a directory")
+    return text
+
+
+def existing_file(text: str) -> str:
+    """A file that exists and can be read."""
+    if os.path.isdir(text):
+        raise argparse.ArgumentTypeError(f"{text!r} is a directory; give a file")
+    if not os.path.isfile(text):
+        raise argparse.ArgumentTypeError(f"{text!r} does not exist")
+    if not os.access(text, os.R_OK):
+        raise argparse.ArgumentTypeError(f"{text!r} is not readable")
+    return text
+
+
+def memory_size(text: str) -> str:
+    """A memory size such as ``16GiB`` or ``512MiB`` (:func:`convbn.memory.parse_memory`); kept as written."""
+    from .memory.budget import parse_memory
+
+    try:
+        parse_memory(text)
+    except (TypeError, ValueError) as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
     return text
 
 

@@ -22,7 +22,7 @@ import contextlib
 
 import torch
 
-from .cli import Command, fraction
+from .cli import Command, fraction, memory_size
 from .cli_model import add_model_arguments, channels_last_format, load_model, model_input, resolve_shape
 
 __all__ = ["load_model", "resolve_shape", "add_arguments", "run", "COMMAND", "AUTOCAST_DTYPES"]
@@ -41,7 +41,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--peak-budget", type=fraction, default=None, metavar="X",
                         help="with --strategy auto: the training step's peak memory allowed, a fraction in (0, 1] "
                              "of eager's")
-    parser.add_argument("--memory", type=str, default=None, metavar="SIZE",
+    parser.add_argument("--memory", type=memory_size, default=None, metavar="SIZE",
                         help="also report the largest batch that trains within SIZE (e.g. 16GiB, 512MiB), eager "
                              "and converted (convbn.max_batch; runs real steps at the batches it tries)")
     parser.add_argument("--no-chain", action="store_true", help="do not chain consecutive layers (tutorial's method)")
@@ -58,10 +58,7 @@ def run(args: argparse.Namespace) -> int:
     for flag, value in (("--budget", args.budget), ("--peak-budget", args.peak_budget)):
         if value is not None and args.strategy != "auto":
             raise ValueError(f"{flag} is used by --strategy auto only, but got --strategy {args.strategy}")
-    if args.memory is not None:
-        from .memory.budget import parse_memory
-
-        parse_memory(args.memory)  # a readable size, before any model is built
+    if args.memory is not None:  # its size was checked while parsing
         if args.strategy != "auto":
             raise ValueError(f"--memory plans with --strategy auto only, but got --strategy {args.strategy}")
     model, default = load_model(args.spec, args.checkpoint)

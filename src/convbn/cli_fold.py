@@ -45,7 +45,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
     add_model_arguments(parser)
     parser.add_argument("--save-onnx", type=output_path, default=None, metavar="PATH",
-                        help="save the folded model as one self-contained ONNX file (needs onnxscript)")
+                        help="save the folded model as one self-contained ONNX file (needs convbn[onnx])")
     parser.add_argument("--onnx-opset", type=positive_int, default=DEFAULT_OPSET, help="ONNX opset of --save-onnx")
     parser.add_argument("--save-export", type=output_path, default=None, metavar="PATH",
                         help="save the folded model as a torch.export program (.pt2)")
@@ -94,6 +94,8 @@ def run(args: argparse.Namespace) -> int:
     from . import deploy
     from .passes.fold.api import fold
 
+    if args.save_onnx:
+        deploy.require_onnx_export("--save-onnx")  # before folding and checking, not after
     model, default = load_model(args.spec, args.checkpoint)
     model = model.to(args.device).eval()
     x = model_input(args, model, default)

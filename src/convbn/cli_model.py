@@ -16,7 +16,7 @@ from typing import Any, Dict, List, Mapping, Optional, Tuple
 import torch
 from torch import Tensor, nn
 
-from .cli import device_arg, input_shape
+from .cli import device_arg, existing_file, input_shape
 
 __all__ = ["CHECKPOINT_KEYS", "add_model_arguments", "load_model", "load_checkpoint", "resolve_shape", "model_input", "channels_last_format"]
 
@@ -30,7 +30,7 @@ _PREFIXES = ("module.", "_orig_mod.", "model.", "net.")
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     """``SPEC``, ``--checkpoint``, ``--input-shape``, ``--batch-size``, ``--device``."""
     parser.add_argument("spec", metavar="SPEC", help="model spec (mnist, monai:resnet18, ...) or module:callable")
-    parser.add_argument("--checkpoint", default=None, metavar="PATH",
+    parser.add_argument("--checkpoint", type=existing_file, default=None, metavar="PATH",
                         help="load these weights into the model: a state_dict, or a checkpoint dict holding one under "
                              f"one of {', '.join(CHECKPOINT_KEYS)}")
     parser.add_argument("--input-shape", type=input_shape, default=None, metavar="NxCxHxW",

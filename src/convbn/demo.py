@@ -47,12 +47,14 @@ from convbn.cli import (
     batch_size,
     device_arg,
     existing_dir,
+    memory_size,
     output_path,
     positive_float,
     positive_int,
 )
 from convbn.batch_fit import max_batch
 from convbn.bench.table import require_rich
+from convbn.extras import require
 from convbn.demo_data import Dataset, load_digits_28, load_mnist, read_idx
 from convbn.demo_results import (
     CONFIG_HELP,
@@ -66,6 +68,7 @@ from convbn.demo_results import (
     write_timeline_plot,
 )
 from convbn.memory import saved_bytes, timeline
+from convbn.memory.budget import parse_memory
 from convbn.nn.fused import FusedConvBN2d
 from convbn.passes.convert.api import convert
 
@@ -87,6 +90,7 @@ __all__ = [  # the data loaders (convbn.demo_data) and the results and their out
     "StepStats",
     "results_table",
     "add_arguments",
+    "check_requirements",
     "main",
     "COMMAND",
 ]
@@ -316,6 +320,8 @@ def run_demo(config: DemoConfig, console: Any = None, data: Optional[Dataset] = 
         raise ValueError(f"batch size must be at least 2 (BatchNorm needs 2 samples), but got {config.batch_size}")
     if config.mnist_dir is not None and not os.path.isdir(config.mnist_dir):
         raise FileNotFoundError(f"--mnist-dir {config.mnist_dir!r} is not a directory")
+    if config.memory is not None:
+        parse_memory(config.memory)  # a readable size before training, not after
     device = torch.device(config.device)
     if data is None:
         data = load_mnist(config.mnist_dir) if config.mnist_dir else load_digits_28(config.seed)
@@ -439,19 +445,34 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="PNG of saved bytes and exact peak per configuration")
     parser.add_argument("--no-plot", action="store_true", help="write no PNG")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
-    parser.add_argument("--memory", type=str, default=None, metavar="SIZE",
+    parser.add_argument("--memory", type=memory_size, default=None, metavar="SIZE",
                         help="end with the largest batch eager and convbn train in SIZE (e.g. 1GiB): "
                              "'in SIZE: eager trains batch A, convbn batch B'")
 
 
+def check_requirements(mnist_dir: Optional[str], plot: Optional[str]) -> None:
+    """Fail before any training when a package the demo will use is missing (one line naming ``convbn[demo]``).
+
+    rich (the console), numpy (the data), scikit-learn (the built-in digits, unless ``mnist_dir``)
+    and matplotlib (unless ``plot`` is ``None``).
+
+    Raises:
+        ImportError: ``"convbn demo needs scikit-learn: pip install 'convbn[demo]' ..."``.
+    """
+    require("rich", "convbn demo", "demo")
+    require("numpy", "convbn demo", "demo")
+    if mnist_dir is None:
+        require("sklearn.datasets", "convbn demo", "demo", " (or pass --mnist-dir DIR)")
+    if plot:
+        demo_pyplot()
+
+
 def run(args: argparse.Namespace) -> int:
     """Run the demo from parsed arguments; returns the exit code."""
-    require_rich("convbn demo")
+    plot = None if args.no_plot else args.plot
+    check_requirements(args.mnist_dir, plot)  # fail before training, not after
     from rich.console import Console
 
-    plot = None if args.no_plot else args.plot
-    if plot:
-        demo_pyplot()  # fail before training, not after
     config = DemoConfig(
         epochs=args.epochs, batch_size=args.batch_size, device=args.device, seed=args.seed, mnist_dir=args.mnist_dir,
         limit=args.limit, lr=args.lr, progress=not args.no_progress, plot=plot, memory=args.memory,

@@ -16,26 +16,35 @@ import gzip
 import os
 import struct
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+from convbn.extras import require
+
+if TYPE_CHECKING:
+    import numpy as np
 
 __all__ = ["MNIST_MEAN", "MNIST_STD", "IDX_DTYPES", "Dataset", "read_idx", "load_mnist", "load_digits_28"]
 
 #: Normalisation constants of the MNIST training set (as in the PyTorch examples).
 MNIST_MEAN, MNIST_STD = 0.1307, 0.3081
 
+#: The IDX type byte -> the numpy dtype of its values (big-endian where multi-byte).
 IDX_DTYPES = {
-    0x08: np.uint8,
-    0x09: np.int8,
-    0x0B: np.dtype(">i2"),
-    0x0C: np.dtype(">i4"),
-    0x0D: np.dtype(">f4"),
-    0x0E: np.dtype(">f8"),
+    0x08: "u1",
+    0x09: "i1",
+    0x0B: ">i2",
+    0x0C: ">i4",
+    0x0D: ">f4",
+    0x0E: ">f8",
 }
+
+
+def _numpy(needed_by: str) -> Any:
+    return require("numpy", needed_by, "demo")
 
 
 @dataclass
@@ -80,6 +89,7 @@ def read_idx(path: str) -> np.ndarray:
         >>> read_idx("MNIST/raw/train-labels-idx1-ubyte").shape  # doctest: +SKIP
         (60000,)
     """
+    np = _numpy("reading MNIST IDX files")
     with _open(path) as f:
         data = f.read()
     if len(data) < 4 or data[0] != 0 or data[1] != 0:
@@ -122,6 +132,7 @@ def load_mnist(directory: str) -> Dataset:
         FileNotFoundError: a file is missing (the message lists the four expected names).
         ValueError: image/label counts differ or images are not 28x28.
     """
+    np = _numpy("the demo's MNIST data")
     parts = []
     for prefix in ("train", "t10k"):
         images = read_idx(_find(directory, f"{prefix}-images-idx3-ubyte"))
@@ -142,15 +153,11 @@ def load_digits_28(seed: int = 0, test_fraction: float = 0.2) -> Dataset:
     normalised with the MNIST constants; a seeded permutation splits train/test.
 
     Raises:
-        ImportError: scikit-learn is not installed (``pip install scikit-learn``).
+        ImportError: scikit-learn is not installed (``pip install 'convbn[demo]'``).
     """
-    try:
-        from sklearn.datasets import load_digits
-    except ImportError as e:  # pragma: no cover - dev installs have it
-        raise ImportError(
-            "the built-in demo data needs scikit-learn: pip install scikit-learn (or pass --mnist-dir DIR)"
-        ) from e
-    digits = load_digits()
+    np = _numpy("the demo's built-in data")
+    datasets = require("sklearn.datasets", "the demo's built-in data", "demo", " (or pass --mnist-dir DIR)")
+    digits = datasets.load_digits()
     images = torch.from_numpy(digits.images.astype(np.float32) / 16.0).unsqueeze(1)
     images = F.interpolate(images, size=(28, 28), mode="bilinear", align_corners=False).squeeze(1)
     labels = torch.from_numpy(digits.target.astype(np.int64))

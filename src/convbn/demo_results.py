@@ -8,7 +8,6 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -170,9 +169,11 @@ def write_plot(result: DemoResult, path: str, device: torch.device) -> None:
     Each bar is labelled with its ratio to unfused; both panels say lower is better.
 
     Raises:
-        ImportError: matplotlib is missing (``pip install matplotlib``).
+        ImportError: matplotlib is missing (``pip install 'convbn[demo]'``).
     """
     plt = demo_pyplot()
+    import numpy as np  # matplotlib's own dependency
+
     fig, (ax, ax_t) = plt.subplots(1, 2, figsize=(10, 4.4), gridspec_kw={"width_ratios": [2, 1]})
     xs = np.arange(len(CONFIGS))
     names = [PLOT_NAMES.get(k, k) for k in CONFIGS]
@@ -230,4 +231,4 @@ def write_timeline_plot(models: Dict[str, nn.Module], x: Tensor, plot: str, devi
 
 def demo_pyplot() -> Any:
     """``matplotlib.pyplot`` for the demo's plots (an ImportError that says to pass --no-plot)."""
-    return pyplot("the demo's plot", "pip install matplotlib (or pass --no-plot)")
+    return pyplot("the demo's plot", " (or pass --no-plot)", extra="demo")

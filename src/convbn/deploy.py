@@ -31,7 +31,6 @@ Example:
 """
 from __future__ import annotations
 
-import importlib
 import io
 import contextlib
 import os
@@ -41,9 +40,11 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 import torch
 from torch import Tensor, nn
 
+from .extras import require
+
 __all__ = ["DEFAULT_OPSET", "DYNAMIC_AXES", "SINGLE_FILE_BYTES", "dynamic_axes_arg", "dynamic_shapes",
            "example_batch", "export_program", "save_export", "save_onnx", "onnx_files", "check_onnx",
-           "check_program"]
+           "check_program", "require_onnx_export"]
 
 #: The ONNX opset :func:`save_onnx` writes unless told otherwise.
 DEFAULT_OPSET = 18
@@ -173,7 +174,7 @@ def onnx_files(path: str) -> List[str]:
     Raises:
         ImportError: ``onnx`` is not installed.
     """
-    onnx = importlib.import_module("onnx")
+    onnx = require("onnx", "reading an ONNX file", "onnx")
     model = onnx.load(path, load_external_data=False)
     files = [path]
     for graph in _graphs(model.graph):
@@ -197,6 +198,17 @@ def _graphs(graph: Any) -> List[Any]:
     return found
 
 
+def require_onnx_export(needed_by: str = "ONNX export") -> None:
+    """Raise one ImportError line naming ``convbn[onnx]`` when torch's ONNX exporter cannot run
+    (it needs the packages ``onnxscript`` and ``onnx``), so a command can fail before its work.
+
+    Raises:
+        ImportError: ``"ONNX export needs onnxscript: pip install 'convbn[onnx]'"``.
+    """
+    for module in ("onnxscript", "onnx"):
+        require(module, needed_by, "onnx")
+
+
 def save_onnx(model: nn.Module, x: Tensor, path: str, opset: int = DEFAULT_OPSET,
               dynamic_axes: AxesArg = "batch") -> List[str]:
     """Write ``model`` as ONNX to ``path``: input ``input``, output ``output``; returns the files written.
@@ -217,7 +229,7 @@ def save_onnx(model: nn.Module, x: Tensor, path: str, opset: int = DEFAULT_OPSET
         ``[path]``, or ``[path, data_file]`` for weights past :data:`SINGLE_FILE_BYTES`.
 
     Raises:
-        ImportError: ``onnxscript`` (torch's ONNX exporter needs it) is not installed.
+        ImportError: ``onnxscript`` or ``onnx`` (torch's ONNX exporter needs them) is not installed.
         ValueError: a bad ``dynamic_axes``, or the export failed (the exporter's first line).
 
     Example:
@@ -226,11 +238,7 @@ def save_onnx(model: nn.Module, x: Tensor, path: str, opset: int = DEFAULT_OPSET
         ['net.onnx']
     """
     axes = dynamic_axes_arg(dynamic_axes)
-    try:
-        importlib.import_module("onnxscript")
-    except ImportError as exc:
-        raise ImportError("ONNX export needs the package 'onnxscript' (torch's exporter is built on it); "
-                          "install it with `pip install convbn[onnx]`") from exc
+    require_onnx_export()
     program = export_program(model, x, axes)  # its errors name the size the model's code fixes
     quiet = io.StringIO()
     try:
@@ -277,11 +285,7 @@ def check_onnx(path: str, model: nn.Module, inputs: Sequence[Tensor]) -> List[fl
         ImportError: ``onnxruntime`` is not installed.
         ValueError: the outputs differ in count or shape.
     """
-    try:
-        ort = importlib.import_module("onnxruntime")
-    except ImportError as exc:
-        raise ImportError("checking an ONNX file needs the package 'onnxruntime'; install it with "
-                          "`pip install onnxruntime`") from exc
+    ort = require("onnxruntime", "checking an ONNX file", "onnx")
     session = ort.InferenceSession(path, providers=["CPUExecutionProvider"])
     name = session.get_inputs()[0].name
     errors = []

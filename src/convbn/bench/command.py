@@ -63,6 +63,9 @@ def _select(argv: Sequence[str]) -> AddArguments:
 
 
 def _run(args: argparse.Namespace) -> int:
+    from .table import require_rich
+
+    require_rich("convbn bench")  # its progress bars and tables: fail before the benchmark, not after
     if args.inference:
         from .inference import main_inference as main
     elif args.ddp:

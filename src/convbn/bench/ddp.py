@@ -62,6 +62,7 @@ from torch import Tensor, nn
 
 from convbn.bench.common import first_tensor, fmt, projection_loss, rows_to_json, timed_ms, write_text
 from convbn.bench.launch import default_backend, launch_workers, launched_by_torchrun
+from convbn.bench.models import check_spec
 from convbn.bench.table import markdown_table, print_rich_table
 from convbn.memory import format_bytes
 from convbn.passes.convert.rewrite import swap_sync_batchnorm
@@ -403,6 +404,8 @@ def main_ddp(args: argparse.Namespace) -> int:
         models = [models]
     rows: List[DDPRow] = []
     try:
+        for spec in models:  # a bad spec fails before any process starts
+            check_spec(spec)
         for spec in models:
             rows += run_ddp_bench(spec, world_size, args.batch_size, args.steps, args.warmup, args.device,
                                   seed=getattr(args, "seed", 0), lr=getattr(args, "lr", 1e-3),

@@ -295,13 +295,13 @@ class _DeprecatedModels(argparse.Action):
 
 def add_inference_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add the inference benchmark's options to ``parser`` (for ``convbn bench --inference``)."""
-    from convbn.cli import device_arg, non_negative_int, positive_int
+    from convbn.cli import device_arg, existing_file, non_negative_int, positive_int
 
     parser.add_argument("--model", action="append", default=None, metavar="SPEC",
                         help="model spec, repeatable, e.g. monai:resnet18 'monai:resnet50(spatial_dims=2)' "
                              "efficientnet:b0 mnist, or module:callable (a function of yours returning the model) "
                              f"(default: {' '.join(DEFAULT_MODELS)})")
-    parser.add_argument("--checkpoint", default=None, metavar="PATH",
+    parser.add_argument("--checkpoint", type=existing_file, default=None, metavar="PATH",
                         help="load these weights (a state_dict or a checkpoint holding one) into the model")
     parser.add_argument("--models", nargs="+", action=_DeprecatedModels, metavar="SPEC", help=argparse.SUPPRESS)
     parser.add_argument("--batch-size", type=positive_int, default=8, help="batch size")

@@ -9,7 +9,9 @@ A spec is ``[source:]name[(key=value, ...)]``; values are Python literals. Sourc
 * ``torchvision:NAME`` — ``torchvision.models.NAME(weights=None)``;
 * ``timm:NAME`` — ``timm.create_model(NAME, pretrained=False)``;
 * ``module:callable`` — any other ``module:name`` imports ``module`` (the current folder
-  first, as ``python -m`` does) and calls ``name()``, which must return an ``nn.Module``.
+  first, as ``python -m`` does) and calls ``name()``, which must return an ``nn.Module``;
+  ``name`` may also be an ``nn.Module`` instance, used as it is. ``path/to/file.py:name``
+  loads that file as a module (its folder first on ``sys.path``, as ``python file.py`` does).
   Its input shape is guessed from its first convolution or linear layer (its input
   channels; 224 per spatial dimension for 2-D, 64 for 3-D, 1024 for 1-D) and checked
   by :func:`check_input` before any work; ``--input-shape`` / ``--image-size`` override it.
@@ -26,16 +28,19 @@ from __future__ import annotations
 import ast
 import importlib
 import importlib.util
+import inspect
 import os
 import re
 import sys
-from typing import Any, Callable, Dict, Optional, Tuple
+from types import ModuleType
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-__all__ = ["MNISTNet", "build_model", "parse_spec", "check_input", "guess_input_shape", "MODEL_DEFAULTS", "SOURCES"]
+__all__ = ["MNISTNet", "build_model", "check_spec", "parse_spec", "check_input", "guess_input_shape", "MODEL_DEFAULTS",
+           "SOURCES"]
 
 Shape = Tuple[int, ...]
 
@@ -162,9 +167,133 @@ GUESSED_SIZE = {1: 1024, 2: 224, 3: 64}
 
 
 def is_callable_spec(spec: str) -> bool:
-    """``True`` for ``module:callable`` (a module that is not a spec source, a colon, an identifier)."""
-    head, sep, name = spec.partition(":")
-    return bool(sep) and head not in SOURCES and name.isidentifier()
+    """``True`` for ``module:callable`` or ``path/file.py:callable`` (not a spec source, a colon, an identifier)."""
+    head, sep, name = spec.rpartition(":")
+    return bool(sep) and bool(head) and head not in SOURCES and name.isidentifier()
+
+
+def _is_file(head: str) -> bool:
+    return head.endswith(".py") or "/" in head or os.sep in head
+
+
+def _load_file(head: str, spec: str) -> ModuleType:
+    """``path/to/file.py`` as a module (named by its stem unless another module has that name)."""
+    path = os.path.abspath(os.path.expanduser(head))
+    if not os.path.isfile(path):
+        raise ValueError(f"{spec!r}: no Python file {head!r} (looked for {path})")
+    folder = os.path.dirname(path)
+    if folder not in sys.path:
+        sys.path.insert(0, folder)  # its own imports of its neighbours work, as with `python file.py`
+    name = os.path.splitext(os.path.basename(path))[0]
+    loaded = sys.modules.get(name)
+    if loaded is not None and os.path.abspath(getattr(loaded, "__file__", "") or "") == path:
+        return loaded
+    if loaded is not None or not name.isidentifier():
+        name = f"convbn_user_model_{abs(hash(path))}"
+    module_spec = importlib.util.spec_from_file_location(name, path)
+    if module_spec is None or module_spec.loader is None:
+        raise ValueError(f"{spec!r}: {head!r} cannot be loaded as a Python module")
+    module = importlib.util.module_from_spec(module_spec)
+    sys.modules[name] = module
+    try:
+        module_spec.loader.exec_module(module)
+    except Exception as exc:  # noqa: BLE001 - the user's file may raise anything while importing
+        del sys.modules[name]
+        detail = " ".join(f"{type(exc).__name__}: {exc}".split())
+        raise ImportError(f"cannot import {head!r} of {spec!r}: {detail}") from exc
+    return module
+
+
+def _load_module(head: str, spec: str) -> ModuleType:
+    """The module of a ``module:callable`` spec (a dotted name, the current folder first, or a file path)."""
+    if _is_file(head):
+        return _load_file(head, spec)
+    cwd = os.getcwd()
+    if "" not in sys.path and cwd not in sys.path:
+        # the installed `convbn` script does not put the current folder on sys.path; `python -m` does
+        sys.path.insert(0, cwd)
+    try:
+        return importlib.import_module(head)
+    except Exception as exc:  # noqa: BLE001 - the user's module may raise anything while importing
+        detail = " ".join(f"{type(exc).__name__}: {exc}".split())
+        raise ImportError(f"cannot import module {head!r} of {spec!r} (looked in {cwd} and sys.path): {detail}") from exc
+
+
+def builders_in(module: ModuleType, limit: int = 8) -> List[str]:
+    """Names in ``module`` that may build a model: its own public functions and ``nn.Module``
+    classes, and the ``nn.Module`` instances it holds (at most ``limit``)."""
+    names = []
+    for key, value in vars(module).items():
+        if key.startswith("_"):
+            continue
+        own = getattr(value, "__module__", None) == module.__name__
+        if isinstance(value, nn.Module) or (own and (inspect.isfunction(value) or (
+                inspect.isclass(value) and issubclass(value, nn.Module)))):
+            names.append(key)
+    return names[:limit]
+
+
+def _candidates_text(module: ModuleType) -> str:
+    names = builders_in(module)
+    return f"; candidates in it: {', '.join(names)}" if names else ""
+
+
+def _attribute(spec: str) -> Tuple[Any, ModuleType]:
+    """The object a ``module:callable`` spec names, and its module (an error naming the candidates if absent)."""
+    head, _, name = spec.rpartition(":")
+    module = _load_module(head, spec)
+    if not hasattr(module, name):
+        raise ValueError(f"{head!r} has no {name!r} (spec {spec!r} must be module:callable, a function or class "
+                         f"returning an nn.Module, or an nn.Module){_candidates_text(module)}")
+    obj = getattr(module, name)
+    if not isinstance(obj, nn.Module) and not callable(obj):
+        raise ValueError(f"{spec!r} names an object of type {type(obj).__name__}, not a function or class returning "
+                         f"an nn.Module, nor an nn.Module{_candidates_text(module)}")
+    return obj, module
+
+
+def _callable(spec: str) -> Tuple[nn.Module, Shape]:
+    obj, _ = _attribute(spec)
+    if isinstance(obj, nn.Module):
+        model = obj  # an instance: used as it is
+    else:
+        try:
+            model = obj()
+        except Exception as exc:  # noqa: BLE001 - the user's builder may raise anything
+            first = (str(exc).strip().splitlines() or [""])[0]
+            raise ValueError(f"building {spec} raised {type(exc).__name__}: {first} "
+                             "(--debug shows the traceback)") from exc
+    if not isinstance(model, nn.Module):
+        raise ValueError(f"{spec!r} returned {type(model).__name__}, expected an nn.Module")
+    shape = guess_input_shape(model)
+    if shape is None:
+        raise ValueError(f"{spec!r} has no convolution or linear layer, so convbn has nothing to fuse or fold in it")
+    return model, shape
+
+
+def _unknown(spec: str, source: str) -> ValueError:
+    """The error for a spec that names no known source: a bare module name says the form is module:callable."""
+    forms = (f"expected 'mnist', one of {sorted(_BUILDERS)} followed by ':NAME' (e.g. monai:resnet18), "
+             "or module:callable (a function or class of yours that returns an nn.Module)")
+    if source or not re.fullmatch(r"[A-Za-z_][\w.]*|.+\.py", spec.strip()):
+        return ValueError(f"unknown model source {source!r} in spec {spec!r}; {forms}")
+    head = spec.strip()
+    try:
+        module = _load_file(head, spec) if _is_file(head) else None
+        if module is None:
+            if "" not in sys.path and os.getcwd() not in sys.path:
+                sys.path.insert(0, os.getcwd())
+            if importlib.util.find_spec(head.split(".")[0]) is not None:
+                module = importlib.import_module(head)
+    except Exception:  # noqa: BLE001 - not importable: say what a spec looks like
+        module = None
+    if module is None:
+        return ValueError(f"unknown model {spec!r}: {forms}")
+    names = builders_in(module)
+    example = f"{head}:{names[0]}" if names else f"{head}:build"
+    listed = f" (candidates: {', '.join(names)})" if names else ""
+    return ValueError(f"{spec!r} is a module; a model spec is module:callable naming the function or class in it that "
+                      f"builds the model, e.g. {example}{listed}")
 
 
 def guess_input_shape(model: nn.Module) -> Optional[Shape]:
@@ -181,29 +310,6 @@ def guess_input_shape(model: nn.Module) -> Optional[Shape]:
         if isinstance(m, nn.Linear):
             return (m.in_features,)
     return None
-
-
-def _callable(spec: str) -> Tuple[nn.Module, Shape]:
-    head, _, name = spec.partition(":")
-    cwd = os.getcwd()
-    if "" not in sys.path and cwd not in sys.path:
-        # the installed `convbn` script does not put the current folder on sys.path; `python -m` does
-        sys.path.insert(0, cwd)
-    try:
-        module = importlib.import_module(head)
-    except Exception as exc:  # noqa: BLE001 - the user's module may raise anything while importing
-        detail = " ".join(f"{type(exc).__name__}: {exc}".split())
-        raise ImportError(f"cannot import module {head!r} of {spec!r} (looked in {cwd} and sys.path): {detail}") from exc
-    factory = getattr(module, name, None)
-    if not callable(factory):
-        raise ValueError(f"{head!r} has no callable {name!r} (spec {spec!r} must be module:callable)")
-    model = factory()
-    if not isinstance(model, nn.Module):
-        raise ValueError(f"{spec!r} returned {type(model).__name__}, expected an nn.Module")
-    shape = guess_input_shape(model)
-    if shape is None:
-        raise ValueError(f"{spec!r} has no convolution or linear layer, so convbn has nothing to fuse or fold in it")
-    return model, shape
 
 
 def check_input(model: nn.Module, x: Tensor, spec: str, hint: str = "pass --input-shape") -> None:
@@ -233,6 +339,49 @@ def check_input(model: nn.Module, x: Tensor, spec: str, hint: str = "pass --inpu
             m.training = training
 
 
+def _parse(spec: str) -> Tuple[str, str, Dict[str, Any]]:
+    """:func:`parse_spec`, with a spec that names no known source reported as :func:`_unknown` does."""
+    try:
+        source, name, kwargs = parse_spec(spec)
+    except ValueError:
+        if ":" not in spec:
+            raise _unknown(spec, "") from None
+        raise
+    if source != "mnist" and source not in _BUILDERS:
+        raise _unknown(spec, source)
+    if source == "mnist" and kwargs:
+        raise ValueError(f"'mnist' takes no arguments, but got {kwargs}")
+    return source, name, kwargs
+
+
+#: The module each spec source imports (and the package that installs it).
+_SOURCE_MODULES = {
+    "monai": ("monai.networks.nets", "monai"),
+    "efficientnet": ("efficientnet_pytorch", "efficientnet_pytorch"),
+    "torchvision": ("torchvision.models", "torchvision"),
+    "timm": ("timm", "timm"),
+}
+
+
+def check_spec(spec: str) -> None:
+    """The error :func:`build_model` would give for a malformed spec, a missing package, a missing
+    module or callable, found without building the model (so a command can fail before any work).
+
+    Raises:
+        ValueError: malformed spec, unknown source, no such callable.
+        ImportError: the package or module it needs does not import.
+    """
+    if is_callable_spec(spec):
+        _attribute(spec)
+        return
+    source, _, _ = _parse(spec)
+    if source in _SOURCE_MODULES:
+        try:
+            _import(*_SOURCE_MODULES[source])
+        except ImportError as exc:
+            raise ImportError(f"model spec {spec!r} could not be built: {exc}") from exc
+
+
 def build_model(spec: str) -> Tuple[nn.Module, Shape]:
     """Build the model named by ``spec``; returns ``(model, input_shape_without_batch)``.
 
@@ -241,21 +390,15 @@ def build_model(spec: str) -> Tuple[nn.Module, Shape]:
     A ``module:callable`` spec's shape is :func:`guess_input_shape`'s.
 
     Raises:
-        ValueError: malformed spec or unknown source/name.
+        ValueError: malformed spec, unknown source/name, or the user's builder raised (the
+            message gives its exception's type and first line).
         ImportError: the source's package does not import (the message names it and why).
     """
     if is_callable_spec(spec):
         return _callable(spec)
-    source, name, kwargs = parse_spec(spec)
+    source, name, kwargs = _parse(spec)
     if source == "mnist":
-        if kwargs:
-            raise ValueError(f"'mnist' takes no arguments, but got {kwargs}")
         return MNISTNet(), (1, 28, 28)
-    if source not in _BUILDERS:
-        raise ValueError(
-            f"unknown model source {source!r} in spec {spec!r}; expected 'mnist', one of "
-            f"{sorted(_BUILDERS)} followed by ':NAME', or module:callable"
-        )
     try:
         return _BUILDERS[source](name, kwargs)
     except ImportError as exc:  # the spec named beside the package it needs

@@ -3,30 +3,28 @@ from __future__ import annotations
 
 from typing import Any
 
+from convbn.extras import require
+
 __all__ = ["pyplot"]
 
 
-def pyplot(needed_by: str, remedy: str = "pip install matplotlib (or convbn[plot])") -> Any:
+def pyplot(needed_by: str, alternative: str = "", extra: str = "plot") -> Any:
     """``matplotlib.pyplot`` on the non-interactive Agg backend (PNG files, no display).
 
     Args:
         needed_by: what needs it, for the error (``"--plot"``, ``"the demo's plot"``).
-        remedy: how to get it (or do without it).
+        alternative: how to do without it, appended to the error (``" (or pass --no-plot)"``).
+        extra: the convbn extra the error names (``plot``; the demo's is ``demo``).
 
     Returns:
         The ``matplotlib.pyplot`` module.
 
     Raises:
-        ImportError: matplotlib is missing; the message says ``needed_by`` and ``remedy``.
+        ImportError: matplotlib is missing; the message says ``needed_by``, the extra and ``alternative``.
 
     Example:
         >>> plt = pyplot("--plot")  # doctest: +SKIP
     """
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError as exc:
-        raise ImportError(f"{needed_by} needs matplotlib: {remedy}") from exc
-    return plt
+    matplotlib = require("matplotlib", needed_by, extra, alternative)
+    matplotlib.use("Agg")
+    return require("matplotlib.pyplot", needed_by, extra, alternative)

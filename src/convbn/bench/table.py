@@ -1,8 +1,9 @@
 """Printing benchmark rows: one rich table / markdown table shape for every runner."""
 from __future__ import annotations
 
-import importlib
 from typing import Collection, List, Optional, Sequence
+
+from convbn.extras import require
 
 __all__ = ["print_rich_table", "markdown_table", "require_rich"]
 
@@ -16,12 +17,9 @@ def require_rich(needed_by: str) -> None:
         needed_by: what needs it, for the message.
 
     Raises:
-        ImportError: rich is not installed; the message names the package to install.
+        ImportError: rich is not installed; the message names the extra to install (``convbn[cli]``).
     """
-    try:
-        importlib.import_module("rich")
-    except ImportError as exc:
-        raise ImportError(f"{needed_by} needs rich: pip install rich (or convbn[cli])") from exc
+    require("rich", needed_by, "cli")
 
 
 def print_rich_table(

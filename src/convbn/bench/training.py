@@ -87,7 +87,7 @@ from torch.nn.modules.dropout import _DropoutNd
 from convbn.bench.checkpointing import CheckpointBlock, checkpoint_blocks, find_blocks
 from convbn.bench.common import DTYPES, add_output_arguments, first_tensor, projection_loss, short_error, timed_ms, write_outputs
 from convbn.bench.concat_checkpoint import NoConcatHead
-from convbn.bench.models import build_model, check_input
+from convbn.bench.models import build_model, check_input, check_spec
 from convbn.bench.plotting import pyplot
 from convbn.bench.training_configs import (
     CONCAT_CHECKPOINT,
@@ -419,13 +419,14 @@ def run_training_bench(
 
 def add_training_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add the training benchmark's options to ``parser`` (for ``convbn bench``)."""
-    from convbn.cli import batch_size, device_arg, fraction, non_negative_int, positive_float, positive_int
+    from convbn.cli import (batch_size, device_arg, existing_file, fraction, non_negative_int, output_path,
+                            positive_float, positive_int)
 
     parser.add_argument("--model", action="append", default=None, metavar="SPEC",
                         help="model spec, repeatable: mnist, monai:resnet18, 'monai:resnet50(spatial_dims=2)', "
                              "efficientnet:b0 ..., or module:callable (a function of yours returning the model) "
                              f"(default: {' '.join(DEFAULT_MODELS)})")
-    parser.add_argument("--checkpoint", default=None, metavar="PATH",
+    parser.add_argument("--checkpoint", type=existing_file, default=None, metavar="PATH",
                         help="load these weights (a state_dict or a checkpoint holding one) into the model "
                              "(one --model only)")
     parser.add_argument("--batch-size", type=batch_size, default=64, help="batch size")
@@ -450,7 +451,7 @@ def add_training_arguments(parser: argparse.ArgumentParser) -> argparse.Argument
     parser.add_argument("--threads", type=positive_int, default=None, help="torch.set_num_threads before running")
     parser.add_argument("--seed", type=int, default=0, help="seed of weights and inputs")
     add_output_arguments(parser, plot_help="write a saved-ratio vs time-ratio PNG")
-    parser.add_argument("--timeline", default=None, metavar="PATH",
+    parser.add_argument("--timeline", type=output_path, default=None, metavar="PATH",
                         help="also write a memory-timeline PNG of one step per configuration (convbn.bench.timeline)")
     return parser
 
@@ -480,11 +481,14 @@ def main_training(args: argparse.Namespace) -> int:
                           stacklevel=2)
     if args.compile_budget is not None and configs is not None and not {"compile", "convert+compile"} & set(configs):
         warnings.warn(f"--compile-budget is ignored: --configs {args.configs} has no compile configuration", stacklevel=2)
-    if args.plot:
-        pyplot("--plot")  # fail before the run, not after it
+    for flag, path in (("--plot", args.plot), ("--timeline", getattr(args, "timeline", None))):
+        if path:
+            pyplot(flag)  # fail before the run, not after it
+    specs = args.model or list(DEFAULT_MODELS)
+    for spec in specs:  # a bad spec fails before any model runs
+        check_spec(spec)
     if args.threads is not None:
         torch.set_num_threads(args.threads)
-    specs = args.model or list(DEFAULT_MODELS)
     loaded: Dict[str, Any] = {}
     if args.checkpoint is not None:
         if len(specs) != 1:
