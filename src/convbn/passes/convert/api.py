@@ -29,6 +29,7 @@ from ..graph.share_copy import share_copy
 from .match import find_layers, group_chains
 from ..report.outcome import bn_module_names, unreached
 from .pools import lean_pools
+from .recapture import Recapture, attach_guards
 from ..report.convert_report import ConvertReport
 from .rewrite import drop_hooked, rewrite_chains, swap_sync_batchnorm, watch_hooks
 from ..graph.trace import LayerTracer, short_reason, trace
@@ -50,6 +51,8 @@ class _Context:
     chain: bool
     report: ConvertReport
     lazy: bool = False
+    recaptures: int = 0  # how many times the modules converted now were captured again before
+    model_report: Optional[ConvertReport] = None  # the model's report, where ``report`` is a new part of it
     done: Set[int] = field(default_factory=set)  # modules converted already (shared modules: once)
 
     def mark(self) -> Tuple[int, int, int, int, int]:
@@ -115,11 +118,27 @@ def _rewrite(module: nn.Module, prefix: str, traced: Any, ctx: _Context) -> None
     inlined = _inlined_modules(module, out)
     fwd = install(module, out)
     fwd.inlined = inlined
+    # Note: [captured again when the model changes] in recapture.py
+    attach_guards(fwd, out, prefix, Recapture(ctx.model_report or report, prefix, ctx.mode, ctx.chain,
+                                              ctx.recaptures, _reconvert))
     if traced.mode_dependent:  # traced in one mode; the other runs the module's own forward
         fwd.modes = list(traced.modes)
     if ctx.lazy:
         fwd.pending = tolerance
         fwd.backward_check = check_step  # Note: [gradients checked on the first backward]
+
+
+def _reconvert(module: nn.Module, prefix: str, report: ConvertReport, model_report: ConvertReport,
+               strategy: str, chain: bool, count: int) -> None:
+    """Convert ``module`` (qualified name ``prefix``) again into ``report`` (a part of the
+    model's ``model_report``), as :func:`convert` without ``example_inputs`` does (Note:
+    [captured again when the model changes])."""
+    swap_sync_batchnorm(module, inplace=True)
+    ctx = _Context(strategy, chain, report, lazy=True, recaptures=count, model_report=model_report)
+    with StateSnapshot(module):
+        _convert(module, prefix, ctx)
+    forget_undo(module)
+    _dedupe(report)
 
 
 def _dedupe(report: ConvertReport) -> None:
