@@ -32,7 +32,7 @@ import enum
 import functools
 import operator
 import types
-from typing import Any, Iterable, List, Optional, Tuple
+from typing import Any, Callable, Iterable, List, Optional, Tuple
 
 import torch
 from torch import nn
@@ -43,7 +43,6 @@ __all__ = ["Guards", "plain_attributes"]
 _MODULE_KEYS = frozenset(nn.Module().__dict__) | {"forward", "_compiled_call_impl"}
 _PLAIN = (bool, int, float, complex, str, bytes, type(None), torch.dtype, torch.device, torch.layout,
           torch.memory_format, enum.Enum, type, types.FunctionType, types.BuiltinFunctionType, functools.partial)
-_IS_NONE = functools.partial(operator.is_, None)
 
 
 def _is_plain(value: Any) -> bool:
@@ -69,7 +68,8 @@ def plain_attributes(module: nn.Module) -> Tuple[str, ...]:
 class _Entry:
     """One guarded module: what it was when the graph was installed."""
 
-    __slots__ = ("module", "name", "cls", "keys", "values", "children", "nones")
+    __slots__ = ("module", "name", "cls", "keys", "values", "children", "none_params", "none_buffers",
+                 "params_get", "buffers_get", "get")
 
     def __init__(self, module: nn.Module, name: str, with_attributes: bool) -> None:
         d = module.__dict__
@@ -77,17 +77,27 @@ class _Entry:
         self.name = name
         self.cls = type(module)
         self.keys = plain_attributes(module) if with_attributes else ()
-        self.values = copy.deepcopy(tuple(d[k] for k in self.keys))  # lists copied: mutation in place counts
-        self.children = tuple(module._modules.items())
-        self.nones = _nones(module)
+        self.values: Any = copy.deepcopy(tuple(d[k] for k in self.keys))  # lists copied: mutation in place counts
+        self.children = dict(module._modules)
+        # parameters and buffers that are None stay None (a bias the trace left out); one C
+        # call reads them, and one reads every guarded attribute (a tuple, or the value for one key)
+        self.none_params = tuple(k for k, v in module._parameters.items() if v is None)
+        self.none_buffers = tuple(k for k, v in module._buffers.items() if v is None)
+        self.params_get = _getter(self.none_params)
+        self.buffers_get = _getter(self.none_buffers)
+        self.get = _getter(self.keys)
+        if len(self.keys) == 1:
+            self.values = self.values[0]
 
     def holds(self) -> bool:
         m = self.module
-        if type(m) is not self.cls or tuple(m._modules.items()) != self.children or _nones(m) != self.nones:
+        d = m.__dict__  # one attribute read; the rest are dictionary look-ups
+        if type(m) is not self.cls or d["_modules"] != self.children:
             return False
-        d = m.__dict__
         try:
-            return tuple([d[k] for k in self.keys]) == self.values
+            return ((self.params_get is None or _all_none(self.params_get(d["_parameters"])))
+                    and (self.buffers_get is None or _all_none(self.buffers_get(d["_buffers"])))
+                    and (self.get is None or bool(self.get(d) == self.values)))
         except KeyError:
             return False
 
@@ -97,16 +107,17 @@ class _Entry:
         where = f"{self.name} ({self.cls.__name__})" if self.name else self.cls.__name__
         if type(m) is not self.cls:
             return f"the class of {where} changed to {type(m).__name__}"
-        old = dict(self.children)
-        now = dict(m._modules)
+        old, now = self.children, dict(m._modules)
         for key in {**old, **now}:
             if old.get(key) is not now.get(key):
                 before = type(old[key]).__name__ if old.get(key) is not None else "nothing"
                 after = type(now[key]).__name__ if now.get(key) is not None else "nothing"
                 return f"{where}.{key} was replaced ({before} -> {after})"
-        if _nones(m) != self.nones:
-            return f"a parameter or buffer of {where} was set or removed"
-        for key, value in zip(self.keys, self.values):
+        for key in self.none_params + self.none_buffers:
+            if m._parameters.get(key) is not None or m._buffers.get(key) is not None:
+                return f"{where}.{key} was None and is set now"
+        values = self.values if len(self.keys) != 1 else (self.values,)
+        for key, value in zip(self.keys, values):
             if key not in m.__dict__:
                 return f"{where}.{key} was deleted"
             if not (m.__dict__[key] == value):
@@ -114,8 +125,12 @@ class _Entry:
         return f"{where} changed"
 
 
-def _nones(module: nn.Module) -> Tuple[bool, ...]:
-    return (*map(_IS_NONE, module._parameters.values()), *map(_IS_NONE, module._buffers.values()))
+def _getter(keys: Tuple[str, ...]) -> Optional[Callable[[Any], Any]]:
+    return operator.itemgetter(*keys) if keys else None
+
+
+def _all_none(got: Any) -> bool:
+    return got is None or (type(got) is tuple and all(v is None for v in got))
 
 
 class Guards:
