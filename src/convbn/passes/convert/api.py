@@ -29,7 +29,7 @@ from ..graph.share_copy import share_copy
 from .match import find_layers, group_chains
 from ..report.outcome import bn_module_names, unreached
 from .pools import lean_pools
-from .recapture import Recapture, attach_guards
+from .recapture import Recapture, attach_guards, refuse_flat_parameters
 from ..report.convert_report import ConvertReport
 from .rewrite import drop_hooked, rewrite_chains, swap_sync_batchnorm, watch_hooks
 from ..graph.trace import LayerTracer, short_reason, trace
@@ -133,6 +133,7 @@ def _reconvert(module: nn.Module, prefix: str, report: ConvertReport, model_repo
     """Convert ``module`` (qualified name ``prefix``) again into ``report`` (a part of the
     model's ``model_report``), as :func:`convert` without ``example_inputs`` does (Note:
     [captured again when the model changes])."""
+    refuse_flat_parameters(module)
     swap_sync_batchnorm(module, inplace=True)
     ctx = _Context(strategy, chain, report, lazy=True, recaptures=count, model_report=model_report)
     with StateSnapshot(module):
@@ -221,6 +222,7 @@ def _check_args(model: Any, strategy: str, memory_budget: Optional[float], examp
                 peak_budget: Optional[float] = None, memory_limit: Any = None) -> None:
     if not isinstance(model, nn.Module):
         raise TypeError(f"convert expects an nn.Module, but got {type(model).__name__}")
+    refuse_flat_parameters(model)
     check_strategy(strategy, CONVERT_STRATEGIES)
     if memory_limit is not None:
         parse_memory(memory_limit)  # TypeError / ValueError naming the value

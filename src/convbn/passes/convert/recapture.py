@@ -30,7 +30,7 @@ from ..graph.graph_module import GraphForward, installed, uninstall
 from ..report.convert_report import ConvertReport
 from ..report.outcome import bn_module_names, unreached
 
-__all__ = ["MAX_RECAPTURES", "Recapture", "attach_guards"]
+__all__ = ["MAX_RECAPTURES", "Recapture", "attach_guards", "refuse_flat_parameters"]
 
 #: how many times one module is captured again before its own forward runs for good
 MAX_RECAPTURES = 8
@@ -113,6 +113,25 @@ class Recapture:
         self.report.changes.append(message)
         warnings.warn(f"convbn: {message}", RuntimeWarning, stacklevel=4)
         return False
+
+
+def refuse_flat_parameters(model: nn.Module) -> None:
+    """Raise where FSDP1 (``FullyShardedDataParallel``) flattened ``model``'s parameters: the
+    modules' own weights are views it swaps in and out, which a fused chain cannot follow.
+
+    Raises:
+        TypeError: naming the flat parameter and FSDP2.
+    """
+    try:
+        from torch.distributed.fsdp import FlatParameter
+    except ImportError:  # a torch built without distributed
+        return
+    flat = next((n for n, p in model.named_parameters() if isinstance(p, FlatParameter)), None)
+    if flat is not None:
+        raise TypeError(
+            f"convbn cannot convert a model wrapped in FSDP1 (FullyShardedDataParallel): its parameter {flat!r} is "
+            "a FlatParameter whose views replace the modules' weights. Use FSDP2 instead "
+            "(torch.distributed.fsdp.fully_shard per block and on the root), before or after convert")
 
 
 def _remove_installed(owner: nn.Module) -> None:
