@@ -233,6 +233,31 @@ def test_no_change_no_recapture_no_warning() -> None:
     assert_fused(fast, pairs=3)
 
 
+class Counting(Net):
+    """A forward with a Python side effect: a call counter (not read by the computation)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def forward(self, x: Tensor) -> Tensor:
+        self.calls += 1
+        return super().forward(x)
+
+
+def test_the_checks_own_runs_are_no_change() -> None:
+    """The first-call and first-backward checks run the module's own forward, which bumps a
+    counter: that is not a change of the model, so nothing is captured again."""
+    torch.manual_seed(0)
+    eager = Counting().to(DT)
+    fast = convbn.convert(copy.deepcopy(eager))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for s in range(3):
+            same_step(eager, fast, s)
+    assert fast.convbn_report.changes == []
+
+
 def test_a_copy_follows_its_own_changes() -> None:
     """A deep copy's guards watch the copy's modules, not the original's."""
     eager, fast = twins()

@@ -68,13 +68,14 @@ def plain_attributes(module: nn.Module) -> Tuple[str, ...]:
 class _Entry:
     """One guarded module: what it was when the graph was installed."""
 
-    __slots__ = ("module", "name", "cls", "keys", "values", "children", "none_params", "none_buffers",
+    __slots__ = ("module", "name", "full", "cls", "keys", "values", "children", "none_params", "none_buffers",
                  "params_get", "buffers_get", "get")
 
     def __init__(self, module: nn.Module, name: str, with_attributes: bool) -> None:
         d = module.__dict__
         self.module = module
         self.name = name
+        self.full = with_attributes
         self.cls = type(module)
         self.keys = plain_attributes(module) if with_attributes else ()
         self.values: Any = copy.deepcopy(tuple(d[k] for k in self.keys))  # lists copied: mutation in place counts
@@ -171,6 +172,11 @@ class Guards:
             if not e.holds():
                 return e.describe()
         return None
+
+    def refresh(self) -> None:
+        """Take the model as it is now as what was assumed: after a check that ran the module's
+        own forward, whose Python side effects (a call counter) are not a change of the model."""
+        self.entries = [_Entry(e.module, e.name, e.full) for e in self.entries]
 
     def __len__(self) -> int:
         return len(self.entries)

@@ -207,7 +207,8 @@ class GraphForward:
             return self.original(*args, **kwargs)
         if self.pending is not None and not torch.compiler.is_compiling():
             tolerance, self.pending = self.pending, None
-            out = self._first_call(tolerance, args, kwargs)
+            with _guards_paused(self.owner):  # guards checked just before: the check's own runs change nothing
+                out = self._first_call(tolerance, args, kwargs)
         else:
             out = self.fn(self.owner, *args, **kwargs)
         if self.backward_check is not None and not self.fallback:
@@ -252,7 +253,7 @@ class GraphForward:
             try:
                 # a backward runs its hooks without grad mode; the buffers are swapped for copies:
                 # restoring them in place would bump versions this backward's nodes saved
-                with torch.enable_grad(), buffers_set_aside(owner), _chain_records_kept(owner):
+                with torch.enable_grad(), buffers_set_aside(owner), _chain_records_kept(owner), _guards_paused(owner):
                     result = run(owner, *sample)
             except Exception:  # noqa: BLE001 - the original fails on the sample: nothing to compare
                 return
@@ -357,6 +358,23 @@ def _hooked(owner: nn.Module) -> bool:
     """Whether a check calling ``owner``'s modules again would call hooks eager calls once:
     global module hooks, or hooks on a module under ``owner``."""
     return global_hooks() or any(hook_reason(m) for m in owner.modules() if m is not owner)
+
+
+@contextlib.contextmanager
+def _guards_paused(module: nn.Module) -> Iterator[None]:
+    """The guards of every forward installed under ``module`` set aside while a check runs the
+    module again, then renewed: the check's own runs (a call counter bumped by the module's own
+    forward) are no change of the model."""
+    paused = [(f, f.guards) for f in map(installed, module.modules()) if f is not None and f.guards is not None]
+    for f, _ in paused:
+        f.guards = None
+    try:
+        yield
+    finally:
+        for f, g in paused:
+            if f.guards is None and installed(f.owner) is f:
+                g.refresh()
+                f.guards = g
 
 
 @contextlib.contextmanager
