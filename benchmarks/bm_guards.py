@@ -9,7 +9,8 @@ torchvision's ResNet-50, batch 8, 224x224, CPU, float32, ``convbn.convert`` with
 * ``step``: median seconds of a later forward + backward;
 * ``guards``: microseconds per call for checking every installed forward's guards (the
   checks ``nn.Module.__call__`` runs before the graph), median of many repetitions; with
-  the number of modules guarded. Absent on a build without guards.
+  the number of modules guarded; and milliseconds to build them (part of ``convert``, once
+  per installed forward). Absent on a build without guards.
 
 Run on a checkout without guards (``PYTHONPATH=<that>/src``) for the "before" figures.
 
@@ -42,6 +43,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=3, help="later steps timed (median)")
     parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--no-steps", action="store_true", help="guards only: no training steps timed")
     args = parser.parse_args()
     tv = import_torchvision_without_fake_kernels()
     torch.manual_seed(0)
@@ -50,8 +52,8 @@ def main() -> None:
     t = time.perf_counter()
     fast = convbn.convert(model)
     t_convert = time.perf_counter() - t
-    t_first = step(fast, x)
-    later = statistics.median(step(fast, x) for _ in range(args.steps))
+    t_first = step(fast, x) if not args.no_steps else float("nan")
+    later = statistics.median(step(fast, x) for _ in range(args.steps)) if not args.no_steps else float("nan")
     forwards = [f for f in map(installed, fast.modules()) if f is not None]
     guards = [f.guards for f in forwards if getattr(f, "guards", None) is not None]
     print(f"ResNet-50 b{args.batch} 224x224 CPU, {torch.get_num_threads()} threads, "
@@ -72,6 +74,13 @@ def main() -> None:
         us = statistics.median(times)
         print(f"guards       {us:8.1f} us per call ({guarded} modules guarded; "
               f"{us * 1e-6 / later * 100:.4f} % of a step)")
+        builds = []
+        for _ in range(7):
+            t = time.perf_counter()
+            for g in guards:
+                g.refresh()  # records every guarded module again, as installing does
+            builds.append((time.perf_counter() - t) * 1e3)
+        print(f"guard build  {statistics.median(builds):8.2f} ms (once per installed forward, in convert)")
     else:
         print("guards       none (a build without guards)")
 
