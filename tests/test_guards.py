@@ -245,12 +245,14 @@ class Counting(Net):
         return super().forward(x)
 
 
-def test_the_checks_own_runs_are_no_change() -> None:
-    """The first-call and first-backward checks run the module's own forward, which bumps a
-    counter: that is not a change of the model, so nothing is captured again."""
+@pytest.mark.parametrize("example", [False, True], ids=["lazy", "example_inputs"])
+def test_the_checks_own_runs_are_no_change(example: bool) -> None:
+    """The checks (first call and first backward, or convert's own on ``example_inputs``) run
+    the module's own forward, which bumps a counter: that is not a change of the model, so
+    nothing is captured again."""
     torch.manual_seed(0)
     eager = Counting().to(DT)
-    fast = convbn.convert(copy.deepcopy(eager))
+    fast = convbn.convert(copy.deepcopy(eager), example_inputs=X if example else None)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         for s in range(3):

@@ -53,6 +53,7 @@ class _Context:
     lazy: bool = False
     recaptures: int = 0  # how many times the modules converted now were captured again before
     model_report: Optional[ConvertReport] = None  # the model's report, where ``report`` is a new part of it
+    to_guard: List[Tuple[Any, fx.GraphModule, str]] = field(default_factory=list)  # (forward, graph, prefix)
     done: Set[int] = field(default_factory=set)  # modules converted already (shared modules: once)
 
     def mark(self) -> Tuple[int, int, int, int, int]:
@@ -118,14 +119,23 @@ def _rewrite(module: nn.Module, prefix: str, traced: Any, ctx: _Context) -> None
     inlined = _inlined_modules(module, out)
     fwd = install(module, out)
     fwd.inlined = inlined
-    # Note: [captured again when the model changes] in recapture.py
-    attach_guards(fwd, out, prefix, Recapture(ctx.model_report or report, prefix, ctx.mode, ctx.chain,
-                                              ctx.recaptures, _reconvert))
+    ctx.to_guard.append((fwd, out, prefix))  # guarded once convert's own checks and planning are done
     if traced.mode_dependent:  # traced in one mode; the other runs the module's own forward
         fwd.modes = list(traced.modes)
     if ctx.lazy:
         fwd.pending = tolerance
         fwd.backward_check = check_step  # Note: [gradients checked on the first backward]
+
+
+def _arm_guards(ctx: _Context) -> None:
+    """Guard every forward this conversion installed and kept (Note: [captured again when the
+    model changes] in recapture.py), from the model as convert leaves it: the checks and
+    measurements before ran the model, and its own forward may have side effects."""
+    for fwd, gm, prefix in ctx.to_guard:
+        if installed(fwd.owner) is fwd:
+            attach_guards(fwd, gm, prefix, Recapture(ctx.model_report or ctx.report, prefix, ctx.mode, ctx.chain,
+                                                     ctx.recaptures, _reconvert))
+    ctx.to_guard.clear()
 
 
 def _reconvert(module: nn.Module, prefix: str, report: ConvertReport, model_report: ConvertReport,
@@ -140,6 +150,7 @@ def _reconvert(module: nn.Module, prefix: str, report: ConvertReport, model_repo
         _convert(module, prefix, ctx)
     forget_undo(module)
     _dedupe(report)
+    _arm_guards(ctx)
 
 
 def _dedupe(report: ConvertReport) -> None:
@@ -364,6 +375,7 @@ def convert(
                 report.eager_saved_bytes = measure_saved(work, inputs)
             report.saved_bytes = measure_saved(work, inputs)
     work.__dict__["convbn_report"] = report
+    _arm_guards(ctx)
     if not report.pairs:
         why = "; ".join([f"{s.batchnorm}: {s.reason}" for s in report.skipped[:3]]
                         + [f"{m or '<root>'} not traceable: {e}" for m, e in report.untraced[:2]])
