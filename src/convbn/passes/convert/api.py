@@ -31,6 +31,7 @@ from ..graph.scripted import reject_torchscript
 from .match import find_layers, group_chains
 from ..report.outcome import bn_module_names, unreached
 from .pools import lean_pools
+from .recapture import Recapture, attach_guards, refuse_flat_parameters
 from ..report.convert_report import ConvertReport
 from .rewrite import drop_hooked, rewrite_chains, swap_sync_batchnorm, watch_hooks
 from ..graph.trace import LayerTracer, short_reason, trace
@@ -52,6 +53,9 @@ class _Context:
     chain: bool
     report: ConvertReport
     lazy: bool = False
+    recaptures: int = 0  # how many times the modules converted now were captured again before
+    model_report: Optional[ConvertReport] = None  # the model's report, where ``report`` is a new part of it
+    to_guard: List[Tuple[Any, fx.GraphModule, str]] = field(default_factory=list)  # (forward, graph, prefix)
     done: Set[int] = field(default_factory=set)  # modules converted already (shared modules: once)
 
     def mark(self) -> Tuple[int, int, int, int, int]:
@@ -117,11 +121,38 @@ def _rewrite(module: nn.Module, prefix: str, traced: Any, ctx: _Context) -> None
     inlined = _inlined_modules(module, out)
     fwd = install(module, out)
     fwd.inlined = inlined
+    ctx.to_guard.append((fwd, out, prefix))  # guarded once convert's own checks and planning are done
     if traced.mode_dependent:  # traced in one mode; the other runs the module's own forward
         fwd.modes = list(traced.modes)
     if ctx.lazy:
         fwd.pending = tolerance
         fwd.backward_check = check_step  # Note: [gradients checked on the first backward]
+
+
+def _arm_guards(ctx: _Context) -> None:
+    """Guard every forward this conversion installed and kept (Note: [captured again when the
+    model changes] in recapture.py), from the model as convert leaves it: the checks and
+    measurements before ran the model, and its own forward may have side effects."""
+    for fwd, gm, prefix in ctx.to_guard:
+        if installed(fwd.owner) is fwd:
+            attach_guards(fwd, gm, prefix, Recapture(ctx.model_report or ctx.report, prefix, ctx.mode, ctx.chain,
+                                                     ctx.recaptures, _reconvert))
+    ctx.to_guard.clear()
+
+
+def _reconvert(module: nn.Module, prefix: str, report: ConvertReport, model_report: ConvertReport,
+               strategy: str, chain: bool, count: int) -> None:
+    """Convert ``module`` (qualified name ``prefix``) again into ``report`` (a part of the
+    model's ``model_report``), as :func:`convert` without ``example_inputs`` does (Note:
+    [captured again when the model changes])."""
+    refuse_flat_parameters(module)
+    swap_sync_batchnorm(module, inplace=True)
+    ctx = _Context(strategy, chain, report, lazy=True, recaptures=count, model_report=model_report)
+    with StateSnapshot(module):
+        _convert(module, prefix, ctx)
+    forget_undo(module)
+    _dedupe(report)
+    _arm_guards(ctx)
 
 
 def _dedupe(report: ConvertReport) -> None:
@@ -205,6 +236,7 @@ def _check_args(model: Any, strategy: str, memory_budget: Optional[float], examp
     if not isinstance(model, nn.Module):
         raise TypeError(f"convert expects an nn.Module, but got {type(model).__name__}")
     reject_torchscript(model, "convert")
+    refuse_flat_parameters(model)
     check_strategy(strategy, CONVERT_STRATEGIES)
     if memory_limit is not None:
         parse_memory(memory_limit)  # TypeError / ValueError naming the value
@@ -356,6 +388,7 @@ def _convert_model(model: nn.Module, strategy: str, memory_budget: Optional[floa
                 report.eager_saved_bytes = measure_saved(work, inputs)
             report.saved_bytes = measure_saved(work, inputs)
     work.__dict__["convbn_report"] = report
+    _arm_guards(ctx)
     if not report.pairs:
         why = "; ".join([f"{s.batchnorm}: {s.reason}" for s in report.skipped[:3]]
                         + [f"{m or '<root>'} not traceable: {e}" for m, e in report.untraced[:2]])

@@ -128,7 +128,12 @@ class GraphForward:
         self.backward_check: Optional[Callable[..., Any]] = None
         self.modes: Optional[List[Tuple[nn.Module, bool]]] = None
         self.inlined: List[nn.Module] = []
+        self.guards: Any = None  # what the trace assumed (check/guards.py), set by convert
+        self.on_change: Optional[Callable[["GraphForward", str], bool]] = None
         self.undo: Optional[List[Tuple[nn.Module, str, str, Any]]] = None
+
+    guards: Any = None  # (for instances pickled before these existed)
+    on_change: Optional[Callable[["GraphForward", str], bool]] = None
 
     # TorchScript (``torch.jit.script`` of a folded model) compiles a module's ``forward``
     # from its source: it reads these off the generated function (the guards above are
@@ -192,18 +197,36 @@ class GraphForward:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self.fallback:
             return self.original(*args, **kwargs)
+        if self.guards is not None and not torch.compiler.is_compiling():
+            what = self.guards.changed()
+            if what is not None:
+                return self._changed(what, args, kwargs)
         if self.modes is not None and any(m.training != t for m, t in self.modes):
             return self.original(*args, **kwargs)
         if self.inlined and any(hooks_of(m) for m in self.inlined):
             return self.original(*args, **kwargs)
         if self.pending is not None and not torch.compiler.is_compiling():
             tolerance, self.pending = self.pending, None
-            out = self._first_call(tolerance, args, kwargs)
+            with _guards_paused(self.owner):  # guards checked just before: the check's own runs change nothing
+                out = self._first_call(tolerance, args, kwargs)
         else:
             out = self.fn(self.owner, *args, **kwargs)
         if self.backward_check is not None and not self.fallback:
             self._check_on_backward(out, args, kwargs)
         return out
+
+    def _changed(self, what: str, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
+        """The model changed since the trace (Note: [what a rewrite assumes] in check/guards.py):
+        ``on_change`` captures ``owner`` again (and says so); without it, or where it cannot,
+        the module's own forward runs from now on."""
+        self.guards = None
+        if self.on_change is not None and self.on_change(self, what):
+            return self.owner.forward(*args, **kwargs)  # the new capture (hooks ran already)
+        if self.on_change is None:
+            warnings.warn(f"convbn: {what} after the rewrite; running the original (unfused) "
+                          f"{type(self.owner).__name__} forward from now on.", RuntimeWarning, stacklevel=3)
+        self.fallback = True
+        return self.original(*args, **kwargs)
 
     def _check_on_backward(self, out: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> None:
         """Note: [gradients checked on the first backward]."""
@@ -230,7 +253,8 @@ class GraphForward:
             try:
                 # a backward runs its hooks without grad mode; the buffers are swapped for copies:
                 # restoring them in place would bump versions this backward's nodes saved
-                with torch.enable_grad(), buffers_set_aside(owner), _chain_records_kept(owner), _unwrapped(self):
+                with torch.enable_grad(), buffers_set_aside(owner), _chain_records_kept(owner), _unwrapped(self), \
+                        _guards_paused(owner):
                     result = run(owner, *sample)
             except Exception:  # noqa: BLE001 - the original fails on the sample: nothing to compare
                 return
@@ -348,6 +372,23 @@ def _unwrapped(fwd: GraphForward) -> Iterator[None]:
         yield
     finally:
         fwd.owner.__dict__["forward"] = entry
+
+
+@contextlib.contextmanager
+def _guards_paused(module: nn.Module) -> Iterator[None]:
+    """The guards of every forward installed under ``module`` set aside while a check runs the
+    module again, then renewed: the check's own runs (a call counter bumped by the module's own
+    forward) are no change of the model."""
+    paused = [(f, f.guards) for f in map(installed, module.modules()) if f is not None and f.guards is not None]
+    for f, _ in paused:
+        f.guards = None
+    try:
+        yield
+    finally:
+        for f, g in paused:
+            if f.guards is None and installed(f.owner) is f:
+                g.refresh()
+                f.guards = g
 
 
 @contextlib.contextmanager

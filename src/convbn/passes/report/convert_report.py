@@ -90,6 +90,9 @@ class ConvertReport:
             the eager model's.
         lean_pools: max/average pooling calls that keep their indices instead of their input
             for backward: module names, or graph node names of functional calls.
+        changes: what changed in the model after ``convert`` (a module replaced, an attribute
+            set, a class swapped) and what runs since: the module captured again, or its own
+            forward.
     """
 
     pairs: List[FusedPair] = field(default_factory=list)
@@ -112,6 +115,7 @@ class ConvertReport:
     eager_fallback: bool = False
     shared_pieces: Dict[str, int] = field(default_factory=dict)
     lean_pools: List[str] = field(default_factory=list)
+    changes: List[str] = field(default_factory=list)
 
     @property
     def skipped(self) -> List[BNOutcome]:
@@ -176,4 +180,6 @@ class ConvertReport:
             lines.append(f"  not traced as a whole: {mod or '<root>'}: {err}")
         for mod in self.validated:
             lines.append(f"  validated against eager on example_inputs: {mod or '<root>'}")
+        for change in self.changes:
+            lines.append(f"  changed after convert: {change}")
         return "\n".join(lines)

@@ -1,0 +1,157 @@
+"""FSDP2 (``torch.distributed.fsdp.fully_shard``) and a converted model, 2 gloo processes.
+
+Each rank trains an eager twin and a converted model, both sharded per block and at the
+root, on its own batch: outputs, the sharded gradients (gathered) and the BatchNorms'
+running statistics must match eager FSDP2, with the fused chains running. Both orders:
+``convert`` then ``fully_shard`` (the class swap and FSDP's hooks make convert capture the
+model again for what it is now), and ``fully_shard`` then ``convert()`` with default
+arguments. FSDP1 (``FullyShardedDataParallel``) is refused with a message naming FSDP2.
+"""
+from __future__ import annotations
+
+import copy
+import warnings
+from typing import Any, Dict, List
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+import convbn
+
+if not dist.is_available() or not dist.is_gloo_available():
+    pytest.skip("torch.distributed with the gloo backend is not available", allow_module_level=True)
+fsdp = pytest.importorskip("torch.distributed.fsdp")
+if not hasattr(fsdp, "fully_shard"):
+    pytest.skip("this torch has no FSDP2 (fully_shard)", allow_module_level=True)
+
+from convbn.bench.launch import launch_workers  # noqa: E402
+
+WORLD = 2
+TIMEOUT = 240.0
+TOL = dict(rtol=1e-9, atol=1e-10)
+
+
+class Block(nn.Module):
+    def __init__(self, c: int) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(c, c, 3, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm2d(c)
+        self.conv2 = nn.Conv2d(c, c, 3, padding=1, bias=False)
+        self.bn2 = nn.BatchNorm2d(c)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.relu(x + self.bn2(self.conv2(F.relu(self.bn1(self.conv1(x))))))
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3, padding=1, bias=False)
+        self.bn = nn.BatchNorm2d(4)
+        self.blocks = nn.Sequential(Block(4), Block(4))
+        self.head = nn.Linear(4, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.head(self.blocks(F.relu(self.bn(self.conv(x)))).mean((2, 3)))
+
+
+def shard(model: nn.Module) -> nn.Module:
+    for block in model.blocks:
+        fsdp.fully_shard(block)
+    fsdp.fully_shard(model)
+    return model
+
+
+def train(model: nn.Module, xs: List[Tensor]) -> Dict[str, Any]:
+    outs, grads = [], []
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for x in xs:
+        opt.zero_grad(set_to_none=True)
+        y = model(x)
+        y.square().mean().backward()
+        outs.append(y.detach())
+        grads.append({n: p.grad.full_tensor() for n, p in model.named_parameters()})
+        opt.step()
+    chains = _chain_calls(y)
+    return dict(outs=outs, grads=grads, chains=chains,
+                buffers={n: b.detach().clone() for n, b in model.named_buffers()})
+
+
+def _chain_calls(y: Tensor) -> int:
+    found, seen, stack = 0, {}, [y.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen[id(node)] = node
+        found += type(node).__name__ == "ChainFunctionBackward"
+        stack.extend(n for n, _ in node.next_functions)
+    return found
+
+
+def _fsdp2_worker(rank: int, world: int, order: str) -> Dict[str, Any]:
+    torch.manual_seed(0)
+    base = Net().double()
+    xs = [torch.randn(4, 3, 6, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(10 * rank + s))
+          for s in range(3)]
+    eager = train(shard(copy.deepcopy(base)), xs)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        if order == "convert-then-shard":
+            model = shard(convbn.convert(copy.deepcopy(base)))
+        else:
+            model = convbn.convert(shard(copy.deepcopy(base)), inplace=True)
+        fast = train(model, xs)
+    report = model.convbn_report
+    return dict(eager=eager, fast=fast, messages=[str(w.message) for w in caught], report=str(report),
+                pairs=len(report.pairs))
+
+
+@pytest.mark.expect_unfused("the chains run in the worker processes, checked there by counting their autograd nodes")
+@pytest.mark.parametrize("order", ["convert-then-shard", "shard-then-convert-inplace"])
+def test_fsdp2_matches_eager_fsdp2_fused(order: str) -> None:
+    ranks = launch_workers(_fsdp2_worker, WORLD, order, timeout=TIMEOUT)
+    for rank, r in enumerate(ranks):
+        e, f = r["eager"], r["fast"]
+        for s, (ye, yf) in enumerate(zip(e["outs"], f["outs"])):
+            torch.testing.assert_close(yf, ye, **TOL, msg=lambda m: f"rank {rank} step {s} output: {m}")
+        for s, (ge, gf) in enumerate(zip(e["grads"], f["grads"])):
+            assert ge.keys() == gf.keys()
+            for n in ge:
+                torch.testing.assert_close(gf[n], ge[n], **TOL, msg=lambda m: f"rank {rank} step {s} grad {n}: {m}")
+        for n in e["buffers"]:
+            torch.testing.assert_close(f["buffers"][n], e["buffers"][n], rtol=1e-9, atol=1e-10,
+                                       msg=lambda m: f"rank {rank} buffer {n}: {m}")
+        assert r["pairs"] == 5, r["report"]
+        assert f["chains"] >= 3, (f["chains"], r["report"], r["messages"])  # stem and one per block at least
+
+
+def _refusals_worker(rank: int, world: int) -> Dict[str, str]:
+    torch.manual_seed(0)
+    out = {}
+    sharded = shard(Net().double())
+    try:
+        convbn.convert(sharded)
+    except ValueError as exc:
+        out["fsdp2-copy"] = str(exc)
+    fsdp1 = fsdp.FullyShardedDataParallel(Net().double(), device_id=torch.device("cpu"))
+    before = {n: p.detach().clone() for n, p in fsdp1.named_parameters()}
+    try:
+        convbn.convert(fsdp1, inplace=True)
+    except (TypeError, ValueError) as exc:
+        out["fsdp1"] = f"{type(exc).__name__}: {exc}"
+    out["fsdp1-untouched"] = str(all(torch.equal(p, before[n]) for n, p in fsdp1.named_parameters())
+                                 and "forward" not in vars(fsdp1))
+    return out
+
+
+@pytest.mark.expect_unfused("nothing is converted: both calls are refused")
+def test_copy_of_a_sharded_model_and_fsdp1_are_refused_clearly() -> None:
+    ranks = launch_workers(_refusals_worker, WORLD, timeout=TIMEOUT)
+    for r in ranks:
+        assert "convbn.convert(model, inplace=True)" in r.get("fsdp2-copy", ""), r
+        assert "FSDP2" in r.get("fsdp1", "") and "fully_shard" in r["fsdp1"], r
+        assert r["fsdp1-untouched"] == "True", r
