@@ -114,6 +114,7 @@ def _rewrite(module: nn.Module, prefix: str, traced: Any, ctx: _Context) -> None
     watch_hooks(out, chains, before)
     inlined = _inlined_modules(module, out)
     fwd = install(module, out)
+    fwd.defaults = traced.defaults if traced.defaults.names else None  # guard: calls keep them
     fwd.inlined = inlined
     if traced.mode_dependent:  # traced in one mode; the other runs the module's own forward
         fwd.modes = list(traced.modes)

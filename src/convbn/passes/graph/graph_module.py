@@ -130,6 +130,11 @@ class GraphForward:
         self.inlined: List[nn.Module] = []
         self.undo: Optional[List[Tuple[nn.Module, str, str, Any]]] = None
 
+    #: arguments traced at their default (``specialize.Defaults``): other values run :meth:`original`
+    defaults: Any = None
+    #: whether the one-time message about a call off the traced defaults was given
+    warned_defaults = False
+
     # TorchScript (``torch.jit.script`` of a folded model) compiles a module's ``forward``
     # from its source: it reads these off the generated function (the guards above are
     # Python-only; a scripted module runs the graph).
@@ -192,6 +197,8 @@ class GraphForward:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self.fallback:
             return self.original(*args, **kwargs)
+        if self.defaults is not None and not self.defaults.hold(args, kwargs):
+            return self._off_defaults(args, kwargs)
         if self.modes is not None and any(m.training != t for m, t in self.modes):
             return self.original(*args, **kwargs)
         if self.inlined and any(hooks_of(m) for m in self.inlined):
@@ -204,6 +211,20 @@ class GraphForward:
         if self.backward_check is not None and not self.fallback:
             self._check_on_backward(out, args, kwargs)
         return out
+
+    def _off_defaults(self, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
+        """A call that passes an argument the trace took at its default: the module's own forward
+        (the graph holds only the default's branch), with a one-time message."""
+        if not self.warned_defaults and not torch.compiler.is_compiling():
+            self.warned_defaults = True
+            warnings.warn(
+                f"convbn: {type(self.owner).__name__} was rewritten for calls that leave "
+                f"{self.defaults.differing(args, kwargs)} at its default; calls that pass another value run "
+                "its original (unfused) forward.",
+                RuntimeWarning,
+                stacklevel=4,
+            )
+        return self.original(*args, **kwargs)
 
     def _check_on_backward(self, out: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> None:
         """Note: [gradients checked on the first backward]."""

@@ -53,6 +53,7 @@ from ...nn.fused import _FusedConvBNNd
 from ..bn.frozen import frozen_bn_ranks, holds_frozen_bn_tensors, recognise_frozen_norm_act
 from ..bn.recognise import NormActBody, recognise_norm_act
 from .hooks import hook_reason
+from .specialize import Defaults, constant_defaults
 from .layers import LAYER_MODULES, has_standard_forward
 from .trace_hazards import FunctionCall, _answer_could_differ, _tensor_valued, opaque_functions
 
@@ -350,6 +351,8 @@ class Traced:
         wrapped: helper functions recorded as single calls (their trace failed inside).
         mode_dependent: the graph differs when traced with ``training`` flipped.
         modes: every module's ``training`` flag when traced.
+        defaults: arguments traced at their default value (:mod:`.specialize`): the
+            rewritten forward applies only to calls that keep them.
     """
 
     gm: fx.GraphModule
@@ -360,6 +363,7 @@ class Traced:
     wrapped: List[str] = field(default_factory=list)
     mode_dependent: bool = False
     modes: List[Tuple[nn.Module, bool]] = field(default_factory=list, repr=False)
+    defaults: Defaults = field(default_factory=lambda: Defaults((), (), ()))
 
     def descend(self) -> Dict[str, str]:
         """Leaves the caller should work inside on their own (opaque and hooked), outermost first."""
@@ -414,16 +418,18 @@ def trace(module: nn.Module, tracer_cls: Type[fx.Tracer] = fx.Tracer, *, leaves:
 
 def _trace(module: nn.Module, tracer_cls: Type[fx.Tracer], leaves: Sequence[str]) -> Traced:
     wrapped: List[Callable[..., Any]] = []
+    defaults = constant_defaults(module)
     for _ in range(16):
         tracer = _partial_class(tracer_cls)(leaves=leaves, wrapped=wrapped)
         try:
-            graph = tracer.trace(module)
+            graph = tracer.trace(module, defaults.concrete_args())
             break
         except _Retrace as again:
             wrapped.append(again.fn)
     else:  # pragma: no cover - 16 nested helpers failing one after the other
         raise RuntimeError(f"tracing {type(module).__name__} kept failing in helper functions {wrapped}")
     graph._tracer_cls = tracer_cls  # picklable (torch.save re-traces the generated code with it)
+    defaults.strip_asserts(graph)
     graph.lint()
     resolve_string_annotations(graph, module)
     gm = fx.GraphModule(tracer.root, graph, type(module).__name__)
@@ -431,18 +437,20 @@ def _trace(module: nn.Module, tracer_cls: Type[fx.Tracer], leaves: Sequence[str]
     opaque.update({k: "asked to be a leaf" for k in leaves})
     traced = Traced(gm, graph, opaque, dict(tracer.hooked), dict(tracer.norm_act), [getattr(f, "__qualname__", repr(f)) for f in wrapped])
     traced.modes = [(m, m.training) for m in module.modules()]
-    traced.mode_dependent = _mode_dependent(module, tracer_cls, leaves, wrapped, gm.code)
+    traced.defaults = defaults
+    traced.mode_dependent = _mode_dependent(module, tracer_cls, leaves, wrapped, gm.code, defaults)
     return traced
 
 
 def _mode_dependent(module: nn.Module, tracer_cls: Type[fx.Tracer], leaves: Sequence[str],
-                    wrapped: Sequence[Callable[..., Any]], code: str) -> bool:
+                    wrapped: Sequence[Callable[..., Any]], code: str, defaults: Defaults) -> bool:
     modes = [(m, m.training) for m in module.modules()]
     try:
         for m, t in modes:
             m.training = not t
         tracer = _partial_class(tracer_cls)(leaves=leaves, wrapped=wrapped)
-        graph = tracer.trace(module)
+        graph = tracer.trace(module, defaults.concrete_args())
+        defaults.strip_asserts(graph)
         resolve_string_annotations(graph, module)
         other = fx.GraphModule(tracer.root, graph).code
     except Exception:  # noqa: BLE001 - the other mode does not even trace: surely dependent
