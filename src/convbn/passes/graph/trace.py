@@ -52,6 +52,7 @@ from ...nn.chain import FusedChain
 from ...nn.fused import _FusedConvBNNd
 from ..bn.frozen import frozen_bn_ranks, holds_frozen_bn_tensors, recognise_frozen_norm_act
 from ..bn.recognise import NormActBody, recognise_norm_act
+from .grad_regions import recording_grad_modes
 from .hooks import hook_reason
 from .specialize import Defaults, constant_defaults
 from .layers import LAYER_MODULES, has_standard_forward
@@ -295,7 +296,7 @@ class _PartialTracing:
         original = torch.jit.isinstance
         torch.jit.isinstance = _patched_jit_isinstance(original)  # type: ignore[assignment]
         try:
-            with opaque_functions():
+            with opaque_functions(), recording_grad_modes(self):  # type: ignore[arg-type]
                 return super().trace(root, concrete_args)  # type: ignore[misc]
         finally:
             torch.jit.isinstance = original  # type: ignore[assignment]
