@@ -74,7 +74,17 @@ def check_step(module: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any])
         slack = float64_slack(module, run64, ref[:3])
         if slack is not None:
             result = compare_outputs(ref[:3], new[:3], tolerance, slack=slack, relative=True)
+    if not result.ok:
+        result = Comparison(False, result.max_abs_diff, result.allowed, f"{_what_differs(ref, new)}: {result.describe()}")
     return result
+
+
+def _what_differs(ref: Tuple[Any, ...], new: Tuple[Any, ...]) -> str:
+    """Which of a step's results differ, in words (outputs, gradients, buffers)."""
+    parts = [what for what, i in (("outputs", 0), ("gradients", 1),
+                                  ("buffers (running statistics / num_batches_tracked)", 2))
+             if not compare_outputs(ref[i], new[i], tolerance, relative=True).ok]
+    return " and ".join(parts) + " differ" if parts else "the step differs"
 
 
 def called_inputs(module: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any]

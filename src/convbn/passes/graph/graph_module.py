@@ -258,11 +258,11 @@ class GraphForward:
             if not result.ok:
                 self.fallback = True
                 warnings.warn(
-                    f"convbn: the rewritten {type(owner).__name__}'s gradients differ from the original's on its "
-                    f"first backward ({result.describe()}; one training step of each on the first samples of "
-                    "the batch); this step's gradients come from the rewrite, and the original (unfused) forward "
-                    "runs from the next call. Pass example_inputs=... to convert to validate (and convert "
-                    "finer) up front.",
+                    f"convbn: the rewritten {type(owner).__name__}'s training step differs from the original's on "
+                    f"its first backward ({result.describe()}; one training step of each on the first samples of "
+                    "the batch); this step's outputs, gradients and buffer updates come from the rewrite, and the "
+                    "original (unfused) forward runs from the next call. Pass example_inputs=... to convert to "
+                    "validate (and convert finer) up front.",
                     RuntimeWarning,
                     stacklevel=2,
                 )

@@ -52,6 +52,7 @@ from ...nn.chain import FusedChain
 from ...nn.fused import _FusedConvBNNd
 from ..bn.frozen import frozen_bn_ranks, holds_frozen_bn_tensors, recognise_frozen_norm_act
 from ..bn.recognise import NormActBody, recognise_norm_act
+from .checkpoint_calls import checkpointed_modules, keep_checkpoint_calls
 from .grad_regions import recording_grad_modes
 from .hooks import hook_reason
 from .specialize import Defaults, constant_defaults
@@ -190,6 +191,7 @@ class _PartialTracing:
         if wrapped:
             kwargs["autowrap_functions"] = tuple(wrapped)
         super().__init__(*args, **kwargs)  # type: ignore[call-arg]
+        keep_checkpoint_calls(self)  # torch.utils.checkpoint stays a call (graph/checkpoint_calls.py)
         self.opaque: Dict[str, str] = {name: "asked to be a leaf" for name in leaves}
         self.hooked: Dict[str, str] = {}
         self._param_cache: Optional[Dict[str, Any]] = None
@@ -431,11 +433,14 @@ def _trace(module: nn.Module, tracer_cls: Type[fx.Tracer], leaves: Sequence[str]
         raise RuntimeError(f"tracing {type(module).__name__} kept failing in helper functions {wrapped}")
     graph._tracer_cls = tracer_cls  # picklable (torch.save re-traces the generated code with it)
     defaults.strip_asserts(graph)
+    checkpointed = checkpointed_modules(graph, module)  # before any code is generated from the graph
     graph.lint()
     resolve_string_annotations(graph, module)
     gm = fx.GraphModule(tracer.root, graph, type(module).__name__)
     opaque = {k: v for k, v in tracer.opaque.items() if k not in leaves or v != "asked to be a leaf"}
     opaque.update({k: "asked to be a leaf" for k in leaves})
+    for name, why in checkpointed.items():  # worked on inside the checkpoint
+        opaque.setdefault(name, why)
     traced = Traced(gm, graph, opaque, dict(tracer.hooked), dict(tracer.norm_act), [getattr(f, "__qualname__", repr(f)) for f in wrapped])
     traced.modes = [(m, m.training) for m in module.modules()]
     traced.defaults = defaults
@@ -452,6 +457,7 @@ def _mode_dependent(module: nn.Module, tracer_cls: Type[fx.Tracer], leaves: Sequ
         tracer = _partial_class(tracer_cls)(leaves=leaves, wrapped=wrapped)
         graph = tracer.trace(module, defaults.concrete_args())
         defaults.strip_asserts(graph)
+        checkpointed_modules(graph, module)
         resolve_string_annotations(graph, module)
         other = fx.GraphModule(tracer.root, graph).code
     except Exception:  # noqa: BLE001 - the other mode does not even trace: surely dependent
