@@ -78,7 +78,7 @@ def fold_module(module: nn.Module, prefix: str, ctx: FoldContext, done: Set[int]
     changed = folder.changed
     if changed:
         fwd = install(module, gm, register_new=True)
-        fwd.defaults = traced.defaults if traced.defaults.names else None  # guard: calls keep them
+        fwd.defaults = traced.guard()  # the calls the graph applies to (defaults kept, traced shapes)
         _neutralise_folded(module, gm, prefix, ctx.report.outcomes[mark:], fwd)
     for target, why in traced.descend().items():
         if target in traced.opaque:

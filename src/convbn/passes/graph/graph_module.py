@@ -130,7 +130,8 @@ class GraphForward:
         self.inlined: List[nn.Module] = []
         self.undo: Optional[List[Tuple[nn.Module, str, str, Any]]] = None
 
-    #: arguments traced at their default (``specialize.Defaults``): other values run :meth:`original`
+    #: what the trace assumed of a call (arguments at their default: ``specialize.Defaults``; input
+    #: shapes: ``shape_capture.ShapeGuard``), ``hold(args, kwargs)``: other calls run :meth:`original`
     defaults: Any = None
     #: whether the one-time message about a call off the traced defaults was given
     warned_defaults = False
@@ -213,14 +214,14 @@ class GraphForward:
         return out
 
     def _off_defaults(self, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
-        """A call that passes an argument the trace took at its default: the module's own forward
-        (the graph holds only the default's branch), with a one-time message."""
+        """A call unlike the traced one (an argument off its default, other input shapes): the
+        module's own forward (the graph holds only the traced branch), with a one-time message."""
         if not self.warned_defaults and not torch.compiler.is_compiling():
             self.warned_defaults = True
             warnings.warn(
-                f"convbn: {type(self.owner).__name__} was rewritten for calls that leave "
-                f"{self.defaults.differing(args, kwargs)} at its default; calls that pass another value run "
-                "its original (unfused) forward.",
+                f"convbn: the rewritten {type(self.owner).__name__} applies to calls like the one it was traced "
+                f"for; this call changes {self.defaults.differing(args, kwargs)}, and such calls run its original "
+                "(unfused) forward.",
                 RuntimeWarning,
                 stacklevel=4,
             )

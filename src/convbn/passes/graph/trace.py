@@ -55,6 +55,7 @@ from ..bn.recognise import NormActBody, recognise_norm_act
 from .checkpoint_calls import checkpointed_modules, keep_checkpoint_calls
 from .grad_regions import recording_grad_modes
 from .hooks import hook_reason
+from .shape_capture import Guards, ShapeGuard, ShapeTracing
 from .specialize import Defaults, constant_defaults
 from .layers import LAYER_MODULES, has_standard_forward
 from .trace_hazards import FunctionCall, _answer_could_differ, _tensor_valued, opaque_functions
@@ -332,7 +333,7 @@ def _plain_function_of(exc: BaseException) -> Optional[Callable[..., Any]]:
     return found
 
 
-_PARTIAL_CLASSES: Dict[type, type] = {}
+_PARTIAL_CLASSES: Dict[Any, type] = {}
 
 
 def _partial_class(tracer_cls: Type[fx.Tracer]) -> type:
@@ -356,6 +357,10 @@ class Traced:
         modes: every module's ``training`` flag when traced.
         defaults: arguments traced at their default value (:mod:`.specialize`): the
             rewritten forward applies only to calls that keep them.
+        shapes: for a trace with real shapes (:mod:`.shape_capture`), the input shapes it
+            assumed; ``None`` for a symbolic trace.
+
+    Method ``guard()``: what a call must satisfy for the graph to apply (``None``: anything).
     """
 
     gm: fx.GraphModule
@@ -367,6 +372,12 @@ class Traced:
     mode_dependent: bool = False
     modes: List[Tuple[nn.Module, bool]] = field(default_factory=list, repr=False)
     defaults: Defaults = field(default_factory=lambda: Defaults((), (), ()))
+    shapes: Optional[ShapeGuard] = None
+
+    def guard(self) -> Any:
+        """The guard of calls the graph applies to (``hold(args, kwargs)``), or ``None``."""
+        guards = [g for g in (self.defaults if self.defaults.names else None, self.shapes) if g is not None]
+        return None if not guards else guards[0] if len(guards) == 1 else Guards(guards)
 
     def descend(self) -> Dict[str, str]:
         """Leaves the caller should work inside on their own (opaque and hooked), outermost first."""
@@ -380,7 +391,7 @@ class Traced:
 
 
 def trace(module: nn.Module, tracer_cls: Type[fx.Tracer] = fx.Tracer, *, leaves: Sequence[str] = (),
-          training: Optional[bool] = None) -> Traced:
+          training: Optional[bool] = None, example: Optional[Tuple[Tuple[Any, ...], Dict[str, Any]]] = None) -> Traced:
     """Trace ``module`` with ``tracer_cls``'s leaf policy plus partial tracing and hazard checks.
 
     A failure inside a module-level helper function (not a module) restarts the trace with
@@ -396,6 +407,8 @@ def trace(module: nn.Module, tracer_cls: Type[fx.Tracer] = fx.Tracer, *, leaves:
         leaves: qualified names of submodules to keep as leaves regardless.
         training: trace as if ``module.train(training)`` had been called (flags restored
             afterwards); ``None`` traces the modes as they are.
+        example: ``(args, kwargs)`` ``module`` runs on: trace with their real shapes
+            (:mod:`.shape_capture`), the result guarded on them (:attr:`Traced.shapes`).
 
     Returns:
         A :class:`Traced`.
@@ -413,17 +426,28 @@ def trace(module: nn.Module, tracer_cls: Type[fx.Tracer] = fx.Tracer, *, leaves:
     if training is not None and module.training != training:
         module.train(training)
     try:
-        return _trace(module, tracer_cls, leaves)
+        return _trace(module, tracer_cls, leaves, example)
     finally:
         for m, t in flags:
             m.training = t
 
 
-def _trace(module: nn.Module, tracer_cls: Type[fx.Tracer], leaves: Sequence[str]) -> Traced:
+def _tracer(tracer_cls: Type[fx.Tracer], leaves: Sequence[str], wrapped: Sequence[Callable[..., Any]],
+            example: Optional[Tuple[Tuple[Any, ...], Dict[str, Any]]]) -> Any:
+    if example is None:
+        return _partial_class(tracer_cls)(leaves=leaves, wrapped=wrapped)
+    key = (ShapeTracing, tracer_cls)
+    if key not in _PARTIAL_CLASSES:
+        _PARTIAL_CLASSES[key] = type(f"Shaped{tracer_cls.__name__}", (ShapeTracing, _partial_class(tracer_cls)), {})
+    return _PARTIAL_CLASSES[key](leaves=leaves, wrapped=wrapped, example=example)
+
+
+def _trace(module: nn.Module, tracer_cls: Type[fx.Tracer], leaves: Sequence[str],
+           example: Optional[Tuple[Tuple[Any, ...], Dict[str, Any]]] = None) -> Traced:
     wrapped: List[Callable[..., Any]] = []
     defaults = constant_defaults(module)
     for _ in range(16):
-        tracer = _partial_class(tracer_cls)(leaves=leaves, wrapped=wrapped)
+        tracer = _tracer(tracer_cls, leaves, wrapped, example)
         try:
             graph = tracer.trace(module, defaults.concrete_args())
             break
@@ -444,17 +468,19 @@ def _trace(module: nn.Module, tracer_cls: Type[fx.Tracer], leaves: Sequence[str]
     traced = Traced(gm, graph, opaque, dict(tracer.hooked), dict(tracer.norm_act), [getattr(f, "__qualname__", repr(f)) for f in wrapped])
     traced.modes = [(m, m.training) for m in module.modules()]
     traced.defaults = defaults
-    traced.mode_dependent = _mode_dependent(module, tracer_cls, leaves, wrapped, gm.code, defaults)
+    traced.shapes = ShapeGuard(*example) if example is not None else None
+    traced.mode_dependent = _mode_dependent(module, tracer_cls, leaves, wrapped, gm.code, defaults, example)
     return traced
 
 
 def _mode_dependent(module: nn.Module, tracer_cls: Type[fx.Tracer], leaves: Sequence[str],
-                    wrapped: Sequence[Callable[..., Any]], code: str, defaults: Defaults) -> bool:
+                    wrapped: Sequence[Callable[..., Any]], code: str, defaults: Defaults,
+                    example: Optional[Tuple[Tuple[Any, ...], Dict[str, Any]]] = None) -> bool:
     modes = [(m, m.training) for m in module.modules()]
     try:
         for m, t in modes:
             m.training = not t
-        tracer = _partial_class(tracer_cls)(leaves=leaves, wrapped=wrapped)
+        tracer = _tracer(tracer_cls, leaves, wrapped, example)
         graph = tracer.trace(module, defaults.concrete_args())
         defaults.strip_asserts(graph)
         checkpointed_modules(graph, module)
