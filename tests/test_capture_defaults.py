@@ -86,3 +86,26 @@ def test_fold_traces_the_default_branch():
         mask = torch.rand(4, 8, 6, 6, dtype=torch.float64)
         with pytest.warns(RuntimeWarning, match="attention_mask"):
             torch.testing.assert_close(folded(x_(2), mask), eager(x_(2), mask), **TOL)
+
+
+class Residual(nn.Module):
+    """An optional argument the code uses as a value: traced symbolically, as before."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv, self.bn = nn.Conv2d(3, 3, 3, padding=1), nn.BatchNorm2d(3)
+
+    def forward(self, h, residual=None):
+        return torch.relu(self.bn(self.conv(h))) + residual
+
+
+def test_an_argument_used_as_a_value_stays_symbolic():
+    eager, twin = twins(Residual)
+    fast = convbn.convert(twin)
+    assert_fused(fast, pairs=1)
+    assert fast.forward.defaults is None  # nothing specialised: every call runs the graph
+    r = x_(7)
+    for s in range(2):
+        torch.testing.assert_close(step(fast, x_(s), r, seed=s), step(eager, x_(s), r, seed=s), **TOL)
+        assert_same_state(eager, fast)
+    assert_chain_ran(fast(x_(), r), calls=1)

@@ -25,7 +25,7 @@ import torch.fx as fx
 from torch import nn
 from torch.fx._symbolic_trace import _assert_is_none
 
-__all__ = ["Defaults", "constant_defaults"]
+__all__ = ["Defaults", "constant_defaults", "none_used_as_value"]
 
 #: default values traced as constants: what code branches on (``is None``, ``if flag``, ``mode == "x"``)
 SPECIALIZED_TYPES = (type(None), bool, str)
@@ -92,6 +92,15 @@ class Defaults:
                     graph.erase_node(node)
                     if not cond.users:
                         graph.erase_node(cond)
+
+
+def none_used_as_value(graph: fx.Graph) -> bool:
+    """Whether ``graph`` applies an arithmetic operator to ``None`` (``h + residual`` traced with
+    ``residual=None``): the argument is a value, not a branch, and tracing it as ``None``
+    records a graph that fails when run."""
+    return any(n.op == "call_function" and getattr(n.target, "__module__", None) in ("_operator", "operator")
+               and n.target is not operator.getitem and any(a is None for a in n.args)
+               for n in graph.nodes)
 
 
 def constant_defaults(module: nn.Module) -> Defaults:

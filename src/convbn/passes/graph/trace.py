@@ -56,7 +56,7 @@ from .checkpoint_calls import checkpointed_modules, keep_checkpoint_calls
 from .grad_regions import recording_grad_modes
 from .hooks import hook_reason
 from .shape_capture import Guards, ShapeGuard, ShapeTracing
-from .specialize import Defaults, constant_defaults
+from .specialize import Defaults, constant_defaults, none_used_as_value
 from .layers import LAYER_MODULES, has_standard_forward
 from .trace_hazards import FunctionCall, _answer_could_differ, _tensor_valued, opaque_functions
 
@@ -444,8 +444,20 @@ def _tracer(tracer_cls: Type[fx.Tracer], leaves: Sequence[str], wrapped: Sequenc
 
 def _trace(module: nn.Module, tracer_cls: Type[fx.Tracer], leaves: Sequence[str],
            example: Optional[Tuple[Tuple[Any, ...], Dict[str, Any]]] = None) -> Traced:
-    wrapped: List[Callable[..., Any]] = []
     defaults = constant_defaults(module)
+    if defaults.names:
+        try:
+            traced = _trace_with(module, tracer_cls, leaves, example, defaults)
+            if not none_used_as_value(traced.graph):
+                return traced
+        except Exception:  # noqa: BLE001 - the code needs them as values (x + residual): symbolic, as before
+            pass
+    return _trace_with(module, tracer_cls, leaves, example, Defaults((), (), ()))
+
+
+def _trace_with(module: nn.Module, tracer_cls: Type[fx.Tracer], leaves: Sequence[str],
+                example: Optional[Tuple[Tuple[Any, ...], Dict[str, Any]]], defaults: Defaults) -> Traced:
+    wrapped: List[Callable[..., Any]] = []
     for _ in range(16):
         tracer = _tracer(tracer_cls, leaves, wrapped, example)
         try:
