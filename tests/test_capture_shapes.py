@@ -113,3 +113,25 @@ def test_other_shapes_run_the_original(case):
     assert_same_state(eager, fast)
     torch.manual_seed(0)
     assert_chain_ran(fast(rand(shape, 0)))  # the traced shapes still run fused
+
+
+@pytest.mark.parametrize("case", ["same_padding", "odd_size_padding"])  # drop-path: no shape code in eval
+def test_shape_code_folds_with_example_inputs(case):
+    make, shape, bns = CASES[case]
+    eager, twin = twins(make)
+    for m in (eager, twin):  # statistics to fold
+        train_step(m, rand(shape, 3), 3)
+        m.eval()
+    folded = convbn.fold(twin, example_inputs=rand(shape, 0))
+    report = folded.fold_report
+    assert sum(o.result == "folded" for o in report.outcomes) == bns, report
+    assert report.check.passed, report
+    with torch.no_grad():
+        for fwd in [m.forward for m in folded.modules() if "forward" in m.__dict__]:
+            fwd.original = None  # the traced shapes must run the folded graphs
+        torch.testing.assert_close(folded(rand(shape, 1)), eager(rand(shape, 1)), **TOL)
+        for m in folded.modules():
+            m.__dict__.get("forward", m).__dict__.pop("original", None)
+        other = (shape[0] * 2, *shape[1:-1], shape[-1] + 1)
+        with pytest.warns(RuntimeWarning, match="input shapes"):
+            torch.testing.assert_close(folded(rand(other, 2)), eager(rand(other, 2)), **TOL)
