@@ -135,3 +135,17 @@ def test_shape_code_folds_with_example_inputs(case):
         other = (shape[0] * 2, *shape[1:-1], shape[-1] + 1)
         with pytest.warns(RuntimeWarning, match="input shapes"):
             torch.testing.assert_close(folded(rand(other, 2)), eager(rand(other, 2)), **TOL)
+
+
+def test_a_scripted_fold_refuses_other_shapes():
+    """TorchScript runs the graph without the Python guard: it checks the traced shapes itself
+    (an error, never padding computed for other sizes)."""
+    eager, twin = twins(MobileLike)
+    for m in (eager, twin):
+        train_step(m, rand((4, 3, 15, 15), 3), 3)
+        m.eval()
+    scripted = torch.jit.script(convbn.fold(twin, example_inputs=rand((4, 3, 15, 15), 0)))
+    with torch.no_grad():
+        torch.testing.assert_close(scripted(rand((4, 3, 15, 15), 1)), eager(rand((4, 3, 15, 15), 1)), **TOL)
+        with pytest.raises(RuntimeError, match="traced for inputs of shape"):
+            scripted(rand((4, 3, 16, 16), 1))

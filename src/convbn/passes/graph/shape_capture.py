@@ -19,15 +19,16 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-from typing import Any, Dict, Iterator, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 import torch.fx as fx
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
+from torch.fx.node import has_side_effect
 from torch.utils import _pytree as pytree
 
-__all__ = ["ShapeGuard", "Guards", "ShapeTracing", "VALUE"]
+__all__ = ["ShapeGuard", "Guards", "ShapeTracing", "VALUE", "assert_traced_shape"]
 
 #: ``node.meta`` key of the fake value a shape trace computed for a node
 VALUE = "convbn_fake"
@@ -36,6 +37,16 @@ VALUE = "convbn_fake"
 def _signature(args: Any, kwargs: Any) -> Tuple[Any, ...]:
     leaves = pytree.tree_leaves((args, kwargs))
     return tuple((tuple(t.shape), t.dtype, t.device.type) if isinstance(t, Tensor) else type(t) for t in leaves)
+
+
+@has_side_effect
+def assert_traced_shape(x: Tensor, shape: List[int]) -> None:
+    """Raise where ``x`` has not the shape a graph was traced for: the graph of a trace with
+    real shapes, run without its Python guard (a TorchScript copy), refuses other shapes
+    instead of computing with the traced ones."""
+    if list(x.shape) != shape:
+        raise RuntimeError(f"this graph was traced for inputs of shape {shape}, but got {list(x.shape)}; "
+                           "run the module's own forward for other shapes")
 
 
 class ShapeGuard:
@@ -115,6 +126,12 @@ class ShapeTracing:
     def trace(self, root: Any, concrete_args: Optional[Dict[str, Any]] = None) -> fx.Graph:
         self._bound = None
         graph = super().trace(root, concrete_args)  # type: ignore[misc]
+        placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+        for node in placeholders:  # code run without the Python guard (TorchScript) checks the shapes itself
+            value = node.meta.get(VALUE)
+            if isinstance(value, Tensor):
+                with graph.inserting_after(placeholders[-1]):
+                    graph.call_function(assert_traced_shape, (node, list(value.shape)))
         for node in graph.nodes:  # the fake values served the trace only
             node.meta.pop(VALUE, None)
         return graph
