@@ -331,7 +331,7 @@ def test_without_example_inputs_the_first_backward_checks_gradients(monkeypatch)
     x = inp(4, 3, 6, 6)
     fast = convbn.convert(copy.deepcopy(eager))
     assert not any(getattr(n.target, "cls", None) is Shake for n in fast.forward.graph.nodes)  # inlined
-    with pytest.warns(RuntimeWarning, match="gradients differ from the original's on its first backward"):
+    with pytest.warns(RuntimeWarning, match="training step differs from the original's on its first backward"):
         step(fast, x)
     step(ref, x)  # the same state on both sides again (running statistics)
     assert fast.forward.fallback

@@ -28,29 +28,38 @@ class _Bound:
         return self.model(*args, **self.kwargs)
 
 
-def _step(module: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Tuple[Any, ...]:
+def _step(module: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any], grad_inputs: bool = True
+          ) -> Tuple[Any, ...]:
     """One training step (seeded forward and backward, random upstream gradient), with state
     restored: outputs, gradients, buffers after it, and the global RNG state after it."""
     params = list(module.parameters())
     rng: List[Tensor] = []
     with StateSnapshot(module):
-        out, grads = run_step(_Bound(module, kwargs), args, params, seed=0, rng=rng)
+        out, grads = run_step(_Bound(module, kwargs), args, params, seed=0, rng=rng, grad_inputs=grad_inputs)
         buffers = [b.detach().clone() for b in module.buffers()]
     return out, grads, buffers, rng
 
 
 def check_step(module: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Comparison:
     """Run ``module`` as it was (eager) and as rewritten, one training step each, and compare
-    outputs, every gradient (parameters, frozen ones excepted, and inputs), buffers and the
-    global RNG state afterwards (Note: [one tolerance rule] in validate.py).
+    outputs, every gradient (parameters, frozen ones excepted, and inputs: made to require
+    grad, unless the eager model then fails where it runs on the inputs as given), buffers
+    and the global RNG state afterwards (Note: [one tolerance rule] in validate.py).
 
     Raises:
         Exception: whatever the eager model raises on these inputs (the user's inputs are wrong).
     """
+    grad_inputs = True
     with eager(module):
-        ref = _step(module, args, kwargs)
+        try:
+            ref = _step(module, args, kwargs)
+        except RuntimeError:
+            # inputs made to require grad can break a model eager runs (one that sets
+            # requires_grad on a view of its input): as the caller gave them, then
+            grad_inputs = False
+            ref = _step(module, args, kwargs, grad_inputs=False)
     try:
-        new = _step(module, args, kwargs)
+        new = _step(module, args, kwargs, grad_inputs=grad_inputs)
     except Exception as exc:  # noqa: BLE001 - the rewrite must not fail where eager does not
         return Comparison(False, float("inf"), 0.0, f"the rewrite raised {type(exc).__name__}: "
                           f"{str(exc).splitlines()[0] if str(exc) else ''}")
@@ -65,7 +74,17 @@ def check_step(module: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any])
         slack = float64_slack(module, run64, ref[:3])
         if slack is not None:
             result = compare_outputs(ref[:3], new[:3], tolerance, slack=slack, relative=True)
+    if not result.ok:
+        result = Comparison(False, result.max_abs_diff, result.allowed, f"{_what_differs(ref, new)}: {result.describe()}")
     return result
+
+
+def _what_differs(ref: Tuple[Any, ...], new: Tuple[Any, ...]) -> str:
+    """Which of a step's results differ, in words (outputs, gradients, buffers)."""
+    parts = [what for what, i in (("outputs", 0), ("gradients", 1),
+                                  ("buffers (running statistics / num_batches_tracked)", 2))
+             if not compare_outputs(ref[i], new[i], tolerance, relative=True).ok]
+    return " and ".join(parts) + " differ" if parts else "the step differs"
 
 
 def called_inputs(module: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any]

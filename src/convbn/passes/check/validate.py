@@ -163,14 +163,18 @@ def compare_outputs(reference: Any, candidate: Any, tolerance: Callable[[torch.d
 
 
 def run_step(model: nn.Module, args: Tuple[Any, ...], params: Sequence[Tensor], seed: int,
-             backward: bool = True, rng: Optional[List[Tensor]] = None) -> Tuple[Any, List[Optional[Tensor]]]:
+             backward: bool = True, rng: Optional[List[Tensor]] = None, grad_inputs: bool = True
+             ) -> Tuple[Any, List[Optional[Tensor]]]:
     """One forward (RNG seeded with ``seed``) and, where possible, one backward with a random
     upstream gradient (also from ``seed``), returning outputs and the gradients of ``params``
     and of the floating tensor inputs. ``.grad`` fields are left alone (``torch.autograd.grad``);
     the caller restores state (:class:`StateSnapshot`). ``rng``: a list to which the global
-    RNG state after the forward and after the backward are appended (what each drew)."""
-    inputs = [a.detach().clone().requires_grad_(a.is_floating_point()) if isinstance(a, Tensor) else a
-              for a in pytree.tree_leaves(args)]
+    RNG state after the forward and after the backward are appended (what each drew).
+    ``grad_inputs=False``: the inputs require grad only where the caller's did (a model that
+    sets ``requires_grad`` on a view of its input runs only so), and their gradients are
+    compared only then."""
+    inputs = [a.detach().clone().requires_grad_(a.is_floating_point() and (grad_inputs or a.requires_grad))
+              if isinstance(a, Tensor) else a for a in pytree.tree_leaves(args)]
     leaves, spec = pytree.tree_flatten(args)
     it = iter(inputs)
     call_args = pytree.tree_unflatten([next(it) for _ in leaves], spec)

@@ -57,6 +57,22 @@ class _Context:
     model_report: Optional[ConvertReport] = None  # the model's report, where ``report`` is a new part of it
     to_guard: List[Tuple[Any, fx.GraphModule, str]] = field(default_factory=list)  # (forward, graph, prefix)
     done: Set[int] = field(default_factory=set)  # modules converted already (shared modules: once)
+    example: Optional[Tuple[Any, ...]] = None  # example_inputs, as positional arguments
+    root: Optional[nn.Module] = None  # the model being converted
+    _called: Optional[Dict[int, Tuple[Tuple[Any, ...], Dict[str, Any]]]] = None
+
+    def inputs_of(self, module: nn.Module, root: nn.Module) -> Optional[Tuple[Tuple[Any, ...], Dict[str, Any]]]:
+        """The inputs ``module`` runs on in an eager run of ``root`` on ``example`` (its first call),
+        or ``None`` (no example, or not called)."""
+        if self.example is None:
+            return None
+        if self._called is None:
+            try:
+                self._called = called_inputs(root, self.example, {})
+            except Exception:  # noqa: BLE001 - the validation will report what eager raises
+                self._called = {}
+            self._called[id(root)] = (self.example, {})
+        return self._called.get(id(module))
 
     def mark(self) -> Tuple[int, int, int, int, int]:
         r = self.report
@@ -90,17 +106,32 @@ def _convert(module: nn.Module, prefix: str, ctx: _Context, exposed: bool = Fals
         if type(module).forward is nn.Module.forward and "forward" not in module.__dict__:
             raise TypeError(f"{type(module).__name__} has no forward (a container)")
         traced = trace(module, LayerTracer, training=True)  # the graph convert builds is for training
-    except Exception as err:  # any tracing failure: convert the children instead
-        if type(module).forward is not nn.Module.forward:  # a container without forward is no failure
-            report.untraced.append((prefix.rstrip("."), short_reason(err, 120)))
-        for name, child in module.named_children():
-            _convert(child, f"{prefix}{name}.", ctx, exposed=True)
-        return
+    except Exception as err:  # any tracing failure: with real shapes where known, else the children
+        traced = _shape_trace(module, ctx) if type(module).forward is not nn.Module.forward else None
+        if traced is None:
+            if type(module).forward is not nn.Module.forward:  # a container without forward is no failure
+                report.untraced.append((prefix.rstrip("."), short_reason(err, 120)))
+            for name, child in module.named_children():
+                _convert(child, f"{prefix}{name}.", ctx, exposed=True)
+            return
     report.traced.append(prefix.rstrip("."))
     _rewrite(module, prefix, traced, ctx)
     if exposed and isinstance(module, (nn.Sequential, nn.ModuleList, nn.ModuleDict)):
         for name, child in module.named_children():
             _convert(child, f"{prefix}{name}.", ctx, exposed=True)
+
+
+def _shape_trace(module: nn.Module, ctx: _Context) -> Any:
+    """``module`` traced with the real shapes of the inputs it runs on (``example_inputs``):
+    Python code on shapes takes eager's branch; the graph is guarded on those shapes. ``None``
+    where they are not known or that trace fails too."""
+    example = ctx.inputs_of(module, ctx.root) if ctx.root is not None else None
+    if example is None:
+        return None
+    try:
+        return trace(module, LayerTracer, training=True, example=example)
+    except Exception:  # noqa: BLE001 - not traceable even so (data-dependent control flow ...)
+        return None
 
 
 def _rewrite(module: nn.Module, prefix: str, traced: Any, ctx: _Context) -> None:
@@ -120,6 +151,7 @@ def _rewrite(module: nn.Module, prefix: str, traced: Any, ctx: _Context) -> None
     watch_hooks(out, chains, before)
     inlined = _inlined_modules(module, out)
     fwd = install(module, out)
+    fwd.defaults = traced.guard()  # the calls the graph applies to (defaults kept, traced shapes)
     fwd.inlined = inlined
     ctx.to_guard.append((fwd, out, prefix))  # guarded once convert's own checks and planning are done
     if traced.mode_dependent:  # traced in one mode; the other runs the module's own forward
@@ -360,7 +392,7 @@ def _convert_model(model: nn.Module, strategy: str, memory_budget: Optional[floa
     inputs = as_inputs(example_inputs) if example_inputs is not None else None
     work = model if inplace else share_copy(model)
     swap_sync_batchnorm(work, inplace=True)
-    ctx = _Context(strategy, chain, report, lazy=example_inputs is None)
+    ctx = _Context(strategy, chain, report, lazy=example_inputs is None, example=inputs, root=work)
     # Conversion changes no state: reading a parametrized weight (spectral_norm's power
     # iteration) or tracing must not move buffers or the RNG.
     with StateSnapshot(work):

@@ -13,6 +13,7 @@ replaces each chain by one fused module.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple, Union
 
@@ -26,6 +27,7 @@ from ..bn.sites import BNSite, find_bn_sites
 from ..graph.layers import has_standard_forward, layer_call, layer_spec
 from .match_tail import TailMatch, TailOpMatch, describe_node, match_tail, node_arg, tail_label
 from ..report.convert_report import ConvertReport
+from ..graph.grad_regions import grad_region_of
 from ..graph.shape_uses import is_rank_use, value_users
 from .cat_norms import split_cat_norms
 from .shared_heads import split_shared_heads
@@ -78,6 +80,7 @@ class MatchedLayer:
     tail: Tuple[TailOpMatch, ...] = ()
     shape_uses: Tuple[fx.Node, ...] = ()  # x.shape / x.ndim / x.size() of the conv, BN or inner tail outputs
     head_input: Optional[fx.Node] = None  # a head's chain input
+    region: int = 0  # its grad-mode region (graph/grad_regions.py): a chain never crosses one
 
     @property
     def is_head(self) -> bool:
@@ -399,8 +402,33 @@ def find_layers(gm: fx.GraphModule, root: nn.Module, prefix: str, report: Conver
             report.leave(name, f"{why}; {head}", conv_name)
     if chain:
         layers += _end_layers(layers, gm, root, prefix)
+    layers = _within_grad_regions(layers, grad_region_of(gm.graph), report)
     index = {n: i for i, n in enumerate(gm.graph.nodes)}
     return sorted(layers, key=lambda l: index[l.first])
+
+
+def _within_grad_regions(layers: List[MatchedLayer], regions: Dict[fx.Node, int], report: ConvertReport
+                         ) -> List[MatchedLayer]:
+    """Layers that stay inside one grad-mode region (``with torch.no_grad():`` and the like,
+    recorded by the trace): a tail op past the border is cut off (it runs as traced, in its
+    own mode); a layer whose conv and BatchNorm lie in different regions is left, reported."""
+    if not regions:
+        return layers
+    kept: List[MatchedLayer] = []
+    for l in layers:
+        region = regions[l.bn_node if l.bn_node is not None else l.first]
+        tail = l.tail
+        while tail and any(regions[n] != region for n in (tail[-1].node, *tail[-1].extra)):
+            tail = tail[:-1]
+        l = dataclasses.replace(l, tail=tail, region=region)
+        if any(regions[n] != region for n in l.nodes()):
+            if l.bn_node is not None:
+                report.leave(l.bn_name, "its convolution and the BatchNorm run in different grad modes (a "
+                             "torch.no_grad() / enable_grad() / inference_mode() border lies between them)",
+                             l.conv.name if l.conv is not None else None)
+            continue
+        kept.append(l)
+    return kept
 
 
 def group_chains(layers: List[MatchedLayer], chain: bool, report: Optional[ConvertReport] = None
@@ -418,6 +446,7 @@ def group_chains(layers: List[MatchedLayer], chain: bool, report: Optional[Conve
         # rank reads (x.ndim, as norm-act layers check) are the same on every tensor of a chain
         if (chain and prev is not None and id(prev) in where and where[id(prev)][-1] is prev
                 and len(prev.out.users) == 1 and all(is_rank_use(u) for u in prev.shape_uses)
+                and prev.region == l.region
                 and l.conv is not None and l.conv.spec.pre_pad_mode == "constant"):
             c = where[id(prev)]
         elif l.is_end:

@@ -58,6 +58,18 @@ __all__ = ["fold", "fold_conv_bn_modules", "FoldReport", "BNOutcome", "FoldCheck
 # --------------------------------------------------------------------------------------
 
 
+def _shape_trace(module: nn.Module, ctx: FoldContext) -> Any:
+    """``module`` traced with the real shapes of its inputs in the sample run (Python code on
+    shapes takes eager's branch; the graph is guarded on them), or ``None``."""
+    example = (ctx.called or {}).get(id(module))
+    if example is None:
+        return None
+    try:
+        return trace(module, LayerTracer, example=example)
+    except Exception:  # noqa: BLE001 - not traceable even so
+        return None
+
+
 def fold_module(module: nn.Module, prefix: str, ctx: FoldContext, done: Set[int]) -> bool:
     """Fold inside ``module`` (qualified name ``prefix``), in place: a traced module whose
     graph changed runs it as its forward (:func:`convbn.passes.graph.graph_module.install`), keeping
@@ -70,9 +82,11 @@ def fold_module(module: nn.Module, prefix: str, ctx: FoldContext, done: Set[int]
         return fold_children(module, prefix, ctx, done)
     try:
         traced = trace(module, LayerTracer)
-    except Exception as exc:  # noqa: BLE001 - untraceable: fold its children one by one
-        ctx.report.untraceable.append((prefix.rstrip("."), f"{short_reason(exc)} (folded part by part)"))
-        return fold_children(module, prefix, ctx, done)
+    except Exception as exc:  # noqa: BLE001 - with real shapes where known, else its children one by one
+        traced = _shape_trace(module, ctx)
+        if traced is None:
+            ctx.report.untraceable.append((prefix.rstrip("."), f"{short_reason(exc)} (folded part by part)"))
+            return fold_children(module, prefix, ctx, done)
     gm = traced.gm
     mark = len(ctx.report.outcomes)
     folder = GraphFolder(gm, module, prefix, ctx)
@@ -80,6 +94,7 @@ def fold_module(module: nn.Module, prefix: str, ctx: FoldContext, done: Set[int]
     changed = folder.changed
     if changed:
         fwd = install(module, gm, register_new=True)
+        fwd.defaults = traced.guard()  # the calls the graph applies to (defaults kept, traced shapes)
         _neutralise_folded(module, gm, prefix, ctx.report.outcomes[mark:], fwd)
     for target, why in traced.descend().items():
         if target in traced.opaque:
@@ -261,6 +276,11 @@ def _fold_model(model: nn.Module, inplace: bool, example_inputs: Any, check: boo
     # [fold's tolerance follows eager's own rounding]); with inplace, copied before folding.
     original = (copy.deepcopy(work) if inplace else model) if check and args is not None else None
 
+    if args is not None:  # each module's inputs, for a trace with real shapes where fx fails
+        try:
+            ctx.called = {**called_inputs(work, args, {}), id(work): (args, {})}
+        except Exception:  # noqa: BLE001 - the check reports what the model raises
+            ctx.called = None
     fold_module(work, "", ctx, set())
     folded = work
     # unchecked: each rewritten module checks itself on its first call; not with inplace, whose

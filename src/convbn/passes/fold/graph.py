@@ -40,6 +40,8 @@ class FoldContext:
     inplace: bool
     bn_input_ranks: Dict[int, Set[int]]   # id(BN module) -> ranks of its inputs (sample run)
     linear_out_ranks: Dict[int, Set[int]]  # id(Linear module) -> ranks of its outputs
+    #: id(module) -> (args, kwargs) of its first call in a sample run (shape capture), when known
+    called: Optional[Dict[int, Tuple[Tuple[Any, ...], Dict[str, Any]]]] = None
 
 
 @dataclass

@@ -134,6 +134,11 @@ class GraphForward:
 
     guards: Any = None  # (for instances pickled before these existed)
     on_change: Optional[Callable[["GraphForward", str], bool]] = None
+    #: what the trace assumed of a call (arguments at their default: ``specialize.Defaults``; input
+    #: shapes: ``shape_capture.ShapeGuard``), ``hold(args, kwargs)``: other calls run :meth:`original`
+    defaults: Any = None
+    #: whether the one-time message about a call off the traced defaults was given
+    warned_defaults = False
 
     # TorchScript (``torch.jit.script`` of a folded model) compiles a module's ``forward``
     # from its source: it reads these off the generated function (the guards above are
@@ -201,6 +206,8 @@ class GraphForward:
             what = self.guards.changed()
             if what is not None:
                 return self._changed(what, args, kwargs)
+        if self.defaults is not None and not self.defaults.hold(args, kwargs):
+            return self._off_defaults(args, kwargs)
         if self.modes is not None and any(m.training != t for m, t in self.modes):
             return self.original(*args, **kwargs)
         if self.inlined and any(hooks_of(m) for m in self.inlined):
@@ -226,6 +233,20 @@ class GraphForward:
             warnings.warn(f"convbn: {what} after the rewrite; running the original (unfused) "
                           f"{type(self.owner).__name__} forward from now on.", RuntimeWarning, stacklevel=3)
         self.fallback = True
+        return self.original(*args, **kwargs)
+
+    def _off_defaults(self, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
+        """A call unlike the traced one (an argument off its default, other input shapes): the
+        module's own forward (the graph holds only the traced branch), with a one-time message."""
+        if not self.warned_defaults and not torch.compiler.is_compiling():
+            self.warned_defaults = True
+            warnings.warn(
+                f"convbn: the rewritten {type(self.owner).__name__} applies to calls like the one it was traced "
+                f"for; this call changes {self.defaults.differing(args, kwargs)}, and such calls run its original "
+                "(unfused) forward.",
+                RuntimeWarning,
+                stacklevel=4,
+            )
         return self.original(*args, **kwargs)
 
     def _check_on_backward(self, out: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> None:
@@ -261,11 +282,11 @@ class GraphForward:
             if not result.ok:
                 self.fallback = True
                 warnings.warn(
-                    f"convbn: the rewritten {type(owner).__name__}'s gradients differ from the original's on its "
-                    f"first backward ({result.describe()}; one training step of each on the first samples of "
-                    "the batch); this step's gradients come from the rewrite, and the original (unfused) forward "
-                    "runs from the next call. Pass example_inputs=... to convert to validate (and convert "
-                    "finer) up front.",
+                    f"convbn: the rewritten {type(owner).__name__}'s training step differs from the original's on "
+                    f"its first backward ({result.describe()}; one training step of each on the first samples of "
+                    "the batch); this step's outputs, gradients and buffer updates come from the rewrite, and the "
+                    "original (unfused) forward runs from the next call. Pass example_inputs=... to convert to "
+                    "validate (and convert finer) up front.",
                     RuntimeWarning,
                     stacklevel=2,
                 )

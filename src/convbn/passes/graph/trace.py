@@ -52,7 +52,11 @@ from ...nn.chain import FusedChain
 from ...nn.fused import _FusedConvBNNd
 from ..bn.frozen import frozen_bn_ranks, holds_frozen_bn_tensors, recognise_frozen_norm_act
 from ..bn.recognise import NormActBody, recognise_norm_act
+from .checkpoint_calls import checkpointed_modules, keep_checkpoint_calls
+from .grad_regions import recording_grad_modes
 from .hooks import hook_reason
+from .shape_capture import Guards, ShapeGuard, ShapeTracing
+from .specialize import Defaults, constant_defaults, none_used_as_value
 from .layers import LAYER_MODULES, has_standard_forward
 from .trace_hazards import FunctionCall, _answer_could_differ, _tensor_valued, opaque_functions
 
@@ -188,6 +192,7 @@ class _PartialTracing:
         if wrapped:
             kwargs["autowrap_functions"] = tuple(wrapped)
         super().__init__(*args, **kwargs)  # type: ignore[call-arg]
+        keep_checkpoint_calls(self)  # torch.utils.checkpoint stays a call (graph/checkpoint_calls.py)
         self.opaque: Dict[str, str] = {name: "asked to be a leaf" for name in leaves}
         self.hooked: Dict[str, str] = {}
         self._param_cache: Optional[Dict[str, Any]] = None
@@ -294,7 +299,7 @@ class _PartialTracing:
         original = torch.jit.isinstance
         torch.jit.isinstance = _patched_jit_isinstance(original)  # type: ignore[assignment]
         try:
-            with opaque_functions():
+            with opaque_functions(), recording_grad_modes(self):  # type: ignore[arg-type]
                 return super().trace(root, concrete_args)  # type: ignore[misc]
         finally:
             torch.jit.isinstance = original  # type: ignore[assignment]
@@ -328,7 +333,7 @@ def _plain_function_of(exc: BaseException) -> Optional[Callable[..., Any]]:
     return found
 
 
-_PARTIAL_CLASSES: Dict[type, type] = {}
+_PARTIAL_CLASSES: Dict[Any, type] = {}
 
 
 def _partial_class(tracer_cls: Type[fx.Tracer]) -> type:
@@ -350,6 +355,12 @@ class Traced:
         wrapped: helper functions recorded as single calls (their trace failed inside).
         mode_dependent: the graph differs when traced with ``training`` flipped.
         modes: every module's ``training`` flag when traced.
+        defaults: arguments traced at their default value (:mod:`.specialize`): the
+            rewritten forward applies only to calls that keep them.
+        shapes: for a trace with real shapes (:mod:`.shape_capture`), the input shapes it
+            assumed; ``None`` for a symbolic trace.
+
+    Method ``guard()``: what a call must satisfy for the graph to apply (``None``: anything).
     """
 
     gm: fx.GraphModule
@@ -360,6 +371,13 @@ class Traced:
     wrapped: List[str] = field(default_factory=list)
     mode_dependent: bool = False
     modes: List[Tuple[nn.Module, bool]] = field(default_factory=list, repr=False)
+    defaults: Defaults = field(default_factory=lambda: Defaults((), (), ()))
+    shapes: Optional[ShapeGuard] = None
+
+    def guard(self) -> Any:
+        """The guard of calls the graph applies to (``hold(args, kwargs)``), or ``None``."""
+        guards = [g for g in (self.defaults if self.defaults.names else None, self.shapes) if g is not None]
+        return None if not guards else guards[0] if len(guards) == 1 else Guards(guards)
 
     def descend(self) -> Dict[str, str]:
         """Leaves the caller should work inside on their own (opaque and hooked), outermost first."""
@@ -373,7 +391,7 @@ class Traced:
 
 
 def trace(module: nn.Module, tracer_cls: Type[fx.Tracer] = fx.Tracer, *, leaves: Sequence[str] = (),
-          training: Optional[bool] = None) -> Traced:
+          training: Optional[bool] = None, example: Optional[Tuple[Tuple[Any, ...], Dict[str, Any]]] = None) -> Traced:
     """Trace ``module`` with ``tracer_cls``'s leaf policy plus partial tracing and hazard checks.
 
     A failure inside a module-level helper function (not a module) restarts the trace with
@@ -389,6 +407,8 @@ def trace(module: nn.Module, tracer_cls: Type[fx.Tracer] = fx.Tracer, *, leaves:
         leaves: qualified names of submodules to keep as leaves regardless.
         training: trace as if ``module.train(training)`` had been called (flags restored
             afterwards); ``None`` traces the modes as they are.
+        example: ``(args, kwargs)`` ``module`` runs on: trace with their real shapes
+            (:mod:`.shape_capture`), the result guarded on them (:attr:`Traced.shapes`).
 
     Returns:
         A :class:`Traced`.
@@ -406,43 +426,76 @@ def trace(module: nn.Module, tracer_cls: Type[fx.Tracer] = fx.Tracer, *, leaves:
     if training is not None and module.training != training:
         module.train(training)
     try:
-        return _trace(module, tracer_cls, leaves)
+        return _trace(module, tracer_cls, leaves, example)
     finally:
         for m, t in flags:
             m.training = t
 
 
-def _trace(module: nn.Module, tracer_cls: Type[fx.Tracer], leaves: Sequence[str]) -> Traced:
+def _tracer(tracer_cls: Type[fx.Tracer], leaves: Sequence[str], wrapped: Sequence[Callable[..., Any]],
+            example: Optional[Tuple[Tuple[Any, ...], Dict[str, Any]]]) -> Any:
+    if example is None:
+        return _partial_class(tracer_cls)(leaves=leaves, wrapped=wrapped)
+    key = (ShapeTracing, tracer_cls)
+    if key not in _PARTIAL_CLASSES:
+        _PARTIAL_CLASSES[key] = type(f"Shaped{tracer_cls.__name__}", (ShapeTracing, _partial_class(tracer_cls)), {})
+    return _PARTIAL_CLASSES[key](leaves=leaves, wrapped=wrapped, example=example)
+
+
+def _trace(module: nn.Module, tracer_cls: Type[fx.Tracer], leaves: Sequence[str],
+           example: Optional[Tuple[Tuple[Any, ...], Dict[str, Any]]] = None) -> Traced:
+    defaults = constant_defaults(module)
+    if defaults.names:
+        try:
+            traced = _trace_with(module, tracer_cls, leaves, example, defaults)
+            if not none_used_as_value(traced.graph):
+                return traced
+        except Exception:  # noqa: BLE001 - the code needs them as values (x + residual): symbolic, as before
+            pass
+    return _trace_with(module, tracer_cls, leaves, example, Defaults((), (), ()))
+
+
+def _trace_with(module: nn.Module, tracer_cls: Type[fx.Tracer], leaves: Sequence[str],
+                example: Optional[Tuple[Tuple[Any, ...], Dict[str, Any]]], defaults: Defaults) -> Traced:
     wrapped: List[Callable[..., Any]] = []
     for _ in range(16):
-        tracer = _partial_class(tracer_cls)(leaves=leaves, wrapped=wrapped)
+        tracer = _tracer(tracer_cls, leaves, wrapped, example)
         try:
-            graph = tracer.trace(module)
+            graph = tracer.trace(module, defaults.concrete_args())
             break
         except _Retrace as again:
             wrapped.append(again.fn)
     else:  # pragma: no cover - 16 nested helpers failing one after the other
         raise RuntimeError(f"tracing {type(module).__name__} kept failing in helper functions {wrapped}")
     graph._tracer_cls = tracer_cls  # picklable (torch.save re-traces the generated code with it)
+    defaults.strip_asserts(graph)
+    checkpointed = checkpointed_modules(graph, module)  # before any code is generated from the graph
     graph.lint()
     resolve_string_annotations(graph, module)
     gm = fx.GraphModule(tracer.root, graph, type(module).__name__)
     opaque = {k: v for k, v in tracer.opaque.items() if k not in leaves or v != "asked to be a leaf"}
     opaque.update({k: "asked to be a leaf" for k in leaves})
+    for name, why in checkpointed.items():  # worked on inside the checkpoint
+        opaque.setdefault(name, why)
     traced = Traced(gm, graph, opaque, dict(tracer.hooked), dict(tracer.norm_act), [getattr(f, "__qualname__", repr(f)) for f in wrapped])
     traced.modes = [(m, m.training) for m in module.modules()]
-    traced.mode_dependent = _mode_dependent(module, tracer_cls, leaves, wrapped, gm.code)
+    traced.defaults = defaults
+    traced.shapes = ShapeGuard(*example) if example is not None else None
+    traced.mode_dependent = _mode_dependent(module, tracer_cls, leaves, wrapped, gm.code, defaults, example)
     return traced
 
 
 def _mode_dependent(module: nn.Module, tracer_cls: Type[fx.Tracer], leaves: Sequence[str],
-                    wrapped: Sequence[Callable[..., Any]], code: str) -> bool:
+                    wrapped: Sequence[Callable[..., Any]], code: str, defaults: Defaults,
+                    example: Optional[Tuple[Tuple[Any, ...], Dict[str, Any]]] = None) -> bool:
     modes = [(m, m.training) for m in module.modules()]
     try:
         for m, t in modes:
             m.training = not t
-        tracer = _partial_class(tracer_cls)(leaves=leaves, wrapped=wrapped)
-        graph = tracer.trace(module)
+        tracer = _tracer(tracer_cls, leaves, wrapped, example)
+        graph = tracer.trace(module, defaults.concrete_args())
+        defaults.strip_asserts(graph)
+        checkpointed_modules(graph, module)
         resolve_string_annotations(graph, module)
         other = fx.GraphModule(tracer.root, graph).code
     except Exception:  # noqa: BLE001 - the other mode does not even trace: surely dependent

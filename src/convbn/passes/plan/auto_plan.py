@@ -9,7 +9,9 @@ import warnings
 from dataclasses import replace
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
+import torch
 from torch import Tensor, nn
+from torch.utils import _pytree as pytree
 
 from ...memory import saved_bytes, timeline
 from ...nn.chain import ChainLayer, FusedChain
@@ -19,7 +21,7 @@ from ..graph.graph_module import fused_modules
 from ..report.convert_report import ConvertReport
 from ..check.validate import StateSnapshot
 
-__all__ = ["as_inputs", "measure_saved", "plan_auto", "measure_peak"]
+__all__ = ["as_inputs", "measure_saved", "plan_auto", "measure_peak", "trained_outputs_loss"]
 
 
 def as_inputs(example_inputs: Any) -> Tuple[Any, ...]:
@@ -299,9 +301,21 @@ def plan_auto(original: nn.Module, converted: nn.Module, inputs: Tuple[Any, ...]
     report.saved_bytes = floor + sum(l.keep_bytes() for l in layers if l.mode == "recompute_bn")
 
 
+def trained_outputs_loss(out: Any) -> Tensor:
+    """The loss :func:`measure_peak` differentiates: the sum of the means (in float32) of every
+    output that requires grad, whichever position it has (a model may return an index or a
+    mask first). Where none does, the step has no backward: a constant loss (backward does
+    nothing; the peak measured is the forward's)."""
+    leaves = [t for t in pytree.tree_leaves(out) if isinstance(t, Tensor)]
+    trained = [t.float().mean() for t in leaves if t.requires_grad and t.is_floating_point()]
+    if trained:
+        return sum(trained[1:], trained[0])
+    return torch.zeros((), requires_grad=True)
+
+
 def measure_peak(model: nn.Module, inputs: Tuple[Any, ...]) -> Any:
-    """Timeline of one training step of ``model`` (loss: mean output); gradients, buffers,
-    modes and RNG are put back afterwards."""
+    """Timeline of one training step of ``model`` (loss: :func:`trained_outputs_loss`);
+    gradients, buffers, modes and RNG are put back afterwards."""
     params = list(model.parameters())
     grads = [p.grad for p in params]
     for p in params:
@@ -309,7 +323,7 @@ def measure_peak(model: nn.Module, inputs: Tuple[Any, ...]) -> Any:
     try:
         with StateSnapshot(model):
             model.train()
-            return timeline(model, *inputs)
+            return timeline(model, *inputs, loss_fn=trained_outputs_loss)
     finally:
         for p, g in zip(params, grads):
             p.grad = g

@@ -1,0 +1,210 @@
+"""Tracing with the shapes of real inputs, guarded on them.
+
+``torch.fx`` proxies have no shapes: ``if in_h % stride == 0`` (TF-"SAME" padding), ``for s, t
+in zip(skip.shape[2:], x.shape[2:])`` (odd-size padding) or ``torch.rand(x.shape[0], 1, 1, 1)``
+(inline drop-path) make ``bool(proxy)`` raise, and the module stays unfused. Where the
+inputs a module runs on are known (``convert(example_inputs=...)``: each module's inputs in
+one eager run), its trace can instead carry, for every traced value, a *fake* tensor of
+the real one (``FakeTensorMode``: shapes and dtypes, no data, no computation), computed op
+by op as the trace proceeds. ``x.shape``, ``x.size()``, ``x.dim()``, ``x.ndim`` and
+``len(x)`` then answer with the real (static) sizes, so Python code on shapes takes the branch
+eager takes and the sizes it computes are constants of the graph. A data-dependent branch
+(``if x.sum() > 0``) still fails as before.
+
+What such a graph assumed is *guarded*: :class:`ShapeGuard` holds the shapes, dtypes and
+devices of the module's tensor inputs; a call with others runs the module's own forward
+(:class:`~convbn.passes.graph.graph_module.GraphForward`).
+"""
+from __future__ import annotations
+
+import contextlib
+import inspect
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+
+import torch
+import torch.fx as fx
+from torch import Tensor, nn
+from torch.nn.modules.batchnorm import _BatchNorm
+from torch.fx.node import has_side_effect
+from torch.utils import _pytree as pytree
+
+__all__ = ["ShapeGuard", "Guards", "ShapeTracing", "VALUE", "assert_traced_shape"]
+
+#: ``node.meta`` key of the fake value a shape trace computed for a node
+VALUE = "convbn_fake"
+
+
+def _signature(args: Any, kwargs: Any) -> Tuple[Any, ...]:
+    leaves = pytree.tree_leaves((args, kwargs))
+    return tuple((tuple(t.shape), t.dtype, t.device.type) if isinstance(t, Tensor) else type(t) for t in leaves)
+
+
+@has_side_effect
+def assert_traced_shape(x: Tensor, shape: List[int]) -> None:
+    """Raise where ``x`` has not the shape a graph was traced for: the graph of a trace with
+    real shapes, run without its Python guard (a TorchScript copy), refuses other shapes
+    instead of computing with the traced ones."""
+    if list(x.shape) != shape:
+        raise RuntimeError(f"this graph was traced for inputs of shape {shape}, but got {list(x.shape)}; "
+                           "run the module's own forward for other shapes")
+
+
+class ShapeGuard:
+    """The shapes, dtypes and devices of a call's tensor inputs (and the other inputs' types)
+    that a trace with real shapes assumed."""
+
+    def __init__(self, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> None:
+        self.spec = _signature(args, kwargs)
+
+    def hold(self, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> bool:
+        """Whether ``args`` / ``kwargs`` have the traced shapes, dtypes and devices."""
+        return _signature(args, kwargs) == self.spec
+
+    def differing(self, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> str:
+        got = [s[0] for s in _signature(args, kwargs) if isinstance(s, tuple)]
+        traced = [s[0] for s in self.spec if isinstance(s, tuple)]
+        return f"its input shapes {traced} (traced with real sizes; this call: {got})"
+
+
+class Guards:
+    """Several guards, all of which must hold (each has ``hold`` and ``differing``)."""
+
+    def __init__(self, guards: Sequence[Any]) -> None:
+        self.guards = list(guards)
+
+    def hold(self, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> bool:
+        return all(g.hold(args, kwargs) for g in self.guards)
+
+    def differing(self, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> str:
+        return next((g.differing(args, kwargs) for g in self.guards if not g.hold(args, kwargs)), "")
+
+
+class _Unknown(Exception):
+    pass
+
+
+def _value(node: Any) -> Any:
+    if isinstance(node, fx.Node):
+        if VALUE not in node.meta:
+            raise _Unknown(node.name)
+        return node.meta[VALUE]
+    return node
+
+
+@contextlib.contextmanager
+def _untraced() -> Iterator[None]:
+    """Run code for real while a trace is under way: ``nn.Module`` calls and attribute reads
+    as outside tracing (``torch.fx`` patches them), grad-mode regions not recorded."""
+    from torch.fx import _symbolic_trace as st
+
+    from .grad_regions import _recording
+
+    patched = {k: nn.Module.__dict__[k] for k in ("__call__", "__getattr__")}
+    tracer, _recording.tracer = _recording.tracer, None
+    nn.Module.__call__ = st._orig_module_call  # type: ignore[method-assign]
+    nn.Module.__getattr__ = st._orig_module_getattr  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        for k, v in patched.items():
+            setattr(nn.Module, k, v)
+        _recording.tracer = tracer
+
+
+class ShapeTracing:
+    """Mixed in front of a tracer class: every traced value carries a fake tensor of the real one
+    (see module docstring); ``example``: the ``(args, kwargs)`` the traced module runs on."""
+
+    def __init__(self, *args: Any, example: Tuple[Tuple[Any, ...], Dict[str, Any]] = ((), {}), **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[call-arg]
+        from torch._subclasses.fake_tensor import FakeTensorMode
+
+        self._fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+        self._example = example
+        self._bound: Optional[Dict[str, Any]] = None
+
+    def trace(self, root: Any, concrete_args: Optional[Dict[str, Any]] = None) -> fx.Graph:
+        self._bound = None
+        graph = super().trace(root, concrete_args)  # type: ignore[misc]
+        placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+        for node in placeholders:  # code run without the Python guard (TorchScript) checks the shapes itself
+            value = node.meta.get(VALUE)
+            if isinstance(value, Tensor):
+                with graph.inserting_after(placeholders[-1]):
+                    graph.call_function(assert_traced_shape, (node, list(value.shape)))
+        for node in graph.nodes:  # the fake values served the trace only
+            node.meta.pop(VALUE, None)
+        return graph
+
+    def proxy(self, node: fx.Node) -> fx.Proxy:
+        base = super().proxy(node)  # type: ignore[misc]
+        return _shaped_class(type(base))(node, self)
+
+    def _fake(self, value: Any) -> Any:
+        return pytree.tree_map(lambda t: self._fake_mode.from_tensor(t) if isinstance(t, Tensor) else t, value)
+
+    def _placeholder(self, target: str) -> Any:
+        if self._bound is None:
+            args, kwargs = self._example
+            sig = inspect.signature(type(self.root).forward)  # type: ignore[attr-defined]
+            bound = sig.bind(self.root, *args, **kwargs)  # type: ignore[attr-defined]
+            bound.apply_defaults()
+            self._bound = dict(bound.arguments)
+        name = target.lstrip("*")
+        if name not in self._bound and name.rpartition("_")[0] in self._bound:  # a concrete argument: name_1
+            name = name.rpartition("_")[0]
+        if name not in self._bound:
+            raise _Unknown(target)
+        return self._fake(self._bound[name])
+
+    def _run(self, node: fx.Node) -> Any:
+        if node.op == "placeholder":
+            return self._placeholder(str(node.target))
+        if node.op == "get_attr":
+            obj: Any = self.root  # type: ignore[attr-defined]
+            for part in str(node.target).split("."):
+                obj = getattr(obj, part)
+            return self._fake(obj)
+        args = fx.node.map_aggregate(node.args, _value)
+        kwargs = fx.node.map_aggregate(node.kwargs, _value)
+        with _untraced(), torch.no_grad(), self._fake_mode:
+            if node.op == "call_function":
+                return node.target(*args, **kwargs)  # type: ignore[operator]
+            if node.op == "call_method":
+                return getattr(args[0], str(node.target))(*args[1:], **kwargs)
+            if node.op == "call_module":
+                module = self.root.get_submodule(str(node.target))  # type: ignore[attr-defined]
+                if isinstance(module, _BatchNorm) and len(args) == 1 and not kwargs:
+                    return args[0]  # same shape; its update of num_batches_tracked not run twice
+                return module.forward(*args, **kwargs)  # hooks are not run for a shape
+        raise _Unknown(node.op)
+
+    def create_proxy(self, kind: str, target: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any], *rest: Any,
+                     **more: Any) -> fx.Proxy:
+        proxy = super().create_proxy(kind, target, args, kwargs, *rest, **more)  # type: ignore[misc]
+        try:
+            proxy.node.meta[VALUE] = self._run(proxy.node)
+        except Exception:  # noqa: BLE001 - no value known: shape questions on it fail as in torch.fx
+            pass
+        return proxy
+
+
+_SHAPED: Dict[type, type] = {}
+
+
+def _shaped_class(base: type) -> type:
+    if base not in _SHAPED:
+        def __getattr__(self: fx.Proxy, k: str) -> Any:
+            value = self.node.meta.get(VALUE)
+            if isinstance(value, Tensor) and k in ("shape", "ndim", "size", "dim"):
+                return getattr(value, k)
+            return base.__getattr__(self, k)  # type: ignore[attr-defined]
+
+        def __len__(self: fx.Proxy) -> int:
+            value = self.node.meta.get(VALUE)
+            if isinstance(value, Tensor) and value.dim():
+                return len(value)
+            return base.__len__(self)  # type: ignore[attr-defined]
+
+        _SHAPED[base] = type(f"Shaped{base.__name__}", (base,), {"__getattr__": __getattr__, "__len__": __len__})
+    return _SHAPED[base]

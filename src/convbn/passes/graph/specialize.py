@@ -1,0 +1,132 @@
+"""Optional arguments left at their default, traced as the constants they are, and guarded.
+
+``forward(self, h, attention_mask=None)`` traced with every argument a ``torch.fx`` proxy
+records the branch ``attention_mask is not None`` (a proxy is not ``None``): a graph that
+multiplies by ``None`` when called as the model is called, ``model(h)``. So an argument
+after the first whose default is ``None``, a ``bool`` or a ``str`` (values code branches
+on) is traced as that value (``torch.fx``'s ``concrete_args``) and the trace records a
+*guard*: :meth:`Defaults.hold` tells, at call time, whether every such argument still has
+its traced value. Where one does not, the rewritten forward does not apply and the module's
+own forward runs (:class:`~convbn.passes.graph.graph_module.GraphForward`).
+
+The argument stays in the generated forward's signature under its own name (so keyword
+calls work); the assertions ``torch.fx`` adds for a concrete argument are dropped from the
+graph, the guard being checked before the graph runs.
+"""
+from __future__ import annotations
+
+import inspect
+import operator
+from dataclasses import dataclass
+from typing import Any, Dict, Optional, Tuple
+
+import torch
+import torch.fx as fx
+from torch import nn
+from torch.fx._symbolic_trace import _assert_is_none
+
+__all__ = ["Defaults", "constant_defaults", "none_used_as_value"]
+
+#: default values traced as constants: what code branches on (``is None``, ``if flag``, ``mode == "x"``)
+SPECIALIZED_TYPES = (type(None), bool, str)
+
+
+@dataclass(frozen=True)
+class Defaults:
+    """The arguments a trace took at their default value.
+
+    Attributes:
+        names: the arguments' names.
+        positions: each one's position among the positional arguments (``self`` excluded),
+            or ``-1`` for a keyword-only one.
+        values: the values traced.
+    """
+
+    names: Tuple[str, ...]
+    positions: Tuple[int, ...]
+    values: Tuple[Any, ...]
+
+    def concrete_args(self) -> Optional[Dict[str, Any]]:
+        """``torch.fx``'s ``concrete_args`` for the trace, or ``None`` where there are none."""
+        return dict(zip(self.names, self.values)) or None
+
+    def hold(self, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> bool:
+        """Whether a call with ``args`` / ``kwargs`` passes every argument at its traced value
+        (left out, or given the same value)."""
+        for name, pos, value in zip(self.names, self.positions, self.values):
+            if 0 <= pos < len(args):
+                given = args[pos]
+            elif name in kwargs:
+                given = kwargs[name]
+            else:
+                continue
+            if given is not value and not (type(given) is type(value) and given == value):
+                return False
+        return True
+
+    def differing(self, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> str:
+        """The first argument not at its traced value, as ``name=value`` text (for a message)."""
+        for name, pos, value in zip(self.names, self.positions, self.values):
+            if not Defaults((name,), (pos,), (value,)).hold(args, kwargs):
+                return f"{name} (traced as {value!r})"
+        return ""
+
+    def strip_asserts(self, graph: fx.Graph) -> None:
+        """Give the placeholders of the specialised arguments their own names as targets (the
+        generated signature then reads ``attention_mask=None``, not ``attention_mask_1=None``)
+        and drop the assertions ``torch.fx`` adds for them (:meth:`hold` guards instead)."""
+        renamed = {f"{name}_1": name for name in self.names}
+        for node in graph.nodes:
+            if node.op == "placeholder" and node.target in renamed:
+                node.target = renamed[node.target]
+        for node in reversed(list(graph.nodes)):
+            if node.op != "call_function":
+                continue
+            if node.target is _assert_is_none and node.args[0].op == "placeholder":
+                graph.erase_node(node)
+            elif node.target is torch._assert and isinstance(node.args[0], fx.Node):
+                cond = node.args[0]
+                if (cond.op == "call_function" and cond.target is operator.eq
+                        and isinstance(cond.args[0], fx.Node) and cond.args[0].op == "placeholder"
+                        and cond.args[0].target in self.names):
+                    graph.erase_node(node)
+                    if not cond.users:
+                        graph.erase_node(cond)
+
+
+def none_used_as_value(graph: fx.Graph) -> bool:
+    """Whether ``graph`` applies an arithmetic operator to ``None`` (``h + residual`` traced with
+    ``residual=None``): the argument is a value, not a branch, and tracing it as ``None``
+    records a graph that fails when run."""
+    return any(n.op == "call_function" and getattr(n.target, "__module__", None) in ("_operator", "operator")
+               and n.target is not operator.getitem and any(a is None for a in n.args)
+               for n in graph.nodes)
+
+
+def constant_defaults(module: nn.Module) -> Defaults:
+    """The arguments of ``module``'s forward (its class's, the one ``torch.fx`` traces) that a
+    trace takes at their default: every named argument after the first whose default is
+    ``None``, a ``bool`` or a ``str``.
+
+    Example:
+        >>> class M(nn.Module):
+        ...     def forward(self, h, mask=None, scale=2.0): ...
+        >>> constant_defaults(M()).names
+        ('mask',)
+    """
+    try:
+        params = list(inspect.signature(type(module).forward).parameters.values())[1:]
+    except (TypeError, ValueError):  # no signature to read: nothing specialised
+        return Defaults((), (), ())
+    names, positions, values = [], [], []
+    position = 0
+    for i, p in enumerate(params):
+        if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
+            break  # fx passes what follows *args its own way: leave the rest symbolic
+        if (i > 0 and p.default is not p.empty and type(p.default) in SPECIALIZED_TYPES
+                and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)):
+            names.append(p.name)
+            positions.append(position if p.kind == p.POSITIONAL_OR_KEYWORD else -1)
+            values.append(p.default)
+        position += 1
+    return Defaults(tuple(names), tuple(positions), tuple(values))
