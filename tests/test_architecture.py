@@ -38,7 +38,7 @@ LAYERS: Tuple[Tuple[str, Tuple[str, ...]], ...] = (
     ("functional", ("convbn.functional",)),
     ("autograd", ("convbn.autograd",)),
     ("nn", ("convbn.nn",)),
-    ("tools", ("convbn.reference", "convbn.memory", "convbn.gradcheck")),
+    ("tools", ("convbn.reference", "convbn.memory", "convbn.gradcheck", "convbn.progress")),
     ("passes", ("convbn.passes",)),
     ("app", ("convbn",)),  # everything else: bench/, cli*, demo*, __main__, __init__
 )
