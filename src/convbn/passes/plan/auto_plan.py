@@ -21,7 +21,7 @@ from ..graph.graph_module import fused_modules
 from ..report.convert_report import ConvertReport
 from ..check.validate import StateSnapshot
 
-__all__ = ["as_inputs", "measure_saved", "plan_auto", "measure_peak", "plan_to_target", "PeakPlan"]
+__all__ = ["as_inputs", "measure_saved", "plan_auto", "measure_peak", "plan_to_target", "PeakPlan", "apply_plan"]
 
 
 def as_inputs(example_inputs: Any) -> Tuple[Any, ...]:
@@ -68,6 +68,15 @@ def plan_to_target(costs: Sequence[ChainCost], floor: int, extra: int, target: i
     may_drop = drops_needed(costs, keeps, floor, gaps)
     peak = step_peak(costs, keeps, floor, may_drop=may_drop, gaps=gaps)[0]
     return PeakPlan(keeps, may_drop, peak, low, reached)
+
+
+def apply_plan(chains: Sequence[FusedChain], keeps: Sequence[Sequence[bool]], may_drop: Sequence[bool]) -> None:
+    """Write a plan's flags into ``chains`` (forward order): each layer keeps its conv output
+    (``recompute_bn``) or recomputes it (``recompute_conv``); ``may_drop`` per chain."""
+    for c, kp, md in zip(chains, keeps, may_drop):
+        for l, k in zip(c.layers, kp):
+            l.mode = "recompute_bn" if k else "recompute_conv"
+            l.may_drop = md
 
 
 def plan_auto(original: nn.Module, converted: nn.Module, inputs: Tuple[Any, ...], memory_budget: Optional[float],
@@ -138,7 +147,7 @@ def plan_auto(original: nn.Module, converted: nn.Module, inputs: Tuple[Any, ...]
                 f"{asked} asks for a step peak of {report.target_peak_bytes} bytes, below the "
                 f"lowest any plan reaches{' within memory_budget' if memory_budget is not None else ''}: {low} "
                 f"bytes = {low / eager_peak:.3f} of eager's {eager_peak} (predicted); planned for that lowest peak",
-                stacklevel=3)
+                stacklevel=4)
     elif memory_budget is None:
         # the default plans for the step's peak (planner docstring), never above eager's.
         # Note: [never above eager]
@@ -165,10 +174,7 @@ def plan_auto(original: nn.Module, converted: nn.Module, inputs: Tuple[Any, ...]
                 l.mode = "recompute_bn"
             m.plan_on_first_call = plan_on_first_call
     may_drop = drops_needed(costs, keeps, floor_total, gaps)  # Note: [drops only where the step peaks]
-    for c, kp, md in zip(ordered, keeps, may_drop):
-        for l, k in zip(c.layers, kp):
-            l.mode = "recompute_bn" if k else "recompute_conv"
-            l.may_drop = md
+    apply_plan(ordered, keeps, may_drop)
     # Note: [never above eager], last resort: a step measured above eager's (what a chain
     # recomputes outweighs what it stops keeping, e.g. tiny weight-dominated models) runs
     # its chains as eager modules, with the same peak as eager's. Measured only where the

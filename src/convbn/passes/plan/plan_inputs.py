@@ -246,7 +246,9 @@ def plan_inputs_at(a: PlanInputs, b: PlanInputs, batch: int) -> PlanInputs:
                              "the planner's inputs are not lines in the batch")
     values: Dict[str, Any] = {"batch": batch}
     for f in fields(PlanInputs):
-        if f.name in _CONSTANT or f.name == "batch":
+        if f.name == "batch":
+            continue
+        if f.name in _CONSTANT:
             values[f.name] = getattr(a, f.name)
             continue
         va, vb = getattr(a, f.name), getattr(b, f.name)
