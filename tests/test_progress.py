@@ -93,8 +93,8 @@ def test_explain_and_max_batch_print_their_stages_and_answer_the_same(capsys):
     opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
     shown = convbn.max_batch(net, x, "1MiB", optimizer=opt, progress=True)
     lines = _lines(capsys.readouterr().err)
-    for text in ("max_batch: eager: a recorded step at batch 2", "max_batch: eager: a recorded step at batch 6",
-                 "max_batch: convbn: measuring the chains at batch 4", f"eager batch {shown.eager_batch}, convbn batch"):
+    for text in ("max_batch: eager: a recorded step at batch 2", "max_batch: eager: a recorded step at batch 3",
+                 "max_batch: convbn: a recorded step at batch 3, planned as predicted", f"eager batch {shown.eager_batch}, convbn batch"):
         assert any(text in l for l in lines), (text, lines)
     quiet = convbn.max_batch(net, x, "1MiB", optimizer=opt, progress=False)
     assert capsys.readouterr().err == ""

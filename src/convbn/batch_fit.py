@@ -10,7 +10,7 @@ the converted model's, each with the peak it measured at that batch.
 # batch] in batch_predict.py), but the converted model's plan is made for the batch
 # (``convert(memory_limit=...)``) and changes with it. By default the answer is predicted
 # (eager: the step's lines; convbn: the planner's inputs as lines, and at each batch the
-# plan ``convert`` would make) from steps at batches 2 and 4, checked at 6, then confirmed
+# plan ``convert`` would make) from steps at batches 2 and 4, checked at 3, then confirmed
 # by real steps at the answer and the batch above it where they are affordable. Where a
 # check fails, and with ``method="measure"``, the search measures, never extrapolates a
 # result: two small batches give a line, the line's crossing of the limit is the next
@@ -32,6 +32,7 @@ from torch import Tensor, nn
 
 from .batch_predict import PROBE_BATCHES, StepLines, largest_fitting, step_seconds
 from .memory import Timeline, timeline
+from .memory.timelines import default_loss
 from .memory.budget import parse_memory, resident_bytes, usable_bytes
 from .memory.saved import format_bytes
 from .passes.convert.api import check_args, convert
@@ -235,16 +236,17 @@ class _Search:
         stage(f"convbn: converting at batch {b1}")
         m, o = copy.deepcopy((self.base, self.opt))
         t = time.perf_counter()
-        with warnings.catch_warnings():
+        with warnings.catch_warnings():  # the chains and layers only: their modes are planned below
             warnings.simplefilter("ignore")
-            conv = convert(m, example_inputs=_batch_of(self.inputs, b1), **self.convert_kwargs)
+            conv = convert(m, example_inputs=_batch_of(self.inputs, b1),
+                           **{**self.convert_kwargs, "strategy": "recompute_conv"})
         t_convert = time.perf_counter() - t
         if not conv.convbn_report.pairs or self.convert_kwargs.get("memory_budget") is not None:
             return self.measured("convbn")
         measured: Dict[int, PlanInputs] = {}
         times = []
         chains: List[Any] = []
-        for b in PROBE_BATCHES:
+        for b in (b1, b2):
             stage(f"convbn: measuring the chains at batch {b}")
             t = time.perf_counter()
             chains, measured[b] = measure_plan_inputs(conv, _batch_of(self.inputs, b), optimizer=o, loss_fn=self.loss_fn)
@@ -256,22 +258,32 @@ class _Search:
             return plan_to_target(p.costs(), p.floor, p.extra, target, p.gaps())
 
         try:
-            on_line = plan_inputs_at(measured[b1], measured[b2], b3) == measured[b3]
+            plan = plan_at(b3)
         except ValueError:
-            on_line = False
-        if not on_line:
-            return self.measured("convbn", None, f" (the planner's inputs at batch {b3} are off the line)")
+            return self.measured("convbn", None, " (the planner's inputs are not lines in the batch)")
         # the whole prediction at b3: the plan convert makes there, stepped for real
-        plan = plan_at(b3)
+        stage(f"convbn: a recorded step at batch {b3}, planned as predicted")
         apply_plan(chains, plan.keeps, plan.may_drop)
         seen = {b3: self.resident + measure_peak(conv, _batch_of(self.inputs, b3), optimizer=o, loss_fn=self.loss_fn).peak}
         if seen[b3] != self.resident + plan.peak:
             return self.measured("convbn", None, f" (the predicted peak at batch {b3} is off)")
         b = largest_fitting(lambda n: self.resident + plan_at(n).peak <= self.usable, self.upper)
-        how = (f"predicted from the planner's inputs at batches {b1} and {b2} (exact at {b3}, and its plan's "
-               f"step there as predicted)")
+        how = f"predicted from the planner's inputs at batches {b1} and {b2} (exact at {b3})"
         seconds = 2 * (t_convert + 8 * step_seconds(times, b + 1))
         return self._confirmed("convbn", b, self.resident + plan_at(b).peak if b else 0, seconds, seen, how)
+
+
+def _warm_up(model: nn.Module, opt: torch.optim.Optimizer, inputs: Tuple[Any, ...],
+             loss_fn: Optional[Callable[[Any], Tensor]]) -> None:
+    """One unrecorded training step (the optimizer's state made), gradients set to None after."""
+    opt.zero_grad(set_to_none=True)
+    with torch.enable_grad():
+        out = model(*inputs)
+        (default_loss(out) if loss_fn is None else loss_fn(out)).backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    for p in model.parameters():
+        p.grad = None
 
 
 def _check_convert_kwargs(model: nn.Module, inputs: Tuple[Any, ...], limit: int, kwargs: Dict[str, Any]) -> None:
@@ -306,8 +318,8 @@ def max_batch(
     its peak (the standard loop, gradients set to None first, weight gradients counted:
     Note: [a step's peak] in ``convbn/memory/timelines.py``). Copies of ``model`` (and of
     ``optimizer``, one warm-up step made so its state exists) take real steps at small
-    batches (2, 4 and 6); the answer is predicted from them exactly where a step's memory is
-    a line in the batch, which the step at 6 checks, and confirmed by real steps at the
+    batches (2, 4 and 3); the answer is predicted from them exactly where a step's memory is
+    a line in the batch, which the step at 3 checks, and confirmed by real steps at the
     answer and the batch above it where that is affordable (Note: [searching the batch]).
     The converted model is planned for each batch within the limit as
     ``convert(memory_limit=...)`` plans it. ``model`` and ``optimizer`` are not changed. On
@@ -377,9 +389,7 @@ def max_batch(
         base.train()
         if opt is not None:  # one warm-up step: its state (momentum, Adam moments) exists from here on
             stage("a warm-up step (the optimizer's state)")
-            timeline(base, *_batch_of(inputs, 2), loss_fn=loss_fn, optimizer=opt)
-            for p in base.parameters():
-                p.grad = None
+            _warm_up(base, opt, _batch_of(inputs, 2), loss_fn)
         search = _Search(base, opt, inputs, loss_fn, limit, usable, upper, device, confirm, convert_kwargs)
         fit = BatchFit(memory=limit, usable=usable, resident=search.resident, device=str(device))
         if method == "measure":

@@ -8,8 +8,9 @@
 # the eager step. The converted model's plan is made for its batch, so there the lines are
 # the planner's inputs (:func:`~convbn.passes.plan.plan_inputs.plan_inputs_at`), and at each
 # batch the planner makes the plan ``convert(memory_limit=...)`` would make and predicts its
-# peak. Both are recorded at batches 2 and 4 and checked at a third, 6: the record there
-# must equal the prediction point for point, else :func:`convbn.max_batch` measures instead.
+# peak. Both are recorded at batches 2 and 4 and checked at a third, 3: the eager step
+# there must equal its prediction point for point, and the converted model, planned for 3
+# as predicted, must peak as predicted; else :func:`convbn.max_batch` measures instead.
 # Near the answer the prediction is confirmed by real steps at the answer and the batch
 # above it where that is affordable.
 """
@@ -23,7 +24,7 @@ from .memory.timelines import Timeline
 __all__ = ["StepLines", "largest_fitting", "step_seconds", "PROBE_BATCHES"]
 
 #: the batches a prediction is recorded at, and the one it is checked at
-PROBE_BATCHES = (2, 4, 6)
+PROBE_BATCHES = (2, 4, 3)
 
 
 class StepLines:
