@@ -66,7 +66,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         p4 = timeline(m, *_batch_of(sample, 4), optimizer=o).peak
         p8 = timeline(m, *_batch_of(sample, 8), optimizer=o).peak
         limit = resident_bytes(m, o) + p4 + int(args.times * (p8 - p4))
-        fit = convbn.max_batch(model, sample, limit, optimizer=opt)
+        fit = convbn.max_batch(model, sample, limit, optimizer=opt, confirm=True)  # the batch above measured too
         again = check(model, opt, sample, fit.convbn_batch, limit, fused=True)
         again_e = check(model, opt, sample, fit.eager_batch, limit, fused=False)
         over_e = fit.resident + fit.probes["eager"][fit.eager_batch + 1]

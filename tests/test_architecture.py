@@ -16,7 +16,8 @@ The layers, lowest first; a module may import its own layer or lower ones:
 3. ``tools``       ``reference/`` (the tutorial's reference Functions and modules,
                    which production code never imports), ``memory`` (saved-bytes /
                    peak / timeline measurement, used by ``passes.convert``'s ``auto``
-                   planning) and ``gradcheck`` (module-level gradcheck)
+                   planning), ``gradcheck`` (module-level gradcheck) and ``progress``
+                   (a line per stage on stderr, used by ``passes`` and the app)
 4. ``passes``      the torch.fx passes (trace, match, plan, rewrite, fold)
 5. ``app``         ``bench/``, ``cli*``, ``demo*``, ``__main__`` and the package's
                    own ``__init__`` (which re-exports the public API)
@@ -38,7 +39,7 @@ LAYERS: Tuple[Tuple[str, Tuple[str, ...]], ...] = (
     ("functional", ("convbn.functional",)),
     ("autograd", ("convbn.autograd",)),
     ("nn", ("convbn.nn",)),
-    ("tools", ("convbn.reference", "convbn.memory", "convbn.gradcheck")),
+    ("tools", ("convbn.reference", "convbn.memory", "convbn.gradcheck", "convbn.progress")),
     ("passes", ("convbn.passes",)),
     ("app", ("convbn",)),  # everything else: bench/, cli*, demo*, __main__, __init__
 )

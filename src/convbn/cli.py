@@ -130,6 +130,17 @@ def _suggestion(parser: argparse.ArgumentParser, extras: Sequence[str]) -> str:
     return ""
 
 
+def add_progress_arguments(parser: argparse.ArgumentParser, what: str = "a line per stage") -> None:
+    """``--progress`` (print progress on stderr even when it is not a terminal) and
+    ``--quiet`` / ``--no-progress`` (none); neither: progress where stderr is a terminal."""
+    group = parser.add_mutually_exclusive_group()
+    group.add_argument("--progress", dest="progress", action="store_const", const=True, default=None,
+                       help=f"show progress ({what}) on stderr even when it is not a terminal "
+                            "(default: only on a terminal)")
+    group.add_argument("--quiet", "--no-progress", dest="progress", action="store_const", const=False,
+                       default=argparse.SUPPRESS, help="no progress output")
+
+
 # --------------------------------------------------------------------------- option types
 # Each raises argparse.ArgumentTypeError, which argparse reports as
 # "argument --flag: MESSAGE" on one line.

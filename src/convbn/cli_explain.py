@@ -13,6 +13,7 @@ Example:
     $ convbn explain mnist --input-shape 64x1x28x28
     $ convbn explain mypkg.nets:build_net --input-shape 8x3x224x224 --budget 0.5
     $ convbn explain mnist --memory 16GiB    # the largest batch eager and convbn train in 16 GiB
+    $ convbn explain mnist --memory 16GiB --quiet   # no progress lines on stderr
     $ convbn explain mynet:build --checkpoint last.ckpt --dtype bfloat16 --channels-last
 """
 from __future__ import annotations
@@ -22,7 +23,7 @@ import contextlib
 
 import torch
 
-from .cli import Command, fraction, memory_size
+from .cli import Command, add_progress_arguments, fraction, memory_size
 from .cli_model import add_model_arguments, channels_last_format, load_model, model_input, resolve_shape
 
 __all__ = ["load_model", "resolve_shape", "add_arguments", "run", "COMMAND", "AUTOCAST_DTYPES"]
@@ -49,6 +50,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="float32, or mixed precision: the model under torch.autocast with this dtype")
     parser.add_argument("--channels-last", action="store_true",
                         help="channels-last weights and input (channels_last_3d for 3-D models)")
+    add_progress_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -69,17 +71,18 @@ def run(args: argparse.Namespace) -> int:
     dtype = AUTOCAST_DTYPES[args.dtype]
     autocast = (torch.autocast(torch.device(args.device).type, dtype=dtype) if dtype is not None
                 else contextlib.nullcontext())
+    progress = getattr(args, "progress", None)
     with autocast:
         report = explain(model, x, strategy=args.strategy, memory_budget=args.budget, peak_budget=args.peak_budget,
-                         chain=not args.no_chain)
+                         chain=not args.no_chain, progress=progress)
     how = "".join((f", autocast {args.dtype}" if dtype is not None else "",
                    ", channels-last" if args.channels_last else ""))
-    print(f"{args.spec}, input {'x'.join(map(str, x.shape))}{how}")
-    print(report)
+    print(f"{args.spec}, input {'x'.join(map(str, x.shape))}{how}", flush=True)
+    print(report, flush=True)  # the report before the longer search
     if args.memory is not None:
         from .batch_fit import max_batch
 
-        fit = max_batch(model, x, args.memory, chain=not args.no_chain)
+        fit = max_batch(model, x, args.memory, chain=not args.no_chain, progress=progress)
         print(fit)
     return 0
 

@@ -100,7 +100,8 @@ def write_text(path: str, text: str) -> None:
 
 
 def add_output_arguments(parser: argparse.ArgumentParser, plot_help: str) -> None:
-    """Add ``--plot``, ``--json``, ``--markdown``, ``--wide`` and ``--no-progress`` (read by :func:`write_outputs`).
+    """Add ``--plot``, ``--json``, ``--markdown``, ``--wide`` and ``--progress`` / ``--quiet`` (``--no-progress``)
+    (read by :func:`write_outputs`; ``args.progress`` is ``None``, ``True`` or ``False``).
 
     Args:
         parser: the benchmark's parser.
@@ -112,7 +113,19 @@ def add_output_arguments(parser: argparse.ArgumentParser, plot_help: str) -> Non
     parser.add_argument("--markdown", type=output_path, nargs="?", const="-", default=None, metavar="PATH",
                         help="write all columns as a markdown table to PATH (no PATH or '-': stdout)")
     parser.add_argument("--wide", action="store_true", help="print every column (default: the key columns, 120 wide)")
-    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    from ..cli import add_progress_arguments
+
+    add_progress_arguments(parser, "a bar")
+
+
+def progress_bar(progress: Optional[bool]) -> Any:
+    """A ``rich`` progress bar on stderr: ``None`` where stderr is a terminal, ``True`` always,
+    ``False`` never (the bar disabled)."""
+    from rich.console import Console
+    from rich.progress import Progress
+
+    console = Console(stderr=True, force_terminal=True if progress else None)
+    return Progress(console=console, disable=progress is False or not console.is_terminal, transient=True)
 
 
 def write_outputs(args: argparse.Namespace, rows: Sequence[Any], to_markdown: Callable[[Sequence[Any]], str],

@@ -27,7 +27,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from convbn.bench.common import DTYPES, add_output_arguments, first_tensor, fmt, rows_to_json, short_error, write_outputs
+from convbn.bench.common import DTYPES, add_output_arguments, progress_bar, first_tensor, fmt, rows_to_json, short_error, write_outputs
 from convbn.bench.models import build_model, check_input
 from convbn.cli_model import load_checkpoint
 from convbn.bench.plotting import pyplot
@@ -129,7 +129,7 @@ def run_inference_bench(
     image_size: Optional[int] = None,
     use_compile: bool = False,
     seed: int = 0,
-    progress: bool = True,
+    progress: Optional[bool] = None,
     device: str = "cpu",
     dtype: torch.dtype = torch.float32,
     checkpoint: Optional[str] = None,
@@ -144,7 +144,8 @@ def run_inference_bench(
         image_size: overrides every spatial size of the model's default input.
         use_compile: also time ``torch.compile`` of the folded model (slow to compile).
         seed: seed of the weights, BatchNorm statistics and input.
-        progress: show a rich progress bar.
+        progress: a rich progress bar on stderr: ``None`` where stderr is a terminal, ``True`` always,
+            ``False`` never.
         device / dtype: where and in which dtype the model and input live.
         checkpoint: load these weights (:func:`convbn.cli_model.load_checkpoint`) into every
             model instead of randomising its BatchNorm statistics.
@@ -152,10 +153,8 @@ def run_inference_bench(
     Returns:
         One :class:`InferenceRow` per (model, variant).
     """
-    from rich.progress import Progress
-
     rows: List[InferenceRow] = []
-    with torch.no_grad(), Progress(disable=not progress, transient=True) as bar:
+    with torch.no_grad(), progress_bar(progress) as bar:
         total = len(specs) * (warmup + repeats)
         task = bar.add_task("inference benchmark", total=total)
         for spec in specs:
@@ -335,7 +334,7 @@ def main_inference(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     rows = run_inference_bench(
         specs, args.batch_size, args.repeats, args.warmup, image_size=args.image_size,
-        use_compile=args.compile, seed=args.seed, progress=not args.no_progress,
+        use_compile=args.compile, seed=args.seed, progress=args.progress,
         device=args.device, dtype=DTYPES[args.dtype], checkpoint=args.checkpoint,
     )
     print_table(rows, title=f"Inference: unfused vs fx fuse vs convbn.fold ({args.device} {args.dtype}, eval, no grad)",

@@ -85,7 +85,8 @@ from torch import Tensor, nn
 from torch.nn.modules.dropout import _DropoutNd
 
 from convbn.bench.checkpointing import CheckpointBlock, checkpoint_blocks, find_blocks
-from convbn.bench.common import DTYPES, add_output_arguments, first_tensor, projection_loss, short_error, timed_ms, write_outputs
+from convbn.progress import progress_scope
+from convbn.bench.common import DTYPES, add_output_arguments, progress_bar, first_tensor, projection_loss, short_error, timed_ms, write_outputs
 from convbn.bench.concat_checkpoint import NoConcatHead
 from convbn.bench.models import build_model, check_input, check_spec
 from convbn.bench.plotting import pyplot
@@ -227,7 +228,7 @@ def run_training_bench(
     memory_rounds: int = 3,
     lr: float = 1e-3,
     seed: int = 0,
-    progress: bool = True,
+    progress: Optional[bool] = None,
     model: Optional[nn.Module] = None,
     input_shape: Optional[Sequence[int]] = None,
     peak_budgets: Sequence[float] = (),
@@ -250,7 +251,8 @@ def run_training_bench(
         memory_rounds: dedicated rounds measuring the peak memory of one step (median reported).
         lr: SGD learning rate.
         seed: seed of the weights, input and dropout.
-        progress: show a rich progress bar.
+        progress: a rich progress bar on stderr: ``None`` where stderr is a terminal, ``True`` always,
+            ``False`` never.
         model: benchmark this module (deep-copied, never changed) instead of building ``spec``,
             which then only labels the rows; needs ``input_shape``.
         input_shape: the input shape without the batch dimension, with ``model``.
@@ -264,8 +266,6 @@ def run_training_bench(
         ValueError: bad spec, configuration key, budget or counts.
         ImportError: the spec's package is missing.
     """
-    from rich.progress import Progress
-
     if steps < 1 or warmup < 0 or memory_rounds < 0 or batch_size < 1:
         raise ValueError(f"need steps >= 1, warmup >= 0, memory_rounds >= 0 and batch_size >= 1, but got "
                          f"steps={steps}, warmup={warmup}, memory_rounds={memory_rounds}, batch_size={batch_size}")
@@ -286,7 +286,7 @@ def run_training_bench(
     rows: Dict[str, TrainingRow] = {n: TrainingRow(spec, n, tuple(x.shape), str(device), dtype_name) for n in names}
     cfgs: List[TrainingConfig] = []
     per_config = 2 + warmup + memory_rounds + steps
-    with Progress(disable=not progress, transient=True) as bar:
+    with progress_scope("bench", False), progress_bar(progress) as bar:  # the bar, not convert's lines
         task = bar.add_task(f"{spec}: building", total=len(names) * per_config)
 
         # build + first step (same weights, input and seed) -> differences from eager
@@ -505,7 +505,7 @@ def main_training(args: argparse.Namespace) -> int:
             budgets=args.budget, peak_budgets=args.peak_budget,
             compile_budgets=DEFAULT_COMPILE_BUDGETS if args.compile_budget is None else args.compile_budget,
             use_compile=not args.no_compile, image_size=args.image_size, memory_rounds=args.memory_rounds,
-            lr=args.lr, seed=args.seed, progress=not args.no_progress,
+            lr=args.lr, seed=args.seed, progress=args.progress,
         )
     print_table(rows, wide=args.wide)
     write_outputs(args, rows, rows_to_markdown, rows_to_json, write_plot)

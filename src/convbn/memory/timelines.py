@@ -31,7 +31,7 @@ from .mod_tracking import releasing_mod_tracker
 from .peaks import tensor_peak
 from .saved import _with_fused
 
-__all__ = ["PHASES", "Timeline", "TimelinePoint", "timeline"]
+__all__ = ["PHASES", "Timeline", "TimelinePoint", "timeline", "default_loss"]
 
 #: the phases of one training step, in order, as :func:`timeline` records them
 PHASES = ("zero_grad", "forward", "loss", "backward", "optimizer")
@@ -194,7 +194,7 @@ def timeline(
     if not isinstance(model, nn.Module):
         raise TypeError(f"timeline expects an nn.Module, but got {type(model).__name__}")
     if loss_fn is None:
-        loss_fn = _default_loss
+        loss_fn = default_loss
     devices = {t.device.type for t in (*inputs, *model.parameters()) if isinstance(t, Tensor)}
     track: Tuple[Any, ...] = (model,) if optimizer is None else (model, optimizer)
     if "cuda" in devices:
@@ -247,7 +247,8 @@ def _name_fused(mod_tracker: Any, model: nn.Module) -> None:
             mod_tracker._known_modules[mod] = f"{root}.{name}"
 
 
-def _default_loss(out: Any) -> Tensor:
+def default_loss(out: Any) -> Tensor:
+    """The loss :func:`timeline` uses without ``loss_fn``: the mean of the output's first tensor, in float32."""
     leaves = [t for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, Tensor)]
     if not leaves:
         raise TypeError(f"timeline's default loss needs a tensor output, but the model returned {type(out).__name__}")

@@ -37,8 +37,9 @@ from .rewrite import drop_hooked, rewrite_chains, swap_sync_batchnorm, watch_hoo
 from ..graph.trace import LayerTracer, short_reason, trace
 from ..check.step import called_inputs, check_step
 from ..check.validate import StateSnapshot, tolerance
+from ...progress import check_progress, progress_scope, stage
 
-__all__ = ["convert", "explain", "CONVERT_STRATEGIES"]
+__all__ = ["convert", "explain", "check_args", "CONVERT_STRATEGIES"]
 
 M = TypeVar("M", bound=nn.Module)
 
@@ -234,6 +235,7 @@ def _validated_convert(module: nn.Module, prefix: str, args: Tuple[Any, ...], kw
     _convert(module, prefix, ctx)
     if not any(installed(m) is not None for m in module.modules()):
         return
+    stage(f"check {prefix.rstrip('.') or 'the model'}: one training step, converted against eager")
     result = check_step(module, args, kwargs)
     if result.ok:
         ctx.report.validated.append(prefix.rstrip("."))
@@ -263,8 +265,9 @@ def _finer(module: nn.Module, prefix: str, inputs: Dict[int, Tuple[Tuple[Any, ..
             _finer(child, f"{prefix}{name}.", inputs, ctx)
 
 
-def _check_args(model: Any, strategy: str, memory_budget: Optional[float], example_inputs: Any,
-                peak_budget: Optional[float] = None, memory_limit: Any = None) -> None:
+def check_args(model: Any, strategy: str, memory_budget: Optional[float], example_inputs: Any,
+               peak_budget: Optional[float] = None, memory_limit: Any = None) -> None:
+    """Every argument of :func:`convert` checked before any work: ``TypeError`` / ``ValueError`` naming it."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"convert expects an nn.Module, but got {type(model).__name__}")
     reject_torchscript(model, "convert")
@@ -308,6 +311,7 @@ def convert(
     chain: bool = True,
     peak_budget: Optional[float] = None,
     memory_limit: Any = None,
+    progress: Optional[bool] = None,
 ) -> nn.Module:
     """Fuse every Conv -> BatchNorm (-> activation) of ``model`` for memory-lean training.
 
@@ -362,6 +366,9 @@ def convert(
             are new but share ``model``'s parameters, buffers and other tensors is rewritten.
         chain: group consecutive fused layers into chains (one autograd Function per chain,
             which rebuilds a layer's input from the layer before; ``False``: one per layer).
+        progress: print a line per stage (trace, check, plan) on stderr: ``None`` where
+            stderr is a terminal (or where an enclosing call prints), ``True`` always,
+            ``False`` never.
 
     Hooks and parametrizations: a conv, BatchNorm or
     activation module with hooks (including old-style ``weight_norm`` / ``spectral_norm`` and
@@ -379,8 +386,9 @@ def convert(
         >>> fast[0].weight is net[0].weight
         True
     """
-    _check_args(model, strategy, memory_budget, example_inputs, peak_budget, memory_limit)
-    with transaction(model):  # Note: [a failed pass changes nothing]
+    check_args(model, strategy, memory_budget, example_inputs, peak_budget, memory_limit)
+    check_progress(progress)
+    with progress_scope("convert", progress), transaction(model):  # Note: [a failed pass changes nothing]
         return _convert_model(model, strategy, memory_budget, example_inputs, inplace, chain, peak_budget,
                               memory_limit)
 
@@ -395,6 +403,7 @@ def _convert_model(model: nn.Module, strategy: str, memory_budget: Optional[floa
     ctx = _Context(strategy, chain, report, lazy=example_inputs is None, example=inputs, root=work)
     # Conversion changes no state: reading a parametrized weight (spectral_norm's power
     # iteration) or tracing must not move buffers or the RNG.
+    stage(f"trace and match {type(model).__name__}")
     with StateSnapshot(work):
         if inputs is not None:
             _validated_convert(work, "", inputs, {}, ctx)
@@ -435,7 +444,7 @@ def explain(model: nn.Module, example_inputs: Any = None, **kwargs: Any) -> Conv
     Args:
         model: the model.
         example_inputs: inputs for measuring saved bytes and planning (recommended).
-        **kwargs: ``strategy``, ``memory_budget``, ``peak_budget``, ``chain`` as for :func:`convert`.
+        **kwargs: ``strategy``, ``memory_budget``, ``peak_budget``, ``chain``, ``progress`` as for :func:`convert`.
 
     Returns:
         The :class:`ConvertReport`: each pair with its strategy, kept bytes and extra
@@ -444,10 +453,15 @@ def explain(model: nn.Module, example_inputs: Any = None, **kwargs: Any) -> Conv
         the output's mean) of the converted and the eager model, and where the converted
         one peaks; with ``strategy="auto"`` the planner's predicted peak too.
     """
-    converted = convert(model, example_inputs=example_inputs, inplace=False, **kwargs)
-    report: ConvertReport = converted.convbn_report  # type: ignore[assignment]
-    if example_inputs is not None and report.pairs:
+    progress = kwargs.pop("progress", None)
+    check_progress(progress)
+    with progress_scope("explain", progress):
+        converted = convert(model, example_inputs=example_inputs, inplace=False, **kwargs)
+        report: ConvertReport = converted.convbn_report  # type: ignore[assignment]
+        if example_inputs is None or not report.pairs:
+            return report
         inputs = as_inputs(example_inputs)
+        stage("measuring a step of the eager and of the converted model")
         with StateSnapshot(model):
             eager = measure_peak(model, inputs)
         tl = measure_peak(converted, inputs)

@@ -6,22 +6,22 @@ from __future__ import annotations
 
 import math
 import warnings
-from dataclasses import replace
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from dataclasses import dataclass
+from typing import Any, List, Optional, Sequence, Tuple
 
-import torch
 from torch import Tensor, nn
-from torch.utils import _pytree as pytree
 
-from ...memory import saved_bytes, timeline
+from ...memory import saved_bytes
 from ...nn.chain import ChainLayer, FusedChain
-from .planner import (ChainCost, all_keep_bytes, chain_backward_peak, plan_for_peak, plan_layers, plan_on_first_call,
+from ...progress import stage
+from .planner import (ChainCost, all_keep_bytes, plan_for_peak, plan_layers, plan_on_first_call,
                       plan_within_peak, step_peak, drops_needed)
+from .plan_inputs import chains_of, measure_peak, measure_plan_inputs
 from ..graph.graph_module import fused_modules
 from ..report.convert_report import ConvertReport
 from ..check.validate import StateSnapshot
 
-__all__ = ["as_inputs", "measure_saved", "plan_auto", "measure_peak", "trained_outputs_loss"]
+__all__ = ["as_inputs", "measure_saved", "plan_auto", "measure_peak", "plan_to_target", "PeakPlan", "apply_plan"]
 
 
 def as_inputs(example_inputs: Any) -> Tuple[Any, ...]:
@@ -42,145 +42,41 @@ def measure_saved(model: nn.Module, inputs: Tuple[Any, ...]) -> int:
     return saved_bytes(model, *inputs).activation_bytes
 
 
-def _chains(model: nn.Module) -> List[FusedChain]:
-    return [m for _, m in fused_modules(model) if isinstance(m, FusedChain)]
-
-
-def _names(model: nn.Module) -> Dict[int, str]:
-    """Qualified names of ``model``'s modules and of the fused modules a rewrite added."""
-    names = {id(m): n for n, m in model.named_modules()}
-    names.update({id(m): n for n, m in fused_modules(model)})
-    return names
-
-
 def _chain_layers(model: nn.Module) -> List[List[ChainLayer]]:
-    return [m.layers for m in _chains(model)]
+    return [m.layers for m in chains_of(model)]
 
 
-def _chain_costs(converted: nn.Module, inputs: Tuple[Any, ...]
-                 ) -> Tuple[List[FusedChain], List[ChainCost], int, List[int]]:
-    """The chains in forward order with their :class:`ChainCost`, and the floor's saved
-    activation bytes; measured with every layer keeping nothing.
+@dataclass(frozen=True)
+class PeakPlan:
+    """A plan for a step peak asked for: the keep flags and may-drop flags chain by chain,
+    its predicted step peak, the lowest peak any plan reaches, and whether the one asked
+    for is reached."""
 
-    A chain's ``prefix`` is what is alive besides it when its backward runs: activations
-    saved before it, the gradients of the parameters used after it (their backward has
-    run by then, and with ``zero_grad(set_to_none=True)`` they did not exist at the end of
-    forward), and whatever autograd holds for the ops around it (a residual branch's
-    gradient, an output another op saved). It is measured (:func:`_calibrate`): one
-    recorded step of this all-recompute plan gives each chain's peak, less its replayed
-    transient. Where a chain's backward cannot be told apart in the recording, it is
-    estimated from the saved bytes: activations saved before it plus the gradients of the
-    parameters used after it. The chain's own parameter gradients are ``w_bytes``.
-    """
-    converted.train()
-    rec = saved_bytes(converted, *inputs, per_module=True)
-    names = _names(converted)
-    chain_params = {names[id(m)]: _chain_param_bytes(m) for m in _chains(converted)}
-    # walk the saves in forward order: a chain's prefix = activations saved before it +
-    # gradients of every parameter used after it (saved ones, and later chains' own)
-    first: Dict[str, Tuple[int, int]] = {}
-    order: Dict[str, int] = {}
-    acts_before, params_before = 0, 0
-    for (mod, _, _, nbytes), is_param in zip(rec.shapes, rec.is_param):
-        if mod not in first:
-            first[mod], order[mod] = (acts_before, params_before), len(order)
-            params_before += chain_params.get(mod, 0)
-        if is_param:
-            params_before += nbytes
-        else:
-            acts_before += nbytes
-    total_params = params_before
-    prefix = {m: a + total_params - p - chain_params.get(m, 0) for m, (a, p) in first.items()}
-    chains = [m for m in _chains(converted) if names.get(id(m)) in first]
-    chains.sort(key=lambda m: order[names[id(m)]])  # forward order
-    costs = [
-        ChainCost(
-            y_bytes=tuple(l.y_bytes() for l in c.layers),
-            x_bytes=tuple(l.x_bytes() for l in c.layers),
-            macs=tuple(l.recompute_cost() for l in c.layers),
-            acts=tuple(l.tail_kind() for l in c.layers),
-            prefix=prefix[names[id(c)]],
-            w_bytes=tuple(_layer_param_bytes(l) for l in c.layers),
-            head=c.layers[0].is_head,
-            end=c.layers[-1].is_end,
-            s_bytes=tuple(_stat_bytes(l) for l in c.layers),
-        )
-        for c in chains
-    ]
-    calibrated, gaps = _calibrate(converted, inputs, chains, costs)
-    return chains, calibrated, rec.activation_bytes, gaps
+    keeps: List[List[bool]]
+    may_drop: List[bool]
+    peak: int
+    lowest: int
+    reached: bool
 
 
-def _calibrate(converted: nn.Module, inputs: Tuple[Any, ...], chains: Sequence[FusedChain],
-               costs: Sequence[ChainCost]) -> Tuple[List[ChainCost], List[int]]:
-    """``costs`` with each ``prefix`` measured: the peak of the chain's backward in one
-    recorded step (every layer keeping nothing, as now) less the replayed transient of that
-    plan. A chain's backward is found by its autograd node (its output's ``grad_fn``), its
-    forward by the module running. Also the moments outside every chain's backward, as
-    ``gaps[m]``: the most bytes in use while the first ``m`` chains in forward order may
-    hold kept outputs (Note: [moments outside the chains] in passes/plan/planner.py)."""
-    nodes: Dict[int, int] = {}
-    held: List[Any] = []  # the nodes stay alive (their ids unique) until the step is read
-
-    def record(j: int) -> Any:
-        def hook(module: nn.Module, args: Any, out: Any) -> None:
-            if isinstance(out, Tensor) and out.grad_fn is not None:
-                nodes[id(out.grad_fn)] = j
-                held.append(out.grad_fn)
-        return hook
-
-    handles = [c.register_forward_hook(record(j)) for j, c in enumerate(chains)]
-    try:
-        tl = measure_peak(converted, inputs)
-    finally:
-        for h in handles:
-            h.remove()
-    peaks: Dict[int, int] = {}
-    gaps = [0] * (len(chains) + 1)
-    names = _names(converted)
-    chain_of = {names[id(c)]: j for j, c in enumerate(chains) if id(c) in names}
-    ran = -1  # the last chain (forward order) whose forward has started
-    done = set()  # chains whose backward has started
-    for pt in tl.points:
-        j = nodes.get(pt.node) if pt.node else None
-        if j is not None:
-            peaks[j] = max(peaks.get(j, 0), pt.bytes)
-            done.add(j)
-            continue
-        if pt.phase == "backward":
-            alive = max((i for i in range(len(chains)) if i not in done), default=-1)
-        else:
-            owner = chain_of.get(pt.module.split(".")[0]) if pt.module else None
-            if owner is None:  # a chain nested in a submodule: match by its dotted name
-                owner = next((i for n, i in chain_of.items() if pt.module == n or pt.module.startswith(n + ".")), None)
-            if owner is not None:
-                ran = max(ran, owner)
-            alive = ran if pt.phase in ("forward", "loss") else -1
-        gaps[alive + 1] = max(gaps[alive + 1], pt.bytes)
-    del held
-    out = []
-    for j, cost in enumerate(costs):
-        if j in peaks:
-            own = chain_backward_peak(cost, [False] * len(cost.y_bytes))[0]
-            cost = replace(cost, prefix=max(0, peaks[j] - own))
-        out.append(cost)
-    return out, gaps
+def plan_to_target(costs: Sequence[ChainCost], floor: int, extra: int, target: int,
+                   gaps: Optional[Sequence[int]] = None) -> PeakPlan:
+    """The plan ``convert(memory_limit=...)`` / ``peak_budget`` makes for a predicted step
+    peak of at most ``target`` bytes (:func:`plan_within_peak`), with its drops
+    (:func:`drops_needed`) and its predicted peak (:func:`step_peak`)."""
+    keeps, low, reached = plan_within_peak(costs, floor, extra, target, gaps)
+    may_drop = drops_needed(costs, keeps, floor, gaps)
+    peak = step_peak(costs, keeps, floor, may_drop=may_drop, gaps=gaps)[0]
+    return PeakPlan(keeps, may_drop, peak, low, reached)
 
 
-def _stat_bytes(layer: ChainLayer) -> int:
-    """Bytes of the mean and inverse std a layer's BatchNorm saves (float32, freed after its
-    BN backward: Note: [never above eager])."""
-    return 0 if layer.bn is None else 2 * 4 * int(layer.bn.num_features)
-
-
-def _chain_param_bytes(chain: FusedChain) -> int:
-    """Bytes of the gradients a chain's parameters get (conv weight and bias, BN weight and bias)."""
-    return sum(_layer_param_bytes(l) for l in chain.layers)
-
-
-def _layer_param_bytes(layer: ChainLayer) -> int:
-    """Bytes of the gradients one layer's parameters get (conv, BN and tail parameters)."""
-    return sum(t.numel() * t.element_size() for t in layer.parameters() if t.requires_grad)
+def apply_plan(chains: Sequence[FusedChain], keeps: Sequence[Sequence[bool]], may_drop: Sequence[bool]) -> None:
+    """Write a plan's flags into ``chains`` (forward order): each layer keeps its conv output
+    (``recompute_bn``) or recomputes it (``recompute_conv``); ``may_drop`` per chain."""
+    for c, kp, md in zip(chains, keeps, may_drop):
+        for l, k in zip(c.layers, kp):
+            l.mode = "recompute_bn" if k else "recompute_conv"
+            l.may_drop = md
 
 
 def plan_auto(original: nn.Module, converted: nn.Module, inputs: Tuple[Any, ...], memory_budget: Optional[float],
@@ -213,14 +109,17 @@ def plan_auto(original: nn.Module, converted: nn.Module, inputs: Tuple[Any, ...]
     chains = _chain_layers(converted)
     layers = [l for c in chains for l in c]
     with StateSnapshot(original), StateSnapshot(converted):
+        stage("plan: measuring the eager step")
         eager = measure_saved(original, inputs)
         eager_peak = measure_peak(original, inputs).peak
         for l in layers:
             l.mode = "recompute_conv"
-        for m in _chains(converted):
+        for m in chains_of(converted):
             m.plan_on_first_call = None
+        stage(f"plan: measuring {len(chains)} chains")
         floor = measure_saved(converted, inputs)
-        ordered, costs, floor_total, gaps = _chain_costs(converted, inputs)
+        ordered, measured = measure_plan_inputs(converted, inputs)
+    costs, gaps, floor_total = measured.costs(), measured.gaps(), measured.floor
     report.eager_saved_bytes, report.floor_saved_bytes = eager, floor
     if memory_budget is None:
         # no saved-bytes limit: the default and a peak budget plan for the peak alone
@@ -240,7 +139,8 @@ def plan_auto(original: nn.Module, converted: nn.Module, inputs: Tuple[Any, ...]
     if peak_budget is not None or peak_target is not None:
         asked = f"peak_budget={peak_budget}" if peak_target is None else "memory_limit"
         report.target_peak_bytes = int(peak_budget * eager_peak) if peak_target is None else peak_target
-        keeps, low, reached = plan_within_peak(costs, floor_total, extra, report.target_peak_bytes, gaps)
+        chosen = plan_to_target(costs, floor_total, extra, report.target_peak_bytes, gaps)
+        keeps, low, reached = chosen.keeps, chosen.lowest, chosen.reached
         report.lowest_peak_bytes = low
         if not reached:
             warnings.warn(
@@ -268,16 +168,13 @@ def plan_auto(original: nn.Module, converted: nn.Module, inputs: Tuple[Any, ...]
         keeps = [[by_layer[id(l)] for l in c.layers] for c in ordered]
     # the planner is pure; its flags are applied here
     reached = {id(c) for c in ordered}
-    for m in _chains(converted):
+    for m in chains_of(converted):
         if id(m) not in reached:  # not run by example_inputs: plan when it runs
             for l in m.layers:
                 l.mode = "recompute_bn"
             m.plan_on_first_call = plan_on_first_call
     may_drop = drops_needed(costs, keeps, floor_total, gaps)  # Note: [drops only where the step peaks]
-    for c, kp, md in zip(ordered, keeps, may_drop):
-        for l, k in zip(c.layers, kp):
-            l.mode = "recompute_bn" if k else "recompute_conv"
-            l.may_drop = md
+    apply_plan(ordered, keeps, may_drop)
     # Note: [never above eager], last resort: a step measured above eager's (what a chain
     # recomputes outweighs what it stops keeping, e.g. tiny weight-dominated models) runs
     # its chains as eager modules, with the same peak as eager's. Measured only where the
@@ -288,42 +185,15 @@ def plan_auto(original: nn.Module, converted: nn.Module, inputs: Tuple[Any, ...]
         with StateSnapshot(converted):
             fused_peak = measure_peak(converted, inputs).peak
         if fused_peak > eager_peak:
-            for m in _chains(converted):  # registered or added by the in-place rewrite
+            for m in chains_of(converted):  # registered or added by the in-place rewrite
                 m.eager = True
             report.eager_fallback = True
     peak, where = step_peak(costs, keeps, floor_total, may_drop=may_drop, gaps=gaps)
     report.predicted_peak_bytes = peak
-    names = _names(converted)
+    names = {id(m): n for n, m in converted.named_modules()}
+    names.update({id(m): n for n, m in fused_modules(converted)})
     report.predicted_peak_where = "end of forward" if where == -1 else "outside the chains" if where == -2 else (
         f"backward, in {names.get(id(ordered[where]), '?')!r} ({ordered[where].layers[0].names[0]} ...)")
     if memory_budget is not None:  # the default and a peak budget alone set no saved-bytes target
         report.target_saved_bytes = floor + extra
     report.saved_bytes = floor + sum(l.keep_bytes() for l in layers if l.mode == "recompute_bn")
-
-
-def trained_outputs_loss(out: Any) -> Tensor:
-    """The loss :func:`measure_peak` differentiates: the sum of the means (in float32) of every
-    output that requires grad, whichever position it has (a model may return an index or a
-    mask first). Where none does, the step has no backward: a constant loss (backward does
-    nothing; the peak measured is the forward's)."""
-    leaves = [t for t in pytree.tree_leaves(out) if isinstance(t, Tensor)]
-    trained = [t.float().mean() for t in leaves if t.requires_grad and t.is_floating_point()]
-    if trained:
-        return sum(trained[1:], trained[0])
-    return torch.zeros((), requires_grad=True)
-
-
-def measure_peak(model: nn.Module, inputs: Tuple[Any, ...]) -> Any:
-    """Timeline of one training step of ``model`` (loss: :func:`trained_outputs_loss`);
-    gradients, buffers, modes and RNG are put back afterwards."""
-    params = list(model.parameters())
-    grads = [p.grad for p in params]
-    for p in params:
-        p.grad = None
-    try:
-        with StateSnapshot(model):
-            model.train()
-            return timeline(model, *inputs, loss_fn=trained_outputs_loss)
-    finally:
-        for p, g in zip(params, grads):
-            p.grad = g
