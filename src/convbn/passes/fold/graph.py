@@ -25,6 +25,7 @@ from ..graph.layers import LayerCall, has_standard_forward, layer_call, layer_sp
 from ..report.outcome import BNOutcome
 from ..graph.shape_uses import value_users
 from ..bn.tokens import features_to_dim1
+from ..bn.frozen import frozen_bn_eps
 
 __all__ = ["FoldContext", "GraphFolder"]
 
@@ -95,6 +96,11 @@ class _Layer:
         return self.weight.shape[0] if self.kind == "convt" else self.weight.shape[1] * self.groups
 
 
+def _eps(bn: nn.Module) -> float:
+    """A BatchNorm module's eps; a frozen one's may be a constant in its forward (``frozen_bn_eps``)."""
+    return float(bn.eps) if isinstance(getattr(bn, "eps", None), (int, float)) else frozen_bn_eps(bn)
+
+
 def _pads_with_zeros(layer: _Layer) -> bool:
     """Whether conv ``layer`` reads zeros beyond its input's border (see Note: [folding into
     the following conv]); ``True`` where its geometry is computed in forward. Module and
@@ -145,7 +151,7 @@ class GraphFolder:
             if why is not None:
                 return BNOutcome(name, "left", reason=why)
             self.norm_act.add(call.target)
-            return _BNSite(node, name, call.input, mod.running_mean, mod.running_var, float(mod.eps),
+            return _BNSite(node, name, call.input, mod.running_mean, mod.running_var, _eps(mod),
                            mod.weight, mod.bias, mod, (node.args[0],), call.ranks)
         if call.kind == "module":
             why = check_bn_foldable(mod)
@@ -158,7 +164,7 @@ class GraphFolder:
                 why = "BatchNorm called with extra arguments"
             if why is not None:
                 return BNOutcome(name, "left", reason=why)
-        return _BNSite(node, name, call.input, mod.running_mean, mod.running_var, float(mod.eps),
+        return _BNSite(node, name, call.input, mod.running_mean, mod.running_var, _eps(mod),
                        mod.weight, mod.bias, mod, (), call.ranks)
 
     def _functional_site(self, call: BNCall) -> Union[_BNSite, BNOutcome]:
