@@ -19,8 +19,10 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from ..bn.frozen import frozen_bn_ranks, frozen_bn_reason
+from ..bn.ghost import ghost_bn_reason
 
-__all__ = ["BNOutcome", "OUTCOME_RESULTS", "DIRECTIONS", "bn_module_names", "unreached", "frozen_lookalikes"]
+__all__ = ["BNOutcome", "OUTCOME_RESULTS", "DIRECTIONS", "bn_module_names", "unreached", "frozen_lookalikes",
+           "explain_ghost_loops"]
 
 #: what can happen to a BatchNorm: fused (convert), folded (fold), left as it was (either)
 OUTCOME_RESULTS = ("fused", "folded", "left")
@@ -173,3 +175,34 @@ def frozen_lookalikes(model: nn.Module, outcomes: Sequence[BNOutcome] = ()) -> L
         if reason is not None:
             left.append(BNOutcome(name or "<root>", "left", reason=reason))
     return left
+
+
+def explain_ghost_loops(model: nn.Module, outcomes: Sequence[BNOutcome]) -> List[BNOutcome]:
+    """``outcomes`` with the reason of each BatchNorm left inside a module that could not be
+    traced replaced by a precise one where that module's ``forward`` is a ghost BatchNorm
+    loop (:func:`~convbn.passes.bn.ghost.ghost_bn_reason`).
+
+    Args:
+        model: the model the pass was given, whose qualified names the outcomes use.
+        outcomes: the outcomes the pass recorded.
+
+    Returns:
+        The outcomes, in the same order.
+
+    Example:
+        >>> explain_ghost_loops(nn.Sequential(nn.BatchNorm2d(4)), [BNOutcome("0", "left", reason="r")])[0].reason
+        'r'
+    """
+    out = []
+    for o in outcomes:
+        owner_path, _, attr = o.batchnorm.rpartition(".")
+        if o.result == "left" and "could not be traced" in o.reason:
+            try:
+                owner = model.get_submodule(owner_path)
+            except AttributeError:
+                owner = None
+            why = ghost_bn_reason(owner, attr) if owner is not None else None
+            if why is not None:
+                o = BNOutcome(o.batchnorm, o.result, o.layer, o.direction, why)
+        out.append(o)
+    return out
