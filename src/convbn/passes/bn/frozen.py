@@ -244,6 +244,10 @@ def recognise_frozen_norm_act(module: nn.Module) -> NormActBody:
     name = type(module).__name__
     if not holds_frozen_bn_tensors(module) or not any(True for _ in module.children()):
         return NormActBody(reason=f"{name} is not a frozen BatchNorm with children")
+    eps = _eps_attribute(module)
+    if eps is None:
+        return NormActBody(reason=f"{name}: it keeps its eps as a constant in its forward, which is read only "
+                                  "where its whole output is the batch norm (an eps attribute is needed with children)")
     found = {}
     for training in (True, False):
         graph, _, error = trace_body(module, training)
@@ -263,10 +267,6 @@ def recognise_frozen_norm_act(module: nn.Module) -> NormActBody:
         # an Interpreter, not GraphModule.__call__, which prints a traceback for ranks it refuses
         return fx.Interpreter(fx.GraphModule(copy_module, prefix)).run(inp)
 
-    eps = _eps_attribute(module)
-    if eps is None:
-        return NormActBody(reason=f"{name}: it keeps its eps as a constant in its forward, which is read only "
-                                  "where its whole output is the batch norm (an eps attribute is needed with children)")
     ranks = _probe_ranks(module, run, eps)
     if not ranks:
         return NormActBody(reason=f"{name}: what it computes before its first child is not a frozen batch norm")
