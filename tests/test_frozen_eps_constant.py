@@ -50,6 +50,20 @@ class ConstEpsFrozenBN2dWide(_Buffers):
         return torch.addcmul(b, x - rm, w / torch.sqrt(rv + 1e-3))
 
 
+class ConstEpsFrozenNormAct2d(_Buffers):
+    """A frozen norm-act layer: eps a constant, then children of its own."""
+
+    def __init__(self, n: int) -> None:
+        super().__init__(n)
+        self.drop = nn.Identity()
+        self.act = nn.Hardswish()
+
+    def forward(self, x: Tensor) -> Tensor:
+        w, b, rm, rv = self._shaped()
+        scale = w * (rv + 1e-4).rsqrt()
+        return self.act(self.drop(x * scale + (b - rm * scale)))
+
+
 class NotABatchNorm(_Buffers):
     """The same buffers, but the mean is added, not subtracted: no batch norm."""
 
@@ -82,6 +96,8 @@ def _x() -> Tensor:
 
 def test_eps_is_read_from_what_the_module_computes() -> None:
     assert frozen_bn_ranks(ConstEpsFrozenBN2d(3)) == (4,)
+    assert frozen_bn_ranks(ConstEpsFrozenNormAct2d(3)) == ()  # not a batch norm as a whole ...
+    assert frozen_bn_eps(ConstEpsFrozenNormAct2d(3)) == 1e-4  # ... but before its children
     assert frozen_bn_eps(ConstEpsFrozenBN2d(3)) == 1e-5
     assert frozen_bn_eps(ConstEpsFrozenBN2dWide(3)) == 1e-3
     assert frozen_bn_reason(ConstEpsFrozenBN2d(3)) is None
@@ -115,6 +131,26 @@ def test_convert_fuses_them_and_matches_eager() -> None:
             p.grad, pe.grad = None, None
         for (n, b), be in zip(fast.named_buffers(), eager.buffers()):
             assert torch.equal(b, be), n  # frozen: nothing updated
+
+
+def test_a_frozen_norm_act_with_a_constant_eps_fuses_and_folds_keeping_its_tail() -> None:
+    eager, x = _net(frozen=ConstEpsFrozenNormAct2d), _x()
+    fast = convbn.convert(copy.deepcopy(eager), strategy="recompute_bn", example_inputs=x)
+    report = assert_fused(fast, pairs=2, skipped=0)
+    assert [(p.conv, p.bn) for p in report.pairs] == [("0", "1"), ("3", "4")], report
+    xe, xf = x.clone().requires_grad_(), x.clone().requires_grad_()
+    out_e, out_f = eager(xe), fast(xf)
+    assert_chain_ran(out_f)
+    out_e.sum().backward()
+    out_f.sum().backward()
+    assert_close(out_f, out_e, **TOL)
+    assert_close(xf.grad, xe.grad, **TOL)
+    for (n, p), pe in zip(fast.named_parameters(), eager.parameters()):
+        assert_close(p.grad, pe.grad, **TOL, msg=n)
+    folded = convbn.fold(eager.eval(), example_inputs=x)
+    assert [(a.batchnorm, a.folded) for a in folded.fold_report.actions] == [("1", True), ("4", True)]
+    assert isinstance(dict(folded.named_modules())["1"].act, nn.Hardswish)  # the tail kept
+    assert_close(folded(x), eager(x), **TOL)
 
 
 def test_fold_folds_them_and_matches_eager() -> None:

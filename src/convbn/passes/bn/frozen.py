@@ -27,8 +27,9 @@ read off the module's own output: a float64 copy with ``weight = 1``, ``bias = 0
 a batch norm, so ``eps = out ** -2`` (rounded to 12 significant digits). The recovered eps is
 then only a candidate: the module is recognised when the affine map ``F.batch_norm`` with it
 reproduces the module's output on the random probes above, as with an ``eps`` attribute;
-otherwise it is left, and :func:`frozen_bn_reason` says why. Recovery needs the whole output
-to be the batch norm (a frozen norm-act module with children needs an ``eps`` attribute).
+otherwise it is left, and :func:`frozen_bn_reason` says why. For a frozen norm-act module
+(children after the batch norm) the same is read off the part of its forward before its first
+child (:func:`recognise_frozen_norm_act`).
 """
 from __future__ import annotations
 
@@ -81,8 +82,10 @@ def _probe_copy(module: nn.Module) -> Optional[nn.Module]:
         return None
 
 
-def _recover_eps(module: nn.Module) -> Tuple[Optional[float], str]:
-    """The eps a frozen BatchNorm without an ``eps`` attribute computes with, or ``None`` and why
+def _recover_eps(module: nn.Module, run: Callable[[nn.Module, Tensor], Tensor] = lambda m, x: m(x)
+                 ) -> Tuple[Optional[float], str]:
+    """The eps a frozen BatchNorm without an ``eps`` attribute computes with (``run(copy, x)``:
+    what it computes on ``x``; with children, its part before them), or ``None`` and why
     (Note: [recovering a frozen BatchNorm's eps])."""
     probe = _probe_copy(module)
     if probe is None:
@@ -96,7 +99,7 @@ def _recover_eps(module: nn.Module) -> Tuple[Optional[float], str]:
         x = torch.ones((2, channels, 3, 5, 7)[:rank], dtype=torch.float64)
         try:
             with torch.no_grad():
-                got = probe(x)
+                got = run(probe, x)
         except Exception:  # noqa: BLE001 - the module refuses this rank: try the next
             continue
         if not (isinstance(got, Tensor) and got.shape == x.shape and got.dtype == torch.float64):
@@ -126,7 +129,11 @@ def frozen_bn_eps(module: nn.Module) -> float:
     """
     eps = _eps_attribute(module)
     if eps is None:
-        eps, why = _recover_eps(module)
+        if any(True for _ in module.children()):  # a frozen norm-act: read off the part before its children
+            body = recognise_frozen_norm_act(module)
+            eps, why = (body.eps, "") if body.reason is None else (None, body.reason)
+        else:
+            eps, why = _recover_eps(module)
         if eps is None:
             raise ValueError(f"{type(module).__name__} is not a frozen BatchNorm whose eps can be read: {why}")
     return eps
@@ -244,10 +251,6 @@ def recognise_frozen_norm_act(module: nn.Module) -> NormActBody:
     name = type(module).__name__
     if not holds_frozen_bn_tensors(module) or not any(True for _ in module.children()):
         return NormActBody(reason=f"{name} is not a frozen BatchNorm with children")
-    eps = _eps_attribute(module)
-    if eps is None:
-        return NormActBody(reason=f"{name}: it keeps its eps as a constant in its forward, which is read only "
-                                  "where its whole output is the batch norm (an eps attribute is needed with children)")
     found = {}
     for training in (True, False):
         graph, _, error = trace_body(module, training)
@@ -267,10 +270,16 @@ def recognise_frozen_norm_act(module: nn.Module) -> NormActBody:
         # an Interpreter, not GraphModule.__call__, which prints a traceback for ranks it refuses
         return fx.Interpreter(fx.GraphModule(copy_module, prefix)).run(inp)
 
+    eps = _eps_attribute(module)
+    if eps is None:
+        eps, why = _recover_eps(module, run)
+        if eps is None:
+            return NormActBody(reason=f"{name}: no eps attribute, and none can be read from what it computes before "
+                                      f"its first child: {why}")
     ranks = _probe_ranks(module, run, eps)
     if not ranks:
         return NormActBody(reason=f"{name}: what it computes before its first child is not a frozen batch norm")
-    return NormActBody(graph, bn, skip, bn_input=x, ranks=ranks)
+    return NormActBody(graph, bn, skip, bn_input=x, ranks=ranks, eps=eps)
 
 
 def _split(graph: fx.Graph) -> "Tuple[fx.Node, Tuple[fx.Node, ...], fx.Graph] | str":
