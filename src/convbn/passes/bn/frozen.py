@@ -198,7 +198,7 @@ def frozen_bn_ranks(module: nn.Module) -> Tuple[int, ...]:
     eps = _eps_attribute(module)
     if eps is None:
         if any(True for _ in module.children()):
-            return ()  # recovery needs the whole output to be the batch norm
+            return ()  # not a batch norm as a whole (before its children: recognise_frozen_norm_act)
         eps = _recover_eps(module)[0]
         if eps is None:
             return ()
