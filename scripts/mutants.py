@@ -54,6 +54,7 @@ _PLAN_ALL = "tests/test_planner.py::test_budget_one_keeps_every_conv_output"
 _PLAN_SOME = "tests/test_planner.py::test_predicted_saved_bytes_are_exact_and_monotone"
 _FOLD = "tests/test_fold.py::test_report_str_lists_every_bn"
 _POOL = "tests/test_lean_pools.py::test_function_saves_no_input_for_a_contiguous_one"
+_OP_PLAN = "tests/test_chain_op_plan.py::test_compiled_op_backward_reads_may_drop_from_the_plan"
 
 MUTANTS: Dict[str, Mutant] = {
     "fused_forward_eager": Mutant(
@@ -103,6 +104,10 @@ MUTANTS: Dict[str, Mutant] = {
         "the lean pooling keeps its whole input for backward, as eager pooling does",
         (("autograd/pool.py", "keep = not stand_in_fits(x)", "keep = True"),),
         (_POOL,)),
+    "op_may_drop_ignored": Mutant(
+        "may_drop ignored on the op path: under torch.compile the custom op lets every layer drop and rebuild",
+        (("autograd/chain_op.py", "             [s.may_drop for s in specs])", "             [True for s in specs])"),),
+        (_OP_PLAN,)),
 }
 
 

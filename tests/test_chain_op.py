@@ -42,7 +42,8 @@ def test_opcheck_registration(keep):
     running = [torch.zeros(6, dtype=torch.float64), torch.ones(6, dtype=torch.float64),
                torch.zeros(4, dtype=torch.float64), torch.ones(4, dtype=torch.float64)]
     factors = torch.tensor([0.1, 0.1], dtype=torch.float64)
-    args = ([x], dense, running, factors, key, list(keep), [True, True], [True, True], [p is not None for p in params])
+    args = ([x], dense, running, factors, key, list(keep), [True, True], [True, True], [p is not None for p in params],
+            [True, False])
     torch.library.opcheck(_chain_fwd, args, test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
 
 
@@ -117,7 +118,8 @@ def _layout_args(x_fmt, w_fmt, pieces, dtype=torch.float64):
     running = [torch.zeros(6, dtype=dtype), torch.ones(6, dtype=dtype), torch.zeros(4, dtype=dtype), torch.ones(4, dtype=dtype)]
     factors = torch.tensor([0.1, 0.1], dtype=torch.float64)
     keep = [s.keep_y for s in specs]
-    return specs, (xs, params, running, factors, key, keep, [True, True], [True, True], [p.numel() > 0 for p in params])
+    return specs, (xs, params, running, factors, key, keep, [True, True], [True, True], [p.numel() > 0 for p in params],
+                   [s.may_drop for s in specs])
 
 
 @pytest.mark.parametrize("x_fmt,w_fmt,pieces", [
@@ -133,15 +135,17 @@ def test_opcheck_across_layouts(x_fmt, w_fmt, pieces):
 
     specs, args = _layout_args(x_fmt, w_fmt, pieces)
     torch.library.opcheck(_chain_fwd, args, test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
-    xs, params, running, factors, key, keep, bs, _, present = args
+    xs, params, running, factors, key, keep, bs, _, present, may_drop = args
     with torch.no_grad():
-        out, saved, _ = _chain_fwd(xs, params, [t.clone() for t in running], factors, key, keep, bs, [True, True], present)
+        out, saved, _ = _chain_fwd(xs, params, [t.clone() for t in running], factors, key, keep, bs, [True, True], present,
+                                 may_drop)
     assert out.is_contiguous(memory_format=torch.channels_last)  # either layout channels_last: the output is too
     grad = torch.randn_like(out).contiguous(memory_format=x_fmt)
     needs = [True] + [p.requires_grad for p in params]
     torch.library.opcheck(_chain_bwd, (grad, [x.detach() for x in xs], [p.detach() for p in params], list(saved), key, keep, bs,
-                                       needs, present), test_utils=("test_schema", "test_faketensor"))
-    grads = _chain_bwd(grad, [x.detach() for x in xs], [p.detach() for p in params], list(saved), key, keep, bs, needs, present)
+                                       needs, present, may_drop), test_utils=("test_schema", "test_faketensor"))
+    grads = _chain_bwd(grad, [x.detach() for x in xs], [p.detach() for p in params], list(saved), key, keep, bs, needs, present,
+                       may_drop)
     if pieces == 1:
         assert grads[0].stride() == xs[0].stride()
     for g, p in zip(grads[1:], params):

@@ -55,10 +55,13 @@ def register_chain(static: Sequence[Tuple[Any, ...]]) -> str:
     return key
 
 
-def _specs(key: str, factors: Optional[Tensor], keep_y: Sequence[bool], batch_stats: Sequence[bool]) -> List[ChainLayerSpec]:
+def _specs(key: str, factors: Optional[Tensor], keep_y: Sequence[bool], batch_stats: Sequence[bool],
+           may_drop: Sequence[bool]) -> List[ChainLayerSpec]:
+    """The layer specs of one call: the static structure under ``key`` and the whole per-call
+    plan (``keep_y``, ``may_drop``) as the op's flag lists carry it."""
     momenta = factors.tolist() if factors is not None else [0.0] * len(keep_y)
-    return [ChainLayerSpec(conv, None if eps is None else BNSpec(eps, bs, float(m)), act, ky, tail)
-            for (conv, act, eps, tail), m, ky, bs in zip(_STATIC[key], momenta, keep_y, batch_stats)]
+    return [ChainLayerSpec(conv, None if eps is None else BNSpec(eps, bs, float(m)), act, ky, tail, md)
+            for (conv, act, eps, tail), m, ky, bs, md in zip(_STATIC[key], momenta, keep_y, batch_stats, may_drop)]
 
 
 def _optional(params: Sequence[Tensor], present: Sequence[bool]) -> List[Optional[Tensor]]:
@@ -75,11 +78,12 @@ def _stats(running: Sequence[Tensor], has_stats: Sequence[bool]) -> List[Tuple[O
 def _chain_fwd(
     pieces: List[Tensor], params: List[Tensor], running: List[Tensor], factors: Tensor, key: str,
     keep_y: List[bool], batch_stats: List[bool], has_stats: List[bool], present: List[bool],
+    may_drop: List[bool],
 ) -> Tuple[Tensor, List[Tensor], List[Tensor]]:
     # functional (an autograd formula needs it): the updated running stats are outputs,
     # copied into the buffers by the caller.
     new_running = [t.clone() for t in running]
-    specs, stats = _specs(key, factors, keep_y, batch_stats), _stats(new_running, has_stats)
+    specs, stats = _specs(key, factors, keep_y, batch_stats, may_drop), _stats(new_running, has_stats)
     with torch.no_grad():
         out, kept_idx, kept, means, invstds, _ = chain_forward(_x0(pieces), _optional(params, present), specs, stats)
     # Note: [the chain ops' output strides] in autograd/chain_layout.py
@@ -113,8 +117,9 @@ def _stat_dtype(x: Tensor, running: Optional[Tensor], batch_stats: bool) -> torc
 
 @_chain_fwd.register_fake
 def _(pieces: List[Tensor], params: List[Tensor], running: List[Tensor], factors: Tensor, key: str,
-      keep_y: List[bool], batch_stats: List[bool], has_stats: List[bool], present: List[bool]) -> Tuple[Tensor, List[Tensor], List[Tensor]]:
-    specs = _specs(key, None, keep_y, batch_stats)
+      keep_y: List[bool], batch_stats: List[bool], has_stats: List[bool], present: List[bool],
+      may_drop: List[bool]) -> Tuple[Tensor, List[Tensor], List[Tensor]]:
+    specs = _specs(key, None, keep_y, batch_stats, may_drop)
     x0 = pieces[0]  # dtype and device (pieces share them); the shape is the concatenation's
     fmts = _formats(pieces, params, specs)
     shape: Sequence[int] = concat_shape(pieces)
@@ -146,8 +151,9 @@ def _(pieces: List[Tensor], params: List[Tensor], running: List[Tensor], factors
 def _chain_bwd(
     grad_out: Tensor, pieces: List[Tensor], params: List[Tensor], saved: List[Tensor],
     key: str, keep_y: List[bool], batch_stats: List[bool], needs: List[bool], present: List[bool],
+    may_drop: List[bool],
 ) -> List[Tensor]:
-    specs = _specs(key, None, keep_y, batch_stats)  # backward never touches running stats
+    specs = _specs(key, None, keep_y, batch_stats, may_drop)  # backward never touches running stats
     kept_idx = [i for i, s in enumerate(specs) if s.saves_y]
     k, n_kept = sum(s.bn is not None for s in specs), len(kept_idx)
     kept = dict(zip(kept_idx, saved[:n_kept]))
@@ -163,7 +169,8 @@ def _chain_bwd(
 
 @_chain_bwd.register_fake
 def _(grad_out: Tensor, pieces: List[Tensor], params: List[Tensor], saved: List[Tensor],
-      key: str, keep_y: List[bool], batch_stats: List[bool], needs: List[bool], present: List[bool]) -> List[Tensor]:
+      key: str, keep_y: List[bool], batch_stats: List[bool], needs: List[bool], present: List[bool],
+      may_drop: List[bool]) -> List[Tensor]:
     x0 = pieces[0]
     shapes = [concat_shape(pieces), *[p.shape for p in params]]
     strides = [_grad_x_strides(pieces), *[dense_strides(p) for p in params]]
@@ -172,12 +179,12 @@ def _(grad_out: Tensor, pieces: List[Tensor], params: List[Tensor], saved: List[
 
 
 def _setup_context(ctx: Any, inputs: Tuple[Any, ...], output: Any) -> None:
-    pieces, params, running, factors, key, keep_y, batch_stats, has_stats, present = inputs
+    pieces, params, running, factors, key, keep_y, batch_stats, has_stats, present, may_drop = inputs
     _, saved, _ = output
     ctx.save_for_backward(*pieces, *[p for p, h in zip(params, present) if h], *saved)
     ctx.n_pieces = len(pieces)
     ctx.present = present
-    ctx.key, ctx.keep_y, ctx.batch_stats = key, keep_y, batch_stats
+    ctx.key, ctx.keep_y, ctx.batch_stats, ctx.may_drop = key, keep_y, batch_stats, may_drop
     ctx.n_running, ctx.n_layers = len(running), len(keep_y)
     ctx.n_saved = len(saved)
     ctx.needs = [p.requires_grad for p in pieces] + [h and p.requires_grad for p, h in zip(params, present)]
@@ -190,11 +197,12 @@ def _backward(ctx: Any, grad_out: Tensor, grad_saved: Any, grad_running: Any) ->
     params = [next(it) if p else pieces[0].new_empty(0) for p in ctx.present]
     saved = list(rest[len(rest) - ctx.n_saved:])
     needs = [any(ctx.needs[:m]), *ctx.needs[m:]]
-    grads = _chain_bwd(grad_out, pieces, params, saved, ctx.key, ctx.keep_y, ctx.batch_stats, needs, ctx.present)
+    grads = _chain_bwd(grad_out, pieces, params, saved, ctx.key, ctx.keep_y, ctx.batch_stats, needs, ctx.present,
+                       ctx.may_drop)
     piece_grads = split_grad(grads[0] if needs[0] else None, [int(p.shape[1]) for p in pieces], ctx.needs[:m])
     out = [g if n else None for g, n in zip(grads[1:], ctx.needs[m:])]
     # one entry per op argument: pieces, params, running stats, factors, key and the flag lists
-    return piece_grads, out, [None] * ctx.n_running, None, None, None, None, None, None
+    return piece_grads, out, [None] * ctx.n_running, None, None, None, None, None, None, None
 
 
 torch.library.register_autograd("convbn::chain_fwd", _backward, setup_context=_setup_context)
@@ -237,7 +245,9 @@ def chain_op_apply(
     ])
     present = [p is not None for p in params]
     dense = [p if p is not None else x0.new_empty(0) for p in params]
-    flags = ([s.keep_y for s in specs], [s.bn is not None and s.bn.batch_stats for s in specs], has_stats, present)
+    # the whole plan travels as flag lists (keep_y, may_drop): the op rebuilds the specs from them
+    flags = ([s.keep_y for s in specs], [s.bn is not None and s.bn.batch_stats for s in specs], has_stats, present,
+             [s.may_drop for s in specs])
 
     def run(pieces: List[Tensor], dense: List[Tensor], running: List[Tensor], factors: Tensor) -> Any:
         return _chain_fwd(pieces, dense, running, factors, key, *flags)

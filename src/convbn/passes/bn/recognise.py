@@ -89,6 +89,8 @@ class NormActBody:
         bn_input: the node the batch norm normalises when ``bn_node`` is not a call on it
             (a frozen BatchNorm's last affine op); ``None``: ``bn_node.args[0]``.
         ranks: input ranks the batch norm holds on (frozen BatchNorms); ``()``: any.
+        eps: a frozen BatchNorm's eps, as recognised (its attribute, or read off what it
+            computes); ``None`` otherwise.
         reason: why the module is not a standard batch norm plus a tail (``graph`` unusable).
     """
 
@@ -98,6 +100,7 @@ class NormActBody:
     reason: Optional[str] = None
     bn_input: Optional[fx.Node] = None
     ranks: Tuple[int, ...] = ()
+    eps: Optional[float] = None
 
     def replay(self, module: nn.Module, x: Any, batch_norm: Callable[[Any], Any]) -> Any:
         """Run the body on ``x`` with ``batch_norm(input)`` in place of the batch norm and

@@ -23,7 +23,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from ...nn.bn_call import BatchNormView, frozen_batch_norm, has_standard_bn_forward, standard_batch_norm
 from ...nn.bn_shared import SharedBatchStats
 from ...nn.bn_slice import BatchNormSlice
-from .frozen import frozen_bn_ranks
+from .frozen import frozen_bn_eps, frozen_bn_ranks
 from .recognise import BN_FUNCTIONS, bn_call_args, recognise_norm_act
 from ..graph.layers import node_arg
 from ..report.convert_report import ConvertReport
@@ -225,7 +225,7 @@ def find_bn_sites(gm: fx.GraphModule, prefix: str, report: ConvertReport,
                    or "it is called with other than one tensor argument")
             found.append((call, f"{why}; left as is"))
         elif call.ranks:  # a frozen BatchNorm, called or inlined with a tail
-            view = BatchNormView(mod, mod.running_mean.numel(), eps=float(mod.eps))  # type: ignore[union-attr]
+            view = BatchNormView(mod, mod.running_mean.numel(), eps=frozen_bn_eps(mod))  # type: ignore[union-attr, arg-type]
             found.append((call, view))
         elif call.kind == "functional":
             got = _functional_site(node, owner_root)

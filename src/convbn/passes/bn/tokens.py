@@ -18,6 +18,17 @@ Note: [BatchNorm1d on tokens is BatchNorm1d on rows]
     the BN as any Linear -> BatchNorm1d. ``transpose(1, 2)`` (or ``permute(0, 2, 1)``) before a
     BatchNorm1d can only see a 3-D tensor (BatchNorm1d takes 2-D or 3-D inputs and the
     transpose needs a dim 2), so the tokens are 3-D whenever the graph matches.
+
+Note: [a flatten between a Linear and its BatchNorm1d]
+    ``bn(fc(x).flatten(1))`` (or ``torch.flatten(fc(x), 1)``, ``fc(x).view(n, -1)``) normalises
+    the Linear's output features when that output is 2-D: the flatten then changes nothing
+    and :func:`drop_noop_flattens` removes it, so convert fuses and fold folds the
+    Linear -> BatchNorm1d. On a 3-D or higher output it is another computation (one
+    BatchNorm feature per position and output feature, while the Linear shares its weights
+    across positions) that neither pass can fuse. The graph has no shapes, so the output is
+    known 2-D only when the Linear's input is: a ``flatten(t, 1)``, a ``view``/``reshape``
+    to two sizes, or the output of such a Linear, BatchNorm1d or dropout/activation module
+    on one. Elsewhere :func:`flattened_linear_reason` says why the BatchNorm is left.
 """
 from __future__ import annotations
 
@@ -31,7 +42,7 @@ from torch import nn
 
 from ..graph.shape_uses import value_users
 
-__all__ = ["features_to_dim1", "flatten_token_bns"]
+__all__ = ["features_to_dim1", "flatten_token_bns", "drop_noop_flattens", "flattened_linear_reason"]
 
 _TRANSPOSE_NAMES = ("transpose", "swapaxes", "swapdims")
 
@@ -117,3 +128,92 @@ def flatten_token_bns(gm: fx.GraphModule) -> List[str]:
         graph.lint()
         gm.recompile()
     return done
+
+
+_RANK_KEEPING = (nn.Dropout, nn.ReLU, nn.ReLU6, nn.LeakyReLU, nn.PReLU, nn.SiLU, nn.GELU, nn.Hardswish, nn.ELU,
+                 nn.Sigmoid, nn.Tanh, nn.Identity, nn.BatchNorm1d)
+
+
+def _flatten_input(node: Any) -> Optional[fx.Node]:
+    """The input of ``node`` if it is ``flatten(t, 1)`` (method or ``torch.flatten``, to the last dim)."""
+    if not isinstance(node, fx.Node) or not node.args or not isinstance(node.args[0], fx.Node):
+        return None
+    is_flatten = (node.op == "call_method" and node.target == "flatten") or \
+        (node.op == "call_function" and node.target is torch.flatten)
+    if not is_flatten:
+        return None
+    if set(node.kwargs) - {"start_dim", "end_dim"} or len(node.args) > 3:
+        return None
+    start = node.args[1] if len(node.args) > 1 else node.kwargs.get("start_dim", 0)
+    end = node.args[2] if len(node.args) > 2 else node.kwargs.get("end_dim", -1)
+    return node.args[0] if start == 1 and end == -1 else None
+
+
+def _two_sizes(node: fx.Node) -> bool:
+    """``t.view(a, b)`` / ``t.reshape(a, b)`` / ``torch.reshape(t, (a, b))``: a 2-D result."""
+    if node.kwargs or len(node.args) < 2:
+        return False
+    if node.op == "call_method" and node.target in ("view", "reshape"):
+        sizes = node.args[1:] if len(node.args) > 2 else node.args[1]
+    elif node.op == "call_function" and node.target is torch.reshape and len(node.args) == 2:
+        sizes = node.args[1]
+    else:
+        return False
+    return isinstance(sizes, (list, tuple)) and len(sizes) == 2
+
+
+def _is_2d(node: Any, gm: fx.GraphModule, depth: int = 0) -> bool:
+    """Whether the graph shows ``node``'s value is 2-D (Note: [a flatten between a Linear and its BatchNorm1d])."""
+    if not isinstance(node, fx.Node) or depth > 16:
+        return False
+    if _flatten_input(node) is not None or _two_sizes(node):
+        return True
+    t = _linear_input(node, gm)
+    if t is not None:
+        return _is_2d(t, gm, depth + 1)
+    if node.op == "call_module" and len(node.args) == 1 and not node.kwargs \
+            and isinstance(gm.get_submodule(str(node.target)), _RANK_KEEPING):
+        return _is_2d(node.args[0], gm, depth + 1)
+    return False
+
+
+def _flattened_linear(bn_node: fx.Node, gm: fx.GraphModule) -> Optional[fx.Node]:
+    """The ``flatten(fc(x), 1)`` node a BatchNorm1d module call reads, read by it alone; else ``None``."""
+    if bn_node.op != "call_module" or len(bn_node.args) != 1 or bn_node.kwargs:
+        return None
+    if not isinstance(gm.get_submodule(str(bn_node.target)), nn.BatchNorm1d):
+        return None
+    flat = bn_node.args[0]
+    y = _flatten_input(flat)
+    if y is None or _linear_input(y, gm) is None or value_users(flat) != [bn_node] or len(flat.users) != 1:  # type: ignore[arg-type]
+        return None
+    return flat  # type: ignore[return-value]
+
+
+def drop_noop_flattens(gm: fx.GraphModule) -> List[str]:
+    """Remove the ``flatten(1)`` between a Linear whose output the graph shows is 2-D and the
+    ``nn.BatchNorm1d`` reading it alone (Note: [a flatten between a Linear and its
+    BatchNorm1d]), in place; returns the BatchNorm targets (the graph is recompiled when any)."""
+    done: List[str] = []
+    for node in list(gm.graph.nodes):
+        flat = _flattened_linear(node, gm) if node.op == "call_module" else None
+        if flat is None or not _is_2d(_linear_input(flat.args[0], gm), gm):  # type: ignore[arg-type]
+            continue
+        node.args = (flat.args[0],)
+        gm.graph.erase_node(flat)
+        done.append(str(node.target))
+    if done:
+        gm.graph.lint()
+        gm.recompile()
+    return done
+
+
+def flattened_linear_reason(bn_node: fx.Node, gm: fx.GraphModule) -> Optional[str]:
+    """Why a BatchNorm1d reading ``flatten(fc(x), 1)`` is left (the flatten stayed: the graph
+    does not show the Linear's output is 2-D), or ``None`` for any other BatchNorm."""
+    if _flattened_linear(bn_node, gm) is None:
+        return None
+    return ("BatchNorm1d over a flattened Linear output: it equals Linear -> BatchNorm1d only where the Linear's output "
+            "is already 2-D (the flatten then changes nothing), and the graph does not show that (the Linear's input "
+            "is not a flatten(x, 1), a view to two sizes or such a layer's output); on a 3-D output each position "
+            "would be a feature of its own, which no Linear weight can absorb")

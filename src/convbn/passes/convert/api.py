@@ -29,7 +29,7 @@ from ..graph.share_copy import share_copy
 from ..graph.transaction import transaction
 from ..graph.scripted import reject_torchscript
 from .match import find_layers, group_chains
-from ..report.outcome import bn_module_names, unreached
+from ..report.outcome import bn_module_names, explain_ghost_loops, frozen_lookalikes, unreached
 from .pools import lean_pools
 from .recapture import Recapture, attach_guards, refuse_flat_parameters
 from ..report.convert_report import ConvertReport
@@ -414,6 +414,8 @@ def _convert_model(model: nn.Module, strategy: str, memory_budget: Optional[floa
     # every BatchNorm module gets an outcome: fused, left with a reason, or not reached
     untraced = [m for m, _ in report.untraced]
     report.outcomes += unreached(bn_module_names(model), report.outcomes, untraced, report.traced)
+    report.outcomes += frozen_lookalikes(model, report.outcomes)
+    report.outcomes = explain_ghost_loops(model, report.outcomes)
     if strategy == "auto" and inputs is not None and report.pairs:
         target = None
         if memory_limit is not None:

@@ -31,7 +31,7 @@ from ..graph.grad_regions import grad_region_of
 from ..graph.shape_uses import is_rank_use, value_users
 from .cat_norms import split_cat_norms
 from .shared_heads import split_shared_heads
-from ..bn.tokens import flatten_token_bns
+from ..bn.tokens import drop_noop_flattens, flatten_token_bns, flattened_linear_reason
 
 __all__ = ["MatchedConv", "MatchedLayer", "find_layers", "group_chains", "head_input", "node_arg",
            "describe_node"]
@@ -367,7 +367,8 @@ def find_layers(gm: fx.GraphModule, root: nn.Module, prefix: str, report: Conver
     Returns:
         Ordinary layers, heads and end layers (Note: [matched layers and chains]), in graph order.
     """
-    flatten_token_bns(gm)  # bn(linear(t).transpose(1, 2)) -> rows (token_bn.py)
+    flatten_token_bns(gm)  # bn(linear(t).transpose(1, 2)) -> rows (bn/tokens.py)
+    drop_noop_flattens(gm)  # bn(linear(x).flatten(1)) on a 2-D x -> bn(linear(x)) (bn/tokens.py)
     split_cat_norms(gm, root, prefix)  # BN(cat(conv_i)) -> cat(BN_i(conv_i)) (cat_norms.py)
     if chain:  # act(bn(x)) read by several convs -> one head each (shared_heads.py)
         split_shared_heads(gm, root, prefix, lambda conv, out, bn: _head_conv_joins(conv, out, bn, gm, root))
@@ -378,11 +379,14 @@ def find_layers(gm: fx.GraphModule, root: nn.Module, prefix: str, report: Conver
         conv = _match_conv(src, gm, root)
         conv_name: Optional[str] = None
         if conv is None:
-            why: Optional[str] = f"its input is not a convolution output (it follows {describe_node(src)})"
+            why: Optional[str] = (flattened_linear_reason(node, gm)
+                                  or f"its input is not a convolution output (it follows {describe_node(src)})")
             after_act = _conv_before_tail(src, gm, root, prefix)
             if after_act is not None:
-                why = (f"it follows {after_act} (conv -> activation -> BN order); convert fuses conv -> BN -> "
-                       "activation: a BN placed before the activation would fuse")
+                why = (f"BatchNorm after an activation: it follows {after_act} (conv -> activation -> BN order); "
+                       "a chain layer computes conv -> BN -> activation, and the activation between the "
+                       "convolution and this BN keeps it out of the convolution's layer (it fuses as a chain head "
+                       "where a convolution alone reads it, after element-wise ops only)")
         elif isinstance(conv, str):
             why = conv
         else:

@@ -42,7 +42,7 @@ from .graph import FoldContext, GraphFolder
 from .layers import fold_conv_bn_modules
 from ..graph.layers import LAYER_MODULES
 from ..report.fold_report import FoldCheck, FoldReport
-from ..report.outcome import BNOutcome, bn_module_names, unreached
+from ..report.outcome import BNOutcome, bn_module_names, explain_ghost_loops, frozen_lookalikes, unreached
 from ..check.step import called_inputs
 from ..graph.graph_module import forget_undo, install, installed
 from ..graph.transaction import transaction
@@ -268,6 +268,7 @@ def _fold_model(model: nn.Module, inplace: bool, example_inputs: Any, check: boo
     report = FoldReport()
     ctx = FoldContext(report, inplace, {}, {})
     bn_names = bn_module_names(work)  # before folding removes them
+    lookalikes = frozen_lookalikes(work)  # modules holding a frozen BatchNorm's buffers, not recognised as one
 
     args, reference, note = (None, None, "")
     if check or example_inputs is not None:
@@ -293,6 +294,9 @@ def _fold_model(model: nn.Module, inplace: bool, example_inputs: Any, check: boo
 
     # every BatchNorm module gets an outcome, including ones tracing never reached
     report.outcomes += unreached(bn_names, report.outcomes, [name for name, _ in report.untraceable])
+    named = {o.batchnorm for o in report.outcomes}
+    report.outcomes += [o for o in lookalikes if o.batchnorm not in named]
+    report.outcomes = explain_ghost_loops(model, report.outcomes)
 
     if check:
         if args is None:

@@ -24,7 +24,9 @@ from ..report.fold_report import FoldReport
 from ..graph.layers import LayerCall, has_standard_forward, layer_call, layer_spec
 from ..report.outcome import BNOutcome
 from ..graph.shape_uses import value_users
-from ..bn.tokens import features_to_dim1
+from ..bn.tokens import drop_noop_flattens, features_to_dim1, flattened_linear_reason
+from ...functional.activations import ACTIVATIONS, activation_from_module
+from ..bn.frozen import frozen_bn_eps
 
 __all__ = ["FoldContext", "GraphFolder"]
 
@@ -97,6 +99,11 @@ class _Layer:
         return self.weight.shape[0] if self.kind == "convt" else self.weight.shape[1] * self.groups
 
 
+def _eps(bn: nn.Module) -> float:
+    """A BatchNorm module's eps; a frozen one's may be a constant in its forward (``frozen_bn_eps``)."""
+    return float(bn.eps) if isinstance(getattr(bn, "eps", None), (int, float)) else frozen_bn_eps(bn)
+
+
 def _pads_with_zeros(layer: _Layer) -> bool:
     """Whether conv ``layer`` reads zeros beyond its input's border (see Note: [folding into
     the following conv]); ``True`` where its geometry is computed in forward. Module and
@@ -147,7 +154,7 @@ class GraphFolder:
             if why is not None:
                 return BNOutcome(name, "left", reason=why)
             self.norm_act.add(call.target)
-            return _BNSite(node, name, call.input, mod.running_mean, mod.running_var, float(mod.eps),
+            return _BNSite(node, name, call.input, mod.running_mean, mod.running_var, _eps(mod),
                            mod.weight, mod.bias, mod, (node.args[0],), call.ranks)
         if call.kind == "module":
             why = check_bn_foldable(mod)
@@ -160,7 +167,7 @@ class GraphFolder:
                 why = "BatchNorm called with extra arguments"
             if why is not None:
                 return BNOutcome(name, "left", reason=why)
-        return _BNSite(node, name, call.input, mod.running_mean, mod.running_var, float(mod.eps),
+        return _BNSite(node, name, call.input, mod.running_mean, mod.running_var, _eps(mod),
                        mod.weight, mod.bias, mod, (), call.ranks)
 
     def _functional_site(self, call: BNCall) -> Union[_BNSite, BNOutcome]:
@@ -522,7 +529,31 @@ class GraphFolder:
             parent, _, attr = path.rpartition(".")
             setattr(self.gm.get_submodule(parent), attr, NormActTail(mod))
 
+    def _after_activation(self, site: _BNSite) -> Optional[str]:
+        """Why a BN reading an activation of a conv/linear output (conv -> act -> BN) folds into
+        neither neighbour, in words; ``None`` for any other BN."""
+        act = site.input
+        if not isinstance(act, fx.Node) or not act.args or not isinstance(act.args[0], fx.Node):
+            return None
+        if act.op == "call_module":
+            is_act = activation_from_module(self.gm.get_submodule(str(act.target))) is not None
+        else:
+            name = act.target if act.op == "call_method" else getattr(act.target, "__name__", "")
+            is_act = act.op in ("call_method", "call_function") and str(name).rstrip("_") in ACTIVATIONS
+        layer = self.layer(act.args[0]) if is_act else None
+        if not isinstance(layer, _Layer):
+            return None
+        return (f"BatchNorm after an activation: it follows '{act.name}' of {layer.name} (conv -> activation -> BN "
+                "order), so it cannot fold into that layer, and it folds into the next conv/linear layer only where "
+                "one reads it alone (zero padding aside)")
+
+    def _left_reason(self, site: _BNSite, why_pre: str, why_post: str) -> str:
+        first = (flattened_linear_reason(site.node, self.gm) if site.node.op == "call_module" else None) \
+            or self._after_activation(site)
+        return f"{first}; {why_pre}; {why_post}" if first else f"{why_pre}; {why_post}"
+
     def run(self) -> None:
+        drop_noop_flattens(self.gm)  # Note: [a flatten between a Linear and its BatchNorm1d]
         for node in list(self.gm.graph.nodes):
             if node._erased or node.op not in ("call_module", "call_function"):
                 continue
@@ -538,7 +569,7 @@ class GraphFolder:
                     continue
                 done, why_post = self.fold_following(site)
             if not done:
-                self.ctx.report.leave(site.name, f"{why_pre}; {why_post}")
+                self.ctx.report.leave(site.name, self._left_reason(site, why_pre, why_post))
         if self.changed:
             self._norm_act_tails()
             self.gm.graph.lint()

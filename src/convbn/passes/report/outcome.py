@@ -18,9 +18,11 @@ from typing import Dict, Iterable, List, Optional, Sequence
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from ..bn.frozen import frozen_bn_ranks
+from ..bn.frozen import frozen_bn_ranks, frozen_bn_reason
+from ..bn.ghost import ghost_bn_reason
 
-__all__ = ["BNOutcome", "OUTCOME_RESULTS", "DIRECTIONS", "bn_module_names", "unreached"]
+__all__ = ["BNOutcome", "OUTCOME_RESULTS", "DIRECTIONS", "bn_module_names", "unreached", "frozen_lookalikes",
+           "explain_ghost_loops"]
 
 #: what can happen to a BatchNorm: fused (convert), folded (fold), left as it was (either)
 OUTCOME_RESULTS = ("fused", "folded", "left")
@@ -146,3 +148,61 @@ def unreached(bn_names: Sequence[Sequence[str]], outcomes: Sequence[BNOutcome], 
                       "tracing cannot see); left as is")
         left.append(BNOutcome(name, "left", reason=reason))
     return left
+
+
+def frozen_lookalikes(model: nn.Module, outcomes: Sequence[BNOutcome] = ()) -> List[BNOutcome]:
+    """A ``"left"`` outcome for every module that holds a frozen BatchNorm's four buffers but
+    is not recognised as one (what it computes is not a batch norm, or its eps cannot be
+    read), unless ``outcomes`` already name it: the report lists it with the reason.
+
+    Args:
+        model: the model the pass was given (before the pass changed it).
+        outcomes: the outcomes the pass recorded.
+
+    Returns:
+        The outcomes to add, in ``model.named_modules()`` order.
+
+    Example:
+        >>> frozen_lookalikes(nn.Sequential(nn.Conv2d(3, 4, 1), nn.BatchNorm2d(4)))
+        []
+    """
+    seen = {o.batchnorm for o in outcomes}
+    left = []
+    for name, m in model.named_modules():
+        if name in seen:
+            continue
+        reason = frozen_bn_reason(m)
+        if reason is not None:
+            left.append(BNOutcome(name or "<root>", "left", reason=reason))
+    return left
+
+
+def explain_ghost_loops(model: nn.Module, outcomes: Sequence[BNOutcome]) -> List[BNOutcome]:
+    """``outcomes`` with the reason of each BatchNorm left inside a module that could not be
+    traced replaced by a precise one where that module's ``forward`` is a ghost BatchNorm
+    loop (:func:`~convbn.passes.bn.ghost.ghost_bn_reason`).
+
+    Args:
+        model: the model the pass was given, whose qualified names the outcomes use.
+        outcomes: the outcomes the pass recorded.
+
+    Returns:
+        The outcomes, in the same order.
+
+    Example:
+        >>> explain_ghost_loops(nn.Sequential(nn.BatchNorm2d(4)), [BNOutcome("0", "left", reason="r")])[0].reason
+        'r'
+    """
+    out = []
+    for o in outcomes:
+        owner_path, _, attr = o.batchnorm.rpartition(".")
+        if o.result == "left" and "could not be traced" in o.reason:
+            try:
+                owner = model.get_submodule(owner_path)
+            except AttributeError:
+                owner = None
+            why = ghost_bn_reason(owner, attr) if owner is not None else None
+            if why is not None:
+                o = BNOutcome(o.batchnorm, o.result, o.layer, o.direction, why)
+        out.append(o)
+    return out
