@@ -204,3 +204,39 @@ def test_two_converts_at_once_beside_an_eager_training_thread() -> None:
     assert nn.Module.__dict__["__call__"] is call and nn.Module.__dict__["__getattr__"] is getattr_
     assert torch.jit.isinstance is jit_isinstance and torch.autograd.Function.__dict__["apply"] is apply
     assert "forward" in _Shake.__dict__ and isinstance(_Shake.__dict__["forward"], staticmethod)
+
+
+def test_import_convbn_installs_nothing_process_wide() -> None:
+    """A fresh interpreter: ``import convbn`` leaves logging filters, the attributes tracing
+    patches, and reads no switch from the environment yet (set after import, it still counts)."""
+    import os
+    import subprocess
+    import sys
+
+    code = r'''
+import logging, os, sys
+import torch
+from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
+
+def state():
+    loggers = [logging.getLogger()] + [l for l in logging.Logger.manager.loggerDict.values() if isinstance(l, logging.Logger)]
+    return ({l.name: list(l.filters) for l in loggers if l.filters},
+            nn.Module.__dict__["__call__"], nn.Module.__dict__["__getattr__"], torch.jit.isinstance,
+            torch.autograd.Function.__dict__["apply"], _BatchNorm.__dict__["forward"])
+
+before = state()
+import convbn
+from convbn.autograd.chain_compiled import compile_chains
+from convbn.autograd.chain_kernels import fused_kernels_enabled
+after = state()
+assert before[1:] == after[1:], "an attribute was patched"
+assert after[0] == before[0], ("logging filters installed", after[0])
+os.environ["CONVBN_COMPILE_CHAINS"] = "op"
+os.environ["CONVBN_FUSED_KERNELS"] = "1"
+assert compile_chains() == "op" and fused_kernels_enabled(), "switches read at import only"
+print("ok")
+'''
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CONVBN_")}
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert run.returncode == 0 and run.stdout.strip().endswith("ok"), run.stderr[-2000:]

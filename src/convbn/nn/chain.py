@@ -20,7 +20,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.conv import _ConvNd
 
 from ..autograd.chain import ChainFunction, ChainLayerSpec, chain_forward_no_grad, layer_kind
-from ..autograd.chain_compiled import chain_inductor_apply, compile_chains, fusible_by_inductor
+from ..autograd.chain_compiled import chain_inductor_apply, compile_chains, fusible_by_inductor, quiet_own_advisory
 from ..autograd.chain_input import concat_shape
 from ..functional.activations import Activation, activation_from_module
 from ..functional.batchnorm import BNSpec
@@ -204,6 +204,7 @@ class FusedChain(nn.Module):
         super().__init__()
         if not layers:
             raise ValueError("a FusedChain needs at least one layer")
+        quiet_own_advisory()  # torch's note on the checkpoint region this chain compiles to
         for i, l in enumerate(layers):
             if l.is_head and i != 0:
                 raise ValueError(f"only a chain's first layer may have no convolution (a head), but layer {i} has none")
