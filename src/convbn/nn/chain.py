@@ -219,6 +219,8 @@ class FusedChain(nn.Module):
         #: run as eager modules (``convert`` measured the fused step above eager's peak:
         #: Note: [never above eager] in passes/auto_plan.py)
         self.eager = False
+        #: why ``eager`` was set (the report says it)
+        self.eager_reason = ""
         from ..autograd.chain_op import register_chain
 
         static = []

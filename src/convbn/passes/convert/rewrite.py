@@ -45,7 +45,7 @@ def rewrite_chains(root: nn.Module, gm: fx.GraphModule, chains: List[List[Matche
                                           base + ci, pos, cl))
             if not l.is_end:  # a head's BatchNorm is fused with the conv after it (the next layer's)
                 conv, direction = (chain[pos + 1].conv, "following") if l.is_head else (l.conv, "preceding")
-                report.outcomes.append(BNOutcome(l.bn_name, "fused", conv.name if conv else None, direction))
+                report.recorded.append(BNOutcome(l.bn_name, "fused", conv.name if conv else None, direction))
         fused = FusedChain(layers)
         if mode == "auto":  # planned lazily unless convert plans it with example_inputs
             fused.plan_on_first_call = plan_on_first_call

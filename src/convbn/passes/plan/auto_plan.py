@@ -288,6 +288,8 @@ def plan_auto(original: nn.Module, converted: nn.Module, inputs: Tuple[Any, ...]
         if fused_peak > eager_peak:
             for m in _chains(converted):  # registered or added by the in-place rewrite
                 m.eager = True
+                m.eager_reason = (f"the fused step measured {fused_peak} bytes at its peak on example_inputs, above "
+                                  f"eager's {eager_peak}: its layers run as eager modules")
             report.eager_fallback = True
     peak, where = step_peak(costs, keeps, floor_total, may_drop=may_drop, gaps=gaps)
     report.predicted_peak_bytes = peak
