@@ -140,3 +140,40 @@ def test_before_the_first_call_the_plan_is_pending() -> None:
     assert [p.status for p in report.pairs] == ["fused"] * 2
     assert "plan pending" not in str(report)
     _assert_report_is_the_graph(fast, out)
+
+
+def _step_peak(model: nn.Module, x: Tensor) -> int:
+    from convbn.memory import tensor_peak
+
+    def step() -> None:
+        model(x).float().square().mean().backward()
+
+    step()  # gradients exist from here on, as in real training
+    with tensor_peak(model) as tp:
+        step()
+    return tp.result.peak
+
+
+@pytest.mark.expect_unfused("weight-dominated heads run as eager modules: their fused step would peak above eager's")
+@pytest.mark.parametrize("sizes", [(256, 64, 16), (32, 32, 8), (512, 256, 64), (128, 128, 4)],
+                         ids=lambda s: "x".join(map(str, s)))
+def test_small_heads_without_example_inputs_never_peak_above_eager(sizes: Tuple[int, int, int]) -> None:
+    features, hidden, batch = sizes
+    x = torch.randn(batch, features, generator=torch.Generator().manual_seed(0))
+    eager = _head(features, hidden)
+    fast = convbn.convert(copy.deepcopy(eager))
+    peak_eager, peak_fast = _step_peak(eager, x), _step_peak(fast, x)
+    assert peak_fast <= peak_eager, (peak_fast / peak_eager, str(fast.convbn_report))
+    out = fast(x)
+    _assert_report_is_the_graph(fast, out)
+    if list(convbn.fused_modules(fast)) == []:  # fell back: the report says why
+        assert all("first training call" in o.reason for o in fast.convbn_report.outcomes)
+    torch.testing.assert_close(out, eager(x), rtol=1e-4, atol=1e-5)
+
+
+def test_an_activation_heavy_chain_without_example_inputs_stays_fused() -> None:
+    x = torch.randn(32, 64)
+    fast = convbn.convert(_head(64, 128))
+    fast(x).sum().backward()
+    _assert_report_is_the_graph(fast, fast(x))
+    assert len(list(convbn.fused_modules(fast))) == 1

@@ -216,6 +216,9 @@ class FusedChain(nn.Module):
         #: returns one keep flag per layer (``True``: ``recompute_bn``). ``convbn.convert``
         #: attaches its planner here for ``strategy="auto"`` without ``example_inputs``.
         self.plan_on_first_call: Optional[Callable[[Sequence[ChainLayer]], Sequence[bool]]] = None
+        #: called once, right after that plan, with the call's input: a reason to run as eager
+        #: modules from then on (its fused step peaks above eager's), or ``""``
+        self.guard_on_first_call: Optional[Callable[["FusedChain", Sequence[Tensor]], str]] = None
         #: run as eager modules (``convert`` measured the fused step above eager's peak:
         #: Note: [never above eager] in passes/auto_plan.py)
         self.eager = False
@@ -384,6 +387,12 @@ class FusedChain(nn.Module):
             for l, k in zip(layers, keeps):
                 l.mode = "recompute_bn" if k else "recompute_conv"
             self.plan_on_first_call = None
+            guard, self.guard_on_first_call = getattr(self, "guard_on_first_call", None), None
+            if guard is not None and dt is None and not torch.compiler.is_compiling():
+                why = guard(self, pieces)
+                if why:  # Note: [never above eager, without example inputs] in passes/plan/first_call_peak.py
+                    self.eager, self.eager_reason = True, why
+                    return self._forward_eager(_concat(pieces))
         bn_specs = [bn_spec_from_module(l.bn, advance=True) if l.bn is not None else None for l in layers]
         x = pieces[0] if dt is None else pieces[0].to(dt)  # one piece unless a head (never cast)
         params: List[Optional[Tensor]] = []

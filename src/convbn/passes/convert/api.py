@@ -109,7 +109,7 @@ def _rewrite(module: nn.Module, prefix: str, traced: Any, ctx: _Context) -> None
         return
     chains = group_chains(layers, ctx.chain, report)
     before = [n for n, _ in gm.named_children()]
-    out = rewrite_chains(module, gm, chains, ctx.mode, report)
+    out = rewrite_chains(module, gm, chains, ctx.mode, report, lazy=ctx.lazy)
     report.lean_pools += lean_pools(out, prefix)  # after the chains: their outputs feed pools
     watch_hooks(out, chains, before)
     inlined = _inlined_modules(module, out)

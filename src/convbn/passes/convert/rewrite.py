@@ -22,6 +22,7 @@ from ...nn.chain import ChainLayer, FusedChain
 from ..graph.hooks import hook_reason
 from .concat_heads import chain_call_inputs, erase_unused_cat, shared_pieces
 from .match import MatchedLayer
+from ..plan.first_call_peak import peak_above_eager
 from ..plan.planner import plan_on_first_call
 from ..report.outcome import BNOutcome
 from ..report.convert_report import ConvertReport, FusedPair
@@ -30,7 +31,7 @@ __all__ = ["rewrite_chains", "swap_sync_batchnorm", "chain_layer", "shallow_clon
 
 
 def rewrite_chains(root: nn.Module, gm: fx.GraphModule, chains: List[List[MatchedLayer]], mode: str,
-             report: ConvertReport) -> fx.GraphModule:
+             report: ConvertReport, lazy: bool = True) -> fx.GraphModule:
     graph = gm.graph
     built: List[Tuple[str, FusedChain]] = []
     base = len({p.chain for p in report.pairs})
@@ -49,6 +50,8 @@ def rewrite_chains(root: nn.Module, gm: fx.GraphModule, chains: List[List[Matche
         fused = FusedChain(layers)
         if mode == "auto":  # planned lazily unless convert plans it with example_inputs
             fused.plan_on_first_call = plan_on_first_call
+            if lazy:  # with example inputs, convert measures the whole step itself
+                fused.guard_on_first_call = peak_above_eager
         name = f"convbn_chain{ci}"
         while hasattr(root, name) or hasattr(gm, name):
             name += "_"

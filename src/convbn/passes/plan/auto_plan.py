@@ -16,6 +16,7 @@ from ...nn.chain import ChainLayer, FusedChain
 from .planner import (ChainCost, all_keep_bytes, chain_backward_peak, plan_for_peak, plan_layers, plan_on_first_call,
                       plan_within_peak, step_peak, drops_needed)
 from ..graph.graph_module import fused_modules
+from .first_call_peak import peak_above_eager
 from ..report.convert_report import ConvertReport
 from ..check.validate import StateSnapshot
 
@@ -217,6 +218,7 @@ def plan_auto(original: nn.Module, converted: nn.Module, inputs: Tuple[Any, ...]
             l.mode = "recompute_conv"
         for m in _chains(converted):
             m.plan_on_first_call = None
+            m.guard_on_first_call = None  # measured here, on the example inputs
         floor = measure_saved(converted, inputs)
         ordered, costs, floor_total, gaps = _chain_costs(converted, inputs)
     report.eager_saved_bytes, report.floor_saved_bytes = eager, floor
@@ -271,6 +273,7 @@ def plan_auto(original: nn.Module, converted: nn.Module, inputs: Tuple[Any, ...]
             for l in m.layers:
                 l.mode = "recompute_bn"
             m.plan_on_first_call = plan_on_first_call
+            m.guard_on_first_call = peak_above_eager
     may_drop = drops_needed(costs, keeps, floor_total, gaps)  # Note: [drops only where the step peaks]
     for c, kp, md in zip(ordered, keeps, may_drop):
         for l, k in zip(c.layers, kp):
