@@ -177,3 +177,18 @@ def test_an_activation_heavy_chain_without_example_inputs_stays_fused() -> None:
     fast(x).sum().backward()
     _assert_report_is_the_graph(fast, fast(x))
     assert len(list(convbn.fused_modules(fast))) == 1
+
+
+@pytest.mark.expect_unfused("hooks registered after conversion: the module's own forward runs")
+def test_hooks_added_after_convert_are_reported_as_they_run() -> None:
+    fast = convbn.convert(_net())
+    x = torch.randn(4, 3, 8, 8)
+    fast(x).sum().backward()
+    handle = fast[1].register_forward_hook(lambda m, i, o: None)
+    out = fast(x)
+    _assert_report_is_the_graph(fast, out)
+    assert all("hooks" in o.reason for o in fast.convbn_report.outcomes)
+    handle.remove()
+    out = fast(x)
+    _assert_report_is_the_graph(fast, out)
+    assert [o.result for o in fast.convbn_report.outcomes] == ["fused", "fused"]

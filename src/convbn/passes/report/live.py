@@ -18,6 +18,7 @@ from typing import Dict, Iterator, List, Optional, Tuple
 from torch import nn
 
 from ...nn.chain import FusedChain
+from ...nn.fused import hooks_of
 from ..graph.graph_module import GraphForward, installed
 
 __all__ = ["chain_status", "running_fused_modules", "all_chains", "FUSED"]
@@ -33,6 +34,9 @@ def _status(fwd: Optional[GraphForward], chain: FusedChain) -> str:
     if fwd is not None and fwd.modes is not None and any(m.training != t for m, t in fwd.modes):
         return ("fallback: the rewrite was traced in the other train/eval mode and differs in this one; the "
                 "module's own (unfused) forward runs")
+    if fwd is not None and fwd.inlined and any(hooks_of(m) for m in fwd.inlined):
+        return ("fallback: hooks registered after conversion on a module the rewrite inlined; the module's own "
+                "(unfused) forward runs")
     if chain.eager:
         return f"fallback: {getattr(chain, 'eager_reason', '') or 'its layers run as eager modules'}"
     if chain._hooked():
