@@ -29,6 +29,7 @@ __all__ = ["PrivateRNG", "private_rng", "active_private_rng"]
 _aten = torch.ops.aten
 _SWAP_LOCK = threading.Lock()
 _WITH_GENERATOR: Dict[Any, Optional[Any]] = {}
+_SEEDED: Dict[Any, bool] = {}  # operator -> draws random numbers (read once per operator)
 
 
 def _has_generator(op: Any) -> bool:
@@ -82,9 +83,12 @@ class PrivateRNG(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Tuple[Any, ...] = (),
                            kwargs: Optional[Dict[str, Any]] = None) -> Any:
+        seeded = _SEEDED.get(func)
+        if seeded is None:
+            seeded = _SEEDED[func] = torch.Tag.nondeterministic_seeded in func.tags
+        if not seeded:  # the common case, kept short: this runs for every operator of a check
+            return func(*args, **(kwargs or {}))
         kwargs = dict(kwargs or {})
-        if torch.Tag.nondeterministic_seeded not in func.tags:
-            return func(*args, **kwargs)
         device = _device_of(args, kwargs)
         if _has_generator(func):
             if kwargs.get("generator") is None and not _positional_generator(func, args):

@@ -78,6 +78,8 @@ def peak_above_eager(chain: FusedChain, pieces: Sequence[Tensor]) -> str:
         The reason for the report, or ``""`` to run fused.
     """
     params = _params(chain)
+    if any(not p.is_leaf for p in params):  # a parametrization's weight: its graph is the call's own
+        return ""
     weights = sum(p.numel() * p.element_size() for p in params)
     acts = sum(l.x_bytes() + l.y_bytes() for l in chain.layers)
     if len(pieces) != 1 or acts >= ACTIVATION_RATIO * weights:
