@@ -15,6 +15,7 @@ from torch import Tensor, nn
 
 import convbn
 from convbn.nn.chain import FusedChain
+from convbn.passes.graph.graph_module import fused_modules as graph_fused_modules
 from fusion_watch import CHAIN_BACKWARD
 
 __all__ = ["assert_fused", "chain_nodes", "assert_chain_ran", "fused_chains"]
@@ -22,9 +23,10 @@ __all__ = ["assert_fused", "chain_nodes", "assert_chain_ran", "fused_chains"]
 
 def fused_chains(model: nn.Module) -> List[FusedChain]:
     """The ``FusedChain`` modules of ``model``: registered ones (``named_modules()``) and those
-    an in-place rewrite added (``convbn.fused_modules``), each once, in that order."""
+    an in-place rewrite added (running fused or not: ``convbn.fused_modules`` lists the running
+    ones), each once, in that order."""
     found: Dict[int, FusedChain] = {}
-    for _, m in (*model.named_modules(), *convbn.fused_modules(model)):
+    for _, m in (*model.named_modules(), *graph_fused_modules(model)):
         if isinstance(m, FusedChain):
             found.setdefault(id(m), m)
     return list(found.values())

@@ -199,8 +199,11 @@ def install() -> None:
             return forward(self, *inputs)
         w = _CURRENT[0]
         by_design = w is not None and eager_by_design(self, inputs)
-        before = _NO_GRAD_RUNS[0]
+        before, was_eager = _NO_GRAD_RUNS[0], getattr(self, "eager", False)
         out = forward(self, *inputs)
+        # the chain's first training call measured its fused step above eager's (a weight-heavy
+        # chain converted without example_inputs): eager modules from this call on, by design
+        by_design = by_design or (getattr(self, "eager", False) and not was_eager)
         if w is not None:
             w.chain_call(self, out, _NO_GRAD_RUNS[0] > before, by_design)
         return out

@@ -22,7 +22,7 @@ from .nn.chain import FusedChain
 from .nn.fused import FusedConvBN1d, FusedConvBN2d, FusedConvBN3d
 from .passes.convert.api import CONVERT_STRATEGIES, convert, explain
 from .passes.fold.api import FoldReport, fold, fold_conv_bn_modules
-from .passes.graph.graph_module import fused_modules
+from .passes.report.live import running_fused_modules as fused_modules
 from .passes.report.outcome import BNOutcome
 from .passes.report.convert_report import ConvertReport
 

@@ -55,10 +55,10 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 from ..functional.tail import DropoutOp, PReLUOp
 from .chain_spec import ChainLayerSpec, param_offsets, split_params
 
-__all__ = ["set_compile_chains", "compile_chains", "fusible_by_inductor", "chain_inductor_apply"]
+__all__ = ["set_compile_chains", "compile_chains", "fusible_by_inductor", "chain_inductor_apply", "quiet_own_advisory"]
 
 _MODES = ("op", "inductor")
-_STATE = {"mode": os.environ.get("CONVBN_COMPILE_CHAINS", "inductor")}
+_STATE: dict = {"mode": None}  # None: ``CONVBN_COMPILE_CHAINS`` decides, read when asked
 
 
 def set_compile_chains(mode: str) -> str:
@@ -80,13 +80,14 @@ def set_compile_chains(mode: str) -> str:
     """
     if mode not in _MODES:
         raise ValueError(f"set_compile_chains expects one of {_MODES}, but got {mode!r}")
-    prev, _STATE["mode"] = _STATE["mode"], mode
+    prev, _STATE["mode"] = compile_chains(), mode
     return prev
 
 
 def compile_chains() -> str:
-    """The mode :func:`set_compile_chains` set (``CONVBN_COMPILE_CHAINS`` at import; default ``"inductor"``)."""
-    mode = _STATE["mode"]
+    """The mode :func:`set_compile_chains` set, else the environment's ``CONVBN_COMPILE_CHAINS``
+    (read now); default ``"inductor"``."""
+    mode = _STATE["mode"] if _STATE["mode"] is not None else os.environ.get("CONVBN_COMPILE_CHAINS", "inductor")
     return mode if mode in _MODES else "inductor"
 
 _aten = torch.ops.aten
@@ -142,7 +143,16 @@ class _OwnRegionAdvisory(logging.Filter):
         return True
 
 
-logging.getLogger("torch._higher_order_ops.wrap").addFilter(_OwnRegionAdvisory())
+_ADVISORY_FILTER = _OwnRegionAdvisory()
+
+
+def quiet_own_advisory() -> None:
+    """Attach :class:`_OwnRegionAdvisory` to torch's checkpoint logger (once): called where a
+    fused chain is built, never on ``import convbn``; it drops only the advisory about convbn's
+    own ``context_fn``."""
+    logger = logging.getLogger("torch._higher_order_ops.wrap")
+    if _ADVISORY_FILTER not in logger.filters:
+        logger.addFilter(_ADVISORY_FILTER)
 
 
 def _body(specs: Sequence[ChainLayerSpec]) -> Callable[..., Tuple[Tensor, ...]]:

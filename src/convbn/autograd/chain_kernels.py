@@ -36,12 +36,18 @@ from ..functional.bn_act import bn_act_backward, bn_act_forward
 
 __all__ = ["set_fused_kernels", "fused_kernels_enabled", "fused_layer_forward", "fused_layer_backward"]
 
-_STATE: Dict[str, Any] = {"on": os.environ.get("CONVBN_FUSED_KERNELS", "0") == "1", "failed": False}
+# "on": None while ``CONVBN_FUSED_KERNELS`` decides (read when asked), else set_fused_kernels'
+_STATE: Dict[str, Any] = {"on": None, "failed": False}
 _COMPILED: Dict[str, Callable[..., Any]] = {}
 # backward: piecewise-linear activations only; a smooth one's derivative is recomputed in both
 # passes (its transcendental twice), measured 0.97-1.54x the ATen path for SiLU
 _BACKWARD_ACTS = {"identity", "relu", "relu6", "leaky_relu"}
 _ACTS = {"identity", "relu", "relu6", "leaky_relu", "silu", "sigmoid", "tanh", "elu", "gelu", "hardswish", "mish"}
+
+
+def _switched_on() -> bool:
+    on = _STATE["on"]
+    return os.environ.get("CONVBN_FUSED_KERNELS", "0") == "1" if on is None else bool(on)
 
 
 def set_fused_kernels(on: bool) -> bool:
@@ -60,14 +66,14 @@ def set_fused_kernels(on: bool) -> bool:
     """
     if not isinstance(on, bool):
         raise TypeError(f"set_fused_kernels expects a bool, but got {on!r}")
-    prev = bool(_STATE["on"])
+    prev = _switched_on()
     _STATE["on"] = on
     return prev
 
 
 def fused_kernels_enabled() -> bool:
     """Whether the fused kernels are on (and have not failed to compile in this process)."""
-    return bool(_STATE["on"]) and not _STATE["failed"]
+    return _switched_on() and not _STATE["failed"]
 
 
 def _compiled(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:

@@ -21,8 +21,9 @@ and ``p`` mean is decided by :func:`tail_op_from_module` when the chain is calle
 # ``torch.utils.checkpoint`` does with ``preserve_rng_state``: forward captures the CPU
 # generator's state (and the CUDA one on CUDA) and then runs *the same functional op
 # eager runs* on the BN output, so the global stream advances exactly as in eager. In
-# backward the state is restored inside ``torch.random.fork_rng`` (the global stream is
-# left alone) and the same op runs on a tensor of ones with z's shape, dtype and strides:
+# backward a private generator holding that state is drawn from (the global stream, and
+# what other threads draw from it, is left alone; CUDA's fused dropout kernel takes no
+# generator: there the state is restored inside ``torch.random.fork_rng``) and the same op runs on a tensor of ones with z's shape, dtype and strides:
 # the op draws the same noise, and ``ones * noise`` is the noise itself, bit for bit,
 # which is what eager's backward multiplies the gradient by (``input * noise``). The
 # rebuilt layer output (the next conv's input) is the same op on the recomputed z under
@@ -43,6 +44,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .activations import Activation, activation_from_module
+from .private_rng import active_private_rng, private_rng
 
 __all__ = ["PReLUOp", "DropoutOp", "TailOp", "RNGState", "tail_op_from_module", "is_tail_module",
            "capture_rng", "replay_rng", "DROPOUT_FUNCTIONS"]
@@ -60,7 +62,8 @@ DROPOUT_FUNCTIONS = {
 }
 
 #: (CPU generator state, CUDA generator state or ``None``, CUDA device index or ``None``)
-RNGState = Tuple[Tensor, Optional[Tensor], Optional[int]]
+#: ``(CPU state, CUDA state, CUDA device index, drawn from a check's private generators)``
+RNGState = Tuple[Tensor, Optional[Tensor], Optional[int], bool]
 
 
 @dataclass(frozen=True)
@@ -202,20 +205,33 @@ def tail_op_from_module(module: Union[Activation, nn.Module]) -> Optional[TailOp
 
 
 def capture_rng(t: Tensor) -> RNGState:
-    """The global generators' state a dropout on ``t`` will draw from (CPU always, CUDA on CUDA)."""
+    """The state of the generator a dropout on ``t`` will draw from: the global one (CPU
+    always, CUDA on CUDA), or a check's own (Note: [a check's random numbers are its own])."""
+    mode = active_private_rng()
     if t.device.type == "cuda":
         idx = t.device.index if t.device.index is not None else torch.cuda.current_device()
-        return torch.get_rng_state(), torch.cuda.get_rng_state(idx), idx
-    return torch.get_rng_state(), None, None
+        if mode is not None:
+            return mode.generator(torch.device("cuda", idx)).get_state(), None, idx, True
+        return torch.get_rng_state(), torch.cuda.get_rng_state(idx), idx, False
+    if mode is not None:
+        return mode.generator(torch.device("cpu")).get_state(), None, None, True
+    return torch.get_rng_state(), None, None, False
 
 
 @contextmanager
 def replay_rng(state: RNGState) -> Iterator[None]:
-    """Run the body from ``state`` without touching the global streams (``fork_rng``)."""
-    cpu, cuda, idx = state
-    devices = [] if idx is None else [idx]
-    with torch.random.fork_rng(devices=devices, enabled=True):
+    """Run the body drawing from ``state`` without touching the global streams: on CPU, and
+    for what a check drew, from a private generator holding that state (what other threads
+    draw meanwhile is untouched); a dropout drawn from CUDA's global stream (its fused kernel)
+    with the global state set inside ``torch.random.fork_rng``."""
+    cpu, cuda, idx, private = state
+    if private or idx is None:
+        device = torch.device("cpu") if idx is None else torch.device("cuda", idx)
+        with private_rng(0) as mode:
+            mode.generator(device).set_state(cpu)
+            yield
+        return
+    with torch.random.fork_rng(devices=[idx], enabled=True):
         torch.set_rng_state(cpu)
-        if cuda is not None:
-            torch.cuda.set_rng_state(cuda, idx)
+        torch.cuda.set_rng_state(cuda, idx)
         yield

@@ -20,7 +20,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.conv import _ConvNd
 
 from ..autograd.chain import ChainFunction, ChainLayerSpec, chain_forward_no_grad, layer_kind
-from ..autograd.chain_compiled import chain_inductor_apply, compile_chains, fusible_by_inductor
+from ..autograd.chain_compiled import chain_inductor_apply, compile_chains, fusible_by_inductor, quiet_own_advisory
 from ..autograd.chain_input import concat_shape
 from ..functional.activations import Activation, activation_from_module
 from ..functional.batchnorm import BNSpec
@@ -203,6 +203,7 @@ class FusedChain(nn.Module):
         super().__init__()
         if not layers:
             raise ValueError("a FusedChain needs at least one layer")
+        quiet_own_advisory()  # torch's note on the checkpoint region this chain compiles to
         for i, l in enumerate(layers):
             if l.is_head and i != 0:
                 raise ValueError(f"only a chain's first layer may have no convolution (a head), but layer {i} has none")
@@ -214,9 +215,14 @@ class FusedChain(nn.Module):
         #: returns one keep flag per layer (``True``: ``recompute_bn``). ``convbn.convert``
         #: attaches its planner here for ``strategy="auto"`` without ``example_inputs``.
         self.plan_on_first_call: Optional[Callable[[Sequence[ChainLayer]], Sequence[bool]]] = None
+        #: called once, right after that plan, with the call's input: a reason to run as eager
+        #: modules from then on (its fused step peaks above eager's), or ``""``
+        self.guard_on_first_call: Optional[Callable[["FusedChain", Sequence[Tensor]], str]] = None
         #: run as eager modules (``convert`` measured the fused step above eager's peak:
         #: Note: [never above eager] in passes/plan/auto_plan.py)
         self.eager = False
+        #: why ``eager`` was set (the report says it)
+        self.eager_reason = ""
         from ..autograd.chain_op import register_chain
 
         static = []
@@ -379,6 +385,12 @@ class FusedChain(nn.Module):
             for l, k in zip(layers, keeps):
                 l.mode = "recompute_bn" if k else "recompute_conv"
             self.plan_on_first_call = None
+            guard, self.guard_on_first_call = getattr(self, "guard_on_first_call", None), None
+            if guard is not None and dt is None and not torch.compiler.is_compiling():
+                why = guard(self, pieces)
+                if why:  # Note: [never above eager, without example inputs] in passes/plan/first_call_peak.py
+                    self.eager, self.eager_reason = True, why
+                    return self._forward_eager(_concat(pieces))
         bn_specs = [bn_spec_from_module(l.bn, advance=True) if l.bn is not None else None for l in layers]
         x = pieces[0] if dt is None else pieces[0].to(dt)  # one piece unless a head (never cast)
         params: List[Optional[Tensor]] = []

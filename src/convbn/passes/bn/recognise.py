@@ -29,6 +29,7 @@ children such as a Dropout keep reading their own mode at call time.
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple, Union
 
@@ -40,6 +41,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from ...nn.bn_call import has_standard_bn_forward
 from ..graph.layers import normalize_args
+from ..graph.thread_patch import fx_patches_scoped, scoped_attr, static_attr
 from ..graph.hooks import hook_reason
 from ..graph.shape_uses import is_shape_use
 
@@ -171,7 +173,7 @@ class _BodyTracer(fx.Tracer):
 def trace_body(module: nn.Module, training: bool) -> Tuple[Optional[fx.Graph], List[int], str]:
     flags = [(m, m.training) for m in module.modules()]
     tracer = _BodyTracer()
-    originals = {cls: cls.__dict__["forward"] for cls in (_BatchNorm, nn.SyncBatchNorm)}
+    originals = {cls: static_attr(cls, "forward") for cls in (_BatchNorm, nn.SyncBatchNorm)}
 
     def marker(original: Callable[..., Any]) -> Callable[..., Any]:
         def forward(self: nn.Module, input: Any) -> Any:
@@ -182,15 +184,15 @@ def trace_body(module: nn.Module, training: bool) -> Tuple[Optional[fx.Graph], L
 
     try:
         module.train(training)
-        for cls, fn in originals.items():
-            cls.forward = marker(fn)  # type: ignore[method-assign]
-        graph = tracer.trace(module)
+        # Note: [tracing patches are the tracing thread's]
+        with fx_patches_scoped(), contextlib.ExitStack() as patches:
+            for cls, fn in originals.items():
+                patches.enter_context(scoped_attr(cls, "forward", marker(fn)))
+            graph = tracer.trace(module)
     except Exception as exc:  # noqa: BLE001 - an untraceable forward is a reason, not an error
         text = str(exc).strip().splitlines()
         return None, [], f"{type(exc).__name__}: {text[0] if text else ''}"[:160]
     finally:
-        for cls, fn in originals.items():
-            cls.forward = fn  # type: ignore[method-assign]
         for m, t in flags:
             m.training = t
     return graph, tracer.floats, ""

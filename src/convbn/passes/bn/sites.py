@@ -252,6 +252,6 @@ def find_bn_sites(gm: fx.GraphModule, prefix: str, report: ConvertReport,
             why = "its input is not a traced tensor"
         if why is None:
             sites.append(BNSite(call.node, call.input, bn, call.name, call.ranks))
-        elif not any(o.batchnorm == call.name for o in report.outcomes):  # one line per BatchNorm, not per call
+        elif not any(o.batchnorm == call.name for o in report.recorded):  # one line per BatchNorm, not per call
             report.leave(call.name, why)
     return sites

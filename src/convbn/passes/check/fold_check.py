@@ -14,7 +14,7 @@ from torch.utils import _pytree as pytree
 from ..fold.graph import FoldContext
 from ..graph.layers import LAYER_MODULES
 from ..graph.trace import short_reason
-from .validate import as_args, clone_tensors, compare_outputs, to_float64
+from .validate import as_args, clone_tensors, compare_outputs, seeded, to_float64
 
 __all__ = ["CHECK_TOLERANCE", "EAGER_ERROR_FACTOR", "output_jump"]
 
@@ -41,13 +41,14 @@ def candidate_inputs(model: nn.Module) -> Iterator[Tuple[Tensor, ...]]:
     if first is None:
         return
     w = first.weight
+    gen = torch.Generator(device=w.device).manual_seed(0)  # the global stream is the user's
     if isinstance(first, nn.Linear):
-        yield (torch.randn(2, first.in_features, dtype=w.dtype, device=w.device),)
+        yield (torch.randn(2, first.in_features, dtype=w.dtype, device=w.device, generator=gen),)
         return
     dims = w.dim() - 2
     sizes = {1: (64, 128, 32), 2: (32, 64, 28, 224), 3: (32, 16, 64)}[dims]
     for s in sizes:
-        yield (torch.randn(2, first.in_channels, *([s] * dims), dtype=w.dtype, device=w.device),)
+        yield (torch.randn(2, first.in_channels, *([s] * dims), dtype=w.dtype, device=w.device, generator=gen),)
 
 
 def run_no_grad(model: nn.Module, args: Tuple[Any, ...]) -> Any:
@@ -55,11 +56,9 @@ def run_no_grad(model: nn.Module, args: Tuple[Any, ...]) -> Any:
     mode draws the same masks twice), on copies of the inputs (the model may modify them
     in place) and without changing the buffers of modules in training mode."""
     args = clone_tensors(args)
-    cuda = sorted({t.device.index or 0 for t in pytree.tree_leaves(args) if isinstance(t, Tensor) and t.is_cuda})
     saved = [(b, b.clone()) for m in model.modules() if m.training for b in m.buffers(recurse=False)]
     try:
-        with torch.no_grad(), torch.random.fork_rng(devices=cuda):
-            torch.manual_seed(0)
+        with torch.no_grad(), seeded(0):
             return model(*args)
     finally:
         with torch.no_grad():

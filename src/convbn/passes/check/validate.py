@@ -8,11 +8,13 @@ import contextlib
 import copy
 import math
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Callable, ContextManager, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor, nn
 from torch.utils import _pytree as pytree
+
+from ...functional.private_rng import PrivateRNG, private_rng
 
 __all__ = ["StateSnapshot", "Comparison", "compare_outputs", "run_step", "seeded", "as_args", "float64_slack", "to_float64",
            "tolerance", "TOLERANCE", "EAGER_ERROR_FACTOR", "buffers_set_aside", "batch_sample", "clone_tensors"]
@@ -54,7 +56,10 @@ def _cuda_in_use() -> bool:
 
 
 class StateSnapshot:
-    """Snapshot buffers, ``training`` flags and RNG states of ``model``; put them back on exit.
+    """Snapshot buffers and ``training`` flags of ``model``; put them back on exit. Random
+    numbers drawn in the block come from generators of its own (:func:`seeded` with seed 0,
+    unless an inner :func:`seeded` block says otherwise): the global RNG streams, and what
+    other threads draw from them, are not touched.
 
     Example:
         >>> with StateSnapshot(model):
@@ -67,28 +72,25 @@ class StateSnapshot:
     def __enter__(self) -> "StateSnapshot":
         self.buffers = [(b, b.detach().clone()) for b in self.model.buffers()]
         self.modes = [(m, m.training) for m in self.model.modules()]
-        self.rng = torch.get_rng_state()
-        self.cuda_rng = torch.cuda.get_rng_state_all() if _cuda_in_use() else None
+        self.rng = seeded(0)
+        self.rng.__enter__()
         return self
 
     def __exit__(self, *exc: Any) -> None:
+        self.rng.__exit__(None, None, None)
         with torch.no_grad():
             for b, v in self.buffers:
                 if not b.is_inference():
                     b.copy_(v)
         for m, t in self.modes:
             m.training = t
-        torch.set_rng_state(self.rng)
-        if self.cuda_rng is not None:
-            torch.cuda.set_rng_state_all(self.cuda_rng)
 
 
-@contextlib.contextmanager
-def seeded(seed: int) -> Iterator[None]:
-    devices = list(range(torch.cuda.device_count())) if _cuda_in_use() else []
-    with torch.random.fork_rng(devices=devices):
-        torch.manual_seed(seed)
-        yield
+def seeded(seed: int) -> ContextManager[PrivateRNG]:
+    """Random numbers drawn in the block, in this thread, come from generators of the block's
+    own seeded with ``seed``; the global streams are untouched (Note: [a check's random
+    numbers are its own] in ``functional/private_rng.py``)."""
+    return private_rng(seed)
 
 
 @dataclass
@@ -168,8 +170,8 @@ def run_step(model: nn.Module, args: Tuple[Any, ...], params: Sequence[Tensor], 
     """One forward (RNG seeded with ``seed``) and, where possible, one backward with a random
     upstream gradient (also from ``seed``), returning outputs and the gradients of ``params``
     and of the floating tensor inputs. ``.grad`` fields are left alone (``torch.autograd.grad``);
-    the caller restores state (:class:`StateSnapshot`). ``rng``: a list to which the global
-    RNG state after the forward and after the backward are appended (what each drew).
+    the caller restores state (:class:`StateSnapshot`). ``rng``: a list to which the states of
+    the forward's and the backward's private generators afterwards are appended (what each drew).
     ``grad_inputs=False``: the inputs require grad only where the caller's did (a model that
     sets ``requires_grad`` on a view of its input runs only so), and their gradients are
     compared only then."""
@@ -178,20 +180,20 @@ def run_step(model: nn.Module, args: Tuple[Any, ...], params: Sequence[Tensor], 
     leaves, spec = pytree.tree_flatten(args)
     it = iter(inputs)
     call_args = pytree.tree_unflatten([next(it) for _ in leaves], spec)
-    with seeded(seed):
+    with seeded(seed) as drawn:
         out = model(*call_args)
         if rng is not None:
-            rng.append(torch.get_rng_state())
+            rng.extend(drawn.states())
     outs = [o for o in pytree.tree_leaves(out) if isinstance(o, Tensor) and o.requires_grad]
     wrt = [p for p in params if p.requires_grad] + [t for t in inputs if isinstance(t, Tensor) and t.requires_grad]
     if not backward or not outs or not wrt or not torch.is_grad_enabled():
         return pytree.tree_map(lambda t: t.detach() if isinstance(t, Tensor) else t, out), []
     gen = torch.Generator().manual_seed(seed + 1)
     ups = [torch.randn(o.shape, generator=gen, dtype=torch.float64).to(o) for o in outs]
-    with seeded(seed + 2):  # a backward drawing random numbers draws the same on both sides
+    with seeded(seed + 2) as drawn:  # a backward drawing random numbers draws the same on both sides
         grads = torch.autograd.grad(outs, wrt, ups, allow_unused=True)
         if rng is not None:
-            rng.append(torch.get_rng_state())
+            rng.extend(drawn.states())
     return pytree.tree_map(lambda t: t.detach() if isinstance(t, Tensor) else t, out), list(grads)
 
 

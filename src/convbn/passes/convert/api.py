@@ -77,11 +77,11 @@ class _Context:
 
     def mark(self) -> Tuple[int, int, int, int, int]:
         r = self.report
-        return (len(r.pairs), len(r.outcomes), len(r.untraced), len(r.traced), len(r.lean_pools))
+        return (len(r.pairs), len(r.recorded), len(r.untraced), len(r.traced), len(r.lean_pools))
 
     def rollback(self, mark: Tuple[int, int, int, int, int]) -> None:
         r = self.report
-        del r.pairs[mark[0]:], r.outcomes[mark[1]:], r.untraced[mark[2]:], r.traced[mark[3]:], r.lean_pools[mark[4]:]
+        del r.pairs[mark[0]:], r.recorded[mark[1]:], r.untraced[mark[2]:], r.traced[mark[3]:], r.lean_pools[mark[4]:]
 
 
 def _convert(module: nn.Module, prefix: str, ctx: _Context, exposed: bool = False) -> None:
@@ -147,7 +147,7 @@ def _rewrite(module: nn.Module, prefix: str, traced: Any, ctx: _Context) -> None
         return
     chains = group_chains(layers, ctx.chain, report)
     before = [n for n, _ in gm.named_children()]
-    out = rewrite_chains(module, gm, chains, ctx.mode, report)
+    out = rewrite_chains(module, gm, chains, ctx.mode, report, lazy=ctx.lazy)
     report.lean_pools += lean_pools(out, prefix)  # after the chains: their outputs feed pools
     watch_hooks(out, chains, before)
     inlined = _inlined_modules(module, out)
@@ -201,13 +201,13 @@ def _dedupe(report: ConvertReport) -> None:
     report.pairs[:] = pairs
     done = set()
     outcomes = []
-    for o in report.outcomes:
+    for o in report.recorded:
         if o.result == "fused":
             if o.batchnorm in done:
                 continue
             done.add(o.batchnorm)
         outcomes.append(o)
-    report.outcomes[:] = [o for o in outcomes if o.result == "fused" or o.batchnorm not in done]
+    report.recorded[:] = [o for o in outcomes if o.result == "fused" or o.batchnorm not in done]
 
 
 def _inlined_modules(module: nn.Module, gm: fx.GraphModule) -> List[nn.Module]:
@@ -413,9 +413,9 @@ def _convert_model(model: nn.Module, strategy: str, memory_budget: Optional[floa
     _dedupe(report)
     # every BatchNorm module gets an outcome: fused, left with a reason, or not reached
     untraced = [m for m, _ in report.untraced]
-    report.outcomes += unreached(bn_module_names(model), report.outcomes, untraced, report.traced)
-    report.outcomes += frozen_lookalikes(model, report.outcomes)
-    report.outcomes = explain_ghost_loops(model, report.outcomes)
+    report.recorded += unreached(bn_module_names(model), report.recorded, untraced, report.traced)
+    report.recorded += frozen_lookalikes(model, report.recorded)
+    report.recorded = explain_ghost_loops(model, report.recorded)
     if strategy == "auto" and inputs is not None and report.pairs:
         target = None
         if memory_limit is not None:
@@ -432,6 +432,7 @@ def _convert_model(model: nn.Module, strategy: str, memory_budget: Optional[floa
             report.saved_bytes = measure_saved(work, inputs)
     work.__dict__["convbn_report"] = report
     _arm_guards(ctx)
+    report.attach(work)  # Note: [a report says what runs]
     if not report.pairs:
         why = "; ".join([f"{s.batchnorm}: {s.reason}" for s in report.skipped[:3]]
                         + [f"{m or '<root>'} not traceable: {e}" for m, e in report.untraced[:2]])

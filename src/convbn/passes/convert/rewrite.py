@@ -22,6 +22,7 @@ from ...nn.chain import ChainLayer, FusedChain
 from ..graph.hooks import hook_reason
 from .concat_heads import chain_call_inputs, erase_unused_cat, shared_pieces
 from .match import MatchedLayer
+from ..plan.first_call_peak import peak_above_eager
 from ..plan.planner import plan_on_first_call
 from ..report.outcome import BNOutcome
 from ..report.convert_report import ConvertReport, FusedPair
@@ -30,7 +31,7 @@ __all__ = ["rewrite_chains", "swap_sync_batchnorm", "chain_layer", "shallow_clon
 
 
 def rewrite_chains(root: nn.Module, gm: fx.GraphModule, chains: List[List[MatchedLayer]], mode: str,
-             report: ConvertReport) -> fx.GraphModule:
+             report: ConvertReport, lazy: bool = True) -> fx.GraphModule:
     graph = gm.graph
     built: List[Tuple[str, FusedChain]] = []
     base = len({p.chain for p in report.pairs})
@@ -45,10 +46,12 @@ def rewrite_chains(root: nn.Module, gm: fx.GraphModule, chains: List[List[Matche
                                           base + ci, pos, cl))
             if not l.is_end:  # a head's BatchNorm is fused with the conv after it (the next layer's)
                 conv, direction = (chain[pos + 1].conv, "following") if l.is_head else (l.conv, "preceding")
-                report.outcomes.append(BNOutcome(l.bn_name, "fused", conv.name if conv else None, direction))
+                report.recorded.append(BNOutcome(l.bn_name, "fused", conv.name if conv else None, direction))
         fused = FusedChain(layers)
         if mode == "auto":  # planned lazily unless convert plans it with example_inputs
             fused.plan_on_first_call = plan_on_first_call
+            if lazy:  # with example inputs, convert measures the whole step itself
+                fused.guard_on_first_call = peak_above_eager
         name = f"convbn_chain{ci}"
         while hasattr(root, name) or hasattr(gm, name):
             name += "_"

@@ -123,6 +123,7 @@ class GraphForward:
         self.previous = prev if not isinstance(prev, GraphForward) else prev.previous
         self.added = list(added)
         self.fallback = False
+        self.fallback_reason = ""  # why ``fallback`` was set (the report says it)
         self.pending: Optional[Callable[[torch.dtype], float]] = None
         # (module, args, kwargs) -> Comparison; run on the first backward (Note above)
         self.backward_check: Optional[Callable[..., Any]] = None
@@ -281,6 +282,7 @@ class GraphForward:
                 return
             if not result.ok:
                 self.fallback = True
+                self.fallback_reason = f"its gradients differed from the original's on the first backward ({result.describe()})"
                 warnings.warn(
                     f"convbn: the rewritten {type(owner).__name__}'s training step differs from the original's on "
                     f"its first backward ({result.describe()}; one training step of each on the first samples of "
@@ -324,6 +326,7 @@ class GraphForward:
             self.undo = None  # checked: the weights it replaced are no longer needed
         if why:
             self.fallback = True
+            self.fallback_reason = f"it differed from the original on the first call ({why})"
             warnings.warn(
                 f"convbn: the rewritten {type(owner).__name__} differs from the original on its first call "
                 f"({why}); running the original (unfused) forward from now on. Pass example_inputs=... to "

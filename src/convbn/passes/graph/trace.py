@@ -58,6 +58,7 @@ from .hooks import hook_reason
 from .shape_capture import Guards, ShapeGuard, ShapeTracing
 from .specialize import Defaults, constant_defaults, none_used_as_value
 from .layers import LAYER_MODULES, has_standard_forward
+from .thread_patch import fx_patches_scoped, original_item, scoped_item
 from .trace_hazards import FunctionCall, _answer_could_differ, _tensor_valued, opaque_functions
 
 __all__ = ["TraceHazard", "LayerTracer", "Traced", "trace", "resolve_string_annotations", "short_reason", "FunctionCall"]
@@ -296,13 +297,11 @@ class _PartialTracing:
         for m in root.modules():  # frozen BatchNorms with a tail of children: inlined like norm-act
             if m is not root and not self._frozen[id(m)] and holds_frozen_bn_tensors(m) and any(m.children()):
                 self._bodies[id(m)] = recognise_frozen_norm_act(m)
-        original = torch.jit.isinstance
-        torch.jit.isinstance = _patched_jit_isinstance(original)  # type: ignore[assignment]
-        try:
-            with opaque_functions(), recording_grad_modes(self):  # type: ignore[arg-type]
-                return super().trace(root, concrete_args)  # type: ignore[misc]
-        finally:
-            torch.jit.isinstance = original  # type: ignore[assignment]
+        # Note: [tracing patches are the tracing thread's]
+        with fx_patches_scoped(), scoped_item(torch.jit.__dict__, "isinstance",
+                                              _patched_jit_isinstance(original_item(torch.jit.__dict__, "isinstance"))), opaque_functions(), \
+                recording_grad_modes(self):  # type: ignore[arg-type]
+            return super().trace(root, concrete_args)  # type: ignore[misc]
 
 
 class _Retrace(Exception):

@@ -9,12 +9,13 @@ Used by :mod:`convbn.passes.graph.trace` while tracing.
 from __future__ import annotations
 
 import contextlib
-import inspect
 import linecache
 from typing import Any, Callable, Iterator, List, Optional, Tuple
 
 import torch
 import torch.fx as fx
+
+from .thread_patch import scoped_attr, static_attr
 
 __all__ = ["FunctionCall", "opaque_functions"]
 
@@ -187,35 +188,24 @@ def opaque_functions() -> Iterator[None]:
     one :class:`FunctionCall` (Note: [autograd Functions stay whole]); restored on exit."""
     from torch.autograd.function import _SingleLevelFunction
 
-    base_setup = _SingleLevelFunction.__dict__["setup_context"]
-    apply = torch.autograd.Function.__dict__["apply"]
-    undo: List[Tuple[type, str, Any]] = []  # (class, name, what its __dict__ held, or _ABSENT)
-    torch.autograd.Function.apply = classmethod(_opaque_apply(apply.__func__))  # type: ignore[assignment]
-    try:
+    base_setup = static_attr(_SingleLevelFunction, "setup_context")
+    apply = static_attr(torch.autograd.Function, "apply")
+    with contextlib.ExitStack() as patches:  # Note: [tracing patches are the tracing thread's]
+        patches.enter_context(scoped_attr(torch.autograd.Function, "apply", classmethod(_opaque_apply(apply.__func__))))
         for cls in _function_classes():
-            fwd = inspect.getattr_static(cls, "forward", None)
+            fwd = static_attr(cls, "forward")
             if not isinstance(fwd, staticmethod):  # legacy (instance-method) Functions: left as they are
                 continue
-            setup = inspect.getattr_static(cls, "setup_context", None)
+            setup = static_attr(cls, "setup_context")
             takes_ctx = setup is base_setup  # no setup_context: forward(ctx, *args)
             try:
                 for name, new in (("forward", _opaque_forward(cls, fwd.__func__, takes_ctx)),
                                   ("setup_context", None if takes_ctx or not isinstance(setup, staticmethod)
                                    else _skip_setup(setup.__func__))):
-                    if new is None:
-                        continue
-                    undo.append((cls, name, cls.__dict__.get(name, _ABSENT)))
-                    setattr(cls, name, staticmethod(new))
+                    if new is not None:
+                        patches.enter_context(scoped_attr(cls, name, staticmethod(new)))
             except (TypeError, AttributeError):  # an immutable class: left as it is
                 continue
         yield
-    finally:
-        for cls, name, old in reversed(undo):
-            if old is _ABSENT:
-                delattr(cls, name)
-            else:
-                setattr(cls, name, old)
-        torch.autograd.Function.apply = apply  # type: ignore[assignment]
 
 
-_ABSENT = object()

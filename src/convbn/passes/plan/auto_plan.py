@@ -18,6 +18,7 @@ from .planner import (ChainCost, all_keep_bytes, plan_for_peak, plan_layers, pla
                       plan_within_peak, step_peak, drops_needed)
 from .plan_inputs import chains_of, measure_peak, measure_plan_inputs
 from ..graph.graph_module import fused_modules
+from .first_call_peak import peak_above_eager
 from ..report.convert_report import ConvertReport
 from ..check.validate import StateSnapshot
 
@@ -116,6 +117,7 @@ def plan_auto(original: nn.Module, converted: nn.Module, inputs: Tuple[Any, ...]
             l.mode = "recompute_conv"
         for m in chains_of(converted):
             m.plan_on_first_call = None
+            m.guard_on_first_call = None  # measured here, on the example inputs
         stage(f"plan: measuring {len(chains)} chains")
         floor = measure_saved(converted, inputs)
         ordered, measured = measure_plan_inputs(converted, inputs)
@@ -173,6 +175,7 @@ def plan_auto(original: nn.Module, converted: nn.Module, inputs: Tuple[Any, ...]
             for l in m.layers:
                 l.mode = "recompute_bn"
             m.plan_on_first_call = plan_on_first_call
+            m.guard_on_first_call = peak_above_eager
     may_drop = drops_needed(costs, keeps, floor_total, gaps)  # Note: [drops only where the step peaks]
     apply_plan(ordered, keeps, may_drop)
     # Note: [never above eager], last resort: a step measured above eager's (what a chain
@@ -187,6 +190,8 @@ def plan_auto(original: nn.Module, converted: nn.Module, inputs: Tuple[Any, ...]
         if fused_peak > eager_peak:
             for m in chains_of(converted):  # registered or added by the in-place rewrite
                 m.eager = True
+                m.eager_reason = (f"the fused step measured {fused_peak} bytes at its peak on example_inputs, above "
+                                  f"eager's {eager_peak}: its layers run as eager modules")
             report.eager_fallback = True
     peak, where = step_peak(costs, keeps, floor_total, may_drop=may_drop, gaps=gaps)
     report.predicted_peak_bytes = peak

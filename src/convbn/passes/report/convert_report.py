@@ -2,13 +2,16 @@
 :class:`~convbn.passes.report.outcome.BNOutcome` per BatchNorm -- fused, or left and why."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Dict, List, Optional
 
 from ...memory import format_bytes
+from .live import FUSED, all_chains, chain_status
 from .outcome import BNOutcome
 
 if TYPE_CHECKING:  # pragma: no cover
+    from torch import nn
+
     from ...nn.chain import ChainLayer
 
 __all__ = ["FusedPair", "ConvertReport"]
@@ -40,6 +43,16 @@ class FusedPair:
         return self.layer.mode
 
     @property
+    def status(self) -> str:
+        """What runs now: ``"fused"``, ``"fused, plan pending"`` (converted without
+        ``example_inputs``: the chain plans on its first training call, when its shapes are
+        known; :attr:`strategy` until then is not a plan) or ``"fallback: <why>"``."""
+        report = self.__dict__.get("_report")
+        if report is not None:
+            report._pair_status()
+        return self.__dict__.get("_status", FUSED)
+
+    @property
     def kept_bytes(self) -> int:
         """Bytes this layer keeps for backward beyond the chain input (its conv output, if
         kept; a head and a bare end keep none)."""
@@ -56,8 +69,10 @@ class ConvertReport:
     """Result of :func:`convbn.convert` / :func:`convbn.explain`.
 
     Attributes:
-        pairs: every fused layer: Conv -> BN (-> act), a pre-activation head, a chain's end.
-        outcomes: one :class:`convbn.BNOutcome` per BatchNorm module or
+        pairs: every fused layer: Conv -> BN (-> act), a pre-activation head, a chain's end;
+            each with its :attr:`FusedPair.status` (what runs now).
+        recorded: the outcomes as ``convert`` decided them (``outcomes`` is what runs now).
+        outcomes: (read-only, computed when read from the model as it is now) one :class:`convbn.BNOutcome` per BatchNorm module or
             ``batch_norm`` call: ``"fused"`` (with the conv and whether it precedes the
             BatchNorm or follows it, as a pre-activation head's does) or ``"left"`` with the
             reason -- the same record :func:`convbn.fold`'s report lists.
@@ -96,7 +111,7 @@ class ConvertReport:
     """
 
     pairs: List[FusedPair] = field(default_factory=list)
-    outcomes: List[BNOutcome] = field(default_factory=list)
+    recorded: List[BNOutcome] = field(default_factory=list)
     untraced: List[tuple] = field(default_factory=list)
     traced: List[str] = field(default_factory=list)
     validated: List[str] = field(default_factory=list)
@@ -118,6 +133,40 @@ class ConvertReport:
     changes: List[str] = field(default_factory=list)
 
     @property
+    def outcomes(self) -> List[BNOutcome]:
+        """One outcome per BatchNorm, as things run now: a BatchNorm ``convert`` fused whose
+        chain does not run fused (a failed first-call or first-backward check, the "never
+        above eager" last resort, the other train/eval mode of a mode-dependent trace, hooks
+        added later) is ``"left"`` with the reason ``"fallback: <why>"``."""
+        status = self._pair_status()
+        return [replace(o, result="left", direction=None, reason=status[o.batchnorm])
+                if o.result == "fused" and status.get(o.batchnorm, FUSED) != FUSED else o for o in self.recorded]
+
+    def _pair_status(self) -> Dict[str, str]:
+        """Per fused BatchNorm name, its chain's status; sets each pair's ``status``."""
+        model = self.__dict__.get("_model")
+        by_bn: Dict[str, str] = {}
+        if model is None:
+            return by_bn
+        status = chain_status(model)
+        chain_of = {id(l): c for c in all_chains(model) for l in c.layers}
+        for p in self.pairs:
+            chain = chain_of.get(id(p.layer))
+            now = status.get(id(chain), FUSED) if chain is not None else FUSED
+            if now == FUSED and chain is not None and chain.plan_on_first_call is not None:
+                now = "fused, plan pending"
+            p.__dict__["_status"] = now
+            if p.bn:
+                by_bn[p.bn] = FUSED if now.startswith(FUSED) else now
+        return by_bn
+
+    def attach(self, model: "nn.Module") -> None:
+        """Read the live state of ``model`` (the converted model) from now on."""
+        self.__dict__["_model"] = model
+        for p in self.pairs:
+            p.__dict__["_report"] = self
+
+    @property
     def skipped(self) -> List[BNOutcome]:
         """Every BatchNorm left as it was, with its reason (``.bn``, ``.reason``, ``.conv``)."""
         return [o for o in self.outcomes if o.left]
@@ -125,15 +174,19 @@ class ConvertReport:
     def leave(self, bn: str, reason: str, conv: Optional[str] = None) -> None:
         """Record that BatchNorm ``bn`` is left as it was, and why (``conv``: the convolution
         considered, if the match got that far)."""
-        self.outcomes.append(BNOutcome(bn, "left", conv, None, reason))
+        self.recorded.append(BNOutcome(bn, "left", conv, None, reason))
 
     @property
     def num_chains(self) -> int:
         return len({p.chain for p in self.pairs})
 
     def __str__(self) -> str:
+        skipped = self.skipped  # as things run now (sets each pair's status)
+        running = [p for p in self.pairs if p.status.startswith(FUSED)]
         lines = [f"convbn.convert report (strategy={self.strategy!r}): {len(self.pairs)} pairs fused "
-                 f"in {self.num_chains} chains, {len(self.skipped)} BatchNorms skipped"]
+                 f"in {self.num_chains} chains, {len(skipped)} BatchNorms skipped"]
+        if len(running) != len(self.pairs):
+            lines.append(f"  running fused now: {len(running)} of {len(self.pairs)} pairs (the others: see 'fallback' below)")
         if self.eager_saved_bytes:
             lines.append(f"  saved activation bytes: eager {format_bytes(self.eager_saved_bytes)}"
                          + (f", converted {format_bytes(self.saved_bytes)} "
@@ -162,9 +215,15 @@ class ConvertReport:
             # a head has no conv and an end no BN: "-" there, and the kind instead of a strategy
             # (neither keeps a conv output of its own, whatever its mode says)
             strategy = p.strategy if p.kind == "layer" or (p.kind == "end" and p.layer.elements) else p.kind
+            if p.status == "fused, plan pending":
+                strategy = "plan pending"  # made on the chain's first training call
+            elif p.status != FUSED:
+                strategy = "fallback"
             lines.append(
                 f"  {p.chain:>6}.{p.position:<2}  {p.conv or '- (pre-act head)':<32} {p.bn or '- (chain end)':<32} "
-                f"{p.activation:<{width}} {strategy:<15} {format_bytes(p.kept_bytes):>10} {p.extra_flops / 1e6:>10.1f}M"
+                f"{p.activation:<{width}} {strategy:<15} "
+                + (f"{'-':>10} {'-':>11}" if strategy == "plan pending" else
+                   f"{format_bytes(p.kept_bytes):>10} {p.extra_flops / 1e6:>10.1f}M")
             )
         if self.shared_pieces:
             most = sorted(self.shared_pieces.items(), key=lambda kv: -kv[1])
@@ -174,7 +233,10 @@ class ConvertReport:
         if self.lean_pools:
             shown = ", ".join(self.lean_pools[:4]) + (", ..." if len(self.lean_pools) > 4 else "")
             lines.append(f"  pooling keeping indices, not inputs: {len(self.lean_pools)} ({shown})")
-        for s in self.skipped:
+        if any(p.status == "fused, plan pending" for p in self.pairs):
+            lines.append("  plan pending: chains converted without example_inputs choose each layer's strategy on "
+                         "their first training call (their shapes known then)")
+        for s in skipped:
             lines.append(f"  skipped {s.batchnorm}: {s.reason}")
         for mod, err in self.untraced:
             lines.append(f"  not traced as a whole: {mod or '<root>'}: {err}")

@@ -1,0 +1,86 @@
+"""What runs now: each fused chain's state read off the live model, for the report and
+:func:`convbn.fused_modules`.
+
+Note: [a report says what runs]
+What :func:`convbn.convert` decided and what runs can part: a first-call or first-backward
+check that fails sends the rewritten module back to its own forward
+(``GraphForward.fallback``), the "never above eager" last resort runs a chain's layers as
+eager modules (``FusedChain.eager``), a mode-dependent trace runs the module's own forward
+in the other train/eval mode, and hooks registered after conversion make a chain call its
+modules. The report's per-BatchNorm outcomes and ``fused_modules`` are therefore computed
+from that state each time they are read, never copied once.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Dict, Iterator, List, Optional, Tuple
+
+from torch import nn
+
+from ...nn.chain import FusedChain
+from ...nn.fused import hooks_of
+from ..graph.graph_module import GraphForward, installed
+
+__all__ = ["chain_status", "running_fused_modules", "all_chains", "FUSED"]
+
+#: the status of a chain whose fused Function runs
+FUSED = "fused"
+
+
+def _status(fwd: Optional[GraphForward], chain: FusedChain) -> str:
+    if fwd is not None and fwd.fallback:
+        why = getattr(fwd, "fallback_reason", "") or "the rewrite's check failed"
+        return f"fallback: {why}; the module's own (unfused) forward runs"
+    if fwd is not None and fwd.modes is not None and any(m.training != t for m, t in fwd.modes):
+        return ("fallback: the rewrite was traced in the other train/eval mode and differs in this one; the "
+                "module's own (unfused) forward runs")
+    if fwd is not None and fwd.inlined and any(hooks_of(m) for m in fwd.inlined):
+        return ("fallback: hooks registered after conversion on a module the rewrite inlined; the module's own "
+                "(unfused) forward runs")
+    if chain.eager:
+        return f"fallback: {getattr(chain, 'eager_reason', '') or 'its layers run as eager modules'}"
+    if chain._hooked():
+        return "fallback: hooks registered after conversion on its modules; its layers run as eager modules"
+    return FUSED
+
+
+def _owned_chains(model: nn.Module) -> Iterator[Tuple[str, FusedChain, Optional[GraphForward]]]:
+    seen = set()
+    for prefix, m in model.named_modules():
+        fwd = installed(m)
+        if isinstance(m, FusedChain) and id(m) not in seen:  # registered (a replaced container child)
+            seen.add(id(m))
+            yield prefix, m, None
+        if fwd is None:
+            continue
+        for target in fwd.added:
+            chain = functools.reduce(getattr, target.split("."), m)
+            if isinstance(chain, FusedChain) and id(chain) not in seen:
+                seen.add(id(chain))
+                yield (f"{prefix}.{target}" if prefix else target), chain, fwd
+
+
+def chain_status(model: nn.Module) -> Dict[int, str]:
+    """``id(chain) -> status`` for every fused chain of ``model``: ``"fused"`` while its fused
+    Function runs, else ``"fallback: <why>"`` (Note: [a report says what runs])."""
+    return {id(chain): _status(fwd, chain) for _, chain, fwd in _owned_chains(model)}
+
+
+def running_fused_modules(model: nn.Module) -> Iterator[Tuple[str, nn.Module]]:
+    """``(qualified name, module)`` of every fused chain of ``model`` that runs fused now (a
+    chain of a module that fell back to its own forward, or run as eager modules, is not
+    listed; its report's outcomes say why).
+
+    Example:
+        >>> fast = convbn.convert(net)                      # doctest: +SKIP
+        >>> [n for n, _ in convbn.fused_modules(fast)]      # doctest: +SKIP
+        ['convbn_chain0']
+    """
+    for name, chain, fwd in _owned_chains(model):
+        if _status(fwd, chain) == FUSED:
+            yield name, chain
+
+
+def all_chains(model: nn.Module) -> List[FusedChain]:
+    """Every fused chain of ``model``, running fused or not."""
+    return [chain for _, chain, _ in _owned_chains(model)]
