@@ -55,16 +55,18 @@ def _net() -> nn.Module:
                          nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.AdaptiveAvgPool2d(1))
 
 
+_SCALE = {"value": 1.0}  # a global the forward reads: a trace records it as a constant, and no guard watches it
+
+
 class _Scaled(nn.Module):
-    """Reads a Python float at call time: a trace records it as a constant."""
+    """Reads a global Python float at call time (attributes of the model are guarded; globals are not)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.body = _net()
-        self.scale = 1.0
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.body(x) * self.scale
+        return self.body(x) * _SCALE["value"]
 
 
 def test_first_call_fallback_is_reported_as_it_runs() -> None:
@@ -72,9 +74,12 @@ def test_first_call_fallback_is_reported_as_it_runs() -> None:
     x = torch.randn(4, 3, 8, 8)
     fast = convbn.convert(copy.deepcopy(model))
     assert [o.result for o in fast.convbn_report.outcomes] == ["fused", "fused"]
-    fast.scale = 2.0  # the rewrite recorded 1.0: the first call's check finds them different
-    with pytest.warns(RuntimeWarning, match="differs from the original on its first call"):
-        out = fast(x)
+    _SCALE["value"] = 2.0  # the rewrite recorded 1.0: the first call's check finds them different
+    try:
+        with pytest.warns(RuntimeWarning, match="differs from the original on its first call"):
+            out = fast(x)
+    finally:
+        _SCALE["value"] = 1.0
     _assert_report_is_the_graph(fast, out)
     assert all("first call" in o.reason for o in fast.convbn_report.outcomes)
     assert list(convbn.fused_modules(fast)) == []

@@ -340,7 +340,7 @@ def max_batch(
             affordable) or ``"measure"`` (real steps at every batch the search tries: slow
             on large batches, the reference the prediction is tested against).
         confirm: with ``"predict"``, confirm the answer by real steps at it and the batch
-            above it: ``None`` where they should take at most :data:`CONFIRM_SECONDS` each
+            above it: ``None`` where they should take at most 20 seconds each
             side, ``True`` always, ``False`` never. ``BatchFit.how`` says which was done.
         progress: print a line per stage on stderr: ``None`` where stderr is a terminal.
         **convert_kwargs: passed to :func:`convbn.convert` (e.g. ``chain=False``).
