@@ -26,7 +26,9 @@ it needs one), float32, CPU, one thread:
   converted model no longer calls as modules (they ran inside a fused chain) -- the fused
   path ran; ``report fused``: the BatchNorms its report lists as fused; ``report > ran``: of
   those, the ones the converted step still called as modules (the report says more than
-  runs).
+  runs); the converted model then takes a second step, and the same counts are taken there
+  (``fused_ran_next``, ``report_not_run_next``: without ``example_inputs`` the first call is
+  the check, run by the eager modules).
 * ``frozen BN-like``: modules that compute a BatchNorm from buffers only (``weight``,
   ``bias``, ``running_mean``, ``running_var`` buffers, no parameters, not a ``_BatchNorm``;
   DETR-style frozen BatchNorms), called in the eager step / still called after convert /
@@ -392,6 +394,17 @@ def _check_convert(model: Any, inputs: Tuple[Any, ...], with_inputs: bool, ref: 
     res["report_not_run"] = sorted(reported & called)  # listed as fused, yet called as a module
     res["frozen_still_called"] = len(frozen)
     errs = _compare(ref, got)
+    try:  # a second step: what runs once the first call's checks are behind
+        called_next, handles = _bn_hooks(conv)
+        _step(conv, inputs)
+        reported = {o.batchnorm for o in getattr(conv.convbn_report, "outcomes", []) if o.result == "fused"}
+        res["fused_ran_next"] = len(called_eager - called_next)
+        res["report_not_run_next"] = sorted(reported & called_next)
+    except Exception as exc:  # noqa: BLE001
+        res["next_step_error"] = _short(exc)
+    finally:
+        for h in handles:
+            h.remove()
     res.update({f"{k}_err": v for k, v in errs.items()})
     res["ok"] = max(errs.values()) <= TOL[dtype]
     if not res["ok"]:
@@ -596,7 +609,7 @@ def markdown(records: List[Dict[str, Any]], command: str) -> str:
         fams[r["family"]].append(r)
     lines = [f"Command: `{command}`", "",
              "| family | models | convert fail | convert-noei fail | fold fail | fold-noei fail | BN called | "
-             "fused (ran) | fused (report) | report > ran | folded | frozen BN-like called / after convert / "
+             "fused (ran) | fused (report) | report > ran (ei / noei; noei 2nd step) | folded | frozen BN-like called / after convert / "
              "after fold | max out / grad / buffer err | above eager peak | timeout | skipped |",
              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|---:|---:|---:|"]
 
@@ -605,7 +618,9 @@ def markdown(records: List[Dict[str, Any]], command: str) -> str:
         called = sum(r.get("bn_called", 0) for r in run)
         ran = sum(r.get("convert", {}).get("fused_ran", 0) for r in run)
         rep = sum(r.get("convert", {}).get("report_fused", 0) for r in run)
-        over = sum(len(r.get(k, {}).get("report_not_run", [])) for r in run for k in ("convert", "convert_noei"))
+        over = [sum(len(r.get(k, {}).get(f, [])) for r in run)
+                for k, f in (("convert", "report_not_run"), ("convert_noei", "report_not_run"),
+                             ("convert_noei", "report_not_run_next"))]
         frozen = [sum(r.get("frozen_called", 0) for r in run),
                   sum(r.get("convert", {}).get("frozen_still_called", 0) for r in run),
                   sum(r.get("fold", {}).get("frozen_still_called", 0) for r in run)]
@@ -620,7 +635,7 @@ def markdown(records: List[Dict[str, Any]], command: str) -> str:
         return (f"| {name} | {len(run)} | {sum(_failed(r, 'convert') for r in run)} | "
                 f"{sum(_failed(r, 'convert_noei') for r in run)} | {sum(_failed(r, 'fold') for r in run)} | "
                 f"{sum(_failed(r, 'fold_noei') for r in run)} | {called} | {ran} ({ran / max(called, 1):.0%}) | "
-                f"{rep} | {over} | {folded} / {bns} ({folded / max(bns, 1):.0%}) | "
+                f"{rep} | {over[0]} / {over[1]}; {over[2]} | {folded} / {bns} ({folded / max(bns, 1):.0%}) | "
                 f"{frozen[0]} / {frozen[1]} / {frozen[2]} | "
                 f"{mx[0]:.1e} / {mx[1]:.1e} / {mx[2]:.1e} | {above} | {sum('timeout' in r for r in run)} | "
                 f"{len(rs) - len(run)} |")
@@ -634,8 +649,8 @@ def markdown(records: List[Dict[str, Any]], command: str) -> str:
 def per_model(records: List[Dict[str, Any]]) -> str:
     """One row per model: BatchNorms called / fused and running / reported fused (with and without
     ``example_inputs``), reported but not run, folded, frozen BN-like modules, peak against eager."""
-    lines = ["| model | BN called | fused ran (ei / noei) | report fused (ei / noei) | report > ran (ei / noei) | "
-             "folded / BNs | frozen BN-like called / after convert / after fold | peak x eager | failed |",
+    lines = ["| model | BN called | fused ran (ei / noei; noei 2nd step) | report fused (ei / noei) | "
+             "report > ran (ei / noei; noei 2nd step) | folded / BNs | frozen BN-like called / after convert / after fold | peak x eager | failed |",
              "|---|---:|---|---|---|---|---|---:|---|"]
     for r in records:
         if "skipped" in r:
@@ -647,9 +662,10 @@ def per_model(records: List[Dict[str, Any]]) -> str:
         bad = ",".join(k for k in ("convert", "convert_noei", "fold", "fold_noei") if _failed(r, k))
         bad = "timeout" if "timeout" in r else bad
         lines.append(
-            f"| {r['label']} | {r.get('bn_called', '-')} | {c.get('fused_ran', '-')} / {n.get('fused_ran', '-')} | "
-            f"{c.get('report_fused', '-')} / {n.get('report_fused', '-')} | "
-            f"{len(c.get('report_not_run', []))} / {len(n.get('report_not_run', []))} | "
+            f"| {r['label']} | {r.get('bn_called', '-')} | {c.get('fused_ran', '-')} / {n.get('fused_ran', '-')}; "
+            f"{n.get('fused_ran_next', '-')} | {c.get('report_fused', '-')} / {n.get('report_fused', '-')} | "
+            f"{len(c.get('report_not_run', []))} / {len(n.get('report_not_run', []))}; "
+            f"{len(n.get('report_not_run_next', []))} | "
             f"{r.get('fold', {}).get('folded', '-')} / {r.get('bns', '-')} | "
             f"{r.get('frozen_called', '-')} / {c.get('frozen_still_called', '-')} / "
             f"{r.get('fold', {}).get('frozen_still_called', '-')} | {ratio} | {bad or '-'} |")
