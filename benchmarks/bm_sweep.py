@@ -499,7 +499,11 @@ def run_one(label: str, peak: bool = True) -> Dict[str, Any]:
     rec["bns"] = sum(isinstance(m, _BatchNorm) for m in model.modules())
     rec["frozen_bns"] = sum(_frozen_bn_like(m) for m in model.modules())
     snapshot = copy.deepcopy(model.state_dict())
-    eager = copy.deepcopy(model)
+    try:
+        eager = copy.deepcopy(model)
+    except Exception as exc:  # noqa: BLE001 - every check here works on copies: not counted
+        rec["skipped"] = "deepcopy of the model: " + _short(exc)
+        return rec
     called, handles = _bn_hooks(eager)
     frozen, frozen_handles = _bn_hooks(eager, frozen=True)
     try:
