@@ -625,9 +625,12 @@ def markdown(records: List[Dict[str, Any]], command: str) -> str:
         over = [sum(len(r.get(k, {}).get(f, [])) for r in run)
                 for k, f in (("convert", "report_not_run"), ("convert_noei", "report_not_run"),
                              ("convert_noei", "report_not_run_next"))]
+        measured = any("report_not_run" in r.get("convert", {}) for r in run)  # older records: not measured
+        over_text = f"{over[0]} / {over[1]}; {over[2]}" if measured else "-"
         frozen = [sum(r.get("frozen_called", 0) for r in run),
                   sum(r.get("convert", {}).get("frozen_still_called", 0) for r in run),
                   sum(r.get("fold", {}).get("frozen_still_called", 0) for r in run)]
+        frozen_text = " / ".join(map(str, frozen)) if any("frozen_called" in r for r in run) else "-"
         folded = sum(r.get("fold", {}).get("folded", 0) for r in run)
         bns = sum(r.get("bns", 0) for r in run)
         errs = [max((r.get(k, {}).get(f"{e}_err", 0.0) for k in ("convert", "convert_noei")
@@ -639,8 +642,8 @@ def markdown(records: List[Dict[str, Any]], command: str) -> str:
         return (f"| {name} | {len(run)} | {sum(_failed(r, 'convert') for r in run)} | "
                 f"{sum(_failed(r, 'convert_noei') for r in run)} | {sum(_failed(r, 'fold') for r in run)} | "
                 f"{sum(_failed(r, 'fold_noei') for r in run)} | {called} | {ran} ({ran / max(called, 1):.0%}) | "
-                f"{rep} | {over[0]} / {over[1]}; {over[2]} | {folded} / {bns} ({folded / max(bns, 1):.0%}) | "
-                f"{frozen[0]} / {frozen[1]} / {frozen[2]} | "
+                f"{rep} | {over_text} | {folded} / {bns} ({folded / max(bns, 1):.0%}) | "
+                f"{frozen_text} | "
                 f"{mx[0]:.1e} / {mx[1]:.1e} / {mx[2]:.1e} | {above} | {sum('timeout' in r for r in run)} | "
                 f"{len(rs) - len(run)} |")
 
@@ -648,6 +651,11 @@ def markdown(records: List[Dict[str, Any]], command: str) -> str:
         lines.append(row(fam, fams[fam]))
     lines.append(row("**all**", records))
     return "\n".join(lines)
+
+
+def _count(res: Dict[str, Any], key: str) -> Any:
+    """``len(res[key])``, or ``-`` where the record does not have it (not measured)."""
+    return len(res[key]) if key in res else "-"
 
 
 def per_model(records: List[Dict[str, Any]]) -> str:
@@ -668,8 +676,7 @@ def per_model(records: List[Dict[str, Any]]) -> str:
         lines.append(
             f"| {r['label']} | {r.get('bn_called', '-')} | {c.get('fused_ran', '-')} / {n.get('fused_ran', '-')}; "
             f"{n.get('fused_ran_next', '-')} | {c.get('report_fused', '-')} / {n.get('report_fused', '-')} | "
-            f"{len(c.get('report_not_run', []))} / {len(n.get('report_not_run', []))}; "
-            f"{len(n.get('report_not_run_next', []))} | "
+            f"{_count(c, 'report_not_run')} / {_count(n, 'report_not_run')}; {_count(n, 'report_not_run_next')} | "
             f"{r.get('fold', {}).get('folded', '-')} / {r.get('bns', '-')} | "
             f"{r.get('frozen_called', '-')} / {c.get('frozen_still_called', '-')} / "
             f"{r.get('fold', {}).get('frozen_still_called', '-')} | {ratio} | {bad or '-'} |")
