@@ -7,7 +7,13 @@ their yaml configs, ``yolo``), ``pytorchcv`` (ImageNet, CIFAR, segmentation, pos
 detection nets, ``cv``), ``geffnet`` (EfficientNet / MixNet / MobileNetV3 / MNASNet
 generations with memory-efficient custom-autograd activations, CondConv and TF "same"
 padding, ``gen``) and ``pretrainedmodels`` (Inception, NASNet, SE-ResNeXt, Xception, DPN,
-``pm``). Each model runs in its own subprocess with a time limit,
+``pm``); and two libraries run for the first time later (:mod:`sweep_new_libs`): Hugging Face
+``transformers`` 5.x vision / audio / speech models built from small configs (ResNet,
+MobileNetV1 with TF "SAME" padding computed from shapes, MobileNetV2, EfficientNet, RegNet,
+MobileViT, UperNet, CvT, RT-DETR, D-FINE, the DETR family with frozen BatchNorms,
+FastSpeech2-Conformer, CLAP audio, Wav2Vec2-Conformer, ``hf``) and ``kornia`` 0.9 feature /
+line / contrib networks without weights (HardNet, SOSNet, OriNet, AffNet, XFeat, SOLD2,
+TinyViT, DeDoDe, ``kornia``). Each model runs in its own subprocess with a time limit,
 on a small input (batch 2; 64 x 64 images, 32 x 32 for CIFAR nets, the model's own size where
 it needs one), float32, CPU, one thread:
 
@@ -18,7 +24,16 @@ it needs one), float32, CPU, one thread:
   compared again in float64 (``where rounding is in doubt``) and judged there.
 * ``BN called / fused``: BatchNorm modules called in the eager training step, and those the
   converted model no longer calls as modules (they ran inside a fused chain) -- the fused
-  path ran; ``report fused``: the BatchNorms its report lists as fused.
+  path ran; ``report fused``: the BatchNorms its report lists as fused; ``report > ran``: of
+  those, the ones the converted step still called as modules (the report says more than
+  runs); the converted model then takes a second step, and the same counts are taken there
+  (``fused_ran_next``, ``report_not_run_next``: without ``example_inputs`` the first call is
+  the check, run by the eager modules).
+* ``frozen BN-like``: modules that compute a BatchNorm from buffers only (``weight``,
+  ``bias``, ``running_mean``, ``running_var`` buffers, no parameters, not a ``_BatchNorm``;
+  DETR-style frozen BatchNorms), called in the eager step / still called after convert /
+  still called by the folded model (neither fused nor folded while the last two equal the
+  first).
 * ``fold``: :func:`convbn.fold` (eval mode, with ``example_inputs``; ``fold-noei``: without,
   ``check=False``), outputs against eager eval; ``folded``: BatchNorms folded.
 * ``peak``: exact peak of live tensor bytes over one training step
@@ -39,6 +54,15 @@ Run::
     python benchmarks/bm_sweep.py --family smp --limit 5       # a part
     python benchmarks/bm_sweep.py --models cv:resnet10 --jobs 1
     python benchmarks/bm_sweep.py --list                       # the model labels
+    python benchmarks/bm_sweep.py --family hf kornia --jobs 1  # the two newest libraries
+
+Set-up (``--no-deps``: each would otherwise resolve another torch; ``pyproject.toml``'s
+``sweep`` extra lists the first five)::
+
+    pip install --no-deps segmentation_models_pytorch==0.6.0 ultralytics==8.4.190 pytorchcv==0.0.74 \
+        opencv-python-headless==5.0.0.93 geffnet==1.0.2 pretrainedmodels==0.7.4 six munch
+    pip install --no-deps transformers==5.24.0 tokenizers==0.23.3 huggingface_hub==2.4.0 safetensors regex
+    pip install --no-deps kornia==0.9.0 kornia_rs==0.2.0
 """
 from __future__ import annotations
 
@@ -59,7 +83,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
-__all__ = ["MODELS", "run_one", "markdown", "main"]
+__all__ = ["MODELS", "run_one", "markdown", "per_model", "main"]
 
 # --------------------------------------------------------------------------- the models
 
@@ -106,7 +130,10 @@ PM_MODELS = ["bninception", "se_resnet50", "se_resnext50_32x4d", "xception", "na
              "cafferesnet101"]
 CV_OTHER = ["simplepose_resnet18_coco", "lwopenpose2d_mobilenet_cmupan_coco", "ibppose_coco", "centernet_resnet18_voc"]
 
-FAMILIES = ["smp", "yolo", "cv", "gen", "pm"]
+sys.path.insert(0, HERE)  # sweep_new_libs beside this file, also when imported as a module
+from sweep_new_libs import HF_MODELS, KORNIA_MODELS, build_hf, build_kornia  # noqa: E402
+
+FAMILIES = ["smp", "yolo", "cv", "gen", "pm", "hf", "kornia"]
 
 #: label -> (family, name, task)
 MODELS: Dict[str, Tuple[str, str, str]] = {}
@@ -129,6 +156,10 @@ for _n in GEN_MODELS:
     MODELS[f"gen:{_n}"] = ("gen", _n, "classification")
 for _n in PM_MODELS:
     MODELS[f"pm:{_n}"] = ("pm", _n, "classification")
+for _n, (_t, _) in HF_MODELS.items():
+    MODELS[f"hf:{_n}"] = ("hf", _n, _t)
+for _n, (_t, _) in KORNIA_MODELS.items():
+    MODELS[f"kornia:{_n}"] = ("kornia", _n, _t)
 
 
 def _import_zoo() -> None:
@@ -210,6 +241,9 @@ def build(family: str, name: str) -> Tuple[Any, Tuple[Any, ...]]:
             if _eager_runs(model, x):
                 return model.train(), x
         return model.train(), (torch.randn(2, 3, 299, 299, generator=gen),)
+    if family in ("hf", "kornia"):
+        model, x = (build_hf if family == "hf" else build_kornia)(name, gen)
+        return model.train(), x
     raise ValueError(f"unknown family {family!r}; expected one of {', '.join(FAMILIES)}")
 
 
@@ -253,15 +287,26 @@ def _err(a: Any, b: Any) -> float:
     return float((a - b).abs().max() / max(1.0, float(b.abs().max()))) if b.numel() else 0.0
 
 
-def _bn_hooks(model: Any) -> Tuple[set, List[Any]]:
+def _frozen_bn_like(m: Any) -> bool:
+    """A module computing a BatchNorm from buffers only (a frozen BatchNorm), not a ``_BatchNorm``."""
+    from torch.nn.modules.batchnorm import _BatchNorm
+
+    own = dict(m.named_buffers(recurse=False))
+    return (not isinstance(m, _BatchNorm) and not any(True for _ in m.parameters(recurse=False))
+            and all(k in own for k in ("weight", "bias", "running_mean", "running_var")))
+
+
+def _bn_hooks(model: Any, frozen: bool = False) -> Tuple[set, List[Any]]:
+    """Names of the BatchNorms called in training mode (``frozen``: of the frozen BN-like modules,
+    in any mode) from now on, and the hook handles."""
     from torch.nn.modules.batchnorm import _BatchNorm
 
     called: set = set()
     handles = []
     for name, m in model.named_modules():
-        if isinstance(m, _BatchNorm):
+        if (_frozen_bn_like(m) if frozen else isinstance(m, _BatchNorm)):
             def hook(mod: Any, args: Any, out: Any, name: str = name) -> None:
-                if mod.training:
+                if frozen or mod.training:
                     called.add(name)
             hook.convbn_observer = True  # type: ignore[attr-defined]  # an observer: fused layers stay fused
             handles.append(m.register_forward_hook(hook))
@@ -337,19 +382,34 @@ def _check_convert(model: Any, inputs: Tuple[Any, ...], with_inputs: bool, ref: 
         res["error"] = "convert raised: " + _short(exc)
         return res
     report = getattr(conv, "convbn_report", None)
-    res["report_fused"] = len({o.batchnorm for o in getattr(report, "outcomes", []) if o.result == "fused"})
+    reported = {o.batchnorm for o in getattr(report, "outcomes", []) if o.result == "fused"}
+    res["report_fused"] = len(reported)
     called, handles = _bn_hooks(conv)
+    frozen, frozen_handles = _bn_hooks(conv, frozen=True)
     try:
         got = _step(conv, inputs)
     except Exception as exc:  # noqa: BLE001
         res["error"] = "converted model raised: " + _short(exc)
         return res
     finally:
-        for h in handles:
+        for h in handles + frozen_handles:
             h.remove()
     res["still_called"] = len(called)
     res["fused_ran"] = len(called_eager - called)
+    res["report_not_run"] = sorted(reported & called)  # listed as fused, yet called as a module
+    res["frozen_still_called"] = len(frozen)
     errs = _compare(ref, got)
+    try:  # a second step: what runs once the first call's checks are behind
+        called_next, handles = _bn_hooks(conv)
+        _step(conv, inputs)
+        reported = {o.batchnorm for o in getattr(conv.convbn_report, "outcomes", []) if o.result == "fused"}
+        res["fused_ran_next"] = len(called_eager - called_next)
+        res["report_not_run_next"] = sorted(reported & called_next)
+    except Exception as exc:  # noqa: BLE001
+        res["next_step_error"] = _short(exc)
+    finally:
+        for h in handles:
+            h.remove()
     res.update({f"{k}_err": v for k, v in errs.items()})
     res["ok"] = max(errs.values()) <= TOL[dtype]
     if not res["ok"]:
@@ -388,12 +448,17 @@ def _fold_error(model: Any, inputs: Tuple[Any, ...], with_inputs: bool, res: Dic
         if rep is not None:
             reasons = collections.Counter(re.sub(r"'[^']*'", "'…'", o.reason)[:120] for o in rep.skipped)
             res["left_reasons"] = dict(reasons.most_common(5))
+        frozen, handles = _bn_hooks(folded, frozen=True)
         try:
             torch.manual_seed(123)
             got = _leaves(folded(*inputs))
         except Exception as exc:  # noqa: BLE001
             res["error"] = "folded model raised: " + _short(exc)
             return None
+        finally:
+            for h in handles:
+                h.remove()
+        res["frozen_still_called"] = len(frozen)
     return max([_err(a, b) for a, b in zip(got, ref)] or [0.0]) if len(got) == len(ref) else float("inf")
 
 
@@ -437,17 +502,24 @@ def run_one(label: str, peak: bool = True) -> Dict[str, Any]:
         return rec
     rec["input"] = [list(t.shape) for t in inputs]
     rec["bns"] = sum(isinstance(m, _BatchNorm) for m in model.modules())
+    rec["frozen_bns"] = sum(_frozen_bn_like(m) for m in model.modules())
     snapshot = copy.deepcopy(model.state_dict())
-    eager = copy.deepcopy(model)
+    try:
+        eager = copy.deepcopy(model)
+    except Exception as exc:  # noqa: BLE001 - every check here works on copies: not counted
+        rec["skipped"] = "deepcopy of the model: " + _short(exc)
+        return rec
     called, handles = _bn_hooks(eager)
+    frozen, frozen_handles = _bn_hooks(eager, frozen=True)
     try:
         ref = _step(eager, inputs)
     except Exception as exc:  # noqa: BLE001 - eager itself does not train on this input: not counted
         rec["skipped"] = "eager: " + _short(exc)
         return rec
-    for h in handles:
+    for h in handles + frozen_handles:
         h.remove()
     rec["bn_called"] = len(called)
+    rec["frozen_called"] = len(frozen)
     times = {"build+eager": round(time.time() - t0, 1)}
     ref64 = None
     for key, with_inputs in (("convert", True), ("convert_noei", False)):
@@ -546,14 +618,24 @@ def markdown(records: List[Dict[str, Any]], command: str) -> str:
         fams[r["family"]].append(r)
     lines = [f"Command: `{command}`", "",
              "| family | models | convert fail | convert-noei fail | fold fail | fold-noei fail | BN called | "
-             "fused (ran) | fused (report) | folded | max out / grad / buffer err | above eager peak | timeout | skipped |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|"]
+             "fused (ran) | fused (report) | report > ran (ei / noei; noei 2nd step) | folded | frozen BN-like called / after convert / "
+             "after fold | max out / grad / buffer err | above eager peak | timeout | skipped |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|---:|---:|---:|"]
 
     def row(name: str, rs: List[Dict[str, Any]]) -> str:
         run = [r for r in rs if "skipped" not in r]
         called = sum(r.get("bn_called", 0) for r in run)
         ran = sum(r.get("convert", {}).get("fused_ran", 0) for r in run)
         rep = sum(r.get("convert", {}).get("report_fused", 0) for r in run)
+        over = [sum(len(r.get(k, {}).get(f, [])) for r in run)
+                for k, f in (("convert", "report_not_run"), ("convert_noei", "report_not_run"),
+                             ("convert_noei", "report_not_run_next"))]
+        measured = any("report_not_run" in r.get("convert", {}) for r in run)  # older records: not measured
+        over_text = f"{over[0]} / {over[1]}; {over[2]}" if measured else "-"
+        frozen = [sum(r.get("frozen_called", 0) for r in run),
+                  sum(r.get("convert", {}).get("frozen_still_called", 0) for r in run),
+                  sum(r.get("fold", {}).get("frozen_still_called", 0) for r in run)]
+        frozen_text = " / ".join(map(str, frozen)) if any("frozen_called" in r for r in run) else "-"
         folded = sum(r.get("fold", {}).get("folded", 0) for r in run)
         bns = sum(r.get("bns", 0) for r in run)
         errs = [max((r.get(k, {}).get(f"{e}_err", 0.0) for k in ("convert", "convert_noei")
@@ -565,13 +647,44 @@ def markdown(records: List[Dict[str, Any]], command: str) -> str:
         return (f"| {name} | {len(run)} | {sum(_failed(r, 'convert') for r in run)} | "
                 f"{sum(_failed(r, 'convert_noei') for r in run)} | {sum(_failed(r, 'fold') for r in run)} | "
                 f"{sum(_failed(r, 'fold_noei') for r in run)} | {called} | {ran} ({ran / max(called, 1):.0%}) | "
-                f"{rep} | {folded} / {bns} ({folded / max(bns, 1):.0%}) | "
+                f"{rep} | {over_text} | {folded} / {bns} ({folded / max(bns, 1):.0%}) | "
+                f"{frozen_text} | "
                 f"{mx[0]:.1e} / {mx[1]:.1e} / {mx[2]:.1e} | {above} | {sum('timeout' in r for r in run)} | "
                 f"{len(rs) - len(run)} |")
 
     for fam in sorted(fams):
         lines.append(row(fam, fams[fam]))
     lines.append(row("**all**", records))
+    return "\n".join(lines)
+
+
+def _count(res: Dict[str, Any], key: str) -> Any:
+    """``len(res[key])``, or ``-`` where the record does not have it (not measured)."""
+    return len(res[key]) if key in res else "-"
+
+
+def per_model(records: List[Dict[str, Any]]) -> str:
+    """One row per model: BatchNorms called / fused and running / reported fused (with and without
+    ``example_inputs``), reported but not run, folded, frozen BN-like modules, peak against eager."""
+    lines = ["| model | BN called | fused ran (ei / noei; noei 2nd step) | report fused (ei / noei) | "
+             "report > ran (ei / noei; noei 2nd step) | folded / BNs | frozen BN-like called / after convert / after fold | peak x eager | failed |",
+             "|---|---:|---|---|---|---|---|---:|---|"]
+    for r in records:
+        if "skipped" in r:
+            lines.append(f"| {r['label']} | skipped: {r['skipped'][:80]} ||||||||")
+            continue
+        c, n = r.get("convert", {}), r.get("convert_noei", {})
+        pk = r.get("peak", {})
+        ratio = f"{pk['converted'] / pk['eager']:.2f}" if "eager" in pk and pk["eager"] else "-"
+        bad = ",".join(k for k in ("convert", "convert_noei", "fold", "fold_noei") if _failed(r, k))
+        bad = "timeout" if "timeout" in r else bad
+        lines.append(
+            f"| {r['label']} | {r.get('bn_called', '-')} | {c.get('fused_ran', '-')} / {n.get('fused_ran', '-')}; "
+            f"{n.get('fused_ran_next', '-')} | {c.get('report_fused', '-')} / {n.get('report_fused', '-')} | "
+            f"{_count(c, 'report_not_run')} / {_count(n, 'report_not_run')}; {_count(n, 'report_not_run_next')} | "
+            f"{r.get('fold', {}).get('folded', '-')} / {r.get('bns', '-')} | "
+            f"{r.get('frozen_called', '-')} / {c.get('frozen_still_called', '-')} / "
+            f"{r.get('fold', {}).get('frozen_still_called', '-')} | {ratio} | {bad or '-'} |")
     return "\n".join(lines)
 
 
@@ -620,6 +733,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--list", action="store_true", help="print the labels and exit")
     parser.add_argument("--chunk", type=int, default=4, help="models per subprocess (same family)")
     parser.add_argument("--report", help="print the tables of a JSON / JSONL file written before, and exit")
+    parser.add_argument("--per-model", action="store_true", help="also print one table row per model")
     parser.add_argument("--one", nargs="*", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.one:
@@ -648,6 +762,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         latest = {r["label"]: r for r in records}  # a model run twice: its last record
         records = [latest[lb] for lb in labels if lb in latest]  # the models --family / --models / --limit pick
         print(markdown(records, f"python benchmarks/bm_sweep.py --report {args.report}{selection}"))
+        if args.per_model:
+            print("\n" + per_model(records))
         print("\n" + causes_table(records) + "\n")
         print(failures(records))
         return 0
@@ -685,6 +801,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         json.dump(records, f, indent=1, default=float)
     command = "python benchmarks/bm_sweep.py" + selection
     print(markdown(records, command))
+    if args.per_model:
+        print("\n" + per_model(records))
     print(f"\n{len(records)} models in {time.time() - t0:.0f} s wall ({args.jobs} jobs)\n")
     print(causes_table(records) + "\n")
     print(failures(records))
