@@ -294,3 +294,44 @@ def test_cuda_timeline_maximum_is_the_allocator_peak_of_the_step():
     tl = convbn.memory.timeline(model, x)
     assert tl.source == "cuda"
     assert tl.peak == peak
+
+
+@pytest.mark.skipif(not (torch.distributed.is_available() and torch.distributed.is_nccl_available()),
+                    reason="needs NCCL")
+@pytest.mark.parametrize("order", ["convert-then-shard", "shard-then-convert-inplace"])
+def test_one_process_nccl_fsdp2_matches_eager_fsdp2_fused(order: str) -> None:
+    """FSDP2 over NCCL on one GPU (world size 1): a converted model sharded per block and at the
+    root, in either order, trains like eager FSDP2 (outputs, gradients, running statistics)
+    with the fused chains running."""
+    import torch.distributed as dist
+
+    fsdp = pytest.importorskip("torch.distributed.fsdp")
+    if not hasattr(fsdp, "fully_shard"):
+        pytest.skip("this torch has no FSDP2 (fully_shard)")
+    from test_fsdp2 import Net, shard, train
+
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ["MASTER_PORT"] = str(_free_port())
+    dist.init_process_group("nccl", rank=0, world_size=1, device_id=CUDA)
+    try:
+        torch.manual_seed(0)
+        base = Net().to(CUDA, torch.float64)
+        xs = [torch.randn(4, 3, 6, 6, device=CUDA, dtype=torch.float64) for _ in range(3)]
+        eager = train(shard(copy.deepcopy(base)), xs)
+        if order == "convert-then-shard":
+            model = shard(convbn.convert(copy.deepcopy(base)))
+        else:
+            model = convbn.convert(shard(copy.deepcopy(base)), inplace=True)
+        fast = train(model, xs)
+        for ye, yf in zip(eager["outs"], fast["outs"]):
+            assert_close(yf, ye, **F64)
+        for ge, gf in zip(eager["grads"], fast["grads"]):
+            assert ge.keys() == gf.keys()
+            for n in ge:
+                assert_close(gf[n], ge[n], **F64)
+        for n, b in eager["buffers"].items():
+            assert_close(fast["buffers"][n], b, **F64)
+        assert len(model.convbn_report.pairs) == 5, str(model.convbn_report)
+        assert fast["chains"] >= 3, (fast["chains"], str(model.convbn_report))
+    finally:
+        dist.destroy_process_group()
