@@ -19,6 +19,7 @@ import convbn.bench.ddp as bench_ddp
 import convbn.bench.training as bench_training
 import convbn.demo as demo
 import convbn.passes.fold.api as fold_api
+from cli_helpers import assert_one_line_exit_2, run_cli as _run
 from convbn.cli import main
 
 NETS = textwrap.dedent("""
@@ -57,20 +58,8 @@ def project(tmp_path, monkeypatch):
         del sys.modules[name]
 
 
-def _run(argv, capsys):
-    try:
-        code = main(argv)
-    except SystemExit as exc:
-        code = exc.code
-    out = capsys.readouterr()
-    return code, out.out, out.err
-
-
 def _one_line(code, out, err, *must):
-    assert code == 2, (code, err[-2000:])
-    assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
-    for text in must:
-        assert text in err, (text, err)
+    assert_one_line_exit_2(code, out, err, *must)
     assert out == "", out  # no work started
     return err
 

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import convbn
+from cli_helpers import assert_one_line_exit_2 as _one_line_exit_2, run_cli as _run
 from convbn.cli import main
 
 SRC = os.path.dirname(os.path.dirname(os.path.abspath(convbn.__file__)))
@@ -40,20 +41,6 @@ def project(tmp_path, monkeypatch):
     return folder
 
 
-def _run(argv, capsys):
-    try:
-        code = main(argv)
-    except SystemExit as exc:
-        code = exc.code
-    out = capsys.readouterr()
-    return code, out.out, out.err
-
-
-def _one_line_exit_2(code, out, err, *must):
-    assert code == 2, (code, err[-2000:])
-    assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
-    for text in must:
-        assert text in err, (text, err)
 
 
 def test_installed_script_imports_module_callable_from_the_current_folder(project, tmp_path):

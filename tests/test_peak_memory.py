@@ -11,17 +11,10 @@ import torch.nn as nn
 
 import convbn
 from convbn.memory import tensor_peak
+from peak_helpers import step_peak as _step_peak
 
 
 
-def _step_peak(model: nn.Module, x: torch.Tensor) -> int:
-    def step() -> None:
-        model(x).float().square().mean().backward()
-
-    step()  # gradients exist from here on, as in real training
-    with tensor_peak(model) as tp:
-        step()
-    return tp.result.peak
 
 
 def _mnist():

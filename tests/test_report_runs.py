@@ -14,6 +14,7 @@ import torch
 from torch import Tensor, nn
 
 import convbn
+from peak_helpers import step_peak as _step_peak
 from fusion_checks import CHAIN_BACKWARD, fused_chains
 
 
@@ -147,16 +148,6 @@ def test_before_the_first_call_the_plan_is_pending() -> None:
     _assert_report_is_the_graph(fast, out)
 
 
-def _step_peak(model: nn.Module, x: Tensor) -> int:
-    from convbn.memory import tensor_peak
-
-    def step() -> None:
-        model(x).float().square().mean().backward()
-
-    step()  # gradients exist from here on, as in real training
-    with tensor_peak(model) as tp:
-        step()
-    return tp.result.peak
 
 
 @pytest.mark.expect_unfused("weight-dominated heads run as eager modules: their fused step would peak above eager's")
