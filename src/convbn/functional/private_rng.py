@@ -28,6 +28,9 @@ __all__ = ["PrivateRNG", "private_rng", "active_private_rng"]
 
 _aten = torch.ops.aten
 _SWAP_LOCK = threading.Lock()
+#: whether this thread holds a swapped-in private state (a seeded op built of other seeded ops,
+#: such as attention with dropout, re-enters the mode: its inner draws continue that state)
+_SWAPPED = threading.local()
 _WITH_GENERATOR: Dict[Any, Optional[Any]] = {}
 _SEEDED: Dict[Any, bool] = {}  # operator -> draws random numbers (read once per operator)
 
@@ -112,14 +115,18 @@ class PrivateRNG(TorchDispatchMode):
     def _swapped(self, func: Any, device: torch.device, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
         """``func`` drawing from the global generator of ``device`` with the private state in
         it for this one call (no ``generator`` overload exists)."""
+        if getattr(_SWAPPED, "active", False):  # inside a swap already: the global holds our state
+            return func(*args, **kwargs)
         gen = self.generator(device)
         glob = torch.cuda.default_generators[gen.device.index] if device.type == "cuda" else torch.default_generator
         with _SWAP_LOCK:
             saved = glob.get_state()
             glob.set_state(gen.get_state())
+            _SWAPPED.active = True
             try:
                 return func(*args, **kwargs)
             finally:
+                _SWAPPED.active = False
                 gen.set_state(glob.get_state())
                 glob.set_state(saved)
 
