@@ -104,15 +104,15 @@ def _fsdp2_worker(rank: int, world: int, order: str) -> Dict[str, Any]:
             model = shard(convbn.convert(copy.deepcopy(base)))
         elif order == "shard-then-convert-inplace":
             model = convbn.convert(shard(copy.deepcopy(base)), inplace=True)
-        else:  # default arguments: a copy of the sharded model's modules is converted
+        else:  # a copy of the sharded model's modules is converted (planned on a batch, or not)
             sharded = shard(copy.deepcopy(base))
-            model = convbn.convert(sharded)
             user = _module_state(sharded)
+            model = convbn.convert(sharded, **({"example_inputs": xs[0]} if order.endswith("example") else {}))
         fast = train(model, xs)
     report = model.convbn_report
     out = dict(eager=eager, fast=fast, messages=[str(w.message) for w in caught], report=str(report),
                pairs=len(report.pairs))
-    if order == "shard-then-convert":
+    if order.startswith("shard-then-convert") and order != "shard-then-convert-inplace":
         out["copy"] = model is not sharded and not any(a is b for a, b in zip(model.modules(), sharded.modules()))
         out["user-untouched"] = _module_state(sharded) == user and "convbn_report" not in vars(sharded)
         out["same-parameters"] = [a is b for a, b in zip(model.parameters(), sharded.parameters())]
@@ -130,7 +130,8 @@ def _module_state(model: nn.Module) -> List[Any]:
 
 
 @pytest.mark.expect_unfused("the chains run in the worker processes, checked there by counting their autograd nodes")
-@pytest.mark.parametrize("order", ["convert-then-shard", "shard-then-convert-inplace", "shard-then-convert"])
+@pytest.mark.parametrize("order", ["convert-then-shard", "shard-then-convert-inplace", "shard-then-convert",
+                                   "shard-then-convert-example"])
 def test_fsdp2_matches_eager_fsdp2_fused(order: str) -> None:
     ranks = launch_workers(_fsdp2_worker, WORLD, order, timeout=TIMEOUT)
     for rank, r in enumerate(ranks):
@@ -146,7 +147,7 @@ def test_fsdp2_matches_eager_fsdp2_fused(order: str) -> None:
                                        msg=lambda m: f"rank {rank} buffer {n}: {m}")
         assert r["pairs"] == 5, r["report"]
         assert f["chains"] >= 3, (f["chains"], r["report"], r["messages"])  # stem and one per block at least
-        if order == "shard-then-convert":
+        if order in ("shard-then-convert", "shard-then-convert-example"):
             assert r["copy"] and r["user-untouched"], r
             assert r["same-parameters"] and all(r["same-parameters"]), r
 
