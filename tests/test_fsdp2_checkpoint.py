@@ -1,7 +1,7 @@
 """``torch.distributed.checkpoint`` and a converted FSDP2 model, 2 gloo processes.
 
 A model converted before or after ``fully_shard`` (default arguments) saves with
-``dcp.save(get_model_state_dict(model))`` a checkpoint that a fresh eager FSDP2 model loads,
+``dcp.save(get_model_state_dict(model))`` (or ``dcp.save(model.state_dict())``) a checkpoint that a fresh eager FSDP2 model loads,
 and loads one an eager FSDP2 model saved: the parameters and buffers (gathered) must equal
 the saved model's bit for bit, and the loaded converted model must then compute as the eager
 one, with its chains running.
@@ -79,6 +79,14 @@ def _worker(rank: int, world: int, order: str, root: str) -> Dict[str, Any]:
         dcp.load(state, checkpoint_id=f"{root}/from-converted")
         set_model_state_dict(eager, state)
         out["to-eager"] = (saved, _full(eager))
+        # the module's own state_dict() / load_state_dict() with the same checkpoint format
+        dcp.save(fast.state_dict(), checkpoint_id=f"{root}/plain")
+        torch.manual_seed(3)
+        plain = shard(Net().double())
+        state = plain.state_dict()
+        dcp.load(state, checkpoint_id=f"{root}/plain")
+        plain.load_state_dict(state)
+        out["to-eager-plain"] = (saved, _full(plain))
         # eager -> converted: a fresh converted model loads what eager FSDP2 saved
         dcp.save(get_model_state_dict(eager), checkpoint_id=f"{root}/from-eager")
         torch.manual_seed(2)
@@ -97,7 +105,7 @@ def _worker(rank: int, world: int, order: str, root: str) -> Dict[str, Any]:
 def test_dcp_round_trip_between_converted_and_eager_fsdp2(order: str, tmp_path: Path) -> None:
     ranks = launch_workers(_worker, WORLD, order, str(tmp_path), timeout=TIMEOUT)
     for rank, r in enumerate(ranks):
-        for way in ("to-eager", "to-converted"):
+        for way in ("to-eager", "to-eager-plain", "to-converted"):
             want, got = r[way]
             assert want.keys() == got.keys(), (way, sorted(want), sorted(got))
             for k in want:
