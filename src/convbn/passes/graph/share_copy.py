@@ -85,18 +85,14 @@ def _enter_fsdp_states(model: nn.Module, clone: nn.Module, states: Dict[int, Any
     """Enter each module of ``clone`` whose original in ``model`` has an FSDP2 state into
     FSDP's module -> state map (a weak map: the entries go with the copy)."""
     from torch.distributed._composable_state import _insert_module_state
+    from torch.distributed.fsdp._fully_shard._fsdp_state import _get_module_fsdp_state
 
+    # the same walk over both trees (a module reached twice is entered once)
     for (_, original), (_, copied) in zip(model.named_modules(remove_duplicate=False),
                                           clone.named_modules(remove_duplicate=False)):
         state = states.get(id(original))
-        if state is not None and original is not copied and _fsdp_state_of(copied) is None:
+        if state is not None and _get_module_fsdp_state(copied) is None:
             _insert_module_state(copied, state)
-
-
-def _fsdp_state_of(module: nn.Module) -> Any:
-    from torch.distributed.fsdp._fully_shard._fsdp_state import _get_module_fsdp_state
-
-    return _get_module_fsdp_state(module)
 
 
 def _copy_fsdp_module(module: nn.Module) -> nn.Module:
