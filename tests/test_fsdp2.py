@@ -5,7 +5,9 @@ root, on its own batch: outputs, the sharded gradients (gathered) and the BatchN
 running statistics must match eager FSDP2, with the fused chains running. Both orders:
 ``convert`` then ``fully_shard`` (the class swap and FSDP's hooks make convert capture the
 model again for what it is now), and ``fully_shard`` then ``convert()``, in place or with
-default arguments (a copy of the modules that FSDP2 unshards into as it does the user's). FSDP1 (``FullyShardedDataParallel``) is refused with a message naming FSDP2.
+default arguments (a copy of the modules, into which FSDP2 unshards as into the user's;
+with or without ``example_inputs``). FSDP1 (``FullyShardedDataParallel``) given to
+``convert`` is refused with a message naming FSDP2.
 """
 from __future__ import annotations
 
