@@ -2,9 +2,9 @@
 
 A model converted before or after ``fully_shard`` (default arguments) saves with
 ``dcp.save(get_model_state_dict(model))`` (or ``dcp.save(model.state_dict())``) a
-checkpoint that a fresh eager FSDP2 model loads, and loads one an eager FSDP2 model saved: the parameters and buffers (gathered) must equal
-the saved model's bit for bit, and the loaded converted model must then compute as the eager
-one, with its chains running.
+checkpoint that a fresh eager FSDP2 model loads, and loads one an eager FSDP2 model saved:
+the parameters and buffers (gathered) must equal the saved model's bit for bit, and the
+loaded converted model must then compute as the eager one, with its chains running.
 """
 from __future__ import annotations
 
