@@ -4,8 +4,10 @@ Each rank trains an eager twin and a converted model, both sharded per block and
 root, on its own batch: outputs, the sharded gradients (gathered) and the BatchNorms'
 running statistics must match eager FSDP2, with the fused chains running. Both orders:
 ``convert`` then ``fully_shard`` (the class swap and FSDP's hooks make convert capture the
-model again for what it is now), and ``fully_shard`` then ``convert()`` with default
-arguments. FSDP1 (``FullyShardedDataParallel``) is refused with a message naming FSDP2.
+model again for what it is now), and ``fully_shard`` then ``convert()``, in place or with
+default arguments (a copy of the modules, into which FSDP2 unshards as into the user's;
+with or without ``example_inputs``). FSDP1 (``FullyShardedDataParallel``) given to
+``convert`` is refused with a message naming FSDP2.
 """
 from __future__ import annotations
 
@@ -102,16 +104,36 @@ def _fsdp2_worker(rank: int, world: int, order: str) -> Dict[str, Any]:
         warnings.simplefilter("always")
         if order == "convert-then-shard":
             model = shard(convbn.convert(copy.deepcopy(base)))
-        else:
+        elif order == "shard-then-convert-inplace":
             model = convbn.convert(shard(copy.deepcopy(base)), inplace=True)
+        else:  # a copy of the sharded model's modules is converted (planned on a batch, or not)
+            sharded = shard(copy.deepcopy(base))
+            user = _module_state(sharded)
+            model = convbn.convert(sharded, **({"example_inputs": xs[0]} if order.endswith("example") else {}))
         fast = train(model, xs)
     report = model.convbn_report
-    return dict(eager=eager, fast=fast, messages=[str(w.message) for w in caught], report=str(report),
-                pairs=len(report.pairs))
+    out = dict(eager=eager, fast=fast, messages=[str(w.message) for w in caught], report=str(report),
+               pairs=len(report.pairs))
+    if order.startswith("shard-then-convert") and order != "shard-then-convert-inplace":
+        out["copy"] = model is not sharded and not any(a is b for a, b in zip(model.modules(), sharded.modules()))
+        out["user-untouched"] = _module_state(sharded) == user and "convbn_report" not in vars(sharded)
+        out["same-parameters"] = [a is b for a, b in zip(model.parameters(), sharded.parameters())]
+        # the copy answers FSDP2's own methods: reshard, unshard, gradient sync
+        model.unshard()
+        model.reshard()
+        model.set_requires_gradient_sync(True)
+    return out
+
+
+def _module_state(model: nn.Module) -> List[Any]:
+    """What the user's module objects are: their classes, forwards, submodules, hooks."""
+    return [(name, type(m), "forward" in vars(m), tuple(m._modules), tuple(m._forward_pre_hooks),
+             tuple(m._forward_hooks)) for name, m in model.named_modules()]
 
 
 @pytest.mark.expect_unfused("the chains run in the worker processes, checked there by counting their autograd nodes")
-@pytest.mark.parametrize("order", ["convert-then-shard", "shard-then-convert-inplace"])
+@pytest.mark.parametrize("order", ["convert-then-shard", "shard-then-convert-inplace", "shard-then-convert",
+                                   "shard-then-convert-example"])
 def test_fsdp2_matches_eager_fsdp2_fused(order: str) -> None:
     ranks = launch_workers(_fsdp2_worker, WORLD, order, timeout=TIMEOUT)
     for rank, r in enumerate(ranks):
@@ -127,16 +149,14 @@ def test_fsdp2_matches_eager_fsdp2_fused(order: str) -> None:
                                        msg=lambda m: f"rank {rank} buffer {n}: {m}")
         assert r["pairs"] == 5, r["report"]
         assert f["chains"] >= 3, (f["chains"], r["report"], r["messages"])  # stem and one per block at least
+        if order in ("shard-then-convert", "shard-then-convert-example"):
+            assert r["copy"] and r["user-untouched"], r
+            assert r["same-parameters"] and all(r["same-parameters"]), r
 
 
 def _refusals_worker(rank: int, world: int) -> Dict[str, str]:
     torch.manual_seed(0)
     out = {}
-    sharded = shard(Net().double())
-    try:
-        convbn.convert(sharded)
-    except ValueError as exc:
-        out["fsdp2-copy"] = str(exc)
     fsdp1 = fsdp.FullyShardedDataParallel(Net().double(), device_id=torch.device("cpu"))
     before = {n: p.detach().clone() for n, p in fsdp1.named_parameters()}
     try:
@@ -148,10 +168,9 @@ def _refusals_worker(rank: int, world: int) -> Dict[str, str]:
     return out
 
 
-@pytest.mark.expect_unfused("nothing is converted: both calls are refused")
-def test_copy_of_a_sharded_model_and_fsdp1_are_refused_clearly() -> None:
+@pytest.mark.expect_unfused("nothing is converted: the call is refused")
+def test_fsdp1_is_refused_clearly() -> None:
     ranks = launch_workers(_refusals_worker, WORLD, timeout=TIMEOUT)
     for r in ranks:
-        assert "convbn.convert(model, inplace=True)" in r.get("fsdp2-copy", ""), r
         assert "FSDP2" in r.get("fsdp1", "") and "fully_shard" in r["fsdp1"], r
         assert r["fsdp1-untouched"] == "True", r

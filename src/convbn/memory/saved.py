@@ -31,9 +31,9 @@ def format_bytes(n: float) -> str:
 def _storage_key(t: Tensor) -> Optional[Tuple[Any, int, int]]:
     try:
         st = t.untyped_storage()
-    except (RuntimeError, NotImplementedError):  # sparse, functional or fake tensors
+        return (t.device, st.data_ptr(), st.nbytes())
+    except (RuntimeError, NotImplementedError):  # sparse, functional, fake or wrapper (DTensor) tensors
         return None
-    return (t.device, st.data_ptr(), st.nbytes())
 
 
 @dataclass
