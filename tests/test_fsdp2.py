@@ -61,9 +61,15 @@ class Net(nn.Module):
 
 
 def shard(model: nn.Module) -> nn.Module:
+    """``fully_shard`` per block and at the root, over a mesh of the model's device type (FSDP2's
+    default mesh is CUDA's wherever CUDA is available, which a gloo run on CPU must not use)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    device = next(model.parameters()).device
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     for block in model.blocks:
-        fsdp.fully_shard(block)
-    fsdp.fully_shard(model)
+        fsdp.fully_shard(block, mesh=mesh)
+    fsdp.fully_shard(model, mesh=mesh)
     return model
 
 
