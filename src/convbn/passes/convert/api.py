@@ -32,6 +32,8 @@ from .match import find_layers, group_chains
 from ..report.outcome import bn_module_names, explain_ghost_loops, frozen_lookalikes, unreached
 from .pools import lean_pools
 from .recapture import Recapture, attach_guards, refuse_flat_parameters
+from .variants import Variants
+from ..graph.specialize import Defaults, constant_defaults, none_used_as_value
 from ..report.convert_report import ConvertReport
 from .rewrite import drop_hooked, rewrite_chains, swap_sync_batchnorm, watch_hooks
 from ..graph.trace import LayerTracer, short_reason, trace
@@ -168,9 +170,56 @@ def _arm_guards(ctx: _Context) -> None:
     measurements before ran the model, and its own forward may have side effects."""
     for fwd, gm, prefix in ctx.to_guard:
         if installed(fwd.owner) is fwd:
-            attach_guards(fwd, gm, prefix, Recapture(ctx.model_report or ctx.report, prefix, ctx.mode, ctx.chain,
-                                                     ctx.recaptures, _reconvert))
+            report = ctx.model_report or ctx.report
+            attach_guards(fwd, gm, prefix, Recapture(report, prefix, ctx.mode, ctx.chain, ctx.recaptures, _reconvert))
+            if fwd.defaults is not None:  # Note: [a variant per kind of call] in variants.py
+                fwd.variants = Variants(report, prefix, ctx.mode, ctx.chain, ctx.recaptures, _capture_variant)
     ctx.to_guard.clear()
+
+
+def _trace_for_call(module: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
+    """``module`` traced for one call: its optional arguments as this call passes them, with the
+    call's real shapes where the code reads shapes; ``None`` where it does not trace."""
+    for defaults in (constant_defaults(module).for_call(args, kwargs), Defaults((), (), ())):
+        for example in (None, (args, kwargs)):
+            try:
+                traced = trace(module, LayerTracer, training=True, example=example, defaults=defaults)
+            except Exception:  # noqa: BLE001 - try with real shapes, then with every argument symbolic
+                continue
+            if not none_used_as_value(traced.graph):
+                return traced
+    return None
+
+
+def _capture_variant(module: nn.Module, prefix: str, args: Tuple[Any, ...], kwargs: Dict[str, Any],
+                     variants: Variants) -> Any:
+    """A variant of converted ``module`` for calls like this one (Note: [a variant per kind of call]
+    in variants.py): traced for the call and rewritten by :func:`_rewrite`, installed next to the
+    module's forward (its chains under new names), checked on its first call; ``None`` where
+    nothing fuses."""
+    traced = _trace_for_call(module, args, kwargs)
+    if traced is None:
+        return None
+    entry, main = module.__dict__["forward"], installed(module)
+    fresh = ConvertReport(strategy=variants.report.strategy)
+    ctx = _Context(variants.strategy, variants.chain, fresh, lazy=True, recaptures=variants.count,
+                   model_report=variants.report)
+    ctx.done = {id(m) for m in module.modules() if m is not module and installed(m) is not None}
+    try:
+        with StateSnapshot(module):
+            _rewrite(module, prefix, traced, ctx)
+        variant = installed(module)
+    finally:
+        module.__dict__["forward"] = entry
+    if variant is None or variant is main:
+        return None
+    variant.undo = [u for u in variant.undo or () if u[2]]
+    main.added += variant.added  # removed with the module's forward (re-capture)
+    for fwd, gm, pfx in ctx.to_guard:
+        if fwd is variant:
+            attach_guards(variant, gm, prefix, main.on_change)
+    _arm_guards(ctx)  # modules under it converted for the first time now
+    return variant
 
 
 def _reconvert(module: nn.Module, prefix: str, report: ConvertReport, model_report: ConvertReport,
