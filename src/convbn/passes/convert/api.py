@@ -214,6 +214,8 @@ def _capture_variant(module: nn.Module, prefix: str, args: Tuple[Any, ...], kwar
     if variant is None or variant is main:
         return None
     variant.undo = [u for u in variant.undo or () if u[2]]
+    if traced.shapes is not None:  # a graph for this batch size: the first-backward check's sample is not one
+        variant.backward_check = None
     main.added += variant.added  # removed with the module's forward (re-capture)
     for fwd, gm, pfx in ctx.to_guard:
         if fwd is variant:
