@@ -31,8 +31,9 @@ from ..graph.scripted import reject_torchscript
 from .match import find_layers, group_chains
 from ..report.outcome import bn_module_names, explain_ghost_loops, frozen_lookalikes, unreached
 from .pools import lean_pools
-from .recapture import Recapture, attach_guards, refuse_flat_parameters
+from .recapture import Recapture, _merge, attach_guards, refuse_flat_parameters
 from .variants import Variants
+from .first_call_capture import CaptureOnFirstCall
 from ..graph.specialize import Defaults, constant_defaults, none_used_as_value
 from ..report.convert_report import ConvertReport
 from .rewrite import drop_hooked, rewrite_chains, swap_sync_batchnorm, watch_hooks
@@ -61,6 +62,7 @@ class _Context:
     to_guard: List[Tuple[Any, fx.GraphModule, str]] = field(default_factory=list)  # (forward, graph, prefix)
     done: Set[int] = field(default_factory=set)  # modules converted already (shared modules: once)
     example: Optional[Tuple[Any, ...]] = None  # example_inputs, as positional arguments
+    deferred: int = 0  # modules captured on their first call (Note: [captured on the first call])
     root: Optional[nn.Module] = None  # the model being converted
     _called: Optional[Dict[int, Tuple[Tuple[Any, ...], Dict[str, Any]]]] = None
 
@@ -111,6 +113,9 @@ def _convert(module: nn.Module, prefix: str, ctx: _Context, exposed: bool = Fals
         traced = trace(module, LayerTracer, training=True)  # the graph convert builds is for training
     except Exception as err:  # any tracing failure: with real shapes where known, else the children
         traced = _shape_trace(module, ctx) if type(module).forward is not nn.Module.forward else None
+        if traced is None and ctx.lazy and ctx.example is None and type(module).forward is not nn.Module.forward:
+            _defer(module, prefix, short_reason(err, 120), ctx)  # Note: [captured on the first call]
+            return
         if traced is None:
             if type(module).forward is not nn.Module.forward:  # a container without forward is no failure
                 report.untraced.append((prefix.rstrip("."), short_reason(err, 120)))
@@ -122,6 +127,41 @@ def _convert(module: nn.Module, prefix: str, ctx: _Context, exposed: bool = Fals
     if exposed and isinstance(module, (nn.Sequential, nn.ModuleList, nn.ModuleDict)):
         for name, child in module.named_children():
             _convert(child, f"{prefix}{name}.", ctx, exposed=True)
+
+
+def _defer(module: nn.Module, prefix: str, why: str, ctx: _Context) -> None:
+    """Give ``module`` (not traceable symbolically, no ``example_inputs``) a forward that captures
+    it with its real inputs on its first call (Note: [captured on the first call])."""
+    ctx.report.untraced.append((prefix.rstrip("."), f"{why}; captured with its real shapes on its first call"))
+    ctx.deferred += 1
+    module.__dict__["forward"] = CaptureOnFirstCall(module, prefix, ctx.model_report or ctx.report, ctx.mode,
+                                                    ctx.chain, ctx.recaptures, why, _capture_on_call)
+
+
+def _capture_on_call(module: nn.Module, prefix: str, args: Tuple[Any, ...], kwargs: Dict[str, Any],
+                     report: ConvertReport, strategy: str, chain: bool, count: int, why: str) -> None:
+    """Convert ``module`` for its first call (Note: [captured on the first call]): traced with the
+    call's real inputs and rewritten, checked on this call; where that fails too, its children
+    one by one. ``report`` (the model's) gets the module's entries."""
+    fresh = ConvertReport(strategy=report.strategy)
+    ctx = _Context(strategy, chain, fresh, lazy=True, recaptures=count, model_report=report)
+    with StateSnapshot(module):
+        traced = _trace_for_call(module, args, kwargs)
+        ctx.done.add(id(module))
+        if traced is None:
+            fresh.untraced.append((prefix.rstrip("."), why))
+            for name, child in module.named_children():
+                _convert(child, f"{prefix}{name}.", ctx, exposed=True)
+        else:
+            fresh.traced.append(prefix.rstrip("."))
+            _rewrite(module, prefix, traced, ctx)
+            fwd = installed(module)
+            if fwd is not None and traced.shapes is not None:  # a graph for this batch size (see _capture_variant)
+                fwd.backward_check = None
+    forget_undo(module)
+    _dedupe(fresh)
+    _merge(report, prefix, fresh, module)
+    _arm_guards(ctx)
 
 
 def _shape_trace(module: nn.Module, ctx: _Context) -> Any:
@@ -484,7 +524,7 @@ def _convert_model(model: nn.Module, strategy: str, memory_budget: Optional[floa
     work.__dict__["convbn_report"] = report
     _arm_guards(ctx)
     report.attach(work)  # Note: [a report says what runs]
-    if not report.pairs:
+    if not report.pairs and not ctx.deferred:
         why = "; ".join([f"{s.batchnorm}: {s.reason}" for s in report.skipped[:3]]
                         + [f"{m or '<root>'} not traceable: {e}" for m, e in report.untraced[:2]])
         warnings.warn(f"convbn.convert fused nothing in {type(model).__name__} (no Conv -> BatchNorm pair found"
