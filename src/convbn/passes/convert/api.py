@@ -8,6 +8,7 @@ where they were (the chains only reference them), so parameters, buffers and
 """
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Set, Tuple, TypeVar
@@ -62,7 +63,7 @@ class _Context:
     to_guard: List[Tuple[Any, fx.GraphModule, str]] = field(default_factory=list)  # (forward, graph, prefix)
     done: Set[int] = field(default_factory=set)  # modules converted already (shared modules: once)
     example: Optional[Tuple[Any, ...]] = None  # example_inputs, as positional arguments
-    deferred: int = 0  # modules captured on their first call (Note: [captured on the first call])
+    deferred: List[str] = field(default_factory=list)  # prefixes of modules captured on their first call
     root: Optional[nn.Module] = None  # the model being converted
     _called: Optional[Dict[int, Tuple[Tuple[Any, ...], Dict[str, Any]]]] = None
 
@@ -133,7 +134,7 @@ def _defer(module: nn.Module, prefix: str, why: str, ctx: _Context) -> None:
     """Give ``module`` (not traceable symbolically, no ``example_inputs``) a forward that captures
     it with its real inputs on its first call (Note: [captured on the first call])."""
     ctx.report.untraced.append((prefix.rstrip("."), f"{why}; captured with its real shapes on its first call"))
-    ctx.deferred += 1
+    ctx.deferred.append(prefix)
     module.__dict__["forward"] = CaptureOnFirstCall(module, prefix, ctx.model_report or ctx.report, ctx.mode,
                                                     ctx.chain, ctx.recaptures, why, _capture_on_call)
 
@@ -507,6 +508,11 @@ def _convert_model(model: nn.Module, strategy: str, memory_budget: Optional[floa
     report.recorded += unreached(bn_module_names(model), report.recorded, untraced, report.traced)
     report.recorded += frozen_lookalikes(model, report.recorded)
     report.recorded = explain_ghost_loops(model, report.recorded)
+    report.recorded = [  # Note: [captured on the first call]: not left yet
+        dataclasses.replace(o, reason="its module's code reads input shapes: captured with its real shapes on its "
+                            "first call") if o.result == "left" and any(not p or o.batchnorm.startswith(p)
+                                                                        for p in ctx.deferred) else o
+        for o in report.recorded]
     if strategy == "auto" and inputs is not None and report.pairs:
         target = None
         if memory_limit is not None:
