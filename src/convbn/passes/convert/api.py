@@ -8,7 +8,6 @@ where they were (the chains only reference them), so parameters, buffers and
 """
 from __future__ import annotations
 
-import dataclasses
 import warnings
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Set, Tuple, TypeVar
@@ -32,7 +31,7 @@ from ..graph.scripted import reject_torchscript
 from .match import find_layers, group_chains
 from ..report.outcome import bn_module_names, explain_ghost_loops, frozen_lookalikes, unreached
 from .pools import lean_pools
-from .recapture import Recapture, _merge, attach_guards, refuse_flat_parameters
+from .recapture import Recapture, _merge, _remove_installed, attach_guards, refuse_flat_parameters
 from .variants import Variants
 from .first_call_capture import CaptureOnFirstCall
 from ..graph.specialize import Defaults, constant_defaults, none_used_as_value
@@ -114,12 +113,11 @@ def _convert(module: nn.Module, prefix: str, ctx: _Context, exposed: bool = Fals
         traced = trace(module, LayerTracer, training=True)  # the graph convert builds is for training
     except Exception as err:  # any tracing failure: with real shapes where known, else the children
         traced = _shape_trace(module, ctx) if type(module).forward is not nn.Module.forward else None
-        if traced is None and ctx.lazy and ctx.example is None and type(module).forward is not nn.Module.forward:
-            _defer(module, prefix, short_reason(err, 120), ctx)  # Note: [captured on the first call]
-            return
         if traced is None:
             if type(module).forward is not nn.Module.forward:  # a container without forward is no failure
                 report.untraced.append((prefix.rstrip("."), short_reason(err, 120)))
+                if ctx.lazy and ctx.example is None:  # Note: [captured on the first call]
+                    _defer(module, prefix, ctx)
             for name, child in module.named_children():
                 _convert(child, f"{prefix}{name}.", ctx, exposed=True)
             return
@@ -130,35 +128,35 @@ def _convert(module: nn.Module, prefix: str, ctx: _Context, exposed: bool = Fals
             _convert(child, f"{prefix}{name}.", ctx, exposed=True)
 
 
-def _defer(module: nn.Module, prefix: str, why: str, ctx: _Context) -> None:
-    """Give ``module`` (not traceable symbolically, no ``example_inputs``) a forward that captures
-    it with its real inputs on its first call (Note: [captured on the first call])."""
-    ctx.report.untraced.append((prefix.rstrip("."), f"{why}; captured with its real shapes on its first call"))
+def _defer(module: nn.Module, prefix: str, ctx: _Context) -> None:
+    """Give ``module`` (not traceable symbolically, no ``example_inputs``; its children are
+    converted one by one) a forward that captures it whole with its real inputs on its first
+    call (Note: [captured on the first call])."""
     ctx.deferred.append(prefix)
     module.__dict__["forward"] = CaptureOnFirstCall(module, prefix, ctx.model_report or ctx.report, ctx.mode,
-                                                    ctx.chain, ctx.recaptures, why, _capture_on_call)
+                                                    ctx.chain, ctx.recaptures, "", _capture_on_call)
 
 
 def _capture_on_call(module: nn.Module, prefix: str, args: Tuple[Any, ...], kwargs: Dict[str, Any],
                      report: ConvertReport, strategy: str, chain: bool, count: int, why: str) -> None:
-    """Convert ``module`` for its first call (Note: [captured on the first call]): traced with the
-    call's real inputs and rewritten, checked on this call; where that fails too, its children
-    one by one. ``report`` (the model's) gets the module's entries."""
-    fresh = ConvertReport(strategy=report.strategy)
-    ctx = _Context(strategy, chain, fresh, lazy=True, recaptures=count, model_report=report)
+    """Convert ``module`` whole for its first call (Note: [captured on the first call]): traced with
+    the call's real inputs (its children's forwards set aside) and rewritten, replacing what
+    was converted under it, checked on this call; where that trace fails too, nothing changes.
+    ``report`` (the model's) gets the module's entries."""
     with StateSnapshot(module):
-        traced = _trace_for_call(module, args, kwargs)
-        ctx.done.add(id(module))
+        with eager(module):
+            traced = _trace_for_call(module, args, kwargs)
         if traced is None:
-            fresh.untraced.append((prefix.rstrip("."), why))
-            for name, child in module.named_children():
-                _convert(child, f"{prefix}{name}.", ctx, exposed=True)
-        else:
-            fresh.traced.append(prefix.rstrip("."))
-            _rewrite(module, prefix, traced, ctx)
-            fwd = installed(module)
-            if fwd is not None and traced.shapes is not None:  # a graph for this batch size (see _capture_variant)
-                fwd.backward_check = None
+            return
+        _remove_installed(module)
+        fresh = ConvertReport(strategy=report.strategy)
+        ctx = _Context(strategy, chain, fresh, lazy=True, recaptures=count, model_report=report)
+        ctx.done.add(id(module))
+        fresh.traced.append(prefix.rstrip("."))
+        _rewrite(module, prefix, traced, ctx)
+        fwd = installed(module)
+        if fwd is not None and traced.shapes is not None:  # a graph for this batch size (see _capture_variant)
+            fwd.backward_check = None
     forget_undo(module)
     _dedupe(fresh)
     _merge(report, prefix, fresh, module)
@@ -508,11 +506,6 @@ def _convert_model(model: nn.Module, strategy: str, memory_budget: Optional[floa
     report.recorded += unreached(bn_module_names(model), report.recorded, untraced, report.traced)
     report.recorded += frozen_lookalikes(model, report.recorded)
     report.recorded = explain_ghost_loops(model, report.recorded)
-    report.recorded = [  # Note: [captured on the first call]: not left yet
-        dataclasses.replace(o, reason="its module's code reads input shapes: captured with its real shapes on its "
-                            "first call") if o.result == "left" and any(not p or o.batchnorm.startswith(p)
-                                                                        for p in ctx.deferred) else o
-        for o in report.recorded]
     if strategy == "auto" and inputs is not None and report.pairs:
         target = None
         if memory_limit is not None:
