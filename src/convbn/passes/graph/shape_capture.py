@@ -6,13 +6,13 @@ in zip(skip.shape[2:], x.shape[2:])`` (odd-size padding) or ``torch.rand(x.shape
 inputs a module runs on are known (``convert(example_inputs=...)``: each module's inputs in
 one eager run), its trace can instead carry, for every traced value, a *fake* tensor of
 the real one (``FakeTensorMode``: shapes and dtypes, no data, no computation), computed op
-by op as the trace proceeds. ``x.shape``, ``x.size()``, ``x.dim()``, ``x.ndim`` and
-``len(x)`` then answer with the real (static) sizes, so Python code on shapes takes the branch
+by op as the trace proceeds. ``x.shape``, ``x.size()``, ``x.dim()``, ``x.ndim``, ``x.dtype``
+and ``len(x)`` then answer with the real (static) sizes and dtypes, so Python code on shapes takes the branch
 eager takes and the sizes it computes are constants of the graph. A data-dependent branch
 (``if x.sum() > 0``) still fails as before.
 
 What such a graph assumed is *guarded*: :class:`ShapeGuard` holds the shapes, dtypes and
-devices of the module's tensor inputs; a call with others runs the module's own forward
+devices of the module's tensor inputs and the autocast state (which decides the dtypes inside); a call with others runs the module's own forward
 (:class:`~convbn.passes.graph.graph_module.GraphForward`).
 """
 from __future__ import annotations
@@ -36,7 +36,10 @@ VALUE = "convbn_fake"
 
 def _signature(args: Any, kwargs: Any) -> Tuple[Any, ...]:
     leaves = pytree.tree_leaves((args, kwargs))
-    return tuple((tuple(t.shape), t.dtype, t.device.type) if isinstance(t, Tensor) else type(t) for t in leaves)
+    # autocast decides the dtypes inside (``if x.dtype == torch.float16`` is answered by the trace)
+    autocast = tuple((d, torch.get_autocast_dtype(d)) for d in ("cpu", "cuda") if torch.is_autocast_enabled(d))
+    return tuple((tuple(t.shape), t.dtype, t.device.type) if isinstance(t, Tensor) else type(t)
+                 for t in leaves) + autocast
 
 
 @has_side_effect
@@ -196,7 +199,7 @@ def _shaped_class(base: type) -> type:
     if base not in _SHAPED:
         def __getattr__(self: fx.Proxy, k: str) -> Any:
             value = self.node.meta.get(VALUE)
-            if isinstance(value, Tensor) and k in ("shape", "ndim", "size", "dim"):
+            if isinstance(value, Tensor) and k in ("shape", "ndim", "size", "dim", "dtype"):
                 return getattr(value, k)
             return base.__getattr__(self, k)  # type: ignore[attr-defined]
 
