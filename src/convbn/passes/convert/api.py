@@ -143,10 +143,14 @@ def _capture_on_call(module: nn.Module, prefix: str, args: Tuple[Any, ...], kwar
     the call's real inputs (its children's forwards set aside) and rewritten, replacing what
     was converted under it, checked on this call; where that trace fails too, nothing changes.
     ``report`` (the model's) gets the module's entries."""
+    inner = [m for m in module.modules() if isinstance(m.__dict__.get("forward"), CaptureOnFirstCall)]
+    waiting = [(m, m.__dict__.pop("forward")) for m in inner]  # traced through, as their class forward
     with StateSnapshot(module):
         with eager(module):
             traced = _trace_for_call(module, args, kwargs)
         if traced is None:
+            for m, entry in waiting:
+                m.__dict__["forward"] = entry
             return
         _remove_installed(module)
         fresh = ConvertReport(strategy=report.strategy)
