@@ -160,16 +160,28 @@ class ShapeTracing:
             raise _Unknown(target)
         return self._fake(self._bound[name])
 
+    def _attr(self, node: fx.Node) -> Any:
+        obj: Any = self.root  # type: ignore[attr-defined]
+        with _untraced():  # torch.fx's module attribute patch would record a proxy per read
+            for part in str(node.target).split("."):
+                obj = getattr(obj, part)
+        return self._fake(obj)
+
+    def _value(self, node: Any) -> Any:
+        """The fake value of an argument: a constant ``torch.fx`` made an attribute of the root (a
+        tensor created in ``forward``: a ``get_attr`` node not made through :meth:`create_proxy`)
+        read now."""
+        if isinstance(node, fx.Node) and VALUE not in node.meta and node.op == "get_attr":
+            node.meta[VALUE] = self._attr(node)
+        return _value(node)
+
     def _run(self, node: fx.Node) -> Any:
         if node.op == "placeholder":
             return self._placeholder(str(node.target))
         if node.op == "get_attr":
-            obj: Any = self.root  # type: ignore[attr-defined]
-            for part in str(node.target).split("."):
-                obj = getattr(obj, part)
-            return self._fake(obj)
-        args = fx.node.map_aggregate(node.args, _value)
-        kwargs = fx.node.map_aggregate(node.kwargs, _value)
+            return self._attr(node)
+        args = fx.node.map_aggregate(node.args, self._value)
+        kwargs = fx.node.map_aggregate(node.kwargs, self._value)
         with _untraced(), torch.no_grad(), self._fake_mode:
             if node.op == "call_function":
                 return node.target(*args, **kwargs)  # type: ignore[operator]
@@ -179,7 +191,10 @@ class ShapeTracing:
                 module = self.root.get_submodule(str(node.target))  # type: ignore[attr-defined]
                 if isinstance(module, _BatchNorm) and len(args) == 1 and not kwargs:
                     return args[0]  # same shape; its update of num_batches_tracked not run twice
-                return module.forward(*args, **kwargs)  # hooks are not run for a shape
+                from .graph_module import installed
+
+                rewritten = installed(module)  # converted already (a leaf converted on its own): its own code
+                return (rewritten.original if rewritten is not None else module.forward)(*args, **kwargs)
         raise _Unknown(node.op)
 
     def create_proxy(self, kind: str, target: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any], *rest: Any,
