@@ -18,16 +18,16 @@ from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from ...memory.budget import parse_memory, resident_bytes, usable_bytes
+from .args import check_args
 from ...nn.chain import FusedChain
 from ...nn.fused import _FusedConvBNNd
-from ...functional.strategies import CONVERT_STRATEGIES, check_strategy
+from ...functional.strategies import CONVERT_STRATEGIES
 from ..plan.auto_plan import as_inputs, measure_peak, measure_saved, plan_auto
 from ..bn.recognise import may_normalise
 from .concat_heads import flatten_cats
 from ..graph.graph_module import eager, forget_undo, install, installed, uninstall
 from ..graph.share_copy import share_copy
 from ..graph.transaction import transaction
-from ..graph.scripted import reject_torchscript
 from .match import find_layers, group_chains
 from ..report.outcome import bn_module_names, explain_ghost_loops, frozen_lookalikes, unreached
 from .pools import lean_pools
@@ -357,42 +357,6 @@ def _finer(module: nn.Module, prefix: str, inputs: Dict[int, Tuple[Tuple[Any, ..
             _validated_convert(child, f"{prefix}{name}.", *inputs[id(child)], ctx)
         else:  # a container the parent iterates, indexes or walks: look inside
             _finer(child, f"{prefix}{name}.", inputs, ctx)
-
-
-def check_args(model: Any, strategy: str, memory_budget: Optional[float], example_inputs: Any,
-               peak_budget: Optional[float] = None, memory_limit: Any = None) -> None:
-    """Every argument of :func:`convert` checked before any work: ``TypeError`` / ``ValueError`` naming it."""
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"convert expects an nn.Module, but got {type(model).__name__}")
-    reject_torchscript(model, "convert")
-    refuse_flat_parameters(model)
-    check_strategy(strategy, CONVERT_STRATEGIES)
-    if memory_limit is not None:
-        parse_memory(memory_limit)  # TypeError / ValueError naming the value
-        if strategy != "auto":
-            raise ValueError(f"memory_limit is used by strategy='auto' only, but got strategy={strategy!r}")
-        if peak_budget is not None:
-            raise ValueError("give memory_limit (bytes for the whole step) or peak_budget (a fraction of eager's "
-                             "peak), not both")
-        if example_inputs is None:
-            raise ValueError("memory_limit needs example_inputs: the plan is made for their batch")
-    if peak_budget is not None:
-        if strategy != "auto":
-            raise ValueError(f"peak_budget is used by strategy='auto' only, but got strategy={strategy!r}")
-        if isinstance(peak_budget, bool) or not isinstance(peak_budget, (int, float)) or not 0 < peak_budget <= 1:
-            raise ValueError(f"peak_budget must be a fraction of the eager step's peak memory in (0, 1], "
-                             f"but got {peak_budget!r}")
-        if example_inputs is None:
-            raise ValueError("peak_budget needs example_inputs: the planner measures the eager step's peak on them")
-    if memory_budget is not None:
-        if strategy != "auto":
-            raise ValueError(f"memory_budget is used by strategy='auto' only, but got strategy={strategy!r}")
-        if isinstance(memory_budget, bool) or not isinstance(memory_budget, (int, float)) or not 0 < memory_budget <= 1:
-            raise ValueError(
-                f"memory_budget must be a fraction of eager saved activation bytes in (0, 1], but got {memory_budget!r}"
-            )
-        if example_inputs is None:
-            raise ValueError("memory_budget needs example_inputs: the planner measures eager saved bytes on them")
 
 
 def convert(
