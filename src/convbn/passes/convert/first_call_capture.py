@@ -14,8 +14,10 @@ The report lists the module as not traced until its first call, then as ``conver
 """
 from __future__ import annotations
 
+import types
 from typing import Any, Callable, Dict, Optional, Tuple
 
+import torch
 from torch import nn
 
 from ..report.convert_report import ConvertReport
@@ -54,6 +56,8 @@ class CaptureOnFirstCall:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         owner = self.owner
+        if torch.compiler.is_compiling():  # no capture inside a compiled frame: the module's own forward
+            return (self.previous or types.MethodType(type(owner).forward, owner))(*args, **kwargs)
         if owner.__dict__.get("forward") is self:
             self._restore()
             self.capture(owner, self.prefix, args, kwargs, self.report, self.strategy, self.chain, self.count,
