@@ -78,7 +78,10 @@ class Watch:
 
     def problems(self) -> List[str]:
         out = []
-        for _, nothing_fused, cls in self.converted:
+        for ref, nothing_fused, cls in self.converted:
+            model = ref()
+            if model is not None:  # judged as it is now: a module captured on its first call fuses then
+                nothing_fused = _nothing_fused(getattr(model, "convbn_report", None))
             if nothing_fused is not None:
                 out.append(f"convbn.convert({cls}) fused nothing ({nothing_fused})")
         for rec in self.chains.values():

@@ -1,7 +1,7 @@
 """Optional arguments left at their default are traced as the value they have, and guarded:
 ``forward(h, attention_mask=None)`` must record the ``None`` branch (a proxy is never
 ``None``), for ``convert`` (lazy and with ``example_inputs``) and for ``fold``; a call that
-passes another value runs the module's own forward, as eager computes it."""
+passes another value runs a variant captured for it (fold: the module's own forward)."""
 from __future__ import annotations
 
 import copy
@@ -56,17 +56,24 @@ def test_convert_traces_the_default_branch(validated):
     assert_chain_ran(fast(x_(), attention_mask=None, halve=False), calls=1)  # keyword, same values
 
 
-def test_convert_runs_the_original_for_another_value():
+def test_convert_runs_a_variant_for_another_value():
     eager, twin = twins(Masked)
     fast = convbn.convert(twin)
     step(eager, x_()), step(fast, x_())  # the rewrite runs first, checked
     mask = torch.rand(4, 8, 6, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(5))
-    with pytest.warns(RuntimeWarning, match="attention_mask"):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # captured for the call: no message, no fallback
         out = step(fast, x_(2), mask, seed=2)
-    ref = step(eager, x_(2), mask, seed=2)
-    torch.testing.assert_close(out, ref, **TOL)
-    torch.testing.assert_close(step(fast, x_(3), halve=True, seed=3), step(eager, x_(3), halve=True, seed=3), **TOL)
+        ref = step(eager, x_(2), mask, seed=2)
+        torch.testing.assert_close(out, ref, **TOL)
+        torch.testing.assert_close(step(fast, x_(3), halve=True, seed=3), step(eager, x_(3), halve=True, seed=3),
+                                   **TOL)
     assert_same_state(eager, fast)
+    assert len(fast.convbn_report.variants) == 2, fast.convbn_report
+    with torch.no_grad():
+        torch.testing.assert_close(fast(x_(4), mask), eager(x_(4), mask), **TOL)
+    assert_chain_ran(fast(x_(), mask), calls=1)  # the variants run fused
+    assert_chain_ran(fast(x_(), halve=True), calls=1)
     assert_chain_ran(fast(x_()), calls=1)  # the default call is still fused
 
 

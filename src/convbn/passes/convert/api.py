@@ -18,20 +18,23 @@ from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from ...memory.budget import parse_memory, resident_bytes, usable_bytes
+from .args import check_args
 from ...nn.chain import FusedChain
 from ...nn.fused import _FusedConvBNNd
-from ...functional.strategies import CONVERT_STRATEGIES, check_strategy
+from ...functional.strategies import CONVERT_STRATEGIES
 from ..plan.auto_plan import as_inputs, measure_peak, measure_saved, plan_auto
 from ..bn.recognise import may_normalise
 from .concat_heads import flatten_cats
 from ..graph.graph_module import eager, forget_undo, install, installed, uninstall
 from ..graph.share_copy import share_copy
 from ..graph.transaction import transaction
-from ..graph.scripted import reject_torchscript
 from .match import find_layers, group_chains
 from ..report.outcome import bn_module_names, explain_ghost_loops, frozen_lookalikes, unreached
 from .pools import lean_pools
-from .recapture import Recapture, attach_guards, refuse_flat_parameters
+from .recapture import Recapture, _merge, _remove_installed, attach_guards, refuse_flat_parameters
+from .variants import Variants
+from .first_call_capture import CaptureOnFirstCall
+from ..graph.specialize import Defaults, constant_defaults, none_used_as_value
 from ..report.convert_report import ConvertReport
 from .rewrite import drop_hooked, rewrite_chains, swap_sync_batchnorm, watch_hooks
 from ..graph.trace import LayerTracer, short_reason, trace
@@ -59,6 +62,7 @@ class _Context:
     to_guard: List[Tuple[Any, fx.GraphModule, str]] = field(default_factory=list)  # (forward, graph, prefix)
     done: Set[int] = field(default_factory=set)  # modules converted already (shared modules: once)
     example: Optional[Tuple[Any, ...]] = None  # example_inputs, as positional arguments
+    deferred: List[str] = field(default_factory=list)  # prefixes of modules captured on their first call
     root: Optional[nn.Module] = None  # the model being converted
     _called: Optional[Dict[int, Tuple[Tuple[Any, ...], Dict[str, Any]]]] = None
 
@@ -112,6 +116,8 @@ def _convert(module: nn.Module, prefix: str, ctx: _Context, exposed: bool = Fals
         if traced is None:
             if type(module).forward is not nn.Module.forward:  # a container without forward is no failure
                 report.untraced.append((prefix.rstrip("."), short_reason(err, 120)))
+                if ctx.lazy and ctx.example is None:  # Note: [captured on the first call]
+                    _defer(module, prefix, ctx)
             for name, child in module.named_children():
                 _convert(child, f"{prefix}{name}.", ctx, exposed=True)
             return
@@ -120,6 +126,45 @@ def _convert(module: nn.Module, prefix: str, ctx: _Context, exposed: bool = Fals
     if exposed and isinstance(module, (nn.Sequential, nn.ModuleList, nn.ModuleDict)):
         for name, child in module.named_children():
             _convert(child, f"{prefix}{name}.", ctx, exposed=True)
+
+
+def _defer(module: nn.Module, prefix: str, ctx: _Context) -> None:
+    """Give ``module`` (not traceable symbolically, no ``example_inputs``; its children are
+    converted one by one) a forward that captures it whole with its real inputs on its first
+    call (Note: [captured on the first call])."""
+    ctx.deferred.append(prefix)
+    module.__dict__["forward"] = CaptureOnFirstCall(module, prefix, ctx.model_report or ctx.report, ctx.mode,
+                                                    ctx.chain, ctx.recaptures, "", _capture_on_call)
+
+
+def _capture_on_call(module: nn.Module, prefix: str, args: Tuple[Any, ...], kwargs: Dict[str, Any],
+                     report: ConvertReport, strategy: str, chain: bool, count: int, why: str) -> None:
+    """Convert ``module`` whole for its first call (Note: [captured on the first call]): traced with
+    the call's real inputs (its children's forwards set aside) and rewritten, replacing what
+    was converted under it, checked on this call; where that trace fails too, nothing changes.
+    ``report`` (the model's) gets the module's entries."""
+    inner = [m for m in module.modules() if isinstance(m.__dict__.get("forward"), CaptureOnFirstCall)]
+    waiting = [(m, m.__dict__.pop("forward")) for m in inner]  # traced through, as their class forward
+    with StateSnapshot(module):
+        with eager(module):
+            traced = _trace_for_call(module, args, kwargs)
+        if traced is None:
+            for m, entry in waiting:
+                m.__dict__["forward"] = entry
+            return
+        _remove_installed(module)
+        fresh = ConvertReport(strategy=report.strategy)
+        ctx = _Context(strategy, chain, fresh, lazy=True, recaptures=count, model_report=report)
+        ctx.done.add(id(module))
+        fresh.traced.append(prefix.rstrip("."))
+        _rewrite(module, prefix, traced, ctx)
+        fwd = installed(module)
+        if fwd is not None and traced.shapes is not None:  # a graph for this batch size (see _capture_variant)
+            fwd.backward_check = None
+    forget_undo(module)
+    _dedupe(fresh)
+    _merge(report, prefix, fresh, module)
+    _arm_guards(ctx)
 
 
 def _shape_trace(module: nn.Module, ctx: _Context) -> Any:
@@ -168,9 +213,58 @@ def _arm_guards(ctx: _Context) -> None:
     measurements before ran the model, and its own forward may have side effects."""
     for fwd, gm, prefix in ctx.to_guard:
         if installed(fwd.owner) is fwd:
-            attach_guards(fwd, gm, prefix, Recapture(ctx.model_report or ctx.report, prefix, ctx.mode, ctx.chain,
-                                                     ctx.recaptures, _reconvert))
+            report = ctx.model_report or ctx.report
+            attach_guards(fwd, gm, prefix, Recapture(report, prefix, ctx.mode, ctx.chain, ctx.recaptures, _reconvert))
+            if fwd.defaults is not None:  # Note: [a variant per kind of call] in variants.py
+                fwd.variants = Variants(report, prefix, ctx.mode, ctx.chain, ctx.recaptures, _capture_variant)
     ctx.to_guard.clear()
+
+
+def _trace_for_call(module: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
+    """``module`` traced for one call: its optional arguments as this call passes them, with the
+    call's real shapes where the code reads shapes; ``None`` where it does not trace."""
+    for defaults in (constant_defaults(module).for_call(args, kwargs), Defaults((), (), ())):
+        for example in (None, (args, kwargs)):
+            try:
+                traced = trace(module, LayerTracer, training=True, example=example, defaults=defaults)
+            except Exception:  # noqa: BLE001 - try with real shapes, then with every argument symbolic
+                continue
+            if not none_used_as_value(traced.graph):
+                return traced
+    return None
+
+
+def _capture_variant(module: nn.Module, prefix: str, args: Tuple[Any, ...], kwargs: Dict[str, Any],
+                     variants: Variants) -> Any:
+    """A variant of converted ``module`` for calls like this one (Note: [a variant per kind of call]
+    in variants.py): traced for the call and rewritten by :func:`_rewrite`, installed next to the
+    module's forward (its chains under new names), checked on its first call; ``None`` where
+    nothing fuses."""
+    traced = _trace_for_call(module, args, kwargs)
+    if traced is None:
+        return None
+    entry, main = module.__dict__["forward"], installed(module)
+    fresh = ConvertReport(strategy=variants.report.strategy)
+    ctx = _Context(variants.strategy, variants.chain, fresh, lazy=True, recaptures=variants.count,
+                   model_report=variants.report)
+    ctx.done = {id(m) for m in module.modules() if m is not module and installed(m) is not None}
+    try:
+        with StateSnapshot(module):
+            _rewrite(module, prefix, traced, ctx)
+        variant = installed(module)
+    finally:
+        module.__dict__["forward"] = entry
+    if variant is None or variant is main:
+        return None
+    variant.undo = [u for u in variant.undo or () if u[2]]
+    if traced.shapes is not None:  # a graph for this batch size: the first-backward check's sample is not one
+        variant.backward_check = None
+    main.added += variant.added  # removed with the module's forward (re-capture)
+    for fwd, gm, pfx in ctx.to_guard:
+        if fwd is variant:
+            attach_guards(variant, gm, prefix, main.on_change)
+    _arm_guards(ctx)  # modules under it converted for the first time now
+    return variant
 
 
 def _reconvert(module: nn.Module, prefix: str, report: ConvertReport, model_report: ConvertReport,
@@ -263,42 +357,6 @@ def _finer(module: nn.Module, prefix: str, inputs: Dict[int, Tuple[Tuple[Any, ..
             _validated_convert(child, f"{prefix}{name}.", *inputs[id(child)], ctx)
         else:  # a container the parent iterates, indexes or walks: look inside
             _finer(child, f"{prefix}{name}.", inputs, ctx)
-
-
-def check_args(model: Any, strategy: str, memory_budget: Optional[float], example_inputs: Any,
-               peak_budget: Optional[float] = None, memory_limit: Any = None) -> None:
-    """Every argument of :func:`convert` checked before any work: ``TypeError`` / ``ValueError`` naming it."""
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"convert expects an nn.Module, but got {type(model).__name__}")
-    reject_torchscript(model, "convert")
-    refuse_flat_parameters(model)
-    check_strategy(strategy, CONVERT_STRATEGIES)
-    if memory_limit is not None:
-        parse_memory(memory_limit)  # TypeError / ValueError naming the value
-        if strategy != "auto":
-            raise ValueError(f"memory_limit is used by strategy='auto' only, but got strategy={strategy!r}")
-        if peak_budget is not None:
-            raise ValueError("give memory_limit (bytes for the whole step) or peak_budget (a fraction of eager's "
-                             "peak), not both")
-        if example_inputs is None:
-            raise ValueError("memory_limit needs example_inputs: the plan is made for their batch")
-    if peak_budget is not None:
-        if strategy != "auto":
-            raise ValueError(f"peak_budget is used by strategy='auto' only, but got strategy={strategy!r}")
-        if isinstance(peak_budget, bool) or not isinstance(peak_budget, (int, float)) or not 0 < peak_budget <= 1:
-            raise ValueError(f"peak_budget must be a fraction of the eager step's peak memory in (0, 1], "
-                             f"but got {peak_budget!r}")
-        if example_inputs is None:
-            raise ValueError("peak_budget needs example_inputs: the planner measures the eager step's peak on them")
-    if memory_budget is not None:
-        if strategy != "auto":
-            raise ValueError(f"memory_budget is used by strategy='auto' only, but got strategy={strategy!r}")
-        if isinstance(memory_budget, bool) or not isinstance(memory_budget, (int, float)) or not 0 < memory_budget <= 1:
-            raise ValueError(
-                f"memory_budget must be a fraction of eager saved activation bytes in (0, 1], but got {memory_budget!r}"
-            )
-        if example_inputs is None:
-            raise ValueError("memory_budget needs example_inputs: the planner measures eager saved bytes on them")
 
 
 def convert(
@@ -433,7 +491,7 @@ def _convert_model(model: nn.Module, strategy: str, memory_budget: Optional[floa
     work.__dict__["convbn_report"] = report
     _arm_guards(ctx)
     report.attach(work)  # Note: [a report says what runs]
-    if not report.pairs:
+    if not report.pairs and not ctx.deferred:
         why = "; ".join([f"{s.batchnorm}: {s.reason}" for s in report.skipped[:3]]
                         + [f"{m or '<root>'} not traceable: {e}" for m, e in report.untraced[:2]])
         warnings.warn(f"convbn.convert fused nothing in {type(model).__name__} (no Conv -> BatchNorm pair found"

@@ -140,6 +140,9 @@ class GraphForward:
     defaults: Any = None
     #: whether the one-time message about a call off the traced defaults was given
     warned_defaults = False
+    #: the variants captured for calls off ``defaults`` (``lookup(self, args, kwargs)`` -> a
+    #: forward or ``None``; convert's ``variants.Variants``), or ``None``: such calls run :meth:`original`
+    variants: Any = None
 
     # TorchScript (``torch.jit.script`` of a folded model) compiles a module's ``forward``
     # from its source: it reads these off the generated function (the guards above are
@@ -238,7 +241,14 @@ class GraphForward:
 
     def _off_defaults(self, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
         """A call unlike the traced one (an argument off its default, other input shapes): the
-        module's own forward (the graph holds only the traced branch), with a one-time message."""
+        module's own forward (the graph holds only the traced branch), with a one-time message;
+        or, with ``variants``, the module captured for calls like this one."""
+        if self.variants is not None and not torch.compiler.is_compiling():
+            variant = self.variants.lookup(self, args, kwargs)
+            if variant is not None:
+                return variant(*args, **kwargs)
+            if self.variants.full:
+                return self.original(*args, **kwargs)  # the limit's own message was given
         if not self.warned_defaults and not torch.compiler.is_compiling():
             self.warned_defaults = True
             warnings.warn(

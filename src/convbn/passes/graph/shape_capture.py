@@ -6,13 +6,13 @@ in zip(skip.shape[2:], x.shape[2:])`` (odd-size padding) or ``torch.rand(x.shape
 inputs a module runs on are known (``convert(example_inputs=...)``: each module's inputs in
 one eager run), its trace can instead carry, for every traced value, a *fake* tensor of
 the real one (``FakeTensorMode``: shapes and dtypes, no data, no computation), computed op
-by op as the trace proceeds. ``x.shape``, ``x.size()``, ``x.dim()``, ``x.ndim`` and
-``len(x)`` then answer with the real (static) sizes, so Python code on shapes takes the branch
+by op as the trace proceeds. ``x.shape``, ``x.size()``, ``x.dim()``, ``x.ndim``, ``x.dtype``
+and ``len(x)`` then answer with the real (static) sizes and dtypes, so Python code on shapes takes the branch
 eager takes and the sizes it computes are constants of the graph. A data-dependent branch
 (``if x.sum() > 0``) still fails as before.
 
 What such a graph assumed is *guarded*: :class:`ShapeGuard` holds the shapes, dtypes and
-devices of the module's tensor inputs; a call with others runs the module's own forward
+devices of the module's tensor inputs and the autocast state (which decides the dtypes inside); a call with others runs the module's own forward
 (:class:`~convbn.passes.graph.graph_module.GraphForward`).
 """
 from __future__ import annotations
@@ -36,7 +36,10 @@ VALUE = "convbn_fake"
 
 def _signature(args: Any, kwargs: Any) -> Tuple[Any, ...]:
     leaves = pytree.tree_leaves((args, kwargs))
-    return tuple((tuple(t.shape), t.dtype, t.device.type) if isinstance(t, Tensor) else type(t) for t in leaves)
+    # autocast decides the dtypes inside (``if x.dtype == torch.float16`` is answered by the trace)
+    autocast = tuple((d, torch.get_autocast_dtype(d)) for d in ("cpu", "cuda") if torch.is_autocast_enabled(d))
+    return tuple((tuple(t.shape), t.dtype, t.device.type) if isinstance(t, Tensor) else type(t)
+                 for t in leaves) + autocast
 
 
 @has_side_effect
@@ -157,16 +160,28 @@ class ShapeTracing:
             raise _Unknown(target)
         return self._fake(self._bound[name])
 
+    def _attr(self, node: fx.Node) -> Any:
+        obj: Any = self.root  # type: ignore[attr-defined]
+        with _untraced():  # torch.fx's module attribute patch would record a proxy per read
+            for part in str(node.target).split("."):
+                obj = getattr(obj, part)
+        return self._fake(obj)
+
+    def _value(self, node: Any) -> Any:
+        """The fake value of an argument: a constant ``torch.fx`` made an attribute of the root (a
+        tensor created in ``forward``: a ``get_attr`` node not made through :meth:`create_proxy`)
+        read now."""
+        if isinstance(node, fx.Node) and VALUE not in node.meta and node.op == "get_attr":
+            node.meta[VALUE] = self._attr(node)
+        return _value(node)
+
     def _run(self, node: fx.Node) -> Any:
         if node.op == "placeholder":
             return self._placeholder(str(node.target))
         if node.op == "get_attr":
-            obj: Any = self.root  # type: ignore[attr-defined]
-            for part in str(node.target).split("."):
-                obj = getattr(obj, part)
-            return self._fake(obj)
-        args = fx.node.map_aggregate(node.args, _value)
-        kwargs = fx.node.map_aggregate(node.kwargs, _value)
+            return self._attr(node)
+        args = fx.node.map_aggregate(node.args, self._value)
+        kwargs = fx.node.map_aggregate(node.kwargs, self._value)
         with _untraced(), torch.no_grad(), self._fake_mode:
             if node.op == "call_function":
                 return node.target(*args, **kwargs)  # type: ignore[operator]
@@ -176,7 +191,10 @@ class ShapeTracing:
                 module = self.root.get_submodule(str(node.target))  # type: ignore[attr-defined]
                 if isinstance(module, _BatchNorm) and len(args) == 1 and not kwargs:
                     return args[0]  # same shape; its update of num_batches_tracked not run twice
-                return module.forward(*args, **kwargs)  # hooks are not run for a shape
+                from .graph_module import installed
+
+                rewritten = installed(module)  # converted already (a leaf converted on its own): its own code
+                return (rewritten.original if rewritten is not None else module.forward)(*args, **kwargs)
         raise _Unknown(node.op)
 
     def create_proxy(self, kind: str, target: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any], *rest: Any,
@@ -196,7 +214,7 @@ def _shaped_class(base: type) -> type:
     if base not in _SHAPED:
         def __getattr__(self: fx.Proxy, k: str) -> Any:
             value = self.node.meta.get(VALUE)
-            if isinstance(value, Tensor) and k in ("shape", "ndim", "size", "dim"):
+            if isinstance(value, Tensor) and k in ("shape", "ndim", "size", "dim", "dtype"):
                 return getattr(value, k)
             return base.__getattr__(self, k)  # type: ignore[attr-defined]
 

@@ -25,10 +25,25 @@ import torch.fx as fx
 from torch import nn
 from torch.fx._symbolic_trace import _assert_is_none
 
-__all__ = ["Defaults", "constant_defaults", "none_used_as_value"]
+__all__ = ["Defaults", "GIVEN", "constant_defaults", "none_used_as_value"]
 
 #: default values traced as constants: what code branches on (``is None``, ``if flag``, ``mode == "x"``)
 SPECIALIZED_TYPES = (type(None), bool, str)
+
+
+class _Given:
+    """The traced value of an argument a call passed as a value (a tensor, a number): traced
+    symbolically; a call holds it where it passes such a value too."""
+
+    def __repr__(self) -> str:
+        return "<given>"
+
+    def __reduce__(self) -> str:
+        return "GIVEN"
+
+
+#: :attr:`Defaults.values` entry of an argument traced as the call's value (not a constant)
+GIVEN = _Given()
 
 
 @dataclass(frozen=True)
@@ -48,7 +63,20 @@ class Defaults:
 
     def concrete_args(self) -> Optional[Dict[str, Any]]:
         """``torch.fx``'s ``concrete_args`` for the trace, or ``None`` where there are none."""
-        return dict(zip(self.names, self.values)) or None
+        return {n: v for n, v in zip(self.names, self.values) if v is not GIVEN} or None
+
+    def for_call(self, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> "Defaults":
+        """The same arguments specialised to what a call passes: a ``None`` / ``bool`` / ``str``
+        given becomes the traced constant, any other value (a tensor) :data:`GIVEN` (symbolic)."""
+        values = []
+        for name, pos, value in zip(self.names, self.positions, self.values):
+            given = args[pos] if 0 <= pos < len(args) else kwargs.get(name, value)
+            values.append(given if type(given) in SPECIALIZED_TYPES else GIVEN)
+        return Defaults(self.names, self.positions, tuple(values))
+
+    def describe(self) -> str:
+        """``name=value`` of every argument, ``<given>`` for a value passed (for the report)."""
+        return ", ".join(f"{n}={v!r}" for n, v in zip(self.names, self.values))
 
     def hold(self, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> bool:
         """Whether a call with ``args`` / ``kwargs`` passes every argument at its traced value
@@ -58,7 +86,13 @@ class Defaults:
                 given = args[pos]
             elif name in kwargs:
                 given = kwargs[name]
+            elif value is GIVEN:
+                return False
             else:
+                continue
+            if value is GIVEN:
+                if type(given) in SPECIALIZED_TYPES:
+                    return False
                 continue
             if given is not value and not (type(given) is type(value) and given == value):
                 return False
@@ -75,7 +109,7 @@ class Defaults:
         """Give the placeholders of the specialised arguments their own names as targets (the
         generated signature then reads ``attention_mask=None``, not ``attention_mask_1=None``)
         and drop the assertions ``torch.fx`` adds for them (:meth:`hold` guards instead)."""
-        renamed = {f"{name}_1": name for name in self.names}
+        renamed = {f"{name}_1": name for name, v in zip(self.names, self.values) if v is not GIVEN}
         for node in graph.nodes:
             if node.op == "placeholder" and node.target in renamed:
                 node.target = renamed[node.target]

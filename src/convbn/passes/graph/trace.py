@@ -390,7 +390,8 @@ class Traced:
 
 
 def trace(module: nn.Module, tracer_cls: Type[fx.Tracer] = fx.Tracer, *, leaves: Sequence[str] = (),
-          training: Optional[bool] = None, example: Optional[Tuple[Tuple[Any, ...], Dict[str, Any]]] = None) -> Traced:
+          training: Optional[bool] = None, example: Optional[Tuple[Tuple[Any, ...], Dict[str, Any]]] = None,
+          defaults: Optional[Defaults] = None) -> Traced:
     """Trace ``module`` with ``tracer_cls``'s leaf policy plus partial tracing and hazard checks.
 
     A failure inside a module-level helper function (not a module) restarts the trace with
@@ -408,6 +409,8 @@ def trace(module: nn.Module, tracer_cls: Type[fx.Tracer] = fx.Tracer, *, leaves:
             afterwards); ``None`` traces the modes as they are.
         example: ``(args, kwargs)`` ``module`` runs on: trace with their real shapes
             (:mod:`.shape_capture`), the result guarded on them (:attr:`Traced.shapes`).
+        defaults: the optional arguments' values to trace with (:meth:`Defaults.for_call`);
+            ``None``: their defaults (symbolic where the code uses one as a value).
 
     Returns:
         A :class:`Traced`.
@@ -425,6 +428,8 @@ def trace(module: nn.Module, tracer_cls: Type[fx.Tracer] = fx.Tracer, *, leaves:
     if training is not None and module.training != training:
         module.train(training)
     try:
+        if defaults is not None:
+            return _trace_with(module, tracer_cls, leaves, example, defaults)
         return _trace(module, tracer_cls, leaves, example)
     finally:
         for m, t in flags:

@@ -108,6 +108,9 @@ class ConvertReport:
         changes: what changed in the model after ``convert`` (a module replaced, an attribute
             set, a class swapped) and what runs since: the module captured again, or its own
             forward.
+        variants: the variants captured after ``convert`` for calls unlike the first capture
+            (another value of an optional argument, other input shapes), one line each:
+            the module and what the variant was specialised on.
     """
 
     pairs: List[FusedPair] = field(default_factory=list)
@@ -131,6 +134,7 @@ class ConvertReport:
     shared_pieces: Dict[str, int] = field(default_factory=dict)
     lean_pools: List[str] = field(default_factory=list)
     changes: List[str] = field(default_factory=list)
+    variants: List[str] = field(default_factory=list)
 
     @property
     def outcomes(self) -> List[BNOutcome]:
@@ -244,4 +248,6 @@ class ConvertReport:
             lines.append(f"  validated against eager on example_inputs: {mod or '<root>'}")
         for change in self.changes:
             lines.append(f"  changed after convert: {change}")
+        for variant in self.variants:
+            lines.append(f"  variant captured for a call: {variant}")
         return "\n".join(lines)

@@ -1,0 +1,49 @@
+"""The arguments of :func:`convbn.convert`, checked before any work."""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from torch import nn
+
+from ...functional.strategies import CONVERT_STRATEGIES, check_strategy
+from ...memory.budget import parse_memory
+from ..graph.scripted import reject_torchscript
+from .recapture import refuse_flat_parameters
+
+__all__ = ["check_args"]
+
+
+def check_args(model: Any, strategy: str, memory_budget: Optional[float], example_inputs: Any,
+               peak_budget: Optional[float] = None, memory_limit: Any = None) -> None:
+    """Every argument of :func:`convert` checked before any work: ``TypeError`` / ``ValueError`` naming it."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"convert expects an nn.Module, but got {type(model).__name__}")
+    reject_torchscript(model, "convert")
+    refuse_flat_parameters(model)
+    check_strategy(strategy, CONVERT_STRATEGIES)
+    if memory_limit is not None:
+        parse_memory(memory_limit)  # TypeError / ValueError naming the value
+        if strategy != "auto":
+            raise ValueError(f"memory_limit is used by strategy='auto' only, but got strategy={strategy!r}")
+        if peak_budget is not None:
+            raise ValueError("give memory_limit (bytes for the whole step) or peak_budget (a fraction of eager's "
+                             "peak), not both")
+        if example_inputs is None:
+            raise ValueError("memory_limit needs example_inputs: the plan is made for their batch")
+    if peak_budget is not None:
+        if strategy != "auto":
+            raise ValueError(f"peak_budget is used by strategy='auto' only, but got strategy={strategy!r}")
+        if isinstance(peak_budget, bool) or not isinstance(peak_budget, (int, float)) or not 0 < peak_budget <= 1:
+            raise ValueError(f"peak_budget must be a fraction of the eager step's peak memory in (0, 1], "
+                             f"but got {peak_budget!r}")
+        if example_inputs is None:
+            raise ValueError("peak_budget needs example_inputs: the planner measures the eager step's peak on them")
+    if memory_budget is not None:
+        if strategy != "auto":
+            raise ValueError(f"memory_budget is used by strategy='auto' only, but got strategy={strategy!r}")
+        if isinstance(memory_budget, bool) or not isinstance(memory_budget, (int, float)) or not 0 < memory_budget <= 1:
+            raise ValueError(
+                f"memory_budget must be a fraction of eager saved activation bytes in (0, 1], but got {memory_budget!r}"
+            )
+        if example_inputs is None:
+            raise ValueError("memory_budget needs example_inputs: the planner measures eager saved bytes on them")
