@@ -73,7 +73,8 @@ MUTANTS: Dict[str, Mutant] = {
         (_PLAN_ALL,)),
     "dropout_fresh_rng": Mutant(
         "dropout replay in backward draws from a fresh RNG state instead of the captured one",
-        (("functional/tail.py", "        torch.set_rng_state(cpu)\n", "        torch.manual_seed(torch.initial_seed() + 1)\n"),),
+        (("functional/tail.py", "            mode.generator(device).set_state(cpu)\n",
+          "            mode.generator(device).manual_seed(torch.initial_seed() + 1)\n"),),
         (_CHAIN,)),
     "running_stats_skipped": Mutant(
         "the BatchNorm running-statistics update is skipped",

@@ -190,7 +190,11 @@ def test_convert_fuses_and_matches_eager(kind: str, strategy: str) -> None:
     fast = convbn.convert(model, strategy=strategy, example_inputs=inputs())
     report = fast.convbn_report
     assert [(p.conv, p.bn) for p in bn_rows(report)] == [("0", "1")], report
-    assert not report.skipped, report
+    if report.eager_fallback:  # auto's never-above-eager last resort on this tiny net: reported as what runs
+        assert strategy == "auto" and report.skipped, report
+        assert all(o.reason.startswith("fallback: the fused step measured") for o in report.skipped), report
+    else:
+        assert not report.skipped, report
     assert list(fast.state_dict()) == list(eager.state_dict())
     assert all(a is b for a, b in zip(fast.parameters(), model.parameters()))
     x = inputs()

@@ -311,7 +311,7 @@ def test_custom_op_matches_chain_function_on_head_prelu_end() -> None:
         assert_close(a, b, rtol=1e-12, atol=1e-12)
     dense = [p.detach().requires_grad_() for p in params]
     args = ([x], dense, [], torch.zeros(3, dtype=torch.float64), key, [s.keep_y for s in specs],
-            [s.bn is not None for s in specs], [False] * 3, [True] * len(dense))
+            [s.bn is not None for s in specs], [False] * 3, [True] * len(dense), [s.may_drop for s in specs])
     torch.library.opcheck(_chain_fwd, args, test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
 
 

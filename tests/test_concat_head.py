@@ -259,7 +259,8 @@ def test_custom_op_with_pieces_matches_the_function() -> None:
         assert_close(a, b, rtol=1e-12, atol=1e-12)
     dense = [p.detach().requires_grad_() if p is not None else torch.empty(0, dtype=torch.float64) for p in params]
     args = ([p.detach().requires_grad_() for p in pieces], dense, [], torch.zeros(3, dtype=torch.float64), key,
-            [s.keep_y for s in specs], [s.bn is not None for s in specs], [False] * 3, [p is not None for p in params])
+            [s.keep_y for s in specs], [s.bn is not None for s in specs], [False] * 3, [p is not None for p in params],
+            [s.may_drop for s in specs])
     torch.library.opcheck(_chain_fwd, args, test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
 
 

@@ -204,6 +204,13 @@ def test_two_converts_at_once_beside_an_eager_training_thread() -> None:
     assert nn.Module.__dict__["__call__"] is call and nn.Module.__dict__["__getattr__"] is getattr_
     assert torch.jit.isinstance is jit_isinstance and torch.autograd.Function.__dict__["apply"] is apply
     assert "forward" in _Shake.__dict__ and isinstance(_Shake.__dict__["forward"], staticmethod)
+    # torch.fx's process-wide "tracing" flag is off again (overlapping traces left it on, and
+    # every later torch.compile call then raised "symbolically trace a dynamo-optimized function")
+    import torch.fx._symbolic_trace as fx_trace
+
+    assert fx_trace._is_fx_tracing_flag is False
+    compiled = torch.compile(lambda t: t * 2, backend="eager")
+    torch.testing.assert_close(compiled(x), x * 2)
 
 
 def test_import_convbn_installs_nothing_process_wide() -> None:

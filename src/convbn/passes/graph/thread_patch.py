@@ -221,9 +221,30 @@ def _new_patcher() -> Iterator[_fx_trace._Patcher]:
         yield patcher
 
 
+#: convbn traces running in this process, and torch.fx's "tracing" flag before the first began
+_TRACES = {"count": 0, "flag": False}
+_TRACES_LOCK = threading.Lock()
+
+
 @contextlib.contextmanager
 def fx_patches_scoped() -> Iterator[None]:
     """``torch.fx`` traces in this thread patch ``nn.Module.__call__`` and the rest for this
-    thread only (Note: [tracing patches are the tracing thread's])."""
-    with scoped_item(_fx_trace.__dict__, "_new_patcher", _new_patcher):
-        yield
+    thread only (Note: [tracing patches are the tracing thread's]).
+
+    torch.fx's module-global "tracing" flag is saved and restored by each trace; two traces in
+    two threads that overlap would leave it set for good (the second saved the first's True),
+    and every later ``torch.compile`` call in the process would refuse to run. The flag is put
+    back to what it was before the first of overlapping convbn traces began when the last ends.
+    """
+    with _TRACES_LOCK:
+        if _TRACES["count"] == 0:
+            _TRACES["flag"] = _fx_trace._is_fx_tracing_flag
+        _TRACES["count"] += 1
+    try:
+        with scoped_item(_fx_trace.__dict__, "_new_patcher", _new_patcher):
+            yield
+    finally:
+        with _TRACES_LOCK:
+            _TRACES["count"] -= 1
+            if _TRACES["count"] == 0:
+                _fx_trace._is_fx_tracing_flag = _TRACES["flag"]
