@@ -140,6 +140,9 @@ class GraphForward:
     defaults: Any = None
     #: whether the one-time message about a call off the traced defaults was given
     warned_defaults = False
+    #: the output's container types where the graph cannot build them (Note: [outputs keep their
+    #: container types]); ``None``: the graph's output is the module's
+    out_spec: Any = None
     #: the variants captured for calls off ``defaults`` (``lookup(self, args, kwargs)`` -> a
     #: forward or ``None``; convert's ``variants.Variants``), or ``None``: such calls run :meth:`original`
     variants: Any = None
@@ -221,7 +224,7 @@ class GraphForward:
             with _guards_paused(self.owner):  # guards checked just before: the check's own runs change nothing
                 out = self._first_call(tolerance, args, kwargs)
         else:
-            out = self.fn(self.owner, *args, **kwargs)
+            out = self._run(*args, **kwargs)
         if self.backward_check is not None and not self.fallback:
             self._check_on_backward(out, args, kwargs)
         return out
@@ -324,6 +327,9 @@ class GraphForward:
             try:
                 with StateSnapshot(owner), seeded(0):
                     out = self.fn(owner, *clone_tensors(args), **clone_tensors(kwargs))
+                if self.out_spec is None and retypable(out, ref):  # Note: [outputs keep their container types]
+                    self.out_spec = pytree.tree_structure(ref)
+                    out = retype(out, self.out_spec)
                 result = compare_outputs(ref, out, tolerance)
                 if not result.ok:  # rounding amplified by the model itself? ask a float64 copy (only now)
                     slack = float64_slack(owner, lambda m64: _eager_run64(m64, args, kwargs), ref)
@@ -345,7 +351,12 @@ class GraphForward:
                 stacklevel=4,
             )
             return self.original(*args, **kwargs)
-        return self.fn(owner, *args, **kwargs)
+        return self._run(*args, **kwargs)
+
+    def _run(self, *args: Any, **kwargs: Any) -> Any:
+        """The graph on ``owner``, its output in the module's own container types."""
+        out = self.fn(self.owner, *args, **kwargs)
+        return out if self.out_spec is None else retype(out, self.out_spec)
 
     # -- copies -----------------------------------------------------------------------
     def __deepcopy__(self, memo: Dict[int, Any]) -> "GraphForward":
@@ -378,6 +389,41 @@ class GraphForward:
 
     def __repr__(self) -> str:
         return f"GraphForward({type(self.owner).__name__}, fallback={self.fallback})"
+
+
+# Note: [outputs keep their container types]
+# torch.fx writes a graph's output with ``create_arg``, which turns a ``dict`` subclass (a
+# Hugging Face ``ModelOutput``, an ``OrderedDict``) into a plain ``dict``: the rewrite would
+# return ``{'last_hidden_state': ...}`` where the module returns an object with attributes,
+# the first-call check would see another output structure, and the module would never run
+# fused. Where the two outputs differ only so (the same leaves, the same keys in the same
+# order, mapping for mapping), the module's own output structure is learnt from that check's
+# reference run and the graph's output is rebuilt in it on every call (``pytree`` unflatten:
+# the types are registered pytree nodes).
+
+
+def _shape_of(spec: Any) -> Any:
+    """A tree spec with every mapping node's type forgotten (keys and children kept)."""
+    kind = "mapping" if isinstance(spec.type, type) and issubclass(spec.type, dict) else spec.type
+    return (kind, tuple(spec.context) if kind == "mapping" and spec.context is not None else spec.context,
+            tuple(_shape_of(c) for c in (spec.children() if callable(getattr(spec, "children", None))
+                                         else spec.children_specs)))
+
+
+def retypable(candidate: Any, reference: Any) -> bool:
+    """Whether ``candidate`` is ``reference``'s structure but for the types of its mappings."""
+    a, b = pytree.tree_structure(candidate), pytree.tree_structure(reference)
+    if a == b or a.num_leaves != b.num_leaves:
+        return False
+    try:
+        return _shape_of(a) == _shape_of(b)
+    except Exception:  # noqa: BLE001 - a spec this comparison does not know: not retyped
+        return False
+
+
+def retype(out: Any, spec: Any) -> Any:
+    """``out``'s leaves in the structure ``spec``."""
+    return pytree.tree_unflatten(pytree.tree_leaves(out), spec)
 
 
 def _new_graph_forward() -> GraphForward:
