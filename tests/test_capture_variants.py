@@ -3,7 +3,9 @@ batch of a model whose code reads shapes) runs a variant captured for that call,
 the unfused original; variants are cached per module up to a limit."""
 from __future__ import annotations
 
+import copy
 import warnings
+from typing import Any, Optional
 
 import pytest
 import torch
@@ -140,3 +142,49 @@ def test_past_the_limit_the_original_runs_with_one_message():
     assert len(report.variants) == MAX_VARIANTS, report
     assert any(f"more than {MAX_VARIANTS}" in c for c in report.changes), report
     ran_fused(fast, eager, rand((sizes[0], *shape[1:]), 0))  # a cached variant still runs fused
+
+
+class _Inner(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3, padding=1, bias=False)
+        self.bn = nn.BatchNorm2d(8)
+
+    def forward(self, x: torch.Tensor, return_dict: Optional[bool] = None) -> Any:
+        y = torch.relu(self.bn(self.conv(x)))
+        if not return_dict:
+            return (y,)
+        return {"features": y}
+
+
+class _Outer(nn.Module):
+    """Calls its inner module with ``return_dict=True`` where the inner signature says ``None``
+    (Hugging Face models do), and reads the output only the dict way."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = _Inner()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.inner(x, return_dict=True)["features"]
+        if y.shape[-1] > 0:  # shape-dependent Python: the outer module does not trace symbolically
+            y = y * 2
+        return y
+
+
+def test_with_example_inputs_inner_modules_are_traced_as_their_parent_calls_them() -> None:
+    torch.manual_seed(0)
+    eager = _Outer().double()
+    x = torch.randn(2, 3, 6, 6, dtype=torch.float64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # no "runs its original (unfused) forward"
+        fast = convbn.convert(copy.deepcopy(eager), example_inputs=x)
+        out = fast(x)
+    assert fast.convbn_report.variants == []  # the first capture is the one the calls need
+    assert_chain_ran(out)
+    ref = eager(x)
+    torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-10)
+    out.sum().backward()
+    ref.sum().backward()
+    for p, q in zip(fast.parameters(), eager.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-10, atol=1e-10)

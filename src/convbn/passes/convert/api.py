@@ -110,7 +110,7 @@ def _convert(module: nn.Module, prefix: str, ctx: _Context, exposed: bool = Fals
     try:
         if type(module).forward is nn.Module.forward and "forward" not in module.__dict__:
             raise TypeError(f"{type(module).__name__} has no forward (a container)")
-        traced = trace(module, LayerTracer, training=True)  # the graph convert builds is for training
+        traced = _trace_as_called(module, ctx)  # the graph convert builds is for training
     except Exception as err:  # any tracing failure: with real shapes where known, else the children
         traced = _shape_trace(module, ctx) if type(module).forward is not nn.Module.forward else None
         if traced is None:
@@ -126,6 +126,22 @@ def _convert(module: nn.Module, prefix: str, ctx: _Context, exposed: bool = Fals
     if exposed and isinstance(module, (nn.Sequential, nn.ModuleList, nn.ModuleDict)):
         for name, child in module.named_children():
             _convert(child, f"{prefix}{name}.", ctx, exposed=True)
+
+
+def _trace_as_called(module: nn.Module, ctx: _Context) -> Any:
+    """``module`` traced for training. With ``example_inputs``, its optional arguments are
+    specialised to what its parent passes in the eager run on them (a Hugging Face model's inner
+    modules get ``return_dict=True``, not the signature's ``None``), so the first calls need no
+    variant; where that trace fails, as the signature has them."""
+    call = ctx.inputs_of(module, ctx.root) if ctx.root is not None else None
+    if call is not None:
+        try:
+            traced = trace(module, LayerTracer, training=True, defaults=constant_defaults(module).for_call(*call))
+            if not none_used_as_value(traced.graph):
+                return traced
+        except Exception:  # noqa: BLE001 - traced below as the signature has it
+            pass
+    return trace(module, LayerTracer, training=True)
 
 
 def _defer(module: nn.Module, prefix: str, ctx: _Context) -> None:
