@@ -188,3 +188,35 @@ def test_hooks_added_after_convert_are_reported_as_they_run() -> None:
     out = fast(x)
     _assert_report_is_the_graph(fast, out)
     assert [o.result for o in fast.convbn_report.outcomes] == ["fused", "fused"]
+
+
+class _Masked(nn.Module):
+    """Traced for ``mask=None``; a call with a mask takes data-dependent Python no variant can trace."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3, padding=1, bias=False)
+        self.bn = nn.BatchNorm2d(8)
+
+    def forward(self, x: Tensor, mask: Any = None) -> Tensor:
+        y = torch.relu(self.bn(self.conv(x)))
+        if mask is not None:
+            if float(mask.sum()) > 0:  # data-dependent: the call with a mask runs the module's own forward
+                y = y * mask
+        return y
+
+
+def test_a_call_unlike_the_captured_ones_is_reported_as_it_runs() -> None:
+    torch.manual_seed(0)
+    fast = convbn.convert(_Masked())
+    x = torch.randn(2, 3, 6, 6)
+    out = fast(x)  # first call: checked, then fused
+    _assert_report_is_the_graph(fast, fast(x))
+    assert [o.result for o in fast.convbn_report.outcomes] == ["fused"]
+    with pytest.warns(RuntimeWarning):
+        out = fast(x, mask=torch.ones(1, 8, 1, 1))
+    _assert_report_is_the_graph(fast, out)
+    assert [o.result for o in fast.convbn_report.outcomes] == ["left"]
+    assert "its last call (mask" in fast.convbn_report.outcomes[0].reason
+    _assert_report_is_the_graph(fast, fast(x))  # a captured kind of call again: fused, and said so
+    assert [o.result for o in fast.convbn_report.outcomes] == ["fused"]

@@ -143,6 +143,9 @@ class GraphForward:
     #: the output's container types where the graph cannot build them (Note: [outputs keep their
     #: container types]); ``None``: the graph's output is the module's
     out_spec: Any = None
+    #: the last call's difference from the captured calls where it ran the original forward
+    #: (the live report says so), else ``""``
+    off_call = ""
     #: the variants captured for calls off ``defaults`` (``lookup(self, args, kwargs)`` -> a
     #: forward or ``None``; convert's ``variants.Variants``), or ``None``: such calls run :meth:`original`
     variants: Any = None
@@ -215,6 +218,7 @@ class GraphForward:
                 return self._changed(what, args, kwargs)
         if self.defaults is not None and not self.defaults.hold(args, kwargs):
             return self._off_defaults(args, kwargs)
+        self.off_call = ""
         if self.modes is not None and any(m.training != t for m, t in self.modes):
             return self.original(*args, **kwargs)
         if self.inlined and any(hooks_of(m) for m in self.inlined):
@@ -249,9 +253,12 @@ class GraphForward:
         if self.variants is not None and not torch.compiler.is_compiling():
             variant = self.variants.lookup(self, args, kwargs)
             if variant is not None:
+                self.off_call = ""
                 return variant(*args, **kwargs)
-            if self.variants.full:
-                return self.original(*args, **kwargs)  # the limit's own message was given
+        # what the live report says of this module while such calls run its original
+        self.off_call = self.defaults.differing(args, kwargs)
+        if self.variants is not None and self.variants.full:
+            return self.original(*args, **kwargs)  # the limit's own message was given
         if not self.warned_defaults and not torch.compiler.is_compiling():
             self.warned_defaults = True
             warnings.warn(

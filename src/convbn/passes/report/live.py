@@ -31,6 +31,9 @@ def _status(fwd: Optional[GraphForward], chain: FusedChain) -> str:
     if fwd is not None and fwd.fallback:
         why = getattr(fwd, "fallback_reason", "") or "the rewrite's check failed"
         return f"fallback: {why}; the module's own (unfused) forward runs"
+    if fwd is not None and getattr(fwd, "off_call", ""):
+        return (f"fallback: its last call ({fwd.off_call}) was unlike the captured ones and ran the module's own "
+                "(unfused) forward")
     if fwd is not None and fwd.modes is not None and any(m.training != t for m, t in fwd.modes):
         return ("fallback: the rewrite was traced in the other train/eval mode and differs in this one; the "
                 "module's own (unfused) forward runs")
