@@ -133,10 +133,11 @@ def _trace_as_called(module: nn.Module, ctx: _Context) -> Any:
     specialised to what its parent passes in the eager run on them (a Hugging Face model's inner
     modules get ``return_dict=True``, not the signature's ``None``), so the first calls need no
     variant; where that trace fails, as the signature has them."""
-    call = ctx.inputs_of(module, ctx.root) if ctx.root is not None else None
+    optional = constant_defaults(module)
+    call = ctx.inputs_of(module, ctx.root) if ctx.root is not None and optional.names else None
     if call is not None:
         try:
-            traced = trace(module, LayerTracer, training=True, defaults=constant_defaults(module).for_call(*call))
+            traced = trace(module, LayerTracer, training=True, defaults=optional.for_call(*call))
             if not none_used_as_value(traced.graph):
                 return traced
         except Exception:  # noqa: BLE001 - traced below as the signature has it
