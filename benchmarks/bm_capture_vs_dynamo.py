@@ -393,6 +393,7 @@ def run_resnet50(rounds: int = 5, batch: int = 8) -> Dict[str, Any]:  # one sequ
         for key, m in models.items():
             m.zero_grad(set_to_none=True)
             times[key].append(_step_time(m, x))
+    rec["step_rounds_s"] = times
     rec["step_s"] = {k: statistics.median(v) for k, v in times.items()}
     rec["step_ratio"] = {k: v / rec["step_s"]["eager"] for k, v in rec["step_s"].items()}
     rec["convbn_guard_us"], rec["convbn_guarded_modules"] = _convbn_guard_us(models["convbn"])
@@ -413,7 +414,7 @@ def resnet50_table(r: Dict[str, Any]) -> str:
             ("torch.compile(model, backend=\"eager\")", "", r["dynamo_first_step_s"], "dynamo",
              f"{r['dynamo_guard_us']:.0f} ({r['dynamo_frames']} frame(s))")]
     lines = [f"ResNet-50 b{r['batch']} 224x224, CPU float32, {r['threads']} thread(s), {r['rounds']} interleaved rounds; "
-             f"eager step {eager:.2f} s",
+             f"eager step {eager:.2f} s", "",
              "| capture | convert s | first step s (convert + first step) | later step s (x eager) | guard check us/call |",
              "|---|---:|---:|---:|---:|"]
     for name, conv, first, key, guard in rows:
