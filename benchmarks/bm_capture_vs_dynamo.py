@@ -45,7 +45,7 @@ import subprocess
 import sys
 import time
 import warnings
-from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
@@ -55,6 +55,7 @@ import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
 import convbn  # noqa: E402
+from capture_cases import CASES, Case, case_models  # noqa: E402
 from dynamo_probe import Probe, dynamo_counters, reset  # noqa: E402
 
 __all__ = ["CASES", "run_case", "run_resnet50", "run_sweep_model", "main"]
@@ -63,72 +64,6 @@ RESULTS = os.path.join(HERE, "results")
 TOL = 1e-9  # float64, the tolerance of the capture tests
 
 # --------------------------------------------------------------------------- (a) the cases
-
-Change = Optional[Callable[[nn.Module], None]]
-
-
-class Case(NamedTuple):
-    """One case: the model, its input, what happens after the first step (keyword arguments
-    of later calls, ``shape`` of later inputs, a change to the captured model and to its eager
-    twin), whether the input requires grad."""
-
-    make: Callable[[], nn.Module]
-    shape: Tuple[int, ...]
-    after: Dict[str, Any]
-    change: Change = None
-    eager_change: Change = None
-    x_grad: bool = True
-
-
-def _case_models() -> Dict[str, Case]:
-    """Every case of the capture issue, by name (models of the capture tests)."""
-    from test_capture_checkpoint import Checkpointed
-    from test_capture_defaults import Masked
-    from test_capture_example_inputs import IndexFirst, ViewFlag
-    from test_capture_grad_modes import Gate
-    from test_capture_shapes import DropPath, MobileLike, UpSkip
-    from test_guards import Net
-
-    def setattr_(path: str, value: Any) -> Change:
-        def change(m: nn.Module) -> None:
-            owner, _, attr = path.rpartition(".")
-            setattr(m.get_submodule(owner), attr, value() if callable(value) else value)
-        return change
-
-    def new_conv() -> nn.Module:
-        torch.manual_seed(5)  # the same new weights on both sides
-        return nn.Conv2d(4, 4, 3, padding=1, bias=False).double()
-
-    def sync(m: nn.Module) -> None:  # convert_sync_batchnorm on children replaces them in place
-        for name, child in list(m.named_children()):
-            setattr(m, name, nn.SyncBatchNorm.convert_sync_batchnorm(child))
-
-    small = (4, 3, 6, 6)
-    return {
-        "TF-SAME padding from x.shape": Case(MobileLike, (4, 3, 15, 15), {}),
-        "odd-size padding from skip.shape": Case(UpSkip, (2, 2, 7, 9, 7), {}),
-        "inline drop-path torch.rand(x.shape[0], ...)": Case(DropPath, (4, 3, 8, 8), {}),
-        "with torch.no_grad() in forward": Case(lambda: Gate("no_grad"), small, {}),
-        "optional argument at its default": Case(Masked, small, {}),
-        "optional argument given after step 1": Case(Masked, small, {"halve": True}),
-        "requires_grad set on a view of the input": Case(lambda: ViewFlag("on"), small, {}, x_grad=False),
-        "first output without grad": Case(IndexFirst, small, {}),
-        "checkpoint (non-reentrant) in forward": Case(lambda: Checkpointed("qualified", False), small, {}),
-        "checkpoint (reentrant) in forward": Case(lambda: Checkpointed("qualified", True), small, {}),
-        "input shape changed after step 1": Case(Net, small, {"shape": (2, 3, 8, 8)}),
-        "residual scale changed": Case(Net, small, {}, setattr_("block1.scale", 0.5)),
-        "F.dropout(x, self.p): p changed": Case(Net, small, {}, setattr_("block1.p", 0.3)),
-        "flag switching a branch": Case(Net, small, {}, setattr_("block2.squeeze", True)),
-        "conv re-initialised (new object)": Case(Net, small, {}, setattr_("block1.conv", new_conv)),
-        "BN -> nn.Identity": Case(Net, small, {}, setattr_("block1.bn", nn.Identity)),
-        # torch's SyncBatchNorm refuses CPU inputs once a process group exists; over one process it
-        # computes what BatchNorm does, so the eager twin keeps its BatchNorms
-        "BN -> SyncBatchNorm (1 process)": Case(Net, small, {}, sync, eager_change=lambda m: None),
-    }
-
-
-CASES = list(_case_models())
-
 
 def _rand(shape: Tuple[int, ...], seed: int) -> torch.Tensor:
     return torch.randn(shape, dtype=torch.float64, generator=torch.Generator().manual_seed(seed))
@@ -231,7 +166,7 @@ def _steps(case: Case, eager: nn.Module, model: nn.Module, state: nn.Module,
 def run_case(name: str, system: str) -> Dict[str, Any]:
     """Three training steps of ``system`` (one of :data:`SYSTEMS`) against eager on the case
     ``name``; a JSON-able record."""
-    case = _case_models()[name]
+    case = case_models()[name]
     reset()
     probe = Probe()
     eager, twin = _twins(case.make)
@@ -537,6 +472,7 @@ def _save(name: str, data: Any) -> None:
 
 
 def main(argv: Optional[List[str]] = None) -> None:
+    """Run one part (``cases``, ``resnet50``, ``sweep``), print its table, save its records."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("part", choices=["cases", "resnet50", "sweep", "sweep-one"])
     parser.add_argument("models", nargs="*", help="sweep: labels (default: SWEEP); sweep-one: one label")

@@ -122,14 +122,13 @@ class Probe:
 
 
 def dynamo_counters() -> Dict[str, Any]:
-    """Dynamo's own counts since the last :func:`reset`: graph breaks (with their reasons),
-    unique graphs, frames that recompiled."""
+    """Dynamo's own counts since the last :func:`reset`: graph breaks (with their reasons) and
+    unique graphs (recompiles show as graphs a :class:`Probe` receives after the first call)."""
     from torch._dynamo.utils import counters
 
     breaks = dict(counters["graph_break"])
     return {"graph_breaks": sum(breaks.values()), "break_reasons": {k[:160]: v for k, v in breaks.items()},
-            "unique_graphs": counters["stats"].get("unique_graphs", 0),
-            "recompiles": sum(v for k, v in counters["recompiles"].items()) if "recompiles" in counters else 0}
+            "unique_graphs": counters["stats"].get("unique_graphs", 0)}
 
 
 def reset() -> None:
