@@ -6,15 +6,15 @@ module, the batch norm of a norm-act module the tracer inlined, or an ``F.batch_
 ``torch.batch_norm`` call), with the name both reports give it. Each pass then applies its
 own conditions: :func:`find_bn_sites` those of convert (fused in training: the module's
 mode and statistics are read again at every call of the fused chain), giving convert's
-:class:`BNSite` records in graph order, and a BatchNorm that cannot be a site is reported
-left with the reason; fold's (eval only: running statistics present, no hooks, torch's
+:class:`BNSite` records in graph order, and each BatchNorm that cannot be a site with the
+reason (the matcher reports it left); fold's (eval only: running statistics present, no hooks, torch's
 forward) are in :meth:`convbn.passes.fold.graph.GraphFolder.bn_site`. The matcher
 (:mod:`convbn.passes.convert.match`) then looks for the convolution before and the tail after.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Tuple, Union
+from typing import Any, Dict, List, NamedTuple, Optional, Tuple, Union
 
 import torch.fx as fx
 from torch import Tensor, nn
@@ -26,9 +26,8 @@ from ...nn.bn_slice import BatchNormSlice
 from .frozen import frozen_bn_eps, frozen_bn_ranks
 from .recognise import BN_FUNCTIONS, bn_call_args, recognise_norm_act
 from ..graph.layers import node_arg
-from ..report.convert_report import ConvertReport
 
-__all__ = ["BNCall", "bn_call", "BN_CALL_KINDS", "BNSite", "find_bn_sites"]
+__all__ = ["BNCall", "bn_call", "BN_CALL_KINDS", "BNSite", "BNSites", "find_bn_sites"]
 
 
 #: what computes a batch norm: a ``_BatchNorm`` module call, a frozen BatchNorm module call
@@ -187,14 +186,26 @@ def _functional_site(node: fx.Node, root: nn.Module) -> Union[Tuple[str, nn.Modu
     return path, module, view
 
 
-def find_bn_sites(gm: fx.GraphModule, prefix: str, report: ConvertReport,
-                  root: Optional[nn.Module] = None) -> List[BNSite]:
+class BNSites(NamedTuple):
+    """What :func:`find_bn_sites` found: the sites, and the BatchNorms that cannot be one.
+
+    Attributes:
+        sites: the sites, in graph order.
+        left: ``(name, why)`` for each BatchNorm that cannot be a site, one per BatchNorm
+            however often it is called, in graph order (the caller reports them).
+    """
+
+    sites: List[BNSite]
+    left: List[Tuple[str, str]]
+
+
+def find_bn_sites(gm: fx.GraphModule, prefix: str, root: Optional[nn.Module] = None) -> BNSites:
     """The BatchNorm sites of ``gm`` convert may fuse, in graph order (``prefix``: ``gm``'s
     qualified name + ".").
 
     A site is a call of a ``_BatchNorm`` module with the standard forward, the
     ``standard_batch_norm`` of a norm-act module inlined by the tracer
-    (:mod:`convbn.passes.graph.trace`), a call of a frozen BatchNorm module (fused as an eval-mode
+    (:mod:`convbn.passes.tracing.trace`), a call of a frozen BatchNorm module (fused as an eval-mode
     BatchNorm: no statistics update, no gradient to its buffers), or an ``F.batch_norm``
     call on one module's stored tensors (fused with its traced training flag, momentum and
     eps, which the graph only runs with: see :class:`~convbn.nn.bn_call.BatchNormView`).
@@ -202,16 +213,14 @@ def find_bn_sites(gm: fx.GraphModule, prefix: str, report: ConvertReport,
 
     Args:
         gm: the traced graph module (BatchNorm modules are leaves).
-        prefix: qualified-name prefix for report lines.
-        report: receives a ``"left"`` outcome for each BatchNorm that cannot be a site (one
-            per BatchNorm, however often it is called).
+        prefix: qualified-name prefix of the names given to sites and left BatchNorms.
         root: the module ``gm`` was traced from (default ``gm``): the owner of tensors that
             ``F.batch_norm`` calls read (``gm`` holds stand-in containers for ``get_attr``
             targets, which ``.to()`` or ``load_state_dict(assign=True)`` on the model would
             not reach).
 
     Returns:
-        The sites, in graph order.
+        :class:`BNSites`: the sites in graph order, and why each other BatchNorm is none.
     """
     owner_root = gm if root is None else root
     found: List[Tuple[BNCall, Union[_BatchNorm, str]]] = []
@@ -240,6 +249,7 @@ def find_bn_sites(gm: fx.GraphModule, prefix: str, report: ConvertReport,
         if not isinstance(bn, str):
             calls[key(call)] = calls.get(key(call), 0) + 1
     sites: List[BNSite] = []
+    left: Dict[str, str] = {}
     for call, bn in found:
         why: Optional[str] = None
         if isinstance(bn, str):
@@ -252,6 +262,6 @@ def find_bn_sites(gm: fx.GraphModule, prefix: str, report: ConvertReport,
             why = "its input is not a traced tensor"
         if why is None:
             sites.append(BNSite(call.node, call.input, bn, call.name, call.ranks))
-        elif not any(o.batchnorm == call.name for o in report.recorded):  # one line per BatchNorm, not per call
-            report.leave(call.name, why)
-    return sites
+        else:
+            left.setdefault(call.name, why)  # one line per BatchNorm, not per call
+    return BNSites(sites, list(left.items()))

@@ -31,7 +31,7 @@ from ...nn.bn_slice import BatchNormSlice
 from ..graph.hooks import global_hooks, hook_reason
 from ..graph.layers import layer_call
 from ..graph.shape_uses import value_users
-from .concat_heads import cat_parts
+from ..graph.concat_heads import cat_parts
 from .match_tail import TailMatch, match_tail
 from .shared_heads import free_target, plain_bn_calls
 

@@ -1,7 +1,7 @@
 """Matching: find Conv -> BatchNorm -> tail layers (and pre-activation heads and conv ends)
 in a traced graph, and group them into chains.
 
-Input: a ``torch.fx`` graph traced with :class:`~convbn.passes.graph.trace.LayerTracer`
+Input: a ``torch.fx`` graph traced with :class:`~convbn.passes.tracing.trace.LayerTracer`
 (convolutions with the standard forward, BatchNorms and convbn's own modules are leaves)
 and its BatchNorm sites
 (:mod:`convbn.passes.bn.sites`). Output: :class:`MatchedLayer` records (conv node and
@@ -241,7 +241,7 @@ def head_input(site: BNSite) -> fx.Node:
     This is the one place that decides what a head reads: today the BN's input node,
     whatever computes it (a concatenation, an addition, a conv output others read too).
     A pass that gives a chain a structured input (the pieces of a channel concatenation,
-    :mod:`convbn.passes.convert.concat_heads`) plugs in here; the rewrite passes :attr:`MatchedLayer.input`
+    :mod:`convbn.passes.graph.concat_heads`) plugs in here; the rewrite passes :attr:`MatchedLayer.input`
     to the chain and nothing else assumes what it is.
     """
     return site.input
@@ -373,7 +373,11 @@ def find_layers(gm: fx.GraphModule, root: nn.Module, prefix: str, report: Conver
     if chain:  # act(bn(x)) read by several convs -> one head each (shared_heads.py)
         split_shared_heads(gm, root, prefix, lambda conv, out, bn: _head_conv_joins(conv, out, bn, gm, root))
     layers: List[MatchedLayer] = []
-    for site in find_bn_sites(gm, prefix, report, root):
+    found = find_bn_sites(gm, prefix, root)
+    for bn_name, bn_why in found.left:
+        if not any(o.batchnorm == bn_name for o in report.recorded):  # one line per BatchNorm
+            report.leave(bn_name, bn_why)
+    for site in found.sites:
         node, bn, name, src = site.node, site.bn, site.name, site.input
         tail = match_tail(node, root, prefix)
         conv = _match_conv(src, gm, root)
