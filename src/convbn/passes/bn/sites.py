@@ -13,6 +13,7 @@ forward) are in :meth:`convbn.passes.fold.graph.GraphFolder.bn_site`. The matche
 """
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Dict, List, NamedTuple, Optional, Tuple, Union
 
@@ -21,13 +22,15 @@ from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from ...nn.bn_call import BatchNormView, frozen_batch_norm, has_standard_bn_forward, standard_batch_norm
-from ...nn.bn_shared import SharedBatchStats
+from ...nn.bn_shared import BatchNormOfSource, SharedBatchStats
 from ...nn.bn_slice import BatchNormSlice
 from .frozen import frozen_bn_eps, frozen_bn_ranks
 from .recognise import BN_FUNCTIONS, bn_call_args, recognise_norm_act
+from ..graph.hooks import hook_reason
 from ..graph.layers import node_arg
+from .kind import bn_conv_dims
 
-__all__ = ["BNCall", "bn_call", "BN_CALL_KINDS", "BNSite", "BNSites", "find_bn_sites"]
+__all__ = ["BNCall", "bn_call", "BN_CALL_KINDS", "BNSite", "BNSites", "find_bn_sites", "splittable_bn_calls"]
 
 
 #: what computes a batch norm: a ``_BatchNorm`` module call, a frozen BatchNorm module call
@@ -186,6 +189,29 @@ def _functional_site(node: fx.Node, root: nn.Module) -> Union[Tuple[str, nn.Modu
     return path, module, view
 
 
+def _candidates(gm: fx.GraphModule, prefix: str, owner_root: nn.Module) -> List[Tuple[BNCall, Union[_BatchNorm, str]]]:
+    """Each batch norm of ``gm`` with the BatchNorm convert would fuse it as, or why it cannot."""
+    found: List[Tuple[BNCall, Union[_BatchNorm, str]]] = []
+    for node in gm.graph.nodes:
+        call = bn_call(node, gm, prefix, owner_root)
+        if call is None:
+            continue
+        mod = call.module
+        if call.kind == "module" and not has_standard_bn_forward(mod):  # type: ignore[arg-type]
+            why = (recognise_norm_act(mod).reason  # type: ignore[arg-type]
+                   or "it is called with other than one tensor argument")
+            found.append((call, f"{why}; left as is"))
+        elif call.ranks:  # a frozen BatchNorm, called or inlined with a tail
+            view = BatchNormView(mod, mod.running_mean.numel(), eps=frozen_bn_eps(mod))  # type: ignore[union-attr, arg-type]
+            found.append((call, view))
+        elif call.kind == "functional":
+            got = _functional_site(node, owner_root)
+            found.append((call, got if isinstance(got, str) or got is None else got[2]))  # type: ignore[arg-type]
+        else:
+            found.append((call, mod))  # type: ignore[arg-type]
+    return found
+
+
 class BNSites(NamedTuple):
     """What :func:`find_bn_sites` found: the sites, and the BatchNorms that cannot be one.
 
@@ -222,25 +248,8 @@ def find_bn_sites(gm: fx.GraphModule, prefix: str, root: Optional[nn.Module] = N
     Returns:
         :class:`BNSites`: the sites in graph order, and why each other BatchNorm is none.
     """
-    owner_root = gm if root is None else root
-    found: List[Tuple[BNCall, Union[_BatchNorm, str]]] = []
-    for node in gm.graph.nodes:
-        call = bn_call(node, gm, prefix, owner_root)
-        if call is None:
-            continue
-        mod = call.module
-        if call.kind == "module" and not has_standard_bn_forward(mod):  # type: ignore[arg-type]
-            why = (recognise_norm_act(mod).reason  # type: ignore[arg-type]
-                   or "it is called with other than one tensor argument")
-            found.append((call, f"{why}; left as is"))
-        elif call.ranks:  # a frozen BatchNorm, called or inlined with a tail
-            view = BatchNormView(mod, mod.running_mean.numel(), eps=frozen_bn_eps(mod))  # type: ignore[union-attr, arg-type]
-            found.append((call, view))
-        elif call.kind == "functional":
-            got = _functional_site(node, owner_root)
-            found.append((call, got if isinstance(got, str) or got is None else got[2]))  # type: ignore[arg-type]
-        else:
-            found.append((call, mod))  # type: ignore[arg-type]
+    found = _candidates(gm, prefix, gm if root is None else root)
+
     def key(call: BNCall) -> str:  # the module whose statistics a call updates
         return call.target if call.module is not None else call.name
 
@@ -265,3 +274,31 @@ def find_bn_sites(gm: fx.GraphModule, prefix: str, root: Optional[nn.Module] = N
         else:
             left.setdefault(call.name, why)  # one line per BatchNorm, not per call
     return BNSites(sites, list(left.items()))
+
+
+def splittable_bn_calls(gm: fx.GraphModule) -> List[Tuple[fx.Node, _BatchNorm]]:
+    """``(node, module)`` of each BatchNorm call a graph rewrite may split into parts
+    (``convert/shared_heads.py``, ``convert/cat_norms.py``): a ``"module"`` :func:`bn_call`
+    whose module is not itself a part of another BatchNorm (``BatchNormOfSource``), computes
+    with torch's own ``_BatchNorm.forward`` (a SyncBatchNorm's parts would each reduce across
+    processes), has no hooks, and is called with one tensor argument, once in ``gm``.
+
+    Args:
+        gm: the traced graph module (BatchNorm modules are leaves).
+
+    Returns:
+        The calls, in graph order.
+    """
+    calls = Counter(n.target for n in gm.graph.nodes if n.op == "call_module")
+    found: List[Tuple[fx.Node, _BatchNorm]] = []
+    for node in gm.graph.nodes:
+        if node.op != "call_module" or bn_conv_dims(gm.get_submodule(str(node.target))) is None:
+            continue  # no BatchNorm module: no frozen-BatchNorm recognition needed
+        call = bn_call(node, gm)
+        bn = call.module if call is not None and call.kind == "module" else None
+        if bn is None or isinstance(bn, BatchNormOfSource):
+            continue
+        if len(node.args) == 1 and not node.kwargs and isinstance(node.args[0], fx.Node) and \
+                type(bn).forward is _BatchNorm.forward and not hook_reason(bn) and calls[node.target] == 1:
+            found.append((node, bn))  # type: ignore[arg-type]
+    return found
