@@ -344,9 +344,11 @@ def activation_functions(name: Optional[str] = None, inplace: Optional[bool] = N
     return frozenset(f for f in found if inplace is None or getattr(f, "__name__", "").endswith("_") == inplace)
 
 
-def activation_methods() -> FrozenSet[str]:
-    """The ``Tensor`` methods (``x.relu()``, ``x.sigmoid_()`` ...) that compute an activation."""
-    return frozenset(m for rec in _TABLE.values() for m in rec.methods)
+def activation_methods(name: Optional[str] = None, inplace: Optional[bool] = None) -> FrozenSet[str]:
+    """The ``Tensor`` methods (``x.relu()``, ``x.sigmoid_()`` ...) that compute an activation
+    (``name``, ``inplace``: as :func:`activation_functions`)."""
+    return frozenset(m for key, rec in _TABLE.items() if name is None or key == name for m in rec.methods
+                     if inplace is None or m.endswith("_") == inplace)
 
 
 def activation_from_call(fn: Any, arg: ArgReader) -> Optional[Activation]:

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ...functional.activations import (Activation, activation_from_call, activation_from_method, activation_from_module,
-                                       activation_functions)
+                                       activation_functions, activation_methods)
 from ...functional.tail import DROPOUT_FUNCTIONS, is_tail_module
 from ...nn.chain import TailElement
 from ..graph.layers import node_arg
@@ -215,9 +215,9 @@ def _match_op(node: fx.Node, src: fx.Node, root: nn.Module, prefix: str) -> Unio
 
 def _match_swish(node: fx.Node) -> Optional[TailOpMatch]:
     """SiLU written ``node * sigmoid(node)`` (the two users of ``node``)."""
-    sigmoids = activation_functions("sigmoid", inplace=False)
+    sigmoids, methods = activation_functions("sigmoid", inplace=False), activation_methods("sigmoid", inplace=False)
     sig = next((u for u in node.users if (u.op == "call_function" and u.target in sigmoids)
-                or (u.op == "call_method" and u.target == "sigmoid")), None)
+                or (u.op == "call_method" and u.target in methods)), None)
     if sig is None or len(sig.users) != 1 or sig.kwargs or node_arg(sig, 0, "input", None) is not node:
         return None
     mul = next(iter(sig.users))
