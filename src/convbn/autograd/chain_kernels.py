@@ -42,6 +42,7 @@ _COMPILED: Dict[str, Callable[..., Any]] = {}
 # which activations the kernels cover is the table's (Activation.fused_forward_kernel /
 # fused_backward_kernel in functional/activations.py)
 
+
 def _switched_on() -> bool:
     on = _STATE["on"]
     return os.environ.get("CONVBN_FUSED_KERNELS", "0") == "1" if on is None else bool(on)

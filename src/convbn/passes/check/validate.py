@@ -17,7 +17,8 @@ from torch.utils import _pytree as pytree
 from ...functional.private_rng import PrivateRNG, private_rng
 
 __all__ = ["StateSnapshot", "Comparison", "compare_outputs", "run_step", "seeded", "as_args", "float64_slack", "to_float64",
-           "tolerance", "tolerance_rule", "ToleranceRule", "TOLERANCES", "CheckKind", "buffers_set_aside", "batch_sample", "clone_tensors"]
+           "tolerance", "tolerance_rule", "ToleranceRule", "TOLERANCES", "CheckKind", "buffers_set_aside", "batch_sample",
+           "clone_tensors"]
 
 
 def as_args(example_inputs: Any, name: str = "example_inputs") -> Tuple[Any, ...]:
@@ -279,10 +280,10 @@ def to_float64(tree: Any) -> Any:
 
 def float64_slack(model: nn.Module, run: Callable[[nn.Module], Any], reference: Any,
                   factor: Optional[float] = None) -> Optional[List[float]]:
-    """``factor`` (default: the ``"step"`` rule's ``eager_error_factor``) times what ``reference`` (``run(model)``'s result in the model's dtype) gets
-    wrong against ``run`` of a float64 copy, per floating leaf: the slack a comparison of
-    two float32 computations needs where rounding is amplified (see Note: [validation
-    tolerance follows eager's own rounding] in convert.py). ``None`` where everything is
+    """``factor`` (default: the ``"step"`` rule's ``eager_error_factor``) times what ``reference``
+    (``run(model)``'s result in the model's dtype) gets wrong against ``run`` of a float64 copy,
+    per floating leaf: the slack a comparison of two float32 computations needs where rounding
+    is amplified (the second term of Note: [one tolerance rule]). ``None`` where everything is
     float64 already or no float64 copy can be made or run."""
     if factor is None:
         factor = tolerance_rule("step").eager_error_factor
