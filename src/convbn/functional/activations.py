@@ -280,12 +280,12 @@ class Activation:
 
     @property
     def fused_forward_kernel(self) -> bool:
-        """autograd/chain_kernels.py's compiled forward (BN + this activation) covers it."""
+        """The opt-in compiled element-wise kernels run BN + this activation's forward fused."""
         return self._record.fused_forward
 
     @property
     def fused_backward_kernel(self) -> bool:
-        """autograd/chain_kernels.py's compiled backward covers it (piecewise-linear ones)."""
+        """The opt-in compiled element-wise kernels run its backward fused (piecewise-linear ones)."""
         return self._record.fused_backward
 
     def module(self) -> nn.Module:
