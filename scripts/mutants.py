@@ -117,7 +117,7 @@ MUTANTS: Dict[str, Mutant] = {
         (_MISH,)),
     "fold_check_own_tolerance": Mutant(
         "fold's check holds a tolerance of its own instead of reading the one rule",
-        (("passes/check/fold_check.py", '    rule = tolerance_rule("fold")\n',
+        (("passes/fold/fold_check.py", '    rule = tolerance_rule("fold")\n',
           "    rule = tolerance_rule.__globals__['ToleranceRule']({torch.float64: 1e-10, torch.float32: 1e-4}, 1e-2)\n"),),
         (_FOLD_RULE,)),
 }

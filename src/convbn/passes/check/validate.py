@@ -60,7 +60,7 @@ def as_args(example_inputs: Any, name: str = "example_inputs") -> Tuple[Any, ...
 # Note: [one tolerance rule]
 # A rewrite (convert's chains, fold's folded weights) only reorders rounding. Every check that
 # compares a rewrite with eager -- convert's first-call and first-backward checks, the
-# whole-model step check (check/step.py), fold's check (check/fold_check.py) and its float64
+# whole-model step check (check/step.py), fold's check (fold/fold_check.py) and its float64
 # verdict -- passes a floating leaf when
 #     max|new - eager| <= rule(dtype) * scale + rule.eager_error_factor * (eager's own distance
 #                                                to a float64 run of the same step),
