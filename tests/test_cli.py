@@ -36,7 +36,7 @@ def test_version():
     (["bench", "--inference", "--help"], ["--model", "(default: 8)", "--json", "--markdown", "--plot", "--device",
                                           "--dtype", "--image-size", "--repeats"]),
     (["bench", "--ddp", "2", "--help"], ["--model", "--batch-size", "--steps", "--device", "--json", "--markdown"]),
-    (["explain", "--help"], ["SPEC", "--input-shape", "--strategy", "(default: auto)", "--budget"]),
+    (["explain", "--help"], ["SPEC", "--input-shape", "--strategy", "(default: auto)", "--memory-budget"]),
     (["fold", "--help"], ["SPEC", "--input-shape", "--save-state", "--save-script", "--save-export"]),
 ])
 def test_help_of_every_subcommand_and_mode(capsys, argv, must_show):
@@ -78,7 +78,7 @@ BAD = [
     (["bench", "--no-such-flag"], "--no-such-flag", "unrecognized"),
     (["explain", "mnist", "--input-shape", "2x1xfoo"], "--input-shape", "2x1xfoo"),
     (["explain", "nosuchmodule.sub:build"], "nosuchmodule.sub", "import"),
-    (["explain", "mnist", "--strategy", "recompute_bn", "--budget", "0.5"], "--budget", "auto"),
+    (["explain", "mnist", "--strategy", "recompute_bn", "--memory-budget", "0.5"], "--memory-budget", "auto"),
     (["fold", "mnist", "--save-script", "/nonexistent/m.pt"], "--save-script", "/nonexistent"),
     (["nosuchcommand"], "nosuchcommand", "choose from"),
 ]

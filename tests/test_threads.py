@@ -234,14 +234,14 @@ def state():
 
 before = state()
 import convbn
-from convbn.autograd.chain_compiled import compile_chains
+from convbn.autograd.chain_compiled import compile_chains_mode
 from convbn.autograd.chain_kernels import fused_kernels_enabled
 after = state()
 assert before[1:] == after[1:], "an attribute was patched"
 assert after[0] == before[0], ("logging filters installed", after[0])
 os.environ["CONVBN_COMPILE_CHAINS"] = "op"
 os.environ["CONVBN_FUSED_KERNELS"] = "1"
-assert compile_chains() == "op" and fused_kernels_enabled(), "switches read at import only"
+assert compile_chains_mode() == "op" and fused_kernels_enabled(), "switches read at import only"
 print("ok")
 '''
     env = {k: v for k, v in os.environ.items() if not k.startswith("CONVBN_")}

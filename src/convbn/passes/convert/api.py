@@ -21,7 +21,7 @@ from ...memory.budget import parse_memory, resident_bytes, usable_bytes
 from .args import check_args
 from ...nn.chain import FusedChain
 from ...nn.fused import _FusedConvBNNd
-from ...functional.strategies import CONVERT_STRATEGIES
+from ...functional.strategies import ConvertStrategy
 from ..plan.auto_plan import as_inputs, measure_peak, measure_saved, plan_auto
 from ..bn.recognise import may_normalise
 from .concat_heads import flatten_cats
@@ -42,8 +42,9 @@ from ..check.step import called_inputs, check_step
 from ..check.validate import StateSnapshot, tolerance
 from ...progress import check_progress, progress_scope, stage
 
-__all__ = ["convert", "explain", "check_args", "CONVERT_STRATEGIES"]
+__all__ = ["convert", "explain", "check_args"]
 
+#: The model's type: :func:`convert` returns the class it was given (a rewritten module keeps its class).
 M = TypeVar("M", bound=nn.Module)
 
 
@@ -379,7 +380,7 @@ def _finer(module: nn.Module, prefix: str, inputs: Dict[int, Tuple[Tuple[Any, ..
 def convert(
     model: M,
     *,
-    strategy: str = "auto",
+    strategy: ConvertStrategy = "auto",
     memory_budget: Optional[float] = None,
     example_inputs: Any = None,
     inplace: bool = False,
@@ -387,7 +388,7 @@ def convert(
     peak_budget: Optional[float] = None,
     memory_limit: Any = None,
     progress: Optional[bool] = None,
-) -> nn.Module:
+) -> M:
     """Fuse every Conv -> BatchNorm (-> activation) of ``model`` for memory-lean training.
 
     The result computes the same outputs, gradients and running statistics as
