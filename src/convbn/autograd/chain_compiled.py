@@ -95,8 +95,8 @@ def compile_chains() -> str: ...
 def compile_chains(mode: Any = _UNSET) -> Any:
     """How fused chains run under ``torch.compile`` inside a ``with`` block (or a decorated function).
 
-    ``"inductor"`` (the default): plain ops in a selective checkpoint that inductor fuses (Note:
-    [a chain inductor can see into]); ``"op"``: the opaque custom op. Outside every block the
+    ``"inductor"`` (the default): plain ops in a selective checkpoint that inductor fuses;
+    ``"op"``: one opaque custom op per chain. Outside every block the
     environment variable ``CONVBN_COMPILE_CHAINS`` decides (read when a graph is compiled),
     else ``"inductor"``. The mode is read when ``torch.compile`` traces a graph: compile (make
     the first call) inside the block; graphs compiled before keep their mode.

@@ -398,7 +398,7 @@ def convert(
     Args:
         model: any ``nn.Module``. Traced with ``torch.fx``; when the whole model cannot be
             traced, each child is converted instead (recursively).
-        strategy: ``"auto"`` (plan per layer), ``"recompute_bn"`` (every layer keeps its
+        strategy: a :data:`convbn.ConvertStrategy`: ``"auto"`` (plan per layer), ``"recompute_bn"`` (every layer keeps its
             conv output; element-wise recompute only) or ``"recompute_conv"`` (keep no
             layer's conv output; with ``chain=False`` this is the tutorial's method).
         memory_budget: with ``"auto"``, the target *saved* activation bytes (held from
@@ -437,9 +437,12 @@ def convert(
             Without it, each rewritten part validates its outputs against the original on
             its first call (a mismatch warns and runs that part unfused from then on), and
             ``"auto"`` plans each chain on its first training call.
-        inplace: rewrite ``model`` itself (its module objects keep their classes and
-            identity and get the fused forwards); by default a copy whose module objects
-            are new but share ``model``'s parameters, buffers and other tensors is rewritten.
+        inplace: as in :func:`convbn.fold`: ``True`` rewrites ``model``'s own module objects
+            (they keep their classes and identity and get the fused forwards) and returns
+            ``model``; ``False`` (default) leaves ``model`` as it was and rewrites new module
+            objects of the same classes, which share ``model``'s parameters, buffers and
+            other tensors (convert changes none; an optimizer built on ``model`` trains the
+            result).
         chain: group consecutive fused layers into chains (one autograd Function per chain,
             which rebuilds a layer's input from the layer before; ``False``: one per layer).
         progress: print a line per stage (trace, check, plan) on stderr: ``None`` where
@@ -452,9 +455,10 @@ def convert(
     (the affected chain, or the affected part of the model, then runs as eager modules).
 
     Returns:
-        The converted model, with the report in ``.convbn_report``: ``model`` itself with
-        ``inplace``, else its share-copy; every module keeps its class, and the rewritten
-        ones run fused forwards (:func:`convbn.fused_modules` lists the chains added).
+        The converted model, of ``model``'s type, with the report in ``.convbn_report``:
+        ``model`` itself with ``inplace``, else its share-copy; every module keeps its class,
+        and the rewritten ones run fused forwards (:func:`convbn.fused_modules` lists the
+        chains added).
 
     Example:
         >>> net = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU())

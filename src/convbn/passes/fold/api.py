@@ -223,25 +223,28 @@ def fold(
 
     Args:
         model: the network, in eval mode (``model.eval()``).
-        inplace: ``False`` (default) works on a deep copy: ``model`` keeps its parameters
-            and outputs. ``True`` reuses ``model``'s submodules and overwrites the weights
-            of layers it folds into (less memory); afterwards use only the returned
-            module, ``model`` itself no longer computes the same function.
+        inplace: as in :func:`convbn.convert`: ``True`` rewrites ``model``'s own module
+            objects, overwriting the weights of layers it folds into (less memory), and
+            returns ``model``: use only the result afterwards. ``False`` (default) leaves
+            ``model`` as it was and folds new module objects of the same classes, which own
+            copies of every tensor (a model to deploy: training ``model`` further leaves it
+            as it is).
         example_inputs: a tensor or a tuple of positional arguments for ``model``; used
             for the check and to see tensor ranks (needed to fold Linear <-> BatchNorm1d).
             If ``None`` a small input is inferred from the first conv/linear layer when
             possible (the report says when it is not).
-        check: run the sample input through the model before and after folding (eval,
-            no grad, same RNG seed) and raise if the outputs differ by more than
+        check: run ``example_inputs`` (or the inferred input) through the model before
+            and after folding (eval, no grad, same RNG seed) and raise if the outputs differ by more than
             ``tol * max(1, max|reference|)`` (``tol`` = 1e-4 for float32, 1e-10 for
             float64) plus 4x what the original itself gets wrong in its dtype, measured
             against a float64 run of a copy: the check allows what float rounding of the
             unfolded model already allows, and no more.
 
     Returns:
-        The folded model (``model``'s deep copy, or ``model`` itself with ``inplace``):
-        every module keeps its class, and the rewritten ones run folded forwards. Its
-        attribute ``convbn_report`` is a :class:`FoldReport` listing every BatchNorm.
+        The folded model, of ``model``'s type (``model``'s deep copy, or ``model`` itself
+        with ``inplace``): every module keeps its class, and the rewritten ones run folded
+        forwards. Its attribute ``convbn_report`` (the name :func:`convbn.convert` uses too)
+        is a :class:`FoldReport` listing every BatchNorm.
 
     Raises:
         TypeError: ``model`` is not an ``nn.Module`` (or is a TorchScript module).
