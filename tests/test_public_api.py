@@ -162,6 +162,14 @@ def _old_uses() -> List[Tuple[str, Callable[[], Any], str]]:
         finally:
             chain_kernels._STATE["on"] = None
 
+    def bench_budget() -> Any:
+        from convbn.bench.training import add_training_arguments
+
+        parser = argparse.ArgumentParser()
+        add_training_arguments(parser)
+        args = parser.parse_args(["--memory-budget", "0.5", "--budget", "0.25", "--memory-budget", "0.75"])
+        assert args.budget == [0.5, 0.25, 0.75]
+
     import convbn.autograd as ag
 
     return [
@@ -175,6 +183,7 @@ def _old_uses() -> List[Tuple[str, Callable[[], Any], str]]:
         ("model.fold_report", fold_report, "model.convbn_report"),
         ("max_batch(sample=)", max_batch_sample, "example_inputs="),
         ("explain --budget", cli_budget, "--memory-budget"),
+        ("bench --budget", bench_budget, "--memory-budget"),
         ("set_compile_chains", set_compile, "convbn.compile_chains(mode)"),
         ("set_fused_kernels", set_kernels, "convbn.fused_kernels(on)"),
         ("compile_chains()", lambda: chain_compiled.compile_chains(), "compile_chains_mode()"),

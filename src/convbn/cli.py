@@ -145,8 +145,9 @@ def add_progress_arguments(parser: argparse.ArgumentParser, what: str = "a line 
 class _RenamedOption(argparse.Action):
     """An option's old spelling: stores into the new option's destination, with a warning."""
 
-    def __init__(self, option_strings: Any, dest: str, new: str = "", **kwargs: Any) -> None:
+    def __init__(self, option_strings: Any, dest: str, new: str = "", append: bool = False, **kwargs: Any) -> None:
         self.new = new
+        self.append = append
         super().__init__(option_strings, dest, **kwargs)
 
     def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
@@ -154,14 +155,18 @@ class _RenamedOption(argparse.Action):
         from .functional.deprecation import warn_renamed
 
         warn_renamed(str(option_string), self.new)
+        if self.append:  # a repeatable option: add to the new option's list (a copy, never its default)
+            values = [*(getattr(namespace, self.dest, None) or []), values]
         setattr(namespace, self.dest, values)
 
 
-def add_renamed_option(parser: argparse.ArgumentParser, old: str, new: str, **kwargs: Any) -> None:
+def add_renamed_option(parser: argparse.ArgumentParser, old: str, new: str, append: bool = False,
+                       **kwargs: Any) -> None:
     """Accept ``old``, hidden from ``--help``, as the option ``new`` (already added; ``kwargs``:
-    its ``type``, ``dest``) for one release, warning that it is deprecated."""
-    parser.add_argument(old, action=_RenamedOption, new=new, default=argparse.SUPPRESS, help=argparse.SUPPRESS,
-                        **kwargs)
+    its ``type``, ``dest``; ``append``: ``new`` is repeatable) for one release, warning that it
+    is deprecated."""
+    parser.add_argument(old, action=_RenamedOption, new=new, append=append, default=argparse.SUPPRESS,
+                        help=argparse.SUPPRESS, **kwargs)
 
 
 # --------------------------------------------------------------------------- option types
