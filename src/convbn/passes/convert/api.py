@@ -21,6 +21,7 @@ from ...memory.budget import parse_memory, resident_bytes, usable_bytes
 from .args import check_args
 from ...nn.chain import FusedChain
 from ...nn.fused import _FusedConvBNNd
+from ...functional.deprecation import module_aliases
 from ...functional.strategies import ConvertStrategy
 from ..plan.auto_plan import as_inputs, measure_peak, measure_saved, plan_auto
 from ..bn.recognise import may_normalise
@@ -551,3 +552,14 @@ def explain(model: nn.Module, example_inputs: Any = None, **kwargs: Any) -> Conv
         report.eager_peak_bytes = eager.peak
         report.measured_peak_bytes, report.measured_peak_where = tl.peak, tl.where()
     return report
+
+
+def _convert_strategies() -> Any:
+    from ...functional.strategies import CONVERT_STRATEGIES
+
+    return CONVERT_STRATEGIES
+
+
+# the strategy tuple this module re-exported (one release, with a FutureWarning)
+__getattr__ = module_aliases(__name__, {"CONVERT_STRATEGIES": (_convert_strategies,
+                                                               "typing.get_args(convbn.ConvertStrategy)")})
