@@ -83,6 +83,20 @@ def test_strategies_are_literal_types() -> None:
     assert typing.get_type_hints(convbn.FusedConvBN2d.__init__)["strategy"] == convbn.Strategy
 
 
+@pytest.mark.parametrize("where, name, values", [
+    (convbn.max_batch, "method", ("predict", "measure")),
+    (convbn.BNOutcome, "result", ("fused", "folded", "left")),
+    (convbn.BNOutcome, "direction", ("preceding", "following")),
+    (convbn.nn.ChainLayer, "mode", ("recompute_bn", "recompute_conv")),
+    (convbn.ConvertReport, "strategy", ("auto", "recompute_bn", "recompute_conv")),
+])
+def test_choices_are_literal_types(where: Any, name: str, values: Tuple[str, ...]) -> None:
+    hint = typing.get_type_hints(where)[name]
+    args = [a for a in typing.get_args(hint) if a is not type(None)]  # Optional[Literal[...]]
+    literal = args[0] if typing.get_origin(hint) is typing.Union else hint
+    assert typing.get_origin(literal) is typing.Literal and typing.get_args(literal) == values
+
+
 @pytest.mark.parametrize("fn", [convbn.convert, convbn.fold], ids=["convert", "fold"])
 def test_passes_return_the_type_they_were_given(fn: Callable[..., Any]) -> None:
     hints = typing.get_type_hints(fn)

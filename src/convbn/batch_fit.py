@@ -25,7 +25,7 @@ import inspect
 import time
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Literal, Optional, Tuple
 
 import torch
 from torch import Tensor, nn
@@ -309,7 +309,7 @@ def max_batch(
     optimizer: Optional[torch.optim.Optimizer] = None,
     loss_fn: Optional[Callable[[Any], Tensor]] = None,
     upper: int = 1 << 16,
-    method: str = "predict",
+    method: Literal["predict", "measure"] = "predict",
     confirm: Optional[bool] = None,
     progress: Optional[bool] = None,
     **convert_kwargs: Any,

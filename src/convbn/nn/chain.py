@@ -25,7 +25,7 @@ from ..autograd.chain_input import concat_shape
 from ..functional.activations import Activation, activation_from_module
 from ..functional.batchnorm import BNSpec
 from ..functional.conv import ConvSpec, conv_flops, conv_forward, conv_output_shape, conv_spec_from_module, recompute_cost
-from ..functional.strategies import LAYER_MODES
+from ..functional.strategies import LAYER_MODES, LayerMode
 from ..functional.fused import autocast_dtype, check_inputs
 from ..functional.tail import DropoutOp, TailOp, is_tail_module, tail_op_from_module
 from .bn_call import has_standard_bn_forward, standard_batch_norm
@@ -93,7 +93,7 @@ class ChainLayer:
     conv: Optional[ConvSpec] = None
     bn: Optional[_BatchNorm] = None
     act: Activation = Activation("identity")
-    mode: str = "recompute_bn"
+    mode: LayerMode = "recompute_bn"
     may_drop: bool = True
     names: Tuple[str, ...] = ("", "", "")
     y_shape: Optional[Tuple[int, ...]] = None

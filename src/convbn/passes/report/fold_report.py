@@ -82,7 +82,7 @@ class FoldReport:
             if i == 0:
                 lines.append("  " + "  ".join("-" * w for w in widths) + "  " + "-" * 13)
         for name, why in self.untraced:
-            lines.append(f"  untraceable: {name or '<root>'}: {why}")
+            lines.append(f"  not traced as a whole: {name or '<root>'}: {why}")
         c = self.check
         if c is None:
             lines.append("  check: not requested")
