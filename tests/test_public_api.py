@@ -241,6 +241,27 @@ def test_old_values_equal_the_new() -> None:
         assert folded.fold_report == folded.convbn_report and str(folded.fold_report) == str(folded.convbn_report)
 
 
+def test_a_folded_model_scripts_exports_copies_and_pickles_without_the_old_name_warning() -> None:
+    import copy
+    import io
+
+    folded = convbn.fold(_Net().eval(), example_inputs=_x())
+    with warnings.catch_warnings(record=True) as caught:  # recorded: TorchScript swallows exceptions it raises
+        warnings.simplefilter("always")
+        torch.jit.script(folded)
+        torch.export.export(folded, (_x(),))
+        copied = copy.deepcopy(folded)
+        buf = io.BytesIO()
+        torch.save(folded, buf)
+        buf.seek(0)
+        loaded = torch.load(buf, weights_only=False)
+    assert not [str(w.message) for w in caught if "convbn 0.3" in str(w.message)]
+    for m in (copied, loaded):
+        assert isinstance(m.convbn_report, convbn.FoldReport) and m.convbn_report.folded
+        with pytest.warns(FutureWarning, match="fold_report is deprecated"):
+            assert m.fold_report.folded == m.convbn_report.folded
+
+
 def test_unknown_names_still_raise_attribute_error() -> None:
     with pytest.raises(AttributeError, match="no attribute 'STRATEGY'"):
         convbn.STRATEGY  # noqa: B018

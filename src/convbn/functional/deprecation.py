@@ -99,7 +99,9 @@ class RenamedAttribute:
     """What an instance attribute's old name holds: the new attribute's value, behind a warning.
 
     Attribute reads, ``str``, ``repr``, ``==``, iteration, ``len`` and ``bool`` go to the
-    value, each warning; ``isinstance`` sees the value's class.
+    value, each warning; ``isinstance`` sees the value's class; reads of underscored names
+    or of names the value lacks (what TorchScript, ``copy`` and ``pickle`` probe on every
+    attribute of a module) go to the value quietly.
 
     Args:
         value: the object the new name holds.
@@ -129,6 +131,10 @@ class RenamedAttribute:
         return type(object.__getattribute__(self, "_value"))
 
     def __getattr__(self, name: str) -> Any:
+        value = object.__getattribute__(self, "_value")
+        if name.startswith("_") or not hasattr(value, name):
+            # introspection (TorchScript's type inference, copy, pickle), not a use of the old name
+            return getattr(value, name)
         return getattr(self._get(), name)
 
     def __setattr__(self, name: str, value: Any) -> None:
