@@ -35,6 +35,7 @@ from .memory import Timeline, timeline
 from .memory.timelines import default_loss
 from .memory.budget import parse_memory, resident_bytes, usable_bytes
 from .memory.saved import format_bytes
+from .passes.check.validate import as_args
 from .passes.convert.api import check_args, convert
 from .passes.plan.auto_plan import apply_plan, plan_to_target
 from .passes.plan.plan_inputs import PlanInputs, measure_peak, measure_plan_inputs, plan_inputs_at
@@ -378,8 +379,7 @@ def max_batch(
         raise TypeError(f"confirm must be None, True or False, but got {confirm!r}")
     check_progress(progress)
     limit = parse_memory(memory)
-    inputs = (example_inputs if isinstance(example_inputs, tuple) else tuple(example_inputs)
-              if isinstance(example_inputs, list) else (example_inputs,))
+    inputs = as_args(example_inputs, "example_inputs")
     if not any(isinstance(t, Tensor) and t.dim() > 0 for t in inputs):
         raise TypeError("example_inputs must be a tensor or a tuple of inputs with at least one batched tensor, "
                         f"but got {type(example_inputs).__name__}")
