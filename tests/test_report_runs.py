@@ -220,3 +220,46 @@ def test_a_call_unlike_the_captured_ones_is_reported_as_it_runs() -> None:
     assert "its last call (mask" in fast.convbn_report.outcomes[0].reason
     _assert_report_is_the_graph(fast, fast(x))  # a captured kind of call again: fused, and said so
     assert [o.result for o in fast.convbn_report.outcomes] == ["fused"]
+
+
+class _Untraceable(nn.Module):
+    """Branches on a tensor's value (the trace leaves it a call) and returns an optional part
+    that is ``None`` at run time: the trace sees a proxy there, not ``None``."""
+
+    def forward(self, x: Tensor) -> Tuple[Tensor, Any]:
+        if x.sum() > -1e9:  # data-dependent control flow: not traceable
+            return x, None
+        return x, x
+
+
+class _OptionalOutput(nn.Module):
+    """The output's structure depends on what an untraced child returns (a transformer
+    library's model output built from an encoder's optional hidden states)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.stem = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU())
+        self.inner = _Untraceable()
+        self.head = nn.Sequential(nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU())
+
+    def forward(self, x: Tensor) -> Dict[str, Tensor]:
+        y, extra = self.inner(self.stem(x))
+        out = {"y": self.head(y)}
+        if extra is not None:
+            out["extra"] = extra
+        return out
+
+
+def test_before_the_first_call_an_unchecked_rewrite_is_reported_unchecked() -> None:
+    fast = convbn.convert(_OptionalOutput())
+    report = fast.convbn_report
+    text = str(report)
+    assert "first call not checked yet: 2 of these pairs" in text and "<root>" in text, text
+    x = torch.randn(4, 3, 8, 8)
+    with pytest.warns(RuntimeWarning, match="output structure changed"):
+        out = fast(x)["y"]
+    _assert_report_is_the_graph(fast, out)  # the root's rewrite fell back: its pairs are listed so
+    assert [o.result for o in report.outcomes] == ["left", "left"]
+    assert "first call not checked yet" not in str(report) and "fallback" in str(report)
+    _assert_report_is_the_graph(fast, fast(x)["y"])

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Dict, List, Optional
 
 from ...functional.strategies import ConvertStrategy, LayerMode
 from ...memory import format_bytes
-from .live import FUSED, all_chains, chain_status
+from .live import CHECK_PENDING, FUSED, all_chains, chain_status, unchecked_chains
 from .outcome import BNOutcome
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -155,13 +155,17 @@ class ConvertReport:
         if model is None:
             return by_bn
         status = chain_status(model)
+        unchecked = unchecked_chains(model)
         chain_of = {id(l): c for c in all_chains(model) for l in c.layers}
         for p in self.pairs:
             chain = chain_of.get(id(p.layer))
             now = status.get(id(chain), FUSED) if chain is not None else FUSED
             if now == FUSED and chain is not None and chain.plan_on_first_call is not None:
                 now = "fused, plan pending"
+            elif now == FUSED and chain is not None and id(chain) in unchecked:
+                now = CHECK_PENDING  # runs fused only if its first call agrees with the original
             p.__dict__["_status"] = now
+            p.__dict__["_unchecked"] = chain is not None and id(chain) in unchecked and now.startswith(FUSED)
             if p.bn:
                 by_bn[p.bn] = FUSED if now.startswith(FUSED) else now
         return by_bn
@@ -242,6 +246,12 @@ class ConvertReport:
         if any(p.status == "fused, plan pending" for p in self.pairs):
             lines.append("  plan pending: chains converted without example_inputs choose each layer's strategy on "
                          "their first training call (their shapes known then)")
+        pending = [p for p in self.pairs if p.__dict__.get("_unchecked")]  # set by the status read above
+        if pending:
+            owners = sorted({n or "<root>" for n in unchecked_chains(self.__dict__["_model"]).values()})
+            lines.append(f"  first call not checked yet: {len(pending)} of these pairs run fused only if the first call "
+                         f"of {', '.join(owners[:4])}{', ...' if len(owners) > 4 else ''} agrees with the original "
+                         "(else its own unfused forward runs, listed as 'fallback'); pass example_inputs to check now")
         for s in skipped:
             lines.append(f"  skipped {s.batchnorm}: {s.reason}")
         for mod, err in self.untraced:
