@@ -42,6 +42,9 @@ class CaptureOnFirstCall:
         capture: ``convert``'s pipeline for one module and one call.
     """
 
+    #: read by the report (``report/live.py``): this module is converted on its first call
+    captures_on_first_call = True
+
     def __init__(self, owner: nn.Module, prefix: str, report: ConvertReport, strategy: str, chain: bool,
                  count: int, why: str, capture: Capture) -> None:
         self.owner = owner

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Dict, List, Optional
 
 from ...functional.strategies import ConvertStrategy, LayerMode
 from ...memory import format_bytes
-from .live import CHECK_PENDING, FUSED, all_chains, chain_status, unchecked_chains
+from .live import CHECK_PENDING, FUSED, all_chains, awaiting_capture, chain_status, unchecked_chains
 from .outcome import BNOutcome
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -48,7 +48,9 @@ class FusedPair:
     def status(self) -> str:
         """What runs now: ``"fused"``, ``"fused, plan pending"`` (converted without
         ``example_inputs``: the chain plans on its first training call, when its shapes are
-        known; :attr:`strategy` until then is not a plan) or ``"fallback: <why>"``."""
+        known; :attr:`strategy` until then is not a plan), ``"fused, first call not checked yet"``
+        (converted without ``example_inputs``: it runs fused only if its module's first call
+        agrees with the original) or ``"fallback: <why>"``."""
         report = self.__dict__.get("_report")
         if report is not None:
             report._pair_status()
@@ -227,7 +229,7 @@ class ConvertReport:
             strategy = p.strategy if p.kind == "layer" or (p.kind == "end" and p.layer.elements) else p.kind
             if p.status == "fused, plan pending":
                 strategy = "plan pending"  # made on the chain's first training call
-            elif p.status != FUSED:
+            elif not p.status.startswith(FUSED):
                 strategy = "fallback"
             lines.append(
                 f"  {p.chain:>6}.{p.position:<2}  {p.conv or '- (pre-act head)':<32} {p.bn or '- (chain end)':<32} "
@@ -249,9 +251,15 @@ class ConvertReport:
         pending = [p for p in self.pairs if p.__dict__.get("_unchecked")]  # set by the status read above
         if pending:
             owners = sorted({n or "<root>" for n in unchecked_chains(self.__dict__["_model"]).values()})
-            lines.append(f"  first call not checked yet: {len(pending)} of these pairs run fused only if the first call "
-                         f"of {', '.join(owners[:4])}{', ...' if len(owners) > 4 else ''} agrees with the original "
-                         "(else its own unfused forward runs, listed as 'fallback'); pass example_inputs to check now")
+            lines.append(f"  first call not checked yet: {len(pending)} of these pairs run fused only if the first call of "
+                         f"the module rewritten ({', '.join(owners[:4])}{', ...' if len(owners) > 4 else ''}) agrees with "
+                         "its original; else that module's own (unfused) forward runs and they are listed as 'fallback' "
+                         "(example_inputs checks now)")
+        waiting = awaiting_capture(self.__dict__["_model"]) if "_model" in self.__dict__ else []
+        if waiting:
+            lines.append(f"  captured on the first call: {', '.join(n or '<root>' for n in waiting[:4])}"
+                         f"{', ...' if len(waiting) > 4 else ''} (traced with that call's real inputs then; the "
+                         "BatchNorms under them are listed as skipped until it)")
         for s in skipped:
             lines.append(f"  skipped {s.batchnorm}: {s.reason}")
         for mod, err in self.untraced:
