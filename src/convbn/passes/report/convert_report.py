@@ -192,6 +192,27 @@ class ConvertReport:
     def num_chains(self) -> int:
         return len({p.chain for p in self.pairs})
 
+    def _first_call_lines(self) -> List[str]:
+        """What waits for the first call, in words: pairs whose rewrite's first-call check has
+        not run (each pair's status read first) and modules captured on their first call."""
+        lines: List[str] = []
+        model = self.__dict__.get("_model")
+        if model is None:
+            return lines
+        pending = [p for p in self.pairs if p.__dict__.get("_unchecked")]  # set by the status read
+        if pending:
+            owners = sorted({n or "<root>" for n in unchecked_chains(model).values()})
+            lines.append(f"  first call not checked yet: {len(pending)} of these pairs run fused only if the first call of "
+                         f"the module rewritten ({', '.join(owners[:4])}{', ...' if len(owners) > 4 else ''}) agrees with "
+                         "its original; else that module's own (unfused) forward runs and they are listed as 'fallback' "
+                         "(example_inputs checks now)")
+        waiting = awaiting_capture(model)
+        if waiting:
+            lines.append(f"  captured on the first call: {', '.join(n or '<root>' for n in waiting[:4])}"
+                         f"{', ...' if len(waiting) > 4 else ''} (traced with that call's real inputs then; the "
+                         "BatchNorms under them are listed as skipped until it)")
+        return lines
+
     def __str__(self) -> str:
         skipped = self.skipped  # as things run now (sets each pair's status)
         running = [p for p in self.pairs if p.status.startswith(FUSED)]
@@ -248,18 +269,7 @@ class ConvertReport:
         if any(p.status == "fused, plan pending" for p in self.pairs):
             lines.append("  plan pending: chains converted without example_inputs choose each layer's strategy on "
                          "their first training call (their shapes known then)")
-        pending = [p for p in self.pairs if p.__dict__.get("_unchecked")]  # set by the status read above
-        if pending:
-            owners = sorted({n or "<root>" for n in unchecked_chains(self.__dict__["_model"]).values()})
-            lines.append(f"  first call not checked yet: {len(pending)} of these pairs run fused only if the first call of "
-                         f"the module rewritten ({', '.join(owners[:4])}{', ...' if len(owners) > 4 else ''}) agrees with "
-                         "its original; else that module's own (unfused) forward runs and they are listed as 'fallback' "
-                         "(example_inputs checks now)")
-        waiting = awaiting_capture(self.__dict__["_model"]) if "_model" in self.__dict__ else []
-        if waiting:
-            lines.append(f"  captured on the first call: {', '.join(n or '<root>' for n in waiting[:4])}"
-                         f"{', ...' if len(waiting) > 4 else ''} (traced with that call's real inputs then; the "
-                         "BatchNorms under them are listed as skipped until it)")
+        lines += self._first_call_lines()
         for s in skipped:
             lines.append(f"  skipped {s.batchnorm}: {s.reason}")
         for mod, err in self.untraced:
