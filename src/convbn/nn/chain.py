@@ -1,5 +1,9 @@
 """``FusedChain``: the module that runs a chain of fused layers found by :func:`convbn.convert`.
 
+Its layers are :class:`~convbn.nn.chain_layer.ChainLayer` records (re-exported here); its plan
+is one value (:mod:`convbn.autograd.chain_plan`); a call is checked here and run by
+:func:`convbn.autograd.chain_run.run_chain`.
+
 The chain does not own its convolutions and BatchNorms: it holds *unregistered*
 references to the model's own modules, which stay registered where they were, so the
 converted model's ``state_dict()`` keys, parameter objects and ``train()/eval()`` all
@@ -7,192 +11,32 @@ behave as before conversion.
 """
 from __future__ import annotations
 
+import math
 import operator
-
 from contextlib import nullcontext
-from dataclasses import dataclass, field
 from typing import Callable, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor, nn
 from torch.nn.utils import parametrize
-from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.conv import _ConvNd
 
-from ..autograd.chain import ChainLayerSpec, layer_kind
 from ..autograd.chain_compiled import quiet_own_advisory
 from ..autograd.chain_plan import ChainPlan, LazyPlan
 from ..autograd.chain_run import run_chain
 from ..autograd.chain_structure import ChainStructure, register_chain
 from ..autograd.chain_input import concat_shape
-from ..functional.activations import Activation, activation_from_module
-from ..functional.batchnorm import BNSpec
-from ..functional.conv import ConvSpec, conv_flops, conv_forward, conv_output_shape, conv_spec_from_module, recompute_cost
+from ..functional.activations import Activation
+from ..functional.conv import conv_forward, conv_output_shape, conv_spec_from_module
 from ..functional.strategies import LAYER_MODES
 from ..functional.fused import autocast_dtype, check_inputs
-from ..functional.tail import DropoutOp, TailOp, is_tail_module, tail_op_from_module
+from ..functional.tail import DropoutOp
 from .bn_call import has_standard_bn_forward, standard_batch_norm
+from .chain_layer import NO_BN, ChainLayer, TailElement, tail_spec
 from .fused import bn_running_stats, bn_spec_from_module, module_hooked
 
 __all__ = ["ChainLayer", "FusedChain", "LAYER_MODES", "TailElement"]
 
-
-
-#: one element of a layer's tail: an activation record, or the model's own module
-#: (an activation module, ``nn.PReLU``, a dropout module), read at every call
-TailElement = Union[Activation, nn.Module]
-
-
-@dataclass
-class ChainLayer:
-    """One fused layer inside a :class:`FusedChain`: ``conv -> BN -> tail``.
-
-    A layer is an optional convolution, an optional BatchNorm and a *tail*: any sequence
-    of element-wise ops after the BN (activations, PReLU, dropout), recomputed in
-    backward. Three kinds of layer:
-
-    * an ordinary layer ``conv -> BN -> tail``;
-    * a *head* (pre-activation, layer 0 only): no convolution, ``BN -> tail``: its BN input
-      is the chain input ``x0`` itself (always kept), and the next conv's input is rebuilt
-      element-wise from ``x0`` in backward;
-    * an *end* (last layer only): a convolution with no BN, optionally a tail: the chain
-      ends at a conv output.
-
-    A PreAct-ResNet body ``BN1 -> ReLU -> conv1 -> BN2 -> ReLU -> conv2`` is one chain
-    ``[head(BN1, relu), (conv1, BN2, relu), (conv2, no BN)]``. A head chain may be called
-    with several tensors, the *pieces* of its input concatenated along dim 1 (a DenseNet
-    layer's earlier feature maps): it keeps the pieces, never their concatenation, and
-    rebuilds the concatenation in backward.
-
-    The tail is ``tail`` when given, else ``(act,)``: a single activation is the fast path
-    (in-place buffers in backward) and is normalised into ``act`` (give one of the two,
-    not both). Modules in the tail are the model's own (``nn.ReLU``, ``nn.PReLU``,
-    ``nn.Dropout`` ...): their ``training`` flag, ``p`` and weights are read at every call,
-    like the BatchNorm's (a dropout in eval mode or with ``p == 0`` is an identity).
-
-    Attributes:
-        conv_owner: module holding the conv weight (and bias) as attributes; ``None`` for a head.
-        weight_name, bias_name: attribute names (``bias_name`` ``None`` without bias).
-        conv: the convolution's geometry; ``None`` for a head.
-        bn: the BatchNorm module (read at every call: mode, momentum, running stats);
-            ``None`` for an end layer.
-        act: the fused activation when the tail is one activation (identity otherwise).
-        mode: ``"recompute_bn"`` or ``"recompute_conv"`` (what an ordinary layer keeps; a head
-            keeps nothing beyond ``x0``, an end layer without tail nothing at all): the plan
-            a chain built from the layer starts with; after that a record of the chain's
-            plan (``FusedChain.plan``, changed only by ``FusedChain.apply_plan``).
-        may_drop: whether backward may drop and rebuild this layer's input to lower its chain's
-            peak; the ``auto`` planner clears it where the step peaks elsewhere (dropping
-            there would add recompute and lower no peak). Like ``mode``, the chain's plan
-            after the chain is built.
-        names: qualified names for reports: ``(conv, bn, *one per tail element)`` (``""``
-            where absent).
-        y_shape: conv output (BN input) shape seen at the last call (for the planner).
-        y_dtype: its dtype.
-        x_shape: the layer's input shape at the last call.
-        tail: the element-wise ops after the BN, in order (see above).
-    """
-
-    conv_owner: Optional[nn.Module] = None
-    weight_name: str = "weight"
-    bias_name: Optional[str] = None
-    conv: Optional[ConvSpec] = None
-    bn: Optional[_BatchNorm] = None
-    act: Activation = Activation("identity")
-    mode: str = "recompute_bn"
-    may_drop: bool = True
-    names: Tuple[str, ...] = ("", "", "")
-    y_shape: Optional[Tuple[int, ...]] = None
-    y_dtype: Optional[torch.dtype] = None
-    x_shape: Optional[Tuple[int, ...]] = field(default=None)
-    tail: Tuple[TailElement, ...] = ()
-
-    def __post_init__(self) -> None:
-        if (self.conv is None) != (self.conv_owner is None):
-            raise ValueError("a ChainLayer has both conv and conv_owner (an ordinary or end layer) or neither (a head)")
-        if self.conv is None and self.bn is None:
-            raise ValueError("a ChainLayer needs a convolution, a BatchNorm or both, but got neither")
-        if self.mode not in LAYER_MODES:
-            raise ValueError(f"mode must be one of {LAYER_MODES}, but got mode={self.mode!r}")
-        tail = tuple(self.tail)
-        if tail and not self.act.is_identity:
-            raise ValueError(f"give the layer's activation as act or inside tail, not both (act={self.act}, tail={tail})")
-        for e in tail:
-            if not isinstance(e, Activation) and not (isinstance(e, nn.Module) and is_tail_module(e)):
-                raise TypeError(
-                    f"a tail element must be an Activation, an nn activation module, nn.PReLU or a dropout module, "
-                    f"but got {type(e).__name__}"
-                )
-        if len(tail) == 1 and isinstance(tail[0], Activation):
-            self.act, tail = tail[0], ()  # the single-activation fast path
-        self.tail = tail
-
-    @property
-    def is_head(self) -> bool:
-        """No convolution: the BN reads the chain input (layer 0 only)."""
-        return self.conv is None
-
-    @property
-    def is_end(self) -> bool:
-        """No BatchNorm: the chain ends at this conv's output (last layer only)."""
-        return self.bn is None
-
-    @property
-    def elements(self) -> Tuple[TailElement, ...]:
-        """The tail as given: ``tail``, or ``(act,)`` (empty for identity)."""
-        return self.tail if self.tail else (() if self.act.is_identity else (self.act,))
-
-    @property
-    def weight(self) -> Optional[Tensor]:
-        return None if self.conv_owner is None else getattr(self.conv_owner, self.weight_name)
-
-    @property
-    def bias(self) -> Optional[Tensor]:
-        return None if self.bias_name is None or self.conv_owner is None else getattr(self.conv_owner, self.bias_name)
-
-    def tail_params(self) -> List[Tensor]:
-        """The tail's parameters in order (each ``nn.PReLU``'s weight), read now."""
-        return [e.weight for e in self.tail if isinstance(e, nn.PReLU)]
-
-    def y_bytes(self) -> int:
-        """Bytes of the conv output (BN input) at the last call (0 before any call)."""
-        return _nbytes(self.y_shape, self.y_dtype)
-
-    def x_bytes(self) -> int:
-        """Bytes of the layer's input at the last call, in the dtype the chain computes in
-        (0 before any call)."""
-        return _nbytes(self.x_shape, self.y_dtype)
-
-    def keep_bytes(self) -> int:
-        """Bytes this layer keeps for backward in ``recompute_bn`` mode beyond the floor: its
-        conv output, except for a head (its BN input is ``x0``, always kept) and an end layer
-        without tail (its backward needs no conv output)."""
-        if self.is_head or (self.is_end and not self.elements):
-            return 0
-        return self.y_bytes()
-
-    def tail_kind(self) -> str:
-        """The tail's kind, as the planner's memory replay of the chain's backward classifies it, now."""
-        act, tail = _tail_spec(self)
-        return layer_kind(ChainLayerSpec(self.conv, None if self.bn is None else _NO_BN, act, True, tail))
-
-    def parameters(self) -> List[Tensor]:
-        """The layer's parameters as the chain reads them now: conv weight and bias, BN weight
-        and bias, the tail's (``None`` entries left out)."""
-        ts = [self.weight, self.bias, *(() if self.bn is None else (self.bn.weight, self.bn.bias)), *self.tail_params()]
-        return [t for t in ts if t is not None]
-
-    def flops(self) -> int:
-        """Multiply-accumulates of the conv at the last call (0 for a head)."""
-        w = self.weight
-        if self.y_shape is None or w is None:
-            return 0
-        return conv_flops(self.y_shape, w.shape, self.conv, self.x_shape)  # type: ignore[arg-type]
-
-    def recompute_cost(self) -> int:
-        """What running the conv again costs, in MAC equivalents (its multiply-accumulates plus
-        a cost per byte it reads and writes and per call): the planner's measure; 0 for a head."""
-        return recompute_cost(self.flops(), self.x_bytes(), self.y_bytes())
 
 
 class FusedChain(nn.Module):
@@ -225,7 +69,7 @@ class FusedChain(nn.Module):
         #: here: it travels with the chain (Note: [the chain's structure travels with it])
         static = []
         for l in self.layers:
-            act, tail = _tail_spec(l, static=True)
+            act, tail = tail_spec(l, static=True)
             static.append((l.conv, act, None if l.bn is None else float(l.bn.eps), tail))
         self.op_structure = register_chain(static)
         # per layer, the model's modules whose own calls this chain replaces (see ``watch``)
@@ -372,7 +216,7 @@ class FusedChain(nn.Module):
     def _forward_fused(self, pieces: Sequence[Tensor], input: Tensor) -> Tensor:
         """``input``: the one piece, or a stand-in with the concatenation's shape for the checks."""
         layers = self.layers
-        tails = [_tail_spec(l) for l in layers]
+        tails = [tail_spec(l) for l in layers]
         dropout = any(isinstance(op, DropoutOp) for _, t in tails for op in t)
         dt = autocast_dtype(input)  # autocast: every conv's operands cast as eager autocast would
         if (dt is not None and layers[0].is_head) or (dropout and torch.compiler.is_compiling()):
@@ -437,10 +281,10 @@ def _check_call(layers: Sequence[ChainLayer], input: Tensor, stats: Sequence[Tup
         _check_head_input(input, first, stats[0])
         if len(layers) > 1 and layers[1].conv is not None:
             second = layers[1]
-            check_inputs(input, second.weight, second.conv, specs0[1] or _NO_BN,  # type: ignore[arg-type]
+            check_inputs(input, second.weight, second.conv, specs0[1] or NO_BN,  # type: ignore[arg-type]
                          (second.bias, *second.tail_params(), *_bn_tensors(second)))
     else:
-        check_inputs(input, first.weight, first.conv, specs0[0] or _NO_BN,  # type: ignore[arg-type]
+        check_inputs(input, first.weight, first.conv, specs0[0] or NO_BN,  # type: ignore[arg-type]
                      (first.bias, *first.tail_params(), *_bn_tensors(first)))
     shape: Sequence[int] = input.shape
     for l, spec in zip(layers, specs0):
@@ -449,7 +293,7 @@ def _check_call(layers: Sequence[ChainLayer], input: Tensor, stats: Sequence[Tup
             shape = conv_output_shape(shape, l.weight.shape, l.conv)  # type: ignore[union-attr]
             if any(s <= 0 for s in shape[2:]):
                 raise RuntimeError(f"input of shape {tuple(input.shape)} is too small for {l.names[0]}: output {tuple(shape)}")
-        if spec is not None and spec.batch_stats and spec.process_group is None and shape[0] * _prod(shape[2:]) == 1:
+        if spec is not None and spec.batch_stats and spec.process_group is None and shape[0] * math.prod(shape[2:]) == 1:
             raise ValueError(
                 f"Expected more than 1 value per channel when training, got input size {torch.Size(shape)} at {l.names[1]}"
             )
@@ -504,9 +348,6 @@ def _concat(pieces: Sequence[Tensor]) -> Tensor:
     return pieces[0] if len(pieces) == 1 else torch.cat(list(pieces), 1)
 
 
-#: stands in for a missing BN in input checks (an end layer normalises nothing)
-_NO_BN = BNSpec(1e-5, False, 0.0)
-
 
 def _bn_tensors(l: ChainLayer) -> List[Optional[Tensor]]:
     if l.bn is None:
@@ -532,35 +373,3 @@ def _check_head_input(x: Tensor, head: ChainLayer, stats: Tuple[Optional[Tensor]
                 f"input is on {x.device} but a weight/buffer is on {t.device}; move the module with "
                 f".to({x.device}) or the input with .to({t.device})"
             )
-
-
-def _tail_spec(l: ChainLayer, static: bool = False) -> Tuple[Activation, Tuple[TailOp, ...]]:
-    """The layer's tail for this call as ``(act, tail)``: a lone activation takes the fast path
-    (``act``), anything else is a general tail; identities (eval / ``p == 0`` dropouts) drop out.
-    ``static``: the structure registered for the compiled path (every dropout left out)."""
-    ops: List[TailOp] = []
-    for e in l.elements:
-        if static and isinstance(e, nn.Module) and not isinstance(e, nn.PReLU) and activation_from_module(e) is None:
-            continue  # a dropout: the compiled path only runs chains whose dropouts are identities
-        op = tail_op_from_module(e)
-        if op is not None:
-            ops.append(op)
-    if not ops:
-        return Activation("identity"), ()
-    if len(ops) == 1 and isinstance(ops[0], Activation):
-        return ops[0], ()
-    return Activation("identity"), tuple(ops)
-
-
-def _prod(xs: Sequence[int]) -> int:
-    n = 1
-    for s in xs:
-        n *= s
-    return n
-
-
-def _nbytes(shape: Optional[Sequence[int]], dtype: Optional[torch.dtype]) -> int:
-    """Bytes of a tensor of ``shape`` and ``dtype`` (0 while either is unknown)."""
-    if shape is None or dtype is None:
-        return 0
-    return _prod(shape) * torch.empty((), dtype=dtype).element_size()
