@@ -72,6 +72,8 @@ def test_each_chain_plan_is_one_frozen_value():
         chain.plan.keep = (False, False)  # type: ignore[misc]
     with pytest.raises(AttributeError):
         chain.eager = True  # eager modules only through a plan that says so
+    with pytest.raises(AttributeError, match="apply_plan"):  # a layer's mode is its chain's plan's record
+        chain.layers[0].mode = "recompute_conv"
     lazy = convbn.convert(net)
     (chain,) = _chains(lazy)
     assert isinstance(chain.plan, LazyPlan) and chain.plan_on_first_call is not None

@@ -65,6 +65,8 @@ class FusedChain(nn.Module):
         #: autograd/chain_plan.py): as its layers were built until :meth:`apply_plan` replaces it
         self.plan: Union[ChainPlan, LazyPlan] = ChainPlan.of_modes([l.mode for l in layers],
                                                                    [l.may_drop for l in layers])
+        for l in self.layers:
+            l.record_plan(l.mode, l.may_drop)
         #: the structure the compiled path's custom op reads (plain records, no modules), owned
         #: here: it travels with the chain (Note: [the chain's structure travels with it])
         static = []
@@ -112,7 +114,7 @@ class FusedChain(nn.Module):
             raise ValueError(f"a plan for {len(plan.keep)} layers cannot apply to a chain of {len(self.layers)}")
         self.plan = plan
         for l, mode, drop in zip(self.layers, plan.modes, plan.may_drop):
-            l.mode, l.may_drop = mode, drop
+            l.record_plan(mode, drop)
 
     def __setstate__(self, state: dict) -> None:
         """Unpickling (``torch.load`` of a whole model, ``pickle``, ``copy.deepcopy``): registers

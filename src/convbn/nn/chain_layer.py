@@ -22,6 +22,9 @@ from ..functional.tail import TailOp, is_tail_module, tail_op_from_module
 
 __all__ = ["ChainLayer", "TailElement", "tail_spec", "NO_BN"]
 
+#: the attributes of a layer its chain's plan owns once the layer is in a chain
+_PLANNED = ("mode", "may_drop")
+
 #: stands in for a missing BN in input checks (an end layer normalises nothing)
 NO_BN = BNSpec(1e-5, False, 0.0)
 
@@ -114,6 +117,18 @@ class ChainLayer:
         if len(tail) == 1 and isinstance(tail[0], Activation):
             self.act, tail = tail[0], ()  # the single-activation fast path
         self.tail = tail
+
+    def __setattr__(self, name: str, value: object) -> None:
+        if name in _PLANNED and self.__dict__.get("_in_chain", False):
+            raise AttributeError(
+                f"{name} of a layer inside a FusedChain is the chain's plan: give the chain a new plan with "
+                f"FusedChain.apply_plan (convbn.autograd.chain_plan.ChainPlan), not {name}={value!r}")
+        object.__setattr__(self, name, value)
+
+    def record_plan(self, mode: str, may_drop: bool) -> None:
+        """Record its chain's plan for this layer (``FusedChain.apply_plan`` only); from then on
+        ``mode`` and ``may_drop`` change only this way."""
+        self.__dict__.update(mode=mode, may_drop=may_drop, _in_chain=True)
 
     @property
     def is_head(self) -> bool:
