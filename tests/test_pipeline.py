@@ -17,7 +17,7 @@ from convbn.autograd.chain_structure import structure_of
 from convbn.nn.chain import FusedChain
 from convbn.passes.convert.match import find_layers
 from convbn.passes.convert.pipeline import CANONICALISE, canonicalise
-from convbn.passes.graph.trace import LayerTracer, trace
+from convbn.passes.tracing.trace import LayerTracer, trace
 from convbn.passes.report.convert_report import ConvertReport
 from fusion_checks import assert_fused
 

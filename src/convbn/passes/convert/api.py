@@ -18,11 +18,11 @@ from ...functional.strategies import CONVERT_STRATEGIES
 from ...memory.budget import parse_memory, resident_bytes, usable_bytes
 from ...progress import check_progress, progress_scope, stage
 from ..check.step import called_inputs, check_step
-from ..check.validate import StateSnapshot
+from ..check.validate import StateSnapshot, as_args
 from ..graph.graph_module import eager, forget_undo, installed, uninstall
 from ..graph.share_copy import share_copy
 from ..graph.transaction import transaction
-from ..plan.auto_plan import as_inputs, measure_peak, measure_saved, plan_auto
+from ..plan.auto_plan import measure_peak, measure_saved, plan_auto
 from ..report.convert_report import ConvertReport
 from ..report.outcome import bn_module_names, explain_ghost_loops, frozen_lookalikes, unreached
 from .args import check_args
@@ -173,7 +173,7 @@ def _convert_model(model: nn.Module, strategy: str, memory_budget: Optional[floa
                    inplace: bool, chain: bool, peak_budget: Optional[float], memory_limit: Any) -> nn.Module:
     """:func:`convert` once its arguments are checked: the pipeline's stages for the whole model
     (Note: the table in pipeline.py), in order. Warnings: stack level 3, the caller of ``convert``."""
-    inputs = as_inputs(example_inputs) if example_inputs is not None else None
+    inputs = as_args(example_inputs) if example_inputs is not None else None
     work = model if inplace else share_copy(model)
     swap_sync_batchnorm(work, inplace=True)
     conv = Conversion(strategy, chain, ConvertReport(strategy=strategy), lazy=inputs is None, example=inputs, root=work)
@@ -260,7 +260,7 @@ def explain(model: nn.Module, example_inputs: Any = None, **kwargs: Any) -> Conv
         report: ConvertReport = converted.convbn_report  # type: ignore[assignment]
         if example_inputs is None or not report.pairs:
             return report
-        inputs = as_inputs(example_inputs)
+        inputs = as_args(example_inputs)
         stage("measuring a step of the eager and of the converted model")
         with StateSnapshot(model):
             eager = measure_peak(model, inputs)

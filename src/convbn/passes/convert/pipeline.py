@@ -38,14 +38,15 @@ from ...nn.chain import FusedChain
 from ...nn.fused import _FusedConvBNNd
 from ..bn.recognise import may_normalise
 from ..bn.tokens import drop_noop_flattens, flatten_token_bns
+from ..check.first_call import BackwardCheck, FirstCallCheck
 from ..check.step import called_inputs, check_step
 from ..check.validate import StateSnapshot, tolerance
 from ..graph.graph_module import GraphForward, eager, forget_undo, install, installed
+from ..graph.concat_heads import flatten_cats
 from ..graph.specialize import Defaults, constant_defaults, none_used_as_value
-from ..graph.trace import LayerTracer, Traced, short_reason, trace
 from ..report.convert_report import ConvertReport
+from ..tracing.trace import LayerTracer, Traced, short_reason, trace
 from .cat_norms import split_cat_norms
-from .concat_heads import flatten_cats
 from .first_call_capture import CaptureOnFirstCall
 from .match import MatchedLayer, find_layers, group_chains, split_heads
 from .pools import lean_pools
@@ -76,7 +77,7 @@ class GraphRewrite:
 
 #: the canonicalising rewrites, run in this order on every traced graph before matching
 CANONICALISE: Tuple[GraphRewrite, ...] = (
-    # nested channel concatenations -> one cat of their leaves (concat_heads.py)
+    # nested channel concatenations -> one cat of their leaves (graph/concat_heads.py)
     GraphRewrite("flatten nested concatenations", lambda gm, root, prefix: flatten_cats(gm.graph)),
     # bn(linear(t).transpose(1, 2)) -> BatchNorm1d on rows (bn/tokens.py)
     GraphRewrite("token BatchNorms on rows", lambda gm, root, prefix: flatten_token_bns(gm)),
@@ -271,8 +272,8 @@ def install_graph(module: nn.Module, prefix: str, traced: Traced, out: fx.GraphM
     if traced.mode_dependent:  # traced in one mode; the other runs the module's own forward
         fwd.modes = list(traced.modes)
     if conv.lazy:
-        fwd.pending = tolerance
-        fwd.backward_check = check_step  # Note: [gradients checked on the first backward]
+        fwd.pending = FirstCallCheck(tolerance)
+        fwd.backward_check = BackwardCheck(check_step)  # Note: [gradients checked on the first backward]
     return fwd
 
 

@@ -36,19 +36,20 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from torch.utils import _pytree as pytree
 
 from ..bn.recognise import may_normalise
-from ..check.fold_check import (CHECK_TOLERANCE, EAGER_ERROR_FACTOR, compare_to_reference, float64_errors, float64_fold_error,
-                                output_jump, reference_run, run_no_grad)
+from .fold_check import (compare_to_reference, float64_errors, float64_fold_error, output_jump, reference_run,
+                         run_no_grad)
 from .graph import FoldContext, GraphFolder
 from .layers import fold_conv_bn_modules
 from ..graph.layers import LAYER_MODULES
 from ..report.fold_report import FoldCheck, FoldReport
 from ..report.outcome import BNOutcome, bn_module_names, explain_ghost_loops, frozen_lookalikes, unreached
+from ..check.first_call import FirstCallCheck
 from ..check.step import called_inputs
 from ..graph.graph_module import forget_undo, install, installed
 from ..graph.transaction import transaction
 from ..graph.scripted import reject_torchscript
-from ..check.validate import tolerance
-from ..graph.trace import LayerTracer, short_reason, trace
+from ..check.validate import tolerance, tolerance_rule
+from ..tracing.trace import LayerTracer, short_reason, trace
 
 __all__ = ["fold", "fold_conv_bn_modules", "FoldReport", "BNOutcome", "FoldCheck"]
 
@@ -290,7 +291,7 @@ def _fold_model(model: nn.Module, inplace: bool, example_inputs: Any, check: boo
         for m in work.modules():
             fwd = installed(m)
             if fwd is not None:
-                fwd.pending = tolerance
+                fwd.pending = FirstCallCheck(tolerance)
 
     # every BatchNorm module gets an outcome, including ones tracing never reached
     report.outcomes += unreached(bn_names, report.outcomes, [name for name, _ in report.untraceable])
@@ -319,7 +320,7 @@ def _fold_model(model: nn.Module, inplace: bool, example_inputs: Any, check: boo
             if not ok and original is not None:  # Note: [a fold checked in float64] in fold_check.py
                 # inplace on the float64 copy: no first-call check that could fall back to the original
                 err64 = float64_fold_error(original, args, lambda m, a: fold(m, inplace=True, example_inputs=a, check=False))
-                if err64 is not None and err64 <= CHECK_TOLERANCE[torch.float64]:
+                if err64 is not None and err64 <= tolerance(torch.float64, "fold"):
                     ok = True
                     why = (f"float32 outputs differ by {diff:.3g} (> {tol:.3g}): rounding the model amplifies; folded "
                            f"in float64 it equals the float64 original (max relative difference {err64:.2g})")
@@ -328,7 +329,7 @@ def _fold_model(model: nn.Module, inplace: bool, example_inputs: Any, check: boo
                 if finer is not None:
                     return finer
             if eager_errors is not None and any(eager_errors):
-                note = "; ".join(x for x in (note, f"allowed includes {EAGER_ERROR_FACTOR:g}x eager's own error vs a "
+                note = "; ".join(x for x in (note, f"allowed includes {tolerance_rule('fold').eager_error_factor:g}x eager's own error vs a "
                                              f"float64 run (max {max(eager_errors):.3g})") if x)
             shapes = tuple(tuple(a.shape) for a in args if isinstance(a, Tensor))
             report.check = FoldCheck(True, "; ".join(x for x in (note, why) if x), shapes, diff, tol, ok)
