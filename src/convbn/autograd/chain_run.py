@@ -23,7 +23,7 @@ import torch
 from torch import Tensor
 
 from .chain import ChainFunction, chain_forward_no_grad
-from .chain_compiled import chain_inductor_apply, compile_chains, fusible_by_inductor
+from .chain_compiled import chain_inductor_apply, compile_chains_mode, fusible_by_inductor
 from .chain_spec import ChainLayerSpec
 
 __all__ = ["run_chain"]
@@ -48,7 +48,7 @@ def run_chain(key: str, xs: Sequence[Tensor], params: Sequence[Optional[Tensor]]
     if not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (*xs, *params))):
         return chain_forward_no_grad(xs[0] if len(xs) == 1 else torch.cat(xs, 1), params, specs, stats)
     if torch.compiler.is_compiling() and not any(s.bn is not None and s.bn.process_group is not None for s in specs):
-        if len(xs) == 1 and compile_chains() == "inductor" and fusible_by_inductor(specs):
+        if len(xs) == 1 and compile_chains_mode() == "inductor" and fusible_by_inductor(specs):
             return chain_inductor_apply(xs[0], params, specs, stats)  # Note: [a chain inductor can see into]
         from .chain_op import chain_op_apply  # Note: [why a custom op under torch.compile]
 

@@ -17,7 +17,7 @@ from ..autograd.chain import ChainLayerSpec, layer_kind
 from ..functional.activations import Activation, activation_from_module
 from ..functional.batchnorm import BNSpec
 from ..functional.conv import ConvSpec, conv_flops, recompute_cost
-from ..functional.strategies import LAYER_MODES
+from ..functional.strategies import LAYER_MODES, LayerMode
 from ..functional.tail import TailOp, is_tail_module, tail_op_from_module
 
 __all__ = ["ChainLayer", "TailElement", "tail_spec", "NO_BN"]
@@ -90,7 +90,7 @@ class ChainLayer:
     conv: Optional[ConvSpec] = None
     bn: Optional[_BatchNorm] = None
     act: Activation = Activation("identity")
-    mode: str = "recompute_bn"
+    mode: LayerMode = "recompute_bn"
     may_drop: bool = True
     names: Tuple[str, ...] = ("", "", "")
     y_shape: Optional[Tuple[int, ...]] = None
