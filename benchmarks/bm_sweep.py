@@ -132,8 +132,9 @@ CV_OTHER = ["simplepose_resnet18_coco", "lwopenpose2d_mobilenet_cmupan_coco", "i
 
 sys.path.insert(0, HERE)  # sweep_new_libs beside this file, also when imported as a module
 from sweep_new_libs import HF_MODELS, KORNIA_MODELS, build_hf, build_kornia  # noqa: E402
+from sweep_more_libs import MORE_FAMILIES, build_more  # noqa: E402
 
-FAMILIES = ["smp", "yolo", "cv", "gen", "pm", "hf", "kornia"]
+FAMILIES = ["smp", "yolo", "cv", "gen", "pm", "hf", "kornia", *MORE_FAMILIES]
 
 #: label -> (family, name, task)
 MODELS: Dict[str, Tuple[str, str, str]] = {}
@@ -160,6 +161,9 @@ for _n, (_t, _) in HF_MODELS.items():
     MODELS[f"hf:{_n}"] = ("hf", _n, _t)
 for _n, (_t, _) in KORNIA_MODELS.items():
     MODELS[f"kornia:{_n}"] = ("kornia", _n, _t)
+for _f, _entries in MORE_FAMILIES.items():
+    for _n, (_t, _) in _entries.items():
+        MODELS[f"{_f}:{_n}"] = (_f, _n, _t)
 
 
 def _import_zoo() -> None:
@@ -243,6 +247,9 @@ def build(family: str, name: str) -> Tuple[Any, Tuple[Any, ...]]:
         return model.train(), (torch.randn(2, 3, 299, 299, generator=gen),)
     if family in ("hf", "kornia"):
         model, x = (build_hf if family == "hf" else build_kornia)(name, gen)
+        return model.train(), x
+    if family in MORE_FAMILIES:
+        model, x = build_more(family, name, gen)
         return model.train(), x
     raise ValueError(f"unknown family {family!r}; expected one of {', '.join(FAMILIES)}")
 
