@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Set, Tuple, TypeVar
+from typing import Any, Callable, Dict, List, Optional, Set, Tuple, TypeVar
 
 import torch
 import torch.fx as fx
@@ -111,6 +111,7 @@ def _convert(module: nn.Module, prefix: str, ctx: _Context, exposed: bool = Fals
         if type(module).forward is nn.Module.forward and "forward" not in module.__dict__:
             raise TypeError(f"{type(module).__name__} has no forward (a container)")
         traced = _trace_as_called(module, ctx)  # the graph convert builds is for training
+        traced = _fewer_opaque(module, traced, lambda: _shape_trace(module, ctx))
     except Exception as err:  # any tracing failure: with real shapes where known, else the children
         traced = _shape_trace(module, ctx) if type(module).forward is not nn.Module.forward else None
         if traced is None:
@@ -182,6 +183,31 @@ def _capture_on_call(module: nn.Module, prefix: str, args: Tuple[Any, ...], kwar
     _dedupe(fresh)
     _merge(report, prefix, fresh, module)
     _arm_guards(ctx)
+
+
+def _fewer_opaque(module: nn.Module, traced: Any, shaped: Callable[[], Any]) -> Any:
+    """``traced``, or the trace with real shapes (``shaped()``) where ``traced`` left conv /
+    linear layers of ``module`` opaque because their code did not trace (a convolution computing
+    TF-"SAME" padding from its input's shape) and the shaped trace leaves fewer: they then fuse
+    with the parent's BatchNorms (Note: [opaque children traced again with real shapes]).
+
+    Note: [opaque children traced again with real shapes]
+        A symbolic trace that fails inside a submodule keeps that submodule as one opaque
+        call and traces on, so a module whose *child* computes padding from its input's shape
+        (``Conv2dDynamicSamePadding``: ``math.ceil(x.size(-1) / stride)``, then ``F.pad`` and
+        ``F.conv2d``) traces "successfully" with the convolution hidden, and the BatchNorm the
+        parent applies to it is left. Where the inputs are known (``example_inputs`` for
+        convert, the sample run for fold), the module is traced again with real shapes
+        (:mod:`convbn.passes.graph.shape_capture`), which runs the child's shape code with
+        eager's values; that trace is kept only where it leaves fewer such *layers* opaque,
+        and is guarded on the shapes like any shaped trace. Opaque children that hold their own
+        Conv -> BN pairs (a block computing its padding) are converted on their own as before,
+        each guarded on its own shapes, so the parent keeps its symbolic trace."""
+    failed = traced.opaque_layers(module)
+    if not failed:
+        return traced
+    again = shaped()
+    return again if again is not None and len(again.opaque_layers(module)) < len(failed) else traced
 
 
 def _shape_trace(module: nn.Module, ctx: _Context) -> Any:
