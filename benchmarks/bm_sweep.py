@@ -13,7 +13,12 @@ MobileNetV1 with TF "SAME" padding computed from shapes, MobileNetV2, EfficientN
 MobileViT, UperNet, CvT, RT-DETR, D-FINE, the DETR family with frozen BatchNorms,
 FastSpeech2-Conformer, CLAP audio, Wav2Vec2-Conformer, ``hf``) and ``kornia`` 0.9 feature /
 line / contrib networks without weights (HardNet, SOSNet, OriNet, AffNet, XFeat, SOLD2,
-TinyViT, DeDoDe, ``kornia``). Each model runs in its own subprocess with a time limit,
+TinyViT, DeDoDe, ``kornia``); and fourteen more libraries, one family each
+(:mod:`sweep_more_libs`: ``braindecode`` EEG nets ``bd``, ``efficientnet_pytorch`` ``effnet``,
+nnU-Net's ``dynamic_network_architectures`` ``dna``, ``torchxrayvision`` ``xrv``, ``open_clip``
+``clip``, ``facenet_pytorch`` ``facenet``, ``effdet``, ``lightly``, ``speechbrain`` ``sb``,
+``segmentation_models_pytorch_3d`` ``smp3d``, ``torchdistill`` ``td``, ``timm_3d`` ``timm3d``,
+``vit_pytorch`` ``vitp``, ``torch_geometric`` ``pyg``). Each model runs in its own subprocess with a time limit,
 on a small input (batch 2; 64 x 64 images, 32 x 32 for CIFAR nets, the model's own size where
 it needs one), float32, CPU, one thread:
 
@@ -54,7 +59,8 @@ Run::
     python benchmarks/bm_sweep.py --family smp --limit 5       # a part
     python benchmarks/bm_sweep.py --models cv:resnet10 --jobs 1
     python benchmarks/bm_sweep.py --list                       # the model labels
-    python benchmarks/bm_sweep.py --family hf kornia --jobs 1  # the two newest libraries
+    python benchmarks/bm_sweep.py --family hf kornia --jobs 1  # the two libraries added next
+    python benchmarks/bm_sweep.py --family bd effnet dna xrv clip facenet effdet lightly sb smp3d td timm3d vitp pyg
 
 Set-up (``--no-deps``: each would otherwise resolve another torch; ``pyproject.toml``'s
 ``sweep`` extra lists the first five)::
@@ -63,6 +69,7 @@ Set-up (``--no-deps``: each would otherwise resolve another torch; ``pyproject.t
         opencv-python-headless==5.0.0.93 geffnet==1.0.2 pretrainedmodels==0.7.4 six munch
     pip install --no-deps transformers==5.24.0 tokenizers==0.23.3 huggingface_hub==2.4.0 safetensors regex
     pip install --no-deps kornia==0.9.0 kornia_rs==0.2.0
+    # the fourteen of sweep_more_libs.py and what they import: requirements-sweep.txt's last block
 """
 from __future__ import annotations
 
