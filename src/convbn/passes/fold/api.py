@@ -36,19 +36,20 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from torch.utils import _pytree as pytree
 
 from ..bn.recognise import may_normalise
-from ..check.fold_check import (CHECK_TOLERANCE, EAGER_ERROR_FACTOR, compare_to_reference, float64_errors, float64_fold_error,
+from .fold_check import (CHECK_TOLERANCE, EAGER_ERROR_FACTOR, compare_to_reference, float64_errors, float64_fold_error,
                                 output_jump, reference_run, run_no_grad)
 from .graph import FoldContext, GraphFolder
 from .layers import fold_conv_bn_modules
 from ..graph.layers import LAYER_MODULES
 from ..report.fold_report import FoldCheck, FoldReport
 from ..report.outcome import BNOutcome, bn_module_names, explain_ghost_loops, frozen_lookalikes, unreached
+from ..check.first_call import FirstCallCheck
 from ..check.step import called_inputs
 from ..graph.graph_module import forget_undo, install, installed
 from ..graph.transaction import transaction
 from ..graph.scripted import reject_torchscript
 from ..check.validate import tolerance
-from ..graph.trace import LayerTracer, short_reason, trace
+from ..tracing.trace import LayerTracer, short_reason, trace
 
 __all__ = ["fold", "fold_conv_bn_modules", "FoldReport", "BNOutcome", "FoldCheck"]
 
@@ -294,7 +295,7 @@ def _fold_model(model: nn.Module, inplace: bool, example_inputs: Any, check: boo
         for m in work.modules():
             fwd = installed(m)
             if fwd is not None:
-                fwd.pending = tolerance
+                fwd.pending = FirstCallCheck(tolerance)
 
     # every BatchNorm module gets an outcome, including ones tracing never reached
     report.outcomes += unreached(bn_names, report.outcomes, [name for name, _ in report.untraceable])

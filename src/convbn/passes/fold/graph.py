@@ -17,7 +17,7 @@ from torch.utils import _pytree as pytree
 from ...functional.fold import fold_bn_into_following, fold_bn_into_preceding
 from ...nn.bn_call import has_standard_bn_forward
 from ..bn.sites import BNCall, bn_call
-from ..convert.concat_heads import cat_parts, channel_cat_pieces
+from ..graph.concat_heads import cat_parts, channel_cat_pieces
 from .layers import (UNSET, NormActTail, check_bn_foldable, clone_with, const_tensor, delete_unused_submodules,
                      describe_activation, free_name, get_attr_value, owner_path)
 from ..report.fold_report import FoldReport
