@@ -632,14 +632,17 @@ def markdown(records: List[Dict[str, Any]], command: str) -> str:
         fams[r["family"]].append(r)
     lines = [f"Command: `{command}`", "",
              "| family | models | convert fail | convert-noei fail | fold fail | fold-noei fail | BN called | "
-             "fused (ran) | fused (report) | report > ran (ei / noei; noei 2nd step) | folded | frozen BN-like called / after convert / "
-             "after fold | max out / grad / buffer err | above eager peak | timeout | skipped |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|---:|---:|---:|"]
+             "fused (ran) | fused (ran, noei 2nd step) | fused (report) | report > ran (ei / noei; noei 2nd step) | folded | frozen BN-like called / after convert / "
+             "after fold | max out / grad / buffer err | above eager peak (median peak x eager) | timeout | skipped |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|---:|---:|---:|"]
 
     def row(name: str, rs: List[Dict[str, Any]]) -> str:
         run = [r for r in rs if "skipped" not in r]
         called = sum(r.get("bn_called", 0) for r in run)
         ran = sum(r.get("convert", {}).get("fused_ran", 0) for r in run)
+        nxt = [r.get("convert_noei", {}).get("fused_ran_next") for r in run]
+        next_text = (f"{sum(n or 0 for n in nxt)} ({sum(n or 0 for n in nxt) / max(called, 1):.0%})"
+                     if any(n is not None for n in nxt) else "-")
         rep = sum(r.get("convert", {}).get("report_fused", 0) for r in run)
         over = [sum(len(r.get(k, {}).get(f, [])) for r in run)
                 for k, f in (("convert", "report_not_run"), ("convert_noei", "report_not_run"),
@@ -658,12 +661,15 @@ def markdown(records: List[Dict[str, Any]], command: str) -> str:
         mx = [max(errs[i::3], default=0.0) for i in range(3)]
         above = sum(1 for r in run if isinstance(r.get("peak"), dict) and "eager" in r["peak"]
                     and r["peak"]["converted"] > r["peak"]["eager"])
+        ratios = sorted(r["peak"]["converted"] / r["peak"]["eager"] for r in run
+                        if isinstance(r.get("peak"), dict) and r["peak"].get("eager"))
+        above_text = f"{above} (median {ratios[len(ratios) // 2]:.2f}x)" if ratios else str(above)
         return (f"| {name} | {len(run)} | {sum(_failed(r, 'convert') for r in run)} | "
                 f"{sum(_failed(r, 'convert_noei') for r in run)} | {sum(_failed(r, 'fold') for r in run)} | "
-                f"{sum(_failed(r, 'fold_noei') for r in run)} | {called} | {ran} ({ran / max(called, 1):.0%}) | "
+                f"{sum(_failed(r, 'fold_noei') for r in run)} | {called} | {ran} ({ran / max(called, 1):.0%}) | {next_text} | "
                 f"{rep} | {over_text} | {folded} / {bns} ({folded / max(bns, 1):.0%}) | "
                 f"{frozen_text} | "
-                f"{mx[0]:.1e} / {mx[1]:.1e} / {mx[2]:.1e} | {above} | {sum('timeout' in r for r in run)} | "
+                f"{mx[0]:.1e} / {mx[1]:.1e} / {mx[2]:.1e} | {above_text} | {sum('timeout' in r for r in run)} | "
                 f"{len(rs) - len(run)} |")
 
     for fam in sorted(fams):

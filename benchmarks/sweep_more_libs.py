@@ -379,7 +379,6 @@ MORE_FAMILIES: Dict[str, Dict[str, Entry]] = {
         "ResidualEncoderUNet-2d": ("segmentation", _dna("ResidualEncoderUNet", 2)),
         "ResidualEncoderUNet-3d": ("segmentation", _dna("ResidualEncoderUNet", 3)),
         "ResidualUNet-2d": ("segmentation", _dna("ResidualUNet", 2)),
-        "ResidualEncoderUNet-2d-nonlin-first": ("segmentation", _dna("ResidualEncoderUNet", 2, nonlin_first=True)),
         "PlainConvUNet-3d-nonlin-first": ("segmentation", _dna("PlainConvUNet", 3, nonlin_first=True)),
     },
     "xrv": {
