@@ -118,3 +118,14 @@ def test_a_child_that_never_traces_keeps_the_symbolic_trace() -> None:
     outcomes = {o.batchnorm: o.result for o in fast.convbn_report.outcomes}
     assert outcomes["b2"] == "fused", fast.convbn_report
     assert_close(fast(x), eager(x), **TOL)
+
+
+def test_same_padding_children_fuse_on_the_first_call_without_example_inputs() -> None:
+    eager = _randomise(SameNet())
+    x = torch.randn(2, 3, 11, 10, dtype=torch.float64)
+    fast = convbn.convert(copy.deepcopy(eager), strategy="recompute_conv")
+    first_f, first_e = fast(x.clone()), eager(x.clone())  # captured with real shapes, checked against eager
+    assert_close(first_f, first_e, **TOL)
+    report = assert_fused(fast, skipped=0)
+    assert sorted((p.conv, p.bn) for p in report.pairs if p.bn) == [("c1", "b1"), ("c2", "b2"), ("c3", "b3")]
+    _assert_steps(eager, fast, x)
