@@ -25,7 +25,7 @@ import inspect
 import time
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Literal, Optional, Tuple
 
 import torch
 from torch import Tensor, nn
@@ -35,10 +35,12 @@ from .memory import Timeline, timeline
 from .memory.timelines import default_loss
 from .memory.budget import parse_memory, resident_bytes, usable_bytes
 from .memory.saved import format_bytes
+from .passes.check.validate import as_args
 from .passes.convert.api import check_args, convert
 from .passes.plan.auto_plan import apply_plan, plan_to_target
 from .passes.plan.plan_inputs import PlanInputs, measure_peak, measure_plan_inputs, plan_inputs_at
 from .progress import check_progress, progress_scope, stage
+from .functional.deprecation import renamed_kwargs
 
 __all__ = ["BatchFit", "max_batch", "CONFIRM_SECONDS"]
 
@@ -299,15 +301,16 @@ def _check_convert_kwargs(model: nn.Module, inputs: Tuple[Any, ...], limit: int,
                kwargs.get("peak_budget"), limit)
 
 
+@renamed_kwargs(sample="example_inputs")
 def max_batch(
     model: nn.Module,
-    sample: Any,
+    example_inputs: Any,
     memory: Any,
     *,
     optimizer: Optional[torch.optim.Optimizer] = None,
     loss_fn: Optional[Callable[[Any], Tensor]] = None,
     upper: int = 1 << 16,
-    method: str = "predict",
+    method: Literal["predict", "measure"] = "predict",
     confirm: Optional[bool] = None,
     progress: Optional[bool] = None,
     **convert_kwargs: Any,
@@ -328,8 +331,9 @@ def max_batch(
 
     Args:
         model: the model, on the device to train on.
-        sample: an input batch (a tensor, or a tuple of the model's positional inputs),
-            any batch size: batches are built by repeating its rows along dim 0.
+        example_inputs: an input batch (a tensor, or a tuple of the model's positional
+            inputs), any batch size: batches are built by repeating its rows along dim 0
+            (``sample=``, its old name, is deprecated).
         memory: the memory available for training on the device: bytes, or text such as
             ``"16GiB"`` or ``"512 MiB"`` (:func:`convbn.memory.parse_memory`).
         optimizer: the optimizer to be used, built on ``model``'s parameters (its state
@@ -375,10 +379,10 @@ def max_batch(
         raise TypeError(f"confirm must be None, True or False, but got {confirm!r}")
     check_progress(progress)
     limit = parse_memory(memory)
-    inputs = sample if isinstance(sample, tuple) else tuple(sample) if isinstance(sample, list) else (sample,)
+    inputs = as_args(example_inputs, "example_inputs")
     if not any(isinstance(t, Tensor) and t.dim() > 0 for t in inputs):
-        raise TypeError("sample must be a tensor or a tuple of inputs with at least one batched tensor, "
-                        f"but got {type(sample).__name__}")
+        raise TypeError("example_inputs must be a tensor or a tuple of inputs with at least one batched tensor, "
+                        f"but got {type(example_inputs).__name__}")
     _check_convert_kwargs(model, inputs, limit, convert_kwargs)
     device = next((t.device for t in (*model.parameters(), *model.buffers())), torch.device("cpu"))
     usable = usable_bytes(limit, device)
