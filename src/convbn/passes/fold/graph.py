@@ -24,6 +24,7 @@ from ..report.fold_report import FoldReport
 from ..graph.layers import LayerCall, has_standard_forward, layer_call, layer_spec
 from ..report.outcome import BNOutcome
 from ..graph.shape_uses import value_users
+from ..bn.conv_crops import absorb_conv_crops
 from ..bn.tokens import drop_noop_flattens, features_to_dim1, flattened_linear_reason
 from ...functional.activations import ACTIVATIONS, activation_from_module
 from ..bn.frozen import frozen_bn_eps
@@ -554,6 +555,7 @@ class GraphFolder:
 
     def run(self) -> None:
         drop_noop_flattens(self.gm)  # Note: [a flatten between a Linear and its BatchNorm1d]
+        absorb_conv_crops(self.gm, self.root)  # Note: [a crop of a convolution's output is less padding]
         for node in list(self.gm.graph.nodes):
             if node._erased or node.op not in ("call_module", "call_function"):
                 continue
