@@ -78,7 +78,7 @@ import gc
 import statistics
 import time
 import warnings
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor, nn
@@ -99,6 +99,7 @@ from convbn.bench.training_configs import (
     build_config,
     config_names,
 )
+from convbn.bench.training_settings import TrainingBenchSettings
 from convbn.bench.training_output import TrainingRow, print_table, rows_to_json, rows_to_markdown, write_plot
 from convbn.memory import peak_memory, timeline, track_saved
 
@@ -112,6 +113,7 @@ __all__ = [
     "checkpoint_blocks",
     "config_names",
     "run_training_bench",
+    "TrainingBenchSettings",
     "print_table",
     "rows_to_markdown",
     "rows_to_json",
@@ -211,52 +213,16 @@ def _make_input(model: nn.Module, shape: Tuple[int, ...], batch_size: int, image
     return x
 
 
-def run_training_bench(
-    spec: str,
-    batch_size: int = 32,
-    configs: Optional[Sequence[str]] = None,
-    steps: int = 10,
-    warmup: int = 2,
-    device: Any = "cpu",
-    dtype: torch.dtype = torch.float32,
-    plot_path: Optional[str] = None,
-    *,
-    budgets: Sequence[float] = (),
-    compile_budgets: Sequence[float] = DEFAULT_COMPILE_BUDGETS,
-    use_compile: bool = True,
-    image_size: Optional[int] = None,
-    memory_rounds: int = 3,
-    lr: float = 1e-3,
-    seed: int = 0,
-    progress: Optional[bool] = None,
-    model: Optional[nn.Module] = None,
-    input_shape: Optional[Sequence[int]] = None,
-    peak_budgets: Sequence[float] = (),
-) -> List[TrainingRow]:
-    """Benchmark training steps of ``spec`` under every selected configuration, in one process.
+def run_training_bench(spec: Union[str, TrainingBenchSettings], *args: Any, **kwargs: Any) -> List[TrainingRow]:
+    """Benchmark training steps of a model under every selected configuration, in one process.
 
     Args:
-        spec: a model spec, e.g. ``"mnist"``, ``"monai:resnet18"`` (:func:`convbn.bench.models.build_model`).
-        batch_size: batch size of the random input.
-        configs: keys of :data:`CONFIG_KEYS` to run (``None``: all); ``eager`` always runs.
-        steps: timed rounds (one step of every configuration each); the median is reported.
-        warmup: untimed rounds after the first step (which compiles / plans).
-        device: where to run.
-        dtype: parameter and input dtype.
-        plot_path: also write :func:`write_plot` of the rows there.
-        budgets: ``memory_budget`` values, one ``convert auto budget=X`` configuration each.
-        compile_budgets: ``activation_memory_budget`` values, one ``torch.compile`` configuration each.
-        use_compile: ``False`` drops the ``torch.compile`` configurations.
-        image_size: overrides the spatial size of the model's default input where the model allows.
-        memory_rounds: dedicated rounds measuring the peak memory of one step (median reported).
-        lr: SGD learning rate.
-        seed: seed of the weights, input and dropout.
-        progress: a rich progress bar on stderr: ``None`` where stderr is a terminal, ``True`` always,
-            ``False`` never.
-        model: benchmark this module (deep-copied, never changed) instead of building ``spec``,
-            which then only labels the rows; needs ``input_shape``.
-        input_shape: the input shape without the batch dimension, with ``model``.
-        peak_budgets: ``peak_budget`` values, one ``convert auto peak=X`` configuration each.
+        spec: a :class:`~convbn.bench.training_settings.TrainingBenchSettings`, or a model spec
+            followed by its other fields as arguments (``run_training_bench("mnist",
+            batch_size=8, steps=2)``): ``batch_size``, ``configs``, ``steps``, ``warmup``,
+            ``device``, ``dtype``, ``plot_path`` by position or keyword, the rest by keyword.
+        *args: the settings' fields after ``spec``, by position, when ``spec`` is a spec.
+        **kwargs: the settings' fields, by keyword, when ``spec`` is a spec.
 
     Returns:
         One :class:`TrainingRow` per configuration, ``eager`` first. A configuration that fails
@@ -265,153 +231,190 @@ def run_training_bench(
     Raises:
         ValueError: bad spec, configuration key, budget or counts.
         ImportError: the spec's package is missing.
+
+    Example:
+        >>> rows = run_training_bench("mnist", batch_size=4, steps=1, use_compile=False)  # doctest: +SKIP
+        >>> rows[0].config
+        'eager'
     """
-    if steps < 1 or warmup < 0 or memory_rounds < 0 or batch_size < 1:
-        raise ValueError(f"need steps >= 1, warmup >= 0, memory_rounds >= 0 and batch_size >= 1, but got "
-                         f"steps={steps}, warmup={warmup}, memory_rounds={memory_rounds}, batch_size={batch_size}")
-    names = config_names(configs, budgets, compile_budgets, use_compile, peak_budgets)
-    device = torch.device(device)
-    if model is not None:
-        if input_shape is None:
-            raise ValueError("run_training_bench(model=...) needs input_shape=(C, H, W) (without the batch dimension)")
-        base, shape = copy.deepcopy(model), tuple(input_shape)
+    if isinstance(spec, TrainingBenchSettings):
+        if args or kwargs:
+            raise TypeError("run_training_bench(settings) takes no other arguments, but got "
+                            f"{len(args)} positional and {sorted(kwargs)} keyword ones; use dataclasses.replace")
+        settings = spec
     else:
-        torch.manual_seed(seed)
-        base, shape = build_model(spec)
-    base = base.to(device=device, dtype=dtype).train()
-    gen = torch.Generator().manual_seed(seed)
-    x = _make_input(base, tuple(shape), batch_size, image_size, spec, device, dtype, gen)
+        settings = TrainingBenchSettings(spec, *args, **kwargs)
+    return _TrainingBench(settings).run()
 
-    dtype_name = str(dtype).replace("torch.", "")
-    rows: Dict[str, TrainingRow] = {n: TrainingRow(spec, n, tuple(x.shape), str(device), dtype_name) for n in names}
-    cfgs: List[TrainingConfig] = []
-    per_config = 2 + warmup + memory_rounds + steps
-    with progress_scope("bench", False), progress_bar(progress) as bar:  # the bar, not convert's lines
-        task = bar.add_task(f"{spec}: building", total=len(names) * per_config)
 
-        # build + first step (same weights, input and seed) -> differences from eager
-        proj: Optional[Tensor] = None
-        ref_out: Optional[Tensor] = None
-        ref_grads: List[Optional[Tensor]] = []
-        ref_buffers: List[Tensor] = []
-        for name in list(names):
-            bar.update(task, description=f"{spec}: {name}: build + first step")
-            row = rows[name]
-            t0 = time.perf_counter()
-            try:
-                cfg = build_config(name, base, x, lr)
-                if proj is None:
-                    with torch.no_grad():
-                        probe = first_tensor(copy.deepcopy(base).eval()(x[:1]))
-                    proj = torch.randn(probe.shape[1:], generator=gen).to(device)
-                torch.manual_seed(seed + 1)
-                out = _step(cfg, x, proj)
-                if device.type == "cuda":
-                    torch.cuda.synchronize(device)
-            except Exception as exc:  # noqa: BLE001 - report the failure in the row, keep going
-                if name == "eager":
-                    raise
-                if isinstance(exc, NoConcatHead) and configs is None:
-                    del rows[name]  # not asked for by name: a model without concatenations has no such row
-                    names.remove(name)
-                    bar.advance(task, per_config)
-                    continue
-                row.note = f"failed: {short_error(exc)}"
-                bar.advance(task, per_config)
-                continue
-            row.setup_s = time.perf_counter() - t0
-            # zero_grad(set_to_none) at the next step start; these grads are the first step's
-            grads = [None if p.grad is None else p.grad.detach().clone() for p in cfg.params]
-            buffers = [b.detach().clone() for b in cfg.buffers if b.is_floating_point()]
+class _TrainingBench:
+    """One run of the training benchmark: the model and input every configuration shares,
+    and the rows as the phases of :meth:`run` fill them."""
+
+    def __init__(self, settings: TrainingBenchSettings) -> None:
+        s = self.settings = settings
+        self.names = config_names(s.configs, s.budgets, s.compile_budgets, s.use_compile, s.peak_budgets)
+        self.device = torch.device(s.device)
+        if s.model is not None:
+            if s.input_shape is None:
+                raise ValueError("run_training_bench(model=...) needs input_shape=(C, H, W) (without the batch dimension)")
+            base, shape = copy.deepcopy(s.model), tuple(s.input_shape)
+        else:
+            torch.manual_seed(s.seed)
+            base, shape = build_model(s.spec)
+        self.base = base.to(device=self.device, dtype=s.dtype).train()
+        self.gen = torch.Generator().manual_seed(s.seed)
+        self.x = _make_input(self.base, tuple(shape), s.batch_size, s.image_size, s.spec, self.device, s.dtype,
+                             self.gen)
+        dtype_name = str(s.dtype).replace("torch.", "")
+        self.rows: Dict[str, TrainingRow] = {n: TrainingRow(s.spec, n, tuple(self.x.shape), str(self.device),
+                                                            dtype_name) for n in self.names}
+        self.cfgs: List[TrainingConfig] = []
+        self.proj: Optional[Tensor] = None  # the loss's projection, drawn once eager's output shape is known
+        self.eager: Optional[Tuple[Tensor, List[Optional[Tensor]], List[Tensor]]] = None  # first step's out, grads, buffers
+        self.peaks: Dict[str, List[int]] = {}
+        self.times: Dict[str, List[float]] = {}
+
+    def run(self) -> List[TrainingRow]:
+        """Build + first step, saved bytes, warm-up, peak and timed rounds; then the ratios."""
+        s, x = self.settings, self.x
+        with progress_scope("bench", False), progress_bar(s.progress) as bar:  # the bar, not convert's lines
+            self.bar, self.task = bar, bar.add_task(f"{s.spec}: building", total=len(self.names) * s.rounds_per_config)
+            for name in list(self.names):  # same weights, input and seed -> differences from eager
+                self._build(name)
+            for cfg in self.cfgs:
+                self._saved(cfg)
+            assert self.proj is not None  # eager ran
+            self._rounds(s.warmup, "warm-up", lambda cfg, r: _step(cfg, x, self.proj))
+            self.peaks = {c.name: [] for c in self.cfgs}
+            self._rounds(s.memory_rounds, "peak memory", self._measure_peak)
+            self.times = {c.name: [] for c in self.cfgs}
+            self._rounds(s.steps, "timed step",
+                         lambda cfg, r: self.times[cfg.name].append(timed_ms(lambda: _step(cfg, x, self.proj), self.device)))
+        return self._summary()
+
+    def _note(self, name: str, text: str) -> None:
+        row = self.rows[name]
+        row.note += f"{'; ' if row.note else ''}{text}"
+
+    def _build(self, name: str) -> None:
+        """Build configuration ``name`` and run its first step; a failure is noted in its row."""
+        s, row = self.settings, self.rows[name]
+        self.bar.update(self.task, description=f"{s.spec}: {name}: build + first step")
+        t0 = time.perf_counter()
+        try:
+            cfg = build_config(name, self.base, self.x, s.lr)
+            if self.proj is None:
+                with torch.no_grad():
+                    probe = first_tensor(copy.deepcopy(self.base).eval()(self.x[:1]))
+                self.proj = torch.randn(probe.shape[1:], generator=self.gen).to(self.device)
+            torch.manual_seed(s.seed + 1)
+            out = _step(cfg, self.x, self.proj)
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+        except Exception as exc:  # noqa: BLE001 - report the failure in the row, keep going
             if name == "eager":
-                ref_out, ref_grads, ref_buffers = out.clone(), grads, buffers
+                raise
+            if isinstance(exc, NoConcatHead) and s.configs is None:
+                del self.rows[name]  # not asked for by name: a model without concatenations has no such row
+                self.names.remove(name)
             else:
-                row.max_out_diff = _max_diff(out, ref_out)
-                row.max_grad_diff = max((_max_diff(g, r) for g, r in zip(grads, ref_grads)), default=0.0)
-                scale = max((_max_abs(r) for r in ref_grads), default=0.0)
-                row.max_grad_rel_diff = row.max_grad_diff / scale if scale > 0 else None
-                buf = max((_max_diff(b, r) for b, r in zip(buffers, ref_buffers)), default=0.0)
-                if buf > 1e-4:
-                    cfg.note += f"{'; ' if cfg.note else ''}running stats differ from eager by {buf:.1e}"
-                if (name.startswith("torch.compile") and
-                        any(isinstance(m, _DropoutNd) and m.p > 0 for m in base.modules())):
-                    cfg.note += f"{'; ' if cfg.note else ''}dropout RNG differs under compile"
-            row.note = cfg.note
-            cfgs.append(cfg)
-            bar.advance(task)
+                row.note = f"failed: {short_error(exc)}"
+            self.bar.advance(self.task, s.rounds_per_config)
+            return
+        row.setup_s = time.perf_counter() - t0
+        self._compare_to_eager(cfg, row, out)
+        row.note = cfg.note
+        self.cfgs.append(cfg)
+        self.bar.advance(self.task)
 
-        # saved bytes of one training forward (see Note: [Saved bytes under torch.compile])
-        for cfg in cfgs:
-            bar.update(task, description=f"{spec}: {cfg.name}: saved bytes")
-            try:
-                with cfg.context():
-                    rows[cfg.name].saved_bytes, rows[cfg.name].activation_bytes = _saved_bytes(cfg, x)
-            except Exception as exc:  # noqa: BLE001
-                rows[cfg.name].note += f"{'; ' if rows[cfg.name].note else ''}saved bytes failed: {short_error(exc)}"
-            bar.advance(task)
+    def _compare_to_eager(self, cfg: TrainingConfig, row: TrainingRow, out: Tensor) -> None:
+        """Record the first step's differences from eager's (eager itself: keep them)."""
+        # zero_grad(set_to_none) at the next step start; these grads are the first step's
+        grads = [None if p.grad is None else p.grad.detach().clone() for p in cfg.params]
+        buffers = [b.detach().clone() for b in cfg.buffers if b.is_floating_point()]
+        if cfg.name == "eager":
+            self.eager = (out.clone(), grads, buffers)
+            return
+        ref_out, ref_grads, ref_buffers = self.eager
+        row.max_out_diff = _max_diff(out, ref_out)
+        row.max_grad_diff = max((_max_diff(g, r) for g, r in zip(grads, ref_grads)), default=0.0)
+        scale = max((_max_abs(r) for r in ref_grads), default=0.0)
+        row.max_grad_rel_diff = row.max_grad_diff / scale if scale > 0 else None
+        buf = max((_max_diff(b, r) for b, r in zip(buffers, ref_buffers)), default=0.0)
+        if buf > 1e-4:
+            cfg.note += f"{'; ' if cfg.note else ''}running stats differ from eager by {buf:.1e}"
+        if (cfg.name.startswith("torch.compile") and
+                any(isinstance(m, _DropoutNd) and m.p > 0 for m in self.base.modules())):
+            cfg.note += f"{'; ' if cfg.note else ''}dropout RNG differs under compile"
 
-        def run_rounds(n: int, label: str, body: Callable[[TrainingConfig, int], None]) -> None:
-            for r in range(n):
-                bar.update(task, description=f"{spec}: {label} {r + 1}/{n}")
-                live = [c for c in cfgs if not c.failed]
-                k = r % max(len(live), 1)
-                for cfg in live[k:] + live[:k]:  # see Note: [Round-robin timing]
-                    try:
-                        body(cfg, r)
-                    except Exception as exc:  # noqa: BLE001
-                        cfg.failed = True
-                        rows[cfg.name].note += f"{'; ' if rows[cfg.name].note else ''}failed in {label}: {short_error(exc)}"
-                    bar.advance(task)
+    def _saved(self, cfg: TrainingConfig) -> None:
+        """Saved bytes of one training forward (see Note: [Saved bytes under torch.compile])."""
+        self.bar.update(self.task, description=f"{self.settings.spec}: {cfg.name}: saved bytes")
+        try:
+            with cfg.context():
+                self.rows[cfg.name].saved_bytes, self.rows[cfg.name].activation_bytes = _saved_bytes(cfg, self.x)
+        except Exception as exc:  # noqa: BLE001
+            self._note(cfg.name, f"saved bytes failed: {short_error(exc)}")
+        self.bar.advance(self.task)
 
-        assert proj is not None  # eager ran
-        run_rounds(warmup, "warm-up", lambda cfg, r: _step(cfg, x, proj))
+    def _rounds(self, n: int, label: str, body: Callable[[TrainingConfig, int], None]) -> None:
+        """``n`` rounds of ``body`` over every live configuration (see Note: [Round-robin timing])."""
+        for r in range(n):
+            self.bar.update(self.task, description=f"{self.settings.spec}: {label} {r + 1}/{n}")
+            live = [c for c in self.cfgs if not c.failed]
+            k = r % max(len(live), 1)
+            for cfg in live[k:] + live[:k]:
+                try:
+                    body(cfg, r)
+                except Exception as exc:  # noqa: BLE001
+                    cfg.failed = True
+                    self._note(cfg.name, f"failed in {label}: {short_error(exc)}")
+                self.bar.advance(self.task)
 
-        peaks: Dict[str, List[int]] = {c.name: [] for c in cfgs}
+    def _measure_peak(self, cfg: TrainingConfig, r: int) -> None:
+        # Note: [peak on CPU] exact live-tensor bytes (timeline, the one definition) where possible;
+        # compiled graphs run outside Python dispatch, so for them fall back to
+        # sampled process RSS and say so in the row.
+        device, x, proj = self.device, self.x, self.proj
+        _release_freed_memory(device)
+        if "torch.compile" not in cfg.name:
+            with cfg.context():
+                tl = timeline(cfg.model, x, loss_fn=lambda out: projection_loss(first_tensor(out), proj),
+                              optimizer=cfg.optimizer)
+            self.peaks[cfg.name].append(tl.peak)
+            return
+        if device.type == "cpu" and r == 0:
+            self._note(cfg.name, "peak: sampled RSS")
+        cfg.optimizer.zero_grad(set_to_none=True)  # as timeline: freed gradients are not the step's
+        _release_freed_memory(device)
+        with peak_memory(device) as meter:
+            _step(cfg, x, proj)
+        self.peaks[cfg.name].append(meter.result.peak)
 
-        def measure_peak(cfg: TrainingConfig, r: int) -> None:
-            # Note: [peak on CPU] exact live-tensor bytes (timeline, the one definition) where possible;
-            # compiled graphs run outside Python dispatch, so for them fall back to
-            # sampled process RSS and say so in the row.
-            _release_freed_memory(device)
-            if "torch.compile" not in cfg.name:
-                with cfg.context():
-                    tl = timeline(cfg.model, x, loss_fn=lambda out: projection_loss(first_tensor(out), proj),
-                                  optimizer=cfg.optimizer)
-                peaks[cfg.name].append(tl.peak)
-                return
-            if device.type == "cpu" and r == 0:
-                rows[cfg.name].note += f"{'; ' if rows[cfg.name].note else ''}peak: sampled RSS"
-            cfg.optimizer.zero_grad(set_to_none=True)  # as timeline: freed gradients are not the step's
-            _release_freed_memory(device)
-            with peak_memory(device) as meter:
-                _step(cfg, x, proj)
-            peaks[cfg.name].append(meter.result.peak)
-
-        run_rounds(memory_rounds, "peak memory", measure_peak)
-
-        times: Dict[str, List[float]] = {c.name: [] for c in cfgs}
-        run_rounds(steps, "timed step", lambda cfg, r: times[cfg.name].append(timed_ms(lambda: _step(cfg, x, proj), device)))
-
-    for cfg in cfgs:
-        row = rows[cfg.name]
-        if peaks[cfg.name] and not cfg.failed:
-            row.peak_bytes = int(statistics.median(peaks[cfg.name]))
-        if times[cfg.name] and not cfg.failed:
-            row.median_ms = statistics.median(times[cfg.name])
-    eager = rows["eager"]
-    for row in rows.values():
-        if row.saved_bytes is not None and eager.saved_bytes:
-            row.saved_ratio = row.saved_bytes / eager.saved_bytes
-        if row.activation_bytes is not None and eager.activation_bytes:
-            row.activation_ratio = row.activation_bytes / eager.activation_bytes
-        if row.peak_bytes is not None and eager.peak_bytes:
-            row.peak_ratio = row.peak_bytes / eager.peak_bytes
-        if row.median_ms is not None and eager.median_ms:
-            row.time_ratio = row.median_ms / eager.median_ms
-    result = [rows[n] for n in names]
-    if plot_path:
-        write_plot(result, plot_path)
-    return result
+    def _summary(self) -> List[TrainingRow]:
+        """Medians and ratios to eager, in configuration order; the plot where asked."""
+        rows = self.rows
+        for cfg in self.cfgs:
+            row = rows[cfg.name]
+            if self.peaks[cfg.name] and not cfg.failed:
+                row.peak_bytes = int(statistics.median(self.peaks[cfg.name]))
+            if self.times[cfg.name] and not cfg.failed:
+                row.median_ms = statistics.median(self.times[cfg.name])
+        eager = rows["eager"]
+        for row in rows.values():
+            if row.saved_bytes is not None and eager.saved_bytes:
+                row.saved_ratio = row.saved_bytes / eager.saved_bytes
+            if row.activation_bytes is not None and eager.activation_bytes:
+                row.activation_ratio = row.activation_bytes / eager.activation_bytes
+            if row.peak_bytes is not None and eager.peak_bytes:
+                row.peak_ratio = row.peak_bytes / eager.peak_bytes
+            if row.median_ms is not None and eager.median_ms:
+                row.time_ratio = row.median_ms / eager.median_ms
+        result = [rows[n] for n in self.names]
+        if self.settings.plot_path:
+            write_plot(result, self.settings.plot_path)
+        return result
 
 
 # --------------------------------------------------------------------------- command line
