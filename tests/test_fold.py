@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-import convbn.passes.fold.graph as fold_mod  # where the graph folder calls the fold maths
+import convbn.passes.fold.directions as fold_mod  # where the graph folder calls the fold maths
 from convbn.bench.models import MNISTNet
 from convbn.nn.sync import SyncBatchNorm
 from convbn.passes.fold.api import FoldReport, fold, fold_conv_bn_modules

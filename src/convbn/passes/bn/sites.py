@@ -8,7 +8,7 @@ own conditions: :func:`find_bn_sites` those of convert (fused in training: the m
 mode and statistics are read again at every call of the fused chain), giving convert's
 :class:`BNSite` records in graph order, and a BatchNorm that cannot be a site is reported
 left with the reason; fold's (eval only: running statistics present, no hooks, torch's
-forward) are in :meth:`convbn.passes.fold.graph.GraphFolder.bn_site`. The matcher
+forward) are in :func:`convbn.passes.fold.match.match_bn`. The matcher
 (:mod:`convbn.passes.convert.match`) then looks for the convolution before and the tail after.
 """
 from __future__ import annotations
