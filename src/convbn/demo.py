@@ -314,6 +314,38 @@ def run_demo(config: DemoConfig, console: Any = None, data: Optional[Dataset] = 
         >>> r.saved["tutorial"] < r.saved["unfused"]  # doctest: +SKIP
         True
     """
+    _check_config(config)
+    run = _start(config, data)
+    _announce(run, console)
+    _train(run, console)
+    result, models, example, device = run.result, run.models, run.train_x[:run.batch], run.device
+    # End-of-forward bytes: one training-mode forward of a copy (the trained models'
+    # running statistics stay as they are).
+    for name, model in models.items():
+        result.saved[name] = saved_bytes(copy.deepcopy(model).train(), example).total
+        result.peak[name] = int(run.stats[name][run.peak_step].peak or 0)
+        timed = [st.seconds for i, st in enumerate(run.stats[name]) if i not in (0, run.peak_step)] \
+            or [run.stats[name][-1].seconds]
+        result.step_time[name] = statistics.median(timed)
+    for name in CONFIGS[1:]:
+        result.equality[name] = compare_losses(
+            name, result.step_losses[name], result.step_losses["unfused"], run.first_grad_diff.get(name)
+        )
+    if config.plot:
+        write_plot(result, config.plot, device)
+        result.plot = config.plot
+        result.timeline_plot = write_timeline_plot(models, example, config.plot, device)
+    if console is not None:
+        _print_results(result, console, device)
+    if config.memory is not None:
+        result.batch_fit = _batch_fit(example, config, device)
+        if console is not None:
+            console.print(result.batch_fit.summary())
+    return result
+
+
+def _check_config(config: DemoConfig) -> None:
+    """Raise on a bad option before any data is read or model built."""
     if config.epochs < 1:
         raise ValueError(f"epochs must be at least 1, but got {config.epochs}")
     if config.batch_size < 2:
@@ -322,6 +354,32 @@ def run_demo(config: DemoConfig, console: Any = None, data: Optional[Dataset] = 
         raise FileNotFoundError(f"--mnist-dir {config.mnist_dir!r} is not a directory")
     if config.memory is not None:
         parse_memory(config.memory)  # a readable size before training, not after
+
+
+@dataclass
+class _DemoRun:
+    """The demo's data, networks and optimizers, and what training records."""
+
+    config: DemoConfig
+    device: torch.device
+    source: str
+    train_x: Tensor
+    train_y: Tensor
+    test_x: Tensor
+    test_y: Tensor
+    batch: int
+    steps: int  # per epoch
+    peak_step: int  # the step measured for its exact peak
+    result: DemoResult
+    models: Dict[str, nn.Module]
+    opts: Dict[str, torch.optim.Optimizer]
+    scheds: Dict[str, Any]
+    stats: Dict[str, List[StepStats]]
+    first_grad_diff: Dict[str, Tuple[int, float]]  # first step whose gradients differ from unfused's
+
+
+def _start(config: DemoConfig, data: Optional[Dataset]) -> _DemoRun:
+    """Load the data and build the three networks with their optimizers."""
     device = torch.device(config.device)
     if data is None:
         data = load_mnist(config.mnist_dir) if config.mnist_dir else load_digits_28(config.seed)
@@ -331,55 +389,52 @@ def run_demo(config: DemoConfig, console: Any = None, data: Optional[Dataset] = 
     n = len(train_y)
     batch = min(config.batch_size, n)
     steps = n // batch  # drop the last partial batch: BatchNorm needs > 1 sample, shapes stay fixed
-    total = config.epochs * steps
-    peak_step = 1 if total > 1 else 0  # the second step: gradients and optimizer state exist
+    peak_step = 1 if config.epochs * steps > 1 else 0  # the second step: gradients and optimizer state exist
     result = DemoResult(batch_size=batch, memory_source="cuda" if device.type == "cuda" else "tensors")
-
     models = build_models(train_x[:batch], config.seed, device)
     opts = {k: torch.optim.Adadelta(m.parameters(), lr=config.lr) for k, m in models.items()}
     scheds = {k: torch.optim.lr_scheduler.StepLR(o, step_size=1, gamma=config.gamma) for k, o in opts.items()}
     result.plans = {k: _plan(m) for k, m in models.items()}
     result.test_images = len(test_y)
-    shuffle = torch.Generator().manual_seed(config.seed)
-    stats: Dict[str, List[StepStats]] = {k: [] for k in models}
-    first_grad_diff: Dict[str, Tuple[int, float]] = {}  # first step whose gradients differ from unfused's
+    return _DemoRun(config, device, data.source, train_x, train_y, test_x, test_y, batch, steps, peak_step, result,
+                    models, opts, scheds, {k: [] for k in models}, {})
 
-    if console is not None:
-        console.print(
-            f"[bold]convbn demo[/bold]: {data.source}; {n} train / {len(test_y)} test images; batch {batch}; "
-            f"{config.epochs} epoch(s) x {steps} step(s); Adadelta lr {config.lr}; device {device}"
-        )
-        for k in CONFIGS:
-            console.print(f"  {k:<9} {CONFIG_HELP[k]}" + (f" -> {result.plans[k]}" if k != "unfused" else ""))
+
+def _announce(run: _DemoRun, console: Any) -> None:
+    """Print the data, the schedule and each configuration's plan."""
+    if console is None:
+        return
+    config = run.config
+    console.print(
+        f"[bold]convbn demo[/bold]: {run.source}; {len(run.train_y)} train / {len(run.test_y)} test images; "
+        f"batch {run.batch}; {config.epochs} epoch(s) x {run.steps} step(s); Adadelta lr {config.lr}; "
+        f"device {run.device}"
+    )
+    for k in CONFIGS:
+        console.print(f"  {k:<9} {CONFIG_HELP[k]}" + (f" -> {run.result.plans[k]}" if k != "unfused" else ""))
+
+
+def _train(run: _DemoRun, console: Any) -> None:
+    """Train the three networks side by side, epoch by epoch, with a progress bar where asked."""
+    config, result = run.config, run.result
+    shuffle = torch.Generator().manual_seed(config.seed)
     progress = _progress(console) if (console is not None and config.progress) else None
-    task = progress.add_task("training", total=total) if progress is not None else None
+    task = progress.add_task("training", total=config.epochs * run.steps) if progress is not None else None
     if progress is not None:
         progress.start()
     try:
         step_no = 0
         for epoch in range(1, config.epochs + 1):
-            perm = torch.randperm(n, generator=shuffle).to(device)
-            for step in range(steps):
-                idx = perm[step * batch : (step + 1) * batch]
-                x, y = train_x[idx], train_y[idx]
-                state = _rng_state(device)
-                for name, model in models.items():
-                    _set_rng_state(state, device)  # same dropout masks for all
-                    st = _train_step(model, opts[name], x, y, device, measure_peak=step_no == peak_step)
-                    stats[name].append(st)
-                    result.step_losses[name].append(st.loss)
-                for name in CONFIGS[1:]:  # the gradients of this step are still in .grad (untimed)
-                    if name not in first_grad_diff:
-                        gdiff = grad_difference(models[name], models["unfused"])
-                        if gdiff != 0.0:
-                            first_grad_diff[name] = (step_no, gdiff)
+            perm = torch.randperm(len(run.train_y), generator=shuffle).to(run.device)
+            for step in range(run.steps):
+                _train_all(run, perm[step * run.batch : (step + 1) * run.batch], step_no)
                 step_no += 1
                 if progress is not None:
                     progress.update(task, advance=1, description=f"epoch {epoch} loss {result.step_losses['unfused'][-1]:.4f}")
-            for s in scheds.values():
+            for s in run.scheds.values():
                 s.step()
-            for name, model in models.items():
-                result.accuracy[name].append(_accuracy(model, test_x, test_y, batch))
+            for name, model in run.models.items():
+                result.accuracy[name].append(_accuracy(model, run.test_x, run.test_y, run.batch))
             if console is not None:
                 accs = ", ".join(f"{k} {100 * result.accuracy[k][-1]:.1f}%" for k in CONFIGS)
                 console.print(f"epoch {epoch}: last train loss {result.step_losses['unfused'][-1]:.4f}; test accuracy {accs}")
@@ -387,35 +442,33 @@ def run_demo(config: DemoConfig, console: Any = None, data: Optional[Dataset] = 
         if progress is not None:
             progress.stop()
 
-    # End-of-forward bytes: one training-mode forward of a copy (the trained models'
-    # running statistics stay as they are).
-    for name, model in models.items():
-        result.saved[name] = saved_bytes(copy.deepcopy(model).train(), train_x[:batch]).total
-        result.peak[name] = int(stats[name][peak_step].peak or 0)
-        timed = [st.seconds for i, st in enumerate(stats[name]) if i not in (0, peak_step)] or [stats[name][-1].seconds]
-        result.step_time[name] = statistics.median(timed)
+
+def _train_all(run: _DemoRun, idx: Tensor, step_no: int) -> None:
+    """One step of every network on the minibatch ``idx``, with the same dropout masks."""
+    x, y = run.train_x[idx], run.train_y[idx]
+    state = _rng_state(run.device)
+    for name, model in run.models.items():
+        _set_rng_state(state, run.device)  # same dropout masks for all
+        st = _train_step(model, run.opts[name], x, y, run.device, measure_peak=step_no == run.peak_step)
+        run.stats[name].append(st)
+        run.result.step_losses[name].append(st.loss)
+    for name in CONFIGS[1:]:  # the gradients of this step are still in .grad (untimed)
+        if name not in run.first_grad_diff:
+            gdiff = grad_difference(run.models[name], run.models["unfused"])
+            if gdiff != 0.0:
+                run.first_grad_diff[name] = (step_no, gdiff)
+
+
+def _print_results(result: DemoResult, console: Any, device: torch.device) -> None:
+    """The closing table, each equality, the accuracies and where the plots went."""
+    console.print(results_table(result, device))
     for name in CONFIGS[1:]:
-        result.equality[name] = compare_losses(
-            name, result.step_losses[name], result.step_losses["unfused"], first_grad_diff.get(name)
-        )
-    if config.plot:
-        write_plot(result, config.plot, device)
-        result.plot = config.plot
-        result.timeline_plot = write_timeline_plot(models, train_x[:batch], config.plot, device)
-    if console is not None:
-        console.print(results_table(result, device))
-        for name in CONFIGS[1:]:
-            console.print(result.equality[name])
-        console.print(accuracy_sentence(result))
-        if result.plot:
-            console.print(f"plot written to {os.path.abspath(result.plot)}")
-        if result.timeline_plot:
-            console.print(f"memory timeline of one step written to {os.path.abspath(result.timeline_plot)}")
-    if config.memory is not None:
-        result.batch_fit = _batch_fit(train_x[:batch], config, device)
-        if console is not None:
-            console.print(result.batch_fit.summary())
-    return result
+        console.print(result.equality[name])
+    console.print(accuracy_sentence(result))
+    if result.plot:
+        console.print(f"plot written to {os.path.abspath(result.plot)}")
+    if result.timeline_plot:
+        console.print(f"memory timeline of one step written to {os.path.abspath(result.timeline_plot)}")
 
 
 def _batch_fit(x: Tensor, config: DemoConfig, device: torch.device) -> Any:
