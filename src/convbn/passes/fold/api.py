@@ -39,7 +39,8 @@ from torch.utils import _pytree as pytree
 from ..bn.recognise import may_normalise
 from ..check.fold_check import (CHECK_TOLERANCE, EAGER_ERROR_FACTOR, compare_to_reference, float64_errors, float64_fold_error,
                                 output_jump, reference_run, run_no_grad)
-from .graph import FoldContext, GraphFolder
+from .folder import FoldContext
+from .stages import fold_graph
 from .layers import fold_conv_bn_modules
 from ..graph.layers import LAYER_MODULES
 from ..report.fold_report import FoldCheck, FoldReport
@@ -90,9 +91,7 @@ def fold_module(module: nn.Module, prefix: str, ctx: FoldContext, done: Set[int]
             return fold_children(module, prefix, ctx, done)
     gm = traced.gm
     mark = len(ctx.report.outcomes)
-    folder = GraphFolder(gm, module, prefix, ctx)
-    folder.run()
-    changed = folder.changed
+    changed = fold_graph(gm, module, prefix, ctx)
     if changed:
         fwd = install(module, gm, register_new=True)
         fwd.defaults = traced.guard()  # the calls the graph applies to (defaults kept, traced shapes)
@@ -273,7 +272,7 @@ def _check_model(model: Any) -> None:
 #   prepare       the module to fold (a copy unless inplace), a reference run on the sample
 #                 input (it records BatchNorm input / Linear output ranks) and each module's inputs;
 #   fold_graphs   every module traced (trace) and folded by the graph folder's own stages
-#                 (canonicalise -> match -> fold -> tidy: GRAPH_STAGES in graph.py), recursively
+#                 (canonicalise -> match -> fold -> tidy: GRAPH_STAGES in stages.py), recursively
 #                 into what tracing could not see into;
 #   account       every BatchNorm module gets an outcome, those tracing never reached too;
 #   check         the folded model against the reference (or child by child where the whole

@@ -6,7 +6,7 @@ a fold gives the layer its folded weights (maths in :mod:`convbn.functional.fold
 BatchNorm and records a ``"folded"`` outcome."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Optional, Set, Tuple
+from typing import Optional, Set, Tuple
 
 import torch.fx as fx
 from torch import Tensor
@@ -19,10 +19,8 @@ from ..graph.layers import layer_spec
 from ..graph.shape_uses import value_users
 from ..report.outcome import BNOutcome
 from .left_reasons import activation_before_layer
+from .folder import GraphFolder
 from .match import FoldLayer, FoldSite
-
-if TYPE_CHECKING:
-    from .graph import GraphFolder
 
 __all__ = ["fold_preceding", "fold_following"]
 

@@ -3,7 +3,7 @@ flatten into a linear, it follows an activation of a layer (conv -> act -> BN), 
 activation sits between it and the layer after it (pre-activation)."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Optional, Tuple
+from typing import Optional, Tuple
 
 import torch.fx as fx
 
@@ -11,10 +11,8 @@ from ...functional.activations import ACTIVATIONS, activation_from_module
 from ..bn.tokens import flattened_linear_reason
 from ..graph.shape_uses import value_users
 from .layers import describe_activation
+from .folder import GraphFolder
 from .match import FoldLayer, FoldSite
-
-if TYPE_CHECKING:
-    from .graph import GraphFolder
 
 __all__ = ["activation_before_layer", "left_reason"]
 

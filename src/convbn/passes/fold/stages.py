@@ -1,4 +1,4 @@
-"""The graph folder: in one traced GraphModule, fold each BatchNorm into its neighbouring
+"""The graph folder's stages: in one traced GraphModule, fold each BatchNorm into its neighbouring
 layer, in stages that hand values on (see :data:`GRAPH_STAGES`):
 
 * canonicalise: drop the no-op flattens between a linear and its BatchNorm1d;
@@ -14,8 +14,7 @@ The recursion into submodules traced on their own is :func:`convbn.passes.fold.a
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional, Set, Tuple, Union
+from typing import Any, Callable, List, Set, Tuple, Union
 
 import torch
 import torch.fx as fx
@@ -23,57 +22,17 @@ from torch import nn
 
 from ..bn.sites import bn_call
 from ..bn.tokens import drop_noop_flattens
-from ..report.fold_report import FoldReport
 from ..report.outcome import BNOutcome
 from .directions import fold_following, fold_preceding
-from .install import WeightInstaller
+from .folder import FoldContext, GraphFolder
 from .layers import NormActTail, delete_unused_submodules
 from .left_reasons import left_reason
-from .match import FoldLayer, FoldSite, match_bn, match_layer, qualified
+from .match import FoldSite, match_bn
 
-__all__ = ["FoldContext", "GraphFolder", "GRAPH_STAGES"]
+__all__ = ["GRAPH_STAGES", "fold_graph"]
 
 #: What matching found in one graph, in graph order: a site to fold, or a BatchNorm's outcome.
 Matches = List[Union[FoldSite, BNOutcome]]
-
-
-@dataclass
-class FoldContext:
-    report: FoldReport
-    inplace: bool
-    bn_input_ranks: Dict[int, Set[int]]   # id(BN module) -> ranks of its inputs (sample run)
-    linear_out_ranks: Dict[int, Set[int]]  # id(Linear module) -> ranks of its outputs
-    #: id(module) -> (args, kwargs) of its first call in a sample run (shape capture), when known
-    called: Optional[Dict[int, Tuple[Tuple[Any, ...], Dict[str, Any]]]] = None
-
-
-class GraphFolder:
-    """Folds the BatchNorms of one traced GraphModule (``prefix``: its qualified name)."""
-
-    def __init__(self, gm: fx.GraphModule, root: nn.Module, prefix: str, ctx: FoldContext) -> None:
-        self.gm = gm
-        self.root = root  # the traced module (gm only holds the parts the graph uses)
-        self.prefix = prefix
-        self.ctx = ctx
-        self.installer = WeightInstaller(gm, prefix, ctx.inplace)
-
-    @property
-    def changed(self) -> bool:
-        """Whether a BatchNorm was folded (the graph changed)."""
-        return self.installer.changed
-
-    def qual(self, target: str) -> str:
-        return qualified(self.prefix, target)
-
-    def layer(self, node: Any) -> Union[FoldLayer, str]:
-        """The conv/linear applied by ``node``, or a reason string why it is none."""
-        return match_layer(node, self.gm, self.prefix)
-
-    def run(self) -> None:
-        """Run :data:`GRAPH_STAGES` in order, each handing its value to the next."""
-        value: Any = None
-        for stage in GRAPH_STAGES:
-            value = stage(self, value)
 
 
 def canonicalise(folder: GraphFolder, _: None) -> None:
@@ -130,3 +89,13 @@ def tidy(folder: GraphFolder, norm_act: Set[str]) -> None:
 
 #: The graph folder's stages, in order; each takes the folder and the previous stage's value.
 GRAPH_STAGES: Tuple[Callable[[GraphFolder, Any], Any], ...] = (canonicalise, match, fold_sites, tidy)
+
+
+def fold_graph(gm: fx.GraphModule, root: nn.Module, prefix: str, ctx: FoldContext) -> bool:
+    """Fold the BatchNorms of ``gm``, traced from ``root`` (qualified name ``prefix``), by
+    running :data:`GRAPH_STAGES` in order; returns whether the graph changed."""
+    folder = GraphFolder(gm, root, prefix, ctx)
+    value: Any = None
+    for stage in GRAPH_STAGES:
+        value = stage(folder, value)
+    return folder.changed
