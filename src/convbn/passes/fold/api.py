@@ -268,14 +268,15 @@ def _check_model(model: Any) -> None:
 
 
 # Note: [fold's stages]
-# fold() runs FOLD_STAGES in order, each taking the FoldRun the one before returned:
+# fold() runs prepare (its arguments to a FoldRun), then FOLD_STAGES in order, each taking
+# the FoldRun the one before returned:
 #   prepare       the module to fold (a copy unless inplace), a reference run on the sample
 #                 input (it records BatchNorm input / Linear output ranks) and each module's inputs;
 #   fold_graphs   every module traced (trace) and folded by the graph folder's own stages
 #                 (canonicalise -> match -> fold -> tidy: GRAPH_STAGES in stages.py), recursively
 #                 into what tracing could not see into;
 #   account       every BatchNorm module gets an outcome, those tracing never reached too;
-#   check         the folded model against the reference (or child by child where the whole
+#   check_folded  the folded model against the reference (or child by child where the whole
 #                 differs), then the report attached.
 @dataclass
 class FoldRun:
