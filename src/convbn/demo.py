@@ -33,7 +33,6 @@ import copy
 import os
 import statistics
 import sys
-import time
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence, Tuple
@@ -53,9 +52,9 @@ from convbn.cli import (
     positive_int,
 )
 from convbn.batch_fit import max_batch
-from convbn.bench.table import require_rich
 from convbn.extras import require
 from convbn.demo_data import Dataset, load_digits_28, load_mnist, read_idx
+from convbn.demo_training import DemoRun, StepStats, grad_difference, train
 from convbn.demo_results import (
     CONFIG_HELP,
     CONFIGS,
@@ -67,7 +66,7 @@ from convbn.demo_results import (
     write_plot,
     write_timeline_plot,
 )
-from convbn.memory import saved_bytes, timeline
+from convbn.memory import saved_bytes
 from convbn.memory.budget import parse_memory
 from convbn.nn.fused import FusedConvBN2d
 from convbn.passes.convert.api import convert
@@ -178,16 +177,6 @@ class DemoConfig:
     memory: Optional[str] = None
 
 
-def _rng_state(device: torch.device) -> Tuple[Tensor, Optional[Tensor]]:
-    return torch.get_rng_state(), torch.cuda.get_rng_state(device) if device.type == "cuda" else None
-
-
-def _set_rng_state(state: Tuple[Tensor, Optional[Tensor]], device: torch.device) -> None:
-    torch.set_rng_state(state[0])
-    if state[1] is not None:
-        torch.cuda.set_rng_state(state[1], device)
-
-
 def set_training(model: nn.Module, frozen_bn: bool = False) -> nn.Module:
     """``model.train()``; with ``frozen_bn`` every BatchNorm normalises with its running
     statistics (eval mode) while the rest trains: the eager meaning of ``strategy='frozen'``."""
@@ -197,49 +186,6 @@ def set_training(model: nn.Module, frozen_bn: bool = False) -> nn.Module:
             if isinstance(m, nn.modules.batchnorm._BatchNorm):
                 m.eval()
     return model
-
-
-@dataclass
-class StepStats:
-    """One training step: loss, seconds, and its exact peak (bytes above the start) when measured."""
-
-    loss: float
-    seconds: float
-    peak: Optional[int] = None
-
-
-def _train_step(
-    model: nn.Module, opt: torch.optim.Optimizer, x: Tensor, y: Tensor, device: torch.device, measure_peak: bool
-) -> StepStats:
-    """Forward, NLL loss, backward, optimizer step. A timed step runs bare; a ``measure_peak``
-    step is recorded by :func:`convbn.memory.timeline`, convbn's one definition of a step's
-    peak (exact live tensor bytes on CPU, the CUDA allocator on a GPU; slower, so not timed)."""
-    cuda = device.type == "cuda"
-    if measure_peak:
-        t0 = time.perf_counter()
-        tl = timeline(model, x, loss_fn=lambda out: F.nll_loss(out, y), optimizer=opt)
-        return StepStats(float(tl.loss or 0.0), time.perf_counter() - t0, int(tl.peak))
-    if cuda:
-        torch.cuda.synchronize(device)
-    t0 = time.perf_counter()
-    opt.zero_grad(set_to_none=True)
-    loss = F.nll_loss(model(x), y)
-    loss.backward()
-    opt.step()
-    if cuda:
-        torch.cuda.synchronize(device)
-    seconds = time.perf_counter() - t0
-    return StepStats(float(loss.detach()), seconds, None)
-
-
-@torch.no_grad()
-def _accuracy(model: nn.Module, x: Tensor, y: Tensor, batch: int) -> float:
-    model.eval()
-    correct = 0
-    for i in range(0, len(y), batch):
-        correct += int((model(x[i : i + batch]).argmax(1) == y[i : i + batch]).sum())
-    model.train()
-    return correct / max(len(y), 1)
 
 
 def build_models(example: Tensor, seed: int, device: torch.device) -> Dict[str, nn.Module]:
@@ -269,27 +215,6 @@ def _plan(model: nn.Module) -> str:
     return layers + (" (chained)" if chained else "")
 
 
-def grad_difference(model: nn.Module, reference: nn.Module) -> float:
-    """Largest absolute difference between the ``.grad`` of same-named parameters (0.0: bit-identical)."""
-    ref = dict(reference.named_parameters())
-    diff = 0.0
-    for name, p in model.named_parameters():
-        g, r = p.grad, ref[name].grad
-        if g is not None and r is not None:
-            diff = max(diff, (g - r).abs().max().item())
-    return diff
-
-
-def _progress(console: Any) -> Any:
-    require_rich("the demo's progress bar")
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-    return Progress(
-        TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-        console=console, transient=True,
-    )
-
-
 def run_demo(config: DemoConfig, console: Any = None, data: Optional[Dataset] = None) -> DemoResult:
     """Train the unfused, ``auto`` and tutorial-fused MNIST networks side by side and measure them.
 
@@ -316,8 +241,8 @@ def run_demo(config: DemoConfig, console: Any = None, data: Optional[Dataset] = 
     """
     _check_config(config)
     run = _start(config, data)
-    _announce(run, console)
-    _train(run, console)
+    _announce(run, config, console)
+    train(run, config.epochs, config.seed, console, config.progress)
     result, models, example, device = run.result, run.models, run.train_x[:run.batch], run.device
     # End-of-forward bytes: one training-mode forward of a copy (the trained models'
     # running statistics stay as they are).
@@ -356,29 +281,7 @@ def _check_config(config: DemoConfig) -> None:
         parse_memory(config.memory)  # a readable size before training, not after
 
 
-@dataclass
-class _DemoRun:
-    """The demo's data, networks and optimizers, and what training records."""
-
-    config: DemoConfig
-    device: torch.device
-    source: str
-    train_x: Tensor
-    train_y: Tensor
-    test_x: Tensor
-    test_y: Tensor
-    batch: int
-    steps: int  # per epoch
-    peak_step: int  # the step measured for its exact peak
-    result: DemoResult
-    models: Dict[str, nn.Module]
-    opts: Dict[str, torch.optim.Optimizer]
-    scheds: Dict[str, Any]
-    stats: Dict[str, List[StepStats]]
-    first_grad_diff: Dict[str, Tuple[int, float]]  # first step whose gradients differ from unfused's
-
-
-def _start(config: DemoConfig, data: Optional[Dataset]) -> _DemoRun:
+def _start(config: DemoConfig, data: Optional[Dataset]) -> DemoRun:
     """Load the data and build the three networks with their optimizers."""
     device = torch.device(config.device)
     if data is None:
@@ -396,15 +299,14 @@ def _start(config: DemoConfig, data: Optional[Dataset]) -> _DemoRun:
     scheds = {k: torch.optim.lr_scheduler.StepLR(o, step_size=1, gamma=config.gamma) for k, o in opts.items()}
     result.plans = {k: _plan(m) for k, m in models.items()}
     result.test_images = len(test_y)
-    return _DemoRun(config, device, data.source, train_x, train_y, test_x, test_y, batch, steps, peak_step, result,
+    return DemoRun(device, data.source, train_x, train_y, test_x, test_y, batch, steps, peak_step, result,
                     models, opts, scheds, {k: [] for k in models}, {})
 
 
-def _announce(run: _DemoRun, console: Any) -> None:
+def _announce(run: DemoRun, config: DemoConfig, console: Any) -> None:
     """Print the data, the schedule and each configuration's plan."""
     if console is None:
         return
-    config = run.config
     console.print(
         f"[bold]convbn demo[/bold]: {run.source}; {len(run.train_y)} train / {len(run.test_y)} test images; "
         f"batch {run.batch}; {config.epochs} epoch(s) x {run.steps} step(s); Adadelta lr {config.lr}; "
@@ -412,51 +314,6 @@ def _announce(run: _DemoRun, console: Any) -> None:
     )
     for k in CONFIGS:
         console.print(f"  {k:<9} {CONFIG_HELP[k]}" + (f" -> {run.result.plans[k]}" if k != "unfused" else ""))
-
-
-def _train(run: _DemoRun, console: Any) -> None:
-    """Train the three networks side by side, epoch by epoch, with a progress bar where asked."""
-    config, result = run.config, run.result
-    shuffle = torch.Generator().manual_seed(config.seed)
-    progress = _progress(console) if (console is not None and config.progress) else None
-    task = progress.add_task("training", total=config.epochs * run.steps) if progress is not None else None
-    if progress is not None:
-        progress.start()
-    try:
-        step_no = 0
-        for epoch in range(1, config.epochs + 1):
-            perm = torch.randperm(len(run.train_y), generator=shuffle).to(run.device)
-            for step in range(run.steps):
-                _train_all(run, perm[step * run.batch : (step + 1) * run.batch], step_no)
-                step_no += 1
-                if progress is not None:
-                    progress.update(task, advance=1, description=f"epoch {epoch} loss {result.step_losses['unfused'][-1]:.4f}")
-            for s in run.scheds.values():
-                s.step()
-            for name, model in run.models.items():
-                result.accuracy[name].append(_accuracy(model, run.test_x, run.test_y, run.batch))
-            if console is not None:
-                accs = ", ".join(f"{k} {100 * result.accuracy[k][-1]:.1f}%" for k in CONFIGS)
-                console.print(f"epoch {epoch}: last train loss {result.step_losses['unfused'][-1]:.4f}; test accuracy {accs}")
-    finally:
-        if progress is not None:
-            progress.stop()
-
-
-def _train_all(run: _DemoRun, idx: Tensor, step_no: int) -> None:
-    """One step of every network on the minibatch ``idx``, with the same dropout masks."""
-    x, y = run.train_x[idx], run.train_y[idx]
-    state = _rng_state(run.device)
-    for name, model in run.models.items():
-        _set_rng_state(state, run.device)  # same dropout masks for all
-        st = _train_step(model, run.opts[name], x, y, run.device, measure_peak=step_no == run.peak_step)
-        run.stats[name].append(st)
-        run.result.step_losses[name].append(st.loss)
-    for name in CONFIGS[1:]:  # the gradients of this step are still in .grad (untimed)
-        if name not in run.first_grad_diff:
-            gdiff = grad_difference(run.models[name], run.models["unfused"])
-            if gdiff != 0.0:
-                run.first_grad_diff[name] = (step_no, gdiff)
 
 
 def _print_results(result: DemoResult, console: Any, device: torch.device) -> None:

@@ -34,7 +34,6 @@ from typing import Any, Callable, List, Optional, Set, Tuple
 import torch
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
-from torch.utils import _pytree as pytree
 
 from ..bn.recognise import may_normalise
 from ..check.fold_check import (CHECK_TOLERANCE, EAGER_ERROR_FACTOR, compare_to_reference, float64_errors, float64_fold_error,
