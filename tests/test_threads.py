@@ -215,7 +215,8 @@ def test_two_converts_at_once_beside_an_eager_training_thread() -> None:
 
 def test_import_convbn_installs_nothing_process_wide() -> None:
     """A fresh interpreter: ``import convbn`` leaves logging filters, the attributes tracing
-    patches, and reads no switch from the environment yet (set after import, it still counts)."""
+    patches and torch's operator registry as they were (no ``convbn::`` op until the op path
+    is used), and reads no switch from the environment yet (set after import, it still counts)."""
     import os
     import subprocess
     import sys
@@ -225,6 +226,9 @@ import logging, os, sys
 import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
+
+def ops():
+    return sorted(s.name for s in torch._C._jit_get_all_schemas() if s.name.startswith("convbn::"))
 
 def state():
     loggers = [logging.getLogger()] + [l for l in logging.Logger.manager.loggerDict.values() if isinstance(l, logging.Logger)]
@@ -239,6 +243,9 @@ from convbn.autograd.chain_kernels import fused_kernels_enabled
 after = state()
 assert before[1:] == after[1:], "an attribute was patched"
 assert after[0] == before[0], ("logging filters installed", after[0])
+assert ops() == [], ("operators registered on import", ops())
+import convbn.autograd.chain_op  # the op path registers its ops when it is used
+assert ops() == ["convbn::chain_bwd", "convbn::chain_fwd"], ops()
 os.environ["CONVBN_COMPILE_CHAINS"] = "op"
 os.environ["CONVBN_FUSED_KERNELS"] = "1"
 assert compile_chains() == "op" and fused_kernels_enabled(), "switches read at import only"
