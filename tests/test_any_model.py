@@ -323,7 +323,7 @@ def test_without_example_inputs_the_first_backward_checks_gradients(monkeypatch)
     finds the gradients differ, warns, and the next calls run the original forward."""
     import contextlib
 
-    import convbn.passes.graph.trace as trace_module
+    import convbn.passes.tracing.trace as trace_module
 
     monkeypatch.setattr(trace_module, "opaque_functions", contextlib.nullcontext)
     eager = build(ShakeNet)

@@ -22,6 +22,21 @@ The layers, lowest first; a module may import its own layer or lower ones:
 5. ``app``         ``bench/``, ``cli*``, ``demo*``, ``__main__`` and the package's
                    own ``__init__`` (which re-exports the public API)
 
+Inside ``passes`` each sub-package is a layer of its own, lowest first (``PASS_LAYERS``); a
+module of one may import its own sub-package or a lower one, never a peer or a higher one:
+
+0. ``graph``    fx infrastructure of both passes: the conv / linear layers, hooks, shape-only
+                uses, trace hazards and thread-scoped patches, the in-place rewrite
+                (``GraphForward``: the graph and its fallbacks), nested concatenations
+1. ``bn``       BatchNorm recognised however it is written; returns sites and reasons as values
+2. ``tracing``  the leaf policy and partial tracing (it inlines what ``bn`` recognises)
+3. ``report``   what each BatchNorm became, and what runs now
+4. ``check``    comparing a rewrite with the original: tolerances, training steps, guards,
+                the first-call / first-backward checks a pass attaches to ``GraphForward``
+5. ``plan``     which layers keep what (measures with ``check``'s runs)
+6. ``fold``     ``convbn.fold`` (and its own numerical check)
+6. ``convert``  ``convbn.convert`` (peer of ``fold``: neither imports the other)
+
 ``ALLOWED`` lists today's known violations, each owned by a branch that removes it; it
 may only shrink: an entry whose import is gone fails the test until it is deleted.
 """
@@ -42,6 +57,11 @@ LAYERS: Tuple[Tuple[str, Tuple[str, ...]], ...] = (
     ("tools", ("convbn.reference", "convbn.memory", "convbn.gradcheck", "convbn.progress")),
     ("passes", ("convbn.passes",)),
     ("app", ("convbn",)),  # everything else: bench/, cli*, demo*, __main__, __init__
+)
+
+#: The sub-packages of ``convbn.passes``, lowest first; packages in one tuple are peers.
+PASS_LAYERS: Tuple[Tuple[str, ...], ...] = (
+    ("graph",), ("bn",), ("tracing",), ("report",), ("check",), ("plan",), ("fold", "convert"),
 )
 
 Edge = Tuple[str, str]
@@ -185,6 +205,40 @@ def test_imports_run_downhill() -> None:
         if layer_of(t)[0] > layer_of(m)[0]
     ]
     assert not upward, "upward imports (a lower layer must not import a higher one):\n" + "\n".join(upward)
+
+
+def pass_layer_of(module: str) -> Tuple[int, str]:
+    """(rank, sub-package) of a module inside ``convbn.passes``; ``(-1, "")`` for one outside
+    (or ``convbn.passes`` itself)."""
+    parts = module.split(".")
+    if parts[:2] != ["convbn", "passes"] or len(parts) < 3:
+        return -1, ""
+    for rank, names in enumerate(PASS_LAYERS):
+        if parts[2] in names:
+            return rank, parts[2]
+    raise AssertionError(f"{module}: convbn.passes.{parts[2]} is in no PASS_LAYERS entry")
+
+
+def test_passes_sub_packages_import_downhill() -> None:
+    """Each sub-package of ``passes`` imports only lower ones (no peer, no loop)."""
+    graph, where = _graph()
+    bad = []
+    for m, targets in sorted(_without_allowed(graph).items()):
+        rank, pkg = pass_layer_of(m)
+        for t in sorted(targets):
+            trank, tpkg = pass_layer_of(t)
+            if pkg and tpkg and tpkg != pkg and trank >= rank:
+                bad.append(f"{where[(m, t)]}: {m} ({pkg}) imports {t} ({tpkg})")
+    assert not bad, ("imports between passes/ sub-packages that do not run downhill "
+                     f"(order {PASS_LAYERS}):\n" + "\n".join(bad))
+
+
+def test_every_passes_module_has_a_sub_layer() -> None:
+    graph, _ = _graph()
+    assert pass_layer_of("convbn.passes.graph.layers") == (0, "graph")
+    assert pass_layer_of("convbn.passes.fold.api")[0] == pass_layer_of("convbn.passes.convert.api")[0]
+    for m in graph:
+        pass_layer_of(m)
 
 
 def test_no_import_cycles() -> None:

@@ -13,7 +13,7 @@ from torch import Tensor, nn
 from convbn.bench.concat_checkpoint import CheckpointedConcatHead, NoConcatHead, checkpoint_concat_heads
 from convbn.bench.training import CONCAT_CHECKPOINT, run_training_bench
 from convbn.memory import saved_bytes
-from convbn.passes.convert.concat_heads import cat_parts, channel_cat_pieces, flatten_cats, shared_pieces
+from convbn.passes.graph.concat_heads import cat_parts, channel_cat_pieces, flatten_cats, shared_pieces
 from densenet_models import DenseNetBC, make_densenet_bc
 
 

@@ -4,7 +4,7 @@ to files by path, and a path left behind by a move sends them nowhere.
 
 A path counts as found when it names a file relative to the repository root (or, in a
 Markdown page, relative to the page), or is the tail
-of one at a folder boundary (``graph/trace.py`` for ``src/convbn/passes/graph/trace.py``, as
+of one at a folder boundary (``tracing/trace.py`` for ``src/convbn/passes/tracing/trace.py``, as
 ARCHITECTURE.md writes paths inside ``passes/``); ``*`` matches as in a shell glob.
 BENCHMARKS.md is a dated record of runs (it names the files of its day) and is not checked."""
 from __future__ import annotations
@@ -79,11 +79,11 @@ def test_every_path_named_in_docs_and_source_exists():
 
 
 def test_the_path_check_finds_paths_and_tells_stale_from_present():
-    text = "see passes/graph/trace.py and ``passes/auto_plan.py``; tests/test_integration_*.py; x/y, not a file"
-    assert [p for _, p in named_paths(text)] == ["passes/graph/trace.py", "passes/auto_plan.py",
+    text = "see passes/tracing/trace.py and ``passes/auto_plan.py``; tests/test_integration_*.py; x/y, not a file"
+    assert [p for _, p in named_paths(text)] == ["passes/tracing/trace.py", "passes/auto_plan.py",
                                                   "tests/test_integration_*.py"]
     files = _files()
-    assert found("passes/graph/trace.py", files) and found("graph/trace.py", files)
+    assert found("passes/tracing/trace.py", files) and found("tracing/trace.py", files)
     assert found("tests/test_integration_*.py", files)
     assert not found("passes/auto_plan.py", files) and not found("raph/trace.py", files)
     assert external("torch/__init__.py") and not external("passes/auto_plan.py")

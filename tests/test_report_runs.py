@@ -109,7 +109,7 @@ class _WithFunction(nn.Module):
 
 
 def test_first_backward_fallback_is_reported_as_it_runs(monkeypatch: pytest.MonkeyPatch) -> None:
-    import convbn.passes.graph.trace as trace_module
+    import convbn.passes.tracing.trace as trace_module
 
     monkeypatch.setattr(trace_module, "opaque_functions", contextlib.nullcontext)  # the Function inlined
     fast = convbn.convert(_WithFunction())

@@ -1,4 +1,4 @@
-"""``convbn.passes.graph.trace``: traces that would mislead, partial tracing, what a replaced module
+"""``convbn.passes.tracing.trace``: traces that would mislead, partial tracing, what a replaced module
 keeps, and validation -- through both passes (``convert`` and ``fold``).
 
 Every model is small and hand-written (or a real MONAI network), run against an eager copy:
@@ -24,7 +24,7 @@ import convbn
 from convbn.passes.graph.graph_module import installed
 from convbn import FusedChain
 from convbn.passes.graph.hooks import hook_reason
-from convbn.passes.graph.trace import LayerTracer, TraceHazard, trace
+from convbn.passes.tracing.trace import LayerTracer, TraceHazard, trace
 
 DT = torch.float64
 TOL = dict(rtol=1e-10, atol=1e-10)

@@ -9,7 +9,7 @@ model through its traced graph, so ``convbn bench`` can compare it with
 :func:`convbn.convert` on models that do not offer it (MONAI's DenseNets):
 
 1. nested concatenations are flattened to their leaves
-   (:func:`convbn.passes.convert.concat_heads.flatten_cats`), so no intermediate concatenation is
+   (:func:`convbn.passes.graph.concat_heads.flatten_cats`), so no intermediate concatenation is
    an input of a checkpoint (MONAI's layers concatenate their input with their output);
 2. every *concatenation head* -- a ``torch.cat`` along the channel dimension whose only
    user is a BatchNorm module, whose only user is an element-wise activation, whose only
@@ -35,8 +35,8 @@ from torch.nn.modules.conv import _ConvNd
 from torch.utils.checkpoint import checkpoint
 
 from ..functional.activations import activation_from_module
-from ..passes.convert.concat_heads import channel_cat_pieces, flatten_cats
-from ..passes.graph.trace import trace
+from ..passes.graph.concat_heads import channel_cat_pieces, flatten_cats
+from ..passes.tracing.trace import trace
 
 __all__ = ["CheckpointedConcatHead", "NoConcatHead", "checkpoint_concat_heads"]
 

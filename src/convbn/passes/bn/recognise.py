@@ -236,58 +236,86 @@ def _check_mode(module: _BatchNorm, training: bool) -> Union[Tuple[fx.Graph, fx.
         return f"its forward in {mode} mode makes {len(bns)} batch_norm calls (expected one)"
     bn = bns[0]
     attrs = {str(n.target): n for n in graph.nodes if n.op == "get_attr"}
-    skip: List[fx.Node] = []
     if bn.target in BN_FUNCTIONS:
-        args = bn_call_args(bn)
-        if args is None:
-            return "its batch_norm call has arguments this pass does not understand"
-        if args["input"] is not x:
-            return "its batch_norm does not normalise the module's input directly"
-        passes_stats = not training or module.track_running_stats
-        for name in _TENSORS:
-            own = getattr(module, name)
-            expect = own is not None and (passes_stats or name in ("weight", "bias"))
-            got = args[name]
-            ok = (got is None) if not expect else (isinstance(got, fx.Node) and got.op == "get_attr" and got.target == name)
-            if not ok:
-                return (f"its batch_norm call in {mode} mode does not pass the module's own {name} "
-                        "the way nn.BatchNorm does")
-        bn_training = training or (module.running_mean is None and module.running_var is None)
-        if args["training"] is not bn_training:
-            return (f"its batch_norm call in {mode} mode passes training={args['training']!r}, "
-                    f"nn.BatchNorm would pass {bn_training}")
-        if not isinstance(args["eps"], float) or args["eps"] != float(module.eps):
-            return f"its batch_norm call passes eps={args['eps']!r}, not the module's eps={module.eps}"
-        want = _expected_momentum(module, training)
-        if want is not None and (not isinstance(args["momentum"], (int, float)) or float(args["momentum"]) != want):
-            what = "1 / num_batches_tracked (cumulative average)" if module.momentum is None else module.momentum
-            return f"its batch_norm call in {mode} mode passes momentum={args['momentum']!r}, not {what}"
-        counts = training and module.track_running_stats and module.num_batches_tracked is not None
-        nbt = attrs.get("num_batches_tracked")
-        incs = [u for u in (nbt.users if nbt is not None else ()) if u.op == "call_method" and u.target == "add_"
-                and list(u.args[1:]) == [1] and not u.kwargs and not u.users]
-        if nbt is not None and len(incs) != len(nbt.users):
-            return "its forward uses num_batches_tracked other than by num_batches_tracked.add_(1)"
-        if len(incs) != (1 if counts else 0):
-            return (f"its forward in {mode} mode advances num_batches_tracked {len(incs)} times; "
-                    f"nn.BatchNorm advances it {1 if counts else 0} times")
-        if module.momentum is None and counts:
-            order = list(graph.nodes)
-            if not floats or order.index(incs[0]) >= floats[-1]:
-                return "its cumulative-average momentum is not read after num_batches_tracked is advanced"
-        skip += incs + ([nbt] if nbt is not None else [])
-        for name in _TENSORS:
-            node = attrs.get(name)
-            if node is not None:
-                if set(node.users) - {bn}:
-                    return f"its forward uses self.{name} other than in the batch_norm call"
-                skip.append(node)
+        skip = _check_bn_function(module, training, graph, bn, x, attrs, floats)
+        if isinstance(skip, str):
+            return skip
     else:
         if bn.args[0] is not x or len(bn.args) != 1:
             return "its standard BatchNorm forward is not applied to the module's input"
         for name in _TENSORS + ("num_batches_tracked",):
             if name in attrs:
                 return f"its forward reads self.{name} besides the standard BatchNorm forward"
+        skip = []
+    why = _check_input_uses(graph, x, bn)
+    return why if why is not None else (graph, bn, tuple(skip))
+
+
+def _check_bn_function(module: _BatchNorm, training: bool, graph: fx.Graph, bn: fx.Node, x: fx.Node,
+                       attrs: Dict[str, fx.Node], floats: List[int]) -> Union[List[fx.Node], str]:
+    """A direct ``F.batch_norm`` call in one mode: the nodes to skip when replaying, or why it
+    does not compute what ``_BatchNorm.forward`` would (Note: [recognising a norm-act forward])."""
+    mode = "training" if training else "eval"
+    args = bn_call_args(bn)
+    if args is None:
+        return "its batch_norm call has arguments this pass does not understand"
+    if args["input"] is not x:
+        return "its batch_norm does not normalise the module's input directly"
+    why = _check_bn_arguments(module, training, args)
+    if why is not None:
+        return why
+    counts = training and module.track_running_stats and module.num_batches_tracked is not None
+    nbt = attrs.get("num_batches_tracked")
+    incs = [u for u in (nbt.users if nbt is not None else ()) if u.op == "call_method" and u.target == "add_"
+            and list(u.args[1:]) == [1] and not u.kwargs and not u.users]
+    if nbt is not None and len(incs) != len(nbt.users):
+        return "its forward uses num_batches_tracked other than by num_batches_tracked.add_(1)"
+    if len(incs) != (1 if counts else 0):
+        return (f"its forward in {mode} mode advances num_batches_tracked {len(incs)} times; "
+                f"nn.BatchNorm advances it {1 if counts else 0} times")
+    if module.momentum is None and counts:
+        order = list(graph.nodes)
+        if not floats or order.index(incs[0]) >= floats[-1]:
+            return "its cumulative-average momentum is not read after num_batches_tracked is advanced"
+    skip: List[fx.Node] = incs + ([nbt] if nbt is not None else [])
+    for name in _TENSORS:
+        node = attrs.get(name)
+        if node is not None:
+            if set(node.users) - {bn}:
+                return f"its forward uses self.{name} other than in the batch_norm call"
+            skip.append(node)
+    return skip
+
+
+def _check_bn_arguments(module: _BatchNorm, training: bool, args: Dict[str, Any]) -> Optional[str]:
+    """Why a traced ``F.batch_norm`` call's tensors, training flag, eps or momentum are not what
+    ``_BatchNorm.forward`` passes in that mode, or ``None``."""
+    mode = "training" if training else "eval"
+    passes_stats = not training or module.track_running_stats
+    for name in _TENSORS:
+        own = getattr(module, name)
+        expect = own is not None and (passes_stats or name in ("weight", "bias"))
+        got = args[name]
+        ok = (got is None) if not expect else (isinstance(got, fx.Node) and got.op == "get_attr" and got.target == name)
+        if not ok:
+            return (f"its batch_norm call in {mode} mode does not pass the module's own {name} "
+                    "the way nn.BatchNorm does")
+    bn_training = training or (module.running_mean is None and module.running_var is None)
+    if args["training"] is not bn_training:
+        return (f"its batch_norm call in {mode} mode passes training={args['training']!r}, "
+                f"nn.BatchNorm would pass {bn_training}")
+    if not isinstance(args["eps"], float) or args["eps"] != float(module.eps):
+        return f"its batch_norm call passes eps={args['eps']!r}, not the module's eps={module.eps}"
+    want = _expected_momentum(module, training)
+    if want is not None and (not isinstance(args["momentum"], (int, float)) or float(args["momentum"]) != want):
+        what = "1 / num_batches_tracked (cumulative average)" if module.momentum is None else module.momentum
+        return f"its batch_norm call in {mode} mode passes momentum={args['momentum']!r}, not {what}"
+    return None
+
+
+def _check_input_uses(graph: fx.Graph, x: fx.Node, bn: fx.Node) -> Optional[str]:
+    """Why the body uses its input other than through the batch norm, or its output does not
+    depend on the batch norm; ``None``: neither."""
     deps = node_deps(graph, x)
     pre = [n for n in deps if n is not x and n is not bn and bn not in ancestors(n)]
     if pre:
@@ -298,7 +326,7 @@ def _check_mode(module: _BatchNorm, training: bool) -> Union[Tuple[fx.Graph, fx.
     out = next(n for n in graph.nodes if n.op == "output")
     if out.args[0] is not bn and bn not in ancestors(out):
         return "its output does not depend on the batch norm"
-    return graph, bn, tuple(skip)
+    return None
 
 
 def ancestors(node: fx.Node) -> Set[fx.Node]:

@@ -6,29 +6,31 @@ module, the batch norm of a norm-act module the tracer inlined, or an ``F.batch_
 ``torch.batch_norm`` call), with the name both reports give it. Each pass then applies its
 own conditions: :func:`find_bn_sites` those of convert (fused in training: the module's
 mode and statistics are read again at every call of the fused chain), giving convert's
-:class:`BNSite` records in graph order, and a BatchNorm that cannot be a site is reported
-left with the reason; fold's (eval only: running statistics present, no hooks, torch's
+:class:`BNSite` records in graph order, and each BatchNorm that cannot be a site with the
+reason (the matcher reports it left); fold's (eval only: running statistics present, no hooks, torch's
 forward) are in :func:`convbn.passes.fold.match.match_bn`. The matcher
 (:mod:`convbn.passes.convert.match`) then looks for the convolution before and the tail after.
 """
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Tuple, Union
+from typing import Any, Dict, List, NamedTuple, Optional, Tuple, Union
 
 import torch.fx as fx
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from ...nn.bn_call import BatchNormView, frozen_batch_norm, has_standard_bn_forward, standard_batch_norm
-from ...nn.bn_shared import SharedBatchStats
+from ...nn.bn_shared import BatchNormOfSource, SharedBatchStats
 from ...nn.bn_slice import BatchNormSlice
 from .frozen import frozen_bn_eps, frozen_bn_ranks
 from .recognise import BN_FUNCTIONS, bn_call_args, recognise_norm_act
+from ..graph.hooks import hook_reason
 from ..graph.layers import node_arg
-from ..report.convert_report import ConvertReport
+from .kind import bn_conv_dims
 
-__all__ = ["BNCall", "bn_call", "BN_CALL_KINDS", "BNSite", "find_bn_sites"]
+__all__ = ["BNCall", "bn_call", "BN_CALL_KINDS", "BNSite", "BNSites", "find_bn_sites", "splittable_bn_calls"]
 
 
 #: what computes a batch norm: a ``_BatchNorm`` module call, a frozen BatchNorm module call
@@ -187,33 +189,8 @@ def _functional_site(node: fx.Node, root: nn.Module) -> Union[Tuple[str, nn.Modu
     return path, module, view
 
 
-def find_bn_sites(gm: fx.GraphModule, prefix: str, report: ConvertReport,
-                  root: Optional[nn.Module] = None) -> List[BNSite]:
-    """The BatchNorm sites of ``gm`` convert may fuse, in graph order (``prefix``: ``gm``'s
-    qualified name + ".").
-
-    A site is a call of a ``_BatchNorm`` module with the standard forward, the
-    ``standard_batch_norm`` of a norm-act module inlined by the tracer
-    (:mod:`convbn.passes.graph.trace`), a call of a frozen BatchNorm module (fused as an eval-mode
-    BatchNorm: no statistics update, no gradient to its buffers), or an ``F.batch_norm``
-    call on one module's stored tensors (fused with its traced training flag, momentum and
-    eps, which the graph only runs with: see :class:`~convbn.nn.bn_call.BatchNormView`).
-    A BatchNorm module called more than once (shared running statistics) is no site.
-
-    Args:
-        gm: the traced graph module (BatchNorm modules are leaves).
-        prefix: qualified-name prefix for report lines.
-        report: receives a ``"left"`` outcome for each BatchNorm that cannot be a site (one
-            per BatchNorm, however often it is called).
-        root: the module ``gm`` was traced from (default ``gm``): the owner of tensors that
-            ``F.batch_norm`` calls read (``gm`` holds stand-in containers for ``get_attr``
-            targets, which ``.to()`` or ``load_state_dict(assign=True)`` on the model would
-            not reach).
-
-    Returns:
-        The sites, in graph order.
-    """
-    owner_root = gm if root is None else root
+def _candidates(gm: fx.GraphModule, prefix: str, owner_root: nn.Module) -> List[Tuple[BNCall, Union[_BatchNorm, str]]]:
+    """Each batch norm of ``gm`` with the BatchNorm convert would fuse it as, or why it cannot."""
     found: List[Tuple[BNCall, Union[_BatchNorm, str]]] = []
     for node in gm.graph.nodes:
         call = bn_call(node, gm, prefix, owner_root)
@@ -232,6 +209,47 @@ def find_bn_sites(gm: fx.GraphModule, prefix: str, report: ConvertReport,
             found.append((call, got if isinstance(got, str) or got is None else got[2]))  # type: ignore[arg-type]
         else:
             found.append((call, mod))  # type: ignore[arg-type]
+    return found
+
+
+class BNSites(NamedTuple):
+    """What :func:`find_bn_sites` found: the sites, and the BatchNorms that cannot be one.
+
+    Attributes:
+        sites: the sites, in graph order.
+        left: ``(name, why)`` for each BatchNorm that cannot be a site, one per BatchNorm
+            however often it is called, in graph order (the caller reports them).
+    """
+
+    sites: List[BNSite]
+    left: List[Tuple[str, str]]
+
+
+def find_bn_sites(gm: fx.GraphModule, prefix: str, root: Optional[nn.Module] = None) -> BNSites:
+    """The BatchNorm sites of ``gm`` convert may fuse, in graph order (``prefix``: ``gm``'s
+    qualified name + ".").
+
+    A site is a call of a ``_BatchNorm`` module with the standard forward, the
+    ``standard_batch_norm`` of a norm-act module inlined by the tracer
+    (:mod:`convbn.passes.tracing.trace`), a call of a frozen BatchNorm module (fused as an eval-mode
+    BatchNorm: no statistics update, no gradient to its buffers), or an ``F.batch_norm``
+    call on one module's stored tensors (fused with its traced training flag, momentum and
+    eps, which the graph only runs with: see :class:`~convbn.nn.bn_call.BatchNormView`).
+    A BatchNorm module called more than once (shared running statistics) is no site.
+
+    Args:
+        gm: the traced graph module (BatchNorm modules are leaves).
+        prefix: qualified-name prefix of the names given to sites and left BatchNorms.
+        root: the module ``gm`` was traced from (default ``gm``): the owner of tensors that
+            ``F.batch_norm`` calls read (``gm`` holds stand-in containers for ``get_attr``
+            targets, which ``.to()`` or ``load_state_dict(assign=True)`` on the model would
+            not reach).
+
+    Returns:
+        :class:`BNSites`: the sites in graph order, and why each other BatchNorm is none.
+    """
+    found = _candidates(gm, prefix, gm if root is None else root)
+
     def key(call: BNCall) -> str:  # the module whose statistics a call updates
         return call.target if call.module is not None else call.name
 
@@ -240,6 +258,7 @@ def find_bn_sites(gm: fx.GraphModule, prefix: str, report: ConvertReport,
         if not isinstance(bn, str):
             calls[key(call)] = calls.get(key(call), 0) + 1
     sites: List[BNSite] = []
+    left: Dict[str, str] = {}
     for call, bn in found:
         why: Optional[str] = None
         if isinstance(bn, str):
@@ -252,6 +271,34 @@ def find_bn_sites(gm: fx.GraphModule, prefix: str, report: ConvertReport,
             why = "its input is not a traced tensor"
         if why is None:
             sites.append(BNSite(call.node, call.input, bn, call.name, call.ranks))
-        elif not any(o.batchnorm == call.name for o in report.recorded):  # one line per BatchNorm, not per call
-            report.leave(call.name, why)
-    return sites
+        else:
+            left.setdefault(call.name, why)  # one line per BatchNorm, not per call
+    return BNSites(sites, list(left.items()))
+
+
+def splittable_bn_calls(gm: fx.GraphModule) -> List[Tuple[fx.Node, _BatchNorm]]:
+    """``(node, module)`` of each BatchNorm call a graph rewrite may split into parts
+    (``convert/shared_heads.py``, ``convert/cat_norms.py``): a ``"module"`` :func:`bn_call`
+    whose module is not itself a part of another BatchNorm (``BatchNormOfSource``), computes
+    with torch's own ``_BatchNorm.forward`` (a SyncBatchNorm's parts would each reduce across
+    processes), has no hooks, and is called with one tensor argument, once in ``gm``.
+
+    Args:
+        gm: the traced graph module (BatchNorm modules are leaves).
+
+    Returns:
+        The calls, in graph order.
+    """
+    calls = Counter(n.target for n in gm.graph.nodes if n.op == "call_module")
+    found: List[Tuple[fx.Node, _BatchNorm]] = []
+    for node in gm.graph.nodes:
+        if node.op != "call_module" or bn_conv_dims(gm.get_submodule(str(node.target))) is None:
+            continue  # no BatchNorm module: no frozen-BatchNorm recognition needed
+        call = bn_call(node, gm)
+        bn = call.module if call is not None and call.kind == "module" else None
+        if bn is None or isinstance(bn, BatchNormOfSource):
+            continue
+        if len(node.args) == 1 and not node.kwargs and isinstance(node.args[0], fx.Node) and \
+                type(bn).forward is _BatchNorm.forward and not hook_reason(bn) and calls[node.target] == 1:
+            found.append((node, bn))  # type: ignore[arg-type]
+    return found

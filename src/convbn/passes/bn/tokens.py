@@ -40,7 +40,9 @@ import torch.fx as fx
 import torch.nn.functional as F
 from torch import nn
 
+from ...nn.bn_call import has_standard_bn_forward
 from ..graph.shape_uses import value_users
+from .kind import bn_conv_dims
 
 __all__ = ["features_to_dim1", "flatten_token_bns", "drop_noop_flattens", "flattened_linear_reason"]
 
@@ -100,7 +102,7 @@ def flatten_token_bns(gm: fx.GraphModule) -> List[str]:
         if node.op != "call_module" or len(node.args) != 1 or node.kwargs:
             continue
         bn = gm.get_submodule(str(node.target))
-        if type(bn) is not nn.BatchNorm1d:
+        if bn_conv_dims(bn) != (0, 1) or not has_standard_bn_forward(bn):  # a BatchNorm1d (subclasses too)
             continue
         tr = node.args[0]
         y = features_to_dim1(tr)

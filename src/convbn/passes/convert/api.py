@@ -24,7 +24,7 @@ from ...nn.fused import _FusedConvBNNd
 from ...functional.strategies import CONVERT_STRATEGIES
 from ..plan.auto_plan import as_inputs, measure_peak, measure_saved, plan_auto
 from ..bn.recognise import may_normalise
-from .concat_heads import flatten_cats
+from ..graph.concat_heads import flatten_cats
 from ..graph.graph_module import eager, forget_undo, install, installed, uninstall
 from ..graph.share_copy import share_copy
 from ..graph.transaction import transaction
@@ -37,7 +37,8 @@ from .first_call_capture import CaptureOnFirstCall
 from ..graph.specialize import Defaults, constant_defaults, none_used_as_value
 from ..report.convert_report import ConvertReport
 from .rewrite import drop_hooked, rewrite_chains, swap_sync_batchnorm, watch_hooks
-from ..graph.trace import LayerTracer, short_reason, trace
+from ..tracing.trace import LayerTracer, short_reason, trace
+from ..check.first_call import BackwardCheck, FirstCallCheck
 from ..check.step import called_inputs, check_step
 from ..check.validate import StateSnapshot, tolerance
 from ...progress import check_progress, progress_scope, stage
@@ -220,8 +221,8 @@ def _rewrite(module: nn.Module, prefix: str, traced: Any, ctx: _Context) -> None
     if traced.mode_dependent:  # traced in one mode; the other runs the module's own forward
         fwd.modes = list(traced.modes)
     if ctx.lazy:
-        fwd.pending = tolerance
-        fwd.backward_check = check_step  # Note: [gradients checked on the first backward]
+        fwd.pending = FirstCallCheck(tolerance)
+        fwd.backward_check = BackwardCheck(check_step)  # Note: [gradients checked on the first backward]
 
 
 def _arm_guards(ctx: _Context) -> None:

@@ -31,9 +31,10 @@ from ...nn.bn_slice import BatchNormSlice
 from ..graph.hooks import global_hooks, hook_reason
 from ..graph.layers import layer_call
 from ..graph.shape_uses import value_users
-from .concat_heads import cat_parts
+from ..graph.concat_heads import cat_parts
 from .match_tail import TailMatch, match_tail
-from .shared_heads import free_target, plain_bn_calls
+from ..bn.sites import splittable_bn_calls
+from .shared_heads import free_target
 
 __all__ = ["split_cat_norms"]
 
@@ -92,7 +93,7 @@ def split_cat_norms(gm: fx.GraphModule, root: nn.Module, prefix: str) -> List[st
     if global_hooks():
         return done
     order = {n: i for i, n in enumerate(graph.nodes)}
-    for node, bn in plain_bn_calls(gm):
+    for node, bn in splittable_bn_calls(gm):
         src = node.args[0]
         found = _pieces(src, gm) if value_users(src) == [node] and len(src.users) == 1 else None
         if found is None or sum(c for _, c in found[0]) != bn.num_features:

@@ -1,7 +1,7 @@
 """Matching: find Conv -> BatchNorm -> tail layers (and pre-activation heads and conv ends)
 in a traced graph, and group them into chains.
 
-Input: a ``torch.fx`` graph traced with :class:`~convbn.passes.graph.trace.LayerTracer`
+Input: a ``torch.fx`` graph traced with :class:`~convbn.passes.tracing.trace.LayerTracer`
 (convolutions with the standard forward, BatchNorms and convbn's own modules are leaves)
 and its BatchNorm sites
 (:mod:`convbn.passes.bn.sites`). Output: :class:`MatchedLayer` records (conv node and
@@ -23,6 +23,7 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from ...functional.conv import ConvSpec, conv_out_channels
+from ..bn.kind import bn_conv_dims
 from ..bn.sites import BNSite, find_bn_sites
 from ..graph.layers import has_standard_forward, layer_call, layer_spec
 from .match_tail import TailMatch, TailOpMatch, describe_node, match_tail, node_arg, tail_label
@@ -36,8 +37,6 @@ from ..bn.tokens import drop_noop_flattens, flatten_token_bns, flattened_linear_
 __all__ = ["MatchedConv", "MatchedLayer", "find_layers", "group_chains", "head_input", "node_arg",
            "describe_node"]
 
-# a linear layer is a 0-D convolution (Note: [three kinds of convolution] in functional/conv.py)
-_BN_DIMS = {nn.BatchNorm1d: (0, 1), nn.BatchNorm2d: (2,), nn.BatchNorm3d: (3,)}
 
 
 # --------------------------------------------------------------------------- matching
@@ -241,7 +240,7 @@ def head_input(site: BNSite) -> fx.Node:
     This is the one place that decides what a head reads: today the BN's input node,
     whatever computes it (a concatenation, an addition, a conv output others read too).
     A pass that gives a chain a structured input (the pieces of a channel concatenation,
-    :mod:`convbn.passes.convert.concat_heads`) plugs in here; the rewrite passes :attr:`MatchedLayer.input`
+    :mod:`convbn.passes.graph.concat_heads`) plugs in here; the rewrite passes :attr:`MatchedLayer.input`
     to the chain and nothing else assumes what it is.
     """
     return site.input
@@ -249,8 +248,8 @@ def head_input(site: BNSite) -> fx.Node:
 
 def _conv_bn_mismatch(conv: MatchedConv, bn: _BatchNorm) -> Optional[str]:
     """Why ``bn`` cannot normalise ``conv``'s output (rank or channels), or ``None``."""
-    dims_ok = _BN_DIMS.get(type(bn))
-    if dims_ok is not None and conv.spec.dims not in dims_ok:
+    dims_ok = bn_conv_dims(bn)
+    if dims_ok and conv.spec.dims not in dims_ok:
         what = "a linear layer" if conv.spec.is_linear else f"a {conv.spec.dims}-D convolution"
         return f"{type(bn).__name__} after {what}"
     if bn.num_features != conv_out_channels(getattr(conv.owner, conv.weight_name).shape, conv.spec):
@@ -306,8 +305,8 @@ def _match_head(site: BNSite, tail: TailMatch, gm: fx.GraphModule, root: nn.Modu
     if not chain:
         return (f"it starts a pre-activation BN -> {tail_label(tail.ops)} -> {conv.name}, which is fused only in "
                 "chains; pass chain=True")
-    dims_ok = _BN_DIMS.get(type(site.bn))
-    if dims_ok is not None and conv.spec.dims not in dims_ok:
+    dims_ok = bn_conv_dims(site.bn)
+    if dims_ok and conv.spec.dims not in dims_ok:
         return f"{type(site.bn).__name__} before a {conv.spec.dims}-D convolution"
     wrong_rank = _rank_mismatch(site, conv)
     if wrong_rank is not None:
@@ -334,9 +333,9 @@ def _head_conv_joins(node: fx.Node, out: fx.Node, bn: nn.Module, gm: fx.GraphMod
     """Whether conv ``node``, reading the output ``out`` of a head with BatchNorm ``bn`` alone,
     would be matched after the head and join its chain (:func:`_match_head`, :func:`group_chains`)."""
     found = _match_conv(node, gm, root)
-    dims_ok = _BN_DIMS.get(type(bn))
+    dims_ok = bn_conv_dims(bn)
     return (isinstance(found, MatchedConv) and found.input is out and found.spec.pre_pad_mode == "constant"
-            and not found.absorbed and (dims_ok is None or found.spec.dims in dims_ok))
+            and not found.absorbed and (not dims_ok or found.spec.dims in dims_ok))
 
 
 def _end_layers(layers: List[MatchedLayer], gm: fx.GraphModule, root: nn.Module, prefix: str) -> List[MatchedLayer]:
@@ -373,7 +372,11 @@ def find_layers(gm: fx.GraphModule, root: nn.Module, prefix: str, report: Conver
     if chain:  # act(bn(x)) read by several convs -> one head each (shared_heads.py)
         split_shared_heads(gm, root, prefix, lambda conv, out, bn: _head_conv_joins(conv, out, bn, gm, root))
     layers: List[MatchedLayer] = []
-    for site in find_bn_sites(gm, prefix, report, root):
+    found = find_bn_sites(gm, prefix, root)
+    for bn_name, bn_why in found.left:
+        if not any(o.batchnorm == bn_name for o in report.recorded):  # one line per BatchNorm
+            report.leave(bn_name, bn_why)
+    for site in found.sites:
         node, bn, name, src = site.node, site.bn, site.name, site.input
         tail = match_tail(node, root, prefix)
         conv = _match_conv(src, gm, root)

@@ -20,7 +20,7 @@ from ...nn.bn_call import has_standard_bn_forward
 from ...nn.sync import SyncBatchNorm
 from ...nn.chain import ChainLayer, FusedChain
 from ..graph.hooks import hook_reason
-from .concat_heads import chain_call_inputs, erase_unused_cat, shared_pieces
+from ..graph.concat_heads import chain_call_inputs, erase_unused_cat, shared_pieces
 from .match import MatchedLayer
 from ..plan.first_call_peak import peak_above_eager
 from ..plan.planner import plan_on_first_call

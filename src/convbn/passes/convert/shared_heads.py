@@ -17,21 +17,20 @@ statistics over one process alone); otherwise the graph is left as it was.
 """
 from __future__ import annotations
 
-from collections import Counter
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional
 
 import torch.fx as fx
 from torch import nn
-from torch.nn.modules.batchnorm import _BatchNorm
 
 from ...functional.activations import Activation, activation_from_module
-from ...nn.bn_shared import BatchNormOfSource, SharedBatchStats
+from ...nn.bn_shared import SharedBatchStats
+from ..bn.sites import splittable_bn_calls
 from ..graph.hooks import global_hooks, hook_reason
 from ..graph.layers import layer_call
 from .match_tail import match_tail
 from ..graph.shape_uses import value_users
 
-__all__ = ["split_shared_heads", "free_target", "plain_bn_calls"]
+__all__ = ["split_shared_heads", "free_target"]
 
 
 def _deterministic(element: object) -> bool:
@@ -65,23 +64,6 @@ def free_target(gm: fx.GraphModule, base: str) -> str:
     return name
 
 
-def plain_bn_calls(gm: fx.GraphModule) -> List[Tuple[fx.Node, _BatchNorm]]:
-    """``(node, module)`` of each BatchNorm call a graph rewrite may split into parts: a
-    ``_BatchNorm`` (not itself a view of another's tensors) computing with torch's own
-    ``_BatchNorm.forward`` (a SyncBatchNorm's parts would each reduce across processes),
-    without hooks, called with one tensor argument, and only once in ``gm``."""
-    calls = Counter(n.target for n in gm.graph.nodes if n.op == "call_module")
-    found: List[Tuple[fx.Node, _BatchNorm]] = []
-    for node in gm.graph.nodes:
-        if node.op != "call_module" or len(node.args) != 1 or node.kwargs or not isinstance(node.args[0], fx.Node):
-            continue
-        bn = gm.get_submodule(str(node.target))
-        if isinstance(bn, _BatchNorm) and not isinstance(bn, BatchNormOfSource) and \
-                type(bn).forward is _BatchNorm.forward and not hook_reason(bn) and calls[node.target] == 1:
-            found.append((node, bn))
-    return found
-
-
 def split_shared_heads(gm: fx.GraphModule, root: nn.Module, prefix: str,
                        joins: Callable[[fx.Node, fx.Node, nn.Module], bool]) -> List[str]:
     """Give each conv that reads a pre-activation ``act(BN(x))`` its own head, in ``gm``'s graph.
@@ -103,7 +85,7 @@ def split_shared_heads(gm: fx.GraphModule, root: nn.Module, prefix: str,
     graph = gm.graph
     if global_hooks():
         return done
-    for node, bn in plain_bn_calls(gm):  # a SyncBatchNorm's second head would reduce its statistics alone
+    for node, bn in splittable_bn_calls(gm):  # a SyncBatchNorm's second head would reduce its statistics alone
         src = node.args[0]
         src_call = layer_call(src, gm)
         if src_call is not None and not isinstance(src_call, str) and value_users(src) == [node]:

@@ -36,7 +36,7 @@ from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from ..bn.recognise import may_normalise
-from ..check.fold_check import (CHECK_TOLERANCE, EAGER_ERROR_FACTOR, compare_to_reference, float64_errors, float64_fold_error,
+from .fold_check import (CHECK_TOLERANCE, EAGER_ERROR_FACTOR, compare_to_reference, float64_errors, float64_fold_error,
                                 output_jump, reference_run, run_no_grad)
 from .folder import FoldContext
 from .stages import fold_graph
@@ -44,12 +44,13 @@ from .layers import fold_conv_bn_modules
 from ..graph.layers import LAYER_MODULES
 from ..report.fold_report import FoldCheck, FoldReport
 from ..report.outcome import BNOutcome, bn_module_names, explain_ghost_loops, frozen_lookalikes, unreached
+from ..check.first_call import FirstCallCheck
 from ..check.step import called_inputs
 from ..graph.graph_module import forget_undo, install, installed
 from ..graph.transaction import transaction
 from ..graph.scripted import reject_torchscript
 from ..check.validate import tolerance
-from ..graph.trace import LayerTracer, short_reason, trace
+from ..tracing.trace import LayerTracer, short_reason, trace
 
 __all__ = ["fold", "fold_conv_bn_modules", "FoldReport", "BNOutcome", "FoldCheck"]
 
@@ -328,7 +329,7 @@ def fold_graphs(run: FoldRun) -> FoldRun:
         for m in run.work.modules():
             fwd = installed(m)
             if fwd is not None:
-                fwd.pending = tolerance
+                fwd.pending = FirstCallCheck(tolerance)
     return run
 
 

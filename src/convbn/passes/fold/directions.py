@@ -14,7 +14,7 @@ from torch.utils import _pytree as pytree
 
 from ...functional.fold import fold_bn_into_following, fold_bn_into_preceding
 from ..bn.tokens import features_to_dim1
-from ..convert.concat_heads import cat_parts, channel_cat_pieces
+from ..graph.concat_heads import cat_parts, channel_cat_pieces
 from ..graph.layers import layer_spec
 from ..graph.shape_uses import value_users
 from ..report.outcome import BNOutcome

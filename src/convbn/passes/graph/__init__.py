@@ -1,1 +1,1 @@
-"""Shared graph infrastructure of both passes: tracing (and its hazards), the in-place rewrite, hooks, shape-only uses, the conv / linear layers both passes recognise."""
+"""Shared fx infrastructure of both passes: the in-place rewrite (GraphForward), trace hazards and thread-scoped patches, hooks, shape-only uses, the conv / linear layers both passes recognise, nested concatenations."""

@@ -30,20 +30,9 @@ had set on the instance) where its trace does not hold: the other train/eval mod
 mode-dependent trace, hooks registered later on a module the graph inlined, or a first-call
 check that failed (without ``example_inputs``).
 
-Note: [gradients checked on the first backward]
-Without ``example_inputs``, the first call compares the rewrite's outputs with the
-original's (no grad, state restored). Outputs equal, gradients can still differ (a custom
-``autograd.Function``'s hand-written backward lost in a trace). Running a training step of
-each inside the user's first call would show the check to everything that call touches
-(saved-tensor hooks, the chains' lazy plan, parameter hooks, DDP), so the check waits for
-the user's backward instead: a pre-hook on each output's autograd node runs, once, one
-seeded training step of the module as it was and as rewritten (``check_step``: outputs,
-every gradient through ``torch.autograd.grad``, buffers and RNG restored) on the first two
-samples of that call's batch (a full second batch would raise the first step's peak); on a
-difference it warns and the module runs its original forward from the next call. The step
-being differentiated then has the rewrite's gradients (the warning says so). Not checked
-(nothing to compare against without side effects): module or global hooks, parameter
-tensor hooks, an initialised process group, a batch of one, inputs eager cannot run sliced.
+What the first call and the first backward compare before the graph is trusted (without
+``example_inputs``) is not this file's: the pass attaches it (``pending``, ``backward_check``:
+:mod:`convbn.passes.check.first_call`), and this file only calls it and falls back.
 """
 from __future__ import annotations
 
@@ -58,14 +47,11 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tupl
 
 import torch
 import torch.fx as fx
-from torch import Tensor, nn
+from torch import nn
 from torch.fx.graph_module import _forward_from_src
 from torch.utils import _pytree as pytree
 
 from ...nn.fused import hooks_of
-from .hooks import global_hooks, hook_reason
-from ..check.validate import (StateSnapshot, batch_sample, buffers_set_aside, clone_tensors, compare_outputs,
-                              float64_slack, seeded, to_float64)
 
 __all__ = ["GraphForward", "install", "uninstall", "installed", "eager", "fused_modules", "forget_undo"]
 
@@ -124,9 +110,12 @@ class GraphForward:
         self.added = list(added)
         self.fallback = False
         self.fallback_reason = ""  # why ``fallback`` was set (the report says it)
-        self.pending: Optional[Callable[[torch.dtype], float]] = None
-        # (module, args, kwargs) -> Comparison; run on the first backward (Note above)
-        self.backward_check: Optional[Callable[..., Any]] = None
+        #: ``pending(self, args, kwargs) -> output``: run once, in place of the graph, on the
+        #: next call (the first-call check a pass attaches: check/first_call.py)
+        self.pending: Optional[Callable[["GraphForward", Tuple[Any, ...], Dict[str, Any]], Any]] = None
+        #: ``backward_check(self, out, args, kwargs)``: called after each call until it clears
+        #: itself (Note: [gradients checked on the first backward] in check/first_call.py)
+        self.backward_check: Optional[Callable[["GraphForward", Any, Tuple[Any, ...], Dict[str, Any]], None]] = None
         self.modes: Optional[List[Tuple[nn.Module, bool]]] = None
         self.inlined: List[nn.Module] = []
         self.guards: Any = None  # what the trace assumed (check/guards.py), set by convert
@@ -224,13 +213,12 @@ class GraphForward:
         if self.inlined and any(hooks_of(m) for m in self.inlined):
             return self.original(*args, **kwargs)
         if self.pending is not None and not torch.compiler.is_compiling():
-            tolerance, self.pending = self.pending, None
-            with _guards_paused(self.owner):  # guards checked just before: the check's own runs change nothing
-                out = self._first_call(tolerance, args, kwargs)
+            check, self.pending = self.pending, None
+            out = check(self, args, kwargs)  # the first-call check the pass attached
         else:
-            out = self._run(*args, **kwargs)
+            out = self.run(*args, **kwargs)
         if self.backward_check is not None and not self.fallback:
-            self._check_on_backward(out, args, kwargs)
+            self.backward_check(self, out, args, kwargs)
         return out
 
     def _changed(self, what: str, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
@@ -270,97 +258,7 @@ class GraphForward:
             )
         return self.original(*args, **kwargs)
 
-    def _check_on_backward(self, out: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> None:
-        """Note: [gradients checked on the first backward]."""
-        owner = self.owner
-        if torch.compiler.is_compiling() or not torch.is_grad_enabled() or not owner.training:
-            return
-        nodes = {id(t.grad_fn): t.grad_fn for t in pytree.tree_leaves(out)
-                 if isinstance(t, Tensor) and t.grad_fn is not None}
-        if not nodes:
-            return
-        if (_hooked(owner)
-                or any(p._backward_hooks or getattr(p, "_post_accumulate_grad_hooks", None) for p in owner.parameters())
-                or (torch.distributed.is_available() and torch.distributed.is_initialized())):
-            self.backward_check = None  # side effects the check would show (Note above): not checked
-            return
-        sample = batch_sample((args, kwargs))
-        if sample is None:
-            self.backward_check = None
-            return
-        def check(grad_outputs: Any) -> None:
-            if self.backward_check is None:  # checked already (by this call's or an earlier call's hook)
-                return
-            run, self.backward_check = self.backward_check, None
-            try:
-                # a backward runs its hooks without grad mode; the buffers are swapped for copies:
-                # restoring them in place would bump versions this backward's nodes saved
-                with torch.enable_grad(), buffers_set_aside(owner), _chain_records_kept(owner), _unwrapped(self), \
-                        _guards_paused(owner):
-                    result = run(owner, *sample)
-            except Exception:  # noqa: BLE001 - the original fails on the sample: nothing to compare
-                return
-            if not result.ok:
-                self.fallback = True
-                self.fallback_reason = f"its gradients differed from the original's on the first backward ({result.describe()})"
-                warnings.warn(
-                    f"convbn: the rewritten {type(owner).__name__}'s training step differs from the original's on "
-                    f"its first backward ({result.describe()}; one training step of each on the first samples of "
-                    "the batch); this step's outputs, gradients and buffer updates come from the rewrite, and the "
-                    "original (unfused) forward runs from the next call. Pass example_inputs=... to convert to "
-                    "validate (and convert finer) up front.",
-                    RuntimeWarning,
-                    stacklevel=2,
-                )
-
-        for node in nodes.values():
-            node.register_prehook(check)
-
-    def _first_call(self, tolerance: Callable[[torch.dtype], float], args: Tuple[Any, ...],
-                    kwargs: Dict[str, Any]) -> Any:
-        """Run the original and the graph on copies of the inputs (state restored) and compare;
-        on a difference, or an error of the graph, warn and run the original from now on."""
-        owner = self.owner
-        if _hooked(owner):
-            # hooks may have side effects (collected features, counters): never call them
-            # more often than eager would; such models are validated with example_inputs only
-            return self.fn(owner, *args, **kwargs)
-        with torch.no_grad():
-            try:
-                with StateSnapshot(owner), seeded(0):
-                    ref = self.original(*clone_tensors(args), **clone_tensors(kwargs))
-            except Exception:  # noqa: BLE001 - the module itself fails: let it raise as eager would
-                return self.original(*args, **kwargs)
-            try:
-                with StateSnapshot(owner), seeded(0):
-                    out = self.fn(owner, *clone_tensors(args), **clone_tensors(kwargs))
-                if self.out_spec is None and retypable(out, ref):  # Note: [outputs keep their container types]
-                    self.out_spec = pytree.tree_structure(ref)
-                    out = retype(out, self.out_spec)
-                result = compare_outputs(ref, out, tolerance)
-                if not result.ok:  # rounding amplified by the model itself? ask a float64 copy (only now)
-                    slack = float64_slack(owner, lambda m64: _eager_run64(m64, args, kwargs), ref)
-                    if slack is not None:
-                        result = compare_outputs(ref, out, tolerance, slack=slack)
-                why = result.describe() if not result.ok else ""
-            except Exception as exc:  # noqa: BLE001 - the rewrite fails: fall back
-                why = f"the rewrite raised {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
-        if not why:
-            self.undo = None  # checked: the weights it replaced are no longer needed
-        if why:
-            self.fallback = True
-            self.fallback_reason = f"it differed from the original on the first call ({why})"
-            warnings.warn(
-                f"convbn: the rewritten {type(owner).__name__} differs from the original on its first call "
-                f"({why}); running the original (unfused) forward from now on. Pass example_inputs=... to "
-                "convert/fold to validate (and convert finer) up front.",
-                RuntimeWarning,
-                stacklevel=4,
-            )
-            return self.original(*args, **kwargs)
-        return self._run(*args, **kwargs)
-
-    def _run(self, *args: Any, **kwargs: Any) -> Any:
+    def run(self, *args: Any, **kwargs: Any) -> Any:
         """The graph on ``owner``, its output in the module's own container types."""
         out = self.fn(self.owner, *args, **kwargs)
         return out if self.out_spec is None else retype(out, self.out_spec)
@@ -435,60 +333,6 @@ def retype(out: Any, spec: Any) -> Any:
 
 def _new_graph_forward() -> GraphForward:
     return GraphForward.__new__(GraphForward)
-
-
-def _eager_run64(model64: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
-    with torch.no_grad(), seeded(0), eager(model64):
-        return model64(*to_float64(args), **to_float64(kwargs))
-
-
-def _hooked(owner: nn.Module) -> bool:
-    """Whether a check calling ``owner``'s modules again would call hooks eager calls once:
-    global module hooks, or hooks on a module under ``owner``."""
-    return global_hooks() or any(hook_reason(m) for m in owner.modules() if m is not owner)
-
-
-@contextlib.contextmanager
-def _unwrapped(fwd: GraphForward) -> Iterator[None]:
-    """``fwd`` as its owner's ``forward`` for the block, without a wrapper set around it later (an
-    accelerate mixed-precision forward re-enters autocast: a check after the forward, in float32 as
-    eager's backward runs, would compare low-precision runs)."""
-    entry = fwd.owner.__dict__.get("forward")
-    fwd.owner.__dict__["forward"] = fwd
-    try:
-        yield
-    finally:
-        fwd.owner.__dict__["forward"] = entry
-
-
-@contextlib.contextmanager
-def _guards_paused(module: nn.Module) -> Iterator[None]:
-    """The guards of every forward installed under ``module`` set aside while a check runs the
-    module again, then renewed: the check's own runs (a call counter bumped by the module's own
-    forward) are no change of the model."""
-    paused = [(f, f.guards) for f in map(installed, module.modules()) if f is not None and f.guards is not None]
-    for f, _ in paused:
-        f.guards = None
-    try:
-        yield
-    finally:
-        for f, g in paused:
-            if f.guards is None and installed(f.owner) is f:
-                g.refresh()
-                f.guards = g
-
-
-@contextlib.contextmanager
-def _chain_records_kept(module: nn.Module) -> Iterator[None]:
-    """What the fused chains under ``module`` record per call (each layer's shapes seen, for
-    the planner and the report) put back after the block."""
-    layers = [l for _, f in fused_modules(module) for l in getattr(f, "layers", ())]
-    kept = [(l, dict(vars(l))) for l in layers]
-    try:
-        yield
-    finally:
-        for l, fields in kept:
-            vars(l).update(fields)
 
 
 # -- installing ------------------------------------------------------------------------

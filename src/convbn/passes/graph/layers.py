@@ -5,7 +5,7 @@ pre-activation head), :func:`convbn.fold` folds one into either neighbour; both 
 the same layers -- ``nn.Conv{1,2,3}d``, ``nn.ConvTranspose{1,2,3}d``, ``nn.Linear``
 (subclasses that keep torch's ``forward`` too) and their functional calls on a module's
 parameters -- and both trace with these modules as leaves
-(:class:`~convbn.passes.graph.trace.LayerTracer`). :func:`layer_call` recognises a layer call in
+(:class:`~convbn.passes.tracing.trace.LayerTracer`). :func:`layer_call` recognises a layer call in
 a graph for both passes, :func:`layer_spec` gives its geometry; each pass then checks what
 it needs (convert: the weight's owner module; fold: the weight's value, hooks, sharing).
 """

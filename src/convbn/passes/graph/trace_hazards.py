@@ -4,7 +4,7 @@
   value's (Note: [an isinstance hazard only where the answer could differ]);
 * a custom ``torch.autograd.Function`` stays one opaque call (Note: [autograd Functions stay whole]).
 
-Used by :mod:`convbn.passes.graph.trace` while tracing.
+Used by :mod:`convbn.passes.tracing.trace` while tracing.
 """
 from __future__ import annotations
 

@@ -11,10 +11,10 @@ from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.utils import _pytree as pytree
 
-from ..fold.folder import FoldContext
+from .folder import FoldContext
 from ..graph.layers import LAYER_MODULES
-from ..graph.trace import short_reason
-from .validate import as_args, clone_tensors, compare_outputs, seeded, to_float64
+from ..tracing.trace import short_reason
+from ..check.validate import as_args, clone_tensors, compare_outputs, seeded, to_float64
 
 __all__ = ["CHECK_TOLERANCE", "EAGER_ERROR_FACTOR", "output_jump"]
 

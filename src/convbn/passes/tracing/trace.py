@@ -52,14 +52,14 @@ from ...nn.chain import FusedChain
 from ...nn.fused import _FusedConvBNNd
 from ..bn.frozen import frozen_bn_ranks, holds_frozen_bn_tensors, recognise_frozen_norm_act
 from ..bn.recognise import NormActBody, recognise_norm_act
-from .checkpoint_calls import checkpointed_modules, keep_checkpoint_calls
-from .grad_regions import recording_grad_modes
-from .hooks import hook_reason
-from .shape_capture import Guards, ShapeGuard, ShapeTracing
-from .specialize import Defaults, constant_defaults, none_used_as_value
-from .layers import LAYER_MODULES, has_standard_forward
-from .thread_patch import fx_patches_scoped, original_item, scoped_item
-from .trace_hazards import FunctionCall, _answer_could_differ, _tensor_valued, opaque_functions
+from ..graph.checkpoint_calls import checkpointed_modules, keep_checkpoint_calls
+from ..graph.grad_regions import recording_grad_modes
+from ..graph.hooks import hook_reason
+from ..graph.shape_capture import Guards, ShapeGuard, ShapeTracing
+from ..graph.specialize import Defaults, constant_defaults, none_used_as_value
+from ..graph.layers import LAYER_MODULES, has_standard_forward
+from ..graph.thread_patch import fx_patches_scoped, original_item, scoped_item
+from ..graph.trace_hazards import FunctionCall, _answer_could_differ, _tensor_valued, opaque_functions
 
 __all__ = ["TraceHazard", "LayerTracer", "Traced", "trace", "resolve_string_annotations", "short_reason", "FunctionCall"]
 
