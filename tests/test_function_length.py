@@ -16,9 +16,8 @@ KNOWN = {
     "autograd/chain_memory.py::replay",
     "autograd/chain_memory.py::tail_backward",
     "nn/chain.py::_forward_fused",
-    "passes/bn/recognise.py::_check_mode",
-    "passes/bn/sites.py::find_bn_sites",
     "passes/convert/api.py::convert",
+    "passes/convert/match.py::find_layers",
     "passes/plan/auto_plan.py::plan_auto",
     "passes/plan/planner.py::plan_for_peak",
 }
