@@ -55,6 +55,8 @@ _PLAN_SOME = "tests/test_planner.py::test_predicted_saved_bytes_are_exact_and_mo
 _FOLD = "tests/test_fold.py::test_report_str_lists_every_bn"
 _POOL = "tests/test_lean_pools.py::test_function_saves_no_input_for_a_contiguous_one"
 _OP_PLAN = "tests/test_chain_op_plan.py::test_compiled_op_backward_reads_may_drop_from_the_plan"
+_MISH = "tests/test_convert_tails.py::test_tail_fused_exactly[F.mish-recompute_bn]"
+_FOLD_RULE = "tests/test_tolerance_rule.py::test_each_check_reads_the_one_rule[fold check-nothing allowed]"
 
 MUTANTS: Dict[str, Mutant] = {
     "fused_forward_eager": Mutant(
@@ -109,6 +111,15 @@ MUTANTS: Dict[str, Mutant] = {
         "may_drop ignored on the op path: under torch.compile the custom op lets every layer drop and rebuild",
         (("autograd/chain_op.py", "             [s.may_drop for s in specs])", "             [True for s in specs])"),),
         (_OP_PLAN,)),
+    "activation_spelling_dropped": Mutant(
+        "F.mish missing from the activation table's spellings: matching no longer sees it",
+        (("functional/activations.py", "functions=(F.mish,), fused_forward=True", "fused_forward=True"),),
+        (_MISH,)),
+    "fold_check_own_tolerance": Mutant(
+        "fold's check holds a tolerance of its own instead of reading the one rule",
+        (("passes/fold/fold_check.py", '    rule = tolerance_rule("fold")\n',
+          "    rule = tolerance_rule.__globals__['ToleranceRule']({torch.float64: 1e-10, torch.float32: 1e-4}, 1e-2)\n"),),
+        (_FOLD_RULE,)),
 }
 
 

@@ -88,6 +88,8 @@ DOCUMENTED_MODULES = [
     "convbn.memory.peaks",
     "convbn.memory.timelines",
     "convbn.passes.convert.match_tail",
+    "convbn.functional.activations",
+    "convbn.autograd.chain_memory",
     "convbn.autograd.fused",
     "convbn.functional.pool",
     "convbn.functional.conv",

@@ -35,6 +35,7 @@ from .memory import Timeline, timeline
 from .memory.timelines import default_loss
 from .memory.budget import parse_memory, resident_bytes, usable_bytes
 from .memory.saved import format_bytes
+from .passes.check.validate import as_args
 from .passes.convert.api import check_args, convert
 from .passes.plan.auto_plan import apply_plan, plan_to_target
 from .passes.plan.plan_inputs import PlanInputs, measure_peak, measure_plan_inputs, plan_inputs_at
@@ -407,7 +408,7 @@ def _check_arguments(model: Any, sample: Any, memory: Any, optimizer: Any, loss_
         raise TypeError(f"confirm must be None, True or False, but got {confirm!r}")
     check_progress(progress)
     limit = parse_memory(memory)
-    inputs = sample if isinstance(sample, tuple) else tuple(sample) if isinstance(sample, list) else (sample,)
+    inputs = as_args(sample, "sample")
     if not any(isinstance(t, Tensor) and t.dim() > 0 for t in inputs):
         raise TypeError("sample must be a tensor or a tuple of inputs with at least one batched tensor, "
                         f"but got {type(sample).__name__}")

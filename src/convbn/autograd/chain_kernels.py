@@ -39,10 +39,8 @@ __all__ = ["set_fused_kernels", "fused_kernels_enabled", "fused_layer_forward", 
 # "on": None while ``CONVBN_FUSED_KERNELS`` decides (read when asked), else set_fused_kernels'
 _STATE: Dict[str, Any] = {"on": None, "failed": False}
 _COMPILED: Dict[str, Callable[..., Any]] = {}
-# backward: piecewise-linear activations only; a smooth one's derivative is recomputed in both
-# passes (its transcendental twice), measured 0.97-1.54x the ATen path for SiLU
-_BACKWARD_ACTS = {"identity", "relu", "relu6", "leaky_relu"}
-_ACTS = {"identity", "relu", "relu6", "leaky_relu", "silu", "sigmoid", "tanh", "elu", "gelu", "hardswish", "mish"}
+# which activations the kernels cover is the table's (Activation.fused_forward_kernel /
+# fused_backward_kernel in functional/activations.py)
 
 
 def _switched_on() -> bool:
@@ -88,7 +86,7 @@ def _applies(y: Tensor, bn: Optional[BNSpec], act: Activation) -> bool:
     # counts, and report a peak the kernels never reach. The ATen path runs instead: its peak
     # is the kernels' (tests/test_chain_kernels.py measures both at the allocator).
     return (fused_kernels_enabled() and bn is not None and bn.batch_stats and bn.process_group is None
-            and not isinstance(bn.momentum, Tensor) and act.name in _ACTS and y.dtype == torch.float32
+            and not isinstance(bn.momentum, Tensor) and act.fused_forward_kernel and y.dtype == torch.float32
             and y.device.type == "cpu" and type(y) is Tensor and not torch.compiler.is_compiling()
             and _get_current_dispatch_mode() is None)
 
@@ -128,7 +126,7 @@ def fused_layer_backward(grad_out: Tensor, y: Tensor, weight: Optional[Tensor], 
                          invstd: Tensor, bn: Optional[BNSpec], act: Activation) -> Optional[Tuple[Tensor, Tensor, Tensor]]:
     """``(grad_y, grad_weight, grad_bias)`` of BN + ``act`` from ``y`` and the saved statistics,
     the activation's input rebuilt inside; ``None`` where the fused kernels do not apply."""
-    if (not _applies(y, bn, act) or act.name not in _BACKWARD_ACTS or grad_out.dtype != y.dtype
+    if (not _applies(y, bn, act) or not act.fused_backward_kernel or grad_out.dtype != y.dtype
             or type(grad_out) is not Tensor):
         return None
     with torch.no_grad():

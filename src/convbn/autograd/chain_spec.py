@@ -19,7 +19,8 @@ from torch import Tensor
 from ..functional.activations import Activation
 from ..functional.batchnorm import BNSpec
 from ..functional.conv import ConvSpec
-from ..functional.tail import DropoutOp, PReLUOp, TailOp
+from ..functional.tail import TailOp
+from . import chain_memory
 from .chain_input import ChainInput
 from .chain_tail import n_tail_params
 
@@ -89,11 +90,7 @@ def split_params(spec: ChainLayerSpec, ps: Sequence[Optional[Tensor]]) -> LayerP
 
 def layer_kind(spec: ChainLayerSpec) -> str:
     """The layer's tail kind in :data:`convbn.autograd.chain_memory.ACT_KINDS`."""
-    if spec.tail:
-        return "tail:" + "".join("D" if isinstance(op, DropoutOp) and not op.inplace else "d" if isinstance(op, DropoutOp)
-                                 else "P" if isinstance(op, PReLUOp) else "A" for op in spec.tail)
-    act = spec.act
-    return "identity" if act.is_identity else "output" if act.output_derivable else "smooth"
+    return chain_memory.layer_kind(spec.act, spec.tail)
 
 
 #: what a chain takes as its input: one tensor, or a head's pieces (Note: [a head over a

@@ -28,19 +28,17 @@ from typing import Any, List, Optional, Tuple
 
 import torch
 import torch.fx as fx
-import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.conv import _ConvNd
 from torch.utils.checkpoint import checkpoint
 
-from ..functional.activations import activation_from_module
+from ..functional.activations import activation_from_module, activation_functions
 from ..passes.graph.concat_heads import channel_cat_pieces, flatten_cats
 from ..passes.tracing.trace import trace
 
 __all__ = ["CheckpointedConcatHead", "NoConcatHead", "checkpoint_concat_heads"]
 
-_ACT_FUNCTIONS = (F.relu, torch.relu, torch.relu_, F.relu6, F.silu, F.gelu, F.leaky_relu, F.elu, F.hardswish)
 
 
 class NoConcatHead(ValueError):
@@ -92,7 +90,7 @@ def _activation(node: fx.Node, src: fx.Node, gm: fx.GraphModule) -> Any:
         mod = gm.get_submodule(str(node.target))
         act = activation_from_module(mod)
         return mod if act is not None and not node.kwargs else None
-    if node.op == "call_function" and node.target in _ACT_FUNCTIONS and not node.kwargs and len(node.args) == 1:
+    if node.op == "call_function" and node.target in activation_functions() and not node.kwargs and len(node.args) == 1:
         return node.target
     return None
 

@@ -40,6 +40,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 from torch import nn
 
+from ...functional.activations import activation_from_module
 from ...nn.bn_call import has_standard_bn_forward
 from ..graph.shape_uses import value_users
 from .kind import bn_conv_dims
@@ -132,8 +133,14 @@ def flatten_token_bns(gm: fx.GraphModule) -> List[str]:
     return done
 
 
-_RANK_KEEPING = (nn.Dropout, nn.ReLU, nn.ReLU6, nn.LeakyReLU, nn.PReLU, nn.SiLU, nn.GELU, nn.Hardswish, nn.ELU,
-                 nn.Sigmoid, nn.Tanh, nn.Identity, nn.BatchNorm1d)
+#: rank-keeping modules besides the activation table's (element-wise, so the rank is kept)
+_RANK_KEEPING = (nn.Dropout, nn.PReLU, nn.Identity, nn.BatchNorm1d)
+
+
+def _keeps_rank(module: nn.Module) -> bool:
+    """Whether calling ``module`` on a tensor gives a tensor of the same rank (an activation of
+    the one table, dropout, PReLU, identity, a BatchNorm1d)."""
+    return isinstance(module, _RANK_KEEPING) or activation_from_module(module) is not None
 
 
 def _flatten_input(node: Any) -> Optional[fx.Node]:
@@ -174,7 +181,7 @@ def _is_2d(node: Any, gm: fx.GraphModule, depth: int = 0) -> bool:
     if t is not None:
         return _is_2d(t, gm, depth + 1)
     if node.op == "call_module" and len(node.args) == 1 and not node.kwargs \
-            and isinstance(gm.get_submodule(str(node.target)), _RANK_KEEPING):
+            and _keeps_rank(gm.get_submodule(str(node.target))):
         return _is_2d(node.args[0], gm, depth + 1)
     return False
 

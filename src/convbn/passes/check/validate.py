@@ -8,7 +8,7 @@ import contextlib
 import copy
 import math
 from dataclasses import dataclass
-from typing import Any, Callable, ContextManager, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Callable, ContextManager, Dict, Iterator, List, Literal, Mapping, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor, nn
@@ -17,32 +17,108 @@ from torch.utils import _pytree as pytree
 from ...functional.private_rng import PrivateRNG, private_rng
 
 __all__ = ["StateSnapshot", "Comparison", "compare_outputs", "run_step", "seeded", "as_args", "float64_slack", "to_float64",
-           "tolerance", "TOLERANCE", "EAGER_ERROR_FACTOR", "buffers_set_aside", "batch_sample", "clone_tensors"]
+           "tolerance", "tolerance_rule", "ToleranceRule", "TOLERANCES", "CheckKind", "buffers_set_aside", "batch_sample",
+           "clone_tensors"]
 
 
-def as_args(example_inputs: Any) -> Tuple[Any, ...]:
-    """``example_inputs`` as positional arguments, the one normalisation both passes use: a
-    tuple or list is spread, anything else (a tensor, a dict...) is one argument."""
-    if isinstance(example_inputs, tuple):
-        return example_inputs
-    if isinstance(example_inputs, list):
+def as_args(example_inputs: Any, name: str = "example_inputs") -> Tuple[Any, ...]:
+    """Sample inputs as positional arguments: the one normalisation that :func:`convbn.convert`,
+    :func:`convbn.explain`, :func:`convbn.fold`, :func:`convbn.max_batch` and the command line
+    use. A tensor is one argument; a tuple or list is spread, one argument per element (a
+    dict, or any other value, is passed as one argument wrapped in a tuple: ``(d,)``).
+
+    Args:
+        example_inputs: a ``Tensor``, or a tuple or list of positional arguments.
+        name: the argument's name in the caller's signature, for the error.
+
+    Returns:
+        The positional arguments, as a tuple.
+
+    Raises:
+        TypeError: anything else (``None`` included: callers decide what no inputs mean
+            before asking), naming the value and what is accepted.
+
+    Example:
+        >>> as_args(torch.zeros(2, 3))[0].shape
+        torch.Size([2, 3])
+        >>> as_args([1, 2])
+        (1, 2)
+    """
+    if isinstance(example_inputs, Tensor):
+        return (example_inputs,)
+    if isinstance(example_inputs, (tuple, list)):
         return tuple(example_inputs)
-    return (example_inputs,)
+    if isinstance(example_inputs, dict):
+        got = f"a dict with keys {list(example_inputs)[:8]}"
+    else:
+        text = repr(example_inputs)
+        got = f"{type(example_inputs).__name__} {text[:60] + '...' if len(text) > 60 else text}"
+    raise TypeError(f"{name} must be a Tensor, or a tuple or list of positional arguments (one dict or other "
+                    f"value as one argument: {name}=(value,)), but got {got}")
 
 
 # Note: [one tolerance rule]
-# A rewrite (convert's chains, fold's folded weights) only reorders rounding. Compared with
-# eager, a floating leaf passes when ``max|new - eager| <= TOLERANCE[dtype] * scale +
-# EAGER_ERROR_FACTOR * (eager's own distance to a float64 run of the same step)``, the
-# second term asked for only when the first alone fails (see Note: [validation tolerance
-# follows eager's own rounding] in convert.py). ``scale`` is :func:`compare_outputs`'.
-TOLERANCE = {torch.float64: 1e-7, torch.float32: 1e-3}
-EAGER_ERROR_FACTOR = 4.0
+# A rewrite (convert's chains, fold's folded weights) only reorders rounding. Every check that
+# compares a rewrite with eager -- convert's first-call and first-backward checks, the
+# whole-model step check (check/step.py), fold's check (fold/fold_check.py) and its float64
+# verdict -- passes a floating leaf when
+#     max|new - eager| <= rule(dtype) * scale + rule.eager_error_factor * (eager's own distance
+#                                                to a float64 run of the same step),
+# the second term asked for only when the first alone fails (Note: [fold's tolerance follows
+# eager's own rounding] in fold_check.py). ``scale`` is :func:`compare_outputs`'. The numbers
+# live here and nowhere else, in one row per kind of check, read when a check runs:
+# ``"step"`` for a training step (forward and backward, gradients relative to their own
+# size: convert's checks), ``"fold"`` for an inference forward (folding is exact algebra on
+# eval-mode statistics: a tighter relative term).
 
 
-def tolerance(dtype: torch.dtype) -> float:
-    """The relative tolerance of a rewrite's check for ``dtype`` (Note: [one tolerance rule])."""
-    return TOLERANCE.get(dtype, 5e-2)
+@dataclass(frozen=True)
+class ToleranceRule:
+    """The allowance of one kind of check (Note: [one tolerance rule]).
+
+    Attributes:
+        relative: the relative term per dtype.
+        other_dtypes: the relative term for every dtype not in ``relative`` (half, bfloat16...).
+        eager_error_factor: the multiple of eager's own distance to a float64 run allowed on top.
+
+    Example:
+        >>> tolerance_rule("fold")(torch.float32)
+        0.0001
+    """
+
+    relative: Mapping[torch.dtype, float]
+    other_dtypes: float
+    eager_error_factor: float = 4.0
+
+    def __call__(self, dtype: torch.dtype) -> float:
+        return self.relative.get(dtype, self.other_dtypes)
+
+
+#: the kinds of check a :class:`ToleranceRule` exists for
+CheckKind = Literal["step", "fold"]
+
+#: the one table of tolerances, a row per kind of check
+TOLERANCES: Dict[str, ToleranceRule] = {
+    "step": ToleranceRule({torch.float64: 1e-7, torch.float32: 1e-3}, 5e-2),
+    "fold": ToleranceRule({torch.float64: 1e-10, torch.float32: 1e-4}, 1e-2),
+}
+
+
+def tolerance_rule(check: CheckKind = "step") -> ToleranceRule:
+    """The :class:`ToleranceRule` of a ``check`` (``"step"`` or ``"fold"``), read from
+    :data:`TOLERANCES` when asked.
+
+    Raises:
+        ValueError: ``check`` is not a row of :data:`TOLERANCES`.
+    """
+    if check not in TOLERANCES:
+        raise ValueError(f"check must be one of {tuple(TOLERANCES)}, but got check={check!r}")
+    return TOLERANCES[check]
+
+
+def tolerance(dtype: torch.dtype, check: CheckKind = "step") -> float:
+    """The relative tolerance of a ``check`` for ``dtype`` (Note: [one tolerance rule])."""
+    return tolerance_rule(check)(dtype)
 
 
 def _cuda_in_use() -> bool:
@@ -203,12 +279,14 @@ def to_float64(tree: Any) -> Any:
 
 
 def float64_slack(model: nn.Module, run: Callable[[nn.Module], Any], reference: Any,
-                  factor: float = EAGER_ERROR_FACTOR) -> Optional[List[float]]:
-    """``factor`` times what ``reference`` (``run(model)``'s result in the model's dtype) gets
-    wrong against ``run`` of a float64 copy, per floating leaf: the slack a comparison of
-    two float32 computations needs where rounding is amplified (see Note: [validation
-    tolerance follows eager's own rounding] in convert.py). ``None`` where everything is
+                  factor: Optional[float] = None) -> Optional[List[float]]:
+    """``factor`` (default: the ``"step"`` rule's ``eager_error_factor``) times what ``reference``
+    (``run(model)``'s result in the model's dtype) gets wrong against ``run`` of a float64 copy,
+    per floating leaf: the slack a comparison of two float32 computations needs where rounding
+    is amplified (the second term of Note: [one tolerance rule]). ``None`` where everything is
     float64 already or no float64 copy can be made or run."""
+    if factor is None:
+        factor = tolerance_rule("step").eager_error_factor
     leaves = [t for t in pytree.tree_leaves(reference) if isinstance(t, Tensor) and t.is_floating_point()]
     if all(t.dtype == torch.float64 for t in leaves):
         return None

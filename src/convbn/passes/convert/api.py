@@ -22,7 +22,7 @@ from .args import check_args
 from ...nn.chain import FusedChain
 from ...nn.fused import _FusedConvBNNd
 from ...functional.strategies import CONVERT_STRATEGIES
-from ..plan.auto_plan import as_inputs, measure_peak, measure_saved, plan_auto
+from ..plan.auto_plan import measure_peak, measure_saved, plan_auto
 from ..bn.recognise import may_normalise
 from ..graph.concat_heads import flatten_cats
 from ..graph.graph_module import eager, forget_undo, install, installed, uninstall
@@ -40,7 +40,7 @@ from .rewrite import drop_hooked, rewrite_chains, swap_sync_batchnorm, watch_hoo
 from ..tracing.trace import LayerTracer, short_reason, trace
 from ..check.first_call import BackwardCheck, FirstCallCheck
 from ..check.step import called_inputs, check_step
-from ..check.validate import StateSnapshot, tolerance
+from ..check.validate import StateSnapshot, as_args, tolerance
 from ...progress import check_progress, progress_scope, stage
 
 __all__ = ["convert", "explain", "check_args", "CONVERT_STRATEGIES"]
@@ -473,7 +473,7 @@ def _convert_model(model: nn.Module, strategy: str, memory_budget: Optional[floa
                    inplace: bool, chain: bool, peak_budget: Optional[float], memory_limit: Any) -> nn.Module:
     """:func:`convert` once its arguments are checked (warnings: stack level 3, the caller of ``convert``)."""
     report = ConvertReport(strategy=strategy)
-    inputs = as_inputs(example_inputs) if example_inputs is not None else None
+    inputs = as_args(example_inputs) if example_inputs is not None else None
     work = model if inplace else share_copy(model)
     swap_sync_batchnorm(work, inplace=True)
     ctx = _Context(strategy, chain, report, lazy=example_inputs is None, example=inputs, root=work)
@@ -539,7 +539,7 @@ def explain(model: nn.Module, example_inputs: Any = None, **kwargs: Any) -> Conv
         report: ConvertReport = converted.convbn_report  # type: ignore[assignment]
         if example_inputs is None or not report.pairs:
             return report
-        inputs = as_inputs(example_inputs)
+        inputs = as_args(example_inputs)
         stage("measuring a step of the eager and of the converted model")
         with StateSnapshot(model):
             eager = measure_peak(model, inputs)

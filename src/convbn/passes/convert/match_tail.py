@@ -21,14 +21,15 @@ from __future__ import annotations
 
 import operator
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Tuple, Union
+from typing import Any, Dict, List, Optional, Tuple, Union
 
 import torch
 import torch.fx as fx
 import torch.nn.functional as F
 from torch import nn
 
-from ...functional.activations import Activation, activation_from_module
+from ...functional.activations import (Activation, activation_from_call, activation_from_method, activation_from_module,
+                                       activation_functions, activation_methods)
 from ...functional.tail import DROPOUT_FUNCTIONS, is_tail_module
 from ...nn.chain import TailElement
 from ..graph.layers import node_arg
@@ -51,47 +52,6 @@ def describe_node(node: fx.Node) -> str:
         return "the graph's output"
     return f"{node.op} {node.target}"
 
-
-def _slope(n: fx.Node, i: int) -> Optional[Activation]:
-    return Activation("leaky_relu", negative_slope=float(node_arg(n, i, "negative_slope", 0.01)))
-
-
-def _elu(name: str) -> Callable[[fx.Node], Optional[Activation]]:
-    return lambda n: Activation(name, alpha=float(node_arg(n, 1, "alpha", 1.0)))
-
-
-def _hardtanh(n: fx.Node) -> Optional[Activation]:
-    return Activation("relu6") if (node_arg(n, 1, "min_val", -1.0), node_arg(n, 2, "max_val", 1.0)) == (0.0, 6.0) else None
-
-
-#: functional and ``torch.*`` activations (in-place variants included) -> their record
-_ACT_FUNCS: Dict[Any, Callable[[fx.Node], Optional[Activation]]] = {
-    **{f: (lambda n: Activation("relu")) for f in (torch.relu, torch.relu_, F.relu, F.relu_)},
-    F.relu6: lambda n: Activation("relu6"),
-    F.leaky_relu: lambda n: _slope(n, 1),
-    F.leaky_relu_: lambda n: _slope(n, 1),
-    F.silu: lambda n: Activation("silu"),
-    F.gelu: lambda n: Activation("gelu", approximate=str(node_arg(n, 1, "approximate", "none"))),
-    F.hardswish: lambda n: Activation("hardswish"),
-    F.hardsigmoid: lambda n: Activation("hardsigmoid"),
-    F.hardtanh: _hardtanh,
-    F.hardtanh_: _hardtanh,
-    F.elu: _elu("elu"),
-    F.elu_: _elu("elu"),
-    F.celu: _elu("celu"),
-    F.celu_: _elu("celu"),
-    torch.celu: _elu("celu"),
-    torch.celu_: _elu("celu"),
-    **{f: (lambda n: Activation("selu")) for f in (F.selu, F.selu_, torch.selu, torch.selu_)},
-    F.mish: lambda n: Activation("mish"),
-    F.softplus: lambda n: Activation("softplus", beta=float(node_arg(n, 1, "beta", 1.0)),
-                                     threshold=float(node_arg(n, 2, "threshold", 20.0))),
-    **{f: (lambda n: Activation("sigmoid")) for f in (torch.sigmoid, torch.sigmoid_, F.sigmoid)},
-    **{f: (lambda n: Activation("tanh")) for f in (torch.tanh, torch.tanh_, F.tanh)},
-}
-#: tensor methods -> activation name
-_ACT_METHODS = {"relu": "relu", "relu_": "relu", "sigmoid": "sigmoid", "sigmoid_": "sigmoid",
-                "tanh": "tanh", "tanh_": "tanh"}
 
 #: functional dropouts -> (the ``nn`` module class running the same op, the keyword and
 #: default of the training flag, in place)
@@ -121,7 +81,6 @@ _UNSUPPORTED: Dict[Any, str] = {
     **{f: "clamp's gradient at the bounds differs from hardtanh's (ReLU6), so it is not recomputed as one; "
           "use F.relu6 / nn.ReLU6" for f in (torch.clamp, torch.clamp_, torch.clip)},
 }
-_SIGMOIDS = {torch.sigmoid, F.sigmoid}
 _MULS = {operator.mul, torch.mul}
 
 
@@ -236,17 +195,18 @@ def _match_op(node: fx.Node, src: fx.Node, root: nn.Module, prefix: str) -> Unio
                             nn.FeatureAlphaDropout)):
             return f"module '{node.target}' ({type(mod).__name__}) has its own forward"
         return None
-    if node.op == "call_function" and node.target in _ACT_FUNCS:
+    if node.op == "call_function" and node.target in activation_functions():
         if not _consts(node):
             return f"{describe_node(node)} takes arguments computed at run time"
-        act = _ACT_FUNCS[node.target](node)
+        act = activation_from_call(node.target, lambda i, keyword, default: node_arg(node, i, keyword, default))
         if act is None:
             return f"{describe_node(node)} with these bounds is not an activation convbn knows"
         return TailOpMatch(act, node)
     if node.op == "call_function" and node.target in _UNSUPPORTED:
         return f"{describe_node(node)} ({_UNSUPPORTED[node.target]})"
-    if node.op == "call_method" and node.target in _ACT_METHODS and len(node.args) == 1 and not node.kwargs:
-        return TailOpMatch(Activation(_ACT_METHODS[str(node.target)]), node)
+    method_act = activation_from_method(str(node.target)) if node.op == "call_method" else None
+    if method_act is not None and len(node.args) == 1 and not node.kwargs:
+        return TailOpMatch(method_act, node)
     found = _functional_dropout(node)
     if isinstance(found, nn.Module):
         return TailOpMatch(found, node)
@@ -255,8 +215,9 @@ def _match_op(node: fx.Node, src: fx.Node, root: nn.Module, prefix: str) -> Unio
 
 def _match_swish(node: fx.Node) -> Optional[TailOpMatch]:
     """SiLU written ``node * sigmoid(node)`` (the two users of ``node``)."""
-    sig = next((u for u in node.users if (u.op == "call_function" and u.target in _SIGMOIDS)
-                or (u.op == "call_method" and u.target == "sigmoid")), None)
+    sigmoids, methods = activation_functions("sigmoid", inplace=False), activation_methods("sigmoid", inplace=False)
+    sig = next((u for u in node.users if (u.op == "call_function" and u.target in sigmoids)
+                or (u.op == "call_method" and u.target in methods)), None)
     if sig is None or len(sig.users) != 1 or sig.kwargs or node_arg(sig, 0, "input", None) is not node:
         return None
     mul = next(iter(sig.users))

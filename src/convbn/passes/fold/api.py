@@ -36,8 +36,8 @@ from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from ..bn.recognise import may_normalise
-from .fold_check import (CHECK_TOLERANCE, EAGER_ERROR_FACTOR, compare_to_reference, float64_errors, float64_fold_error,
-                                output_jump, reference_run, run_no_grad)
+from .fold_check import (compare_to_reference, float64_errors, float64_fold_error, output_jump, reference_run,
+                         run_no_grad)
 from .folder import FoldContext
 from .stages import fold_graph
 from .layers import fold_conv_bn_modules
@@ -49,7 +49,7 @@ from ..check.step import called_inputs
 from ..graph.graph_module import forget_undo, install, installed
 from ..graph.transaction import transaction
 from ..graph.scripted import reject_torchscript
-from ..check.validate import tolerance
+from ..check.validate import tolerance, tolerance_rule
 from ..tracing.trace import LayerTracer, short_reason, trace
 
 __all__ = ["fold", "fold_conv_bn_modules", "FoldReport", "BNOutcome", "FoldCheck"]
@@ -375,7 +375,8 @@ def _checked(run: FoldRun) -> Optional[nn.Module]:
             return finer
     note = run.note
     if eager_errors is not None and any(eager_errors):
-        note = "; ".join(x for x in (note, f"allowed includes {EAGER_ERROR_FACTOR:g}x eager's own error vs a "
+        note = "; ".join(x for x in (note, f"allowed includes {tolerance_rule('fold').eager_error_factor:g}x eager's own "
+                                     f"error vs a "
                                      f"float64 run (max {max(eager_errors):.3g})") if x)
     shapes = tuple(tuple(a.shape) for a in args if isinstance(a, Tensor))
     report.check = FoldCheck(True, "; ".join(x for x in (note, why) if x), shapes, diff, tol, ok)
@@ -396,7 +397,7 @@ def _verdict(run: FoldRun, out: Any) -> Tuple[float, float, bool, str, Optional[
     if not ok and original is not None:  # Note: [a fold checked in float64] in fold_check.py
         # inplace on the float64 copy: no first-call check that could fall back to the original
         err64 = float64_fold_error(original, run.args, lambda m, a: fold(m, inplace=True, example_inputs=a, check=False))
-        if err64 is not None and err64 <= CHECK_TOLERANCE[torch.float64]:
+        if err64 is not None and err64 <= tolerance(torch.float64, "fold"):
             ok = True
             why = (f"float32 outputs differ by {diff:.3g} (> {tol:.3g}): rounding the model amplifies; folded "
                    f"in float64 it equals the float64 original (max relative difference {err64:.2g})")

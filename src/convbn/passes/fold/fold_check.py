@@ -14,21 +14,16 @@ from torch.utils import _pytree as pytree
 from .folder import FoldContext
 from ..graph.layers import LAYER_MODULES
 from ..tracing.trace import short_reason
-from ..check.validate import as_args, clone_tensors, compare_outputs, seeded, to_float64
+from ..check.validate import as_args, clone_tensors, compare_outputs, seeded, to_float64, tolerance_rule
 
-__all__ = ["CHECK_TOLERANCE", "EAGER_ERROR_FACTOR", "output_jump"]
+__all__ = ["output_jump", "compare_to_reference"]
 
 
 # Note: [what "exact" means for the check]
 # Folding changes the order of floating point operations, nothing else, so folded and
 # unfolded outputs agree to rounding. The check in ``fold(check=True)`` allows, per
 # floating output tensor, ``max|folded - reference| <= tol * max(1, max|reference|)`` with
-# ``tol`` from this table (other dtypes: 1e-2).
-CHECK_TOLERANCE: Dict[torch.dtype, float] = {
-    torch.float64: 1e-10,
-    torch.float32: 1e-4,
-}
-DEFAULT_TOLERANCE = 1e-2
+# ``tol`` the ``"fold"`` row of validate.py's one table (Note: [one tolerance rule]).
 
 
 # --------------------------------------------------------------------------------------
@@ -167,15 +162,17 @@ def float64_fold_error(model: nn.Module, args: Tuple[Any, ...],
 # A fixed relative tolerance is tighter than float32 itself on deep nets: folding only
 # reorders rounding, but eager's float32 result is already off the exact one by an amount
 # that grows with depth and with the BN scales. So the check runs the *original* once more
-# in float64 and allows, per output, ``tol * max(1, max|ref|)`` plus ``EAGER_ERROR_FACTOR``
-# times eager's own distance to that float64 result: a fold as accurate as eager differs
-# from eager by at most twice it; a wrong fold differs by far more.
-EAGER_ERROR_FACTOR = 4.0
+# in float64 and allows, per output, ``tol * max(1, max|ref|)`` plus the rule's
+# ``eager_error_factor`` times eager's own distance to that float64 result: a fold as
+# accurate as eager differs from eager by at most twice it; a wrong fold differs by far more.
 
 
 def compare_to_reference(reference: Any, folded: Any, eager_errors: Optional[List[float]] = None) -> Tuple[float, float, bool, str]:
-    slack = None if eager_errors is None else [EAGER_ERROR_FACTOR * e for e in eager_errors]
-    result = compare_outputs(reference, folded, lambda dt: CHECK_TOLERANCE.get(dt, DEFAULT_TOLERANCE), slack)
+    """``(max abs difference, allowed, ok, why not)`` of ``folded`` against ``reference`` under
+    the ``"fold"`` rule (``eager_errors``: :func:`float64_errors`, for the rule's second term)."""
+    rule = tolerance_rule("fold")
+    slack = None if eager_errors is None else [rule.eager_error_factor * e for e in eager_errors]
+    result = compare_outputs(reference, folded, rule, slack)
     return result.max_abs_diff, result.allowed, result.ok, result.note
 
 

@@ -8,11 +8,10 @@ from typing import Any, Callable, Dict, Optional, Set, TypeVar, Union
 
 import torch
 import torch.fx as fx
-import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from ...functional.activations import activation_from_module
+from ...functional.activations import activation_from_module, activation_functions, activation_methods
 from ...functional.fold import fold_bn_into_preceding
 from ..graph.layers import CONVT_MODULES, LAYER_MODULES
 
@@ -102,24 +101,18 @@ def fold_conv_bn_modules(layer: LayerT, bn: nn.Module) -> LayerT:
 # --------------------------------------------------------------------------------------
 
 
-# element-wise activations, for the reason given when one sits between a BN and a layer
-_ACTIVATION_FUNCTIONS = {F.relu, F.relu_, F.relu6, F.leaky_relu, F.silu, F.gelu, F.hardswish, F.hardtanh,
-                         F.hardsigmoid, F.elu, F.celu, F.selu, F.mish, F.softplus, F.sigmoid, F.tanh,
-                         torch.relu, torch.relu_, torch.sigmoid, torch.tanh}
-_ACTIVATION_METHODS = {"relu", "relu_", "sigmoid", "sigmoid_", "tanh", "tanh_"}
-
-
 def describe_activation(node: fx.Node, modules: Dict[str, nn.Module], qual: Callable[[str], str]) -> Optional[str]:
-    """A name for ``node`` if it applies an element-wise activation (``qual``: qualified module
-    names), else ``None``."""
+    """A name for ``node`` if it applies an element-wise activation of the table in
+    functional/activations.py (module, callable or method; ``qual``: qualified module names),
+    else ``None``, for the reason given when one sits between a BN and a layer."""
     if node.op == "call_module":
         mod = modules.get(str(node.target))
         if mod is None or activation_from_module(mod) is None:
             return None
         return f"activation {type(mod).__name__} '{qual(str(node.target))}'"
-    if node.op == "call_function" and node.target in _ACTIVATION_FUNCTIONS:
+    if node.op == "call_function" and node.target in activation_functions():
         return f"activation {node.target.__name__}()"  # type: ignore[union-attr]
-    if node.op == "call_method" and node.target in _ACTIVATION_METHODS:
+    if node.op == "call_method" and node.target in activation_methods():
         return f"activation .{node.target}()"
     return None
 

@@ -9,7 +9,7 @@ import warnings
 from dataclasses import dataclass
 from typing import Any, List, Optional, Sequence, Tuple
 
-from torch import Tensor, nn
+from torch import nn
 
 from ...memory import saved_bytes
 from ...nn.chain import ChainLayer, FusedChain
@@ -22,15 +22,7 @@ from .first_call_peak import peak_above_eager
 from ..report.convert_report import ConvertReport
 from ..check.validate import StateSnapshot
 
-__all__ = ["as_inputs", "measure_saved", "plan_auto", "measure_peak", "plan_to_target", "PeakPlan", "apply_plan"]
-
-
-def as_inputs(example_inputs: Any) -> Tuple[Any, ...]:
-    if isinstance(example_inputs, Tensor):
-        return (example_inputs,)
-    if isinstance(example_inputs, (tuple, list)):
-        return tuple(example_inputs)
-    raise TypeError(f"example_inputs must be a Tensor or a tuple of inputs, but got {type(example_inputs).__name__}")
+__all__ = ["measure_saved", "plan_auto", "measure_peak", "plan_to_target", "PeakPlan", "apply_plan"]
 
 
 def measure_saved(model: nn.Module, inputs: Tuple[Any, ...]) -> int:
