@@ -13,8 +13,6 @@ LIMIT = 60
 
 #: Long functions being rewritten elsewhere, by ``path::name``: this list only shrinks.
 KNOWN = {
-    "autograd/chain_memory.py::replay",
-    "autograd/chain_memory.py::tail_backward",
     "nn/chain.py::_forward_fused",
     "passes/convert/api.py::convert",
     "passes/convert/match.py::find_layers",
