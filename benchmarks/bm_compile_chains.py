@@ -2,7 +2,7 @@
 
 Configurations (each a deep copy of one model, compiled with ``fullgraph=False``):
 ``compile`` (eager model), ``compile0.5`` (activation memory budget 0.5), ``convert+compile``
-with the chains as the opaque custom op (``set_compile_chains("op")``) and as ops inductor
+with the chains as the opaque custom op (``convbn.compile_chains("op")``) and as ops inductor
 fuses (``"inductor"``, the default, Note: [a chain inductor can see into]), and with
 ``--strategy S`` the same for ``convert(strategy=S)``. Per configuration: thread CPU time of
 one training step (forward + backward, median of interleaved rounds after warm-up), the
@@ -32,7 +32,6 @@ from zoo import import_torchvision_without_fake_kernels  # noqa: E402
 
 import convbn  # noqa: E402
 from convbn.bench.models import build_model  # noqa: E402
-from convbn.autograd.chain_compiled import set_compile_chains  # noqa: E402
 from convbn.bench.training import budget_backend  # noqa: E402
 from convbn.memory import allocator_peak, saved_bytes  # noqa: E402
 
@@ -73,20 +72,22 @@ def main() -> None:
     ref = None
     for name, make in configs.items():
         mode = "op" if "(op)" in name else "inductor"
-        set_compile_chains(mode)  # read when the graph is traced, below
         t0 = time.time()
         m = make()
         xx = x.clone().requires_grad_()
         torch.manual_seed(1)
-        out = m(xx)
-        out.backward(torch.ones_like(out))
+        with convbn.compile_chains(mode):  # read when the graph is traced: the first call
+            out = m(xx)
+            out.backward(torch.ones_like(out))
         grads = [p.grad.clone() for p in m.parameters()]
         m.zero_grad(set_to_none=True)
         if ref is None:
             ref = (out.detach(), grads)
         dout = (out.detach() - ref[0]).abs().max().item()
         dgrad = max((a - b).abs().max().item() for a, b in zip(grads, ref[1]))
-        info[name] = dict(saved=saved_bytes(m, x).activation_bytes, dout=dout, dgrad=dgrad, build_s=time.time() - t0)
+        with convbn.compile_chains(mode):
+            saved = saved_bytes(m, x).activation_bytes
+        info[name] = dict(saved=saved, dout=dout, dgrad=dgrad, build_s=time.time() - t0)
         m.zero_grad(set_to_none=True)
         models[name] = m
         modes[id(m)] = mode
@@ -95,9 +96,9 @@ def main() -> None:
     def step(m: Any) -> None:
         # the model's own chain mode for every call: a recompile (another grad mode, say)
         # reads the mode then, and would otherwise trace this model with the last one set
-        set_compile_chains(modes[id(m)])
-        out = m(x)
-        out.sum().backward()
+        with convbn.compile_chains(modes[id(m)]):
+            out = m(x)
+            out.sum().backward()
         m.zero_grad(set_to_none=True)
 
     def peak(m: Any) -> int:

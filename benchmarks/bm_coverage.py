@@ -154,7 +154,7 @@ def measure(label: str, factory: Factory, batch: int) -> Row:
     ends = sum(1 for p in report.pairs if not p.bn)
     reasons = collections.Counter(_shorten(s.reason) for s in report.skipped)
     top = f"{reasons.most_common(1)[0][1]}x {reasons.most_common(1)[0][0]}" if reasons else ""
-    return Row(label, total, fused_bns, ends, len(folded.fold_report.folded), _fx_fuse_count(model, total),
+    return Row(label, total, fused_bns, ends, len(folded.convbn_report.folded), _fx_fuse_count(model, total),
                report.saved_bytes / report.eager_saved_bytes if report.eager_saved_bytes else 1.0,
                report.measured_peak_bytes / report.eager_peak_bytes if report.eager_peak_bytes else 1.0, top)
 

@@ -26,7 +26,7 @@ import copy
 import statistics
 import time
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple, get_args
 
 import torch
 from torch import nn
@@ -181,7 +181,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", type=_case, default=CASES, metavar="SPEC[@BATCH[xSIZE]]",
                         help="cases, e.g. mnist@64 monai:resnet18@4x112 (default: %(default)s)")
-    parser.add_argument("--strategies", nargs="+", default=list(STRATEGIES), choices=convbn.CONVERT_STRATEGIES)
+    parser.add_argument("--strategies", nargs="+", default=list(STRATEGIES), choices=get_args(convbn.ConvertStrategy))
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--threads", type=int, default=1, help="torch.set_num_threads (1: least noise on shared CPUs)")

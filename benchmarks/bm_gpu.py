@@ -37,11 +37,11 @@ import torch
 from torch import Tensor, nn
 
 import convbn
-from convbn.autograd.chain_compiled import compile_chains, set_compile_chains
+from convbn.autograd.chain_compiled import compile_chains_mode
 from convbn.bench.models import build_model
 from convbn.bench.training import budget_backend, checkpoint_blocks
 
-DEFAULT_CHAINS = compile_chains()  # convbn's default (or CONVBN_COMPILE_CHAINS), before any config sets one
+DEFAULT_CHAINS = compile_chains_mode()  # convbn's default (or CONVBN_COMPILE_CHAINS), before any config sets one
 AMP = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 CONFIGS = ("eager", "auto", "auto:peak0.45", "auto:peak0.6", "budget", "tutorial", "checkpoint", "compile",
            "compile0.5", "compile0.1", "convert+compile", "convert+compile:op", "convert+compile:inductor")
@@ -90,8 +90,9 @@ def build_config(name: str, base: nn.Module, x_plan: Tensor) -> nn.Module:
         return torch.compile(model, backend=budget_backend(float(name[len("compile"):])))
     if name.startswith("convert+compile"):  # ":op" / ":inductor", or the default (Note: [a chain inductor can see into])
         mode = name.partition(":")[2] or DEFAULT_CHAINS
-        set_compile_chains(mode)
-        return torch.compile(convbn.convert(model, example_inputs=x_plan))
+        compiled = torch.compile(convbn.convert(model, example_inputs=x_plan))
+        compiled.__dict__["_bm_chains"] = mode  # compiled on its first step: Stepper.context sets the mode
+        return compiled
     raise ValueError(f"unknown configuration {name!r}; choose from {CONFIGS}")
 
 
@@ -106,7 +107,13 @@ class Stepper:
         self.scaler = torch.amp.GradScaler("cuda") if amp is torch.float16 else None
 
     def context(self) -> ContextManager[Any]:
-        return torch.autocast("cuda", dtype=self.amp) if self.amp is not None else contextlib.nullcontext()
+        stack = contextlib.ExitStack()
+        if self.amp is not None:
+            stack.enter_context(torch.autocast("cuda", dtype=self.amp))
+        mode = self.model.__dict__.get("_bm_chains")
+        if mode is not None:  # a recompile (another grad mode) traces with this model's mode too
+            stack.enter_context(convbn.compile_chains(mode))
+        return stack
 
     def __call__(self, x: Tensor, on_forward_end: Optional[Callable[[Tensor], None]] = None) -> Tensor:
         with self.context():

@@ -84,7 +84,7 @@ def main() -> None:
             errors = deploy.check_onnx(path, model, [torch.randn(1, *shape), torch.randn(7, *second)])
             megabytes = sum(os.path.getsize(f) for f in files) / 2**20
             ops = [n.op_type for n in onnx.load(path).graph.node]
-            n_folded = sum(o.result == "folded" for o in folded.fold_report.outcomes)
+            n_folded = sum(o.result == "folded" for o in folded.convbn_report.outcomes)
             print(f"{name:<16} {n_folded:>9} {ops.count('BatchNormalization'):>7} {ops.count('ConvTranspose'):>5} "
                   f"{len(files):>5} {megabytes:>6.1f} {t1 - t0:>6.1f} {t2 - t1:>8.1f} {errors[0]:>11.1e} {errors[1]:>11.1e}", flush=True)
 

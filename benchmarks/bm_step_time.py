@@ -44,7 +44,6 @@ import torch
 from torch import nn
 
 import convbn
-from convbn.autograd.chain_kernels import set_fused_kernels
 from convbn.bench.models import build_model
 from convbn.passes.plan import auto_plan, planner
 
@@ -99,13 +98,10 @@ def _configs(model: nn.Module, x: torch.Tensor, budgets: List[float], peaks: Lis
 
 def _step(model: nn.Module, x: torch.Tensor) -> None:
     # the "auto+kernels" configuration runs its whole step with the fused element-wise kernels
-    prev = set_fused_kernels(bool(getattr(model, "_bm_fused_kernels", False)))
-    try:
+    with convbn.fused_kernels(bool(getattr(model, "_bm_fused_kernels", False))):
         for p in model.parameters():
             p.grad = None
         model(x).float().mean().backward()
-    finally:
-        set_fused_kernels(prev)
 
 
 def _time(cfgs: Dict[str, nn.Module], x: torch.Tensor, rounds: int) -> Tuple[Dict[str, float], Dict[str, float]]:

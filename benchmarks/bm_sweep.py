@@ -443,7 +443,7 @@ def _fold_error(model: Any, inputs: Tuple[Any, ...], with_inputs: bool, res: Dic
         except Exception as exc:  # noqa: BLE001 - recorded as a fold failure
             res["error"] = "fold raised: " + _short(exc)
             return None
-        rep = getattr(folded, "fold_report", None)
+        rep = getattr(folded, "convbn_report", None)
         res["folded"] = len({o.batchnorm for o in getattr(rep, "folded", [])})
         if rep is not None:
             reasons = collections.Counter(re.sub(r"'[^']*'", "'…'", o.reason)[:120] for o in rep.skipped)

@@ -70,7 +70,7 @@ def check(name: str, factory: Callable[[], nn.Module], shape: Tuple[int, ...]) -
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             folded = convbn.fold(copy.deepcopy(model).eval(), example_inputs=x)
-        row.append(str(len(folded.fold_report.folded)))
+        row.append(str(len(folded.convbn_report.folded)))
     except Exception as exc:  # noqa: BLE001
         row.append(f"RAISE {type(exc).__name__}: {str(exc)[:80]}")
     row.append(f"{time.perf_counter() - t0:.1f}s")

@@ -257,7 +257,7 @@ def test_explain_and_fold_keep_the_model_and_fold_everything() -> None:
     assert fused_bns(report) == sorted(bn_names(eager))
     folded = convbn.fold(eager, example_inputs=x)
     assert type(folded) is LayerList and folded.encoder.out_channels == 6 and len(folded.blocks) == 2
-    assert sorted(o.batchnorm for o in folded.fold_report.outcomes if o.result == "folded") == sorted(bn_names(eager))
+    assert sorted(o.batchnorm for o in folded.convbn_report.outcomes if o.result == "folded") == sorted(bn_names(eager))
     assert not any(isinstance(m, _BatchNorm) for m in folded.modules())  # folded away: no BN runs
     with torch.no_grad():
         torch.testing.assert_close(folded(x), eager(x), rtol=1e-9, atol=1e-9)
@@ -298,7 +298,7 @@ def test_isinstance_dict_in_forward_traces_whole() -> None:
         assert_same_step(eager, fast, x)
         assert list(calls) == ["convbn_chain0"] and calls["convbn_chain0"] >= 1
     folded = convbn.fold(copy.deepcopy(eager).eval(), example_inputs=x)
-    assert folded.fold_report.untraceable == [] and len(folded.fold_report.folded) == 2
+    assert folded.convbn_report.untraced == [] and len(folded.convbn_report.folded) == 2
 
 
 @pytest.mark.parametrize("reach", ["apply", "instance attribute", "module alias", "setup_context"])

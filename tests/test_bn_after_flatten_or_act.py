@@ -101,7 +101,7 @@ def test_linear_flatten_batchnorm1d_fuses_and_folds(how: str) -> None:
     _assert_steps(eager, fast, x)
     eager.eval()
     folded = convbn.fold(eager, example_inputs=x)
-    assert [(o.batchnorm, o.result, o.layer) for o in folded.fold_report.outcomes] == [("bn", "folded", "fc")]
+    assert [(o.batchnorm, o.result, o.layer) for o in folded.convbn_report.outcomes] == [("bn", "folded", "fc")]
     assert_close(folded(x), eager(x), **TOL)
 
 
@@ -116,7 +116,7 @@ def test_linear_flatten_batchnorm1d_of_unknown_rank_is_left_with_the_reason(shap
     assert_close(fast(x), eager(x), **TOL)
     eager.eval()
     folded = convbn.fold(eager, example_inputs=x)
-    (left,) = folded.fold_report.outcomes
+    (left,) = folded.convbn_report.outcomes
     assert left.result == "left" and left.reason.startswith("BatchNorm1d over a flattened Linear output"), left
     assert_close(folded(x), eager(x), **TOL)
 
@@ -133,7 +133,7 @@ def test_batchnorm_after_an_activation_folds_into_the_next_conv_or_says_why() ->
     _assert_steps(eager, fast, x)
     eager.eval()
     folded = convbn.fold(eager, example_inputs=x)
-    outcomes = {o.batchnorm: o for o in folded.fold_report.outcomes}
+    outcomes = {o.batchnorm: o for o in folded.convbn_report.outcomes}
     assert (outcomes["b1"].result, outcomes["b1"].layer, outcomes["b1"].direction) == ("folded", "c2", "following")
     assert outcomes["b3"].result == "left"
     assert outcomes["b3"].reason.startswith("BatchNorm after an activation: it follows 'silu' of c3"), outcomes

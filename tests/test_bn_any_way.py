@@ -293,8 +293,8 @@ def test_fold_folds_and_keeps_the_tail(kind: str) -> None:
     eager = make_net(kind).eval()
     x = inputs()
     folded = convbn.fold(eager, example_inputs=x)
-    report = folded.fold_report
-    assert [(a.batchnorm, a.folded, a.layer) for a in report.actions] == [("1", True, "0")], report
+    report = folded.convbn_report
+    assert [(a.batchnorm, a.folded, a.layer) for a in report.outcomes] == [("1", True, "0")], report
     assert report.check.ran and report.check.passed
     torch.testing.assert_close(folded(x), eager(x), **TOL)
     assert not any(k.startswith("1.running") for k in folded.state_dict())
@@ -307,7 +307,7 @@ def test_fold_folds_and_keeps_the_tail(kind: str) -> None:
 def test_fold_reports_pre_activation_as_not_foldable() -> None:
     model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.MaxPool2d(2), nn.BatchNorm2d(4), nn.ReLU(), nn.Conv2d(4, 4, 1)).eval()
     folded = convbn.fold(model, example_inputs=torch.randn(1, 3, 8, 8))
-    (action,) = folded.fold_report.actions
+    (action,) = folded.convbn_report.outcomes
     assert not action.folded
     assert "ReLU" in action.reason and "pre-activation" in action.reason, action.reason
 
@@ -361,7 +361,7 @@ def test_real_norm_act_models_fold(name: str) -> None:
     torch.manual_seed(0)
     eager = REAL[name]().eval()
     folded = convbn.fold(eager, example_inputs=torch.randn(1, 3, 32, 32))
-    report = folded.fold_report
+    report = folded.convbn_report
     assert report.check.passed
     assert len(report.folded) == _bn_count(eager), report
     assert _bn_count(folded) == 0
@@ -388,7 +388,7 @@ def test_torchvision_frozen_batchnorm_fuses_and_folds() -> None:
     assert [(p.bn, p.activation) for p in bn_rows(fast.convbn_report)] == [("1", "relu")]
     assert_same_steps(eager, fast, inputs(), steps=2)
     folded = convbn.fold(eager.eval(), example_inputs=inputs())
-    assert [(a.batchnorm, a.folded) for a in folded.fold_report.actions] == [("1", True)]
+    assert [(a.batchnorm, a.folded) for a in folded.convbn_report.outcomes] == [("1", True)]
     assert isinstance(dict(folded.named_modules())["1"], nn.Identity)  # in place: the folded BN's slot
 
 

@@ -229,7 +229,7 @@ def _fold(model: nn.Module, x: Tensor) -> nn.Module:
 def test_fold_bn_after_channel_concatenation_into_each_conv() -> None:
     torch.manual_seed(0)
     folded = _fold(MixedKernel(), torch.randn(2, 3, 8, 8))
-    done = {o.batchnorm: o.layer for o in folded.fold_report.folded}
+    done = {o.batchnorm: o.layer for o in folded.convbn_report.folded}
     assert done == {"bn": "k3, k5"}
     assert not any(isinstance(m, _BatchNorm) for m in folded.modules())
 
@@ -242,7 +242,7 @@ def test_fold_bn_after_concatenation_with_a_non_layer_piece_is_left_with_reason(
 
     torch.manual_seed(0)
     folded = _fold(CatInput(), torch.randn(2, 3, 8, 8))
-    (left,) = folded.fold_report.skipped
+    (left,) = folded.convbn_report.skipped
     assert "every piece is a conv/linear output" in left.reason
 
 
@@ -297,7 +297,7 @@ def test_bn_after_concatenation_with_a_non_layer_piece_is_left_by_convert() -> N
 def test_fold_zip_over_split_mixed_kernels() -> None:
     torch.manual_seed(0)
     folded = _fold(ZipMix(), torch.randn(2, 3, 8, 8))
-    assert {o.batchnorm: o.layer for o in folded.fold_report.folded} == {"bn": "convs.0, convs.1, convs.2"}
+    assert {o.batchnorm: o.layer for o in folded.convbn_report.folded} == {"bn": "convs.0, convs.1, convs.2"}
 
 
 def test_batch_norm_slice_checks_its_arguments() -> None:
@@ -317,7 +317,7 @@ def test_batch_norm_slice_checks_its_arguments() -> None:
 def test_fold_token_batchnorm_into_the_linear() -> None:
     torch.manual_seed(0)
     folded = _fold(TokenMLP(), torch.randn(2, 3, 4, 4))
-    assert {o.batchnorm: o.layer for o in folded.fold_report.folded} == {"bn": "fc"}
+    assert {o.batchnorm: o.layer for o in folded.convbn_report.folded} == {"bn": "fc"}
     assert not any(isinstance(m, _BatchNorm) for m in folded.modules())
 
 
@@ -334,8 +334,8 @@ def test_fold_token_batchnorm_on_a_4d_linear_output_is_left() -> None:
 
     torch.manual_seed(0)
     folded = _fold(FourD(), torch.randn(2, 3, 4, 6))
-    assert [o.batchnorm for o in folded.fold_report.skipped] == ["bn"]
-    assert "3-D tokens" in folded.fold_report.skipped[0].reason
+    assert [o.batchnorm for o in folded.convbn_report.skipped] == ["bn"]
+    assert "3-D tokens" in folded.convbn_report.skipped[0].reason
 
 
 @pytest.mark.parametrize("chain", [True, False])

@@ -72,7 +72,7 @@ def test_subclass_fuses_and_trains_as_the_base_class(bn: Type[nn.Module]) -> Non
 @pytest.mark.parametrize("bn", [nn.BatchNorm2d, MyBatchNorm2d, MyNorm], ids=lambda c: c.__name__)
 def test_subclass_folds_as_the_base_class(bn: Type[nn.Module]) -> None:
     folded = _fold(_net(bn), torch.randn(2, 3, 6, 6))
-    assert {o.batchnorm: o.layer for o in folded.fold_report.folded} == {"1": "0", "4": "3"}
+    assert {o.batchnorm: o.layer for o in folded.convbn_report.folded} == {"1": "0", "4": "3"}
     assert not any(isinstance(m, _BatchNorm) for m in folded.modules())
 
 
@@ -93,7 +93,7 @@ def test_token_batchnorm1d_subclass_fuses_and_folds_as_the_base_class(bn: Type[n
     ref = _step(eager, x)
     _assert_same_step(ref, _step(fast, x, ref["g"]))
     folded = _fold(_TokenMLPOf(bn), torch.randn(2, 3, 4, 4))
-    assert {o.batchnorm: o.layer for o in folded.fold_report.folded} == {"bn": "fc"}
+    assert {o.batchnorm: o.layer for o in folded.convbn_report.folded} == {"bn": "fc"}
 
 
 class _Conv1dThen(nn.Module):

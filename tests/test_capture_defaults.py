@@ -82,7 +82,7 @@ def test_fold_traces_the_default_branch():
     step(eager, x_()), step(twin, x_())  # statistics to fold
     eager.eval(), twin.eval()
     folded = convbn.fold(twin, example_inputs=x_())
-    report = folded.fold_report
+    report = folded.convbn_report
     assert [(o.batchnorm, o.result) for o in report.outcomes] == [("bn", "folded")], report
     assert report.check.passed, report
     fwd = folded.forward

@@ -125,7 +125,7 @@ def test_shape_code_folds_with_example_inputs(case):
         train_step(m, rand(shape, 3), 3)
         m.eval()
     folded = convbn.fold(twin, example_inputs=rand(shape, 0))
-    report = folded.fold_report
+    report = folded.convbn_report
     assert sum(o.result == "folded" for o in report.outcomes) == bns, report
     assert report.check.passed, report
     with torch.no_grad():

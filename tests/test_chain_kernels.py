@@ -61,8 +61,7 @@ def test_fused_kernels_in_a_converted_model_match_eager(monkeypatch):
         runs.append((name, out is not None))
         return out
     monkeypatch.setattr(chain_kernels, "_run", counted)
-    prev = chain_kernels.set_fused_kernels(True)
-    try:
+    with convbn.fused_kernels(True):
         x = torch.randn(4, 3, 6, 6)
         xe = x.clone().requires_grad_()
         x.requires_grad_()
@@ -71,8 +70,6 @@ def test_fused_kernels_in_a_converted_model_match_eager(monkeypatch):
             grad = torch.randn_like(out)
             out.backward(grad)
             out_e.backward(grad)
-    finally:
-        chain_kernels.set_fused_kernels(prev)
     assert len(fused.convbn_report.pairs) == 2
     # every layer's forward and backward ran the fused kernels, two steps
     assert runs == [("fwd", True)] * 2 + [("bwd", True)] * 2 + [("fwd", True)] * 2 + [("bwd", True)] * 2
@@ -84,9 +81,9 @@ def test_fused_kernels_in_a_converted_model_match_eager(monkeypatch):
         assert_close(b, be, rtol=1e-5, atol=1e-6)
 
 
-def test_set_fused_kernels_rejects_non_bool():
+def test_fused_kernels_rejects_non_bool():
     with pytest.raises(TypeError, match="bool"):
-        chain_kernels.set_fused_kernels("yes")
+        convbn.fused_kernels("yes")
 
 
 @pytest.mark.skipif(not (shutil.which("g++") or shutil.which("c++")), reason="inductor's CPU kernels need a C++ compiler")
@@ -103,12 +100,9 @@ def test_fused_kernels_peak_is_the_aten_paths_at_the_allocator_and_in_the_timeli
 
     peaks = {}
     for on in (False, True):
-        prev = chain_kernels.set_fused_kernels(on)
-        try:
+        with convbn.fused_kernels(on):
             step()  # compiled and warm
             peaks[on] = (convbn.memory.allocator_peak(step), convbn.memory.timeline(fused, x).peak)
-        finally:
-            chain_kernels.set_fused_kernels(prev)
     # the kernels hold no tensor-sized temporary the ATen path does not (per-channel buffers aside)
     assert peaks[True][0] <= peaks[False][0] + 16 * 1024, peaks
     # and the timeline, whose dispatch mode would make Dynamo run the kernels' pure functions

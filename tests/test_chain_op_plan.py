@@ -12,7 +12,6 @@ from torch.testing import assert_close
 import convbn
 import convbn.autograd.chain as chain_mod
 import convbn.autograd.chain_op as chain_op
-from convbn.autograd.chain_compiled import set_compile_chains
 from convbn.nn.chain import FusedChain
 from fusion_checks import assert_fused
 
@@ -32,13 +31,12 @@ def _two_stage_net():
 
 @contextlib.contextmanager
 def _op_chains():
-    prev = set_compile_chains("op")
-    torch._dynamo.reset()
-    try:
-        yield
-    finally:
-        set_compile_chains(prev)
+    with convbn.compile_chains("op"):
         torch._dynamo.reset()
+        try:
+            yield
+        finally:
+            torch._dynamo.reset()
 
 
 def _step(model, x):

@@ -36,7 +36,7 @@ def test_version():
     (["bench", "--inference", "--help"], ["--model", "(default: 8)", "--json", "--markdown", "--plot", "--device",
                                           "--dtype", "--image-size", "--repeats"]),
     (["bench", "--ddp", "2", "--help"], ["--model", "--batch-size", "--steps", "--device", "--json", "--markdown"]),
-    (["explain", "--help"], ["SPEC", "--input-shape", "--strategy", "(default: auto)", "--budget"]),
+    (["explain", "--help"], ["SPEC", "--input-shape", "--strategy", "(default: auto)", "--memory-budget"]),
     (["fold", "--help"], ["SPEC", "--input-shape", "--save-state", "--save-script", "--save-export"]),
 ])
 def test_help_of_every_subcommand_and_mode(capsys, argv, must_show):
@@ -67,6 +67,7 @@ BAD = [
     (["bench", "--batch-size", "-3"], "--batch-size", "-3"),
     (["bench", "--device", "cuda"], "--device", "CUDA"),
     (["bench", "--inference", "--device", "foo"], "--device", "'foo'"),
+    (["bench", "--memory-budget", "1.5"], "--memory-budget", "1.5"),
     (["bench", "--budget", "1.5"], "--budget", "1.5"),
     (["bench", "--plot", "/nonexistent/p.png"], "--plot", "/nonexistent"),
     (["bench", "--json", "/nonexistent/r.json"], "--json", "/nonexistent"),
@@ -78,7 +79,7 @@ BAD = [
     (["bench", "--no-such-flag"], "--no-such-flag", "unrecognized"),
     (["explain", "mnist", "--input-shape", "2x1xfoo"], "--input-shape", "2x1xfoo"),
     (["explain", "nosuchmodule.sub:build"], "nosuchmodule.sub", "import"),
-    (["explain", "mnist", "--strategy", "recompute_bn", "--budget", "0.5"], "--budget", "auto"),
+    (["explain", "mnist", "--strategy", "recompute_bn", "--memory-budget", "0.5"], "--memory-budget", "auto"),
     (["fold", "mnist", "--save-script", "/nonexistent/m.pt"], "--save-script", "/nonexistent"),
     (["nosuchcommand"], "nosuchcommand", "choose from"),
 ]
@@ -214,11 +215,11 @@ def test_ignored_bench_options_warn(tmp_path):
     parser = ArgumentParser()
     _add_training(parser)
     args = parser.parse_args(["--model", "nosuch:net", "--no-compile", "--compile-budget", "0.5", "--configs", "eager",
-                              "--budget", "0.4"])
+                              "--memory-budget", "0.4"])
     with pytest.warns(UserWarning) as record, pytest.raises(ImportError, match="cannot import module 'nosuch'"):
         main_training(args)
     text = " ".join(str(w.message) for w in record)
-    assert "--compile-budget is ignored with --no-compile" in text and "--budget is ignored" in text
+    assert "--compile-budget is ignored with --no-compile" in text and "--memory-budget is ignored" in text
 
 
 def test_fold_saves_an_exported_program(tmp_path, capsys):

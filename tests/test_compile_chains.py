@@ -1,4 +1,4 @@
-"""Chains under torch.compile as ops inductor fuses (the default; ``set_compile_chains("op")``
+"""Chains under torch.compile as ops inductor fuses (the default; ``convbn.compile_chains("op")``
 selects the custom op): the same values as eager, the same activations saved as the custom
 op's, the op not called, and torch's advisory about a ``context_fn`` not logged for them.
 
@@ -18,7 +18,7 @@ from torch.testing import assert_close
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 import convbn
-from convbn.autograd.chain_compiled import compile_chains, set_compile_chains
+from convbn.autograd.chain_compiled import compile_chains_mode
 from convbn.memory import saved_bytes
 from fusion_checks import assert_fused
 from torch_logs import torch_warnings
@@ -50,12 +50,9 @@ def _op_calls(model: nn.Module, x: Tensor) -> Dict[str, int]:
 
 @contextlib.contextmanager
 def _chains(mode: str) -> Iterator[None]:
-    prev = set_compile_chains(mode)
-    torch._dynamo.reset()
-    try:
+    with convbn.compile_chains(mode):
+        torch._dynamo.reset()
         yield
-    finally:
-        set_compile_chains(prev)
 
 
 def _saved_activation_shapes(model: nn.Module, x: Tensor) -> List[Tuple[int, ...]]:
@@ -115,11 +112,11 @@ def test_inductor_chains_save_what_the_op_saves():
     assert (4, 8, 8, 8) in saved["op"]
 
 
-def test_set_compile_chains_rejects_other_modes():
-    before = compile_chains()
+def test_compile_chains_rejects_other_modes():
+    before = compile_chains_mode()
     with pytest.raises(ValueError, match="'fused'"):
-        set_compile_chains("fused")
-    assert compile_chains() == before  # unchanged
+        convbn.compile_chains("fused")
+    assert compile_chains_mode() == before  # unchanged
 
 
 def test_inductor_chains_keep_float64():
@@ -180,7 +177,7 @@ def test_inductor_chains_take_transposed_convolutions():
 
 
 def test_compiled_by_default_as_inductor_chains_without_the_context_fn_advisory():
-    assert compile_chains() == "inductor"  # the default (CONVBN_COMPILE_CHAINS unset)
+    assert compile_chains_mode() == "inductor"  # the default (CONVBN_COMPILE_CHAINS unset)
     torch._dynamo.reset()
     fast = _converted(MODES)[1]
     compiled = torch.compile(fast, fullgraph=True)

@@ -19,7 +19,6 @@ import torch.nn.functional as F
 from torch.testing import assert_close
 
 import convbn
-from convbn.autograd.chain_compiled import set_compile_chains
 from torch_logs import torch_warnings
 
 STRATEGIES = ["auto", "recompute_bn", "recompute_conv"]
@@ -88,7 +87,8 @@ def run(request):
         fused.bf16[s] = convbn.convert(copy.deepcopy(parts[s]), strategy=s, example_inputs=(x, True))
     plain = copy.deepcopy(fused)  # the converted model, not compiled
     reports = {s: fused.fp32[s].convbn_report for s in STRATEGIES}
-    prev = set_compile_chains(request.param)  # read when the graph is traced: the first call below
+    chains = convbn.compile_chains(request.param)  # read when the graph is traced: the first call below
+    chains.__enter__()
     torch._dynamo.reset()
     compiled = torch.compile(fused, fullgraph=True)
     xs = [x.clone().requires_grad_(), x.clone().requires_grad_()]
@@ -104,7 +104,7 @@ def run(request):
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
             _step(compiled, x.clone().requires_grad_())
     finally:
-        set_compile_chains(prev)
+        chains.__exit__(None, None, None)
     calls = {e.key: e.count for e in prof.key_averages()}
     return dict(eager=eager, fused=fused, plain=plain, reports=reports, outs=outs, xs=xs, warnings=warned, calls=calls,
                 state=state, mode=request.param)

@@ -79,7 +79,7 @@ def test_shape_only_uses_do_not_block_folding() -> None:
     model.eval()
     x = inp(2, 3, 6, 5)
     folded = fold(model)
-    report = folded.fold_report
+    report = folded.convbn_report
     assert isinstance(report, FoldReport)
     assert sorted(a.batchnorm for a in report.folded) == ["bn1", "bn2"], report
     with torch.no_grad():

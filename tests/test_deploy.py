@@ -58,7 +58,7 @@ def test_fold_onnx_onnxruntime_dynamic_batch_on_real_models(tmp_path, name):
     model = _randomize_bn(build().eval())
     n_bn = sum(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
     folded = convbn.fold(model, example_inputs=torch.randn(2, *shape))
-    report = folded.fold_report
+    report = folded.convbn_report
     n_folded = sum(o.result == "folded" for o in report.outcomes)
     assert n_folded >= 1 and n_folded + sum(o.result == "left" for o in report.outcomes) == n_bn
     path = str(tmp_path / "m.onnx")
@@ -209,7 +209,7 @@ SPATIAL = {
 def _folded(model, shape):
     n_bn = sum(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
     folded = convbn.fold(model, example_inputs=torch.randn(*shape))
-    assert sum(o.result == "folded" for o in folded.fold_report.outcomes) == n_bn  # every BatchNorm folded
+    assert sum(o.result == "folded" for o in folded.convbn_report.outcomes) == n_bn  # every BatchNorm folded
     return folded
 
 

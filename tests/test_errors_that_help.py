@@ -53,7 +53,7 @@ def test_fold_names_a_model_that_jumps_on_last_bit_changes() -> None:
             assert "example_inputs" in msg and "check=False" in msg, msg  # what to do
             raised.append(seed)
             folded = convbn.fold(model, example_inputs=x, check=False)  # the way out it names
-        assert folded.fold_report.folded, folded.fold_report
+        assert folded.convbn_report.folded, folded.convbn_report
     assert raised, "no seed gave a tie the fold's rounding flips: the test checks nothing"
 
 

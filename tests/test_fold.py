@@ -58,14 +58,14 @@ def run(model: nn.Module, x):
 
 
 def report_of(model: nn.Module) -> FoldReport:
-    report = model.fold_report
+    report = model.convbn_report
     assert isinstance(report, FoldReport)
     return report
 
 
 def accounted(model: nn.Module, report: FoldReport) -> None:
     """Every BatchNorm module of the original model has an entry in the report."""
-    names = {a.batchnorm for a in report.actions}
+    names = {a.batchnorm for a in report.outcomes}
     missing = bn_names(model) - names
     assert not missing, f"report misses {missing}\n{report}"
 
@@ -181,7 +181,7 @@ def test_reused_conv_folds_into_fresh_copy() -> None:
     w_before = model.conv.weight.clone()
     folded = fold(model)
     assert_same(run(model, x), run(folded, x))
-    (action,) = report_of(folded).actions
+    (action,) = report_of(folded).outcomes
     assert action.folded and "fresh copy" in action.reason
     # the original conv (still used unfolded on the second path) keeps its weights
     assert torch.equal(folded.conv.weight, w_before)
@@ -206,7 +206,7 @@ def test_conv_output_with_other_users_is_not_folded() -> None:
     x = torch.randn(2, 3, 8, 8)
     folded = fold(model)
     assert_same(run(model, x), run(folded, x))
-    (action,) = report_of(folded).actions
+    (action,) = report_of(folded).outcomes
     assert not action.folded and "also used" in action.reason
     assert len(bn_modules(folded)) == 1
 
@@ -232,7 +232,7 @@ def test_bn_before_conv_folds_when_exact(padding, padding_mode, groups, dtype) -
     x = torch.randn(2, 4, 9, 9, dtype=dtype)
     folded = fold(model)
     assert_same(run(model, x), run(folded, x))
-    (action,) = report_of(folded).actions
+    (action,) = report_of(folded).outcomes
     assert action.folded and action.direction == "following" and action.layer == "conv"
     assert bn_modules(folded) == []
 
@@ -243,7 +243,7 @@ def test_bn_before_zero_padded_conv_is_not_folded(padding) -> None:
     x = torch.randn(2, 4, 9, 9)
     folded = fold(model)
     assert_same(run(model, x), run(folded, x))
-    (action,) = report_of(folded).actions
+    (action,) = report_of(folded).outcomes
     assert not action.folded and "zero-pads" in action.reason
     assert len(bn_modules(folded)) == 1
 
@@ -271,7 +271,7 @@ def test_functional_conv_after_bn_folds_only_without_zero_padding(padding, kerne
     x = torch.randn(2, 4, 9, 9)
     folded = fold(model)
     assert_same(run(model, x), run(folded, x))
-    (action,) = report_of(folded).actions
+    (action,) = report_of(folded).outcomes
     assert action.folded == folds, action
     assert folds or "zero-pads" in action.reason
 
@@ -307,7 +307,7 @@ def test_layer_then_bn_folds(make: Callable[[], nn.Module], shape: Tuple[int, ..
     x = torch.randn(shape)
     folded = fold(model)
     assert_same(run(model, x), run(folded, x))
-    (action,) = report_of(folded).actions
+    (action,) = report_of(folded).outcomes
     assert action.folded and action.direction == "preceding" and action.layer == "0"
     assert bn_modules(folded) == []
 
@@ -318,7 +318,7 @@ def test_linear_bn1d_folds() -> None:
     x = torch.randn(4, 8)
     folded = fold(model)  # infers a (2, 8) input from the first Linear
     assert_same(run(model, x), run(folded, x))
-    actions = report_of(folded).actions
+    actions = report_of(folded).outcomes
     assert [a.direction for a in actions] == ["preceding", "following"]
     assert bn_modules(folded) == []
 
@@ -327,7 +327,7 @@ def test_linear_bn1d_needs_shapes() -> None:
     """Without a sample run fold() cannot know the BN normalises the Linear's features."""
     model = randomize_bn(nn.Sequential(nn.Linear(8, 5), nn.BatchNorm1d(5))).eval()
     folded = fold(model, check=False)
-    (action,) = report_of(folded).actions
+    (action,) = report_of(folded).outcomes
     assert not action.folded and "example_inputs" in action.reason
     assert report_of(folded).check is None
 
@@ -338,7 +338,7 @@ def test_linear_bn1d_on_3d_input_is_not_folded() -> None:
     x = torch.randn(3, 5, 6)  # L == out_features == 5: channel counts alone cannot tell
     folded = fold(model, example_inputs=x)
     assert_same(run(model, x), run(folded, x))
-    (action,) = report_of(folded).actions
+    (action,) = report_of(folded).outcomes
     assert not action.folded and "3" in action.reason
 
 
@@ -365,7 +365,7 @@ def test_functional_batch_norm_folds(torch_op: bool) -> None:
     x = torch.randn(2, 3, 8, 8)
     folded = fold(model)
     assert_same(run(model, x), run(folded, x))
-    (action,) = report_of(folded).actions
+    (action,) = report_of(folded).outcomes
     assert action.folded and "call" in action.batchnorm
     assert all(n.target not in (F.batch_norm, torch.batch_norm) for n in folded.forward.graph.nodes)
 
@@ -376,7 +376,7 @@ def test_functional_conv_folds() -> None:
     weights = [p.detach().clone() for p in model.parameters()]
     folded = fold(model)
     assert_same(run(model, x), run(folded, x))
-    assert [a.folded for a in report_of(folded).actions] == [True, True]
+    assert [a.folded for a in report_of(folded).outcomes] == [True, True]
     assert all(torch.equal(p, w) for p, w in zip(model.parameters(), weights))
     assert bn_modules(folded) == []
 
@@ -410,7 +410,7 @@ def test_wrapped_and_subclassed_bn_fold(make_bn) -> None:
     assert_same(run(model, x), run(folded, x))
     report = report_of(folded)
     accounted(model, report)
-    assert [a.folded for a in report.actions] == [True], str(report)
+    assert [a.folded for a in report.outcomes] == [True], str(report)
     assert bn_modules(folded) == []
 
 
@@ -434,8 +434,8 @@ def test_untraceable_top_level_is_folded_part_by_part() -> None:
         assert_same(run(model, x), run(folded, x))
     report = report_of(folded)
     accounted(model, report)
-    assert report.untraceable and report.untraceable[0][0] == ""
-    by_name = {a.batchnorm: a for a in report.actions}
+    assert report.untraced and report.untraced[0][0] == ""
+    by_name = {a.batchnorm: a for a in report.outcomes}
     assert by_name["a.0.1"].folded and by_name["a.1.1"].folded and by_name["b.0.1"].folded
     assert not by_name["bn"].folded and "could not be traced" in by_name["bn"].reason
     assert isinstance(folded, DataDependent) and len(bn_modules(folded)) == 1
@@ -448,11 +448,11 @@ def test_untraceable_submodule_stays_opaque_and_is_folded_inside() -> None:
     assert_same(run(model, x), run(folded, x))
     report = report_of(folded)
     accounted(model, report)
-    by_name = {a.batchnorm: a for a in report.actions}
+    by_name = {a.batchnorm: a for a in report.outcomes}
     assert by_name["stem.1"].folded and by_name["bn"].folded
     assert by_name["branchy.a.0.1"].folded and by_name["branchy.a.1.1"].folded and by_name["branchy.b.0.1"].folded
     assert not by_name["branchy.bn"].folded
-    assert any(name == "branchy" for name, _ in report.untraceable)
+    assert any(name == "branchy" for name, _ in report.untraced)
 
 
 def test_nested_sequentials() -> None:
@@ -469,7 +469,7 @@ def test_bn_module_called_twice() -> None:
     x = torch.randn(2, 3, 8, 8)
     folded = fold(model)
     assert_same(run(model, x), run(folded, x))
-    assert [a.layer for a in report_of(folded).actions] == ["c1", "c2"]
+    assert [a.layer for a in report_of(folded).outcomes] == ["c1", "c2"]
     assert bn_modules(folded) == []
 
 
@@ -484,7 +484,7 @@ def test_bn_subclass_doing_more_folds_its_batch_norm_and_keeps_the_rest() -> Non
     assert_same(run(model, x), run(folded, x))
     report = report_of(folded)
     accounted(model, report)
-    assert [a.folded for a in report.actions] == [True]
+    assert [a.folded for a in report.outcomes] == [True]
     assert any(n.op == "call_function" and n.target is operator.mul for n in folded.forward.graph.nodes)
 
 
@@ -497,7 +497,7 @@ def test_bn_in_training_mode_is_left_alone() -> None:
     # the check ran the train-mode BN twice but restored its running stats
     assert torch.equal(folded.get_submodule("1").running_mean, stats)
     report = report_of(folded)
-    by_name = {a.batchnorm: a for a in report.actions}
+    by_name = {a.batchnorm: a for a in report.outcomes}
     assert not by_name["1"].folded and "training mode" in by_name["1"].reason
     assert by_name["3"].folded
     assert len(bn_modules(folded)) == 1
@@ -511,7 +511,7 @@ def test_bn_without_running_stats_is_left_alone() -> None:
     x = torch.randn(2, 3, 8, 8)
     folded = fold(model)
     assert_same(run(model, x), run(folded, x))
-    (action,) = report_of(folded).actions
+    (action,) = report_of(folded).outcomes
     assert not action.folded and "track_running_stats=False" in action.reason
     assert len(bn_modules(folded)) == 1
 
@@ -671,7 +671,7 @@ def test_aliased_module_and_tied_weights_are_not_mutated(inplace: bool) -> None:
     assert_same(ref, run(folded, x))
     assert torch.equal(model.a.weight, a_w)  # aliased: called twice, never mutated
     assert torch.equal(model.d.weight, c_w)  # d still sees the unfolded shared weight
-    assert all(a.folded for a in report_of(folded).actions)
+    assert all(a.folded for a in report_of(folded).outcomes)
 
 
 def test_conv_bn_bn_chain_folds_twice() -> None:
@@ -679,7 +679,7 @@ def test_conv_bn_bn_chain_folds_twice() -> None:
     x = torch.randn(2, 3, 8, 8, dtype=torch.float64)
     folded = fold(model)
     assert_same(run(model, x), run(folded, x))
-    assert [a.layer for a in report_of(folded).actions] == ["0", "0"] and bn_modules(folded) == []
+    assert [a.layer for a in report_of(folded).outcomes] == ["0", "0"] and bn_modules(folded) == []
 
 
 class _Jump(nn.Module):
@@ -730,8 +730,8 @@ def test_fold_check_judges_a_jump_in_float64_not_as_a_bug() -> None:
     assert chosen is not None, "no element whose fold rounds across a threshold (pick another seed)"
     model.t.fill_(chosen)
     folded = fold(copy.deepcopy(model), example_inputs=x)
-    assert "folded in float64 it equals the float64 original" in folded.fold_report.check.note
-    assert folded.fold_report.check.passed
+    assert "folded in float64 it equals the float64 original" in folded.convbn_report.check.note
+    assert folded.convbn_report.check.passed
     with torch.no_grad():
         assert (folded(x) - model(x)).abs().max().item() == 100.0  # the jump is real in float32
 

@@ -148,7 +148,7 @@ def test_a_frozen_norm_act_with_a_constant_eps_fuses_and_folds_keeping_its_tail(
     for (n, p), pe in zip(fast.named_parameters(), eager.parameters()):
         assert_close(p.grad, pe.grad, **TOL, msg=n)
     folded = convbn.fold(eager.eval(), example_inputs=x)
-    assert [(a.batchnorm, a.folded) for a in folded.fold_report.actions] == [("1", True), ("4", True)]
+    assert [(a.batchnorm, a.folded) for a in folded.convbn_report.outcomes] == [("1", True), ("4", True)]
     assert isinstance(dict(folded.named_modules())["1"].act, nn.Hardswish)  # the tail kept
     assert_close(folded(x), eager(x), **TOL)
 
@@ -156,8 +156,8 @@ def test_a_frozen_norm_act_with_a_constant_eps_fuses_and_folds_keeping_its_tail(
 def test_fold_folds_them_and_matches_eager() -> None:
     eager, x = _net().eval(), _x()
     folded = convbn.fold(eager, example_inputs=x)
-    report = folded.fold_report
-    assert [(a.batchnorm, a.folded, a.layer) for a in report.actions] == [("1", True, "0"), ("4", True, "3")], report
+    report = folded.convbn_report
+    assert [(a.batchnorm, a.folded, a.layer) for a in report.outcomes] == [("1", True, "0"), ("4", True, "3")], report
     assert report.check.ran and report.check.passed
     assert not any(isinstance(m, _Buffers) for m in folded.modules())
     assert_close(folded(x), eager(x), **TOL)
@@ -172,7 +172,7 @@ def test_both_reports_list_a_lookalike_with_its_reason() -> None:
     assert outcomes["4"].result == "left" and "NotABatchNorm" in outcomes["4"].reason, outcomes
     assert_close(fast(x), eager(x), **TOL)
     folded = convbn.fold(eager.eval(), example_inputs=x)
-    outcomes = {o.batchnorm: o for o in folded.fold_report.outcomes}
+    outcomes = {o.batchnorm: o for o in folded.convbn_report.outcomes}
     assert outcomes["1"].result == "folded"
     assert outcomes["4"].result == "left" and "not eval-mode batch_norm" in outcomes["4"].reason, outcomes
     assert isinstance(folded[4], NotABatchNorm)

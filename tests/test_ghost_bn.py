@@ -69,7 +69,7 @@ def test_both_reports_name_a_ghost_batchnorm_loop() -> None:
     assert got["2.bn"][0] == "left" and "could not be traced" in got["2.bn"][1], got  # not a ghost loop
     assert_close(fast(x), eager(x))
     folded = convbn.fold(eager.eval(), example_inputs=x)
-    got = _reasons(folded.fold_report.outcomes)
+    got = _reasons(folded.convbn_report.outcomes)
     assert got["4"][0] == "folded"
     assert got["0.bn"][0] == "left" and got["0.bn"][1].startswith("ghost BatchNorm: GhostComprehension"), got
     assert got["1.norm"][0] == "left" and got["1.norm"][1].startswith("ghost BatchNorm: GhostLoop"), got

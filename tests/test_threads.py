@@ -238,7 +238,7 @@ def state():
 
 before = state()
 import convbn
-from convbn.autograd.chain_compiled import compile_chains
+from convbn.autograd.chain_compiled import compile_chains_mode
 from convbn.autograd.chain_kernels import fused_kernels_enabled
 after = state()
 assert before[1:] == after[1:], "an attribute was patched"
@@ -248,7 +248,7 @@ import convbn.autograd.chain_op  # the op path registers its ops when it is used
 assert ops() == ["convbn::chain_bwd", "convbn::chain_fwd"], ops()
 os.environ["CONVBN_COMPILE_CHAINS"] = "op"
 os.environ["CONVBN_FUSED_KERNELS"] = "1"
-assert compile_chains() == "op" and fused_kernels_enabled(), "switches read at import only"
+assert compile_chains_mode() == "op" and fused_kernels_enabled(), "switches read at import only"
 print("ok")
 '''
     env = {k: v for k, v in os.environ.items() if not k.startswith("CONVBN_")}

@@ -73,7 +73,7 @@ def fold_check(mp: pytest.MonkeyPatch) -> bool:
         folded = convbn.fold(net().eval(), example_inputs=x(), check=True)
     except RuntimeError:
         return False
-    return folded.fold_report.check.passed
+    return folded.convbn_report.check.passed
 
 
 def fold_first_call(mp: pytest.MonkeyPatch) -> bool:

@@ -160,7 +160,7 @@ def test_trace_hazards_fold_exactly(name: str) -> None:
     x = inp(2, 3, 6, 6)
     folded = convbn.fold(eager, example_inputs=x)
     torch.testing.assert_close(folded(x), eager(x), **TOL)
-    assert len(folded.fold_report.folded) >= 2
+    assert len(folded.convbn_report.folded) >= 2
 
 
 def test_hazard_is_raised_inside_the_module_that_makes_it() -> None:
@@ -489,8 +489,8 @@ def test_fold_tolerance_follows_float32_eager_error(seed: int) -> None:
     net = deep_offset_net(seed)
     x = torch.randn(2, 3, 16, 16, generator=torch.Generator().manual_seed(seed))
     folded = convbn.fold(net, example_inputs=x)
-    check = folded.fold_report.check
-    assert check.passed and len(folded.fold_report.folded) == 8
+    check = folded.convbn_report.check
+    assert check.passed and len(folded.convbn_report.folded) == 8
     assert check.max_abs_diff > 1e-4 * max(1.0, net(x).abs().max().item())  # beyond the old fixed tolerance
     exact = copy.deepcopy(net).double()(x.double())
     # the folded float32 model is as close to the exact result as eager float32 is
@@ -554,7 +554,7 @@ def test_real_monai_networks_convert_and_fold_exactly(name: str) -> None:
     for (n, b), b2 in zip(eager.named_buffers(), fast.buffers()):
         close_scaled(b2.double(), b.double(), f"buffer {n}")
     folded = convbn.fold(copy.deepcopy(eager).eval(), example_inputs=x)
-    assert len(folded.fold_report.folded) >= pairs
+    assert len(folded.convbn_report.folded) >= pairs
     with torch.no_grad():
         close_scaled(folded(x), eager.eval()(x), "folded output", rtol=1e-4)
 
@@ -564,8 +564,8 @@ def test_fold_falls_back_to_child_by_child_where_the_whole_fold_differs() -> Non
     x = inp(2, 3, 6, 6)
     with pytest.warns(RuntimeWarning, match="child by child"):
         folded = convbn.fold(eager, example_inputs=x)
-    report = folded.fold_report
-    assert any("folded child by child" in why for _, why in report.untraceable), report
+    report = folded.convbn_report
+    assert any("folded child by child" in why for _, why in report.untraced), report
     assert report.check.passed and len(report.folded) >= 2
     torch.testing.assert_close(folded(x), eager(x), **TOL)
 

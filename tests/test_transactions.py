@@ -200,7 +200,7 @@ def test_fold_keeps_the_children_of_modules_the_model_owns(inplace: bool, exampl
     block_children = [(n, id(c)) for n, c in model.block.named_children()]
     keys = set(model.block.state_dict())
     folded = convbn.fold(model, inplace=inplace, example_inputs=x if example else None, check=example)
-    assert folded.fold_report.folded, folded.fold_report
+    assert folded.convbn_report.folded, folded.convbn_report
     assert [(n, id(c)) for n, c in model.block.named_children()] == block_children  # the user's block
     assert set(model.block.state_dict()) == keys
     assert [n for n, _ in folded.block.named_children()] == ["conv", "drop"]

@@ -56,7 +56,7 @@ QUICK_START = textwrap.dedent("""
     build().load_state_dict(torch.load("ckpt.pt"), strict=True)
     assert list(convbn.fused_modules(fast)) and "2 pairs fused" in str(fast.convbn_report), fast.convbn_report
     serve = convbn.fold(model.eval())
-    print(serve.fold_report)
+    print(serve.convbn_report)
     print("quick start ok")
 """)
 

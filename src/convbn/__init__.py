@@ -15,12 +15,15 @@ with _warnings.catch_warnings():
 from .autograd.dispatch import conv_bn_act
 from .batch_fit import BatchFit, max_batch
 from .functional.activations import ACTIVATIONS, Activation
-from .functional.strategies import STRATEGIES, ConvertStrategy, LayerMode, Strategy
+from .autograd.chain_compiled import compile_chains
+from .autograd.chain_kernels import fused_kernels
+from .functional.deprecation import module_aliases as _module_aliases
+from .functional.strategies import ConvertStrategy, Strategy
 from .gradcheck import GradcheckReport, gradcheck_module
 from .memory import PeakMemory, SavedBytes, Timeline, peak_memory, saved_bytes, tensor_peak, timeline, track_saved
 from .nn.chain import FusedChain
 from .nn.fused import FusedConvBN1d, FusedConvBN2d, FusedConvBN3d
-from .passes.convert.api import CONVERT_STRATEGIES, convert, explain
+from .passes.convert.api import convert, explain
 from .passes.fold.api import FoldReport, fold, fold_conv_bn_modules
 from .passes.report.live import running_fused_modules as fused_modules
 from .passes.report.outcome import BNOutcome
@@ -33,7 +36,6 @@ __all__ = [
     "Activation",
     "BNOutcome",
     "BatchFit",
-    "CONVERT_STRATEGIES",
     "ConvertReport",
     "ConvertStrategy",
     "FoldReport",
@@ -42,16 +44,16 @@ __all__ = [
     "FusedConvBN2d",
     "FusedConvBN3d",
     "GradcheckReport",
-    "LayerMode",
     "PeakMemory",
-    "STRATEGIES",
     "SavedBytes",
     "Strategy",
+    "compile_chains",
     "conv_bn_act",
     "convert",
     "explain",
     "fold",
     "fold_conv_bn_modules",
+    "fused_kernels",
     "fused_modules",
     "gradcheck_module",
     "max_batch",
@@ -62,3 +64,20 @@ __all__ = [
     "Timeline",
     "track_saved",
 ]
+
+
+def _strategy_names(kind: str) -> object:
+    from .functional import strategies
+
+    return getattr(strategies, kind)
+
+
+# Note: [one name per concept]
+# A strategy's values are one Literal type each (``Strategy``, ``ConvertStrategy``); the tuples
+# ``STRATEGIES`` / ``CONVERT_STRATEGIES`` spelled the same sets again and ``LayerMode`` a chain's
+# internal subset. The old names still answer, for one release, with a FutureWarning.
+__getattr__ = _module_aliases(__name__, {
+    "STRATEGIES": (lambda: _strategy_names("STRATEGIES"), "typing.get_args(convbn.Strategy)"),
+    "CONVERT_STRATEGIES": (lambda: _strategy_names("CONVERT_STRATEGIES"), "typing.get_args(convbn.ConvertStrategy)"),
+    "LayerMode": (lambda: _strategy_names("LayerMode"), "convbn.Strategy"),
+})

@@ -25,7 +25,7 @@ import inspect
 import time
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Literal, Optional, Tuple
 
 import torch
 from torch import Tensor, nn
@@ -40,6 +40,7 @@ from .passes.convert.api import check_args, convert
 from .passes.plan.auto_plan import apply_plan, plan_to_target
 from .passes.plan.plan_inputs import PlanInputs, measure_peak, measure_plan_inputs, plan_inputs_at
 from .progress import check_progress, progress_scope, stage
+from .functional.deprecation import renamed_kwargs
 
 __all__ = ["BatchFit", "max_batch", "CONFIRM_SECONDS"]
 
@@ -300,15 +301,16 @@ def _check_convert_kwargs(model: nn.Module, inputs: Tuple[Any, ...], limit: int,
                kwargs.get("peak_budget"), limit)
 
 
+@renamed_kwargs(sample="example_inputs")
 def max_batch(  # over 60 lines for its public docstring (Args, Raises, Example); the body is ~40
     model: nn.Module,
-    sample: Any,
+    example_inputs: Any,
     memory: Any,
     *,
     optimizer: Optional[torch.optim.Optimizer] = None,
     loss_fn: Optional[Callable[[Any], Tensor]] = None,
     upper: int = 1 << 16,
-    method: str = "predict",
+    method: Literal["predict", "measure"] = "predict",
     confirm: Optional[bool] = None,
     progress: Optional[bool] = None,
     **convert_kwargs: Any,
@@ -329,8 +331,9 @@ def max_batch(  # over 60 lines for its public docstring (Args, Raises, Example)
 
     Args:
         model: the model, on the device to train on.
-        sample: an input batch (a tensor, or a tuple of the model's positional inputs),
-            any batch size: batches are built by repeating its rows along dim 0.
+        example_inputs: an input batch (a tensor, or a tuple of the model's positional
+            inputs), any batch size: batches are built by repeating its rows along dim 0
+            (``sample=``, its old name, is deprecated).
         memory: the memory available for training on the device: bytes, or text such as
             ``"16GiB"`` or ``"512 MiB"`` (:func:`convbn.memory.parse_memory`).
         optimizer: the optimizer to be used, built on ``model``'s parameters (its state
@@ -362,7 +365,7 @@ def max_batch(  # over 60 lines for its public docstring (Args, Raises, Example)
         >>> fit.convbn_batch >= fit.eager_batch > 0
         True
     """
-    limit, inputs = _check_arguments(model, sample, memory, optimizer, loss_fn, upper, method, confirm, progress)
+    limit, inputs = _check_arguments(model, example_inputs, memory, optimizer, loss_fn, upper, method, confirm, progress)
     _check_convert_kwargs(model, inputs, limit, convert_kwargs)
     device = next((t.device for t in (*model.parameters(), *model.buffers())), torch.device("cpu"))
     usable = usable_bytes(limit, device)
@@ -390,10 +393,10 @@ def max_batch(  # over 60 lines for its public docstring (Args, Raises, Example)
     return fit
 
 
-def _check_arguments(model: Any, sample: Any, memory: Any, optimizer: Any, loss_fn: Any, upper: Any, method: Any,
+def _check_arguments(model: Any, example_inputs: Any, memory: Any, optimizer: Any, loss_fn: Any, upper: Any, method: Any,
                      confirm: Any, progress: Any) -> Tuple[int, Tuple[Any, ...]]:
     """:func:`max_batch`'s arguments checked before any work; returns the limit in bytes and
-    the sample as a tuple of positional inputs."""
+    ``example_inputs`` as a tuple of positional inputs."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"max_batch expects an nn.Module, but got {type(model).__name__}")
     if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
@@ -408,8 +411,8 @@ def _check_arguments(model: Any, sample: Any, memory: Any, optimizer: Any, loss_
         raise TypeError(f"confirm must be None, True or False, but got {confirm!r}")
     check_progress(progress)
     limit = parse_memory(memory)
-    inputs = as_args(sample, "sample")
+    inputs = as_args(example_inputs, "example_inputs")
     if not any(isinstance(t, Tensor) and t.dim() > 0 for t in inputs):
-        raise TypeError("sample must be a tensor or a tuple of inputs with at least one batched tensor, "
-                        f"but got {type(sample).__name__}")
+        raise TypeError("example_inputs must be a tensor or a tuple of inputs with at least one batched tensor, "
+                        f"but got {type(example_inputs).__name__}")
     return limit, inputs

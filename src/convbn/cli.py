@@ -29,6 +29,7 @@ from typing import Any, Callable, List, Optional, Sequence
 
 __all__ = [
     "Command",
+    "add_renamed_option",
     "COMMAND_MODULES",
     "load_commands",
     "build_parser",
@@ -139,6 +140,33 @@ def add_progress_arguments(parser: argparse.ArgumentParser, what: str = "a line 
                             "(default: only on a terminal)")
     group.add_argument("--quiet", "--no-progress", dest="progress", action="store_const", const=False,
                        default=argparse.SUPPRESS, help="no progress output")
+
+
+class _RenamedOption(argparse.Action):
+    """An option's old spelling: stores into the new option's destination, with a warning."""
+
+    def __init__(self, option_strings: Any, dest: str, new: str = "", append: bool = False, **kwargs: Any) -> None:
+        self.new = new
+        self.append = append
+        super().__init__(option_strings, dest, **kwargs)
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: Optional[str] = None) -> None:
+        from .functional.deprecation import warn_renamed
+
+        warn_renamed(str(option_string), self.new)
+        if self.append:  # a repeatable option: add to the new option's list (a copy, never its default)
+            values = [*(getattr(namespace, self.dest, None) or []), values]
+        setattr(namespace, self.dest, values)
+
+
+def add_renamed_option(parser: argparse.ArgumentParser, old: str, new: str, append: bool = False,
+                       **kwargs: Any) -> None:
+    """Accept ``old``, hidden from ``--help``, as the option ``new`` (already added; ``kwargs``:
+    its ``type``, ``dest``; ``append``: ``new`` is repeatable) for one release, warning that it
+    is deprecated."""
+    parser.add_argument(old, action=_RenamedOption, new=new, append=append, default=argparse.SUPPRESS,
+                        help=argparse.SUPPRESS, **kwargs)
 
 
 # --------------------------------------------------------------------------- option types

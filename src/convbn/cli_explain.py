@@ -11,7 +11,7 @@ weights and input: the configuration the model trains in.
 
 Example:
     $ convbn explain mnist --input-shape 64x1x28x28
-    $ convbn explain mypkg.nets:build_net --input-shape 8x3x224x224 --budget 0.5
+    $ convbn explain mypkg.nets:build_net --input-shape 8x3x224x224 --memory-budget 0.5
     $ convbn explain mnist --memory 16GiB    # the largest batch eager and convbn train in 16 GiB
     $ convbn explain mnist --memory 16GiB --quiet   # no progress lines on stderr
     $ convbn explain mynet:build --checkpoint last.ckpt --dtype bfloat16 --channels-last
@@ -20,10 +20,12 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+from typing import get_args
 
 import torch
 
-from .cli import Command, add_progress_arguments, fraction, memory_size
+from .cli import Command, add_progress_arguments, add_renamed_option, fraction, memory_size
+from .functional.strategies import ConvertStrategy
 from .cli_model import add_model_arguments, channels_last_format, load_model, model_input, resolve_shape
 
 __all__ = ["load_model", "resolve_shape", "add_arguments", "run", "COMMAND", "AUTOCAST_DTYPES"]
@@ -35,10 +37,12 @@ AUTOCAST_DTYPES = {"float32": None, "bfloat16": torch.bfloat16, "float16": torch
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of ``convbn explain``."""
     add_model_arguments(parser)
-    parser.add_argument("--strategy", choices=("auto", "recompute_bn", "recompute_conv"), default="auto",
+    parser.add_argument("--strategy", choices=get_args(ConvertStrategy), default="auto",
                         help="convert strategy to explain")
-    parser.add_argument("--budget", type=fraction, default=None, metavar="X",
-                        help="with --strategy auto: target saved activation bytes as a fraction in (0, 1] of eager")
+    parser.add_argument("--memory-budget", type=fraction, default=None, metavar="X",
+                        help="with --strategy auto: target saved activation bytes as a fraction in (0, 1] of eager "
+                             "(convert's memory_budget)")
+    add_renamed_option(parser, "--budget", "--memory-budget", type=fraction, dest="memory_budget")
     parser.add_argument("--peak-budget", type=fraction, default=None, metavar="X",
                         help="with --strategy auto: the training step's peak memory allowed, a fraction in (0, 1] "
                              "of eager's")
@@ -57,7 +61,7 @@ def run(args: argparse.Namespace) -> int:
     """Print the report of :func:`convbn.explain`; returns the exit code."""
     from .passes.convert.api import explain
 
-    for flag, value in (("--budget", args.budget), ("--peak-budget", args.peak_budget)):
+    for flag, value in (("--memory-budget", args.memory_budget), ("--peak-budget", args.peak_budget)):
         if value is not None and args.strategy != "auto":
             raise ValueError(f"{flag} is used by --strategy auto only, but got --strategy {args.strategy}")
     if args.memory is not None:  # its size was checked while parsing
@@ -73,7 +77,7 @@ def run(args: argparse.Namespace) -> int:
                 else contextlib.nullcontext())
     progress = getattr(args, "progress", None)
     with autocast:
-        report = explain(model, x, strategy=args.strategy, memory_budget=args.budget, peak_budget=args.peak_budget,
+        report = explain(model, x, strategy=args.strategy, memory_budget=args.memory_budget, peak_budget=args.peak_budget,
                          chain=not args.no_chain, progress=progress)
     how = "".join((f", autocast {args.dtype}" if dtype is not None else "",
                    ", channels-last" if args.channels_last else ""))

@@ -101,7 +101,7 @@ def run(args: argparse.Namespace) -> int:
     x = model_input(args, model, default)
     folded = fold(model, example_inputs=x, check=True)
     print(f"{args.spec}, input {'x'.join(map(str, x.shape))}")
-    print(folded.fold_report)
+    print(folded.convbn_report)
     with torch.no_grad():
         diff = (folded(x) - model(x)).abs().max().item()
     print(f"max |folded - original| on a random input: {diff:.2e}")

@@ -32,7 +32,7 @@ selective-checkpoint policy.
 #   CPU, U-Net 2d b8 128²:      1.15x compiled eager at 0.79x its peak, the op 2.0x at 1.10x;
 #   CPU, ResNet-18 b8 112²:     1.03x compiled eager at 0.89x its peak, the op 1.02x at
 #                               0.71x (inductor's weight copies, above, are the difference).
-# ``CONVBN_COMPILE_CHAINS=op`` or :func:`set_compile_chains` selects the op.
+# ``with compile_chains("op"):`` (or ``CONVBN_COMPILE_CHAINS=op``) selects the op.
 #
 # torch logs a one-time advisory when a ``context_fn`` reaches a checkpoint under compile:
 # make sure the region holds no in-place op. This region holds none (activations are
@@ -42,53 +42,113 @@ selective-checkpoint policy.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
 import sys
-from typing import Any, Callable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, List, Literal, Optional, Sequence, Tuple, get_args, overload
 
 import torch
 from torch import Tensor
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
+from ..functional.deprecation import warn_renamed
 from ..functional.tail import DropoutOp, PReLUOp
 from .chain_spec import ChainLayerSpec, param_offsets, split_params
 
-__all__ = ["set_compile_chains", "compile_chains", "fusible_by_inductor", "chain_inductor_apply", "quiet_own_advisory"]
+__all__ = ["CompileChainsMode", "compile_chains", "compile_chains_mode", "set_compile_chains", "fusible_by_inductor",
+           "chain_inductor_apply", "quiet_own_advisory"]
 
-_MODES = ("op", "inductor")
+CompileChainsMode = Literal["inductor", "op"]
+_MODES: Tuple[CompileChainsMode, ...] = get_args(CompileChainsMode)
 _STATE: dict = {"mode": None}  # None: ``CONVBN_COMPILE_CHAINS`` decides, read when asked
+_UNSET: Any = object()
+
+
+def _check_mode(mode: Any, who: str) -> CompileChainsMode:
+    if mode not in _MODES:
+        raise ValueError(f"{who} expects one of {_MODES}, but got {mode!r}")
+    return mode
+
+
+class _CompileChains(contextlib.ContextDecorator):
+    """The context manager :func:`compile_chains` returns."""
+
+    def __init__(self, mode: CompileChainsMode) -> None:
+        self.mode = _check_mode(mode, "compile_chains")
+        self._saved: List[Optional[str]] = []  # one per open block: re-entrant, nestable
+
+    def __enter__(self) -> "_CompileChains":
+        self._saved.append(_STATE["mode"])
+        _STATE["mode"] = self.mode
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        _STATE["mode"] = self._saved.pop()  # None again where the environment decided
+
+
+@overload
+def compile_chains(mode: CompileChainsMode) -> _CompileChains: ...
+@overload
+def compile_chains() -> str: ...
+def compile_chains(mode: Any = _UNSET) -> Any:
+    """How fused chains run under ``torch.compile`` inside a ``with`` block (or a decorated function).
+
+    ``"inductor"`` (the default): plain ops in a selective checkpoint that inductor fuses;
+    ``"op"``: one opaque custom op per chain. Outside every block the
+    environment variable ``CONVBN_COMPILE_CHAINS`` decides (read when a graph is compiled),
+    else ``"inductor"``. The mode is read when ``torch.compile`` traces a graph: compile (make
+    the first call) inside the block; graphs compiled before keep their mode.
+
+    Thread safety: like ``torch.backends.cudnn.flags()``, the switch is process-wide: while a
+    block is open every thread compiles with its mode. Open and close blocks in one thread;
+    nested blocks restore the previous mode in order, on exit and on an exception.
+
+    Args:
+        mode: ``"inductor"`` or ``"op"``.
+
+    Returns:
+        A context manager (also usable as a decorator). Called without ``mode``
+        (deprecated): the current mode, as :func:`compile_chains_mode`.
+
+    Example:
+        >>> with compile_chains("op"):
+        ...     compile_chains_mode()
+        'op'
+    """
+    if mode is _UNSET:
+        warn_renamed("compile_chains() without a mode", "compile_chains_mode()")
+        return compile_chains_mode()
+    return _CompileChains(mode)
+
+
+def compile_chains_mode() -> str:
+    """The mode fused chains compile with now: the innermost :func:`compile_chains` block's,
+    else the environment's ``CONVBN_COMPILE_CHAINS`` (read now), else ``"inductor"``.
+
+    Example:
+        >>> compile_chains_mode() in ("inductor", "op")
+        True
+    """
+    mode = _STATE["mode"] if _STATE["mode"] is not None else os.environ.get("CONVBN_COMPILE_CHAINS", "inductor")
+    return mode if mode in _MODES else "inductor"
 
 
 def set_compile_chains(mode: str) -> str:
-    """How a fused chain runs under ``torch.compile``: ``"inductor"`` (plain ops in a selective
-    checkpoint, Note: [a chain inductor can see into]; the default) or ``"op"`` (the opaque
-    custom op); returns the previous mode. Takes effect for graphs compiled afterwards.
+    """Deprecated: use ``with convbn.compile_chains(mode):``. Sets the mode for the process
+    (until set again) and returns the previous one.
 
     Args:
         mode: ``"op"`` or ``"inductor"``.
 
     Returns:
         The previous mode.
-
-    Example:
-        >>> prev = set_compile_chains("inductor")
-        >>> compile_chains()
-        'inductor'
-        >>> _ = set_compile_chains(prev)
     """
-    if mode not in _MODES:
-        raise ValueError(f"set_compile_chains expects one of {_MODES}, but got {mode!r}")
-    prev, _STATE["mode"] = compile_chains(), mode
+    warn_renamed("set_compile_chains(mode)", "with convbn.compile_chains(mode): ...")
+    _check_mode(mode, "set_compile_chains")
+    prev, _STATE["mode"] = compile_chains_mode(), mode
     return prev
-
-
-def compile_chains() -> str:
-    """The mode :func:`set_compile_chains` set, else the environment's ``CONVBN_COMPILE_CHAINS``
-    (read now); default ``"inductor"``."""
-    mode = _STATE["mode"] if _STATE["mode"] is not None else os.environ.get("CONVBN_COMPILE_CHAINS", "inductor")
-    return mode if mode in _MODES else "inductor"
 
 _aten = torch.ops.aten
 _STATS_OPS = {_aten.var_mean.correction}

@@ -13,7 +13,8 @@ than the CPU (on an H100 the fused forward lost to cuDNN's batch norm at most Re
 shapes: BENCHMARKS.md), a tensor traced by a compiler, an active dispatch mode (a memory
 timeline), or a failed compilation (then off for the process, with a warning).
 
-Selection: the environment variable ``CONVBN_FUSED_KERNELS=1`` or :func:`set_fused_kernels`.
+Selection: ``with fused_kernels(True):`` (scoped), or the environment variable
+``CONVBN_FUSED_KERNELS=1`` as the default.
 Off by default: compiling costs seconds per (activation, layout, affine) variant on a cold
 cache, and the step-time gain on a whole model is not measured yet (BENCHMARKS.md "Issue 25").
 Rounding: the fused kernels accumulate in float32 in a different order; against the ATen
@@ -22,9 +23,10 @@ difference per shape); in float64 both are the same maths (tests/test_chain_kern
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import warnings
-from typing import Any, Callable, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -33,10 +35,11 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode
 from ..functional.activations import Activation
 from ..functional.batchnorm import BNSpec
 from ..functional.bn_act import bn_act_backward, bn_act_forward
+from ..functional.deprecation import warn_renamed
 
-__all__ = ["set_fused_kernels", "fused_kernels_enabled", "fused_layer_forward", "fused_layer_backward"]
+__all__ = ["fused_kernels", "fused_kernels_enabled", "set_fused_kernels", "fused_layer_forward", "fused_layer_backward"]
 
-# "on": None while ``CONVBN_FUSED_KERNELS`` decides (read when asked), else set_fused_kernels'
+# "on": None while ``CONVBN_FUSED_KERNELS`` decides (read when asked), else the innermost fused_kernels block's
 _STATE: Dict[str, Any] = {"on": None, "failed": False}
 _COMPILED: Dict[str, Callable[..., Any]] = {}
 # which activations the kernels cover is the table's (Activation.fused_forward_kernel /
@@ -48,20 +51,55 @@ def _switched_on() -> bool:
     return os.environ.get("CONVBN_FUSED_KERNELS", "0") == "1" if on is None else bool(on)
 
 
+class fused_kernels(contextlib.ContextDecorator):
+    """Use the fused element-wise kernels (``True``) or not (``False``) inside a ``with`` block
+    (or a decorated function).
+
+    Outside every block the environment variable ``CONVBN_FUSED_KERNELS=1`` turns them on (read
+    when a layer runs); off by default. The switch is read by each layer's forward and again
+    by its backward: keep the backward inside the block for both to use the same setting
+    (either way the results agree to float32 rounding).
+
+    Thread safety: like ``torch.backends.cudnn.flags()``, the switch is process-wide: while a
+    block is open every thread (autograd's backward threads included) sees it. Open and close
+    blocks in one thread; nested blocks restore the previous setting in order, on exit and on
+    an exception.
+
+    Args:
+        on: ``True`` to use them where they apply.
+
+    Example:
+        >>> with fused_kernels(False):
+        ...     fused_kernels_enabled()
+        False
+    """
+
+    def __init__(self, on: bool) -> None:
+        if not isinstance(on, bool):
+            raise TypeError(f"fused_kernels expects a bool, but got {on!r}")
+        self.on = on
+        self._saved: List[Optional[bool]] = []  # one per open block: re-entrant, nestable
+
+    def __enter__(self) -> "fused_kernels":
+        self._saved.append(_STATE["on"])
+        _STATE["on"] = self.on
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        _STATE["on"] = self._saved.pop()  # None again where the environment decided
+
+
 def set_fused_kernels(on: bool) -> bool:
-    """Turn the fused element-wise kernels on or off for this process; returns the previous setting.
+    """Deprecated: use ``with convbn.fused_kernels(on):``. Turns the fused element-wise kernels
+    on or off for the process (until set again); returns the previous setting.
 
     Args:
         on: ``True`` to use them where they apply.
 
     Returns:
         The previous setting.
-
-    Example:
-        >>> prev = set_fused_kernels(False)
-        >>> fused_kernels_enabled()
-        False
     """
+    warn_renamed("set_fused_kernels(on)", "with convbn.fused_kernels(on): ...")
     if not isinstance(on, bool):
         raise TypeError(f"set_fused_kernels expects a bool, but got {on!r}")
     prev = _switched_on()

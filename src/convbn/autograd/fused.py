@@ -95,6 +95,10 @@ class _OneLayerChain:
 class RecomputeConvFunction(_OneLayerChain):
     """Conv -> BN -> act keeping only the conv input; the conv is recomputed in backward.
 
+    Not a ``torch.autograd.Function`` (hence not exported from :mod:`convbn.autograd`):
+    ``apply`` is a one-layer :class:`~convbn.autograd.chain.ChainFunction` call. Public
+    entry point: ``convbn.conv_bn_act(..., strategy="recompute_conv")``.
+
     This is the method of the PyTorch tutorial "Fusing Convolution and Batch Norm using
     Custom Function", generalised to every conv/BN option.
     ``apply(x, weight, bias, bn_weight, bn_bias, running_mean, running_var, conv, bn, act)``.
@@ -114,6 +118,9 @@ class RecomputeConvFunction(_OneLayerChain):
 
 class RecomputeBNFunction(_OneLayerChain):
     """Conv -> BN -> act keeping the conv input and output; BN + act recomputed element-wise.
+
+    Not a ``torch.autograd.Function``: a one-layer :class:`~convbn.autograd.chain.ChainFunction`
+    call, as :class:`RecomputeConvFunction`.
 
     ``apply(x, weight, bias, bn_weight, bn_bias, running_mean, running_var, conv, bn, act)``.
     """

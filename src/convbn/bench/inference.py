@@ -92,7 +92,7 @@ def _make_variants(model: nn.Module, x: Tensor, use_compile: bool) -> List[Tuple
     except Exception as exc:  # noqa: BLE001 - record why fuse cannot handle the model
         variants.append(("fx fuse", None, short_error(exc, 100)))
     folded = fold(model, example_inputs=x, check=False)
-    report = folded.fold_report
+    report = folded.convbn_report
     variants.append(("convbn.fold", folded, f"{len(report.folded)} folded, {len(report.skipped)} skipped"))
     try:
         with warnings.catch_warnings():

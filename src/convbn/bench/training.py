@@ -161,8 +161,8 @@ def run_training_bench(spec: Union[str, TrainingBenchSettings], *args: Any, **kw
 
 def add_training_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add the training benchmark's options to ``parser`` (for ``convbn bench``)."""
-    from convbn.cli import (batch_size, device_arg, existing_file, fraction, non_negative_int, output_path,
-                            positive_float, positive_int)
+    from convbn.cli import (add_renamed_option, batch_size, device_arg, existing_file, fraction, non_negative_int,
+                            output_path, positive_float, positive_int)
 
     parser.add_argument("--model", action="append", default=None, metavar="SPEC",
                         help="model spec, repeatable: mnist, monai:resnet18, 'monai:resnet50(spatial_dims=2)', "
@@ -179,8 +179,10 @@ def add_training_arguments(parser: argparse.ArgumentParser) -> argparse.Argument
     parser.add_argument("--memory-rounds", type=positive_int, default=3, help="rounds measuring peak memory (median)")
     parser.add_argument("--device", type=device_arg, default="cpu", help="torch device: cpu, cuda, cuda:N")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="parameter and input dtype")
-    parser.add_argument("--budget", type=fraction, action="append", default=[], metavar="X",
-                        help="add 'convert auto budget=X' (fraction in (0, 1] of eager saved bytes), repeatable")
+    parser.add_argument("--memory-budget", dest="budget", type=fraction, action="append", default=[], metavar="X",
+                        help="add 'convert auto budget=X' (convert's memory_budget: a fraction in (0, 1] of eager "
+                             "saved bytes), repeatable")
+    add_renamed_option(parser, "--budget", "--memory-budget", append=True, type=fraction, dest="budget")
     parser.add_argument("--peak-budget", type=fraction, action="append", default=[], metavar="X",
                         help="add 'convert auto peak=X' (fraction in (0, 1] of the eager step's peak), repeatable")
     parser.add_argument("--compile-budget", type=fraction, action="append", default=None, metavar="B",
@@ -217,7 +219,7 @@ def main_training(args: argparse.Namespace) -> int:
     configs = _check_configs(args.configs)
     if args.no_compile and args.compile_budget is not None:
         warnings.warn("--compile-budget is ignored with --no-compile", stacklevel=2)
-    for flag, given in (("--budget", args.budget), ("--peak-budget", args.peak_budget)):
+    for flag, given in (("--memory-budget", args.budget), ("--peak-budget", args.peak_budget)):
         if given and configs is not None and not {"budget", "auto"} & set(configs):
             warnings.warn(f"{flag} is ignored: --configs {args.configs} includes neither 'budget' nor 'auto'",
                           stacklevel=2)

@@ -6,6 +6,7 @@ from typing import Any, List, Optional, Sequence
 from torch import nn
 
 from ..passes.convert.api import convert
+from ..passes.report.convert_report import ConvertReport
 
 __all__ = ["convert_submodules", "has_batchnorm", "is_converted"]
 
@@ -16,8 +17,9 @@ def has_batchnorm(module: nn.Module) -> bool:
 
 
 def is_converted(module: nn.Module) -> bool:
-    """``True`` when ``module`` is the result of :func:`convbn.convert` (it carries ``convbn_report``)."""
-    return getattr(module, "convbn_report", None) is not None
+    """``True`` when ``module`` is the result of :func:`convbn.convert` (its ``convbn_report`` is a
+    :class:`convbn.ConvertReport`; :func:`convbn.fold`'s result carries a ``FoldReport`` there)."""
+    return isinstance(getattr(module, "convbn_report", None), ConvertReport)
 
 
 def convert_submodules(parent: nn.Module, names: Optional[Sequence[str]] = None, **convert_kwargs: Any) -> List[str]:

@@ -20,12 +20,12 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.conv import _ConvNd
 
 from ..autograd.chain import ChainFunction, ChainLayerSpec, chain_forward_no_grad, layer_kind
-from ..autograd.chain_compiled import chain_inductor_apply, compile_chains, fusible_by_inductor, quiet_own_advisory
+from ..autograd.chain_compiled import chain_inductor_apply, compile_chains_mode, fusible_by_inductor, quiet_own_advisory
 from ..autograd.chain_input import concat_shape
 from ..functional.activations import Activation, activation_from_module
 from ..functional.batchnorm import BNSpec
 from ..functional.conv import ConvSpec, conv_flops, conv_forward, conv_output_shape, conv_spec_from_module, recompute_cost
-from ..functional.strategies import LAYER_MODES
+from ..functional.strategies import LAYER_MODES, LayerMode
 from ..functional.fused import autocast_dtype, check_inputs
 from ..functional.tail import DropoutOp, TailOp, is_tail_module, tail_op_from_module
 from .bn_call import has_standard_bn_forward, standard_batch_norm
@@ -93,7 +93,7 @@ class ChainLayer:
     conv: Optional[ConvSpec] = None
     bn: Optional[_BatchNorm] = None
     act: Activation = Activation("identity")
-    mode: str = "recompute_bn"
+    mode: LayerMode = "recompute_bn"
     may_drop: bool = True
     names: Tuple[str, ...] = ("", "", "")
     y_shape: Optional[Tuple[int, ...]] = None
@@ -417,7 +417,7 @@ class FusedChain(nn.Module):
                 return chain_forward_no_grad(_concat(xs), params, specs, stats)
             if torch.compiler.is_compiling() and not any(s.bn is not None and s.bn.process_group is not None
                                                          for s in specs):
-                if len(xs) == 1 and compile_chains() == "inductor" and fusible_by_inductor(specs):
+                if len(xs) == 1 and compile_chains_mode() == "inductor" and fusible_by_inductor(specs):
                     return chain_inductor_apply(x, params, specs, stats)  # Note: [a chain inductor can see into]
                 from ..autograd.chain_op import chain_op_apply  # Note: [why a custom op under torch.compile]
 

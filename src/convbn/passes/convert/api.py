@@ -21,7 +21,8 @@ from ...memory.budget import parse_memory, resident_bytes, usable_bytes
 from .args import check_args
 from ...nn.chain import FusedChain
 from ...nn.fused import _FusedConvBNNd
-from ...functional.strategies import CONVERT_STRATEGIES
+from ...functional.deprecation import module_aliases
+from ...functional.strategies import ConvertStrategy
 from ..plan.auto_plan import measure_peak, measure_saved, plan_auto
 from ..bn.recognise import may_normalise
 from ..graph.concat_heads import flatten_cats
@@ -43,8 +44,9 @@ from ..check.step import called_inputs, check_step
 from ..check.validate import StateSnapshot, as_args, tolerance
 from ...progress import check_progress, progress_scope, stage
 
-__all__ = ["convert", "explain", "check_args", "CONVERT_STRATEGIES"]
+__all__ = ["convert", "explain", "check_args"]
 
+#: The model's type: :func:`convert` returns the class it was given (a rewritten module keeps its class).
 M = TypeVar("M", bound=nn.Module)
 
 
@@ -380,7 +382,7 @@ def _finer(module: nn.Module, prefix: str, inputs: Dict[int, Tuple[Tuple[Any, ..
 def convert(
     model: M,
     *,
-    strategy: str = "auto",
+    strategy: ConvertStrategy = "auto",
     memory_budget: Optional[float] = None,
     example_inputs: Any = None,
     inplace: bool = False,
@@ -388,7 +390,7 @@ def convert(
     peak_budget: Optional[float] = None,
     memory_limit: Any = None,
     progress: Optional[bool] = None,
-) -> nn.Module:
+) -> M:
     """Fuse every Conv -> BatchNorm (-> activation) of ``model`` for memory-lean training.
 
     The result computes the same outputs, gradients and running statistics as
@@ -398,7 +400,7 @@ def convert(
     Args:
         model: any ``nn.Module``. Traced with ``torch.fx``; when the whole model cannot be
             traced, each child is converted instead (recursively).
-        strategy: ``"auto"`` (plan per layer), ``"recompute_bn"`` (every layer keeps its
+        strategy: a :data:`convbn.ConvertStrategy`: ``"auto"`` (plan per layer), ``"recompute_bn"`` (every layer keeps its
             conv output; element-wise recompute only) or ``"recompute_conv"`` (keep no
             layer's conv output; with ``chain=False`` this is the tutorial's method).
         memory_budget: with ``"auto"``, the target *saved* activation bytes (held from
@@ -437,9 +439,12 @@ def convert(
             Without it, each rewritten part validates its outputs against the original on
             its first call (a mismatch warns and runs that part unfused from then on), and
             ``"auto"`` plans each chain on its first training call.
-        inplace: rewrite ``model`` itself (its module objects keep their classes and
-            identity and get the fused forwards); by default a copy whose module objects
-            are new but share ``model``'s parameters, buffers and other tensors is rewritten.
+        inplace: as in :func:`convbn.fold`: ``True`` rewrites ``model``'s own module objects
+            (they keep their classes and identity and get the fused forwards) and returns
+            ``model``; ``False`` (default) leaves ``model`` as it was and rewrites new module
+            objects of the same classes, which share ``model``'s parameters, buffers and
+            other tensors (convert changes none; an optimizer built on ``model`` trains the
+            result).
         chain: group consecutive fused layers into chains (one autograd Function per chain,
             which rebuilds a layer's input from the layer before; ``False``: one per layer).
         progress: print a line per stage (trace, check, plan) on stderr: ``None`` where
@@ -452,9 +457,10 @@ def convert(
     (the affected chain, or the affected part of the model, then runs as eager modules).
 
     Returns:
-        The converted model, with the report in ``.convbn_report``: ``model`` itself with
-        ``inplace``, else its share-copy; every module keeps its class, and the rewritten
-        ones run fused forwards (:func:`convbn.fused_modules` lists the chains added).
+        The converted model, of ``model``'s type, with the report in ``.convbn_report``:
+        ``model`` itself with ``inplace``, else its share-copy; every module keeps its class,
+        and the rewritten ones run fused forwards (:func:`convbn.fused_modules` lists the
+        chains added).
 
     Example:
         >>> net = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU())
@@ -547,3 +553,14 @@ def explain(model: nn.Module, example_inputs: Any = None, **kwargs: Any) -> Conv
         report.eager_peak_bytes = eager.peak
         report.measured_peak_bytes, report.measured_peak_where = tl.peak, tl.where()
     return report
+
+
+def _convert_strategies() -> Any:
+    from ...functional.strategies import CONVERT_STRATEGIES
+
+    return CONVERT_STRATEGIES
+
+
+# the strategy tuple this module re-exported (one release, with a FutureWarning)
+__getattr__ = module_aliases(__name__, {"CONVERT_STRATEGIES": (_convert_strategies,
+                                                               "typing.get_args(convbn.ConvertStrategy)")})

@@ -18,10 +18,10 @@ as in ``efficientnet_pytorch``), BatchNorms may be any ``_BatchNorm`` subclass
 Public API::
 
     folded = convbn.fold(model)          # model must be in eval mode
-    print(folded.fold_report)            # FoldReport: every BatchNorm, folded or why not
+    print(folded.convbn_report)          # FoldReport: every BatchNorm, folded or why not
 
-The report is attached to the returned module as the attribute ``fold_report`` (it is
-not part of ``state_dict``). See :func:`fold` for the full contract.
+The report is attached to the returned module as the attribute ``convbn_report``, the
+name ``convert``'s report has too (it is not part of ``state_dict``). See :func:`fold` for the full contract.
 """
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ import copy
 import dataclasses
 import warnings
 from dataclasses import dataclass
-from typing import Any, Callable, List, Optional, Set, Tuple
+from typing import Any, Callable, List, Optional, Set, Tuple, TypeVar
 
 import torch
 from torch import Tensor, nn
@@ -42,6 +42,7 @@ from .folder import FoldContext
 from .stages import fold_graph
 from .layers import fold_conv_bn_modules
 from ..graph.layers import LAYER_MODULES
+from ..report.attached import attach_report, detach_report
 from ..report.fold_report import FoldCheck, FoldReport
 from ..report.outcome import BNOutcome, bn_module_names, explain_ghost_loops, frozen_lookalikes, unreached
 from ..check.first_call import FirstCallCheck
@@ -53,6 +54,9 @@ from ..check.validate import tolerance, tolerance_rule
 from ..tracing.trace import LayerTracer, short_reason, trace
 
 __all__ = ["fold", "fold_conv_bn_modules", "FoldReport", "BNOutcome", "FoldCheck"]
+
+#: The model's type: :func:`fold` returns the class it was given (a rewritten module keeps its class).
+M = TypeVar("M", bound=nn.Module)
 
 
 # --------------------------------------------------------------------------------------
@@ -87,7 +91,7 @@ def fold_module(module: nn.Module, prefix: str, ctx: FoldContext, done: Set[int]
     except Exception as exc:  # noqa: BLE001 - with real shapes where known, else its children one by one
         traced = _shape_trace(module, ctx)
         if traced is None:
-            ctx.report.untraceable.append((prefix.rstrip("."), f"{short_reason(exc)} (folded part by part)"))
+            ctx.report.untraced.append((prefix.rstrip("."), f"{short_reason(exc)} (folded part by part)"))
             return fold_children(module, prefix, ctx, done)
     gm = traced.gm
     mark = len(ctx.report.outcomes)
@@ -98,7 +102,7 @@ def fold_module(module: nn.Module, prefix: str, ctx: FoldContext, done: Set[int]
         _neutralise_folded(module, gm, prefix, ctx.report.outcomes[mark:], fwd)
     for target, why in traced.descend().items():
         if target in traced.opaque:
-            ctx.report.untraceable.append((prefix + target, f"{why} (kept as an opaque module)"))
+            ctx.report.untraced.append((prefix + target, f"{why} (kept as an opaque module)"))
         try:
             sub = module.get_submodule(target)
         except AttributeError:
@@ -160,7 +164,7 @@ def _fold_finer(model: nn.Module, args: Tuple[Any, ...], reference: Any, eager_e
     work = copy.deepcopy(model)
     inputs = called_inputs(work, args, {})
     report = FoldReport()
-    report.untraceable.append(("", f"folding the whole model changed its outputs ({why}); folded child by child"))
+    report.untraced.append(("", f"folding the whole model changed its outputs ({why}); folded child by child"))
 
     def finer(module: nn.Module, prefix: str) -> None:
         for name, child in list(module.named_children()):
@@ -172,13 +176,13 @@ def _fold_finer(model: nn.Module, args: Tuple[Any, ...], reference: Any, eager_e
             try:
                 new = fold(child, example_inputs=inputs[id(child)][0])
             except RuntimeError as exc:  # this part cannot be folded faithfully: keep it as it is
-                report.untraceable.append((prefix + name, f"left unfolded: {short_reason(exc)}"))
+                report.untraced.append((prefix + name, f"left unfolded: {short_reason(exc)}"))
                 continue
             module._modules[name] = new  # the folded copy of the same class, in the child's place
-            sub = new.__dict__.pop("fold_report")
+            sub = detach_report(new)
             report.outcomes += [dataclasses.replace(a, batchnorm=f"{prefix}{name}.{a.batchnorm}",
                                                     layer=a.layer and f"{prefix}{name}.{a.layer}") for a in sub.outcomes]
-            report.untraceable += [(f"{prefix}{name}.{n}" if n else prefix + name, w) for n, w in sub.untraceable]
+            report.untraced += [(f"{prefix}{name}.{n}" if n else prefix + name, w) for n, w in sub.untraced]
 
     finer(work, "")
     seen = {a.batchnorm for a in report.outcomes}
@@ -192,19 +196,19 @@ def _fold_finer(model: nn.Module, args: Tuple[Any, ...], reference: Any, eager_e
     if not ok or not report.folded:  # nothing gained: report the whole-model failure instead
         return None
     warnings.warn(f"fold(): folding the whole model changed its outputs ({why}); folded it child by child "
-                  "instead (see fold_report)", RuntimeWarning, stacklevel=6)  # fold's caller: see _fold_model
+                  "instead (see convbn_report)", RuntimeWarning, stacklevel=6)  # fold's caller: see _fold_model
     forget_undo(work)
-    work.__dict__["fold_report"] = report
+    attach_report(work, report)
     return work
 
 
 def fold(
-    model: nn.Module,
+    model: M,
     *,
     inplace: bool = False,
     example_inputs: Any = None,
     check: bool = True,
-) -> nn.Module:
+) -> M:
     """Fold every foldable eval-mode BatchNorm of ``model`` into a neighbouring layer.
 
     ``model`` is traced with ``torch.fx`` (nested ``Sequential``\\ s and wrapper modules are
@@ -219,25 +223,28 @@ def fold(
 
     Args:
         model: the network, in eval mode (``model.eval()``).
-        inplace: ``False`` (default) works on a deep copy: ``model`` keeps its parameters
-            and outputs. ``True`` reuses ``model``'s submodules and overwrites the weights
-            of layers it folds into (less memory); afterwards use only the returned
-            module, ``model`` itself no longer computes the same function.
+        inplace: as in :func:`convbn.convert`: ``True`` rewrites ``model``'s own module
+            objects, overwriting the weights of layers it folds into (less memory), and
+            returns ``model``: use only the result afterwards. ``False`` (default) leaves
+            ``model`` as it was and folds new module objects of the same classes, which own
+            copies of every tensor (a model to deploy: training ``model`` further leaves it
+            as it is).
         example_inputs: a tensor or a tuple of positional arguments for ``model``; used
             for the check and to see tensor ranks (needed to fold Linear <-> BatchNorm1d).
             If ``None`` a small input is inferred from the first conv/linear layer when
             possible (the report says when it is not).
-        check: run the sample input through the model before and after folding (eval,
-            no grad, same RNG seed) and raise if the outputs differ by more than
+        check: run ``example_inputs`` (or the inferred input) through the model before
+            and after folding (eval, no grad, same RNG seed) and raise if the outputs differ by more than
             ``tol * max(1, max|reference|)`` (``tol`` = 1e-4 for float32, 1e-10 for
             float64) plus 4x what the original itself gets wrong in its dtype, measured
             against a float64 run of a copy: the check allows what float rounding of the
             unfolded model already allows, and no more.
 
     Returns:
-        The folded model (``model``'s deep copy, or ``model`` itself with ``inplace``):
-        every module keeps its class, and the rewritten ones run folded forwards. Its
-        attribute ``fold_report`` is a :class:`FoldReport` listing every BatchNorm.
+        The folded model, of ``model``'s type (``model``'s deep copy, or ``model`` itself
+        with ``inplace``): every module keeps its class, and the rewritten ones run folded
+        forwards. Its attribute ``convbn_report`` (the name :func:`convbn.convert` uses too)
+        is a :class:`FoldReport` listing every BatchNorm.
 
     Raises:
         TypeError: ``model`` is not an ``nn.Module`` (or is a TorchScript module).
@@ -247,7 +254,7 @@ def fold(
     Example:
         >>> net = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.BatchNorm2d(8)).eval()
         >>> folded = fold(net, example_inputs=torch.randn(1, 3, 16, 16))
-        >>> print(folded.fold_report)  # doctest: +SKIP
+        >>> print(folded.convbn_report)  # doctest: +SKIP
     """
     _check_model(model)
     with transaction(model):  # Note: [a failed pass changes nothing]
@@ -336,7 +343,7 @@ def fold_graphs(run: FoldRun) -> FoldRun:
 def account(run: FoldRun) -> FoldRun:
     """Every BatchNorm module gets an outcome, including ones tracing never reached."""
     report = run.report
-    report.outcomes += unreached(run.bn_names, report.outcomes, [name for name, _ in report.untraceable])
+    report.outcomes += unreached(run.bn_names, report.outcomes, [name for name, _ in report.untraced])
     named = {o.batchnorm for o in report.outcomes}
     report.outcomes += [o for o in run.lookalikes if o.batchnorm not in named]
     report.outcomes = explain_ghost_loops(run.model, report.outcomes)
@@ -352,7 +359,7 @@ def check_folded(run: FoldRun) -> FoldRun:
     if finer is not None:
         return dataclasses.replace(run, folded=finer)  # _fold_finer attached its own report
     forget_undo(run.work)
-    run.work.__dict__["fold_report"] = run.report
+    attach_report(run.work, run.report)
     return dataclasses.replace(run, folded=run.work)
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Dict, List, Optional
 
+from ...functional.strategies import ConvertStrategy, LayerMode
 from ...memory import format_bytes
 from .live import FUSED, all_chains, chain_status
 from .outcome import BNOutcome
@@ -39,8 +40,9 @@ class FusedPair:
         return "head" if self.layer.is_head else "end" if self.layer.is_end else "layer"
 
     @property
-    def strategy(self) -> str:
-        return self.layer.mode
+    def strategy(self) -> LayerMode:
+        """What this layer keeps: ``"recompute_bn"`` or ``"recompute_conv"`` (the plan's choice under ``"auto"``)."""
+        return self.layer.mode  # type: ignore[return-value]
 
     @property
     def status(self) -> str:
@@ -118,7 +120,7 @@ class ConvertReport:
     untraced: List[tuple] = field(default_factory=list)
     traced: List[str] = field(default_factory=list)
     validated: List[str] = field(default_factory=list)
-    strategy: str = "auto"
+    strategy: ConvertStrategy = "auto"
     eager_saved_bytes: Optional[int] = None
     saved_bytes: Optional[int] = None
     floor_saved_bytes: Optional[int] = None

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import List, Optional, Tuple
 
+from ...functional.deprecation import warn_renamed
 from .outcome import BNOutcome
 
 __all__ = ["FoldCheck", "FoldReport"]
@@ -31,18 +32,27 @@ class FoldReport:
             one per BatchNorm module never reached by tracing: ``"folded"`` (with the layer
             and ``direction``) or ``"left"`` with the reason -- the same record
             :func:`convbn.convert`'s report lists.
-        untraceable: ``(module, why)`` for the parts that could not be traced.
+        untraced: ``(module, why)`` for the parts not traced whole (the name
+            :class:`~convbn.ConvertReport` uses): untraceable, kept as an opaque module, or
+            left unfolded.
         check: the result of the numerical check (``None``: not requested).
     """
 
     outcomes: List[BNOutcome] = field(default_factory=list)
-    untraceable: List[Tuple[str, str]] = field(default_factory=list)
+    untraced: List[Tuple[str, str]] = field(default_factory=list)
     check: Optional[FoldCheck] = None
 
     @property
     def actions(self) -> List[BNOutcome]:
-        """The :attr:`outcomes` list itself (the name fold's report had first)."""
+        """Deprecated: :attr:`outcomes`."""
+        warn_renamed("FoldReport.actions", "FoldReport.outcomes")
         return self.outcomes
+
+    @property
+    def untraceable(self) -> List[Tuple[str, str]]:
+        """Deprecated: :attr:`untraced`."""
+        warn_renamed("FoldReport.untraceable", "FoldReport.untraced")
+        return self.untraced
 
     @property
     def folded(self) -> List[BNOutcome]:
@@ -71,8 +81,8 @@ class FoldReport:
             lines.append("  " + "  ".join(r[j].ljust(widths[j]) for j in range(3)) + "  " + r[3])
             if i == 0:
                 lines.append("  " + "  ".join("-" * w for w in widths) + "  " + "-" * 13)
-        for name, why in self.untraceable:
-            lines.append(f"  untraceable: {name or '<root>'}: {why}")
+        for name, why in self.untraced:
+            lines.append(f"  not traced as a whole: {name or '<root>'}: {why}")
         c = self.check
         if c is None:
             lines.append("  check: not requested")

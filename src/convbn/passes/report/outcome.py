@@ -13,7 +13,7 @@ is an affine map that may fold into two different layers.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, Iterable, List, Optional, Sequence
+from typing import Dict, Iterable, List, Literal, Optional, Sequence, Tuple, get_args
 
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
@@ -21,15 +21,17 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from ..bn.frozen import frozen_bn_ranks, frozen_bn_reason
 from ..bn.ghost import ghost_bn_reason
 
-__all__ = ["BNOutcome", "OUTCOME_RESULTS", "DIRECTIONS", "bn_module_names", "unreached", "frozen_lookalikes",
+__all__ = ["BNOutcome", "Direction", "OutcomeResult", "OUTCOME_RESULTS", "DIRECTIONS", "bn_module_names", "unreached", "frozen_lookalikes",
            "explain_ghost_loops"]
 
 #: what can happen to a BatchNorm: fused (convert), folded (fold), left as it was (either)
-OUTCOME_RESULTS = ("fused", "folded", "left")
+OutcomeResult = Literal["fused", "folded", "left"]
+OUTCOME_RESULTS: Tuple[OutcomeResult, ...] = get_args(OutcomeResult)
 #: where the layer sits: ``"preceding"`` -- it runs before the BatchNorm (Conv -> BN);
 #: ``"following"`` -- it reads the BatchNorm's output (BN [-> act] -> Conv: fold into the
 #: next conv, or convert's pre-activation head)
-DIRECTIONS = ("preceding", "following")
+Direction = Literal["preceding", "following"]
+DIRECTIONS: Tuple[Direction, ...] = get_args(Direction)
 
 
 @dataclass(frozen=True)
@@ -55,9 +57,9 @@ class BNOutcome:
     """
 
     batchnorm: str
-    result: str
+    result: OutcomeResult
     layer: Optional[str] = None
-    direction: Optional[str] = None
+    direction: Optional[Direction] = None
     reason: str = ""
 
     def __post_init__(self) -> None:
