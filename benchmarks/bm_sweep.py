@@ -13,7 +13,12 @@ MobileNetV1 with TF "SAME" padding computed from shapes, MobileNetV2, EfficientN
 MobileViT, UperNet, CvT, RT-DETR, D-FINE, the DETR family with frozen BatchNorms,
 FastSpeech2-Conformer, CLAP audio, Wav2Vec2-Conformer, ``hf``) and ``kornia`` 0.9 feature /
 line / contrib networks without weights (HardNet, SOSNet, OriNet, AffNet, XFeat, SOLD2,
-TinyViT, DeDoDe, ``kornia``). Each model runs in its own subprocess with a time limit,
+TinyViT, DeDoDe, ``kornia``); and fourteen more libraries, one family each
+(:mod:`sweep_more_libs`: ``braindecode`` EEG nets ``bd``, ``efficientnet_pytorch`` ``effnet``,
+nnU-Net's ``dynamic_network_architectures`` ``dna``, ``torchxrayvision`` ``xrv``, ``open_clip``
+``clip``, ``facenet_pytorch`` ``facenet``, ``effdet``, ``lightly``, ``speechbrain`` ``sb``,
+``segmentation_models_pytorch_3d`` ``smp3d``, ``torchdistill`` ``td``, ``timm_3d`` ``timm3d``,
+``vit_pytorch`` ``vitp``, ``torch_geometric`` ``pyg``). Each model runs in its own subprocess with a time limit,
 on a small input (batch 2; 64 x 64 images, 32 x 32 for CIFAR nets, the model's own size where
 it needs one), float32, CPU, one thread:
 
@@ -54,7 +59,8 @@ Run::
     python benchmarks/bm_sweep.py --family smp --limit 5       # a part
     python benchmarks/bm_sweep.py --models cv:resnet10 --jobs 1
     python benchmarks/bm_sweep.py --list                       # the model labels
-    python benchmarks/bm_sweep.py --family hf kornia --jobs 1  # the two newest libraries
+    python benchmarks/bm_sweep.py --family hf kornia --jobs 1  # the two libraries added next
+    python benchmarks/bm_sweep.py --family bd effnet dna xrv clip facenet effdet lightly sb smp3d td timm3d vitp pyg
 
 Set-up (``--no-deps``: each would otherwise resolve another torch; ``pyproject.toml``'s
 ``sweep`` extra lists the first five)::
@@ -63,6 +69,7 @@ Set-up (``--no-deps``: each would otherwise resolve another torch; ``pyproject.t
         opencv-python-headless==5.0.0.93 geffnet==1.0.2 pretrainedmodels==0.7.4 six munch
     pip install --no-deps transformers==5.24.0 tokenizers==0.23.3 huggingface_hub==2.4.0 safetensors regex
     pip install --no-deps kornia==0.9.0 kornia_rs==0.2.0
+    # the fourteen of sweep_more_libs.py and what they import: requirements-sweep.txt's last block
 """
 from __future__ import annotations
 
@@ -132,8 +139,9 @@ CV_OTHER = ["simplepose_resnet18_coco", "lwopenpose2d_mobilenet_cmupan_coco", "i
 
 sys.path.insert(0, HERE)  # sweep_new_libs beside this file, also when imported as a module
 from sweep_new_libs import HF_MODELS, KORNIA_MODELS, build_hf, build_kornia  # noqa: E402
+from sweep_more_libs import MORE_FAMILIES, build_more  # noqa: E402
 
-FAMILIES = ["smp", "yolo", "cv", "gen", "pm", "hf", "kornia"]
+FAMILIES = ["smp", "yolo", "cv", "gen", "pm", "hf", "kornia", *MORE_FAMILIES]
 
 #: label -> (family, name, task)
 MODELS: Dict[str, Tuple[str, str, str]] = {}
@@ -160,6 +168,9 @@ for _n, (_t, _) in HF_MODELS.items():
     MODELS[f"hf:{_n}"] = ("hf", _n, _t)
 for _n, (_t, _) in KORNIA_MODELS.items():
     MODELS[f"kornia:{_n}"] = ("kornia", _n, _t)
+for _f, _entries in MORE_FAMILIES.items():
+    for _n, (_t, _) in _entries.items():
+        MODELS[f"{_f}:{_n}"] = (_f, _n, _t)
 
 
 def _import_zoo() -> None:
@@ -243,6 +254,9 @@ def build(family: str, name: str) -> Tuple[Any, Tuple[Any, ...]]:
         return model.train(), (torch.randn(2, 3, 299, 299, generator=gen),)
     if family in ("hf", "kornia"):
         model, x = (build_hf if family == "hf" else build_kornia)(name, gen)
+        return model.train(), x
+    if family in MORE_FAMILIES:
+        model, x = build_more(family, name, gen)
         return model.train(), x
     raise ValueError(f"unknown family {family!r}; expected one of {', '.join(FAMILIES)}")
 
@@ -618,14 +632,17 @@ def markdown(records: List[Dict[str, Any]], command: str) -> str:
         fams[r["family"]].append(r)
     lines = [f"Command: `{command}`", "",
              "| family | models | convert fail | convert-noei fail | fold fail | fold-noei fail | BN called | "
-             "fused (ran) | fused (report) | report > ran (ei / noei; noei 2nd step) | folded | frozen BN-like called / after convert / "
-             "after fold | max out / grad / buffer err | above eager peak | timeout | skipped |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|---:|---:|---:|"]
+             "fused (ran) | fused (ran, noei 2nd step) | fused (report) | report > ran (ei / noei; noei 2nd step) | folded | frozen BN-like called / after convert / "
+             "after fold | max out / grad / buffer err | above eager peak (median peak x eager) | timeout | skipped |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|---:|---:|---:|"]
 
     def row(name: str, rs: List[Dict[str, Any]]) -> str:
         run = [r for r in rs if "skipped" not in r]
         called = sum(r.get("bn_called", 0) for r in run)
         ran = sum(r.get("convert", {}).get("fused_ran", 0) for r in run)
+        nxt = [r.get("convert_noei", {}).get("fused_ran_next") for r in run]
+        next_text = (f"{sum(n or 0 for n in nxt)} ({sum(n or 0 for n in nxt) / max(called, 1):.0%})"
+                     if any(n is not None for n in nxt) else "-")
         rep = sum(r.get("convert", {}).get("report_fused", 0) for r in run)
         over = [sum(len(r.get(k, {}).get(f, [])) for r in run)
                 for k, f in (("convert", "report_not_run"), ("convert_noei", "report_not_run"),
@@ -644,12 +661,15 @@ def markdown(records: List[Dict[str, Any]], command: str) -> str:
         mx = [max(errs[i::3], default=0.0) for i in range(3)]
         above = sum(1 for r in run if isinstance(r.get("peak"), dict) and "eager" in r["peak"]
                     and r["peak"]["converted"] > r["peak"]["eager"])
+        ratios = sorted(r["peak"]["converted"] / r["peak"]["eager"] for r in run
+                        if isinstance(r.get("peak"), dict) and r["peak"].get("eager"))
+        above_text = f"{above} (median {ratios[len(ratios) // 2]:.2f}x)" if ratios else str(above)
         return (f"| {name} | {len(run)} | {sum(_failed(r, 'convert') for r in run)} | "
                 f"{sum(_failed(r, 'convert_noei') for r in run)} | {sum(_failed(r, 'fold') for r in run)} | "
-                f"{sum(_failed(r, 'fold_noei') for r in run)} | {called} | {ran} ({ran / max(called, 1):.0%}) | "
+                f"{sum(_failed(r, 'fold_noei') for r in run)} | {called} | {ran} ({ran / max(called, 1):.0%}) | {next_text} | "
                 f"{rep} | {over_text} | {folded} / {bns} ({folded / max(bns, 1):.0%}) | "
                 f"{frozen_text} | "
-                f"{mx[0]:.1e} / {mx[1]:.1e} / {mx[2]:.1e} | {above} | {sum('timeout' in r for r in run)} | "
+                f"{mx[0]:.1e} / {mx[1]:.1e} / {mx[2]:.1e} | {above_text} | {sum('timeout' in r for r in run)} | "
                 f"{len(rs) - len(run)} |")
 
     for fam in sorted(fams):

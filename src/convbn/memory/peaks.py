@@ -160,6 +160,16 @@ def _hookless(base: Any) -> Any:
         def _track_module_params_and_buffers(self, module: Any, install_grad_hooks: bool = True) -> Any:
             return super()._track_module_params_and_buffers(module, install_grad_hooks=False)
 
+        def _pre_fw_hook(self, module: Any, inputs: Any) -> None:
+            # a module called again with no tracked parent (one activation module shared by
+            # every layer, run by a fused chain's eager part) looks like a next iteration to
+            # MemTracker, which raises; its per-module statistics are not read here: restart them
+            try:
+                super()._pre_fw_hook(module, inputs)
+            except NotImplementedError:
+                self.memory_tracking.pop(module, None)
+                super()._pre_fw_hook(module, inputs)
+
     return HooklessMemTracker
 
 

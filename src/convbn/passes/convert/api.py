@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Set, Tuple, TypeVar
+from typing import Any, Callable, Dict, List, Optional, Set, Tuple, TypeVar
 
 import torch
 import torch.fx as fx
@@ -114,6 +114,14 @@ def _convert(module: nn.Module, prefix: str, ctx: _Context, exposed: bool = Fals
         if type(module).forward is nn.Module.forward and "forward" not in module.__dict__:
             raise TypeError(f"{type(module).__name__} has no forward (a container)")
         traced = _trace_as_called(module, ctx)  # the graph convert builds is for training
+        traced = _fewer_opaque(module, traced, lambda: _shape_trace(module, ctx))
+        if ctx.lazy and ctx.example is None and traced.opaque_layers(module):
+            # no inputs to trace with real shapes: on the first call (Note: [opaque children
+            # traced again with real shapes]); until then each child is converted on its own
+            _defer(module, prefix, ctx)
+            for name, child in module.named_children():
+                _convert(child, f"{prefix}{name}.", ctx, exposed=True)
+            return
     except Exception as err:  # any tracing failure: with real shapes where known, else the children
         traced = _shape_trace(module, ctx) if type(module).forward is not nn.Module.forward else None
         if traced is None:
@@ -187,6 +195,32 @@ def _capture_on_call(module: nn.Module, prefix: str, args: Tuple[Any, ...], kwar
     _arm_guards(ctx)
 
 
+def _fewer_opaque(module: nn.Module, traced: Any, shaped: Callable[[], Any]) -> Any:
+    """``traced``, or the trace with real shapes (``shaped()``) where ``traced`` left conv /
+    linear layers of ``module`` opaque because their code did not trace (a convolution computing
+    TF-"SAME" padding from its input's shape) and the shaped trace leaves fewer: they then fuse
+    with the parent's BatchNorms (Note: [opaque children traced again with real shapes]).
+
+    Note: [opaque children traced again with real shapes]
+        A symbolic trace that fails inside a submodule keeps that submodule as one opaque
+        call and traces on, so a module whose *child* computes padding from its input's shape
+        (``Conv2dDynamicSamePadding``: ``math.ceil(x.size(-1) / stride)``, then ``F.pad`` and
+        ``F.conv2d``) traces "successfully" with the convolution hidden, and the BatchNorm the
+        parent applies to it is left. Where the inputs are known (``example_inputs`` for
+        convert, the sample run for fold), the module is traced again with real shapes
+        (:mod:`convbn.passes.graph.shape_capture`), which runs the child's shape code with
+        eager's values (without ``example_inputs``, on the module's first call: Note:
+        [captured on the first call]); that trace is kept only where it leaves fewer such *layers* opaque,
+        and is guarded on the shapes like any shaped trace. Opaque children that hold their own
+        Conv -> BN pairs (a block computing its padding) are converted on their own as before,
+        each guarded on its own shapes, so the parent keeps its symbolic trace."""
+    failed = traced.opaque_layers(module)
+    if not failed:
+        return traced
+    again = shaped()
+    return again if again is not None and len(again.opaque_layers(module)) < len(failed) else traced
+
+
 def _shape_trace(module: nn.Module, ctx: _Context) -> Any:
     """``module`` traced with the real shapes of the inputs it runs on (``example_inputs``):
     Python code on shapes takes eager's branch; the graph is guarded on those shapes. ``None``
@@ -250,8 +284,19 @@ def _trace_for_call(module: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, 
             except Exception:  # noqa: BLE001 - try with real shapes, then with every argument symbolic
                 continue
             if not none_used_as_value(traced.graph):
+                if example is None:  # Note: [opaque children traced again with real shapes]
+                    traced = _fewer_opaque(module, traced, lambda: _shaped_for_call(module, args, kwargs, defaults))
                 return traced
     return None
+
+
+def _shaped_for_call(module: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any], defaults: Any) -> Any:
+    """``module`` traced with this call's real shapes, or ``None`` where that fails."""
+    try:
+        traced = trace(module, LayerTracer, training=True, example=(args, kwargs), defaults=defaults)
+    except Exception:  # noqa: BLE001 - the symbolic trace stays
+        return None
+    return None if none_used_as_value(traced.graph) else traced
 
 
 def _capture_variant(module: nn.Module, prefix: str, args: Tuple[Any, ...], kwargs: Dict[str, Any],

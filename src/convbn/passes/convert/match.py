@@ -32,6 +32,7 @@ from ..graph.grad_regions import grad_region_of
 from ..graph.shape_uses import is_rank_use, value_users
 from .cat_norms import split_cat_norms
 from .shared_heads import split_shared_heads
+from ..bn.conv_crops import absorb_conv_crops
 from ..bn.tokens import drop_noop_flattens, flatten_token_bns, flattened_linear_reason
 
 __all__ = ["MatchedConv", "MatchedLayer", "find_layers", "group_chains", "head_input", "node_arg",
@@ -368,6 +369,7 @@ def find_layers(gm: fx.GraphModule, root: nn.Module, prefix: str, report: Conver
     """
     flatten_token_bns(gm)  # bn(linear(t).transpose(1, 2)) -> rows (bn/tokens.py)
     drop_noop_flattens(gm)  # bn(linear(x).flatten(1)) on a 2-D x -> bn(linear(x)) (bn/tokens.py)
+    absorb_conv_crops(gm, root)  # bn(conv(x)[..., :-p]) -> bn(conv'(x)), the crop in its padding (bn/conv_crops.py)
     split_cat_norms(gm, root, prefix)  # BN(cat(conv_i)) -> cat(BN_i(conv_i)) (cat_norms.py)
     if chain:  # act(bn(x)) read by several convs -> one head each (shared_heads.py)
         split_shared_heads(gm, root, prefix, lambda conv, out, bn: _head_conv_joins(conv, out, bn, gm, root))

@@ -88,6 +88,10 @@ def fold_module(module: nn.Module, prefix: str, ctx: FoldContext, done: Set[int]
         return fold_children(module, prefix, ctx, done)
     try:
         traced = trace(module, LayerTracer)
+        if traced.opaque_layers(module):  # Note: [opaque children traced again with real shapes] (convert/api.py)
+            again = _shape_trace(module, ctx)
+            if again is not None and len(again.opaque_layers(module)) < len(traced.opaque_layers(module)):
+                traced = again
     except Exception as exc:  # noqa: BLE001 - with real shapes where known, else its children one by one
         traced = _shape_trace(module, ctx)
         if traced is None:

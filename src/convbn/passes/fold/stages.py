@@ -1,7 +1,8 @@
 """The graph folder's stages: in one traced GraphModule, fold each BatchNorm into its neighbouring
 layer, in stages that hand values on (see :data:`GRAPH_STAGES`):
 
-* canonicalise: drop the no-op flattens between a linear and its BatchNorm1d;
+* canonicalise: drop the no-op flattens between a linear and its BatchNorm1d, absorb crops
+  of a convolution's output into its padding;
 * match (:mod:`.match`): every node that applies a BatchNorm, as a
   :class:`~convbn.passes.fold.match.FoldSite` or the ``"left"`` outcome of one that cannot fold;
 * fold (:mod:`.directions`): each site into the layer before it, or where exact the layer
@@ -21,6 +22,7 @@ import torch.fx as fx
 from torch import nn
 
 from ..bn.sites import bn_call
+from ..bn.conv_crops import absorb_conv_crops
 from ..bn.tokens import drop_noop_flattens
 from ..report.outcome import BNOutcome
 from .directions import fold_following, fold_preceding
@@ -38,6 +40,7 @@ Matches = List[Union[FoldSite, BNOutcome]]
 def canonicalise(folder: GraphFolder, _: None) -> None:
     """Rewrite the graph into the shape matching expects."""
     drop_noop_flattens(folder.gm)  # Note: [a flatten between a Linear and its BatchNorm1d]
+    absorb_conv_crops(folder.gm, folder.root)  # Note: [a crop of a convolution's output is less padding]
 
 
 def match(folder: GraphFolder, _: None) -> Matches:

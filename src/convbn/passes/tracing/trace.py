@@ -378,6 +378,12 @@ class Traced:
         guards = [g for g in (self.defaults if self.defaults.names else None, self.shapes) if g is not None]
         return None if not guards else guards[0] if len(guards) == 1 else Guards(guards)
 
+    def opaque_layers(self, module: nn.Module) -> List[str]:
+        """The conv / linear layers of ``module`` (subclasses with their own forward) left opaque
+        because their code did not trace: a BatchNorm after one cannot pair with it."""
+        return [name for name, why in self.opaque.items()
+                if why != "asked to be a leaf" and isinstance(module.get_submodule(name), LAYER_MODULES)]
+
     def descend(self) -> Dict[str, str]:
         """Leaves the caller should work inside on their own (opaque and hooked), outermost first."""
         both = {**self.hooked, **self.opaque}
