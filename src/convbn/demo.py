@@ -51,7 +51,7 @@ from convbn.cli import (
     positive_float,
     positive_int,
 )
-from convbn.batch_fit import max_batch
+from convbn.largest_batch import max_batch
 from convbn.extras import require
 from convbn.demo_data import Dataset, load_digits_28, load_mnist, read_idx
 from convbn.demo_training import DemoRun, StepStats, grad_difference, train
@@ -68,7 +68,7 @@ from convbn.demo_results import (
 )
 from convbn.memory import saved_bytes
 from convbn.memory.budget import parse_memory
-from convbn.nn.fused import FusedConvBN2d
+from convbn.nn.fused_conv_bn import FusedConvBN2d
 from convbn.passes.convert.api import convert
 
 __all__ = [  # the data loaders (convbn.demo_data) and the results and their output (convbn.demo_results) are re-exported here

@@ -73,7 +73,7 @@ from torch.autograd import Function
 
 from ..functional.batchnorm import BNSpec, bn_apply, bn_backward, bn_forward
 from ..functional.conv import conv_backward, conv_forward, conv_output_shape
-from ..functional.fused import ConvBNTensors, conv_bn_act_no_grad as _forward_no_grad
+from ..functional.conv_bn_call import ConvBNTensors, conv_bn_act_no_grad as _forward_no_grad
 from ..functional.reference import conv_bn_act_reference
 from ..functional.tail import RNGState
 from .chain_memory import choose_drops
@@ -84,10 +84,11 @@ from .chain_tail import tail_backward, tail_forward, tail_reference
 from .double_backward import differentiable_backward
 from .grad_sink import GradSink, Recording, param_sink
 from .release import free_storage as _free_storage
-from .release import BACKWARD_TWICE, calibrate, incoming_refs
+from .refcounts import calibrate, incoming_refs
+from .release import BACKWARD_TWICE
 from .release import freed as _freed
 from .release import keeping_graph as _keeping_graph
-from .release import sole_owner as _sole_owner
+from .refcounts import sole_owner as _sole_owner
 from .saving import load_tensors, save_tensors
 
 __all__ = ["ChainLayerSpec", "ChainFunction", "chain_forward", "chain_backward", "chain_forward_no_grad",
@@ -389,7 +390,7 @@ def chain_backward(  # 12 parameters: the values ChainFunction and the custom op
     ``needs`` has one flag for ``x0`` then one per entry of ``params``; the result
     has the same layout. ``means``/``invstds`` as :func:`chain_forward` returns them,
     ``rngs`` its RNG states (for tails with dropout). ``free_grad_out`` says the incoming
-    gradient is the caller's alone (``autograd.release.sole_owner``): its memory is then
+    gradient is the caller's alone (``autograd.refcounts.sole_owner``): its memory is then
     returned once consumed (Note: [freeing the incoming gradient]); a caller whose
     contract forbids touching its inputs (a custom op) leaves it ``False``.
     With ``free_kept`` each kept conv output's memory is returned right after its
@@ -435,7 +436,7 @@ class ChainFunction(Function):
 
     @staticmethod
     def forward(ctx: Any, *args: Any) -> Tensor:  # type: ignore[override]
-        calibrate()  # Note: [calibrated once, in a clean state] (autograd/release.py)
+        calibrate()  # Note: [calibrated once, in a clean state] (autograd/refcounts.py)
         n_pieces = args[-1] if isinstance(args[-1], int) else 1
         if isinstance(args[-1], int):
             args = args[:-1]

@@ -26,10 +26,10 @@ from ..functional.activations import Activation, activation_from_module
 from ..functional.batchnorm import BNSpec
 from ..functional.conv import ConvSpec, conv_flops, conv_forward, conv_output_shape, conv_spec_from_module, recompute_cost
 from ..functional.strategies import LAYER_MODES, LayerMode
-from ..functional.fused import autocast_dtype, check_inputs
+from ..functional.conv_bn_call import autocast_dtype, check_inputs
 from ..functional.tail import DropoutOp, TailOp, is_tail_module, tail_op_from_module
-from .bn_call import has_standard_bn_forward, standard_batch_norm
-from .fused import bn_running_stats, bn_spec_from_module, module_hooked
+from .standard_bn import has_standard_bn_forward, standard_batch_norm
+from .fused_conv_bn import bn_running_stats, bn_spec_from_module, module_hooked
 
 __all__ = ["ChainLayer", "FusedChain", "LAYER_MODES", "TailElement"]
 

@@ -20,7 +20,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from ...memory.budget import parse_memory, resident_bytes, usable_bytes
 from .args import check_args
 from ...nn.chain import FusedChain
-from ...nn.fused import _FusedConvBNNd
+from ...nn.fused_conv_bn import _FusedConvBNNd
 from ...functional.deprecation import module_aliases
 from ...functional.strategies import ConvertStrategy
 from ..plan.auto_plan import measure_peak, measure_saved, plan_auto

@@ -13,7 +13,7 @@ import torch
 import torch.fx as fx
 from torch import Tensor, nn
 
-from ...nn.bn_call import has_standard_bn_forward
+from ...nn.standard_bn import has_standard_bn_forward
 from ..bn.frozen import frozen_bn_eps
 from ..bn.sites import BNCall, bn_call
 from ..graph.layers import LayerCall, has_standard_forward, layer_call
