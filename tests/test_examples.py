@@ -94,6 +94,11 @@ DOCUMENTED_MODULES = [
     "convbn.functional.pool",
     "convbn.functional.conv",
     "convbn.passes.plan.planner",
+    "convbn.passes.plan.peak_model",
+    "convbn.passes.plan.peak_planner",
+    "convbn.passes.plan.chain_plans",
+    "convbn.autograd.chain_plan",
+    "convbn.autograd.chain_structure",
     "convbn.autograd.pool",
     "convbn.nn.pool",
 ]

@@ -13,11 +13,7 @@ LIMIT = 60
 
 #: Long functions being rewritten elsewhere, by ``path::name``: this list only shrinks.
 KNOWN = {
-    "nn/chain.py::_forward_fused",
     "passes/convert/api.py::convert",
-    "passes/convert/match.py::find_layers",
-    "passes/plan/auto_plan.py::plan_auto",
-    "passes/plan/planner.py::plan_for_peak",
 }
 
 

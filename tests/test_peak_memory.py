@@ -77,7 +77,7 @@ from convbn.autograd import refcounts  # noqa: E402
 from convbn.autograd.refcounts import frees_incoming_gradients  # noqa: E402
 from convbn.autograd.chain import _Rebuilder  # noqa: E402
 from convbn.memory import timeline  # noqa: E402
-from convbn.passes.plan.planner import ChainCost, chain_backward_peak  # noqa: E402
+from convbn.passes.plan.peak_model import ChainCost, chain_backward_peak  # noqa: E402
 
 
 def _chain_net(channels, act=nn.ReLU):
@@ -302,7 +302,8 @@ def test_fused_layer_frees_the_incoming_gradient_and_kept_output(monkeypatch, st
 
 # --------------------------------------------------------------------------- the planner's peak model
 
-from convbn.passes.plan.planner import PEAK_BYTE_COST, chain_options, lowest_peak, plan_for_peak, step_peak  # noqa: E402
+from convbn.passes.plan.peak_model import step_peak  # noqa: E402
+from convbn.passes.plan.peak_planner import PEAK_BYTE_COST, chain_options, lowest_peak, plan_for_peak  # noqa: E402
 
 
 def test_chain_backward_peak_by_hand():
