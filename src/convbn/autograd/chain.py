@@ -14,7 +14,7 @@ The chain input ``x0`` is always kept (the first convolution's weight gradient n
 it). Saved bytes are therefore ``x0 + sum(y_i for kept i)`` plus parameters and
 per-channel statistics, whatever the chain length.
 
-Layers are general (Note: [layers of a chain] in nn/chain.py): a *head* (layer 0) has no
+Layers are general (the three kinds are described in ``nn/chain_layer.py``, ``ChainLayer``): a *head* (layer 0) has no
 convolution and normalises ``x0`` itself, so it keeps nothing beyond ``x0`` and its
 output (the next conv's input) is rebuilt element-wise from ``x0``; an *end* (last
 layer) has no BatchNorm, and without a tail its backward needs no conv output at all;
