@@ -88,7 +88,7 @@ def test_op_updates_running_stats_like_eager():
     chain = fused.convbn_chain0
     x = torch.randn(3, 3, 5, 5, dtype=torch.float64)
     for _ in range(2):
-        from convbn.nn.fused import bn_running_stats, bn_spec_from_module
+        from convbn.nn.fused_conv_bn import bn_running_stats, bn_spec_from_module
 
         layers = chain.layers
         stats = [bn_running_stats(l.bn) for l in layers]

@@ -31,7 +31,7 @@ from torch.testing import assert_close
 
 import convbn
 import convbn.autograd.chain as chain_mod
-import convbn.autograd.fused as fused_mod
+import convbn.autograd.layer_functions as fused_mod
 from convbn.autograd.chain_plan import ChainPlan
 from convbn import FusedChain, FusedConvBN2d, conv_bn_act
 from convbn.functional.activations import Activation

@@ -90,7 +90,7 @@ DOCUMENTED_MODULES = [
     "convbn.passes.convert.match_tail",
     "convbn.functional.activations",
     "convbn.autograd.chain_memory",
-    "convbn.autograd.fused",
+    "convbn.autograd.layer_functions",
     "convbn.functional.pool",
     "convbn.functional.conv",
     "convbn.passes.plan.planner",

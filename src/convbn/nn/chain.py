@@ -29,11 +29,11 @@ from ..autograd.chain_input import concat_shape
 from ..functional.activations import Activation
 from ..functional.conv import conv_forward, conv_output_shape, conv_spec_from_module
 from ..functional.strategies import LAYER_MODES
-from ..functional.fused import autocast_dtype, check_inputs
+from ..functional.conv_bn_call import autocast_dtype, check_inputs
 from ..functional.tail import DropoutOp
-from .bn_call import has_standard_bn_forward, standard_batch_norm
+from .standard_bn import has_standard_bn_forward, standard_batch_norm
 from .chain_layer import NO_BN, ChainLayer, TailElement, tail_spec
-from .fused import bn_running_stats, bn_spec_from_module, module_hooked
+from .fused_conv_bn import bn_running_stats, bn_spec_from_module, module_hooked
 
 __all__ = ["ChainLayer", "FusedChain", "LAYER_MODES", "TailElement"]
 

@@ -41,7 +41,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ...functional.activations import activation_from_module
-from ...nn.bn_call import has_standard_bn_forward
+from ...nn.standard_bn import has_standard_bn_forward
 from ..graph.shape_uses import value_users
 from .kind import bn_conv_dims
 

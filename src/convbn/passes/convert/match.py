@@ -58,7 +58,7 @@ class MatchedLayer:
     """One fused layer found in the graph: ``[conv] -> [BN] -> tail``.
 
     Note: [matched layers and chains]
-    Three kinds, as in :class:`convbn.nn.chain.ChainLayer` (Note: [layers of a chain]):
+    Three kinds, as in :class:`convbn.nn.chain_layer.ChainLayer`:
 
     * ordinary: a conv whose output only the BN reads, the BN, and its tail;
     * *head* (``conv is None``): a BN whose input is not a fusable conv output but whose

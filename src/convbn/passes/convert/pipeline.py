@@ -35,7 +35,7 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from ...nn.chain import FusedChain
-from ...nn.fused import _FusedConvBNNd
+from ...nn.fused_conv_bn import _FusedConvBNNd
 from ..bn.recognise import may_normalise
 from ..bn.conv_crops import absorb_conv_crops
 from ..bn.tokens import drop_noop_flattens, flatten_token_bns

@@ -16,7 +16,7 @@ from typing import Dict, List, Sequence, Tuple
 import torch.fx as fx
 from torch import nn
 
-from ...nn.bn_call import has_standard_bn_forward
+from ...nn.standard_bn import has_standard_bn_forward
 from ...nn.sync import SyncBatchNorm
 from ...nn.chain import ChainLayer, FusedChain
 from ..graph.hooks import hook_reason
