@@ -24,7 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bm_peak_vs_eager import MODELS  # noqa: E402
 
 import convbn  # noqa: E402
-from convbn.batch_fit import _batch_of  # noqa: E402
+from convbn.largest_batch import _batch_of  # noqa: E402
 from convbn.memory import timeline  # noqa: E402
 from convbn.memory.budget import resident_bytes  # noqa: E402
 

@@ -45,7 +45,7 @@ from torch import nn
 
 import convbn
 from convbn.bench.models import build_model
-from convbn.passes.plan import auto_plan, planner
+from convbn.passes.plan import auto_plan, peak_planner
 
 
 def _import_revision(rev: str, into: str) -> Any:
@@ -82,9 +82,9 @@ def _configs(model: nn.Module, x: torch.Tensor, budgets: List[float], peaks: Lis
     if base is not None:
         out["base auto"] = base.convert(copy.deepcopy(model), example_inputs=x)
     for t in tolerances:
-        # the default plan with another tolerance above the lowest peak (planner.PEAK_TOLERANCE):
+        # the default plan with another tolerance above the lowest peak (peak_planner.PEAK_TOLERANCE):
         # what a different default would cost in time
-        plan = functools.partial(planner.plan_for_peak, tolerance=t)
+        plan = functools.partial(peak_planner.plan_for_peak, tolerance=t)
         with mock.patch.object(auto_plan, "plan_for_peak", plan):
             out[f"tol={t:g}"] = convbn.convert(copy.deepcopy(model), example_inputs=x)
     for b in budgets:

@@ -55,6 +55,7 @@ _PLAN_SOME = "tests/test_planner.py::test_predicted_saved_bytes_are_exact_and_mo
 _FOLD = "tests/test_fold.py::test_report_str_lists_every_bn"
 _POOL = "tests/test_lean_pools.py::test_function_saves_no_input_for_a_contiguous_one"
 _OP_PLAN = "tests/test_chain_op_plan.py::test_compiled_op_backward_reads_may_drop_from_the_plan"
+_DROPS = "tests/test_peak_drops.py"
 _MISH = "tests/test_convert_tails.py::test_tail_fused_exactly[F.mish-recompute_bn]"
 _FOLD_RULE = "tests/test_tolerance_rule.py::test_each_check_reads_the_one_rule[fold check-nothing allowed]"
 
@@ -65,14 +66,16 @@ MUTANTS: Dict[str, Mutant] = {
         (_CHAIN,)),
     "planner_keeps_all": Mutant(
         "the auto planner keeps every conv output (recompute_bn everywhere)",
-        (("passes/plan/auto_plan.py", 'l.mode = "recompute_bn" if k else "recompute_conv"', 'l.mode = "recompute_bn"'),
-         ("nn/chain.py", 'l.mode = "recompute_bn" if k else "recompute_conv"', 'l.mode = "recompute_bn"')),
+        (("passes/plan/chain_plans.py", "keep = tuple(bool(k) for k in keeps)", "keep = tuple(True for k in keeps)"),),
         (_PLAN_SOME,)),
     "planner_keeps_nothing": Mutant(
         "the auto planner keeps no conv output (recompute_conv everywhere)",
-        (("passes/plan/auto_plan.py", 'l.mode = "recompute_bn" if k else "recompute_conv"', 'l.mode = "recompute_conv"'),
-         ("nn/chain.py", 'l.mode = "recompute_bn" if k else "recompute_conv"', 'l.mode = "recompute_conv"')),
+        (("passes/plan/chain_plans.py", "keep = tuple(bool(k) for k in keeps)", "keep = tuple(False for k in keeps)"),),
         (_PLAN_ALL,)),
+    "planner_drops_everywhere": Mutant(
+        "the auto planner's may_drop flags are ignored: every chain's backward drops and rebuilds inputs",
+        (("passes/plan/chain_plans.py", "drops = (bool(may_drop),) * len(keep) if", "drops = (True,) * len(keep) if"),),
+        (_DROPS,)),
     "dropout_fresh_rng": Mutant(
         "dropout replay in backward draws from a fresh RNG state instead of the captured one",
         (("functional/tail.py", "            mode.generator(device).set_state(cpu)\n",

@@ -169,7 +169,7 @@ def install() -> None:
     _INSTALLED.append(True)
     import convbn
     import convbn.passes.convert.api as convert_mod
-    import convbn.nn.chain as chain_nn
+    import convbn.autograd.chain_run as chain_run
     from convbn.nn.chain import FusedChain
 
     convert = convert_mod.convert
@@ -185,7 +185,7 @@ def install() -> None:
     convert_mod.convert = recording_convert
     convbn.convert = recording_convert
 
-    no_grad = chain_nn.chain_forward_no_grad
+    no_grad = chain_run.chain_forward_no_grad
 
     @functools.wraps(no_grad)
     def counting_no_grad(*args: Any, **kwargs: Any) -> Any:
@@ -193,7 +193,7 @@ def install() -> None:
             _NO_GRAD_RUNS[0] += 1
         return no_grad(*args, **kwargs)
 
-    chain_nn.chain_forward_no_grad = counting_no_grad
+    chain_run.chain_forward_no_grad = counting_no_grad
     forward = FusedChain.forward
 
     @functools.wraps(forward)

@@ -180,7 +180,7 @@ def test_the_walker_sees_function_local_and_relative_imports() -> None:
     graph, where = _graph()
     assert len(graph) > 40 and "convbn.passes.convert.api" in graph
     # a relative module-level import, resolved
-    assert "convbn.functional.conv" in graph["convbn.nn.fused"]
+    assert "convbn.functional.conv" in graph["convbn.nn.fused_conv_bn"]
     # the cli imports the package's __version__ inside a function: an edge to the package
     assert "convbn" in graph["convbn.cli"]
     assert where[("convbn.cli", "convbn")].startswith("src/convbn/cli.py:")
@@ -284,6 +284,6 @@ def test_cycle_finder(graph: Dict[str, Set[str]], cycle: List[List[str]]) -> Non
 
 
 def test_resolve_relative_imports() -> None:
-    assert _resolve("convbn.nn.fused", False, 2, "functional.conv") == "convbn.functional.conv"
-    assert _resolve("convbn.nn", True, 1, "fused") == "convbn.nn.fused"
+    assert _resolve("convbn.nn.fused_conv_bn", False, 2, "functional.conv") == "convbn.functional.conv"
+    assert _resolve("convbn.nn", True, 1, "fused_conv_bn") == "convbn.nn.fused_conv_bn"
     assert _resolve("convbn.cli", False, 1, "") == "convbn"

@@ -238,3 +238,24 @@ def test_compile_budgets_on_a_tiny_model() -> None:
     assert full.max_out_diff < 1e-4 and full.max_grad_diff < 1e-3
     assert low.max_out_diff < 1e-4 and low.max_grad_diff < 1e-3
 
+
+
+def test_settings_value_runs_as_the_keyword_call() -> None:
+    """run_training_bench takes one frozen TrainingBenchSettings, or its fields as before."""
+    import dataclasses
+
+    from convbn.bench.training_settings import TrainingBenchSettings
+
+    fields = dict(batch_size=4, configs=["budget"], steps=1, warmup=0, memory_rounds=0, budgets=[0.01],
+                  use_compile=False, progress=False)
+    settings = TrainingBenchSettings("mnist", **fields)
+    by_value = run_training_bench(settings)
+    by_keyword = run_training_bench("mnist", **fields)
+    assert [r.config for r in by_value] == [r.config for r in by_keyword] == ["eager", "convert auto budget=0.01"]
+    assert by_value[0].saved_bytes == by_keyword[0].saved_bytes and by_value[0].peak_bytes == by_keyword[0].peak_bytes
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        settings.steps = 3  # type: ignore[misc]
+    with pytest.raises(TypeError, match="no other arguments"):
+        run_training_bench(settings, steps=2)
+    with pytest.raises(TypeError):  # budgets and what follows are keyword-only, as before
+        TrainingBenchSettings("mnist", 4, None, 1, 0, "cpu", torch.float32, None, [0.5])

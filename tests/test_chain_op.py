@@ -35,7 +35,8 @@ def _params(dtype=torch.float64):
 @pytest.mark.parametrize("keep", [(True, True), (False, True), (True, False), (False, False)])
 def test_opcheck_registration(keep):
     specs = _specs(keep)
-    key = register_chain([(s.conv, s.act, s.bn.eps) for s in specs])
+    structure = register_chain([(s.conv, s.act, s.bn.eps) for s in specs])  # held: the op finds it while it lives
+    key = structure.key
     params = _params()
     dense = [p if p is not None else torch.empty(0, dtype=torch.float64) for p in params]
     x = torch.randn(3, 3, 5, 5, dtype=torch.float64, requires_grad=True)
@@ -50,7 +51,8 @@ def test_opcheck_registration(keep):
 @pytest.mark.parametrize("keep", [(True, True), (False, False)])
 def test_op_matches_chain_function_and_gradchecks(keep):
     specs = _specs(keep)
-    key = register_chain([(s.conv, s.act, s.bn.eps) for s in specs])
+    structure = register_chain([(s.conv, s.act, s.bn.eps) for s in specs])  # held: the op finds it while it lives
+    key = structure.key
     params = _params()
     x = torch.randn(3, 3, 5, 5, dtype=torch.float64, requires_grad=True)
     no_stats = [(None, None), (None, None)]
@@ -86,7 +88,7 @@ def test_op_updates_running_stats_like_eager():
     chain = fused.convbn_chain0
     x = torch.randn(3, 3, 5, 5, dtype=torch.float64)
     for _ in range(2):
-        from convbn.nn.fused import bn_running_stats, bn_spec_from_module
+        from convbn.nn.fused_conv_bn import bn_running_stats, bn_spec_from_module
 
         layers = chain.layers
         stats = [bn_running_stats(l.bn) for l in layers]
@@ -100,7 +102,8 @@ def test_op_updates_running_stats_like_eager():
 
 
 def _layout_args(x_fmt, w_fmt, pieces, dtype=torch.float64):
-    """chain_fwd arguments for a two-layer chain (a head over ``pieces`` when > 1) in the given layouts."""
+    """chain_fwd arguments for a two-layer chain (a head over ``pieces`` when > 1) in the given layouts, and
+    the chain structure the op finds by the key (the caller holds it)."""
     g = torch.Generator().manual_seed(0)
     if pieces > 1:  # a head normalises the concatenation, then one conv layer
         specs = [ChainLayerSpec(None, BNSpec(1e-5, True, 0.1), Activation("relu"), False),
@@ -114,12 +117,13 @@ def _layout_args(x_fmt, w_fmt, pieces, dtype=torch.float64):
     xs = [x.contiguous(memory_format=x_fmt).requires_grad_() for x in xs]
     params = [torch.randn(s, generator=g, dtype=dtype).contiguous(memory_format=w_fmt if len(s) == 4 else torch.contiguous_format)
               .requires_grad_(s != (0,)) for s in shapes]
-    key = register_chain([(s.conv, s.act, s.bn.eps) for s in specs])
+    structure = register_chain([(s.conv, s.act, s.bn.eps) for s in specs])  # held: the op finds it while it lives
+    key = structure.key
     running = [torch.zeros(6, dtype=dtype), torch.ones(6, dtype=dtype), torch.zeros(4, dtype=dtype), torch.ones(4, dtype=dtype)]
     factors = torch.tensor([0.1, 0.1], dtype=torch.float64)
     keep = [s.keep_y for s in specs]
     return specs, (xs, params, running, factors, key, keep, [True, True], [True, True], [p.numel() > 0 for p in params],
-                   [s.may_drop for s in specs])
+                   [s.may_drop for s in specs]), structure
 
 
 @pytest.mark.parametrize("x_fmt,w_fmt,pieces", [
@@ -133,7 +137,7 @@ def test_opcheck_across_layouts(x_fmt, w_fmt, pieces):
     output strides]); ``chain_bwd`` is checked on the saved set ``chain_fwd`` returns."""
     from convbn.autograd.chain_op import _chain_bwd
 
-    specs, args = _layout_args(x_fmt, w_fmt, pieces)
+    specs, args, structure = _layout_args(x_fmt, w_fmt, pieces)  # the structure held while the op runs
     torch.library.opcheck(_chain_fwd, args, test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
     xs, params, running, factors, key, keep, bs, _, present, may_drop = args
     with torch.no_grad():

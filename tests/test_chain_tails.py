@@ -18,6 +18,7 @@ import torch
 from torch import Tensor, nn
 from torch.testing import assert_close
 
+from convbn.autograd.chain_plan import ChainPlan
 from convbn.autograd.chain import ChainFunction, ChainLayerSpec
 from convbn.autograd.chain_op import _chain_fwd, chain_op_apply, register_chain
 from convbn.functional.activations import ACTIVATIONS, Activation
@@ -26,7 +27,7 @@ from convbn.functional.conv import conv_spec_from_module, make_conv_spec
 from convbn.functional.tail import DropoutOp, PReLUOp
 from convbn.memory import saved_bytes
 from convbn.nn.chain import LAYER_MODES, ChainLayer, FusedChain
-from convbn.passes.plan.planner import ChainCost, chain_backward_peak
+from convbn.passes.plan.peak_model import ChainCost, chain_backward_peak
 
 CONV = {1: nn.Conv1d, 2: nn.Conv2d, 3: nn.Conv3d}
 TRANSPOSED = {1: nn.ConvTranspose1d, 2: nn.ConvTranspose2d, 3: nn.ConvTranspose3d}
@@ -299,7 +300,8 @@ def test_gradcheck_and_gradgradcheck_head_prelu_end(drop: bool) -> None:
 def test_custom_op_matches_chain_function_on_head_prelu_end() -> None:
     """The torch.compile path (custom op) runs heads, PReLU tails and end layers too."""
     specs = _small_specs(False)
-    key = register_chain([(s.conv, s.act, None if s.bn is None else s.bn.eps, s.tail) for s in specs])
+    structure = register_chain([(s.conv, s.act, None if s.bn is None else s.bn.eps, s.tail) for s in specs])  # held: the op finds it while it lives
+    key = structure.key
     params = _small_params()
     stats = [(None, None)] * 3
     x = torch.randn(2, 3, 4, 4, dtype=torch.float64, requires_grad=True)
@@ -466,8 +468,7 @@ def test_planner_counts_what_head_and_end_layers_keep() -> None:
     assert all_keep_bytes([layers]) == _nbytes((3, 5, 6, 5), torch.float32)
     keep = plan_layers(layers, all_keep_bytes([layers]))  # pure: flags out, layers unchanged
     assert keep[1] and all(l.mode == "recompute_conv" for l in layers)
-    for l, k in zip(layers, keep):
-        l.mode = "recompute_bn" if k else "recompute_conv"
+    fused.chain.apply_plan(ChainPlan.of_modes(["recompute_bn" if k else "recompute_conv" for k in keep]))
     used = sum(l.keep_bytes() for l, k in zip(layers, keep) if k)
     assert used == all_keep_bytes([layers])
     assert saved_bytes(fused, x).activation_bytes == floor + used

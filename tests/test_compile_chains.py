@@ -18,6 +18,7 @@ from torch.testing import assert_close
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 import convbn
+from convbn.autograd.chain_plan import ChainPlan
 from convbn.autograd.chain_compiled import compile_chains_mode
 from convbn.memory import saved_bytes
 from fusion_checks import assert_fused
@@ -64,8 +65,7 @@ def _converted(modes: List[str]) -> Tuple[nn.Module, nn.Module]:
     net = _net()
     fast = convbn.convert(copy.deepcopy(net), strategy="recompute_bn")
     chain = dict(convbn.fused_modules(fast))["convbn_chain0"]
-    for layer, m in zip(chain.layers, modes):  # a plan with both kinds of layer
-        layer.mode = m
+    chain.apply_plan(ChainPlan.of_modes(modes))  # a plan with both kinds of layer
     return net, fast
 
 

@@ -246,7 +246,8 @@ def test_gradcheck_and_gradgradcheck_with_pieces() -> None:
 
 def test_custom_op_with_pieces_matches_the_function() -> None:
     specs, stats = list(_specs()), [(None, None)] * 3
-    key = register_chain([(s.conv, s.act, None if s.bn is None else s.bn.eps, s.tail) for s in specs])
+    structure = register_chain([(s.conv, s.act, None if s.bn is None else s.bn.eps, s.tail) for s in specs])  # held: the op finds it while it lives
+    key = structure.key
     params = _params()
     params.insert(3, None)
     pieces = _fn_pieces()

@@ -23,6 +23,7 @@ from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 import convbn
+from convbn.autograd.chain_plan import ChainPlan
 from convbn.passes.graph.graph_module import installed
 from convbn import ConvertReport, FusedChain
 from convbn.passes.plan.planner import tutorial_bytes
@@ -388,8 +389,7 @@ def test_chain_with_every_combination_of_layer_modes(modes: Tuple[str, ...]) -> 
     eager, fast = convert_pair(three_layer_chain, strategy="recompute_bn")
     chains = [m for _, m in convbn.fused_modules(fast) if isinstance(m, FusedChain)]
     assert len(chains) == 1 and len(chains[0].layers) == 4
-    for layer, mode in zip(chains[0].layers, modes):
-        layer.mode = mode
+    chains[0].apply_plan(ChainPlan.of_modes(modes))
     assert [p.strategy for p in fast.convbn_report.pairs] == list(modes)
     assert_same_training(eager, fast, inp(2, 3, 9, 9))
 

@@ -25,8 +25,8 @@ from convbn.functional.conv import make_conv_spec
 from convbn.functional.batchnorm import BNSpec
 from convbn.functional.activations import get_activation
 from convbn.autograd.dispatch import conv_bn_act_spec
-from convbn.functional.fused import ConvBNTensors
-from convbn.nn.fused import FusedConvBN1d, FusedConvBN2d, FusedConvBN3d
+from convbn.functional.conv_bn_call import ConvBNTensors
+from convbn.nn.fused_conv_bn import FusedConvBN1d, FusedConvBN2d, FusedConvBN3d
 
 pytestmark = [
     pytest.mark.cuda,

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import convbn.autograd.dispatch as dispatch
-import convbn.nn.fused as fused_module
+import convbn.nn.fused_conv_bn as fused_module
 from convbn import FusedConvBN2d, conv_bn_act
 
 

@@ -31,7 +31,8 @@ from torch.testing import assert_close
 
 import convbn
 import convbn.autograd.chain as chain_mod
-import convbn.autograd.fused as fused_mod
+import convbn.autograd.layer_functions as fused_mod
+from convbn.autograd.chain_plan import ChainPlan
 from convbn import FusedChain, FusedConvBN2d, conv_bn_act
 from convbn.functional.activations import Activation
 
@@ -288,8 +289,7 @@ def _pair(case: str) -> Tuple[nn.Module, nn.Module]:
     elif case == "mixed_modes":
         fused = convert_model(eager, "recompute_bn")
         (chain,) = _chains(fused)
-        for layer, mode in zip(chain.layers, ("recompute_conv", "recompute_bn", "recompute_conv")):
-            layer.mode = mode
+        chain.apply_plan(ChainPlan.of_modes(("recompute_conv", "recompute_bn", "recompute_conv")))
     elif case == "bn_eval":  # fine-tuning with one frozen BatchNorm inside the chain
         eager.bn2.eval()
         fused = convert_model(eager, "auto")
@@ -434,8 +434,7 @@ def test_chain_gradcheck_and_gradgradcheck_mixed_modes() -> None:
     eager.bn2.eval()
     fused = convbn.convert(copy.deepcopy(eager), strategy="recompute_bn")
     (chain,) = _chains(fused)
-    for layer, mode in zip(chain.layers, ("recompute_conv", "recompute_bn", "recompute_conv")):
-        layer.mode = mode
+    chain.apply_plan(ChainPlan.of_modes(("recompute_conv", "recompute_bn", "recompute_conv")))
     names = list(_params(fused))
     x = torch.randn(2, 2, 6, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
     inputs = [x.requires_grad_(), *[p.detach().clone().requires_grad_() for p in fused.parameters()]]

@@ -18,7 +18,7 @@ from torch import Tensor, nn
 from convbn.functional.activations import ACTIVATIONS
 from convbn.autograd.dispatch import conv_bn_act
 from convbn.functional.strategies import STRATEGIES
-from convbn.nn.fused import FusedConvBN1d, FusedConvBN2d, FusedConvBN3d
+from convbn.nn.fused_conv_bn import FusedConvBN1d, FusedConvBN2d, FusedConvBN3d
 
 
 

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-import convbn.passes.fold.graph as fold_mod  # where the graph folder calls the fold maths
+import convbn.passes.fold.directions as fold_mod  # where the graph folder calls the fold maths
 from convbn.bench.models import MNISTNet
 from convbn.nn.sync import SyncBatchNorm
 from convbn.passes.fold.api import FoldReport, fold, fold_conv_bn_modules
@@ -759,3 +759,32 @@ def test_inplace_unchecked_fold_has_no_first_call_check_against_overwritten_weig
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         torch.testing.assert_close(run(folded, x), ref)
+
+
+def test_fold_states_its_stages_in_order() -> None:
+    """fold runs named stages in order, and the graph folder's stages hand values on:
+    matching returns the sites without touching the graph, folding then rewrites it."""
+    from convbn.passes.fold import api, stages
+    from convbn.passes.fold.folder import FoldContext, GraphFolder
+    from convbn.passes.fold.match import FoldSite
+    from convbn.passes.report.fold_report import FoldReport
+    from convbn.passes.report.outcome import BNOutcome
+
+    assert [s.__name__ for s in api.FOLD_STAGES] == ["fold_graphs", "account", "check_folded"]
+    assert [s.__name__ for s in stages.GRAPH_STAGES] == ["canonicalise", "match", "fold_sites", "tidy"]
+
+    net = randomize_bn(nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.BatchNorm2d(4),
+                                     nn.BatchNorm2d(4, track_running_stats=False))).eval()
+    gm = torch.fx.symbolic_trace(net)
+    before = str(gm.graph)
+    folder = GraphFolder(gm, net, "", FoldContext(FoldReport(), False, {}, {}))
+    found = stages.match(folder, stages.canonicalise(folder, None))
+    assert str(gm.graph) == before and not folder.ctx.report.outcomes  # matching changed nothing
+    assert [type(s) for s in found] == [FoldSite, FoldSite, BNOutcome]
+    norm_act = stages.fold_sites(folder, found)
+    stages.tidy(folder, norm_act)
+    # the second BatchNorm read the first; once that folded it reads the conv and folds too
+    assert [(o.batchnorm, o.result) for o in folder.ctx.report.outcomes] == [("1", "folded"), ("2", "folded"),
+                                                                             ("3", "left")]
+    x = torch.randn(2, 3, 8, 8)
+    torch.testing.assert_close(gm(x), net(x))

@@ -22,12 +22,12 @@ from hypothesis import strategies as st
 from torch import Tensor, nn
 from torch.autograd import gradcheck, gradgradcheck
 
-from convbn.autograd.fused import FrozenFunction, RecomputeBNFunction, RecomputeConvFunction
+from convbn.autograd.layer_functions import FrozenFunction, RecomputeBNFunction, RecomputeConvFunction
 from convbn.functional.activations import get_activation
 from convbn.functional.batchnorm import BNSpec
 from convbn.functional.conv import make_conv_spec
 from convbn.autograd.dispatch import conv_bn_act
-from convbn.nn.fused import FusedConvBN1d, FusedConvBN2d, FusedConvBN3d
+from convbn.nn.fused_conv_bn import FusedConvBN1d, FusedConvBN2d, FusedConvBN3d
 
 STRATEGIES = ("recompute_conv", "recompute_bn", "frozen")
 FUSED = {1: FusedConvBN1d, 2: FusedConvBN2d, 3: FusedConvBN3d}
@@ -470,7 +470,7 @@ def test_gradgradcheck_functions(strategy: str) -> None:
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_one_implementation_per_strategy(strategy: str, bn_training: bool) -> None:
     """A recompute layer runs as a one-layer chain (Note: [one recompute implementation] in
-    convbn/autograd/fused.py); ``frozen``, and any layer whose BatchNorm uses running
+    convbn/autograd/layer_functions.py); ``frozen``, and any layer whose BatchNorm uses running
     statistics, folds BN into the conv in FrozenFunction."""
     layer = FusedConvBN2d(3, 4, 3, activation="relu", strategy=strategy)
     layer.bn.train(bn_training)

@@ -12,8 +12,8 @@ import torch
 import torch.nn as nn
 
 import convbn
-import convbn.batch_fit as batch_fit
-from convbn.batch_fit import _batch_of
+import convbn.largest_batch as batch_fit
+from convbn.largest_batch import _batch_of
 from convbn.batch_predict import StepLines, largest_fitting
 from convbn.memory import timeline
 from convbn.passes.plan.plan_inputs import measure_plan_inputs, plan_inputs_at

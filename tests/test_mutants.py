@@ -33,3 +33,12 @@ def test_every_mutant_edits_the_package(tmp_path) -> None:
         for rel, old, new in m.edits:
             text = (dest / "convbn" / rel).read_text()
             assert new in text and old != new, (name, rel)
+
+
+def test_plan_mutants_are_one_edit_each() -> None:
+    """The plan is one value made in one place (``passes/plan/chain_plans.py``): a planner mutant
+    is one search/replace in one file, and the op path's may_drop has its own."""
+    plan = [n for n in mutants.MUTANTS if n.startswith("planner_")] + ["op_may_drop_ignored"]
+    assert {"planner_keeps_all", "planner_keeps_nothing", "op_may_drop_ignored"} <= set(plan)
+    for name in plan:
+        assert len(mutants.MUTANTS[name].edits) == 1, name

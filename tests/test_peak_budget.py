@@ -10,7 +10,8 @@ import torch
 import torch.nn.functional as F
 
 import convbn
-from convbn.passes.plan.planner import ChainCost, plan_within_peak, step_peak
+from convbn.passes.plan.peak_model import ChainCost, step_peak
+from convbn.passes.plan.peak_planner import plan_within_peak
 
 from fusion_checks import assert_chain_ran, assert_fused, fused_chains
 from test_peak_memory import _residual_net

@@ -1,4 +1,4 @@
-"""Note: [drops only where the step peaks] (passes/plan/planner.py): the planner forbids a chain's
+"""Note: [drops only where the step peaks] (passes/plan/peak_model.py): the planner forbids a chain's
 backward to drop and rebuild inputs where the step peaks elsewhere; the peak stays the same
 to the byte, the gradients bit for bit, and the element-wise rebuilds are fewer."""
 import random
@@ -9,9 +9,10 @@ from torch import nn
 
 import convbn
 import convbn.autograd.chain as chain_mod
+from convbn.autograd.chain_plan import ChainPlan
 from convbn.nn.chain import FusedChain
 from convbn.passes.plan.auto_plan import measure_peak
-from convbn.passes.plan.planner import ChainCost, drops_needed, step_peak
+from convbn.passes.plan.peak_model import ChainCost, drops_needed, step_peak
 
 
 def _cbr(i, o):
@@ -51,8 +52,7 @@ def test_skipped_drops_keep_the_peak_and_the_gradients_and_save_rebuilds(monkeyp
     planned = rebuilds[0]
     assert peak == model.convbn_report.predicted_peak_bytes
     for c in chains:  # what the backward did before: drop wherever its own chain's peak falls
-        for l in c.layers:
-            l.may_drop = True
+        c.apply_plan(ChainPlan(c.plan.keep, (True,) * len(c.layers)))
     rebuilds[0] = 0
     assert measure_peak(model, (x,)).peak == peak
     grads_all = _step(model, x)

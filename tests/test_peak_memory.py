@@ -73,11 +73,11 @@ def test_tensor_peak_counts_a_known_allocation():
 # gives the chain a fresh, unshared incoming gradient (as a real loss does).
 
 import convbn.autograd.chain as chain_mod  # noqa: E402
-from convbn.autograd import release  # noqa: E402
-from convbn.autograd.release import frees_incoming_gradients  # noqa: E402
+from convbn.autograd import refcounts  # noqa: E402
+from convbn.autograd.refcounts import frees_incoming_gradients  # noqa: E402
 from convbn.autograd.chain import _Rebuilder  # noqa: E402
 from convbn.memory import timeline  # noqa: E402
-from convbn.passes.plan.planner import ChainCost, chain_backward_peak  # noqa: E402
+from convbn.passes.plan.peak_model import ChainCost, chain_backward_peak  # noqa: E402
 
 
 def _chain_net(channels, act=nn.ReLU):
@@ -138,7 +138,7 @@ def test_probe_engages_where_it_is_known_to():
 
     if (sys.version_info[:2], torch.__version__.split("+")[0]) not in _KNOWN_TO_FREE:
         pytest.skip("the probe's verdict on this Python/torch is asserted by the exact-byte tests")
-    assert release.frees_incoming_gradients()
+    assert refcounts.frees_incoming_gradients()
 
 
 @pytest.mark.parametrize("blind", ["python", "cpp"])
@@ -149,13 +149,13 @@ def test_probe_fails_safe_where_counts_miss_holders(monkeypatch, blind):
     torch.manual_seed(0)
     fused = convbn.convert(_chain_net((4, 8, 16)), strategy="recompute_conv")
     x, proj = torch.randn(8, 4, 16, 16), torch.randn(8, 16, 16, 16)
-    monkeypatch.setattr(release, "_CALIBRATED", False)  # both restored afterwards
-    monkeypatch.setattr(release, "_FRESH", None)
+    monkeypatch.setattr(refcounts, "_CALIBRATED", False)  # both restored afterwards
+    monkeypatch.setattr(refcounts, "_FRESH", None)
     if blind == "python":
-        monkeypatch.setattr(release, "incoming_refs", lambda g: 6)
+        monkeypatch.setattr(refcounts, "incoming_refs", lambda g: 6)
     else:
-        monkeypatch.setattr(release, "cpp_uses", lambda t: 1)
-    assert not release.frees_incoming_gradients()
+        monkeypatch.setattr(refcounts, "cpp_uses", lambda t: 1)
+    assert not refcounts.frees_incoming_gradients()
     tl, grads = _projected_step(fused, x, proj)
     monkeypatch.setattr(chain_mod, "_sole_owner", lambda t, refs: False)
     tl_off, grads_off = _projected_step(fused, x, proj)
@@ -167,10 +167,10 @@ def test_probe_fails_safe_where_counts_miss_holders(monkeypatch, blind):
 def test_probe_calibration_sees_each_kind_of_holder():
     """A fresh gradient, one a tensor hook keeps (Python holder) and one the engine copies
     for a post-hook (C++ holder): each holder raises its count above the fresh one."""
-    fresh, by_python, by_engine = release._probe(), release._probe("python"), release._probe("engine")
+    fresh, by_python, by_engine = refcounts._probe(), refcounts._probe("python"), refcounts._probe("engine")
     assert by_python[0] > fresh[0]
     assert by_engine[1] > fresh[1]
-    assert release.frees_incoming_gradients() == (release._fresh_counts() == fresh)
+    assert refcounts.frees_incoming_gradients() == (refcounts._fresh_counts() == fresh)
 
 
 def test_incoming_gradient_that_is_shared_is_left_alone():
@@ -302,7 +302,8 @@ def test_fused_layer_frees_the_incoming_gradient_and_kept_output(monkeypatch, st
 
 # --------------------------------------------------------------------------- the planner's peak model
 
-from convbn.passes.plan.planner import PEAK_BYTE_COST, chain_options, lowest_peak, plan_for_peak, step_peak  # noqa: E402
+from convbn.passes.plan.peak_model import step_peak  # noqa: E402
+from convbn.passes.plan.peak_planner import PEAK_BYTE_COST, chain_options, lowest_peak, plan_for_peak  # noqa: E402
 
 
 def test_chain_backward_peak_by_hand():

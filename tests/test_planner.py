@@ -9,6 +9,7 @@ has real choices to make.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import itertools
 from typing import Any, Callable, Dict, List, Sequence, Tuple
 
@@ -19,12 +20,15 @@ from hypothesis import strategies as st
 from torch import Tensor, nn
 
 import convbn
+from convbn.passes.plan.chain_plans import decide_on_first_call
+from convbn.autograd.chain_plan import ChainPlan
 from convbn import FusedChain
 from convbn.functional.activations import Activation
 from convbn.functional.conv import COST_PER_BYTE, COST_PER_CALL, conv_spec_from_module, recompute_cost
 from convbn.memory import saved_bytes
 from convbn.nn.chain import ChainLayer
-from convbn.passes.plan.planner import PEAK_TOLERANCE, all_keep_bytes, plan, plan_layers, plan_on_first_call, tutorial_bytes
+from convbn.passes.plan.peak_planner import PEAK_TOLERANCE
+from convbn.passes.plan.planner import all_keep_bytes, plan, plan_layers, plan_on_first_call, tutorial_bytes
 
 
 
@@ -297,19 +301,21 @@ def test_plan_checks_its_arguments() -> None:
 
 
 def test_lazy_plan_is_attached_by_convert_and_nn_never_imports_passes() -> None:
-    """The lazy first-call plan is a callable ``convert`` attaches: ``nn/`` runs it without
-    knowing the planner (issue 15: imports run downhill)."""
+    """The lazy first-call plan is a value ``convert`` gives each chain (a ``LazyPlan`` whose
+    ``decide`` the planner made): ``nn/`` resolves it without knowing the planner (issue 15:
+    imports run downhill)."""
     import ast
     import pathlib
 
     net = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.Conv2d(4, 4, 3), nn.BatchNorm2d(4))
     fast = convbn.convert(net)
     chains = [m for _, m in convbn.fused_modules(fast) if isinstance(m, FusedChain)]
-    assert chains and all(c.plan_on_first_call is plan_on_first_call for c in chains)
+    assert chains and all(c.plan_on_first_call is decide_on_first_call for c in chains)
     calls = []
-    chains[0].plan_on_first_call = lambda layers: calls.append(len(layers)) or [False] * len(layers)
+    decide = lambda layers: calls.append(len(layers)) or ChainPlan.of_modes(["recompute_conv"] * len(layers))  # noqa: E731
+    chains[0].apply_plan(dataclasses.replace(chains[0].plan, decide=decide))
     fast(torch.randn(2, 3, 8, 8)).sum().backward()
-    assert calls == [2] and chains[0].plan_on_first_call is None
+    assert calls == [2] and chains[0].plan_on_first_call is None and isinstance(chains[0].plan, ChainPlan)
     assert [l.mode for l in chains[0].layers] == ["recompute_conv"] * 2
     nn_dir = pathlib.Path(convbn.nn.chain.__file__).parent
     for f in nn_dir.glob("*.py"):

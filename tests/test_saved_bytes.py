@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from convbn.memory import SavedBytes, saved_bytes
-from convbn.nn.fused import FusedConvBN1d, FusedConvBN2d, FusedConvBN3d
+from convbn.nn.fused_conv_bn import FusedConvBN1d, FusedConvBN2d, FusedConvBN3d
 
 FUSED = {1: FusedConvBN1d, 2: FusedConvBN2d, 3: FusedConvBN3d}
 CONV = {1: nn.Conv1d, 2: nn.Conv2d, 3: nn.Conv3d}

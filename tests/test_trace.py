@@ -498,7 +498,7 @@ def test_fold_tolerance_follows_float32_eager_error(seed: int) -> None:
 
 
 def test_fold_check_still_catches_a_wrong_fold_in_float32(monkeypatch: pytest.MonkeyPatch) -> None:
-    import convbn.passes.fold.graph as fold_mod  # where the graph folder calls the fold maths
+    import convbn.passes.fold.directions as fold_mod  # where the graph folder calls the fold maths
 
     net = deep_offset_net(0, depth=2)
     real = fold_mod.fold_bn_into_preceding

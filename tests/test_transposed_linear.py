@@ -20,13 +20,13 @@ from torch import Tensor, nn
 from torch.autograd import gradcheck, gradgradcheck
 
 import convbn
-from convbn.autograd.fused import FrozenFunction, RecomputeBNFunction, RecomputeConvFunction
+from convbn.autograd.layer_functions import FrozenFunction, RecomputeBNFunction, RecomputeConvFunction
 from convbn.functional.activations import Activation, activation_from_module
 from convbn.functional.batchnorm import BNSpec
 from convbn.functional.conv import conv_flops, conv_output_shape, conv_spec_from_module
 from convbn.memory import saved_bytes
 from convbn.nn.chain import ChainLayer, FusedChain
-from convbn.nn.fused import FusedConvBN1d, FusedConvBN2d, FusedConvBN3d
+from convbn.nn.fused_conv_bn import FusedConvBN1d, FusedConvBN2d, FusedConvBN3d
 
 from adversarial_models import TransposedOutputSizeThenBN  # shared with test_convert
 

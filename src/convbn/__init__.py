@@ -13,7 +13,7 @@ with _warnings.catch_warnings():
     import torch.export as _torch_export  # noqa: F401
 
 from .autograd.dispatch import conv_bn_act
-from .batch_fit import BatchFit, max_batch
+from .largest_batch import BatchFit, max_batch
 from .functional.activations import ACTIVATIONS, Activation
 from .autograd.chain_compiled import compile_chains
 from .autograd.chain_kernels import fused_kernels
@@ -22,7 +22,7 @@ from .functional.strategies import ConvertStrategy, Strategy
 from .gradcheck import GradcheckReport, gradcheck_module
 from .memory import PeakMemory, SavedBytes, Timeline, peak_memory, saved_bytes, tensor_peak, timeline, track_saved
 from .nn.chain import FusedChain
-from .nn.fused import FusedConvBN1d, FusedConvBN2d, FusedConvBN3d
+from .nn.fused_conv_bn import FusedConvBN1d, FusedConvBN2d, FusedConvBN3d
 from .passes.convert.api import convert, explain
 from .passes.fold.api import FoldReport, fold, fold_conv_bn_modules
 from .passes.report.live import running_fused_modules as fused_modules

@@ -84,7 +84,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"{args.spec}, input {'x'.join(map(str, x.shape))}{how}", flush=True)
     print(report, flush=True)  # the report before the longer search
     if args.memory is not None:
-        from .batch_fit import max_batch
+        from .largest_batch import max_batch
 
         fit = max_batch(model, x, args.memory, chain=not args.no_chain, progress=progress)
         print(fit)

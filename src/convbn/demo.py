@@ -33,7 +33,6 @@ import copy
 import os
 import statistics
 import sys
-import time
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence, Tuple
@@ -52,10 +51,10 @@ from convbn.cli import (
     positive_float,
     positive_int,
 )
-from convbn.batch_fit import max_batch
-from convbn.bench.table import require_rich
+from convbn.largest_batch import max_batch
 from convbn.extras import require
 from convbn.demo_data import Dataset, load_digits_28, load_mnist, read_idx
+from convbn.demo_training import DemoRun, StepStats, grad_difference, train
 from convbn.demo_results import (
     CONFIG_HELP,
     CONFIGS,
@@ -67,9 +66,9 @@ from convbn.demo_results import (
     write_plot,
     write_timeline_plot,
 )
-from convbn.memory import saved_bytes, timeline
+from convbn.memory import saved_bytes
 from convbn.memory.budget import parse_memory
-from convbn.nn.fused import FusedConvBN2d
+from convbn.nn.fused_conv_bn import FusedConvBN2d
 from convbn.passes.convert.api import convert
 
 __all__ = [  # the data loaders (convbn.demo_data) and the results and their output (convbn.demo_results) are re-exported here
@@ -178,16 +177,6 @@ class DemoConfig:
     memory: Optional[str] = None
 
 
-def _rng_state(device: torch.device) -> Tuple[Tensor, Optional[Tensor]]:
-    return torch.get_rng_state(), torch.cuda.get_rng_state(device) if device.type == "cuda" else None
-
-
-def _set_rng_state(state: Tuple[Tensor, Optional[Tensor]], device: torch.device) -> None:
-    torch.set_rng_state(state[0])
-    if state[1] is not None:
-        torch.cuda.set_rng_state(state[1], device)
-
-
 def set_training(model: nn.Module, frozen_bn: bool = False) -> nn.Module:
     """``model.train()``; with ``frozen_bn`` every BatchNorm normalises with its running
     statistics (eval mode) while the rest trains: the eager meaning of ``strategy='frozen'``."""
@@ -197,49 +186,6 @@ def set_training(model: nn.Module, frozen_bn: bool = False) -> nn.Module:
             if isinstance(m, nn.modules.batchnorm._BatchNorm):
                 m.eval()
     return model
-
-
-@dataclass
-class StepStats:
-    """One training step: loss, seconds, and its exact peak (bytes above the start) when measured."""
-
-    loss: float
-    seconds: float
-    peak: Optional[int] = None
-
-
-def _train_step(
-    model: nn.Module, opt: torch.optim.Optimizer, x: Tensor, y: Tensor, device: torch.device, measure_peak: bool
-) -> StepStats:
-    """Forward, NLL loss, backward, optimizer step. A timed step runs bare; a ``measure_peak``
-    step is recorded by :func:`convbn.memory.timeline`, convbn's one definition of a step's
-    peak (exact live tensor bytes on CPU, the CUDA allocator on a GPU; slower, so not timed)."""
-    cuda = device.type == "cuda"
-    if measure_peak:
-        t0 = time.perf_counter()
-        tl = timeline(model, x, loss_fn=lambda out: F.nll_loss(out, y), optimizer=opt)
-        return StepStats(float(tl.loss or 0.0), time.perf_counter() - t0, int(tl.peak))
-    if cuda:
-        torch.cuda.synchronize(device)
-    t0 = time.perf_counter()
-    opt.zero_grad(set_to_none=True)
-    loss = F.nll_loss(model(x), y)
-    loss.backward()
-    opt.step()
-    if cuda:
-        torch.cuda.synchronize(device)
-    seconds = time.perf_counter() - t0
-    return StepStats(float(loss.detach()), seconds, None)
-
-
-@torch.no_grad()
-def _accuracy(model: nn.Module, x: Tensor, y: Tensor, batch: int) -> float:
-    model.eval()
-    correct = 0
-    for i in range(0, len(y), batch):
-        correct += int((model(x[i : i + batch]).argmax(1) == y[i : i + batch]).sum())
-    model.train()
-    return correct / max(len(y), 1)
 
 
 def build_models(example: Tensor, seed: int, device: torch.device) -> Dict[str, nn.Module]:
@@ -269,27 +215,6 @@ def _plan(model: nn.Module) -> str:
     return layers + (" (chained)" if chained else "")
 
 
-def grad_difference(model: nn.Module, reference: nn.Module) -> float:
-    """Largest absolute difference between the ``.grad`` of same-named parameters (0.0: bit-identical)."""
-    ref = dict(reference.named_parameters())
-    diff = 0.0
-    for name, p in model.named_parameters():
-        g, r = p.grad, ref[name].grad
-        if g is not None and r is not None:
-            diff = max(diff, (g - r).abs().max().item())
-    return diff
-
-
-def _progress(console: Any) -> Any:
-    require_rich("the demo's progress bar")
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-    return Progress(
-        TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-        console=console, transient=True,
-    )
-
-
 def run_demo(config: DemoConfig, console: Any = None, data: Optional[Dataset] = None) -> DemoResult:
     """Train the unfused, ``auto`` and tutorial-fused MNIST networks side by side and measure them.
 
@@ -314,6 +239,38 @@ def run_demo(config: DemoConfig, console: Any = None, data: Optional[Dataset] = 
         >>> r.saved["tutorial"] < r.saved["unfused"]  # doctest: +SKIP
         True
     """
+    _check_config(config)
+    run = _start(config, data)
+    _announce(run, config, console)
+    train(run, config.epochs, config.seed, console, config.progress)
+    result, models, example, device = run.result, run.models, run.train_x[:run.batch], run.device
+    # End-of-forward bytes: one training-mode forward of a copy (the trained models'
+    # running statistics stay as they are).
+    for name, model in models.items():
+        result.saved[name] = saved_bytes(copy.deepcopy(model).train(), example).total
+        result.peak[name] = int(run.stats[name][run.peak_step].peak or 0)
+        timed = [st.seconds for i, st in enumerate(run.stats[name]) if i not in (0, run.peak_step)] \
+            or [run.stats[name][-1].seconds]
+        result.step_time[name] = statistics.median(timed)
+    for name in CONFIGS[1:]:
+        result.equality[name] = compare_losses(
+            name, result.step_losses[name], result.step_losses["unfused"], run.first_grad_diff.get(name)
+        )
+    if config.plot:
+        write_plot(result, config.plot, device)
+        result.plot = config.plot
+        result.timeline_plot = write_timeline_plot(models, example, config.plot, device)
+    if console is not None:
+        _print_results(result, console, device)
+    if config.memory is not None:
+        result.batch_fit = _batch_fit(example, config, device)
+        if console is not None:
+            console.print(result.batch_fit.summary())
+    return result
+
+
+def _check_config(config: DemoConfig) -> None:
+    """Raise on a bad option before any data is read or model built."""
     if config.epochs < 1:
         raise ValueError(f"epochs must be at least 1, but got {config.epochs}")
     if config.batch_size < 2:
@@ -322,6 +279,10 @@ def run_demo(config: DemoConfig, console: Any = None, data: Optional[Dataset] = 
         raise FileNotFoundError(f"--mnist-dir {config.mnist_dir!r} is not a directory")
     if config.memory is not None:
         parse_memory(config.memory)  # a readable size before training, not after
+
+
+def _start(config: DemoConfig, data: Optional[Dataset]) -> DemoRun:
+    """Load the data and build the three networks with their optimizers."""
     device = torch.device(config.device)
     if data is None:
         data = load_mnist(config.mnist_dir) if config.mnist_dir else load_digits_28(config.seed)
@@ -331,91 +292,40 @@ def run_demo(config: DemoConfig, console: Any = None, data: Optional[Dataset] = 
     n = len(train_y)
     batch = min(config.batch_size, n)
     steps = n // batch  # drop the last partial batch: BatchNorm needs > 1 sample, shapes stay fixed
-    total = config.epochs * steps
-    peak_step = 1 if total > 1 else 0  # the second step: gradients and optimizer state exist
+    peak_step = 1 if config.epochs * steps > 1 else 0  # the second step: gradients and optimizer state exist
     result = DemoResult(batch_size=batch, memory_source="cuda" if device.type == "cuda" else "tensors")
-
     models = build_models(train_x[:batch], config.seed, device)
     opts = {k: torch.optim.Adadelta(m.parameters(), lr=config.lr) for k, m in models.items()}
     scheds = {k: torch.optim.lr_scheduler.StepLR(o, step_size=1, gamma=config.gamma) for k, o in opts.items()}
     result.plans = {k: _plan(m) for k, m in models.items()}
     result.test_images = len(test_y)
-    shuffle = torch.Generator().manual_seed(config.seed)
-    stats: Dict[str, List[StepStats]] = {k: [] for k in models}
-    first_grad_diff: Dict[str, Tuple[int, float]] = {}  # first step whose gradients differ from unfused's
+    return DemoRun(device, data.source, train_x, train_y, test_x, test_y, batch, steps, peak_step, result,
+                    models, opts, scheds, {k: [] for k in models}, {})
 
-    if console is not None:
-        console.print(
-            f"[bold]convbn demo[/bold]: {data.source}; {n} train / {len(test_y)} test images; batch {batch}; "
-            f"{config.epochs} epoch(s) x {steps} step(s); Adadelta lr {config.lr}; device {device}"
-        )
-        for k in CONFIGS:
-            console.print(f"  {k:<9} {CONFIG_HELP[k]}" + (f" -> {result.plans[k]}" if k != "unfused" else ""))
-    progress = _progress(console) if (console is not None and config.progress) else None
-    task = progress.add_task("training", total=total) if progress is not None else None
-    if progress is not None:
-        progress.start()
-    try:
-        step_no = 0
-        for epoch in range(1, config.epochs + 1):
-            perm = torch.randperm(n, generator=shuffle).to(device)
-            for step in range(steps):
-                idx = perm[step * batch : (step + 1) * batch]
-                x, y = train_x[idx], train_y[idx]
-                state = _rng_state(device)
-                for name, model in models.items():
-                    _set_rng_state(state, device)  # same dropout masks for all
-                    st = _train_step(model, opts[name], x, y, device, measure_peak=step_no == peak_step)
-                    stats[name].append(st)
-                    result.step_losses[name].append(st.loss)
-                for name in CONFIGS[1:]:  # the gradients of this step are still in .grad (untimed)
-                    if name not in first_grad_diff:
-                        gdiff = grad_difference(models[name], models["unfused"])
-                        if gdiff != 0.0:
-                            first_grad_diff[name] = (step_no, gdiff)
-                step_no += 1
-                if progress is not None:
-                    progress.update(task, advance=1, description=f"epoch {epoch} loss {result.step_losses['unfused'][-1]:.4f}")
-            for s in scheds.values():
-                s.step()
-            for name, model in models.items():
-                result.accuracy[name].append(_accuracy(model, test_x, test_y, batch))
-            if console is not None:
-                accs = ", ".join(f"{k} {100 * result.accuracy[k][-1]:.1f}%" for k in CONFIGS)
-                console.print(f"epoch {epoch}: last train loss {result.step_losses['unfused'][-1]:.4f}; test accuracy {accs}")
-    finally:
-        if progress is not None:
-            progress.stop()
 
-    # End-of-forward bytes: one training-mode forward of a copy (the trained models'
-    # running statistics stay as they are).
-    for name, model in models.items():
-        result.saved[name] = saved_bytes(copy.deepcopy(model).train(), train_x[:batch]).total
-        result.peak[name] = int(stats[name][peak_step].peak or 0)
-        timed = [st.seconds for i, st in enumerate(stats[name]) if i not in (0, peak_step)] or [stats[name][-1].seconds]
-        result.step_time[name] = statistics.median(timed)
+def _announce(run: DemoRun, config: DemoConfig, console: Any) -> None:
+    """Print the data, the schedule and each configuration's plan."""
+    if console is None:
+        return
+    console.print(
+        f"[bold]convbn demo[/bold]: {run.source}; {len(run.train_y)} train / {len(run.test_y)} test images; "
+        f"batch {run.batch}; {config.epochs} epoch(s) x {run.steps} step(s); Adadelta lr {config.lr}; "
+        f"device {run.device}"
+    )
+    for k in CONFIGS:
+        console.print(f"  {k:<9} {CONFIG_HELP[k]}" + (f" -> {run.result.plans[k]}" if k != "unfused" else ""))
+
+
+def _print_results(result: DemoResult, console: Any, device: torch.device) -> None:
+    """The closing table, each equality, the accuracies and where the plots went."""
+    console.print(results_table(result, device))
     for name in CONFIGS[1:]:
-        result.equality[name] = compare_losses(
-            name, result.step_losses[name], result.step_losses["unfused"], first_grad_diff.get(name)
-        )
-    if config.plot:
-        write_plot(result, config.plot, device)
-        result.plot = config.plot
-        result.timeline_plot = write_timeline_plot(models, train_x[:batch], config.plot, device)
-    if console is not None:
-        console.print(results_table(result, device))
-        for name in CONFIGS[1:]:
-            console.print(result.equality[name])
-        console.print(accuracy_sentence(result))
-        if result.plot:
-            console.print(f"plot written to {os.path.abspath(result.plot)}")
-        if result.timeline_plot:
-            console.print(f"memory timeline of one step written to {os.path.abspath(result.timeline_plot)}")
-    if config.memory is not None:
-        result.batch_fit = _batch_fit(train_x[:batch], config, device)
-        if console is not None:
-            console.print(result.batch_fit.summary())
-    return result
+        console.print(result.equality[name])
+    console.print(accuracy_sentence(result))
+    if result.plot:
+        console.print(f"plot written to {os.path.abspath(result.plot)}")
+    if result.timeline_plot:
+        console.print(f"memory timeline of one step written to {os.path.abspath(result.timeline_plot)}")
 
 
 def _batch_fit(x: Tensor, config: DemoConfig, device: torch.device) -> Any:

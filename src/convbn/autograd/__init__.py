@@ -4,7 +4,7 @@ The tutorial's reference Functions live in :mod:`convbn.reference`.
 """
 from .chain import ChainFunction
 from .dispatch import conv_bn_act
-from .fused import FrozenFunction
+from .layer_functions import FrozenFunction
 from ..functional.deprecation import module_aliases as _module_aliases
 
 __all__ = [
@@ -15,7 +15,7 @@ __all__ = [
 
 
 def _one_layer(name: str) -> object:
-    from . import fused
+    from . import layer_functions
 
     return getattr(fused, name)
 

@@ -14,7 +14,7 @@ The chain input ``x0`` is always kept (the first convolution's weight gradient n
 it). Saved bytes are therefore ``x0 + sum(y_i for kept i)`` plus parameters and
 per-channel statistics, whatever the chain length.
 
-Layers are general (Note: [layers of a chain] in nn/chain.py): a *head* (layer 0) has no
+Layers are general (the three kinds are described in ``nn/chain_layer.py``, ``ChainLayer``): a *head* (layer 0) has no
 convolution and normalises ``x0`` itself, so it keeps nothing beyond ``x0`` and its
 output (the next conv's input) is rebuilt element-wise from ``x0``; an *end* (last
 layer) has no BatchNorm, and without a tail its backward needs no conv output at all;
@@ -73,7 +73,7 @@ from torch.autograd import Function
 
 from ..functional.batchnorm import BNSpec, bn_apply, bn_backward, bn_forward
 from ..functional.conv import conv_backward, conv_forward, conv_output_shape
-from ..functional.fused import ConvBNTensors, conv_bn_act_no_grad as _forward_no_grad
+from ..functional.conv_bn_call import ConvBNTensors, conv_bn_act_no_grad as _forward_no_grad
 from ..functional.reference import conv_bn_act_reference
 from ..functional.tail import RNGState
 from .chain_memory import choose_drops
@@ -84,10 +84,11 @@ from .chain_tail import tail_backward, tail_forward, tail_reference
 from .double_backward import differentiable_backward
 from .grad_sink import GradSink, Recording, param_sink
 from .release import free_storage as _free_storage
-from .release import BACKWARD_TWICE, calibrate, incoming_refs
+from .refcounts import calibrate, incoming_refs
+from .release import BACKWARD_TWICE
 from .release import freed as _freed
 from .release import keeping_graph as _keeping_graph
-from .release import sole_owner as _sole_owner
+from .refcounts import sole_owner as _sole_owner
 from .saving import load_tensors, save_tensors
 
 __all__ = ["ChainLayerSpec", "ChainFunction", "chain_forward", "chain_backward", "chain_forward_no_grad",
@@ -267,7 +268,110 @@ def _stat_maps(specs: Sequence[ChainLayerSpec], means: Sequence[Tensor],
     return dict(zip(idx, means)), dict(zip(idx, invstds))
 
 
-def chain_backward(
+class _BackwardWalk:
+    """One :func:`chain_backward`, last layer to first: the gradient flowing back (``g``), the
+    incoming gradient while the engine still holds it, and the result slots ``grads``.
+
+    Each method drops a tensor where the single loop it was written as dropped it (``del``,
+    or ``None`` in an attribute), so the exact peaks stay what they were; ``tail_grads`` and
+    ``last_tail_grad`` keep the tail weights' gradients referenced from one layer to the
+    next as that loop's variables did."""
+
+    def __init__(self, rb: _Rebuilder, specs: Sequence[ChainLayerSpec], needs: Sequence[bool], sink: GradSink,
+                 free_kept: bool, mean_of: Dict[int, Tensor], invstd_of: Dict[int, Tensor]) -> None:
+        self.rb, self.specs, self.needs, self.sink, self.free_kept = rb, specs, needs, sink, free_kept
+        self.mean_of, self.invstd_of = mean_of, invstd_of
+        self.grads: List[Optional[Tensor]] = [None] * len(needs)
+        self.g: Optional[Tensor] = None
+        self.engine_grad: Optional[Tensor] = None
+        self.tail_grads: Any = ()
+        self.last_tail_grad: Any = None
+
+    def _free_engine_grad(self, unless: Optional[Tensor] = None) -> None:
+        """Return the incoming gradient's memory (Note: [freeing the incoming gradient]),
+        unless it is ``unless`` (still in use)."""
+        if self.engine_grad is not None and self.engine_grad is not unless:
+            _free_storage(self.engine_grad)
+            self.engine_grad = None
+
+    def layer(self, i: int) -> None:
+        """Layer ``i``'s backward: tail and BatchNorm (fused kernels or not), then its conv."""
+        spec, rb, off = self.specs[i], self.rb, self.rb.offsets
+        w, b, gamma, beta, tws = rb.layer_params(i)
+        base = 1 + off[i]
+        flags = list(self.needs[base: 1 + off[i + 1]])
+        nw, nb = (flags.pop(0), flags.pop(0)) if spec.conv is not None else (False, False)
+        ng, nbeta = (flags.pop(0), flags.pop(0)) if spec.bn is not None else (False, False)
+        nx = self.needs[0] if i == 0 else True
+        fused = None
+        if (spec.needs_y or spec.conv is None) and not spec.tail:  # the opt-in fused kernels
+            y = rb.get_y(i)
+            fused = fused_layer_backward(self.g, y, gamma, beta, self.mean_of.get(i), self.invstd_of.get(i),  # type: ignore[arg-type]
+                                         spec.bn, spec.act)
+            del y
+        if fused is not None:
+            grad_y = self._fused(i, fused, base, ng, nbeta)
+        elif spec.needs_y or spec.conv is None:
+            grad_y = self._tail_bn(i, base, gamma, len(tws), (nx or nw or nb, ng, nbeta))
+        else:
+            grad_y, self.g = self.g, None  # an end layer without tail: the incoming gradient is grad_y
+        if spec.conv is None:  # a head: grad_y is the chain input's gradient
+            self.g = grad_y
+            return
+        x = rb.x(i)  # rebuilt now that y_i and grad_z are gone (Note: [chain backward order])
+        gx, gw, gb = conv_backward(grad_y, x, w, spec.conv, (nx, nw, nb))  # type: ignore[arg-type]
+        del grad_y, x
+        self.grads[base], self.grads[base + 1] = self.sink(base, gw), self.sink(base + 1, gb)
+        del gw, gb
+        self._free_engine_grad()  # an end layer without tail consumed the incoming gradient
+        if i > 0 and spec.conv.pre_pad:
+            gx = _unpad(gx, spec.conv.pre_pad)  # type: ignore[arg-type]
+        self.g = gx
+        del gx  # only g refers to it: dropped as soon as the next layer has consumed it
+
+    def _fused(self, i: int, fused: Tuple[Tensor, Tensor, Tensor], base: int, ng: bool, nbeta: bool) -> Tensor:
+        """Layer ``i``'s BatchNorm + activation gradients from the fused kernels; returns ``grad_y``."""
+        spec = self.specs[i]
+        self.rb.outs.pop(i, None)  # a cached activation output (ReLU family) is not needed
+        grad_y, gg, gbeta = fused
+        self.g = None
+        self.grads[base + 2 * (spec.conv is not None)] = gg if ng else None
+        self.grads[base + 2 * (spec.conv is not None) + 1] = gbeta if nbeta else None
+        del gg, gbeta
+        self._free_engine_grad()
+        self.rb.release(i, self.free_kept)
+        return grad_y
+
+    def _tail_bn(self, i: int, base: int, gamma: Optional[Tensor], n_tail_weights: int,
+                 needs: Tuple[bool, bool, bool]) -> Tensor:
+        """Layer ``i``'s tail, then BatchNorm, backward from its rebuilt conv output; returns ``grad_y``."""
+        spec, rb, sink, grads = self.specs[i], self.rb, self.sink, self.grads
+        y = rb.get_y(i)
+        grad_z, self.tail_grads = rb.grad_z(i, self.g)  # type: ignore[arg-type]
+        self.g = None  # consumed: only grad_z lives on
+        first = 1 + rb.offsets[i + 1] - n_tail_weights
+        for j, gt in enumerate(self.tail_grads):
+            self.last_tail_grad = gt
+            grads[first + j] = sink(first + j, gt)
+        self._free_engine_grad(unless=grad_z)
+        if spec.bn is not None:
+            grad_y, gg, gbeta = bn_backward(grad_z, y, gamma, self.mean_of[i], self.invstd_of[i], spec.bn, needs)
+            slot = base + 2 * (spec.conv is not None)
+            grads[slot] = sink(slot, gg)
+            grads[slot + 1] = sink(slot + 1, gbeta)
+            del gg, gbeta
+        else:
+            grad_y = grad_z  # an end layer: its tail's gradient is its conv output's
+        del grad_z, y
+        self._free_engine_grad(unless=grad_y)  # identity activation: grad_z was it
+        rb.release(i, self.free_kept)
+        if self.free_kept and spec.bn is not None:  # dead now, as eager frees a BN node's saved statistics
+            _free_storage(self.mean_of[i])
+            _free_storage(self.invstd_of[i])
+        return grad_y
+
+
+def chain_backward(  # 12 parameters: the values ChainFunction and the custom op saved, passed as they are
     grad_out: Tensor,
     x0: ChainX0,
     params: Sequence[Optional[Tensor]],
@@ -286,7 +390,7 @@ def chain_backward(
     ``needs`` has one flag for ``x0`` then one per entry of ``params``; the result
     has the same layout. ``means``/``invstds`` as :func:`chain_forward` returns them,
     ``rngs`` its RNG states (for tails with dropout). ``free_grad_out`` says the incoming
-    gradient is the caller's alone (``autograd.release.sole_owner``): its memory is then
+    gradient is the caller's alone (``autograd.refcounts.sole_owner``): its memory is then
     returned once consumed (Note: [freeing the incoming gradient]); a caller whose
     contract forbids touching its inputs (a custom op) leaves it ``False``.
     With ``free_kept`` each kept conv output's memory is returned right after its
@@ -295,9 +399,6 @@ def chain_backward(
     parameter gradient (slot ``j`` of the result) as soon as it is computed and gives what
     the slot returns (Note: [weight gradients as eager releases them]).
     """
-    grads: List[Optional[Tensor]] = [None] * len(needs)
-    if sink is None:
-        sink = _keep
     k = len(specs)
     drop: Optional[List[bool]] = None  # one layer (a single fused layer): its input is x0, never rebuilt
     if k > 1:
@@ -307,79 +408,15 @@ def chain_backward(
                             allowed=[s.may_drop for s in specs])
     mean_of, invstd_of = _stat_maps(specs, means, invstds)
     rb = _Rebuilder(x0, params, specs, kept, mean_of, invstd_of, drop, rngs, needs[1:])
-    off = rb.offsets
-    g: Optional[Tensor] = grad_out
+    walk = _BackwardWalk(rb, specs, needs, _keep if sink is None else sink, free_kept, mean_of, invstd_of)
+    walk.g = grad_out
     # Note: [freeing the incoming gradient]: the engine holds grad_out until backward returns
-    engine_grad: Optional[Tensor] = grad_out if free_grad_out else None
+    walk.engine_grad = grad_out if free_grad_out else None
     del grad_out
     for i in reversed(range(k)):
-        spec = specs[i]
-        w, b, gamma, beta, tws = rb.layer_params(i)
-        base = 1 + off[i]
-        flags = list(needs[base: 1 + off[i + 1]])
-        nw, nb = (flags.pop(0), flags.pop(0)) if spec.conv is not None else (False, False)
-        ng, nbeta = (flags.pop(0), flags.pop(0)) if spec.bn is not None else (False, False)
-        nx = needs[0] if i == 0 else True
-        fused = None
-        if (spec.needs_y or spec.conv is None) and not spec.tail:  # the opt-in fused kernels
-            y = rb.get_y(i)
-            fused = fused_layer_backward(g, y, gamma, beta, mean_of.get(i), invstd_of.get(i), spec.bn, spec.act)  # type: ignore[arg-type]
-            del y
-        if fused is not None:
-            rb.outs.pop(i, None)  # a cached activation output (ReLU family) is not needed
-            grad_y, gg, gbeta = fused
-            g = None
-            grads[base + 2 * (spec.conv is not None)] = gg if ng else None
-            grads[base + 2 * (spec.conv is not None) + 1] = gbeta if nbeta else None
-            del gg, gbeta
-            if engine_grad is not None:
-                _free_storage(engine_grad)
-                engine_grad = None
-            rb.release(i, free_kept)
-        elif spec.needs_y or spec.conv is None:
-            y = rb.get_y(i)
-            grad_z, grad_tw = rb.grad_z(i, g)  # type: ignore[arg-type]
-            g = None  # consumed: only grad_z lives on
-            for j, gt in enumerate(grad_tw):
-                grads[1 + off[i + 1] - len(tws) + j] = sink(1 + off[i + 1] - len(tws) + j, gt)
-            if engine_grad is not None and grad_z is not engine_grad:
-                _free_storage(engine_grad)
-                engine_grad = None
-            if spec.bn is not None:
-                grad_y, gg, gbeta = bn_backward(grad_z, y, gamma, mean_of[i], invstd_of[i], spec.bn,
-                                                (nx or nw or nb, ng, nbeta))
-                grads[base + 2 * (spec.conv is not None)] = sink(base + 2 * (spec.conv is not None), gg)
-                grads[base + 2 * (spec.conv is not None) + 1] = sink(base + 2 * (spec.conv is not None) + 1, gbeta)
-                del gg, gbeta
-            else:
-                grad_y = grad_z  # an end layer: its tail's gradient is its conv output's
-            del grad_z, y
-            if engine_grad is not None and grad_y is not engine_grad:  # identity activation: grad_z was it
-                _free_storage(engine_grad)
-                engine_grad = None
-            rb.release(i, free_kept)
-            if free_kept and spec.bn is not None:  # dead now, as eager frees a BN node's saved statistics
-                _free_storage(mean_of[i])
-                _free_storage(invstd_of[i])
-        else:
-            grad_y, g = g, None  # an end layer without tail: the incoming gradient is grad_y
-        if spec.conv is None:  # a head: grad_y is the chain input's gradient
-            g = grad_y
-            del grad_y
-            continue
-        x = rb.x(i)  # rebuilt now that y_i and grad_z are gone (Note: [chain backward order])
-        gx, gw, gb = conv_backward(grad_y, x, w, spec.conv, (nx, nw, nb))  # type: ignore[arg-type]
-        del grad_y, x
-        grads[base], grads[base + 1] = sink(base, gw), sink(base + 1, gb)
-        del gw, gb
-        if engine_grad is not None:  # an end layer without tail consumed the incoming gradient
-            _free_storage(engine_grad)
-            engine_grad = None
-        if i > 0 and spec.conv.pre_pad:
-            gx = _unpad(gx, spec.conv.pre_pad)  # type: ignore[arg-type]
-        g = gx
-        del gx  # only g refers to it: dropped as soon as the next layer has consumed it
-    grads[0] = g if needs[0] else None
+        walk.layer(i)
+    grads = walk.grads
+    grads[0] = walk.g if needs[0] else None
     return grads
 
 
@@ -399,7 +436,7 @@ class ChainFunction(Function):
 
     @staticmethod
     def forward(ctx: Any, *args: Any) -> Tensor:  # type: ignore[override]
-        calibrate()  # Note: [calibrated once, in a clean state] (autograd/release.py)
+        calibrate()  # Note: [calibrated once, in a clean state] (autograd/refcounts.py)
         n_pieces = args[-1] if isinstance(args[-1], int) else 1
         if isinstance(args[-1], int):
             args = args[:-1]

@@ -6,7 +6,7 @@ outputs, rebuilt inputs, the incoming gradient, grad_z, grad_y and grad_x, each
 allocated and freed where the real backward does (:class:`SizeAllocator`). It serves twice:
 the backward asks :func:`choose_drops` which rebuilt inputs are worth dropping and rebuilding
 (an extra element-wise pass) because that lowers its peak, and the planner
-(:func:`convbn.passes.plan.planner.chain_backward_peak`) predicts each plan's peak with it.
+(:func:`convbn.passes.plan.peak_model.chain_backward_peak`) predicts each plan's peak with it.
 No tensors, no kernels: what a layer's tail costs is read off the activation table
 (:func:`layer_kind` / :func:`activation_kind`).
 """
@@ -383,7 +383,7 @@ def choose_drops(
     rebuild, so it is taken only where it pays in memory). ``allowed``: the layers that
     may drop at all (default: every one); the planner forbids drops in a chain whose
     backward is not where the step peaks (Note: [drops only where the step peaks] in
-    passes/plan/planner.py)."""
+    passes/plan/peak_model.py)."""
     # every backward of a chain asks the same question: answered once per shape and plan
     args = (tuple(y_sizes), tuple(x_sizes), tuple(bool(f) for f in keep), tuple(acts), head, end,
             None if allowed is None else tuple(bool(f) for f in allowed))

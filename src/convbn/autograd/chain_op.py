@@ -10,8 +10,10 @@
 # what ``setup_context`` saves (the chain input, kept conv outputs, per-channel
 # statistics), so compiled and uncompiled converted models keep the same bytes.
 #
-# Static per-chain structure (conv geometry, activations, tails, modes) cannot be an op
-# argument, so it is registered once under a string key; the per-call momentum
+# Static per-chain structure (conv geometry, activations, tails) cannot be an op
+# argument, so it is found by a string key (autograd/chain_structure.py: owned by the
+# chains that have it, never a table that only grows); the plan (keep_y, may_drop)
+# travels as flag lists; the per-call momentum
 # factors travel as a tensor so ``momentum=None`` never forces a recompile. A tail with
 # a dropout in training (p > 0) is not run through the op: its RNG replay (Note: [dropout
 # in a chain]) reads and restores the global generators, which a compiled graph does not
@@ -19,8 +21,7 @@
 """
 from __future__ import annotations
 
-import hashlib
-from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch._functorch.config
@@ -29,31 +30,12 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 
 from ..functional.batchnorm import BNSpec
 from ..functional.conv import conv_output_shape
-from ..functional.tail import TailOp
 from .chain import ChainLayerSpec, chain_backward, chain_forward, param_offsets
 from .chain_input import ChainInput, concat_shape, split_grad
+from .chain_structure import register_chain, structure_of
 from .chain_layout import conform, dense_strides, empty_strided_like, layer_formats, memory_format_of, strides_for
 
 __all__ = ["register_chain", "chain_op_apply"]
-
-# key -> per layer (conv geometry or None, activation, eps or None, tail): the chain's static structure
-_STATIC: Dict[str, Tuple[Tuple[Any, Any, Optional[float], Tuple[TailOp, ...]], ...]] = {}
-
-
-def register_chain(static: Sequence[Tuple[Any, ...]]) -> str:
-    """Register a chain's static structure ``[(ConvSpec, Activation, eps[, tail]), ...]``
-    (``None`` for a head's conv or an end layer's eps; ``tail`` the tail's ops without
-    dropouts, default ``()``); returns its key.
-
-    Called when a :class:`convbn.nn.FusedChain` is built (never while tracing); equal
-    structures share a key, so deep copies of a model share compiled kernels.
-    """
-    static = tuple((l[0], l[1], None if l[2] is None else float(l[2]), tuple(l[3]) if len(l) > 3 else ())
-                   for l in static)
-    key = hashlib.sha1(repr(static).encode()).hexdigest()[:20]
-    _STATIC.setdefault(key, static)
-    return key
-
 
 def _specs(key: str, factors: Optional[Tensor], keep_y: Sequence[bool], batch_stats: Sequence[bool],
            may_drop: Sequence[bool]) -> List[ChainLayerSpec]:
@@ -61,7 +43,8 @@ def _specs(key: str, factors: Optional[Tensor], keep_y: Sequence[bool], batch_st
     plan (``keep_y``, ``may_drop``) as the op's flag lists carry it."""
     momenta = factors.tolist() if factors is not None else [0.0] * len(keep_y)
     return [ChainLayerSpec(conv, None if eps is None else BNSpec(eps, bs, float(m)), act, ky, tail, md)
-            for (conv, act, eps, tail), m, ky, bs, md in zip(_STATIC[key], momenta, keep_y, batch_stats, may_drop)]
+            for (conv, act, eps, tail), m, ky, bs, md in zip(structure_of(key).layers, momenta, keep_y, batch_stats,
+                                                             may_drop)]
 
 
 def _optional(params: Sequence[Tensor], present: Sequence[bool]) -> List[Optional[Tensor]]:
@@ -185,6 +168,7 @@ def _setup_context(ctx: Any, inputs: Tuple[Any, ...], output: Any) -> None:
     ctx.n_pieces = len(pieces)
     ctx.present = present
     ctx.key, ctx.keep_y, ctx.batch_stats, ctx.may_drop = key, keep_y, batch_stats, may_drop
+    ctx.structure = structure_of(key)  # held until backward: the key's entry stays alive with it
     ctx.n_running, ctx.n_layers = len(running), len(keep_y)
     ctx.n_saved = len(saved)
     ctx.needs = [p.requires_grad for p in pieces] + [h and p.requires_grad for p, h in zip(params, present)]

@@ -3,7 +3,7 @@
 A :class:`ChainLayerSpec` says, for one forward call, what a layer is: an optional
 convolution (none for a pre-activation *head*), an optional BatchNorm (none for an *end*
 layer), a single activation (the fast path) or a general tail of element-wise ops, and
-whether its conv output is kept (Note: [layers of a chain] in nn/chain.py).
+whether its conv output is kept (the layer kinds: :class:`convbn.nn.chain_layer.ChainLayer`).
 
 Flat parameter layout of ``ChainFunction.apply(x0, *params, specs, stats)``: per layer,
 in order, ``W, b`` (when it has a conv), ``gamma, beta`` (when it has a BN), then one

@@ -90,10 +90,36 @@ def tail_backward(
     is consumed when ``owned``.
     """
     ws = list(weights)
-    # replay the ops forward only as far as the last one whose derivative needs its input
+    saved, own = _rebuild_op_inputs(z, tail, ws, states, owned)
+    grads_w: List[Optional[Tensor]] = [None] * len(ws)
+    g = grad_out
+    wi = n_tail_params(tail)
+    for j in reversed(range(len(tail))):
+        op, s = tail[j], saved.pop()
+        if isinstance(op, DropoutOp):
+            size, stride, state = s  # type: ignore[misc]
+            with replay_rng(state):
+                slope = op.slope(size, stride, grad_out.dtype, grad_out.device)
+            g = g * slope  # eager: grad * noise
+            del slope
+        elif isinstance(op, PReLUOp):
+            wi -= 1
+            g, grads_w[wi] = op.backward(g, s, ws[wi], needs_w[wi])  # type: ignore[arg-type]
+        else:
+            g = op.backward_(g, s) if own[j] else op.backward(g, s)  # type: ignore[arg-type]
+        del s
+    return g, grads_w
+
+
+def _rebuild_op_inputs(z: List[Tensor], tail: Sequence[TailOp], ws: Sequence[Tensor], states: Sequence[RNGState],
+                       owned: bool) -> Tuple[List[object], List[bool]]:
+    """Per op of ``tail``, what its derivative needs: its input (activation, PReLU), rebuilt
+    from ``z`` (consumed), or ``(size, stride, RNG state)`` (dropout); and whether that input's
+    buffer is the backward's own. The ops are replayed only as far as the last one whose
+    derivative needs its input."""
     need_input = [not isinstance(op, DropoutOp) for op in tail]
     last_needed = max((j for j, n in enumerate(need_input) if n), default=-1)
-    saved: List[object] = []  # per op: its input (activation, PReLU) or (size, stride, state) (dropout)
+    saved: List[object] = []
     own: List[bool] = []
     u: Optional[Tensor] = z.pop()
     meta = (u.size(), u.stride())  # element-wise ops keep size and (dense) strides
@@ -119,24 +145,7 @@ def tail_backward(
             wi += 1
         if j >= last_needed:
             u = None  # nothing after this op needs an input: stop rebuilding
-    del u
-    grads_w: List[Optional[Tensor]] = [None] * len(ws)
-    g = grad_out
-    for j in reversed(range(len(tail))):
-        op, s = tail[j], saved.pop()
-        if isinstance(op, DropoutOp):
-            size, stride, state = s  # type: ignore[misc]
-            with replay_rng(state):
-                slope = op.slope(size, stride, grad_out.dtype, grad_out.device)
-            g = g * slope  # eager: grad * noise
-            del slope
-        elif isinstance(op, PReLUOp):
-            wi -= 1
-            g, grads_w[wi] = op.backward(g, s, ws[wi], needs_w[wi])  # type: ignore[arg-type]
-        else:
-            g = op.backward_(g, s) if own[j] else op.backward(g, s)  # type: ignore[arg-type]
-        del s
-    return g, grads_w
+    return saved, own
 
 
 def tail_reference(z: Tensor, tail: Sequence[TailOp], weights: Sequence[Tensor],

@@ -3,7 +3,7 @@
 ``conv_bn_act`` checks its inputs (so a bad call fails before any running statistic
 changes), applies autocast and pre-padding the way ``nn.ConvNd`` would, and dispatches
 to the ``autograd.Function`` of the chosen strategy, or to the plain no-grad path
-(:func:`convbn.functional.fused.conv_bn_act_no_grad`) when nothing needs gradients. It
+(:func:`convbn.functional.conv_bn_call.conv_bn_act_no_grad`) when nothing needs gradients. It
 is an API layer over the Functions (as inplace_abn's functional entry points are), so it
 lives here and not among the pure maths of ``functional/``.
 """
@@ -18,9 +18,9 @@ from torch import Tensor
 from ..functional.activations import Activation, get_activation
 from ..functional.batchnorm import BNSpec
 from ..functional.conv import ConvSpec, make_conv_spec
-from ..functional.fused import ConvBNTensors, autocast_inputs, check_inputs, conv_bn_act_no_grad
+from ..functional.conv_bn_call import ConvBNTensors, autocast_inputs, check_inputs, conv_bn_act_no_grad
 from ..functional.strategies import Strategy, check_strategy
-from .fused import FrozenFunction, RecomputeBNFunction, RecomputeConvFunction
+from .layer_functions import FrozenFunction, RecomputeBNFunction, RecomputeConvFunction
 
 __all__ = ["conv_bn_act", "conv_bn_act_spec"]
 
@@ -43,7 +43,7 @@ def conv_bn_act_spec(
             as :func:`conv_bn_act` takes them.
         conv, bn, act: the resolved layer specs.
         strategy: a :data:`~convbn.functional.strategies.Strategy`.
-        inputs_checked: the caller has run :func:`~convbn.functional.fused.check_inputs`
+        inputs_checked: the caller has run :func:`~convbn.functional.conv_bn_call.check_inputs`
             on exactly these arguments (the fused modules do, before advancing
             ``num_batches_tracked``, so a failing call changes no state); skips it here.
 

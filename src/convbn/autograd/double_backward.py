@@ -8,7 +8,7 @@
 # flow through the conv, the batch statistics and the activation. Ordinary training
 # never takes that branch. Shared by :class:`convbn.autograd.chain.ChainFunction` (which
 # also runs the single-layer recompute strategies) and
-# :class:`convbn.autograd.fused.FrozenFunction`.
+# :class:`convbn.autograd.layer_functions.FrozenFunction`.
 """
 from __future__ import annotations
 

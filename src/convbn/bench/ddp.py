@@ -55,7 +55,7 @@ import os
 import statistics
 import sys
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor, nn
@@ -129,12 +129,8 @@ class _Config:
 def _bench_worker(rank: int, world_size: int, spec: str, batch_size: int, steps: int, warmup: int, device_name: str,
                   seed: int, lr: float, threads: int) -> Dict[str, Any]:
     """One rank of :func:`run_ddp_bench`: returns this rank's measurements."""
-    import torch.distributed as dist
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
     from convbn.bench.models import build_model
     from convbn.memory import track_saved
-    from convbn.passes.convert.api import convert
 
     torch.set_num_threads(threads)
     device = torch.device(device_name)
@@ -143,37 +139,13 @@ def _bench_worker(rank: int, world_size: int, spec: str, batch_size: int, steps:
     torch.manual_seed(seed)
     base, shape = build_model(spec)  # same seed: same weights on every rank
     base = base.train()
-    synced = nn.SyncBatchNorm.convert_sync_batchnorm(copy.deepcopy(base)).to(device)
-    n_bn = sum(isinstance(m, nn.SyncBatchNorm) for m in synced.modules())
-
-    # name -> (model, note, the unconverted module whose parameter order every config shares)
-    models: Dict[str, Tuple[nn.Module, str, nn.Module]] = {}
-    if device.type == "cuda":
-        eager = copy.deepcopy(synced)
-        models["eager"] = (eager, "nn.SyncBatchNorm", eager)
-    else:
-        eager = copy.deepcopy(base)
-        models["eager"] = (eager, "nn.SyncBatchNorm is CUDA-only: per-process BatchNorm, local stats", eager)
-    unfused = swap_sync_batchnorm(copy.deepcopy(synced), inplace=True)
-    models[DDP_CONFIGS[1]] = (unfused, f"{n_bn} SyncBN, no fusion", unfused)
-    before = copy.deepcopy(synced)
-    fused = convert(before, strategy="auto")  # shares before's parameters (same objects, same order)
-    report = getattr(fused, "convbn_report", None)
-    models[DDP_CONFIGS[2]] = (fused, "" if report is None else f"{len(report.pairs)} pairs fused", before)
-    reference = "eager" if device.type == "cuda" else DDP_CONFIGS[1]
+    cfgs, reference = _worker_configs(base, device, lr)
 
     gen = torch.Generator().manual_seed(seed + 1 + rank)  # each rank its own data
     x = torch.randn(batch_size, *shape, generator=gen).to(device)
     with torch.no_grad():
         probe = first_tensor(copy.deepcopy(base).eval()(x[:1].cpu()))
     proj = torch.randn(probe.shape[1:], generator=torch.Generator().manual_seed(seed)).to(device)
-
-    cfgs: List[_Config] = []
-    for name, (model, note, owner) in models.items():
-        model = model.to(device)
-        params, buffers = list(owner.parameters()), [b for b in model.buffers() if b.is_floating_point()]
-        ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
-        cfgs.append(_Config(name, ddp, params, buffers, torch.optim.SGD(params, lr=lr), note))
 
     def step(cfg: _Config, saved: Optional[track_saved] = None) -> None:
         cfg.optimizer.zero_grad(set_to_none=True)
@@ -200,27 +172,72 @@ def _bench_worker(rank: int, world_size: int, spec: str, batch_size: int, steps:
         diffs = [float("inf") if (g is None) != (r is None) else 0.0 if g is None else (g - r).abs().max().item()
                  for g, r in zip(grads[cfg.name], ref)]
         result["configs"][cfg.name]["max_grad_diff"] = max(diffs, default=0.0)
+    _worker_rounds(cfgs, step, warmup, timed=None, device=device)
+    _worker_rounds(cfgs, step, steps, timed=result["configs"], device=device)
+    _rank_agreement(cfgs, world_size, device, result["configs"])
+    return result
 
-    def rounds(n: int, timed: bool) -> None:
-        for r in range(n):
-            k = r % len(cfgs)
-            for cfg in cfgs[k:] + cfgs[:k]:  # see Note: [Round-robin timing]
-                dist.barrier()
-                ms = timed_ms(lambda: step(cfg), device)
-                if timed:
-                    result["configs"][cfg.name]["times"].append(ms)
 
-    rounds(warmup, timed=False)
-    rounds(steps, timed=True)
+def _worker_configs(base: nn.Module, device: torch.device, lr: float) -> Tuple[List[_Config], str]:
+    """Eager, unfused SyncBatchNorm and converted copies of ``base``, each wrapped in DDP with
+    its own SGD; and the name of the configuration the others' gradients are compared with."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
 
-    for cfg in cfgs:  # do the ranks agree? (max difference of any rank from rank 0)
+    from convbn.passes.convert.api import convert
+
+    synced = nn.SyncBatchNorm.convert_sync_batchnorm(copy.deepcopy(base)).to(device)
+    n_bn = sum(isinstance(m, nn.SyncBatchNorm) for m in synced.modules())
+    # name -> (model, note, the unconverted module whose parameter order every config shares)
+    models: Dict[str, Tuple[nn.Module, str, nn.Module]] = {}
+    if device.type == "cuda":
+        eager = copy.deepcopy(synced)
+        models["eager"] = (eager, "nn.SyncBatchNorm", eager)
+    else:
+        eager = copy.deepcopy(base)
+        models["eager"] = (eager, "nn.SyncBatchNorm is CUDA-only: per-process BatchNorm, local stats", eager)
+    unfused = swap_sync_batchnorm(copy.deepcopy(synced), inplace=True)
+    models[DDP_CONFIGS[1]] = (unfused, f"{n_bn} SyncBN, no fusion", unfused)
+    before = copy.deepcopy(synced)
+    fused = convert(before, strategy="auto")  # shares before's parameters (same objects, same order)
+    report = getattr(fused, "convbn_report", None)
+    models[DDP_CONFIGS[2]] = (fused, "" if report is None else f"{len(report.pairs)} pairs fused", before)
+    cfgs: List[_Config] = []
+    for name, (model, note, owner) in models.items():
+        model = model.to(device)
+        params, buffers = list(owner.parameters()), [b for b in model.buffers() if b.is_floating_point()]
+        ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
+        cfgs.append(_Config(name, ddp, params, buffers, torch.optim.SGD(params, lr=lr), note))
+    return cfgs, "eager" if device.type == "cuda" else DDP_CONFIGS[1]
+
+
+def _worker_rounds(cfgs: List[_Config], step: Callable[[_Config], None], n: int,
+                   timed: Optional[Dict[str, Dict[str, Any]]], device: torch.device) -> None:
+    """``n`` rounds of one step of every configuration, ranks in step (see Note: [Round-robin
+    timing]); with ``timed``, each step's milliseconds appended to its configuration's ``times``."""
+    import torch.distributed as dist
+
+    for r in range(n):
+        k = r % len(cfgs)
+        for cfg in cfgs[k:] + cfgs[:k]:
+            dist.barrier()
+            ms = timed_ms(lambda: step(cfg), device)
+            if timed is not None:
+                timed[cfg.name]["times"].append(ms)
+
+
+def _rank_agreement(cfgs: List[_Config], world_size: int, device: torch.device,
+                    results: Dict[str, Dict[str, Any]]) -> None:
+    """Do the ranks agree? Each configuration's largest difference of any rank's parameters
+    and buffers from rank 0's."""
+    import torch.distributed as dist
+
+    for cfg in cfgs:
         for key, tensors in (("rank_param_diff", cfg.params), ("rank_buffer_diff", cfg.buffers)):
             mine = _flat(tensors).to(device)
             everyone = [torch.empty_like(mine) for _ in range(world_size)]
             dist.all_gather(everyone, mine)
-            result["configs"][cfg.name][key] = max(((t - everyone[0]).abs().max().item() for t in everyone
-                                                   if t.numel()), default=0.0)
-    return result
+            results[cfg.name][key] = max(((t - everyone[0]).abs().max().item() for t in everyone
+                                          if t.numel()), default=0.0)
 
 
 def run_ddp_bench(
@@ -271,6 +288,12 @@ def run_ddp_bench(
         results = _run_in_this_group(world_size, bench_args)
     else:
         results = launch_workers(_bench_worker, world_size, *bench_args, device=device, timeout=timeout)
+    return _rows(spec, world_size, device, results)
+
+
+def _rows(spec: str, world_size: int, device: str, results: List[Dict[str, Any]]) -> List[DDPRow]:
+    """One row per configuration from every rank's measurements: the worst rank's figures,
+    ratios to eager."""
     rows: List[DDPRow] = []
     backend = default_backend(device)
     for name in DDP_CONFIGS:

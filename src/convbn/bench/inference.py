@@ -155,65 +155,89 @@ def run_inference_bench(
     """
     rows: List[InferenceRow] = []
     with torch.no_grad(), progress_bar(progress) as bar:
-        total = len(specs) * (warmup + repeats)
-        task = bar.add_task("inference benchmark", total=total)
+        task = bar.add_task("inference benchmark", total=len(specs) * (warmup + repeats))
         for spec in specs:
             bar.update(task, description=f"{spec}: building")
-            torch.manual_seed(seed)
-            model, shape = build_model(spec)
-            if checkpoint is None:
-                _randomize_bn(model, seed)
-            else:
-                load_checkpoint(model, checkpoint)
-            model.eval().to(device=device, dtype=dtype)
-            x = torch.randn(batch_size, *shape).to(device=device, dtype=dtype)
-            if image_size is not None and len(shape) > 1:
-                resized = torch.randn(batch_size, shape[0], *((image_size,) * (len(shape) - 1))).to(device=device, dtype=dtype)
-                try:
-                    model(resized[:1])
-                    x = resized
-                except Exception as exc:  # noqa: BLE001 - fixed-size model (e.g. mnist): keep its size, say so
-                    warnings.warn(f"{spec}: --image-size {image_size} does not fit this model ({short_error(exc, 100)}); "
-                                  f"using its own input size {tuple(shape)}", stacklevel=2)
-            check_input(model, x, spec, "pass --image-size with a size the model takes")
+            model, x = _model_and_input(spec, batch_size, image_size, seed, checkpoint, device, dtype)
             variants = _make_variants(model, x, use_compile)
             reference = first_tensor(model(x))
-            times: Dict[str, List[float]] = {name: [] for name, fn, _ in variants if fn is not None}
             diffs: Dict[str, float] = {}
             for name, fn, _ in variants:
                 if fn is not None:
                     diffs[name] = (first_tensor(fn(x)) - reference).abs().max().item()
             live = [(name, fn) for name, fn, _ in variants if fn is not None]
-            sync = torch.cuda.synchronize if x.is_cuda else (lambda: None)
-            for round_ in range(warmup + repeats):
-                bar.update(task, description=f"{spec}: round {round_ + 1}/{warmup + repeats}")
-                shift = round_ % len(live)  # rotate the order: no variant always runs first
-                for name, fn in live[shift:] + live[:shift]:
-                    sync()
-                    start = time.perf_counter()
-                    fn(x)
-                    sync()
-                    elapsed = time.perf_counter() - start
-                    if round_ >= warmup:
-                        times[name].append(elapsed * 1e3)
-                bar.advance(task)
-            def paired(name: str, against: str) -> Optional[float]:
-                # Ratios within a round cancel slow drifts in machine load (shared CPUs).
-                if against not in times:
-                    return None
-                return statistics.median(a / b for a, b in zip(times[name], times[against]))
+            times = _time_rounds(live, x, warmup, repeats, lambda r: bar.update(
+                task, description=f"{spec}: round {r + 1}/{warmup + repeats}"), lambda: bar.advance(task))
+            rows += _variant_rows(spec, tuple(x.shape), variants, times, diffs)
+    return rows
 
-            for name, fn, note in variants:
-                row = InferenceRow(spec, name, tuple(x.shape), note=note)
-                if fn is not None:
-                    row.median_ms = statistics.median(times[name])
-                    q = statistics.quantiles(times[name], n=4) if len(times[name]) > 1 else [row.median_ms] * 3
-                    row.iqr_ms = (q[0], q[2])
-                    row.ratio = paired(name, "unfused")
-                    row.ratio_to_fuse = paired(name, "fx fuse")
-                    row.max_abs_diff = diffs[name]
-                    row.batchnorms_left = _count_bn(fn)
-                rows.append(row)
+
+def _model_and_input(spec: str, batch_size: int, image_size: Optional[int], seed: int, checkpoint: Optional[str],
+                     device: str, dtype: torch.dtype) -> Tuple[nn.Module, Tensor]:
+    """``spec``'s model in eval mode (random BatchNorm statistics, or ``checkpoint``'s
+    weights) and a random input batch, resized to ``image_size`` where the model takes it."""
+    torch.manual_seed(seed)
+    model, shape = build_model(spec)
+    if checkpoint is None:
+        _randomize_bn(model, seed)
+    else:
+        load_checkpoint(model, checkpoint)
+    model.eval().to(device=device, dtype=dtype)
+    x = torch.randn(batch_size, *shape).to(device=device, dtype=dtype)
+    if image_size is not None and len(shape) > 1:
+        resized = torch.randn(batch_size, shape[0], *((image_size,) * (len(shape) - 1))).to(device=device, dtype=dtype)
+        try:
+            model(resized[:1])
+            x = resized
+        except Exception as exc:  # noqa: BLE001 - fixed-size model (e.g. mnist): keep its size, say so
+            warnings.warn(f"{spec}: --image-size {image_size} does not fit this model ({short_error(exc, 100)}); "
+                          f"using its own input size {tuple(shape)}", stacklevel=3)
+    check_input(model, x, spec, "pass --image-size with a size the model takes")
+    return model, x
+
+
+def _time_rounds(live: List[Tuple[str, Callable[[Tensor], Any]]], x: Tensor, warmup: int, repeats: int,
+                 start_round: Callable[[int], None], end_round: Callable[[], None]) -> Dict[str, List[float]]:
+    """Milliseconds per call of each variant, one call of every variant per round, the order
+    rotated each round; the first ``warmup`` rounds untimed."""
+    times: Dict[str, List[float]] = {name: [] for name, _ in live}
+    sync = torch.cuda.synchronize if x.is_cuda else (lambda: None)
+    for round_ in range(warmup + repeats):
+        start_round(round_)
+        shift = round_ % len(live)  # rotate the order: no variant always runs first
+        for name, fn in live[shift:] + live[:shift]:
+            sync()
+            start = time.perf_counter()
+            fn(x)
+            sync()
+            elapsed = time.perf_counter() - start
+            if round_ >= warmup:
+                times[name].append(elapsed * 1e3)
+        end_round()
+    return times
+
+
+def _variant_rows(spec: str, shape: Tuple[int, ...], variants: List[Tuple[str, Any, str]],
+                  times: Dict[str, List[float]], diffs: Dict[str, float]) -> List[InferenceRow]:
+    """One row per variant: median and quartiles, ratios to the unfused model and to fx's fuse."""
+    def paired(name: str, against: str) -> Optional[float]:
+        # Ratios within a round cancel slow drifts in machine load (shared CPUs).
+        if against not in times:
+            return None
+        return statistics.median(a / b for a, b in zip(times[name], times[against]))
+
+    rows = []
+    for name, fn, note in variants:
+        row = InferenceRow(spec, name, shape, note=note)
+        if fn is not None:
+            row.median_ms = statistics.median(times[name])
+            q = statistics.quantiles(times[name], n=4) if len(times[name]) > 1 else [row.median_ms] * 3
+            row.iqr_ms = (q[0], q[2])
+            row.ratio = paired(name, "unfused")
+            row.ratio_to_fuse = paired(name, "fx fuse")
+            row.max_abs_diff = diffs[name]
+            row.batchnorms_left = _count_bn(fn)
+        rows.append(row)
     return rows
 
 

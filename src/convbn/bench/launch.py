@@ -98,34 +98,47 @@ def launch_workers(
                  for rank in range(world_size)]
         for p in procs:
             p.start()
-        failed: Optional[int] = None
-        deadline = time.monotonic() + timeout
-        try:
-            while any(p.is_alive() for p in procs):
-                failed = next((r for r, p in enumerate(procs) if p.exitcode not in (None, 0)), None)
-                if failed is not None or time.monotonic() > deadline:
-                    break
-                time.sleep(0.05)
-            failed = next((r for r, p in enumerate(procs) if p.exitcode not in (None, 0)), failed)
-        finally:
-            _stop(procs)
-        results = []
-        for rank in range(world_size):
-            path = os.path.join(out_dir, f"rank{rank}.pt")
-            results.append(torch.load(path, weights_only=False) if os.path.exists(path) else None)
-        errors = {r: p for r, p in enumerate(results) if p is not None and not p["ok"]}
-        if errors:  # the rank that raised first is the cause; the others usually lost their peer then
-            first = min(errors, key=lambda r: errors[r]["time"])
-            others = "".join(f"\nrank {r} failed too: {p['error'].strip().splitlines()[-1]}"
-                             for r, p in errors.items() if r != first)
-            raise RuntimeError(f"distributed worker rank {first} of {world_size} failed:\n"
-                               f"{errors[first]['error']}{others}")
-        if failed is not None or any(r is None for r in results):
-            missing = [r for r, p in enumerate(results) if p is None]
-            why = f"rank {failed} exited with code {procs[failed].exitcode}" if failed is not None else \
-                f"timed out after {timeout:.0f} s"
-            raise RuntimeError(f"distributed workers did not finish ({why}); ranks without a result: {missing}")
-        return [p["result"] for p in results]
+        failed = _wait(procs, timeout)
+        return _results(procs, out_dir, failed, timeout)
+
+
+def _wait(procs: Sequence[Any], timeout: float) -> Optional[int]:
+    """Wait for every worker, or until one fails or ``timeout`` passes; stop the ones left.
+    Returns the rank of a worker that exited with an error, if any."""
+    failed: Optional[int] = None
+    deadline = time.monotonic() + timeout
+    try:
+        while any(p.is_alive() for p in procs):
+            failed = next((r for r, p in enumerate(procs) if p.exitcode not in (None, 0)), None)
+            if failed is not None or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+        failed = next((r for r, p in enumerate(procs) if p.exitcode not in (None, 0)), failed)
+    finally:
+        _stop(procs)
+    return failed
+
+
+def _results(procs: Sequence[Any], out_dir: str, failed: Optional[int], timeout: float) -> List[Any]:
+    """Every rank's result, read from ``out_dir``; the first failure's traceback raised where a rank failed."""
+    world_size = len(procs)
+    results = []
+    for rank in range(world_size):
+        path = os.path.join(out_dir, f"rank{rank}.pt")
+        results.append(torch.load(path, weights_only=False) if os.path.exists(path) else None)
+    errors = {r: p for r, p in enumerate(results) if p is not None and not p["ok"]}
+    if errors:  # the rank that raised first is the cause; the others usually lost their peer then
+        first = min(errors, key=lambda r: errors[r]["time"])
+        others = "".join(f"\nrank {r} failed too: {p['error'].strip().splitlines()[-1]}"
+                         for r, p in errors.items() if r != first)
+        raise RuntimeError(f"distributed worker rank {first} of {world_size} failed:\n"
+                           f"{errors[first]['error']}{others}")
+    if failed is not None or any(r is None for r in results):
+        missing = [r for r, p in enumerate(results) if p is None]
+        why = f"rank {failed} exited with code {procs[failed].exitcode}" if failed is not None else \
+            f"timed out after {timeout:.0f} s"
+        raise RuntimeError(f"distributed workers did not finish ({why}); ranks without a result: {missing}")
+    return [p["result"] for p in results]
 
 
 def _stop(procs: Sequence[Any]) -> None:

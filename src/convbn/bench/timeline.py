@@ -16,7 +16,7 @@ from __future__ import annotations
 import copy
 import os
 import re
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor, nn
@@ -182,6 +182,23 @@ def plot_timelines(timelines: Sequence[Timeline], path: str, title: Optional[str
         legend.append(f"{tl.label or f'config {k}'}: peak {format_bytes(tl.peak)}{ratio}, in the {where}")
         ax.plot(xs, ys, color=c, lw=1.6, label=legend[-1])
         ax.plot([xs[i]], [ys[i]], marker="o", color=c, ms=8, markeredgecolor="black", markeredgewidth=0.6)
+    _phase_axis(ax, segments)
+    meter = "CUDA allocator" if timelines[0].source == "cuda" else "exact live tensors"
+    ax.set_ylabel(f"memory in use above the step's start (MiB, {meter})\nlower is better", fontsize=10)
+    ax.set_title(title or "Memory timeline of one training step")
+    ax.grid(True, axis="y", alpha=0.3)
+    ax.set_xlim(0, max(a + b for a, b in segments.values()))
+    ax.set_ylim(0, max(p.bytes for tl in timelines for p in tl.points) / mib * 1.08)
+    ax.legend(fontsize=9, loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=1, frameon=False,
+              title="one training step, left to right; a dot marks each configuration's peak", title_fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return legend
+
+
+def _phase_axis(ax: Any, segments: Dict[str, Tuple[float, float]]) -> None:
+    """The x axis: one labelled band per phase, alternately shaded, short phases' labels turned."""
     centres, names = [], []
     for j, (phase, (x0, width)) in enumerate(segments.items()):
         if j % 2:
@@ -196,18 +213,6 @@ def plot_timelines(timelines: Sequence[Timeline], path: str, title: Optional[str
         if width < 0.06:  # a short phase (loss, zero grad): its label turned, so it does not run into its neighbours
             tick.set_rotation(90)
             tick.set_fontsize(8)
-    meter = "CUDA allocator" if timelines[0].source == "cuda" else "exact live tensors"
-    ax.set_ylabel(f"memory in use above the step's start (MiB, {meter})\nlower is better", fontsize=10)
-    ax.set_title(title or "Memory timeline of one training step")
-    ax.grid(True, axis="y", alpha=0.3)
-    ax.set_xlim(0, max(a + b for a, b in segments.values()))
-    ax.set_ylim(0, max(p.bytes for tl in timelines for p in tl.points) / mib * 1.08)
-    ax.legend(fontsize=9, loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=1, frameon=False,
-              title="one training step, left to right; a dot marks each configuration's peak", title_fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return legend
 
 
 def _phase_segments(tl: Timeline) -> Dict[str, Tuple[float, float]]:

@@ -72,38 +72,29 @@ Run::
 from __future__ import annotations
 
 import argparse
-import copy
-import ctypes
-import gc
-import statistics
-import time
 import warnings
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Union
 
 import torch
-from torch import Tensor, nn
-from torch.nn.modules.dropout import _DropoutNd
 
 from convbn.bench.checkpointing import CheckpointBlock, checkpoint_blocks, find_blocks
-from convbn.progress import progress_scope
-from convbn.bench.common import DTYPES, add_output_arguments, progress_bar, first_tensor, projection_loss, short_error, timed_ms, write_outputs
-from convbn.bench.concat_checkpoint import NoConcatHead
-from convbn.bench.models import build_model, check_input, check_spec
+from convbn.bench.common import DTYPES, add_output_arguments, write_outputs
+from convbn.bench.models import check_spec
 from convbn.bench.plotting import pyplot
 from convbn.bench.training_configs import (
     CONCAT_CHECKPOINT,
     CONFIG_KEYS,
     DEFAULT_COMPILE_BUDGETS,
-    TrainingConfig,
     budget_backend,
-    build_config,
     config_names,
 )
+from convbn.bench.training_run import TrainingRun
+from convbn.bench.training_settings import TrainingBenchSettings
 from convbn.bench.training_output import TrainingRow, print_table, rows_to_json, rows_to_markdown, write_plot
-from convbn.memory import peak_memory, timeline, track_saved
 
-# The runner's public API; the configurations, checkpointing and output live in
-# training_configs.py, checkpointing.py and training_output.py.
+# The runner's public API; its settings, one run's phases, the configurations, checkpointing
+# and output live in training_settings.py, training_run.py, training_configs.py,
+# checkpointing.py and training_output.py.
 __all__ = [
     "TrainingRow",
     "CheckpointBlock",
@@ -112,6 +103,7 @@ __all__ = [
     "checkpoint_blocks",
     "config_names",
     "run_training_bench",
+    "TrainingBenchSettings",
     "print_table",
     "rows_to_markdown",
     "rows_to_json",
@@ -130,133 +122,16 @@ DEFAULT_MODELS = ("mnist",)
 # --------------------------------------------------------------------------- one step
 
 
-def _step(cfg: TrainingConfig, x: Tensor, proj: Tensor) -> Tensor:
-    cfg.optimizer.zero_grad(set_to_none=True)
-    with cfg.context():
-        out = first_tensor(cfg.model(x))
-        projection_loss(out, proj).backward()
-    cfg.optimizer.step()
-    return out.detach()
-
-
-_LIBC: Any = None
-
-
-def _release_freed_memory(device: torch.device) -> None:
-    """Give freed heap pages back to the OS so RSS-based peaks start from a comparable floor."""
-    global _LIBC
-    gc.collect()
-    if device.type == "cuda":
-        return
-    if _LIBC is None:
-        try:
-            _LIBC = ctypes.CDLL("libc.so.6")
-        except OSError:  # pragma: no cover - not glibc
-            _LIBC = False
-    if _LIBC:
-        _LIBC.malloc_trim(0)
-
-
-def _max_diff(a: Optional[Tensor], b: Optional[Tensor]) -> float:
-    if a is None or b is None:
-        return 0.0 if a is None and b is None else float("inf")
-    if a.shape != b.shape:
-        return float("inf")
-    return (a.double() - b.double()).abs().max().item() if a.numel() else 0.0
-
-
-def _max_abs(t: Optional[Tensor]) -> float:
-    return 0.0 if t is None or not t.numel() else t.abs().max().item()
-
-
-def _saved_bytes(cfg: TrainingConfig, x: Tensor) -> Tuple[int, int]:
-    """``(saved bytes, saved bytes without parameters)`` of one training forward.
-
-    Note: [Activation bytes]
-        :func:`convbn.memory.saved_bytes` counts a parameter when an op saves it (eager conv
-        saves its weight), but convbn's fused layers hold weights by reference and checkpointed
-        blocks save only their inputs, so at small inputs the totals mostly compare parameter
-        bookkeeping. The second figure drops parameter storages. It still counts tensors derived
-        from parameters: inductor on CPU saves channels-last copies of conv weights for backward
-        (layout optimization), which are real extra memory held by ``torch.compile`` configurations.
-    """
-    with torch.enable_grad(), track_saved(cfg.model, per_module=False) as rec:
-        out = cfg.model(x)
-    del out
-    return rec.result.total, rec.result.activation_bytes
-
-
-# --------------------------------------------------------------------------- the benchmark
-
-
-def _make_input(model: nn.Module, shape: Tuple[int, ...], batch_size: int, image_size: Optional[int],
-                spec: str, device: torch.device, dtype: torch.dtype, gen: torch.Generator) -> Tensor:
-    if image_size is not None and len(shape) > 1:
-        resized = (shape[0],) + (image_size,) * (len(shape) - 1)
-        if resized != tuple(shape):
-            modes = [(m, m.training) for m in model.modules()]
-            try:
-                model.eval()
-                with torch.no_grad():
-                    model(torch.randn(1, *resized, generator=gen).to(device, dtype))
-                shape = resized
-            except Exception as exc:  # noqa: BLE001 - a fixed-size model (e.g. mnist) keeps its size
-                warnings.warn(f"{spec}: --image-size {image_size} does not fit this model ({short_error(exc)}); "
-                              f"keeping its input size {tuple(shape[1:])}", stacklevel=3)
-            finally:
-                for m, t in modes:
-                    m.training = t
-    x = torch.randn(batch_size, *shape, generator=gen).to(device, dtype)
-    check_input(model, x, spec, "pass --image-size with a size the model takes")
-    return x
-
-
-def run_training_bench(
-    spec: str,
-    batch_size: int = 32,
-    configs: Optional[Sequence[str]] = None,
-    steps: int = 10,
-    warmup: int = 2,
-    device: Any = "cpu",
-    dtype: torch.dtype = torch.float32,
-    plot_path: Optional[str] = None,
-    *,
-    budgets: Sequence[float] = (),
-    compile_budgets: Sequence[float] = DEFAULT_COMPILE_BUDGETS,
-    use_compile: bool = True,
-    image_size: Optional[int] = None,
-    memory_rounds: int = 3,
-    lr: float = 1e-3,
-    seed: int = 0,
-    progress: Optional[bool] = None,
-    model: Optional[nn.Module] = None,
-    input_shape: Optional[Sequence[int]] = None,
-    peak_budgets: Sequence[float] = (),
-) -> List[TrainingRow]:
-    """Benchmark training steps of ``spec`` under every selected configuration, in one process.
+def run_training_bench(spec: Union[str, TrainingBenchSettings], *args: Any, **kwargs: Any) -> List[TrainingRow]:
+    """Benchmark training steps of a model under every selected configuration, in one process.
 
     Args:
-        spec: a model spec, e.g. ``"mnist"``, ``"monai:resnet18"`` (:func:`convbn.bench.models.build_model`).
-        batch_size: batch size of the random input.
-        configs: keys of :data:`CONFIG_KEYS` to run (``None``: all); ``eager`` always runs.
-        steps: timed rounds (one step of every configuration each); the median is reported.
-        warmup: untimed rounds after the first step (which compiles / plans).
-        device: where to run.
-        dtype: parameter and input dtype.
-        plot_path: also write :func:`write_plot` of the rows there.
-        budgets: ``memory_budget`` values, one ``convert auto budget=X`` configuration each.
-        compile_budgets: ``activation_memory_budget`` values, one ``torch.compile`` configuration each.
-        use_compile: ``False`` drops the ``torch.compile`` configurations.
-        image_size: overrides the spatial size of the model's default input where the model allows.
-        memory_rounds: dedicated rounds measuring the peak memory of one step (median reported).
-        lr: SGD learning rate.
-        seed: seed of the weights, input and dropout.
-        progress: a rich progress bar on stderr: ``None`` where stderr is a terminal, ``True`` always,
-            ``False`` never.
-        model: benchmark this module (deep-copied, never changed) instead of building ``spec``,
-            which then only labels the rows; needs ``input_shape``.
-        input_shape: the input shape without the batch dimension, with ``model``.
-        peak_budgets: ``peak_budget`` values, one ``convert auto peak=X`` configuration each.
+        spec: a :class:`~convbn.bench.training_settings.TrainingBenchSettings`, or a model spec
+            followed by its other fields as arguments (``run_training_bench("mnist",
+            batch_size=8, steps=2)``): ``batch_size``, ``configs``, ``steps``, ``warmup``,
+            ``device``, ``dtype``, ``plot_path`` by position or keyword, the rest by keyword.
+        *args: the settings' fields after ``spec``, by position, when ``spec`` is a spec.
+        **kwargs: the settings' fields, by keyword, when ``spec`` is a spec.
 
     Returns:
         One :class:`TrainingRow` per configuration, ``eager`` first. A configuration that fails
@@ -265,153 +140,20 @@ def run_training_bench(
     Raises:
         ValueError: bad spec, configuration key, budget or counts.
         ImportError: the spec's package is missing.
+
+    Example:
+        >>> rows = run_training_bench("mnist", batch_size=4, steps=1, use_compile=False)  # doctest: +SKIP
+        >>> rows[0].config
+        'eager'
     """
-    if steps < 1 or warmup < 0 or memory_rounds < 0 or batch_size < 1:
-        raise ValueError(f"need steps >= 1, warmup >= 0, memory_rounds >= 0 and batch_size >= 1, but got "
-                         f"steps={steps}, warmup={warmup}, memory_rounds={memory_rounds}, batch_size={batch_size}")
-    names = config_names(configs, budgets, compile_budgets, use_compile, peak_budgets)
-    device = torch.device(device)
-    if model is not None:
-        if input_shape is None:
-            raise ValueError("run_training_bench(model=...) needs input_shape=(C, H, W) (without the batch dimension)")
-        base, shape = copy.deepcopy(model), tuple(input_shape)
+    if isinstance(spec, TrainingBenchSettings):
+        if args or kwargs:
+            raise TypeError("run_training_bench(settings) takes no other arguments, but got "
+                            f"{len(args)} positional and {sorted(kwargs)} keyword ones; use dataclasses.replace")
+        settings = spec
     else:
-        torch.manual_seed(seed)
-        base, shape = build_model(spec)
-    base = base.to(device=device, dtype=dtype).train()
-    gen = torch.Generator().manual_seed(seed)
-    x = _make_input(base, tuple(shape), batch_size, image_size, spec, device, dtype, gen)
-
-    dtype_name = str(dtype).replace("torch.", "")
-    rows: Dict[str, TrainingRow] = {n: TrainingRow(spec, n, tuple(x.shape), str(device), dtype_name) for n in names}
-    cfgs: List[TrainingConfig] = []
-    per_config = 2 + warmup + memory_rounds + steps
-    with progress_scope("bench", False), progress_bar(progress) as bar:  # the bar, not convert's lines
-        task = bar.add_task(f"{spec}: building", total=len(names) * per_config)
-
-        # build + first step (same weights, input and seed) -> differences from eager
-        proj: Optional[Tensor] = None
-        ref_out: Optional[Tensor] = None
-        ref_grads: List[Optional[Tensor]] = []
-        ref_buffers: List[Tensor] = []
-        for name in list(names):
-            bar.update(task, description=f"{spec}: {name}: build + first step")
-            row = rows[name]
-            t0 = time.perf_counter()
-            try:
-                cfg = build_config(name, base, x, lr)
-                if proj is None:
-                    with torch.no_grad():
-                        probe = first_tensor(copy.deepcopy(base).eval()(x[:1]))
-                    proj = torch.randn(probe.shape[1:], generator=gen).to(device)
-                torch.manual_seed(seed + 1)
-                out = _step(cfg, x, proj)
-                if device.type == "cuda":
-                    torch.cuda.synchronize(device)
-            except Exception as exc:  # noqa: BLE001 - report the failure in the row, keep going
-                if name == "eager":
-                    raise
-                if isinstance(exc, NoConcatHead) and configs is None:
-                    del rows[name]  # not asked for by name: a model without concatenations has no such row
-                    names.remove(name)
-                    bar.advance(task, per_config)
-                    continue
-                row.note = f"failed: {short_error(exc)}"
-                bar.advance(task, per_config)
-                continue
-            row.setup_s = time.perf_counter() - t0
-            # zero_grad(set_to_none) at the next step start; these grads are the first step's
-            grads = [None if p.grad is None else p.grad.detach().clone() for p in cfg.params]
-            buffers = [b.detach().clone() for b in cfg.buffers if b.is_floating_point()]
-            if name == "eager":
-                ref_out, ref_grads, ref_buffers = out.clone(), grads, buffers
-            else:
-                row.max_out_diff = _max_diff(out, ref_out)
-                row.max_grad_diff = max((_max_diff(g, r) for g, r in zip(grads, ref_grads)), default=0.0)
-                scale = max((_max_abs(r) for r in ref_grads), default=0.0)
-                row.max_grad_rel_diff = row.max_grad_diff / scale if scale > 0 else None
-                buf = max((_max_diff(b, r) for b, r in zip(buffers, ref_buffers)), default=0.0)
-                if buf > 1e-4:
-                    cfg.note += f"{'; ' if cfg.note else ''}running stats differ from eager by {buf:.1e}"
-                if (name.startswith("torch.compile") and
-                        any(isinstance(m, _DropoutNd) and m.p > 0 for m in base.modules())):
-                    cfg.note += f"{'; ' if cfg.note else ''}dropout RNG differs under compile"
-            row.note = cfg.note
-            cfgs.append(cfg)
-            bar.advance(task)
-
-        # saved bytes of one training forward (see Note: [Saved bytes under torch.compile])
-        for cfg in cfgs:
-            bar.update(task, description=f"{spec}: {cfg.name}: saved bytes")
-            try:
-                with cfg.context():
-                    rows[cfg.name].saved_bytes, rows[cfg.name].activation_bytes = _saved_bytes(cfg, x)
-            except Exception as exc:  # noqa: BLE001
-                rows[cfg.name].note += f"{'; ' if rows[cfg.name].note else ''}saved bytes failed: {short_error(exc)}"
-            bar.advance(task)
-
-        def run_rounds(n: int, label: str, body: Callable[[TrainingConfig, int], None]) -> None:
-            for r in range(n):
-                bar.update(task, description=f"{spec}: {label} {r + 1}/{n}")
-                live = [c for c in cfgs if not c.failed]
-                k = r % max(len(live), 1)
-                for cfg in live[k:] + live[:k]:  # see Note: [Round-robin timing]
-                    try:
-                        body(cfg, r)
-                    except Exception as exc:  # noqa: BLE001
-                        cfg.failed = True
-                        rows[cfg.name].note += f"{'; ' if rows[cfg.name].note else ''}failed in {label}: {short_error(exc)}"
-                    bar.advance(task)
-
-        assert proj is not None  # eager ran
-        run_rounds(warmup, "warm-up", lambda cfg, r: _step(cfg, x, proj))
-
-        peaks: Dict[str, List[int]] = {c.name: [] for c in cfgs}
-
-        def measure_peak(cfg: TrainingConfig, r: int) -> None:
-            # Note: [peak on CPU] exact live-tensor bytes (timeline, the one definition) where possible;
-            # compiled graphs run outside Python dispatch, so for them fall back to
-            # sampled process RSS and say so in the row.
-            _release_freed_memory(device)
-            if "torch.compile" not in cfg.name:
-                with cfg.context():
-                    tl = timeline(cfg.model, x, loss_fn=lambda out: projection_loss(first_tensor(out), proj),
-                                  optimizer=cfg.optimizer)
-                peaks[cfg.name].append(tl.peak)
-                return
-            if device.type == "cpu" and r == 0:
-                rows[cfg.name].note += f"{'; ' if rows[cfg.name].note else ''}peak: sampled RSS"
-            cfg.optimizer.zero_grad(set_to_none=True)  # as timeline: freed gradients are not the step's
-            _release_freed_memory(device)
-            with peak_memory(device) as meter:
-                _step(cfg, x, proj)
-            peaks[cfg.name].append(meter.result.peak)
-
-        run_rounds(memory_rounds, "peak memory", measure_peak)
-
-        times: Dict[str, List[float]] = {c.name: [] for c in cfgs}
-        run_rounds(steps, "timed step", lambda cfg, r: times[cfg.name].append(timed_ms(lambda: _step(cfg, x, proj), device)))
-
-    for cfg in cfgs:
-        row = rows[cfg.name]
-        if peaks[cfg.name] and not cfg.failed:
-            row.peak_bytes = int(statistics.median(peaks[cfg.name]))
-        if times[cfg.name] and not cfg.failed:
-            row.median_ms = statistics.median(times[cfg.name])
-    eager = rows["eager"]
-    for row in rows.values():
-        if row.saved_bytes is not None and eager.saved_bytes:
-            row.saved_ratio = row.saved_bytes / eager.saved_bytes
-        if row.activation_bytes is not None and eager.activation_bytes:
-            row.activation_ratio = row.activation_bytes / eager.activation_bytes
-        if row.peak_bytes is not None and eager.peak_bytes:
-            row.peak_ratio = row.peak_bytes / eager.peak_bytes
-        if row.median_ms is not None and eager.median_ms:
-            row.time_ratio = row.median_ms / eager.median_ms
-    result = [rows[n] for n in names]
-    if plot_path:
-        write_plot(result, plot_path)
-    return result
+        settings = TrainingBenchSettings(spec, *args, **kwargs)
+    return TrainingRun(settings).run()
 
 
 # --------------------------------------------------------------------------- command line

@@ -13,7 +13,7 @@ from torch import Tensor
 from .activations import Activation
 from .batchnorm import BNSpec
 from .conv import ConvSpec, conv_forward
-from .fused import ConvBNTensors
+from .conv_bn_call import ConvBNTensors
 
 __all__ = ["conv_bn_act_reference"]
 

@@ -14,7 +14,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 import torch
 from torch import Tensor, nn
 
-from ..nn.fused import OBSERVER_ATTR
+from ..nn.fused_conv_bn import OBSERVER_ATTR
 
 __all__ = ["SavedBytes", "format_bytes", "saved_bytes", "track_saved"]
 

@@ -147,7 +147,7 @@ def _cuda_peak_reader(dev: torch.device, start: int) -> Callable[[], int]:
     return read
 
 
-def timeline(
+def timeline(  # over 60 lines for its public docstring (what a step is, Args, Example); the body is ~35
     model: nn.Module,
     *inputs: Any,
     loss_fn: Optional[Callable[[Any], Tensor]] = None,
@@ -195,24 +195,7 @@ def timeline(
         raise TypeError(f"timeline expects an nn.Module, but got {type(model).__name__}")
     if loss_fn is None:
         loss_fn = default_loss
-    devices = {t.device.type for t in (*inputs, *model.parameters()) if isinstance(t, Tensor)}
-    track: Tuple[Any, ...] = (model,) if optimizer is None else (model, optimizer)
-    if "cuda" in devices:
-        dev = next(t.device for t in (*inputs, *model.parameters()) if isinstance(t, Tensor) and t.is_cuda)
-        torch.cuda.synchronize(dev)
-        start = torch.cuda.memory_allocated(dev)
-        torch.cuda.reset_peak_memory_stats(dev)
-        meter: Any = releasing_mod_tracker()
-        mode = _TimelineMode(_cuda_peak_reader(dev, start), lambda: _innermost(meter.parents))
-        source = "cuda"
-    else:
-        tp = tensor_peak(*track)
-        tracker = tp._tracker
-        _name_fused(tracker._mod_tracker, model)
-        mode = _TimelineMode(lambda: tp._total(tracker._curr_mem_snap) - tp._start,
-                             lambda: _innermost(tracker._mod_tracker.parents))
-        meter = tp
-        source = "tensors"
+    meter, mode, source = _meters(model, inputs, optimizer)
     result = Timeline(source=source, label=label)
     if not accumulate:  # before the meter starts: freed gradients are not part of the step
         if optimizer is not None:
@@ -235,6 +218,32 @@ def timeline(
             optimizer.step()
     result.points = mode.points
     return result
+
+
+def _meters(model: nn.Module, inputs: Tuple[Any, ...],
+            optimizer: Optional[torch.optim.Optimizer]) -> Tuple[Any, _TimelineMode, str]:
+    """The memory meter for one step of ``model`` (the CUDA allocator where the step runs on a
+    GPU, else live tensor bytes), the mode recording a point per operator, and the source's name.
+    Started before the step's ``zero_grad``: bytes are relative to what is live here."""
+    devices = {t.device.type for t in (*inputs, *model.parameters()) if isinstance(t, Tensor)}
+    track: Tuple[Any, ...] = (model,) if optimizer is None else (model, optimizer)
+    if "cuda" in devices:
+        dev = next(t.device for t in (*inputs, *model.parameters()) if isinstance(t, Tensor) and t.is_cuda)
+        torch.cuda.synchronize(dev)
+        start = torch.cuda.memory_allocated(dev)
+        torch.cuda.reset_peak_memory_stats(dev)
+        meter: Any = releasing_mod_tracker()
+        mode = _TimelineMode(_cuda_peak_reader(dev, start), lambda: _innermost(meter.parents))
+        source = "cuda"
+    else:
+        tp = tensor_peak(*track)
+        tracker = tp._tracker
+        _name_fused(tracker._mod_tracker, model)
+        mode = _TimelineMode(lambda: tp._total(tracker._curr_mem_snap) - tp._start,
+                             lambda: _innermost(tracker._mod_tracker.parents))
+        meter = tp
+        source = "tensors"
+    return meter, mode, source
 
 
 def _name_fused(mod_tracker: Any, model: nn.Module) -> None:

@@ -16,7 +16,7 @@ from torch import Tensor, nn
 
 from ..autograd.pool import lean_pool
 from ..functional.pool import IntOrSeq, PoolSpec
-from .fused import module_hooked
+from .fused_conv_bn import module_hooked
 
 __all__ = ["POOL_MODULES", "pool_module_call", "lean_max_pool2d", "lean_max_pool3d", "lean_avg_pool2d",
            "lean_avg_pool3d", "pool_module_spec"]

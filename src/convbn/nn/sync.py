@@ -9,7 +9,7 @@ forward and backward.
 
 It also holds how a BatchNorm module's call is read -- :func:`bn_spec_from_module`,
 :func:`bn_running_stats`, :func:`sync_group` -- which the fused modules share with it
-(``nn.fused`` imports them from here: the dependency runs one way).
+(``nn.fused_conv_bn`` imports them from here: the dependency runs one way).
 """
 from __future__ import annotations
 

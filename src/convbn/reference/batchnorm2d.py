@@ -105,7 +105,7 @@ def batch_norm2d_formula(input: Tensor, eps: float = 1e-3) -> Tensor:
     return (input - mean) / (sqrt_var + eps)
 
 
-def batch_norm2d_backward(
+def batch_norm2d_backward(  # over 60 lines for the tutorial's derivation in its docstring; the body is ~30
     grad_output: Tensor,
     input: Tensor,
     mean: Tensor,

@@ -3,7 +3,7 @@
 A user's subclass of ``nn.BatchNorm2d`` (timm's ``BatchNormAct2d``, a ``LazyBatchNorm2d``, one
 with extra attributes) is a ``BatchNorm2d``: it normalises what its base class normalises, and
 convert and fold treat it so. Whether its *forward* is torch's is another question
-(:func:`convbn.nn.bn_call.has_standard_bn_forward`; a norm-act forward: :mod:`convbn.passes.bn.recognise`).
+(:func:`convbn.nn.standard_bn.has_standard_bn_forward`; a norm-act forward: :mod:`convbn.passes.bn.recognise`).
 """
 from __future__ import annotations
 

@@ -39,7 +39,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from ...nn.bn_call import has_standard_bn_forward
+from ...nn.standard_bn import has_standard_bn_forward
 from ..graph.layers import normalize_args
 from ..graph.thread_patch import fx_patches_scoped, scoped_attr, static_attr
 from ..graph.hooks import hook_reason

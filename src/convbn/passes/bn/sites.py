@@ -8,7 +8,7 @@ own conditions: :func:`find_bn_sites` those of convert (fused in training: the m
 mode and statistics are read again at every call of the fused chain), giving convert's
 :class:`BNSite` records in graph order, and each BatchNorm that cannot be a site with the
 reason (the matcher reports it left); fold's (eval only: running statistics present, no hooks, torch's
-forward) are in :meth:`convbn.passes.fold.graph.GraphFolder.bn_site`. The matcher
+forward) are in :func:`convbn.passes.fold.match.match_bn`. The matcher
 (:mod:`convbn.passes.convert.match`) then looks for the convolution before and the tail after.
 """
 from __future__ import annotations
@@ -21,7 +21,7 @@ import torch.fx as fx
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from ...nn.bn_call import BatchNormView, frozen_batch_norm, has_standard_bn_forward, standard_batch_norm
+from ...nn.standard_bn import BatchNormView, frozen_batch_norm, has_standard_bn_forward, standard_batch_norm
 from ...nn.bn_shared import BatchNormOfSource, SharedBatchStats
 from ...nn.bn_slice import BatchNormSlice
 from .frozen import frozen_bn_eps, frozen_bn_ranks
@@ -234,7 +234,7 @@ def find_bn_sites(gm: fx.GraphModule, prefix: str, root: Optional[nn.Module] = N
     (:mod:`convbn.passes.tracing.trace`), a call of a frozen BatchNorm module (fused as an eval-mode
     BatchNorm: no statistics update, no gradient to its buffers), or an ``F.batch_norm``
     call on one module's stored tensors (fused with its traced training flag, momentum and
-    eps, which the graph only runs with: see :class:`~convbn.nn.bn_call.BatchNormView`).
+    eps, which the graph only runs with: see :class:`~convbn.nn.standard_bn.BatchNormView`).
     A BatchNorm module called more than once (shared running statistics) is no site.
 
     Args:

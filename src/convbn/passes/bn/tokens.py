@@ -52,7 +52,7 @@ from torch import Tensor, nn
 from torch.fx.node import has_side_effect
 
 from ...functional.activations import activation_from_module
-from ...nn.bn_call import has_standard_bn_forward
+from ...nn.standard_bn import has_standard_bn_forward
 from ..graph.shape_uses import value_users
 from .kind import bn_conv_dims
 

@@ -39,7 +39,8 @@ class CaptureOnFirstCall:
         strategy, chain: as given to ``convert``.
         count: how many times the module was captured again before.
         why: why the symbolic trace failed (the report says it where the capture fails too).
-        capture: ``convert``'s pipeline for one module and one call.
+        capture: ``convert``'s pipeline for one module and one call
+            (:func:`convbn.passes.convert.pipeline.capture_on_call`).
     """
 
     def __init__(self, owner: nn.Module, prefix: str, report: ConvertReport, strategy: str, chain: bool,

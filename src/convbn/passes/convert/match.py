@@ -30,12 +30,10 @@ from .match_tail import TailMatch, TailOpMatch, describe_node, match_tail, node_
 from ..report.convert_report import ConvertReport
 from ..graph.grad_regions import grad_region_of
 from ..graph.shape_uses import is_rank_use, value_users
-from .cat_norms import split_cat_norms
 from .shared_heads import split_shared_heads
-from ..bn.conv_crops import absorb_conv_crops
-from ..bn.tokens import drop_noop_flattens, flatten_token_bns, flattened_linear_reason
+from ..bn.tokens import flattened_linear_reason
 
-__all__ = ["MatchedConv", "MatchedLayer", "find_layers", "group_chains", "head_input", "node_arg",
+__all__ = ["MatchedConv", "MatchedLayer", "find_layers", "group_chains", "split_heads", "head_input", "node_arg",
            "describe_node"]
 
 
@@ -60,7 +58,7 @@ class MatchedLayer:
     """One fused layer found in the graph: ``[conv] -> [BN] -> tail``.
 
     Note: [matched layers and chains]
-    Three kinds, as in :class:`convbn.nn.chain.ChainLayer` (Note: [layers of a chain]):
+    Three kinds, as in :class:`convbn.nn.chain_layer.ChainLayer`:
 
     * ordinary: a conv whose output only the BN reads, the BN, and its tail;
     * *head* (``conv is None``): a BN whose input is not a fusable conv output but whose
@@ -330,6 +328,12 @@ def _conv_before_tail(src: Any, gm: fx.GraphModule, root: nn.Module, prefix: str
     return None
 
 
+def split_heads(gm: fx.GraphModule, root: nn.Module, prefix: str) -> List[str]:
+    """:func:`~convbn.passes.convert.shared_heads.split_shared_heads` where a head would join
+    the conv that reads it as matching sees it: ``act(bn(x))`` read by several convs -> one head each."""
+    return split_shared_heads(gm, root, prefix, lambda conv, out, bn: _head_conv_joins(conv, out, bn, gm, root))
+
+
 def _head_conv_joins(node: fx.Node, out: fx.Node, bn: nn.Module, gm: fx.GraphModule, root: nn.Module) -> bool:
     """Whether conv ``node``, reading the output ``out`` of a head with BatchNorm ``bn`` alone,
     would be matched after the head and join its chain (:func:`_match_head`, :func:`group_chains`)."""
@@ -366,13 +370,10 @@ def find_layers(gm: fx.GraphModule, root: nn.Module, prefix: str, report: Conver
 
     Returns:
         Ordinary layers, heads and end layers (Note: [matched layers and chains]), in graph order.
+
+    ``gm`` is read as the pipeline's canonicalising rewrites left it
+    (``convbn.passes.convert.pipeline.CANONICALISE``); matching changes no node.
     """
-    flatten_token_bns(gm)  # bn(linear(t).transpose(1, 2)) -> rows (bn/tokens.py)
-    drop_noop_flattens(gm)  # bn(linear(x).flatten(1)) on a 2-D x -> bn(linear(x)) (bn/tokens.py)
-    absorb_conv_crops(gm, root)  # bn(conv(x)[..., :-p]) -> bn(conv'(x)), the crop in its padding (bn/conv_crops.py)
-    split_cat_norms(gm, root, prefix)  # BN(cat(conv_i)) -> cat(BN_i(conv_i)) (cat_norms.py)
-    if chain:  # act(bn(x)) read by several convs -> one head each (shared_heads.py)
-        split_shared_heads(gm, root, prefix, lambda conv, out, bn: _head_conv_joins(conv, out, bn, gm, root))
     layers: List[MatchedLayer] = []
     found = find_bn_sites(gm, prefix, root)
     for bn_name, bn_why in found.left:

@@ -16,7 +16,7 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-from ...nn.fused import module_hooked
+from ...nn.fused_conv_bn import module_hooked
 from ...nn.pool import (lean_avg_pool2d, lean_avg_pool3d, lean_max_pool2d, lean_max_pool3d, pool_module_call,
                        pool_module_spec)
 

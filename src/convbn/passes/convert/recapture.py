@@ -67,7 +67,8 @@ class Recapture:
         prefix: the module's qualified name plus ``"."`` (``""`` at the root).
         strategy, chain: as given to ``convert``.
         count: how many times this module was captured again already.
-        reconvert: converts one module into a report (``convert``'s own pipeline).
+        reconvert: converts one module into a report (``convert``'s own pipeline run again:
+            :func:`convbn.passes.convert.pipeline.reconvert`).
     """
 
     def __init__(self, report: ConvertReport, prefix: str, strategy: str, chain: bool, count: int,

@@ -16,14 +16,14 @@ from typing import Dict, List, Sequence, Tuple
 import torch.fx as fx
 from torch import nn
 
-from ...nn.bn_call import has_standard_bn_forward
+from ...nn.standard_bn import has_standard_bn_forward
 from ...nn.sync import SyncBatchNorm
 from ...nn.chain import ChainLayer, FusedChain
 from ..graph.hooks import hook_reason
 from ..graph.concat_heads import chain_call_inputs, erase_unused_cat, shared_pieces
 from .match import MatchedLayer
 from ..plan.first_call_peak import peak_above_eager
-from ..plan.planner import plan_on_first_call
+from ..plan.chain_plans import lazy_plan
 from ..report.outcome import BNOutcome
 from ..report.convert_report import ConvertReport, FusedPair
 
@@ -48,10 +48,9 @@ def rewrite_chains(root: nn.Module, gm: fx.GraphModule, chains: List[List[Matche
                 conv, direction = (chain[pos + 1].conv, "following") if l.is_head else (l.conv, "preceding")
                 report.recorded.append(BNOutcome(l.bn_name, "fused", conv.name if conv else None, direction))
         fused = FusedChain(layers)
-        if mode == "auto":  # planned lazily unless convert plans it with example_inputs
-            fused.plan_on_first_call = plan_on_first_call
-            if lazy:  # with example inputs, convert measures the whole step itself
-                fused.guard_on_first_call = peak_above_eager
+        if mode == "auto":  # planned lazily unless convert plans it with example_inputs; with
+            # them, convert measures the whole step itself (no guard on the first call)
+            fused.apply_plan(lazy_plan(fused, peak_above_eager if lazy else None))
         name = f"convbn_chain{ci}"
         while hasattr(root, name) or hasattr(gm, name):
             name += "_"

@@ -59,7 +59,8 @@ class Variants:
         prefix: the module's qualified name plus ``"."`` (``""`` at the root).
         strategy, chain: as given to ``convert``.
         count: how many times the module was captured again before (for the re-capture limit).
-        capture: captures the module for one call (``convert``'s pipeline).
+        capture: captures the module for one call (``convert``'s pipeline run again:
+            :func:`convbn.passes.convert.pipeline.capture_variant`).
     """
 
     def __init__(self, report: ConvertReport, prefix: str, strategy: str, chain: bool, count: int,

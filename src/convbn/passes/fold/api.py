@@ -28,17 +28,18 @@ from __future__ import annotations
 import copy
 import dataclasses
 import warnings
-from typing import Any, List, Optional, Set, Tuple, TypeVar
+from dataclasses import dataclass
+from typing import Any, Callable, List, Optional, Set, Tuple, TypeVar
 
 import torch
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
-from torch.utils import _pytree as pytree
 
 from ..bn.recognise import may_normalise
 from .fold_check import (compare_to_reference, float64_errors, float64_fold_error, output_jump, reference_run,
                          run_no_grad)
-from .graph import FoldContext, GraphFolder
+from .folder import FoldContext
+from .stages import fold_graph
 from .layers import fold_conv_bn_modules
 from ..graph.layers import LAYER_MODULES
 from ..report.attached import attach_report, detach_report
@@ -98,9 +99,7 @@ def fold_module(module: nn.Module, prefix: str, ctx: FoldContext, done: Set[int]
             return fold_children(module, prefix, ctx, done)
     gm = traced.gm
     mark = len(ctx.report.outcomes)
-    folder = GraphFolder(gm, module, prefix, ctx)
-    folder.run()
-    changed = folder.changed
+    changed = fold_graph(gm, module, prefix, ctx)
     if changed:
         fwd = install(module, gm, register_new=True)
         fwd.defaults = traced.guard()  # the calls the graph applies to (defaults kept, traced shapes)
@@ -201,7 +200,7 @@ def _fold_finer(model: nn.Module, args: Tuple[Any, ...], reference: Any, eager_e
     if not ok or not report.folded:  # nothing gained: report the whole-model failure instead
         return None
     warnings.warn(f"fold(): folding the whole model changed its outputs ({why}); folded it child by child "
-                  "instead (see convbn_report)", RuntimeWarning, stacklevel=4)
+                  "instead (see convbn_report)", RuntimeWarning, stacklevel=6)  # fold's caller: see _fold_model
     forget_undo(work)
     attach_report(work, report)
     return work
@@ -261,6 +260,13 @@ def fold(
         >>> folded = fold(net, example_inputs=torch.randn(1, 3, 16, 16))
         >>> print(folded.convbn_report)  # doctest: +SKIP
     """
+    _check_model(model)
+    with transaction(model):  # Note: [a failed pass changes nothing]
+        return _fold_model(model, inplace, example_inputs, check)
+
+
+def _check_model(model: Any) -> None:
+    """Raise unless ``model`` is an eager ``nn.Module`` in eval mode."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"fold() expects a torch.nn.Module, but got {type(model).__name__}")
     reject_torchscript(model, "fold")
@@ -270,97 +276,172 @@ def fold(
             "eval mode, but the model is in training mode. Call model.eval() first (a BatchNorm "
             "you deliberately left in training mode inside an eval model is skipped and reported)."
         )
-    with transaction(model):  # Note: [a failed pass changes nothing]
-        return _fold_model(model, inplace, example_inputs, check)
 
 
-def _fold_model(model: nn.Module, inplace: bool, example_inputs: Any, check: bool) -> nn.Module:
-    """:func:`fold` once its arguments are checked (warnings: stack level 4 from ``_fold_finer``)."""
+# Note: [fold's stages]
+# fold() runs prepare (its arguments to a FoldRun), then FOLD_STAGES in order, each taking
+# the FoldRun the one before returned:
+#   prepare       the module to fold (a copy unless inplace), a reference run on the sample
+#                 input (it records BatchNorm input / Linear output ranks) and each module's inputs;
+#   fold_graphs   every module traced (trace) and folded by the graph folder's own stages
+#                 (canonicalise -> match -> fold -> tidy: GRAPH_STAGES in stages.py), recursively
+#                 into what tracing could not see into;
+#   account       every BatchNorm module gets an outcome, those tracing never reached too;
+#   check_folded  the folded model against the reference (or child by child where the whole
+#                 differs), then the report attached.
+@dataclass
+class FoldRun:
+    """One fold in progress: what each of :data:`FOLD_STAGES` hands the next."""
+
+    model: nn.Module  # the user's model
+    work: nn.Module  # the module being folded (``model`` itself with ``inplace``)
+    inplace: bool
+    check: bool
+    ctx: FoldContext
+    bn_names: List[str]  # the BatchNorm modules' names before folding removes them
+    lookalikes: List[BNOutcome]  # modules holding a frozen BatchNorm's buffers, not recognised as one
+    args: Optional[Tuple[Any, ...]] = None  # the sample input, when one was found
+    reference: Any = None  # the unfolded model's output on it
+    note: str = ""
+    original: Optional[nn.Module] = None  # the unfolded model, for the float64 fallbacks of the check
+    folded: Optional[nn.Module] = None  # the result, once checked
+
+    @property
+    def report(self) -> FoldReport:
+        return self.ctx.report
+
+
+def prepare(model: nn.Module, inplace: bool, example_inputs: Any, check: bool) -> FoldRun:
+    """The module to fold, the reference run on the sample input and each module's inputs."""
     work = model if inplace else copy.deepcopy(model)
-    report = FoldReport()
-    ctx = FoldContext(report, inplace, {}, {})
-    bn_names = bn_module_names(work)  # before folding removes them
-    lookalikes = frozen_lookalikes(work)  # modules holding a frozen BatchNorm's buffers, not recognised as one
-
-    args, reference, note = (None, None, "")
+    run = FoldRun(model, work, inplace, check, FoldContext(FoldReport(), inplace, {}, {}),
+                  bn_module_names(work), frozen_lookalikes(work))
     if check or example_inputs is not None:
-        args, reference, note = reference_run(work, example_inputs, ctx)
+        run.args, run.reference, run.note = reference_run(work, example_inputs, run.ctx)
     # A float64 copy of the original is run only if the fixed tolerance fails (see Note:
     # [fold's tolerance follows eager's own rounding]); with inplace, copied before folding.
-    original = (copy.deepcopy(work) if inplace else model) if check and args is not None else None
-
-    if args is not None:  # each module's inputs, for a trace with real shapes where fx fails
+    if check and run.args is not None:
+        run.original = copy.deepcopy(work) if inplace else model
+    if run.args is not None:  # each module's inputs, for a trace with real shapes where fx fails
         try:
-            ctx.called = {**called_inputs(work, args, {}), id(work): (args, {})}
+            run.ctx.called = {**called_inputs(work, run.args, {}), id(work): (run.args, {})}
         except Exception:  # noqa: BLE001 - the check reports what the model raises
-            ctx.called = None
-    fold_module(work, "", ctx, set())
-    folded = work
-    # unchecked: each rewritten module checks itself on its first call; not with inplace, whose
-    # folded weights overwrote the original's (its "original" forward would compute neither)
-    if (not check or args is None) and not inplace:
-        for m in work.modules():
+            run.ctx.called = None
+    return run
+
+
+def fold_graphs(run: FoldRun) -> FoldRun:
+    """Trace and fold every module (:func:`fold_module`); unchecked, each rewritten module
+    checks itself on its first call."""
+    fold_module(run.work, "", run.ctx, set())
+    # not with inplace, whose folded weights overwrote the original's (its "original" forward
+    # would compute neither)
+    if (not run.check or run.args is None) and not run.inplace:
+        for m in run.work.modules():
             fwd = installed(m)
             if fwd is not None:
                 fwd.pending = FirstCallCheck(tolerance)
+    return run
 
-    # every BatchNorm module gets an outcome, including ones tracing never reached
-    report.outcomes += unreached(bn_names, report.outcomes, [name for name, _ in report.untraced])
+
+def account(run: FoldRun) -> FoldRun:
+    """Every BatchNorm module gets an outcome, including ones tracing never reached."""
+    report = run.report
+    report.outcomes += unreached(run.bn_names, report.outcomes, [name for name, _ in report.untraced])
     named = {o.batchnorm for o in report.outcomes}
-    report.outcomes += [o for o in lookalikes if o.batchnorm not in named]
-    report.outcomes = explain_ghost_loops(model, report.outcomes)
+    report.outcomes += [o for o in run.lookalikes if o.batchnorm not in named]
+    report.outcomes = explain_ghost_loops(run.model, report.outcomes)
+    return run
 
-    if check:
-        if args is None:
-            report.check = FoldCheck(ran=False, note=note)
-        else:
-            try:
-                out = run_no_grad(folded, args)
-            except Exception as exc:
-                report.check = FoldCheck(ran=True, note=f"folded model failed: {short_reason(exc)}", passed=False)
-                finer = None if inplace else _fold_finer(model, args, reference, None, short_reason(exc))
-                if finer is not None:
-                    return finer
-                raise RuntimeError(f"fold(): the folded model fails on the sample input.\n{report}") from exc
-            diff, tol, ok, why = compare_to_reference(reference, out)
-            eager_errors = None
-            if not ok and original is not None:
-                eager_errors = float64_errors(original, args, reference)
-                if eager_errors is not None:
-                    diff, tol, ok, why = compare_to_reference(reference, out, eager_errors)
-            if not ok and original is not None:  # Note: [a fold checked in float64] in fold_check.py
-                # inplace on the float64 copy: no first-call check that could fall back to the original
-                err64 = float64_fold_error(original, args, lambda m, a: fold(m, inplace=True, example_inputs=a, check=False))
-                if err64 is not None and err64 <= tolerance(torch.float64, "fold"):
-                    ok = True
-                    why = (f"float32 outputs differ by {diff:.3g} (> {tol:.3g}): rounding the model amplifies; folded "
-                           f"in float64 it equals the float64 original (max relative difference {err64:.2g})")
-            if not ok and not inplace:
-                finer = _fold_finer(model, args, reference, eager_errors, f"max abs diff {diff:.3g} > {tol:.3g}")
-                if finer is not None:
-                    return finer
-            if eager_errors is not None and any(eager_errors):
-                note = "; ".join(x for x in (note, f"allowed includes {tolerance_rule('fold').eager_error_factor:g}x eager's own error vs a "
-                                             f"float64 run (max {max(eager_errors):.3g})") if x)
-            shapes = tuple(tuple(a.shape) for a in args if isinstance(a, Tensor))
-            report.check = FoldCheck(True, "; ".join(x for x in (note, why) if x), shapes, diff, tol, ok)
-            jump = output_jump(original, args, reference) if not ok and original is not None else None
-            if jump is not None:  # Note: [a model that jumps on last-bit changes] in fold_check.py
-                raise RuntimeError(
-                    f"fold(): cannot check the fold on these inputs: the model's own outputs jump on last-bit "
-                    f"changes (moving its input by {jump[0]:.1g}, relative, moves the original's outputs by "
-                    f"{jump[1]:.3g} > {jump[2]:.3g}), as a top-k, argmax, sort or threshold over near-tied values "
-                    f"does; folding changes rounding, so the folded outputs jump too (max abs diff {diff:.3g} > "
-                    f"{tol:.3g}). This says nothing about the fold itself. Pass example_inputs=... away from such "
-                    f"ties (real data rather than random or constant tensors), or check=False to get the folded "
-                    f"model unchecked.\n{report}"
-                )
-            if not ok:
-                raise RuntimeError(
-                    "fold(): the folded model's outputs differ from the original's beyond the "
-                    f"tolerance (max abs diff {diff:.3g} > {tol:.3g}); this is a bug in convbn, "
-                    f"please report it with the model. Use check=False to get the model anyway.\n{report}"
-                )
-    forget_undo(folded)
-    attach_report(folded, report)
-    return folded
+
+def check_folded(run: FoldRun) -> FoldRun:
+    """Compare the folded model to the reference (:func:`_checked`), then attach the report to
+    the result: the folded model, or its child-by-child fold where the whole one differs."""
+    if run.check and run.args is None:
+        run.report.check = FoldCheck(ran=False, note=run.note)
+    finer = _checked(run) if run.check and run.args is not None else None
+    if finer is not None:
+        return dataclasses.replace(run, folded=finer)  # _fold_finer attached its own report
+    forget_undo(run.work)
+    attach_report(run.work, run.report)
+    return dataclasses.replace(run, folded=run.work)
+
+
+def _checked(run: FoldRun) -> Optional[nn.Module]:
+    """Raise if the folded model's outputs differ from the reference beyond the tolerance;
+    the child-by-child fold where that is closer to eager, else ``None`` (the check recorded)."""
+    args, report = run.args, run.report
+    try:
+        out = run_no_grad(run.work, args)
+    except Exception as exc:
+        report.check = FoldCheck(ran=True, note=f"folded model failed: {short_reason(exc)}", passed=False)
+        finer = None if run.inplace else _fold_finer(run.model, args, run.reference, None, short_reason(exc))
+        if finer is not None:
+            return finer
+        raise RuntimeError(f"fold(): the folded model fails on the sample input.\n{report}") from exc
+    diff, tol, ok, why, eager_errors = _verdict(run, out)
+    if not ok and not run.inplace:
+        finer = _fold_finer(run.model, args, run.reference, eager_errors, f"max abs diff {diff:.3g} > {tol:.3g}")
+        if finer is not None:
+            return finer
+    note = run.note
+    if eager_errors is not None and any(eager_errors):
+        note = "; ".join(x for x in (note, f"allowed includes {tolerance_rule('fold').eager_error_factor:g}x eager's own "
+                                     f"error vs a "
+                                     f"float64 run (max {max(eager_errors):.3g})") if x)
+    shapes = tuple(tuple(a.shape) for a in args if isinstance(a, Tensor))
+    report.check = FoldCheck(True, "; ".join(x for x in (note, why) if x), shapes, diff, tol, ok)
+    if not ok:
+        _raise_differs(run, diff, tol)
+    return None
+
+
+def _verdict(run: FoldRun, out: Any) -> Tuple[float, float, bool, str, Optional[List[float]]]:
+    """``(max abs diff, allowed, ok, why, eager's own errors)`` of the folded output ``out``: the
+    fixed tolerance, then what eager itself gets wrong, then the fold redone in float64."""
+    diff, tol, ok, why = compare_to_reference(run.reference, out)
+    eager_errors, original = None, run.original
+    if not ok and original is not None:
+        eager_errors = float64_errors(original, run.args, run.reference)
+        if eager_errors is not None:
+            diff, tol, ok, why = compare_to_reference(run.reference, out, eager_errors)
+    if not ok and original is not None:  # Note: [a fold checked in float64] in fold_check.py
+        # inplace on the float64 copy: no first-call check that could fall back to the original
+        err64 = float64_fold_error(original, run.args, lambda m, a: fold(m, inplace=True, example_inputs=a, check=False))
+        if err64 is not None and err64 <= tolerance(torch.float64, "fold"):
+            ok = True
+            why = (f"float32 outputs differ by {diff:.3g} (> {tol:.3g}): rounding the model amplifies; folded "
+                   f"in float64 it equals the float64 original (max relative difference {err64:.2g})")
+    return diff, tol, ok, why, eager_errors
+
+
+def _raise_differs(run: FoldRun, diff: float, tol: float) -> None:
+    """The error for a folded model whose outputs differ: the model's own jumps, or a bug."""
+    jump = output_jump(run.original, run.args, run.reference) if run.original is not None else None
+    if jump is not None:  # Note: [a model that jumps on last-bit changes] in fold_check.py
+        raise RuntimeError(
+            f"fold(): cannot check the fold on these inputs: the model's own outputs jump on last-bit "
+            f"changes (moving its input by {jump[0]:.1g}, relative, moves the original's outputs by "
+            f"{jump[1]:.3g} > {jump[2]:.3g}), as a top-k, argmax, sort or threshold over near-tied values "
+            f"does; folding changes rounding, so the folded outputs jump too (max abs diff {diff:.3g} > "
+            f"{tol:.3g}). This says nothing about the fold itself. Pass example_inputs=... away from such "
+            f"ties (real data rather than random or constant tensors), or check=False to get the folded "
+            f"model unchecked.\n{run.report}"
+        )
+    raise RuntimeError(
+        "fold(): the folded model's outputs differ from the original's beyond the "
+        f"tolerance (max abs diff {diff:.3g} > {tol:.3g}); this is a bug in convbn, "
+        f"please report it with the model. Use check=False to get the model anyway.\n{run.report}"
+    )
+
+
+#: fold's stages after :func:`prepare`, in order (see Note: [fold's stages]).
+FOLD_STAGES: Tuple[Callable[[FoldRun], FoldRun], ...] = (fold_graphs, account, check_folded)
+
+
+def _fold_model(model: nn.Module, inplace: bool, example_inputs: Any, check: bool) -> nn.Module:
+    """:func:`fold` once its arguments are checked: :func:`prepare`, then :data:`FOLD_STAGES`."""
+    run = prepare(model, inplace, example_inputs, check)
+    for stage in FOLD_STAGES:
+        run = stage(run)
+    return run.folded

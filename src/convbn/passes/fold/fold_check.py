@@ -11,7 +11,7 @@ from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.utils import _pytree as pytree
 
-from .graph import FoldContext
+from .folder import FoldContext
 from ..graph.layers import LAYER_MODULES
 from ..tracing.trace import short_reason
 from ..check.validate import as_args, clone_tensors, compare_outputs, seeded, to_float64, tolerance_rule

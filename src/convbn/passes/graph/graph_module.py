@@ -51,7 +51,7 @@ from torch import nn
 from torch.fx.graph_module import _forward_from_src
 from torch.utils import _pytree as pytree
 
-from ...nn.fused import hooks_of
+from ...nn.fused_conv_bn import hooks_of
 
 __all__ = ["GraphForward", "install", "uninstall", "installed", "eager", "fused_modules", "forget_undo"]
 

@@ -6,7 +6,7 @@ from typing import Any, Optional
 from torch import nn
 from torch.nn.modules import module as _module
 
-from ...nn.fused import OBSERVER_ATTR
+from ...nn.fused_conv_bn import OBSERVER_ATTR
 
 __all__ = ["hook_reason", "global_hooks"]
 

@@ -1,6 +1,7 @@
 """Planning glue for ``convert(strategy="auto")``: measure a converted model's chains
 (saved bytes, shapes, MACs, what is alive around each chain's backward) and hand them to
-the pure planner in :mod:`convbn.passes.plan.planner`, then write the chosen modes back.
+the pure planner in :mod:`convbn.passes.plan.planner`, then give each chain its plan
+(:mod:`convbn.passes.plan.chain_plans`).
 """
 from __future__ import annotations
 
@@ -14,9 +15,11 @@ from torch import nn
 from ...memory import saved_bytes
 from ...nn.chain import ChainLayer, FusedChain
 from ...progress import stage
-from .planner import (ChainCost, all_keep_bytes, plan_for_peak, plan_layers, plan_on_first_call,
-                      plan_within_peak, step_peak, drops_needed)
-from .plan_inputs import chains_of, measure_peak, measure_plan_inputs
+from .chain_plans import apply_plan, lazy_plan, recompute_all
+from .peak_model import ChainCost, drops_needed, step_peak
+from .peak_planner import plan_for_peak, plan_within_peak
+from .planner import plan_layers
+from .plan_inputs import PlanInputs, chains_of, measure_peak, measure_plan_inputs
 from ..graph.graph_module import fused_modules
 from .first_call_peak import peak_above_eager
 from ..report.convert_report import ConvertReport
@@ -33,10 +36,6 @@ def measure_saved(model: nn.Module, inputs: Tuple[Any, ...]) -> int:
     if not model.training:
         model.train()
     return saved_bytes(model, *inputs).activation_bytes
-
-
-def _chain_layers(model: nn.Module) -> List[List[ChainLayer]]:
-    return [m.layers for m in chains_of(model)]
 
 
 @dataclass(frozen=True)
@@ -63,22 +62,109 @@ def plan_to_target(costs: Sequence[ChainCost], floor: int, extra: int, target: i
     return PeakPlan(keeps, may_drop, peak, low, reached)
 
 
-def apply_plan(chains: Sequence[FusedChain], keeps: Sequence[Sequence[bool]], may_drop: Sequence[bool]) -> None:
-    """Write a plan's flags into ``chains`` (forward order): each layer keeps its conv output
-    (``recompute_bn``) or recomputes it (``recompute_conv``); ``may_drop`` per chain."""
-    for c, kp, md in zip(chains, keeps, may_drop):
-        for l, k in zip(c.layers, kp):
-            l.mode = "recompute_bn" if k else "recompute_conv"
-            l.may_drop = md
+@dataclass(frozen=True)
+class _Measured:
+    """What :func:`plan_auto` measures before planning: the eager model's saved bytes and
+    step peak, the all-recompute floor, the chains the example inputs reach (forward order)
+    and the planner's inputs."""
+
+    eager: int
+    eager_peak: int
+    floor: int
+    ordered: List[FusedChain]
+    inputs: PlanInputs
+
+
+def _measure(original: nn.Module, converted: nn.Module, inputs: Tuple[Any, ...]) -> _Measured:
+    """Measure the eager step and every chain of ``converted`` recomputing all (state restored)."""
+    with StateSnapshot(original), StateSnapshot(converted):
+        stage("plan: measuring the eager step")
+        eager = measure_saved(original, inputs)
+        eager_peak = measure_peak(original, inputs).peak
+        chains = chains_of(converted)
+        for m in chains:  # measured here, on the example inputs: no plan or guard on the first call
+            m.apply_plan(recompute_all(m))
+        stage(f"plan: measuring {len(chains)} chains")
+        floor = measure_saved(converted, inputs)
+        ordered, measured = measure_plan_inputs(converted, inputs)
+    return _Measured(eager, eager_peak, floor, ordered, measured)
+
+
+def _extra_bytes(m: _Measured, memory_budget: Optional[float], layers: Sequence[ChainLayer]) -> int:
+    """Saved bytes allowed above the floor: every layer's kept output without a budget (the
+    default and a peak budget plan for the peak alone: Note: [the default plans for the peak
+    alone] in peak_planner.py), else what ``memory_budget`` leaves."""
+    if memory_budget is None:
+        return sum(l.keep_bytes() for l in layers)
+    target = int(round(memory_budget * m.eager, 6))  # budget == floor / eager must reach the floor
+    if target < m.floor:
+        least = math.ceil(m.floor / m.eager * 1000) / 1000  # rounded *up*: the suggestion must work
+        raise ValueError(
+            f"memory_budget={memory_budget} asks for {target} saved bytes, below the lowest reachable with "
+            f"per-layer strategies: {m.floor} bytes = {m.floor / m.eager:.3f} of eager ({m.eager} bytes); "
+            f"use memory_budget >= {least:.3f}"
+        )
+    return target - m.floor
+
+
+def _keeps(m: _Measured, extra: int, memory_budget: Optional[float], peak_budget: Optional[float],
+           peak_target: Optional[int], report: ConvertReport, layers: Sequence[ChainLayer]) -> List[List[bool]]:
+    """The keep flags of the reached chains for what was asked (Note: [saved bytes or peak]);
+    ``layers``: every chain's, the knapsack's items under ``memory_budget``."""
+    costs, gaps, floor = m.inputs.costs(), m.inputs.gaps(), m.inputs.floor
+    if peak_budget is not None or peak_target is not None:
+        asked = f"peak_budget={peak_budget}" if peak_target is None else "memory_limit"
+        report.target_peak_bytes = int(peak_budget * m.eager_peak) if peak_target is None else peak_target
+        chosen = plan_to_target(costs, floor, extra, report.target_peak_bytes, gaps)
+        report.lowest_peak_bytes = low = chosen.lowest
+        if not chosen.reached:
+            warnings.warn(
+                f"{asked} asks for a step peak of {report.target_peak_bytes} bytes, below the "
+                f"lowest any plan reaches{' within memory_budget' if memory_budget is not None else ''}: {low} "
+                f"bytes = {low / m.eager_peak:.3f} of eager's {m.eager_peak} (predicted); planned for that lowest peak",
+                stacklevel=6)  # _keeps <- plan_auto <- _plan <- _convert_model <- convert <- the caller
+        return chosen.keeps
+    if memory_budget is None:
+        # the default plans for the step's peak (planner docstring), never above eager's.
+        # Note: [never above eager]
+        # A converted step could peak above eager's where weights dominate: a chain held
+        # all its weight gradients (fixed: Note: [weight gradients as eager releases them])
+        # and its BatchNorms' saved statistics (now freed after each BN backward) to its end.
+        # What remains is a plan whose recompute transient is not paid for by what it stops
+        # keeping: eager's peak is measured on the example inputs (the same meter as the
+        # prediction), and where the default plan's predicted peak is above it, the least
+        # recompute whose predicted peak is not (keeping everything, ``recompute_bn``,
+        # saves no more than eager and recomputes only element-wise).
+        keeps = plan_for_peak(costs, floor, extra, gaps=gaps)
+        if step_peak(costs, keeps, floor, gaps=gaps)[0] > m.eager_peak:
+            keeps = plan_within_peak(costs, floor, extra, m.eager_peak, gaps)[0]
+        return keeps
+    flags = iter(plan_layers(layers, extra))
+    by_layer = {id(l): next(flags) for l in layers}
+    return [[by_layer[id(l)] for l in c.layers] for c in m.ordered]
+
+
+def _eager_if_above(converted: nn.Module, inputs: Tuple[Any, ...], eager_peak: int, report: ConvertReport) -> None:
+    """Note: [never above eager], last resort: a step measured above eager's (what a chain
+    recomputes outweighs what it stops keeping, e.g. tiny weight-dominated models) runs its
+    chains as eager modules, with the same peak as eager's."""
+    with StateSnapshot(converted):
+        fused_peak = measure_peak(converted, inputs).peak
+    if fused_peak > eager_peak:
+        why = (f"the fused step measured {fused_peak} bytes at its peak on example_inputs, above "
+               f"eager's {eager_peak}: its layers run as eager modules")
+        for m in chains_of(converted):  # registered or added by the in-place rewrite
+            m.apply_plan(m.plan.running_eager(why))
+        report.eager_fallback = True
 
 
 def plan_auto(original: nn.Module, converted: nn.Module, inputs: Tuple[Any, ...], memory_budget: Optional[float],
               report: ConvertReport, peak_budget: Optional[float] = None, peak_target: Optional[int] = None) -> None:
-    """Plan every chain of ``converted`` (``convert(strategy="auto")``) and write the modes.
+    """Plan every chain of ``converted`` (``convert(strategy="auto")``) and give each its plan.
 
     Args:
         original: the eager model (measured for the budgets' denominators).
-        converted: its conversion; its layers' modes are set here.
+        converted: its conversion; each chain gets its plan here (``FusedChain.apply_plan``).
         inputs: the example inputs.
         memory_budget: saved activation bytes allowed, as a fraction of eager's; ``None``: no
             saved-bytes limit (the default plans for the peak alone).
@@ -99,98 +185,35 @@ def plan_auto(original: nn.Module, converted: nn.Module, inputs: Tuple[Any, ...]
     # is reached, and the report says so. Given neither, the default plans for the peak
     # with a tolerance, and no saved-bytes limit (:func:`plan_for_peak`).
     """
-    chains = _chain_layers(converted)
-    layers = [l for c in chains for l in c]
-    with StateSnapshot(original), StateSnapshot(converted):
-        stage("plan: measuring the eager step")
-        eager = measure_saved(original, inputs)
-        eager_peak = measure_peak(original, inputs).peak
-        for l in layers:
-            l.mode = "recompute_conv"
-        for m in chains_of(converted):
-            m.plan_on_first_call = None
-            m.guard_on_first_call = None  # measured here, on the example inputs
-        stage(f"plan: measuring {len(chains)} chains")
-        floor = measure_saved(converted, inputs)
-        ordered, measured = measure_plan_inputs(converted, inputs)
-    costs, gaps, floor_total = measured.costs(), measured.gaps(), measured.floor
-    report.eager_saved_bytes, report.floor_saved_bytes = eager, floor
-    if memory_budget is None:
-        # no saved-bytes limit: the default and a peak budget plan for the peak alone
-        # (Note: [the default plans for the peak alone] in planner.py)
-        extra = all_keep_bytes(chains)
-    else:
-        target = int(round(memory_budget * eager, 6))  # budget == floor / eager must reach the floor
-        if target < floor:
-            least = math.ceil(floor / eager * 1000) / 1000  # rounded *up*: the suggestion must work
-            raise ValueError(
-                f"memory_budget={memory_budget} asks for {target} saved bytes, below the lowest reachable with "
-                f"per-layer strategies: {floor} bytes = {floor / eager:.3f} of eager ({eager} bytes); "
-                f"use memory_budget >= {least:.3f}"
-            )
-        extra = target - floor
-    report.eager_peak_bytes = eager_peak
-    if peak_budget is not None or peak_target is not None:
-        asked = f"peak_budget={peak_budget}" if peak_target is None else "memory_limit"
-        report.target_peak_bytes = int(peak_budget * eager_peak) if peak_target is None else peak_target
-        chosen = plan_to_target(costs, floor_total, extra, report.target_peak_bytes, gaps)
-        keeps, low, reached = chosen.keeps, chosen.lowest, chosen.reached
-        report.lowest_peak_bytes = low
-        if not reached:
-            warnings.warn(
-                f"{asked} asks for a step peak of {report.target_peak_bytes} bytes, below the "
-                f"lowest any plan reaches{' within memory_budget' if memory_budget is not None else ''}: {low} "
-                f"bytes = {low / eager_peak:.3f} of eager's {eager_peak} (predicted); planned for that lowest peak",
-                stacklevel=4)  # plan_auto <- convert internals <- convert <- the caller
-    elif memory_budget is None:
-        # the default plans for the step's peak (planner docstring), never above eager's.
-        # Note: [never above eager]
-        # A converted step could peak above eager's where weights dominate: a chain held
-        # all its weight gradients (fixed: Note: [weight gradients as eager releases them])
-        # and its BatchNorms' saved statistics (now freed after each BN backward) to its end.
-        # What remains is a plan whose recompute transient is not paid for by what it stops
-        # keeping: eager's peak is measured on the example inputs (the same meter as the
-        # prediction), and where the default plan's predicted peak is above it, the least
-        # recompute whose predicted peak is not (keeping everything, ``recompute_bn``,
-        # saves no more than eager and recomputes only element-wise).
-        keeps = plan_for_peak(costs, floor_total, extra, gaps=gaps)
-        if step_peak(costs, keeps, floor_total, gaps=gaps)[0] > eager_peak:
-            keeps = plan_within_peak(costs, floor_total, extra, eager_peak, gaps)[0]
-    else:
-        flags = iter(plan_layers(layers, extra))
-        by_layer = {id(l): next(flags) for l in layers}
-        keeps = [[by_layer[id(l)] for l in c.layers] for c in ordered]
-    # the planner is pure; its flags are applied here
-    reached = {id(c) for c in ordered}
-    for m in chains_of(converted):
-        if id(m) not in reached:  # not run by example_inputs: plan when it runs
-            for l in m.layers:
-                l.mode = "recompute_bn"
-            m.plan_on_first_call = plan_on_first_call
-            m.guard_on_first_call = peak_above_eager
-    may_drop = drops_needed(costs, keeps, floor_total, gaps)  # Note: [drops only where the step peaks]
-    apply_plan(ordered, keeps, may_drop)
-    # Note: [never above eager], last resort: a step measured above eager's (what a chain
-    # recomputes outweighs what it stops keeping, e.g. tiny weight-dominated models) runs
-    # its chains as eager modules, with the same peak as eager's. Measured only where the
-    # prediction (exact on the models measured, BENCHMARKS.md "## Issue 24") is within 10 %
-    # of eager's: elsewhere one more recorded step would only confirm it.
-    predicted = step_peak(costs, keeps, floor_total, may_drop=may_drop, gaps=gaps)[0]
-    if peak_target is None and peak_budget is None and memory_budget is None and predicted > 0.9 * eager_peak:
-        with StateSnapshot(converted):
-            fused_peak = measure_peak(converted, inputs).peak
-        if fused_peak > eager_peak:
-            for m in chains_of(converted):  # registered or added by the in-place rewrite
-                m.eager = True
-                m.eager_reason = (f"the fused step measured {fused_peak} bytes at its peak on example_inputs, above "
-                                  f"eager's {eager_peak}: its layers run as eager modules")
-            report.eager_fallback = True
-    peak, where = step_peak(costs, keeps, floor_total, may_drop=may_drop, gaps=gaps)
+    layers = [l for m in chains_of(converted) for l in m.layers]
+    m = _measure(original, converted, inputs)
+    report.eager_saved_bytes, report.floor_saved_bytes = m.eager, m.floor
+    extra = _extra_bytes(m, memory_budget, layers)
+    report.eager_peak_bytes = m.eager_peak
+    keeps = _keeps(m, extra, memory_budget, peak_budget, peak_target, report, layers)
+    costs, gaps, floor = m.inputs.costs(), m.inputs.gaps(), m.inputs.floor
+    may_drop = drops_needed(costs, keeps, floor, gaps)  # Note: [drops only where the step peaks]
+    reached = {id(c) for c in m.ordered}
+    for c in chains_of(converted):
+        if id(c) not in reached:  # not run by example_inputs: planned when it runs
+            c.apply_plan(lazy_plan(c, peak_above_eager))
+    apply_plan(m.ordered, keeps, may_drop)  # the planner is pure; its plans are applied here
+    # measured only where the prediction (exact on the models measured, BENCHMARKS.md
+    # "## Issue 24") is within 10 % of eager's: elsewhere one more recorded step would only confirm it
+    peak, where = step_peak(costs, keeps, floor, may_drop=may_drop, gaps=gaps)
+    if peak_target is None and peak_budget is None and memory_budget is None and peak > 0.9 * m.eager_peak:
+        _eager_if_above(converted, inputs, m.eager_peak, report)
     report.predicted_peak_bytes = peak
+    report.predicted_peak_where = _where(converted, m.ordered, where)
+    if memory_budget is not None:  # the default and a peak budget alone set no saved-bytes target
+        report.target_saved_bytes = m.floor + extra
+    report.saved_bytes = m.floor + sum(l.keep_bytes() for l in layers if l.mode == "recompute_bn")
+
+
+def _where(converted: nn.Module, ordered: Sequence[FusedChain], where: int) -> str:
+    """Where the predicted peak falls, for the report."""
+    if where in (-1, -2):
+        return "end of forward" if where == -1 else "outside the chains"
     names = {id(m): n for n, m in converted.named_modules()}
     names.update({id(m): n for n, m in fused_modules(converted)})
-    report.predicted_peak_where = "end of forward" if where == -1 else "outside the chains" if where == -2 else (
-        f"backward, in {names.get(id(ordered[where]), '?')!r} ({ordered[where].layers[0].names[0]} ...)")
-    if memory_budget is not None:  # the default and a peak budget alone set no saved-bytes target
-        report.target_saved_bytes = floor + extra
-    report.saved_bytes = floor + sum(l.keep_bytes() for l in layers if l.mode == "recompute_bn")
+    return f"backward, in {names.get(id(ordered[where]), '?')!r} ({ordered[where].layers[0].names[0]} ...)"

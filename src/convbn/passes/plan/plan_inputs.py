@@ -3,7 +3,7 @@ predicted at another batch from two measurements.
 
 :func:`measure_plan_inputs` measures a converted model's chains (shapes, MACs, saved
 bytes, one recorded step) into :class:`PlanInputs`; :meth:`PlanInputs.costs` and
-:meth:`PlanInputs.gaps` are the planner's :class:`~convbn.passes.plan.planner.ChainCost`\\ s
+:meth:`PlanInputs.gaps` are the planner's :class:`~convbn.passes.plan.peak_model.ChainCost`\\ s
 and moments outside the chains. :func:`plan_inputs_at` predicts them at any batch.
 
 # Note: [planner inputs are affine in the batch]
@@ -33,7 +33,9 @@ from ...memory import saved_bytes, timeline
 from ...nn.chain import ChainLayer, FusedChain
 from ..check.validate import StateSnapshot
 from ..graph.graph_module import fused_modules
-from .planner import ChainCost, all_keep_bytes, chain_backward_peak
+from .chain_plans import recompute_all
+from .peak_model import ChainCost, chain_backward_peak
+from .planner import all_keep_bytes
 
 __all__ = ["PlanInputs", "measure_plan_inputs", "plan_inputs_at", "measure_peak", "trained_outputs_loss", "chains_of"]
 
@@ -138,9 +140,7 @@ def measure_plan_inputs(converted: nn.Module, inputs: Tuple[Any, ...], *,
     the optimizer step then count as moments outside the chains).
     """
     for m in chains_of(converted):
-        for l in m.layers:
-            l.mode = "recompute_conv"
-        m.plan_on_first_call = None
+        m.apply_plan(recompute_all(m))
     converted.train()
     rec = saved_bytes(converted, *inputs, per_module=True)
     names = _names(converted)
@@ -179,7 +179,7 @@ def _record(converted: nn.Module, inputs: Tuple[Any, ...], chains: Sequence[Fuse
             ) -> Tuple[Ints, Ints, Tuple[str, ...]]:
     """One recorded step: each point's bytes and slot (:class:`PlanInputs`). A chain's backward
     is found by its autograd node (its output's ``grad_fn``), its forward by the module
-    running; the other moments (Note: [moments outside the chains] in planner.py) by the
+    running; the other moments (Note: [moments outside the chains] in peak_model.py) by the
     chains whose forward has started and whose backward has not."""
     nodes: Dict[int, int] = {}
     held: List[Any] = []  # the nodes stay alive (their ids unique) until the step is read

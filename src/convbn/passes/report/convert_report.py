@@ -193,6 +193,11 @@ class ConvertReport:
                  f"in {self.num_chains} chains, {len(skipped)} BatchNorms skipped"]
         if len(running) != len(self.pairs):
             lines.append(f"  running fused now: {len(running)} of {len(self.pairs)} pairs (the others: see 'fallback' below)")
+        return "\n".join(lines + self._memory_lines() + self._pair_lines() + self._note_lines(skipped))
+
+    def _memory_lines(self) -> List[str]:
+        """The report's lines on saved bytes and peaks: eager's, planned, predicted and measured."""
+        lines: List[str] = []
         if self.eager_saved_bytes:
             lines.append(f"  saved activation bytes: eager {format_bytes(self.eager_saved_bytes)}"
                          + (f", converted {format_bytes(self.saved_bytes)} "
@@ -214,6 +219,11 @@ class ConvertReport:
                     f"{format_bytes(self.eager_peak_bytes)})" if self.eager_peak_bytes else ""
             lines.append(f"  measured step peak: {format_bytes(self.measured_peak_bytes)}{ratio} "
                          f"at {self.measured_peak_where}")
+        return lines
+
+    def _pair_lines(self) -> List[str]:
+        """The table of fused pairs: one line per conv + BN (+ tail), in chain order."""
+        lines: List[str] = []
         width = max([12] + [len(p.activation) for p in self.pairs])
         lines.append(f"  {'chain.pos':>9}  {'conv':<32} {'bn':<32} {'tail':<{width}} {'strategy':<15} {'kept':>10} "
                      f"{'extra MACs':>12}")
@@ -231,6 +241,12 @@ class ConvertReport:
                 + (f"{'-':>10} {'-':>11}" if strategy == "plan pending" else
                    f"{format_bytes(p.kept_bytes):>10} {p.extra_flops / 1e6:>10.1f}M")
             )
+        return lines
+
+    def _note_lines(self, skipped: List[BNOutcome]) -> List[str]:
+        """Shared pieces, lean pools, pending plans, then every BatchNorm skipped, module not
+        traced, validation, change and variant."""
+        lines: List[str] = []
         if self.shared_pieces:
             most = sorted(self.shared_pieces.items(), key=lambda kv: -kv[1])
             shown = ", ".join(f"{n} ({k} chains)" for n, k in most[:4]) + (", ..." if len(most) > 4 else "")
@@ -252,4 +268,4 @@ class ConvertReport:
             lines.append(f"  changed after convert: {change}")
         for variant in self.variants:
             lines.append(f"  variant captured for a call: {variant}")
-        return "\n".join(lines)
+        return lines

@@ -18,7 +18,7 @@ from typing import Dict, Iterator, List, Optional, Tuple
 from torch import nn
 
 from ...nn.chain import FusedChain
-from ...nn.fused import hooks_of
+from ...nn.fused_conv_bn import hooks_of
 from ..graph.graph_module import GraphForward, installed
 
 __all__ = ["chain_status", "running_fused_modules", "all_chains", "FUSED"]

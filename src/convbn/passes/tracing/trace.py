@@ -47,9 +47,9 @@ from torch import nn
 
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from ...nn.bn_call import frozen_batch_norm, has_standard_bn_forward, standard_batch_norm
+from ...nn.standard_bn import frozen_batch_norm, has_standard_bn_forward, standard_batch_norm
 from ...nn.chain import FusedChain
-from ...nn.fused import _FusedConvBNNd
+from ...nn.fused_conv_bn import _FusedConvBNNd
 from ..bn.frozen import frozen_bn_ranks, holds_frozen_bn_tensors, recognise_frozen_norm_act
 from ..bn.recognise import NormActBody, recognise_norm_act
 from ..graph.checkpoint_calls import checkpointed_modules, keep_checkpoint_calls

@@ -302,7 +302,7 @@ def _check_convert_kwargs(model: nn.Module, inputs: Tuple[Any, ...], limit: int,
 
 
 @renamed_kwargs(sample="example_inputs")
-def max_batch(
+def max_batch(  # over 60 lines for its public docstring (Args, Raises, Example); the body is ~40
     model: nn.Module,
     example_inputs: Any,
     memory: Any,
@@ -365,24 +365,7 @@ def max_batch(
         >>> fit.convbn_batch >= fit.eager_batch > 0
         True
     """
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"max_batch expects an nn.Module, but got {type(model).__name__}")
-    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
-        raise TypeError(f"optimizer must be a torch.optim.Optimizer, but got {type(optimizer).__name__}")
-    if loss_fn is not None and not callable(loss_fn):
-        raise TypeError(f"loss_fn must be callable (output -> scalar loss), but got {type(loss_fn).__name__}")
-    if isinstance(upper, bool) or not isinstance(upper, int) or upper < 1:
-        raise ValueError(f"upper must be a positive int, but got {upper!r}")
-    if method not in ("predict", "measure"):
-        raise ValueError(f"method must be 'predict' or 'measure', but got {method!r}")
-    if confirm is not None and not isinstance(confirm, bool):
-        raise TypeError(f"confirm must be None, True or False, but got {confirm!r}")
-    check_progress(progress)
-    limit = parse_memory(memory)
-    inputs = as_args(example_inputs, "example_inputs")
-    if not any(isinstance(t, Tensor) and t.dim() > 0 for t in inputs):
-        raise TypeError("example_inputs must be a tensor or a tuple of inputs with at least one batched tensor, "
-                        f"but got {type(example_inputs).__name__}")
+    limit, inputs = _check_arguments(model, example_inputs, memory, optimizer, loss_fn, upper, method, confirm, progress)
     _check_convert_kwargs(model, inputs, limit, convert_kwargs)
     device = next((t.device for t in (*model.parameters(), *model.buffers())), torch.device("cpu"))
     usable = usable_bytes(limit, device)
@@ -408,3 +391,28 @@ def max_batch(
     fit.probes = {"eager": {b: p - resident for b, p in sorted(e_probes.items())},
                   "convbn": {b: p - resident for b, p in sorted(c_probes.items())}}
     return fit
+
+
+def _check_arguments(model: Any, example_inputs: Any, memory: Any, optimizer: Any, loss_fn: Any, upper: Any, method: Any,
+                     confirm: Any, progress: Any) -> Tuple[int, Tuple[Any, ...]]:
+    """:func:`max_batch`'s arguments checked before any work; returns the limit in bytes and
+    ``example_inputs`` as a tuple of positional inputs."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"max_batch expects an nn.Module, but got {type(model).__name__}")
+    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"optimizer must be a torch.optim.Optimizer, but got {type(optimizer).__name__}")
+    if loss_fn is not None and not callable(loss_fn):
+        raise TypeError(f"loss_fn must be callable (output -> scalar loss), but got {type(loss_fn).__name__}")
+    if isinstance(upper, bool) or not isinstance(upper, int) or upper < 1:
+        raise ValueError(f"upper must be a positive int, but got {upper!r}")
+    if method not in ("predict", "measure"):
+        raise ValueError(f"method must be 'predict' or 'measure', but got {method!r}")
+    if confirm is not None and not isinstance(confirm, bool):
+        raise TypeError(f"confirm must be None, True or False, but got {confirm!r}")
+    check_progress(progress)
+    limit = parse_memory(memory)
+    inputs = as_args(example_inputs, "example_inputs")
+    if not any(isinstance(t, Tensor) and t.dim() > 0 for t in inputs):
+        raise TypeError("example_inputs must be a tensor or a tuple of inputs with at least one batched tensor, "
+                        f"but got {type(example_inputs).__name__}")
+    return limit, inputs

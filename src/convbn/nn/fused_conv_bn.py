@@ -20,7 +20,7 @@ from ..functional.activations import Activation, get_activation
 from ..functional.batchnorm import BNSpec
 from ..functional.conv import ConvSpec, conv_spec_from_module
 from ..autograd.dispatch import conv_bn_act_spec
-from ..functional.fused import ConvBNTensors, check_inputs
+from ..functional.conv_bn_call import ConvBNTensors, check_inputs
 from ..functional.strategies import Strategy, check_strategy
 from .sync import bn_running_stats, bn_spec_from_module, sync_group
 

@@ -53,7 +53,7 @@ from ..functional.activations import Activation
 from ..functional.batchnorm import BNSpec
 from ..functional.conv import ConvSpec, conv_backward, conv_forward, scale_out_channels, sum_per_out_channel
 from ..functional.fold import fold_bn_into_preceding
-from ..functional.fused import ConvBNTensors
+from ..functional.conv_bn_call import ConvBNTensors
 from ..functional.reference import conv_bn_act_reference
 from .chain import ChainFunction, ChainLayerSpec
 from .double_backward import differentiable_backward
@@ -143,7 +143,7 @@ class FrozenFunction(Function):
 
     @staticmethod
     def forward(ctx: Any, x: Tensor, *args: Any) -> Tensor:  # type: ignore[override]
-        """``args``: the :class:`~convbn.functional.fused.ConvBNTensors` fields one by one
+        """``args``: the :class:`~convbn.functional.conv_bn_call.ConvBNTensors` fields one by one
         (autograd tracks only tensors passed as arguments), then ``conv, bn, act``."""
         weight, bias, bn_weight, bn_bias, running_mean, running_var = args[:6]
         conv: ConvSpec

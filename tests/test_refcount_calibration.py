@@ -1,5 +1,5 @@
 """The incoming-gradient probe's calibration is measured once, in a clean state, and never
-rewritten (issue 23; Note: [calibrated once, in a clean state] in autograd/release.py)."""
+rewritten (issue 23; Note: [calibrated once, in a clean state] in autograd/refcounts.py)."""
 from __future__ import annotations
 
 import sys
@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 import convbn
-from convbn.autograd import release
+from convbn.autograd import refcounts
 from fusion_checks import assert_chain_ran, assert_fused
 
 
@@ -22,8 +22,8 @@ def test_a_tracer_at_forward_cannot_make_a_held_gradient_look_fresh(monkeypatch)
     which the chain's incoming gradient is held twice by the caller (two tensor hooks keep
     it): the held gradient must survive. A calibration taken under the tracer (one
     reference too many) would take "held twice" for "fresh" and free it."""
-    monkeypatch.setattr(release, "_CALIBRATED", False)  # a process that has not calibrated yet
-    monkeypatch.setattr(release, "_FRESH", None)
+    monkeypatch.setattr(refcounts, "_CALIBRATED", False)  # a process that has not calibrated yet
+    monkeypatch.setattr(refcounts, "_FRESH", None)
     torch.manual_seed(0)
     net = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU(),
                         nn.Conv2d(4, 4, 3, padding=1), nn.BatchNorm2d(4))
@@ -52,24 +52,24 @@ def test_a_tracer_at_forward_cannot_make_a_held_gradient_look_fresh(monkeypatch)
 
 def test_calibration_is_written_once(monkeypatch) -> None:
     """Steps, backward passes and tracers do not rewrite the calibration once measured."""
-    monkeypatch.setattr(release, "_CALIBRATED", False)
-    monkeypatch.setattr(release, "_FRESH", None)
+    monkeypatch.setattr(refcounts, "_CALIBRATED", False)
+    monkeypatch.setattr(refcounts, "_FRESH", None)
     sys.settrace(_locals_tracer)
     try:
-        release.calibrate()  # under a tracer: refused, nothing cached
-        assert not release._CALIBRATED
+        refcounts.calibrate()  # under a tracer: refused, nothing cached
+        assert not refcounts._CALIBRATED
     finally:
         sys.settrace(None)
     torch.manual_seed(0)
     fast = convbn.convert(nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU()), strategy="recompute_conv")
     fast(torch.randn(2, 3, 6, 6, requires_grad=True)).sum().backward()
-    assert release._CALIBRATED
-    first = release._fresh_counts()
-    probe = release._probe
+    assert refcounts._CALIBRATED
+    first = refcounts._fresh_counts()
+    probe = refcounts._probe
     calls = []
-    monkeypatch.setattr(release, "_probe", lambda *a: calls.append(a) or probe(*a))
+    monkeypatch.setattr(refcounts, "_probe", lambda *a: calls.append(a) or probe(*a))
     for _ in range(2):
         out = fast(torch.randn(2, 3, 6, 6, requires_grad=True))
         assert_chain_ran(out, calls=1)
         out.sum().backward()
-    assert calls == [] and release._fresh_counts() == first
+    assert calls == [] and refcounts._fresh_counts() == first

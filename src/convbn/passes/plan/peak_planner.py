@@ -1,0 +1,284 @@
+"""The plans for a step's peak: the lowest reachable, and the least recompute under a peak.
+
+The default plan of ``convert(strategy="auto")`` (:func:`plan_for_peak`), and the plan for a
+peak asked for (:func:`plan_within_peak`: ``peak_budget``, ``memory_limit``, ``max_batch``),
+searched over per-chain options (:func:`chain_options`) with the prediction of
+:mod:`convbn.passes.plan.peak_model`. Pure: numbers in, keep flags out.
+
+# Note: [the default plans for the peak alone]
+# The default used to limit saved bytes to the tutorial method's as well, and to allow
+# any peak up to those bytes. Both tied the plan to a number that decides nothing: a
+# step fails at its peak. The saved-bytes limit forbade keeping a conv output that
+# costs no peak (the tutorial's MNIST network: its chain's backward peaks at the same
+# bytes whether the second conv output is kept or recomputed, so the limit bought
+# recomputing that conv, 0.68 GMAC per step at batch 64, for nothing), and the peak
+# allowance let the plan stop far above the lowest peak where the tutorial's bytes were
+# large (EfficientNet-B0 at batch 8, 224², as ``explain`` measures: 0.39x of eager's
+# peak where 0.30x costs 0.5 GMAC of recompute more). The peak
+# alone, with the tolerance, decides now; ``memory_budget`` still limits saved bytes
+# when asked.
+
+# Note: [cheap peak]
+# The least recompute within the tolerance alone is blind to how cheap a lower peak
+# can be: on the tutorial's MNIST network (batch 512) recomputing the first conv, 0.1
+# GMAC, lowers the peak from 262.8 to 220.5 MiB, and on the 3-D UNet 0.03 GMAC buys
+# 4 MiB of 38.8, yet both plans were within 30 % of the lowest (the tolerance then). So, inside the
+# tolerance, the plan minimises ``cost + byte_cost * peak``: a lower peak is taken
+# where each byte of it costs at most ``byte_cost`` MAC equivalents (default: writing
+# and reading the byte once, 16), which keeps ResNet-50's plan (its next lower peak
+# costs ~130 per byte) and EfficientNet's (~35). The minimum lies on the staircase of
+# least-recompute plans under falling peaks: walked from the cap down, each step the
+# least recompute strictly below the last plan's peak, in at most ~32 steps (a step
+# below the cap's 1/32 of the range jumps a full 1/32 on very long staircases).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Sequence, Tuple
+
+from ...functional.conv import COST_PER_BYTE
+from .peak_model import ChainCost, gaps_of, chain_backward_peak, step_peak
+
+__all__ = ["PEAK_TOLERANCE", "PEAK_BYTE_COST", "ChainOption", "chain_options", "lowest_peak", "least_recompute",
+           "plan_for_peak", "plan_within_peak"]
+
+
+#: How far above the lowest reachable peak the default plan may go to recompute less, as a
+#: fraction of that peak (the predicted step peak: Note: [a step's peak] in
+#: convbn/memory/timelines.py, weight gradients counted). Recompute costs step time and the
+#: last bytes of peak are the dearest. On torchvision's ResNet-50 (batch 8, 224², SGD) the
+#: lowest peak is 0.38x eager's; 30 % above it (the value until issue 24, chosen when the
+#: bench's meter left weight gradients out) gave 0.49x at 11.5 GMAC of conv recompute per
+#: step, 10 % 0.42x at 19.1 GMAC, 8 % 0.41x (BENCHMARKS.md "## Issue 24"). Where parameter
+#: gradients make most of the peak (ResNet-18 at 112²) 8 % of it is much of the activations;
+#: ``peak_budget`` / ``memory_limit`` ask for a lower peak.
+PEAK_TOLERANCE = 0.08
+
+#: What a byte of step peak is worth in recompute cost (MAC equivalents) inside the
+#: tolerance: twice :data:`convbn.functional.conv.COST_PER_BYTE`, about the cost of writing
+#: and reading that byte once (Note: [cheap peak]).
+PEAK_BYTE_COST = 2 * COST_PER_BYTE
+
+
+@dataclass(frozen=True)
+class ChainOption:
+    """One plan of one chain, as numbers: its keep flags, the conv output bytes it keeps
+    from forward (``kept``), its backward transient (``own``, :func:`chain_backward_peak`)
+    and the MACs it recomputes."""
+
+    keep: Tuple[bool, ...]
+    kept: int
+    own: int
+    recompute: int
+
+
+def chain_options(cost: ChainCost, exhaustive: int = 10) -> List[ChainOption]:
+    """The plans worth considering for one chain: every plan of a chain of up to
+    ``exhaustive`` layers, else the knapsack's greedy order (keep the layers with most MACs
+    per byte) cut at every length, and one flag flipped in each of those. Plans that another
+    beats or ties on kept bytes, transient and recompute together are left out.
+    """
+    k = len(cost.y_bytes)
+    if k <= exhaustive:
+        plans = {tuple(bool(m >> i & 1) for i in range(k)) for m in range(1 << k)}
+    else:
+        order = sorted(range(k), key=lambda i: -cost.macs[i] / max(1, cost.y_bytes[i]))
+        cuts = [tuple(i in set(order[:n]) for i in range(k)) for n in range(k + 1)]
+        plans = set(cuts) | {tuple(f != (i == j) for i, f in enumerate(c)) for c in cuts for j in range(k)}
+    opts = []
+    for kp in sorted(plans):
+        opts.append(ChainOption(kp, cost.kept_bytes(kp), chain_backward_peak(cost, kp)[0],
+                                cost.recompute(kp)))
+    opts.sort(key=lambda o: (o.kept, o.own, o.recompute))
+    kept: List[ChainOption] = []
+    for o in opts:  # Pareto: drop a plan some earlier (no more bytes kept) plan beats on both others
+        if not any(p.own <= o.own and p.recompute <= o.recompute for p in kept):
+            kept.append(o)
+    return kept
+
+
+def lowest_peak(costs: Sequence[ChainCost], options: Sequence[Sequence[ChainOption]], floor: int,
+                extra_budget: int, gaps: Optional[Sequence[int]] = None) -> int:
+    """The lowest predicted step peak (:func:`step_peak`) of any plan keeping at most
+    ``extra_budget`` bytes of conv outputs.
+
+    A peak ``P`` is reachable exactly when, chain by chain in forward order, some plan of
+    the chain fits under ``P`` beside what the earlier chains keep, taking each time the
+    fitting plan that keeps least (keeping less never hurts a later moment). The lowest
+    such ``P`` is found by bisection.
+    """
+    gap = gaps_of(gaps, len(costs))
+
+    def reachable(p: int) -> bool:
+        if gap[0] > p:
+            return False
+        before = 0
+        for j, (c, opts) in enumerate(zip(costs, options)):
+            fits = [o.kept for o in opts if c.prefix + before + o.own <= p and gap[j + 1] + before + o.kept <= p]
+            if not fits:
+                return False
+            before += min(fits)
+        return before <= extra_budget and floor + before <= p
+
+    lo, hi = floor, step_peak(costs, [[False] * len(c.y_bytes) for c in costs], floor, gaps=gaps)[0]
+    hi = max(hi, lo)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if reachable(mid):
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
+
+
+def least_recompute(costs: Sequence[ChainCost], options: Sequence[Sequence[ChainOption]], floor: int,
+                    extra_budget: int, peak: int, max_front: int = 4096,
+                    gaps: Optional[Sequence[int]] = None) -> Optional[List[List[bool]]]:
+    """The plan of least recompute cost whose predicted step peak is at most ``peak``
+    and which keeps at most ``extra_budget`` bytes; ``None`` when there is none.
+
+    # Note: [least recompute under a peak]
+    # The step's peak constraint, chain by chain: prefix_j + kept before j + own_j <= peak,
+    # and floor + all kept <= peak. Only "kept before j" links the chains, so a dynamic
+    # programme over the chains in forward order keeps, for each reachable amount kept so
+    # far, the least recompute reaching it (a Pareto front of (bytes kept, MACs); the
+    # front is thinned to ``max_front`` byte buckets on very long models, which can only
+    # miss an optimum by one bucket's bytes, never break the constraint).
+    """
+    gap = gaps_of(gaps, len(costs))
+    limit = min(extra_budget, peak - floor)
+    if gap[0] > peak:
+        return None
+    front: List[Tuple[int, int, int, int]] = [(0, 0, -1, -1)]  # (kept so far, recompute, parent, option)
+    history: List[List[Tuple[int, int, int, int]]] = []
+    for j, (c, opts) in enumerate(zip(costs, options)):
+        cand = [(b + o.kept, r + o.recompute, fi, oi)
+                for fi, (b, r, _, _) in enumerate(front)
+                for oi, o in enumerate(opts)
+                if b + o.kept <= limit and c.prefix + b + o.own <= peak and gap[j + 1] + b + o.kept <= peak]
+        if not cand:
+            return None
+        cand.sort(key=lambda t: (t[0], t[1]))
+        pruned: List[Tuple[int, int, int, int]] = []
+        for t in cand:
+            if not pruned or t[1] < pruned[-1][1]:
+                pruned.append(t)
+        if len(pruned) > max_front:
+            width = max(1, limit // max_front + 1)
+            thin: Dict[int, Tuple[int, int, int, int]] = {}
+            for t in pruned:  # ascending bytes, descending recompute: the last in a bucket is cheapest
+                thin[t[0] // width] = t
+            pruned = sorted(thin.values())
+        history.append(front)
+        front = pruned
+    # the cheapest end state, then back through the parents
+    best = min(range(len(front)), key=lambda i: (front[i][1], front[i][0]))
+    keeps: List[List[bool]] = []
+    idx = best
+    for j in reversed(range(len(costs))):
+        entry = front[idx] if j == len(costs) - 1 else history[j + 1][idx]
+        keeps.append(list(options[j][entry[3]].keep))
+        idx = entry[2]
+    keeps.reverse()
+    return keeps
+
+
+def plan_for_peak(costs: Sequence[ChainCost], floor: int, extra_budget: int,
+                  tolerance: float = PEAK_TOLERANCE, gaps: Optional[Sequence[int]] = None,
+                  byte_cost: float = PEAK_BYTE_COST) -> List[List[bool]]:
+    """The plan of least ``recompute cost + byte_cost * predicted step peak`` among those
+    whose peak is within ``tolerance`` of the lowest reachable (with ``byte_cost=0``: the
+    least-recompute one within it).
+
+    Plans keep at most ``extra_budget`` bytes of conv outputs (``convert``'s default passes
+    every layer's: no saved-bytes limit). The peak allowed is ``(1 + tolerance)`` times the
+    lowest peak any of them reaches (:func:`lowest_peak`); among the plans within it, the one
+    of least recompute cost (:func:`least_recompute`, exact up to
+    :func:`chain_options` on chains longer than ten layers). Notes: [the default plans for
+    the peak alone], [cheap peak] (above).
+
+    Args:
+        costs: the chains in forward order.
+        floor: saved bytes with nothing kept (the end-of-forward baseline).
+        extra_budget: bytes allowed for kept conv outputs.
+        tolerance: fraction of the lowest peak the plan may exceed it by to recompute less.
+        gaps: the moments outside every chain's backward (Note: [moments outside the chains]).
+        byte_cost: recompute cost (MAC equivalents) a byte of lower peak is worth inside the
+            tolerance (Note: [cheap peak]); 0: the least recompute within it.
+
+    Returns:
+        The keep flags, chain by chain.
+
+    Example:
+        >>> c = ChainCost((4, 8), (1, 4), (10, 100), ("output", "output"))
+        >>> plan_for_peak([c], 0, 8)
+        [[False, True]]
+    """
+    if tolerance < 0:
+        raise ValueError(f"tolerance must be >= 0, but got {tolerance}")
+    if byte_cost < 0:
+        raise ValueError(f"byte_cost must be >= 0, but got {byte_cost}")
+    options = [chain_options(c) for c in costs]
+    low = lowest_peak(costs, options, floor, extra_budget, gaps)
+    cap = int(low * (1 + tolerance))
+    best = _reachable_plan(costs, options, floor, extra_budget, cap, gaps)
+    if byte_cost == 0:
+        return best
+
+    def recompute(keeps: Sequence[Sequence[bool]]) -> int:
+        return sum(c.recompute(kp) for c, kp in zip(costs, keeps))
+
+    peak = step_peak(costs, best, floor, gaps=gaps)[0]
+    score = recompute(best) + byte_cost * peak
+    stride = max(1, (cap - low) // 32)
+    while peak > low:  # Note: [cheap peak]
+        p = max(low, min(peak - 1, cap - stride * ((cap - peak) // stride + 1)))
+        keeps = _reachable_plan(costs, options, floor, extra_budget, p, gaps)
+        peak = step_peak(costs, keeps, floor, gaps=gaps)[0]
+        s = recompute(keeps) + byte_cost * peak
+        if s < score:
+            best, score = keeps, s
+    return best
+
+
+def _reachable_plan(costs: Sequence[ChainCost], options: Sequence[Sequence[ChainOption]], floor: int,
+                    extra_budget: int, peak: int, gaps: Optional[Sequence[int]] = None) -> List[List[bool]]:
+    """:func:`least_recompute` under a peak known to be reachable (at or above :func:`lowest_peak`)."""
+    # a reachable peak has a plan: a search that never thins its front finds it
+    keeps = least_recompute(costs, options, floor, extra_budget, peak, gaps=gaps) or least_recompute(
+        costs, options, floor, extra_budget, peak, max_front=1 << 62, gaps=gaps)
+    if keeps is None:  # pragma: no cover - would be a bug in lowest_peak
+        raise RuntimeError(f"no plan reaches the peak {peak} that lowest_peak found reachable")
+    return keeps
+
+
+def plan_within_peak(costs: Sequence[ChainCost], floor: int, extra_budget: int,
+                     peak: int, gaps: Optional[Sequence[int]] = None) -> Tuple[List[List[bool]], int, bool]:
+    """The least-recompute plan whose predicted step peak (:func:`step_peak`) is at most
+    ``peak`` bytes and which keeps at most ``extra_budget`` bytes of conv outputs; where no
+    plan reaches ``peak``, the least-recompute plan at the lowest reachable peak instead.
+    (``convert(peak_budget=...)``: a peak asked for, not a tolerance above the lowest.)
+
+    Args:
+        costs: the chains in forward order.
+        floor: saved bytes with nothing kept (the end-of-forward baseline).
+        extra_budget: bytes allowed for kept conv outputs (every layer's: no saved-bytes limit).
+        peak: the predicted step peak allowed, in the unit of ``floor`` and the costs.
+
+    Returns:
+        ``(keeps, lowest, reached)``: the keep flags chain by chain, the lowest predicted peak
+        any plan within ``extra_budget`` reaches, and whether ``peak`` was reachable.
+
+    Example:
+        >>> c = ChainCost((4, 8), (1, 4), (10, 100), ("output", "output"))
+        >>> plan_within_peak([c], 0, 12, 30)  # keeping both peaks at 28
+        ([[True, True]], 24, True)
+        >>> plan_within_peak([c], 0, 12, 26)
+        ([[False, True]], 24, True)
+        >>> plan_within_peak([c], 0, 12, 20)  # below the lowest reachable: the lowest
+        ([[False, True]], 24, False)
+    """
+    options = [chain_options(c) for c in costs]
+    low = lowest_peak(costs, options, floor, extra_budget, gaps)
+    reached = peak >= low
+    return _reachable_plan(costs, options, floor, extra_budget, max(peak, low), gaps), low, reached
