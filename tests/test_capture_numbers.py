@@ -86,3 +86,43 @@ def test_a_call_with_another_number_does_not_run_the_graph_traced_for_the_first(
             torch.manual_seed(k)
             eager(x, rate)
     assert any("drop_connect_rate=0.5" in v for v in fast.convbn_report.variants), fast.convbn_report.variants
+
+
+def test_random_draws_are_recorded_for_the_tracing_thread_only():
+    """While a shape trace records ``torch.rand`` as a graph node, another thread's
+    ``torch.rand`` still draws a tensor (Note: [tracing patches are the tracing thread's])."""
+    import threading
+
+    from convbn.passes.graph.shape_capture import ShapeTracing
+
+    seen = []
+    ready, drawn = threading.Event(), threading.Event()
+
+    def other_thread() -> None:
+        ready.wait(60)
+        seen.append(torch.rand(2))
+        drawn.set()
+
+    class Probe(Block):
+        def forward(self, x, drop_connect_rate=None):
+            if isinstance(x, torch.fx.Proxy) and isinstance(x.tracer, ShapeTracing) and not drawn.is_set():
+                ready.set()
+                drawn.wait(60)
+            return super().forward(x, drop_connect_rate)
+
+    class ProbeNet(Net):
+        def __init__(self) -> None:
+            super().__init__(n=2)
+            self.blocks = nn.ModuleList(Probe(8) for _ in range(2))
+
+    worker = threading.Thread(target=other_thread, daemon=True)
+    worker.start()
+    eager, fast = twins(ProbeNet)
+    fast = convbn.convert(fast)  # captured with real shapes on its first call
+    for k in range(2):
+        x = _input(k)
+        torch.testing.assert_close(step(fast, x, seed=k), step(eager, x, seed=k), **TOL)
+    ready.set()  # should the trace never reach the probe, let the worker finish
+    worker.join(60)
+    assert drawn.is_set() and len(seen) == 1
+    assert type(seen[0]) is torch.Tensor and seen[0].shape == (2,), seen

@@ -29,6 +29,8 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from torch.fx.node import has_side_effect
 from torch.utils import _pytree as pytree
 
+from .thread_patch import original_item, scoped_item
+
 __all__ = ["ShapeGuard", "Guards", "ShapeTracing", "VALUE", "assert_traced_shape"]
 
 #: ``node.meta`` key of the fake value a shape trace computed for a node
@@ -132,8 +134,10 @@ def _untraced() -> Iterator[None]:
 @contextlib.contextmanager
 def _recorded_factories(tracer: Any) -> Iterator[None]:
     """While ``tracer`` traces, ``torch.rand`` and the other random factories record a node
-    (Note: [random numbers drawn from real shapes]); outside :func:`_untraced` only."""
-    saved = {name: getattr(torch, name) for name in _RANDOM_FACTORIES}
+    (Note: [random numbers drawn from real shapes]); outside :func:`_untraced` only, and in the
+    tracing thread only (Note: [tracing patches are the tracing thread's]): another thread's
+    ``torch.rand`` meanwhile draws as always."""
+    namespace = vars(torch)
 
     def recorder(fn: Any) -> Any:
         def recorded(*args: Any, **kwargs: Any) -> Any:
@@ -142,13 +146,10 @@ def _recorded_factories(tracer: Any) -> Iterator[None]:
             return tracer.create_proxy("call_function", fn, args, kwargs)
         return recorded
 
-    for name, fn in saved.items():
-        setattr(torch, name, recorder(fn))
-    try:
+    with contextlib.ExitStack() as patches:
+        for name in _RANDOM_FACTORIES:
+            patches.enter_context(scoped_item(namespace, name, recorder(original_item(namespace, name))))
         yield
-    finally:
-        for name, fn in saved.items():
-            setattr(torch, name, fn)
 
 
 class ShapeTracing:
