@@ -13,9 +13,8 @@ from torch import Tensor, nn
 from torch.testing import assert_close
 
 import convbn
-from fusion_checks import assert_chain_ran, assert_fused
-
-TOL = dict(rtol=1e-10, atol=1e-10)
+from eager_twin import TOL, assert_steps_match, randomise_batchnorms
+from fusion_checks import assert_fused
 
 
 class PooledHead(nn.Module):
@@ -60,45 +59,15 @@ class ActThenBN(nn.Module):
         return self.c2(self.b1(F.relu(self.c1(x)))) + F.adaptive_avg_pool2d(self.b3(F.silu(self.c3(x))), 1)
 
 
-def _randomise(model: nn.Module) -> nn.Module:
-    torch.manual_seed(0)
-    with torch.no_grad():
-        for m in model.modules():
-            if isinstance(m, nn.modules.batchnorm._BatchNorm):
-                m.weight.uniform_(0.5, 1.5)
-                m.bias.normal_()
-                m.running_mean.normal_()
-                m.running_var.uniform_(0.5, 1.5)
-    return model.double()
-
-
-def _assert_steps(eager: nn.Module, fast: nn.Module, x: Tensor) -> None:
-    """Two training steps: outputs, input and parameter gradients, running stats, num_batches_tracked."""
-    for step in range(2):
-        xe, xf = x.clone().requires_grad_(), x.clone().requires_grad_()
-        out_e, out_f = eager(xe), fast(xf)
-        assert_chain_ran(out_f)
-        g = torch.randn(out_e.shape, dtype=out_e.dtype, generator=torch.Generator().manual_seed(step))
-        out_e.backward(g)
-        out_f.backward(g)
-        assert_close(out_f, out_e, **TOL)
-        assert_close(xf.grad, xe.grad, **TOL)
-        for (n, p), pe in zip(fast.named_parameters(), eager.parameters()):
-            assert_close(p.grad, pe.grad, **TOL, msg=n)
-            p.grad, pe.grad = None, None
-        for (n, b), be in zip(fast.named_buffers(), eager.buffers()):
-            assert_close(b, be, **TOL, msg=n)
-
-
 @pytest.mark.parametrize("how", ["flatten", "view"])
 def test_linear_flatten_batchnorm1d_fuses_and_folds(how: str) -> None:
     torch.manual_seed(0)
-    eager = _randomise(PooledHead(how))
+    eager = randomise_batchnorms(PooledHead(how))
     x = torch.randn(4, 3, 8, 8, dtype=torch.float64)
     fast = convbn.convert(copy.deepcopy(eager), strategy="recompute_conv", example_inputs=x)
     report = assert_fused(fast, skipped=0)
     assert [(p.conv, p.bn) for p in report.pairs if p.bn] == [("fc", "bn")], report
-    _assert_steps(eager, fast, x)
+    assert_steps_match(eager, fast, x)
     eager.eval()
     folded = convbn.fold(eager, example_inputs=x)
     assert [(o.batchnorm, o.result, o.layer) for o in folded.convbn_report.outcomes] == [("bn", "folded", "fc")]
@@ -108,7 +77,7 @@ def test_linear_flatten_batchnorm1d_fuses_and_folds(how: str) -> None:
 @pytest.mark.expect_unfused("a BatchNorm1d over a flattened Linear output of unknown rank is left")
 @pytest.mark.parametrize("shape,features", [((5, 4), 3), ((5, 2, 4), 6)])
 def test_linear_flatten_batchnorm1d_of_unknown_rank_is_left_with_the_reason(shape, features) -> None:
-    eager = _randomise(OpenHead(features))
+    eager = randomise_batchnorms(OpenHead(features))
     x = torch.randn(*shape, dtype=torch.float64)
     fast = convbn.convert(copy.deepcopy(eager), example_inputs=x)
     (left,) = fast.convbn_report.outcomes
@@ -122,7 +91,7 @@ def test_linear_flatten_batchnorm1d_of_unknown_rank_is_left_with_the_reason(shap
 
 
 def test_batchnorm_after_an_activation_folds_into_the_next_conv_or_says_why() -> None:
-    eager = _randomise(ActThenBN())
+    eager = randomise_batchnorms(ActThenBN())
     x = torch.randn(2, 3, 6, 6, dtype=torch.float64)
     fast = convbn.convert(copy.deepcopy(eager), strategy="recompute_conv", example_inputs=x)
     assert_fused(fast)
@@ -130,7 +99,7 @@ def test_batchnorm_after_an_activation_folds_into_the_next_conv_or_says_why() ->
     assert (outcomes["b1"].result, outcomes["b1"].layer, outcomes["b1"].direction) == ("fused", "c2", "following")
     assert outcomes["b3"].result == "left"
     assert outcomes["b3"].reason.startswith("BatchNorm after an activation: it follows silu of convolution c3"), outcomes
-    _assert_steps(eager, fast, x)
+    assert_steps_match(eager, fast, x)
     eager.eval()
     folded = convbn.fold(eager, example_inputs=x)
     outcomes = {o.batchnorm: o for o in folded.convbn_report.outcomes}

@@ -14,9 +14,8 @@ from torch import Tensor, nn
 from torch.testing import assert_close
 
 import convbn
-from fusion_checks import assert_chain_ran, assert_fused
-
-TOL = dict(rtol=1e-10, atol=1e-10)
+from eager_twin import TOL, assert_steps_match, randomise_batchnorms
+from fusion_checks import assert_fused
 
 
 class CausalConv1d(nn.Conv1d):
@@ -66,64 +65,33 @@ class Cropped2d(nn.Module):
         return F.relu(self.bn(self.conv(x)[(slice(None), slice(None), *self.crop)]))
 
 
-def _randomise(model: nn.Module) -> nn.Module:
-    torch.manual_seed(0)
-    with torch.no_grad():
-        for m in model.modules():
-            if isinstance(m, nn.modules.batchnorm._BatchNorm):
-                m.weight.uniform_(0.5, 1.5)
-                m.bias.normal_()
-                m.running_mean.normal_()
-                m.running_var.uniform_(0.5, 1.5)
-    return model.double()
-
-
-def _assert_steps(eager: nn.Module, fast: nn.Module, x: Tensor, fused: bool = True) -> None:
-    """Two training steps: outputs, input and parameter gradients, running stats, num_batches_tracked."""
-    for step in range(2):
-        xe, xf = x.clone().requires_grad_(), x.clone().requires_grad_()
-        out_e, out_f = eager(xe), fast(xf)
-        if fused:
-            assert_chain_ran(out_f)
-        g = torch.randn(out_e.shape, dtype=out_e.dtype, generator=torch.Generator().manual_seed(step))
-        out_e.backward(g)
-        out_f.backward(g)
-        assert_close(out_f, out_e, **TOL)
-        assert_close(xf.grad, xe.grad, **TOL)
-        for (n, p), pe in zip(fast.named_parameters(), eager.parameters()):
-            assert_close(p.grad, pe.grad, **TOL, msg=n)
-            p.grad, pe.grad = None, None
-        for (n, b), be in zip(fast.named_buffers(), eager.buffers()):
-            assert_close(b, be, **TOL, msg=n)
-
-
 @pytest.mark.parametrize("with_inputs", [True, False])
 def test_causal_conv_crops_fuse_and_fold(with_inputs: bool) -> None:
-    eager = _randomise(TemporalBlock())
+    eager = randomise_batchnorms(TemporalBlock())
     x = torch.randn(4, 3, 16, dtype=torch.float64)
     fast = convbn.convert(copy.deepcopy(eager), example_inputs=x if with_inputs else None)
     if not with_inputs:  # the first call checks the rewrite against the eager modules (on both sides)
         fast(x.clone()), eager(x.clone())
     report = assert_fused(fast, skipped=0)
     assert sorted((p.conv, p.bn) for p in report.pairs if p.bn) == [("c1", "b1"), ("c2", "b2")], report
-    _assert_steps(eager, fast, x)
+    assert_steps_match(eager, fast, x)
     eager.eval()
     folded = convbn.fold(copy.deepcopy(eager), example_inputs=x)
-    assert sorted((o.batchnorm, o.result, o.layer) for o in folded.fold_report.outcomes) == [
+    assert sorted((o.batchnorm, o.result, o.layer) for o in folded.convbn_report.outcomes) == [
         ("b1", "folded", "c1"), ("b2", "folded", "c2")]
     assert_close(folded(x), eager(x), **TOL)
 
 
 @pytest.mark.parametrize("crop", [(slice(1, -1), slice(1, None)), (slice(None, -1), slice(1, -1))])
 def test_strided_2d_crops_fuse_and_fold(crop: Tuple[slice, slice]) -> None:
-    eager = _randomise(Cropped2d(crop))
+    eager = randomise_batchnorms(Cropped2d(crop))
     x = torch.randn(2, 3, 9, 8, dtype=torch.float64)
     fast = convbn.convert(copy.deepcopy(eager), strategy="recompute_conv", example_inputs=x)
     assert_fused(fast, pairs=1, skipped=0)
-    _assert_steps(eager, fast, x)
+    assert_steps_match(eager, fast, x)
     eager.eval()
     folded = convbn.fold(copy.deepcopy(eager), example_inputs=x)
-    assert [o.result for o in folded.fold_report.outcomes] == ["folded"]
+    assert [o.result for o in folded.convbn_report.outcomes] == ["folded"]
     assert_close(folded(x), eager(x), **TOL)
 
 
@@ -134,20 +102,20 @@ def test_strided_2d_crops_fuse_and_fold(crop: Tuple[slice, slice]) -> None:
     (slice(None, None, 2), slice(None)),  # a step
 ])
 def test_crops_the_padding_cannot_absorb_are_left(crop: Tuple[slice, slice]) -> None:
-    eager = _randomise(Cropped2d(crop))
+    eager = randomise_batchnorms(Cropped2d(crop))
     x = torch.randn(2, 3, 9, 8, dtype=torch.float64)
     fast = convbn.convert(copy.deepcopy(eager), example_inputs=x)
     (left,) = fast.convbn_report.outcomes
     assert left.result == "left" and "getitem" in left.reason, left
-    _assert_steps(eager, fast, x, fused=False)
+    assert_steps_match(eager, fast, x, fused=False)
     eager.eval()
     folded = convbn.fold(copy.deepcopy(eager), example_inputs=x)
-    assert [o.result for o in folded.fold_report.outcomes] == ["left"]
+    assert [o.result for o in folded.convbn_report.outcomes] == ["left"]
     assert_close(folded(x), eager(x), **TOL)
 
 
 def test_a_hooked_conv_keeps_its_module_call() -> None:
-    eager = _randomise(TemporalBlock())
+    eager = randomise_batchnorms(TemporalBlock())
     seen = []
     eager.c2.register_forward_hook(lambda m, a, out: seen.append(out.shape))
     x = torch.randn(4, 3, 16, dtype=torch.float64)

@@ -15,9 +15,8 @@ from torch import Tensor, nn
 from torch.testing import assert_close
 
 import convbn
-from fusion_checks import assert_chain_ran, assert_fused
-
-TOL = dict(rtol=1e-10, atol=1e-10)
+from eager_twin import TOL, assert_steps_match, randomise_batchnorms
+from fusion_checks import assert_fused
 
 
 class SameConv2d(nn.Conv2d):
@@ -58,51 +57,22 @@ class SameNet(nn.Module):
         return F.relu(self.b3(self.c3(y)))
 
 
-def _randomise(model: nn.Module) -> nn.Module:
-    torch.manual_seed(0)
-    with torch.no_grad():
-        for m in model.modules():
-            if isinstance(m, nn.modules.batchnorm._BatchNorm):
-                m.weight.uniform_(0.5, 1.5)
-                m.bias.normal_()
-                m.running_mean.normal_()
-                m.running_var.uniform_(0.5, 1.5)
-    return model.double()
-
-
-def _assert_steps(eager: nn.Module, fast: nn.Module, x: Tensor) -> None:
-    for step in range(2):
-        xe, xf = x.clone().requires_grad_(), x.clone().requires_grad_()
-        out_e, out_f = eager(xe), fast(xf)
-        assert_chain_ran(out_f)
-        g = torch.randn(out_e.shape, dtype=out_e.dtype, generator=torch.Generator().manual_seed(step))
-        out_e.backward(g)
-        out_f.backward(g)
-        assert_close(out_f, out_e, **TOL)
-        assert_close(xf.grad, xe.grad, **TOL)
-        for (n, p), pe in zip(fast.named_parameters(), eager.parameters()):
-            assert_close(p.grad, pe.grad, **TOL, msg=n)
-            p.grad, pe.grad = None, None
-        for (n, b), be in zip(fast.named_buffers(), eager.buffers()):
-            assert_close(b, be, **TOL, msg=n)
-
-
 def test_same_padding_children_fuse_and_fold_with_example_inputs() -> None:
-    eager = _randomise(SameNet())
+    eager = randomise_batchnorms(SameNet())
     x = torch.randn(2, 3, 11, 10, dtype=torch.float64)
     fast = convbn.convert(copy.deepcopy(eager), strategy="recompute_conv", example_inputs=x)
     report = assert_fused(fast, skipped=0)
     assert sorted((p.conv, p.bn) for p in report.pairs if p.bn) == [("c1", "b1"), ("c2", "b2"), ("c3", "b3")]
-    _assert_steps(eager, fast, x)
+    assert_steps_match(eager, fast, x)
     eager.eval()
     folded = convbn.fold(copy.deepcopy(eager), example_inputs=x)
-    assert sorted((o.batchnorm, o.result) for o in folded.fold_report.outcomes) == [
+    assert sorted((o.batchnorm, o.result) for o in folded.convbn_report.outcomes) == [
         ("b1", "folded"), ("b2", "folded"), ("b3", "folded")]
     assert_close(folded(x), eager(x), **TOL)
 
 
 def test_other_shapes_run_correctly_after_a_shaped_capture() -> None:
-    eager = _randomise(SameNet())
+    eager = randomise_batchnorms(SameNet())
     x = torch.randn(2, 3, 11, 10, dtype=torch.float64)
     fast = convbn.convert(copy.deepcopy(eager), strategy="recompute_conv", example_inputs=x)
     other = torch.randn(3, 3, 8, 13, dtype=torch.float64)
@@ -112,7 +82,7 @@ def test_other_shapes_run_correctly_after_a_shaped_capture() -> None:
 
 @pytest.mark.filterwarnings("ignore")
 def test_a_child_that_never_traces_keeps_the_symbolic_trace() -> None:
-    eager = _randomise(SameNet(gate=True))
+    eager = randomise_batchnorms(SameNet(gate=True))
     x = torch.randn(2, 3, 11, 10, dtype=torch.float64)
     fast = convbn.convert(copy.deepcopy(eager), strategy="recompute_conv", example_inputs=x)
     outcomes = {o.batchnorm: o.result for o in fast.convbn_report.outcomes}
@@ -121,11 +91,11 @@ def test_a_child_that_never_traces_keeps_the_symbolic_trace() -> None:
 
 
 def test_same_padding_children_fuse_on_the_first_call_without_example_inputs() -> None:
-    eager = _randomise(SameNet())
+    eager = randomise_batchnorms(SameNet())
     x = torch.randn(2, 3, 11, 10, dtype=torch.float64)
     fast = convbn.convert(copy.deepcopy(eager), strategy="recompute_conv")
     first_f, first_e = fast(x.clone()), eager(x.clone())  # captured with real shapes, checked against eager
     assert_close(first_f, first_e, **TOL)
     report = assert_fused(fast, skipped=0)
     assert sorted((p.conv, p.bn) for p in report.pairs if p.bn) == [("c1", "b1"), ("c2", "b2"), ("c3", "b3")]
-    _assert_steps(eager, fast, x)
+    assert_steps_match(eager, fast, x)

@@ -19,6 +19,16 @@ Note: [BatchNorm1d on tokens is BatchNorm1d on rows]
     BatchNorm1d can only see a 3-D tensor (BatchNorm1d takes 2-D or 3-D inputs and the
     transpose needs a dim 2), so the tokens are 3-D whenever the graph matches.
 
+Note: [a transpose that also runs on rows]
+    ``transpose(-1, 1)`` / ``transpose(2, 1)``-style calls with a negative dim (speechbrain's
+    ``x.transpose(-1, 1)``) swap dims 1 and 2 of a 3-D tensor but run on a 2-D one too, where
+    they change nothing (``-1`` is dim 1): ``bn(fc(t).transpose(-1, 1))`` is then BatchNorm1d
+    on ``(N, C)`` rows. The graph has no ranks, so the rewrite is made right for both: it
+    transposes back with the user's own call (the identity on rows; on 3-D tokens the same
+    swap as ``transpose(1, 2)``), and :func:`check_token_rank` raises where the Linear's input
+    has another rank, as BatchNorm1d would on the original (on 4-D tokens the rows would
+    otherwise normalise what eager refuses).
+
 Note: [a flatten between a Linear and its BatchNorm1d]
     ``bn(fc(x).flatten(1))`` (or ``torch.flatten(fc(x), 1)``, ``fc(x).view(n, -1)``) normalises
     the Linear's output features when that output is 2-D: the flatten then changes nothing
@@ -38,14 +48,15 @@ from typing import Any, List, Optional
 import torch
 import torch.fx as fx
 import torch.nn.functional as F
-from torch import nn
+from torch import Tensor, nn
+from torch.fx.node import has_side_effect
 
 from ...functional.activations import activation_from_module
 from ...nn.standard_bn import has_standard_bn_forward
 from ..graph.shape_uses import value_users
 from .kind import bn_conv_dims
 
-__all__ = ["features_to_dim1", "flatten_token_bns", "drop_noop_flattens", "flattened_linear_reason"]
+__all__ = ["check_token_rank", "features_to_dim1", "flatten_token_bns", "drop_noop_flattens", "flattened_linear_reason"]
 
 _TRANSPOSE_NAMES = ("transpose", "swapaxes", "swapdims")
 
@@ -81,6 +92,21 @@ def _strict_transpose_1_2(node: fx.Node) -> bool:
     return len(rest) == 3 or all(isinstance(d, int) and d >= 0 for d in rest)
 
 
+@has_side_effect
+def check_token_rank(t: Tensor) -> None:
+    """Raise as ``nn.BatchNorm1d`` does where the Linear's input ``t`` is not 2-D or 3-D (Note:
+    [a transpose that also runs on rows]).
+
+    Args:
+        t: the tokens the Linear reads.
+
+    Example:
+        >>> check_token_rank(torch.zeros(2, 3, 4))
+    """
+    if t.dim() not in (2, 3):
+        raise ValueError(f"expected 2D or 3D input (got {t.dim()}D input)")
+
+
 def _linear_input(node: fx.Node, gm: fx.GraphModule) -> Optional[fx.Node]:
     """The input of ``node`` if it applies a ``nn.Linear`` (torch's forward) or ``F.linear``."""
     if node.op == "call_module":
@@ -107,12 +133,15 @@ def flatten_token_bns(gm: fx.GraphModule) -> List[str]:
             continue
         tr = node.args[0]
         y = features_to_dim1(tr)
-        if y is None or not _strict_transpose_1_2(tr) or value_users(tr) != [node] or len(tr.users) != 1:
+        if y is None or value_users(tr) != [node] or len(tr.users) != 1:
             continue
         t = _linear_input(y, gm)
         if t is None or value_users(y) != [tr] or len(y.users) != 1:
             continue
+        strict = _strict_transpose_1_2(tr)
         with graph.inserting_before(y):
+            if not strict:  # Note: [a transpose that also runs on rows]
+                graph.call_function(check_token_rank, (t,))
             rows = graph.call_method("flatten", (t, 0, -2))
         y.args = (rows, *y.args[1:]) if y.op == "call_module" else (rows, *y.args[1:])
         node.args = (y,)
@@ -123,7 +152,8 @@ def flatten_token_bns(gm: fx.GraphModule) -> List[str]:
         with graph.inserting_after(lead):
             back = graph.call_method("unflatten", (node, 0, lead))
         with graph.inserting_after(back):
-            out = graph.call_method("transpose", (back, 1, 2))
+            out = graph.call_method("transpose", (back, 1, 2)) if strict else \
+                graph.create_node(tr.op, tr.target, (back, *tr.args[1:]))
         node.replace_all_uses_with(out, delete_user_cb=lambda user: user is not back)
         graph.erase_node(tr)
         done.append(str(node.target))

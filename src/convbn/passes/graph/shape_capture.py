@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import threading
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
@@ -27,6 +28,8 @@ from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.fx.node import has_side_effect
 from torch.utils import _pytree as pytree
+
+from .thread_patch import original_item, scoped_item
 
 __all__ = ["ShapeGuard", "Guards", "ShapeTracing", "VALUE", "assert_traced_shape"]
 
@@ -94,6 +97,18 @@ def _value(node: Any) -> Any:
     return node
 
 
+#: how deep this thread is in :func:`_untraced` (random factories called there run for real)
+_REAL = threading.local()
+
+# Note: [random numbers drawn from real shapes]
+# ``torch.rand(x.shape[0], 1, 1, 1, dtype=x.dtype)`` (inline drop-path, EfficientNet's drop
+# connect) gets only Python ints and a real dtype once shapes answer: ``torch.fx`` does not see
+# the call, so it would run once at trace time and its numbers be baked into the graph as a
+# constant (the same mask on every step). While a shape trace runs, these factories record
+# a node instead (its value computed as fake like every other), so the graph draws afresh.
+_RANDOM_FACTORIES = ("rand", "randn", "randint", "randperm")
+
+
 @contextlib.contextmanager
 def _untraced() -> Iterator[None]:
     """Run code for real while a trace is under way: ``nn.Module`` calls and attribute reads
@@ -106,12 +121,35 @@ def _untraced() -> Iterator[None]:
     tracer, _recording.tracer = _recording.tracer, None
     nn.Module.__call__ = st._orig_module_call  # type: ignore[method-assign]
     nn.Module.__getattr__ = st._orig_module_getattr  # type: ignore[method-assign]
+    _REAL.depth = getattr(_REAL, "depth", 0) + 1
     try:
         yield
     finally:
+        _REAL.depth -= 1
         for k, v in patched.items():
             setattr(nn.Module, k, v)
         _recording.tracer = tracer
+
+
+@contextlib.contextmanager
+def _recorded_factories(tracer: Any) -> Iterator[None]:
+    """While ``tracer`` traces, ``torch.rand`` and the other random factories record a node
+    (Note: [random numbers drawn from real shapes]); outside :func:`_untraced` only, and in the
+    tracing thread only (Note: [tracing patches are the tracing thread's]): another thread's
+    ``torch.rand`` meanwhile draws as always."""
+    namespace = vars(torch)
+
+    def recorder(fn: Any) -> Any:
+        def recorded(*args: Any, **kwargs: Any) -> Any:
+            if getattr(_REAL, "depth", 0) or "generator" in kwargs:
+                return fn(*args, **kwargs)
+            return tracer.create_proxy("call_function", fn, args, kwargs)
+        return recorded
+
+    with contextlib.ExitStack() as patches:
+        for name in _RANDOM_FACTORIES:
+            patches.enter_context(scoped_item(namespace, name, recorder(original_item(namespace, name))))
+        yield
 
 
 class ShapeTracing:
@@ -128,7 +166,8 @@ class ShapeTracing:
 
     def trace(self, root: Any, concrete_args: Optional[Dict[str, Any]] = None) -> fx.Graph:
         self._bound = None
-        graph = super().trace(root, concrete_args)  # type: ignore[misc]
+        with _recorded_factories(self):
+            graph = super().trace(root, concrete_args)  # type: ignore[misc]
         placeholders = [n for n in graph.nodes if n.op == "placeholder"]
         for node in placeholders:  # code run without the Python guard (TorchScript) checks the shapes itself
             value = node.meta.get(VALUE)

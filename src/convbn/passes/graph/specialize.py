@@ -12,6 +12,15 @@ own forward runs (:class:`~convbn.passes.graph.graph_module.GraphForward`).
 The argument stays in the generated forward's signature under its own name (so keyword
 calls work); the assertions ``torch.fx`` adds for a concrete argument are dropped from the
 graph, the guard being checked before the graph runs.
+
+Note: [numbers a parent passes]
+A parent may pass such an argument a Python number (EfficientNet's ``block(x,
+drop_connect_rate=rate * i / n)``; the code then branches on it, ``if self.training and
+rate``). Traced symbolically the branch raises and the block stays unfused, so an ``int`` /
+``float`` a call passes is traced as its constant too (:meth:`Defaults.for_call`) and guarded
+the same way: a call with another number (or type) fails :meth:`Defaults.hold` and runs a
+variant captured for it (``passes/convert/variants.py``), never the graph of the first.
+Defaults that are numbers stay symbolic until a call passes one.
 """
 from __future__ import annotations
 
@@ -29,6 +38,10 @@ __all__ = ["Defaults", "GIVEN", "constant_defaults", "none_used_as_value"]
 
 #: default values traced as constants: what code branches on (``is None``, ``if flag``, ``mode == "x"``)
 SPECIALIZED_TYPES = (type(None), bool, str)
+
+#: values a call passes that are traced as constants too (Note: [numbers a parent passes]):
+#: the default types plus Python numbers
+CALL_SPECIALIZED_TYPES = SPECIALIZED_TYPES + (int, float)
 
 
 class _Given:
@@ -67,11 +80,12 @@ class Defaults:
 
     def for_call(self, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> "Defaults":
         """The same arguments specialised to what a call passes: a ``None`` / ``bool`` / ``str``
-        given becomes the traced constant, any other value (a tensor) :data:`GIVEN` (symbolic)."""
+        or a Python ``int`` / ``float`` given becomes the traced constant, any other value (a
+        tensor) :data:`GIVEN` (symbolic)."""
         values = []
         for name, pos, value in zip(self.names, self.positions, self.values):
             given = args[pos] if 0 <= pos < len(args) else kwargs.get(name, value)
-            values.append(given if type(given) in SPECIALIZED_TYPES else GIVEN)
+            values.append(given if type(given) in CALL_SPECIALIZED_TYPES else GIVEN)
         return Defaults(self.names, self.positions, tuple(values))
 
     def describe(self) -> str:
@@ -91,7 +105,7 @@ class Defaults:
             else:
                 continue
             if value is GIVEN:
-                if type(given) in SPECIALIZED_TYPES:
+                if type(given) in CALL_SPECIALIZED_TYPES:
                     return False
                 continue
             if given is not value and not (type(given) is type(value) and given == value):
