@@ -396,7 +396,8 @@ def run_sweep_model(label: str) -> Dict[str, Any]:  # one model: eager, convbn, 
     rec["bn_called"] = len(called)
     t = time.perf_counter()
     res = bm_sweep._check_convert(copy.deepcopy(model), inputs, False, ref, called, "float32")
-    rec["convbn"] = {k: res.get(k) for k in ("ok", "error", "fused_ran", "fused_ran_next", "report_fused")}
+    rec["convbn"] = {k: res.get(k) for k in ("ok", "error", "fused_ran", "fused_ran_next", "report_fused",
+                                                 "report_fused_next")}
     rec["convbn"]["s"] = time.perf_counter() - t
     reset()
     probe = Probe()

@@ -418,6 +418,7 @@ def _check_convert(model: Any, inputs: Tuple[Any, ...], with_inputs: bool, ref: 
         _step(conv, inputs)
         reported = {o.batchnorm for o in getattr(conv.convbn_report, "outcomes", []) if o.result == "fused"}
         res["fused_ran_next"] = len(called_eager - called_next)
+        res["report_fused_next"] = len(reported)  # listed at the same moment as what ran is counted
         res["report_not_run_next"] = sorted(reported & called_next)
     except Exception as exc:  # noqa: BLE001
         res["next_step_error"] = _short(exc)

@@ -44,8 +44,6 @@ def x_(seed: int = 1):
 @pytest.mark.parametrize("spelled", ["imported", "qualified"])
 @pytest.mark.parametrize("reentrant", [False, True], ids=["non_reentrant", "reentrant"])
 def test_checkpoint_keeps_eager_running_statistics(validated, spelled, reentrant):
-    if validated and reentrant:
-        pytest.skip("the validation step differentiates with torch.autograd.grad, which a reentrant checkpoint refuses")
     eager, twin = twins(lambda: Checkpointed(spelled, reentrant))
     kw = {"example_inputs": x_()} if validated else {}
     with warnings.catch_warnings():
@@ -60,3 +58,20 @@ def test_checkpoint_keeps_eager_running_statistics(validated, spelled, reentrant
     out = fast(x_())
     assert_chain_ran(out, calls=2 if reentrant else 3)  # a reentrant checkpoint hides b's node behind its own
     assert fast.forward.fallback is False and fast.b.forward.fallback is False
+
+
+def test_validation_through_a_reentrant_checkpoint_leaves_grad_fields_exactly():
+    """The validation step backpropagates with ``.backward()`` there (``autograd.grad`` is
+    refused): each ``.grad`` it set aside comes back, the same tensor with the same values, and
+    ``None`` stays ``None``."""
+    _, model = twins(lambda: Checkpointed("imported", True))
+    params = list(model.parameters())
+    for i, p in enumerate(params):
+        p.grad = torch.full_like(p, float(i)) if i % 2 else None
+    before = [(p.grad, None if p.grad is None else p.grad.clone()) for p in params]
+    fast = convbn.convert(model, example_inputs=x_())
+    assert_fused(fast, pairs=3)
+    for p, (g, values) in zip(fast.parameters(), before):
+        assert p.grad is g, "a .grad field was replaced"
+        if values is not None:
+            assert torch.equal(p.grad, values), "a .grad field's values changed"

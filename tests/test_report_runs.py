@@ -220,3 +220,77 @@ def test_a_call_unlike_the_captured_ones_is_reported_as_it_runs() -> None:
     assert "its last call (mask" in fast.convbn_report.outcomes[0].reason
     _assert_report_is_the_graph(fast, fast(x))  # a captured kind of call again: fused, and said so
     assert [o.result for o in fast.convbn_report.outcomes] == ["fused"]
+
+
+class _Untraceable(nn.Module):
+    """Branches on a tensor's value (the trace leaves it a call) and returns an optional part
+    that is ``None`` at run time: the trace sees a proxy there, not ``None``."""
+
+    def forward(self, x: Tensor) -> Tuple[Tensor, Any]:
+        if x.sum() > -1e9:  # data-dependent control flow: not traceable
+            return x, None
+        return x, x
+
+
+class _OptionalOutput(nn.Module):
+    """The output's structure depends on what an untraced child returns (a transformer
+    library's model output built from an encoder's optional hidden states)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.stem = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU())
+        self.inner = _Untraceable()
+        self.head = nn.Sequential(nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU())
+
+    def forward(self, x: Tensor) -> Dict[str, Tensor]:
+        y, extra = self.inner(self.stem(x))
+        out = {"y": self.head(y)}
+        if extra is not None:
+            out["extra"] = extra
+        return out
+
+
+def test_before_the_first_call_an_unchecked_rewrite_is_reported_unchecked() -> None:
+    fast = convbn.convert(_OptionalOutput())
+    report = fast.convbn_report
+    text = str(report)
+    assert "first call not checked yet: 2 of these pairs" in text and "<root>" in text, text
+    x = torch.randn(4, 3, 8, 8)
+    with pytest.warns(RuntimeWarning, match="output structure changed"):
+        out = fast(x)["y"]
+    _assert_report_is_the_graph(fast, out)  # the root's rewrite fell back: its pairs are listed so
+    assert [o.result for o in report.outcomes] == ["left", "left"]
+    assert "first call not checked yet" not in str(report) and "fallback" in str(report)
+    _assert_report_is_the_graph(fast, fast(x)["y"])
+
+
+def test_a_rewrite_whose_first_call_is_unchecked_says_so() -> None:
+    fast = convbn.convert(_OptionalOutput(), strategy="recompute_bn")  # a fixed strategy: no plan pending
+    report = fast.convbn_report
+    assert [p.status for p in report.pairs] == ["fused, first call not checked yet"] * 2
+    rows = [line for line in str(report).splitlines() if line.strip()[:2] in ("0.", "1.")]
+    assert len(rows) == 2 and all("recompute_bn" in r and "fallback" not in r for r in rows), str(report)
+    assert [o.result for o in report.outcomes] == ["fused", "fused"]  # what the first call runs if it agrees
+
+
+class _SamePad(nn.Module):
+    """TF-"SAME" padding computed from the input's shape: traced on its first call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.conv, self.bn = nn.Conv2d(3, 8, 3, stride=2), nn.BatchNorm2d(8)
+
+    def forward(self, x: Tensor) -> Tensor:
+        pad = 1 if x.shape[-1] % 2 == 0 else 0
+        return torch.relu(self.bn(self.conv(nn.functional.pad(x, (0, pad, 0, pad)))))
+
+
+def test_a_module_captured_on_its_first_call_is_reported_waiting() -> None:
+    fast = convbn.convert(_SamePad())
+    assert "captured on the first call: <root>" in str(fast.convbn_report), str(fast.convbn_report)
+    out = fast(torch.randn(4, 3, 8, 8))
+    assert "captured on the first call" not in str(fast.convbn_report)
+    _assert_report_is_the_graph(fast, out)
+    assert [o.result for o in fast.convbn_report.outcomes] == ["fused"]

@@ -17,7 +17,7 @@ __all__ = [
 def _one_layer(name: str) -> object:
     from . import layer_functions
 
-    return getattr(fused, name)
+    return getattr(layer_functions, name)
 
 
 # ``RecomputeConvFunction`` / ``RecomputeBNFunction`` are not ``autograd.Function``s: each is a

@@ -15,6 +15,7 @@ from torch import Tensor, nn
 from torch.utils import _pytree as pytree
 
 from ...functional.private_rng import PrivateRNG, private_rng
+from .backward_aside import backward_grads, holds_reentrant_checkpoint
 
 __all__ = ["StateSnapshot", "Comparison", "compare_outputs", "run_step", "seeded", "as_args", "float64_slack", "to_float64",
            "tolerance", "tolerance_rule", "ToleranceRule", "TOLERANCES", "CheckKind", "buffers_set_aside", "batch_sample",
@@ -245,7 +246,9 @@ def run_step(model: nn.Module, args: Tuple[Any, ...], params: Sequence[Tensor], 
              ) -> Tuple[Any, List[Optional[Tensor]]]:
     """One forward (RNG seeded with ``seed``) and, where possible, one backward with a random
     upstream gradient (also from ``seed``), returning outputs and the gradients of ``params``
-    and of the floating tensor inputs. ``.grad`` fields are left alone (``torch.autograd.grad``);
+    and of the floating tensor inputs. ``.grad`` fields are left alone (``torch.autograd.grad``;
+    through a reentrant checkpoint, ``.backward()`` with every ``.grad`` set aside and restored:
+    ``check/backward_aside.py``);
     the caller restores state (:class:`StateSnapshot`). ``rng``: a list to which the states of
     the forward's and the backward's private generators afterwards are appended (what each drew).
     ``grad_inputs=False``: the inputs require grad only where the caller's did (a model that
@@ -267,7 +270,10 @@ def run_step(model: nn.Module, args: Tuple[Any, ...], params: Sequence[Tensor], 
     gen = torch.Generator().manual_seed(seed + 1)
     ups = [torch.randn(o.shape, generator=gen, dtype=torch.float64).to(o) for o in outs]
     with seeded(seed + 2) as drawn:  # a backward drawing random numbers draws the same on both sides
-        grads = torch.autograd.grad(outs, wrt, ups, allow_unused=True)
+        if holds_reentrant_checkpoint(outs):  # refuses autograd.grad: Note [a check's backward through a reentrant checkpoint]
+            grads = backward_grads(outs, wrt, ups, params)
+        else:
+            grads = torch.autograd.grad(outs, wrt, ups, allow_unused=True)
         if rng is not None:
             rng.extend(drawn.states())
     return pytree.tree_map(lambda t: t.detach() if isinstance(t, Tensor) else t, out), list(grads)

@@ -43,6 +43,9 @@ class CaptureOnFirstCall:
             (:func:`convbn.passes.convert.pipeline.capture_on_call`).
     """
 
+    #: read by the report (``report/live.py``): this module is converted on its first call
+    captures_on_first_call = True
+
     def __init__(self, owner: nn.Module, prefix: str, report: ConvertReport, strategy: str, chain: bool,
                  count: int, why: str, capture: Capture) -> None:
         self.owner = owner

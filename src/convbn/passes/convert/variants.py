@@ -30,6 +30,7 @@ from ..graph.graph_module import GraphForward
 from ..graph.shape_capture import Guards, ShapeGuard
 from ..graph.specialize import Defaults, constant_defaults
 from ..report.convert_report import ConvertReport
+from ..tracing.trace import short_reason
 
 __all__ = ["MAX_VARIANTS", "Variants", "describe_guard"]
 
@@ -87,10 +88,11 @@ class Variants:
             self._limit(main, args, kwargs)
             return None
         owner = main.owner
+        why = "it does not trace for such calls, or nothing in it fuses"
         try:
             fwd = self.capture(owner, self.prefix, args, kwargs, self)
-        except Exception:  # noqa: BLE001 - not capturable for this call: its own forward runs for such calls
-            fwd = None
+        except Exception as exc:  # noqa: BLE001 - not capturable for this call: its own forward runs for such calls
+            fwd, why = None, short_reason(exc, 120)
         guard = fwd.defaults if fwd is not None and fwd.defaults is not None else Guards(
             [constant_defaults(owner).for_call(args, kwargs), ShapeGuard(args, kwargs)])
         self.entries.append((guard, fwd))
@@ -99,7 +101,7 @@ class Variants:
             n = sum(1 for t in fwd.added if t.rpartition(".")[2].startswith("convbn_chain"))
             self.report.variants.append(f"{label}: {describe_guard(guard)} ({n} chain{'s' if n != 1 else ''})")
         else:
-            self.report.changes.append(f"{label} called with {describe_guard(guard)}: no variant captured; "
+            self.report.changes.append(f"{label} called with {describe_guard(guard)}: no variant captured ({why}); "
                                        "such calls run its original (unfused) forward")
         return fwd
 

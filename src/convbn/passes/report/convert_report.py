@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Dict, List, Optional
 
 from ...functional.strategies import ConvertStrategy, LayerMode
 from ...memory import format_bytes
-from .live import FUSED, all_chains, chain_status
+from .live import CHECK_PENDING, FUSED, all_chains, awaiting_capture, chain_status, unchecked_chains
 from .outcome import BNOutcome
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -48,7 +48,9 @@ class FusedPair:
     def status(self) -> str:
         """What runs now: ``"fused"``, ``"fused, plan pending"`` (converted without
         ``example_inputs``: the chain plans on its first training call, when its shapes are
-        known; :attr:`strategy` until then is not a plan) or ``"fallback: <why>"``."""
+        known; :attr:`strategy` until then is not a plan), ``"fused, first call not checked yet"``
+        (converted without ``example_inputs``: it runs fused only if its module's first call
+        agrees with the original) or ``"fallback: <why>"``."""
         report = self.__dict__.get("_report")
         if report is not None:
             report._pair_status()
@@ -155,13 +157,17 @@ class ConvertReport:
         if model is None:
             return by_bn
         status = chain_status(model)
+        unchecked = unchecked_chains(model)
         chain_of = {id(l): c for c in all_chains(model) for l in c.layers}
         for p in self.pairs:
             chain = chain_of.get(id(p.layer))
             now = status.get(id(chain), FUSED) if chain is not None else FUSED
             if now == FUSED and chain is not None and chain.plan_on_first_call is not None:
                 now = "fused, plan pending"
+            elif now == FUSED and chain is not None and id(chain) in unchecked:
+                now = CHECK_PENDING  # runs fused only if its first call agrees with the original
             p.__dict__["_status"] = now
+            p.__dict__["_unchecked"] = chain is not None and id(chain) in unchecked and now.startswith(FUSED)
             if p.bn:
                 by_bn[p.bn] = FUSED if now.startswith(FUSED) else now
         return by_bn
@@ -185,6 +191,27 @@ class ConvertReport:
     @property
     def num_chains(self) -> int:
         return len({p.chain for p in self.pairs})
+
+    def _first_call_lines(self) -> List[str]:
+        """What waits for the first call, in words: pairs whose rewrite's first-call check has
+        not run (each pair's status read first) and modules captured on their first call."""
+        lines: List[str] = []
+        model = self.__dict__.get("_model")
+        if model is None:
+            return lines
+        pending = [p for p in self.pairs if p.__dict__.get("_unchecked")]  # set by the status read
+        if pending:
+            owners = sorted({n or "<root>" for n in unchecked_chains(model).values()})
+            lines.append(f"  first call not checked yet: {len(pending)} of these pairs run fused only if the first call of "
+                         f"the module rewritten ({', '.join(owners[:4])}{', ...' if len(owners) > 4 else ''}) agrees with "
+                         "its original; else that module's own (unfused) forward runs and they are listed as 'fallback' "
+                         "(example_inputs checks now)")
+        waiting = awaiting_capture(model)
+        if waiting:
+            lines.append(f"  captured on the first call: {', '.join(n or '<root>' for n in waiting[:4])}"
+                         f"{', ...' if len(waiting) > 4 else ''} (traced with that call's real inputs then; the "
+                         "BatchNorms under them are listed as skipped until it)")
+        return lines
 
     def __str__(self) -> str:
         skipped = self.skipped  # as things run now (sets each pair's status)
@@ -233,7 +260,7 @@ class ConvertReport:
             strategy = p.strategy if p.kind == "layer" or (p.kind == "end" and p.layer.elements) else p.kind
             if p.status == "fused, plan pending":
                 strategy = "plan pending"  # made on the chain's first training call
-            elif p.status != FUSED:
+            elif not p.status.startswith(FUSED):
                 strategy = "fallback"
             lines.append(
                 f"  {p.chain:>6}.{p.position:<2}  {p.conv or '- (pre-act head)':<32} {p.bn or '- (chain end)':<32} "
@@ -258,6 +285,7 @@ class ConvertReport:
         if any(p.status == "fused, plan pending" for p in self.pairs):
             lines.append("  plan pending: chains converted without example_inputs choose each layer's strategy on "
                          "their first training call (their shapes known then)")
+        lines += self._first_call_lines()
         for s in skipped:
             lines.append(f"  skipped {s.batchnorm}: {s.reason}")
         for mod, err in self.untraced:

@@ -21,10 +21,12 @@ from ...nn.chain import FusedChain
 from ...nn.fused_conv_bn import hooks_of
 from ..graph.graph_module import GraphForward, installed
 
-__all__ = ["chain_status", "running_fused_modules", "all_chains", "FUSED"]
+__all__ = ["chain_status", "running_fused_modules", "all_chains", "unchecked_chains", "awaiting_capture", "FUSED", "CHECK_PENDING"]
 
 #: the status of a chain whose fused Function runs
 FUSED = "fused"
+#: the status of a fused chain whose rewrite has not met its first-call check yet
+CHECK_PENDING = "fused, first call not checked yet"
 
 
 def _status(fwd: Optional[GraphForward], chain: FusedChain) -> str:
@@ -67,6 +69,28 @@ def chain_status(model: nn.Module) -> Dict[int, str]:
     """``id(chain) -> status`` for every fused chain of ``model``: ``"fused"`` while its fused
     Function runs, else ``"fallback: <why>"`` (Note: [a report says what runs])."""
     return {id(chain): _status(fwd, chain) for _, chain, fwd in _owned_chains(model)}
+
+
+def unchecked_chains(model: nn.Module) -> Dict[int, str]:
+    """``id(chain) -> qualified name of the rewritten module`` for every chain of ``model`` whose
+    rewrite's first-call check has not run yet (converted without ``example_inputs``): it runs
+    fused only if that call agrees with the original (Note: [a report says what runs])."""
+    found: Dict[int, str] = {}
+    for prefix, m in model.named_modules():
+        fwd = installed(m)
+        if fwd is None or fwd.pending is None:
+            continue
+        for target in fwd.added:
+            found[id(functools.reduce(getattr, target.split("."), m))] = prefix
+    return found
+
+
+def awaiting_capture(model: nn.Module) -> List[str]:
+    """Qualified names of the modules of ``model`` converted on their first call (code on
+    shapes, no ``example_inputs``: ``convert/first_call_capture.py``) that have not been called
+    yet: the BatchNorms under them are listed as left until then."""
+    return [n for n, m in model.named_modules()
+            if getattr(m.__dict__.get("forward"), "captures_on_first_call", False)]
 
 
 def running_fused_modules(model: nn.Module) -> Iterator[Tuple[str, nn.Module]]:
