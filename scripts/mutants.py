@@ -93,11 +93,12 @@ MUTANTS: Dict[str, Mutant] = {
         (_CHAIN,)),
     "fold_nothing": Mutant(
         "fold() folds nothing (returns the model unfolded)",
-        (("passes/fold/api.py", '    fold_module(work, "", ctx, set())\n', "    pass  # mutant: nothing folded\n"),),
+        (("passes/fold/api.py", '    fold_module(run.work, "", run.ctx, set())\n', "    pass  # mutant: nothing folded\n"),),
         (_FOLD,)),
     "fold_check_skipped": Mutant(
         "fold()'s numerical check is skipped",
-        (("passes/fold/api.py", "    if check:\n        if args is None:", "    if False:\n        if args is None:"),),
+        (("passes/fold/api.py", "    finer = _checked(run) if run.check and run.args is not None else None",
+          "    finer = None  # mutant: the check skipped"),),
         (_FOLD,)),
     "weight_grad_scaled": Mutant(
         "the first convolution's weight gradient of every chain is scaled by (1 + 1e-6)",
