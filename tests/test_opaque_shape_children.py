@@ -15,7 +15,7 @@ from torch import Tensor, nn
 from torch.testing import assert_close
 
 import convbn
-from eager_twin import TOL, assert_steps_match, randomise_batchnorms
+from capture_helpers import TIGHT as TOL, assert_steps_match, randomise_batchnorms
 from fusion_checks import assert_fused
 
 
