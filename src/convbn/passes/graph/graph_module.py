@@ -251,7 +251,7 @@ class GraphForward:
             self.warned_defaults = True
             warnings.warn(
                 f"convbn: the rewritten {type(self.owner).__name__} applies to calls like the one it was traced "
-                f"for; this call changes {self.defaults.differing(args, kwargs)}, and such calls run its original "
+                f"for; this call changes {self.off_call}, and such calls run its original "
                 "(unfused) forward.",
                 RuntimeWarning,
                 stacklevel=4,
