@@ -20,14 +20,15 @@ from ...memory.budget import parse_memory, resident_bytes, usable_bytes
 from ...progress import check_progress, progress_scope, stage
 from ..check.step import called_inputs, check_step
 from ..check.validate import StateSnapshot, as_args
+from ..graph.meta import meta_tensor
 from ..graph.graph_module import eager, forget_undo, installed, uninstall
 from ..graph.share_copy import share_copy
 from ..graph.transaction import transaction
 from ..plan.auto_plan import measure_peak, measure_saved, plan_auto
 from ..report.convert_report import ConvertReport
 from ..report.outcome import bn_module_names, explain_ghost_loops, frozen_lookalikes, unreached
-from .args import check_args
-from .pipeline import Conversion, arm_guards, convert_module, dedupe
+from .args import check_args, example_inputs_named
+from .pipeline import Conversion, arm_guards, convert_module, dedupe, defer_until_materialised
 from .rewrite import swap_sync_batchnorm
 
 __all__ = ["convert", "explain", "check_args"]
@@ -197,11 +198,15 @@ def _convert_model(model: nn.Module, strategy: str, memory_budget: Optional[floa
 def _trace_match_build(work: nn.Module, inputs: Optional[Tuple[Any, ...]], conv: Conversion) -> None:
     """Stages *trace* to *install* over every module, and with ``example_inputs`` *check*
     (converted finer where the check fails). Conversion changes no state: reading a
-    parametrized weight (spectral_norm's power iteration) or tracing must not move buffers or the RNG."""
+    parametrized weight (spectral_norm's power iteration) or tracing must not move buffers or the RNG.
+    A model on the meta device is converted on its first call once materialised."""
     stage(f"trace and match {type(work).__name__}")
     with StateSnapshot(work):
         if inputs is not None:
-            _validated_convert(work, "", inputs, {}, conv)
+            with example_inputs_named(work, inputs):
+                _validated_convert(work, "", inputs, {}, conv)
+        elif meta_tensor(work) is not None:
+            defer_until_materialised(work, conv)
         else:
             convert_module(work, "", conv)
     forget_undo(work)

@@ -48,7 +48,7 @@ from ..graph.specialize import Defaults, constant_defaults, none_used_as_value
 from ..report.convert_report import ConvertReport
 from ..tracing.trace import LayerTracer, Traced, short_reason, trace
 from .cat_norms import split_cat_norms
-from .first_call_capture import CaptureOnFirstCall
+from .first_call_capture import CaptureOnFirstCall, CaptureWhenMaterialised
 from .match import MatchedLayer, find_layers, group_chains, split_heads
 from .pools import lean_pools
 from .recapture import Recapture, _merge, _remove_installed, attach_guards, refuse_flat_parameters
@@ -57,7 +57,7 @@ from .variants import Variants
 
 __all__ = ["Conversion", "GraphRewrite", "CANONICALISE", "convert_module", "rewrite_module", "trace_module",
            "canonicalise", "match", "build", "install_graph", "arm_guards", "run_again", "reconvert",
-           "capture_on_call", "capture_variant", "dedupe"]
+           "capture_on_call", "capture_variant", "dedupe", "defer_until_materialised"]
 
 
 @dataclass(frozen=True)
@@ -196,6 +196,14 @@ def _defer(module: nn.Module, prefix: str, conv: Conversion) -> None:
     conv.deferred.append(prefix)
     module.__dict__["forward"] = CaptureOnFirstCall(module, prefix, conv.whole_report, conv.mode,
                                                     conv.chain, conv.recaptures, "", capture_on_call)
+
+
+def defer_until_materialised(module: nn.Module, conv: Conversion) -> None:
+    """Give the model, converted on the meta device, a forward that converts it on its first call
+    once its tensors have values (Note: [a model converted on the meta device])."""
+    conv.deferred.append("")
+    module.__dict__["forward"] = CaptureWhenMaterialised(module, "", conv.whole_report, conv.mode, conv.chain,
+                                                         conv.recaptures, "", capture_on_call)
 
 
 # --------------------------------------------------------------------------- the stages
