@@ -254,8 +254,8 @@ def run_step(model: nn.Module, args: Tuple[Any, ...], params: Sequence[Tensor], 
     ``grad_inputs=False``: the inputs require grad only where the caller's did (a model that
     sets ``requires_grad`` on a view of its input runs only so), and their gradients are
     compared only then."""
-    inputs = [a.detach().clone().requires_grad_(a.is_floating_point() and (grad_inputs or a.requires_grad))
-              if isinstance(a, Tensor) else a for a in pytree.tree_leaves(args)]
+    inputs = [_step_input(a, grad_inputs) if isinstance(a, Tensor) else a for a in pytree.tree_leaves(args)]
+    versions = [(a, a._version) for a in inputs if isinstance(a, Tensor) and a.requires_grad]
     leaves, spec = pytree.tree_flatten(args)
     it = iter(inputs)
     call_args = pytree.tree_unflatten([next(it) for _ in leaves], spec)
@@ -263,6 +263,8 @@ def run_step(model: nn.Module, args: Tuple[Any, ...], params: Sequence[Tensor], 
         out = model(*call_args)
         if rng is not None:
             rng.extend(drawn.states())
+    if any(a._version != v for a, v in versions):  # written in place under no_grad: the caller's tensor
+        raise RuntimeError("the model wrote into its input in place; run again on copies")
     outs = [o for o in pytree.tree_leaves(out) if isinstance(o, Tensor) and o.requires_grad]
     wrt = [p for p in params if p.requires_grad] + [t for t in inputs if isinstance(t, Tensor) and t.requires_grad]
     if not backward or not outs or not wrt or not torch.is_grad_enabled():
@@ -277,6 +279,18 @@ def run_step(model: nn.Module, args: Tuple[Any, ...], params: Sequence[Tensor], 
         if rng is not None:
             rng.extend(drawn.states())
     return pytree.tree_map(lambda t: t.detach() if isinstance(t, Tensor) else t, out), list(grads)
+
+
+def _step_input(a: Tensor, grad_inputs: bool) -> Tensor:
+    """A check's own input for one step. Note: [a check's inputs are aliases where autograd guards them]
+    An input made to require grad is a detached *alias* of the caller's tensor, not a copy: a
+    leaf that requires grad cannot be written in place with grad enabled (autograd raises, and
+    :func:`convbn.passes.check.step.check_step` runs again with ``grad_inputs=False``), and a
+    write under ``no_grad`` moves its version counter, which :func:`run_step` checks. A copy
+    would be one more input's bytes alive through both steps of the check, above eager's step.
+    Every other input is a copy (the model may write into it)."""
+    needs = a.is_floating_point() and (grad_inputs or a.requires_grad)
+    return a.detach().requires_grad_(True) if needs else a.detach().clone()
 
 
 def to_float64(tree: Any) -> Any:
