@@ -109,6 +109,8 @@ class Conversion:
     example: Optional[Tuple[Any, ...]] = None  # example_inputs, as positional arguments
     deferred: List[str] = field(default_factory=list)  # prefixes of modules captured on their first call
     root: Optional[nn.Module] = None  # the model being converted
+    reuse: Optional[Any] = None  # a ConvertPlan whose checks and plans are taken (Note: [a conversion made once])
+    checks: List[Tuple[str, str]] = field(default_factory=list)  # (module, why it differs or "") per check
     _called: Optional[Dict[int, Tuple[Tuple[Any, ...], Dict[str, Any]]]] = None
 
     @property
