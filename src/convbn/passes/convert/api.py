@@ -25,7 +25,7 @@ from ..graph.graph_module import eager, forget_undo, installed, uninstall
 from ..graph.share_copy import share_copy
 from ..graph.transaction import transaction
 from ..plan.auto_plan import measure_peak, measure_saved, plan_auto
-from ..plan.chain_plans import lazy_plan
+from ..plan.chain_plans import lazy_plan, recompute_all
 from ..plan.first_call_peak import peak_above_eager
 from ..plan.plan_inputs import chains_of
 from ..report.convert_report import ConvertReport
@@ -59,6 +59,9 @@ def _validated_convert(module: nn.Module, prefix: str, args: Tuple[Any, ...], kw
     why = conv.reuse.check(name) if conv.reuse is not None else None  # Note: [a conversion made once]
     if why is None:
         stage(f"check {name or 'the model'}: one training step, converted against eager")
+        if conv.mode == "auto":  # Note: [the check runs the plan that keeps least]
+            for c in chains_of(module):
+                c.apply_plan(recompute_all(c))
         result = check_step(module, args, kwargs)
         why = "" if result.ok else result.describe()
     conv.checks.append((name, why))
@@ -72,6 +75,15 @@ def _validated_convert(module: nn.Module, prefix: str, args: Tuple[Any, ...], kw
     conv.done.add(id(module))
     inputs = called_inputs(module, args, kwargs)
     _finer(module, prefix, inputs, conv)
+
+
+# Note: [the check runs the plan that keeps least]
+# Under ``"auto"`` the plan is made after the check (the planner measures the checked rewrite),
+# so the check's step runs every chain recomputing its convolutions: the plan whose backward does
+# the most (every layer's input rebuilt and its convolution run again) and whose step keeps the
+# least. While it runs, the eager step's gradients not yet compared are alive beside it (Note:
+# [a check that holds one side's gradients] in check/step.py); keeping least leaves the most
+# room for them under eager's own peak. The planner then gives every chain its plan.
 
 
 def _forget(module: nn.Module, conv: Conversion) -> None:
