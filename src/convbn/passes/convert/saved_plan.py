@@ -46,9 +46,11 @@ PlainChain = Optional[Tuple[Tuple[bool, ...], Tuple[bool, ...], str, Tuple[Plain
 
 @dataclass(frozen=True)
 class ConvertPlan:
-    """What :func:`convbn.convert` decided with ``example_inputs`` (Note: [a conversion made
-    once]): pass it back as ``convert(..., plan=...)`` to convert the same model again (after a
-    resume from a checkpoint) without running it.
+    """What :func:`convbn.convert` decided with ``example_inputs``: which parts matched eager in
+    its check, each chain's plan and the report's figures. They depend on the model's structure,
+    its tensors' shapes and dtypes, the inputs' shapes and dtypes and the options, not on the
+    weights' values; pass the plan back as ``convert(..., plan=...)`` to convert the same model
+    again (after a resume from a checkpoint) without running it.
 
     Attributes:
         key: the fingerprint of what the decisions depend on (:func:`plan_key`).

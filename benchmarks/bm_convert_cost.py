@@ -1,0 +1,141 @@
+"""What ``convert(model, example_inputs=x)`` itself costs, against one eager training step on the same x.
+
+For each model (setup not timed): one eager warm-up step, then ``--rounds`` interleaved rounds
+of [one eager training step, one ``convert``], then one ``convert(plan=...)`` with the first
+conversion's plan (a re-convert after a resume: Note: [a conversion made once]). Times are
+medians, as ratios to the eager step of the same process. Peaks, in a separate pass (the meter
+slows what it measures): the allocator's peak over the whole ``convert`` call above what was
+live before it, and over one eager step (``zero_grad(set_to_none=True)``, forward, mean
+loss, backward, SGD step with momentum): on CPU every allocation and free the CPU allocator
+reports to ``torch.profiler`` (:func:`convbn.memory.allocator_peak`), on CUDA
+``torch.cuda.max_memory_allocated``.
+
+    python benchmarks/bm_convert_cost.py [--models r18 r50 hrnet crnn] [--rounds 2] [--device cpu|cuda] [--no-peaks]
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import statistics
+import sys
+import time
+from typing import Any, Callable, Dict, List, Tuple
+
+import torch
+from torch import nn
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "tests"))
+sys.path.insert(0, HERE)
+from convert_cost_models import CRNNLike, HRNetLike  # noqa: E402
+from zoo import import_torchvision_without_fake_kernels  # noqa: E402
+
+import convbn  # noqa: E402
+from convbn.memory import allocator_peak  # noqa: E402
+
+
+def _tv(name: str) -> Callable[[], nn.Module]:
+    return lambda: getattr(import_torchvision_without_fake_kernels().models, name)()
+
+
+#: name -> (label, model factory, input shape)
+MODELS: Dict[str, Tuple[str, Callable[[], nn.Module], Tuple[int, ...]]] = {
+    "r18": ("torchvision ResNet-18", _tv("resnet18"), (16, 3, 224, 224)),
+    "r50": ("torchvision ResNet-50", _tv("resnet50"), (8, 3, 224, 224)),
+    "hrnet": ("HRNet-style segmenter (293 BN)", HRNetLike, (2, 3, 128, 128)),
+    "crnn": ("CRNN-style recogniser (11 BN, BiLSTM)", CRNNLike, (8, 1, 32, 128)),
+}
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _peak(fn: Callable[[], Any], device: torch.device) -> int:
+    """Peak bytes over ``fn()`` above what was live before it."""
+    if device.type != "cuda":
+        return allocator_peak(fn)
+    _sync(device)
+    start = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    fn()
+    _sync(device)
+    return torch.cuda.max_memory_allocated(device) - start
+
+
+def _timed(fn: Callable[[], Any], device: torch.device) -> Tuple[float, Any]:
+    _sync(device)
+    t = time.perf_counter()
+    out = fn()
+    _sync(device)
+    return time.perf_counter() - t, out
+
+
+def measure(key: str, rounds: int, device: torch.device, peaks: bool = True) -> Dict[str, Any]:
+    label, make, shape = MODELS[key]
+    torch.manual_seed(0)
+    model = make().to(device)
+    x = torch.randn(shape, device=device)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
+
+    def step() -> None:
+        opt.zero_grad(set_to_none=True)
+        out = model(x)
+        (out if isinstance(out, torch.Tensor) else out[0]).float().mean().backward()
+        opt.step()
+
+    step()  # warm-up (and the momentum buffers exist from here on)
+    steps: List[float] = []
+    converts: List[float] = []
+    fast: Any = None
+    for _ in range(rounds):
+        steps.append(_timed(step, device)[0])
+        opt.zero_grad(set_to_none=True)
+        t, fast = _timed(lambda: convbn.convert(model, example_inputs=x, progress=False), device)
+        converts.append(t)
+    again_t = float("nan")
+    if getattr(fast.convbn_report, "plan", None) is not None:  # (a convbn without convert(plan=...): not timed)
+        plan = fast.convbn_report.plan.as_dict()
+        again_t, again = _timed(lambda: convbn.convert(model, example_inputs=x, progress=False, plan=plan), device)
+        assert again.convbn_report.reused_plan and again.convbn_report.plan == fast.convbn_report.plan
+        del again
+    del fast
+    gc.collect()
+    step_t = statistics.median(steps)
+    if not peaks:
+        return dict(label=label, batch=shape, step=step_t, convert=statistics.median(converts), again=again_t,
+                    eager_peak=float("nan"), convert_peak=float("nan"))
+    eager_peak = _peak(step, device)
+    opt.zero_grad(set_to_none=True)
+    gc.collect()
+    held: List[Any] = []
+    convert_peak = _peak(lambda: held.append(convbn.convert(model, example_inputs=x, progress=False)), device)
+    return dict(label=label, batch=shape, step=step_t, convert=statistics.median(converts), again=again_t,
+                eager_peak=eager_peak, convert_peak=convert_peak)
+
+
+def main(argv: Any = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--no-peaks", action="store_true", help="times only (no allocator pass)")
+    args = parser.parse_args(argv)
+    device = torch.device(args.device)
+    print(f"torch {torch.__version__}, {device}, threads {torch.get_num_threads()}")
+    print("| model | input | eager step | convert (x eager step) | convert(plan=) (x first convert) "
+          "| eager step peak | convert peak | convert / eager peak |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|")
+    for key in args.models:
+        r = measure(key, args.rounds, device, peaks=not args.no_peaks)
+        mib = 2 ** 20
+        print(f"| {r['label']} | {'x'.join(map(str, r['batch']))} | {r['step']:.2f} s | {r['convert']:.1f} s "
+              f"({r['convert'] / r['step']:.1f}x) | {r['again']:.2f} s ({r['again'] / r['convert']:.3f}x) "
+              f"| {r['eager_peak'] / mib:.1f} MiB | {r['convert_peak'] / mib:.1f} MiB "
+              f"| {r['convert_peak'] / r['eager_peak']:.3f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
