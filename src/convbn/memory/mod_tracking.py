@@ -19,14 +19,15 @@ from __future__ import annotations
 import contextlib
 from typing import Any, Iterator, List
 
+from .._compat import mod_tracker_module
+
 __all__ = ["releasing_mod_tracker"]
 
 
 @contextlib.contextmanager
 def _handles_into(handles: List[Any]) -> Iterator[None]:
     """Within the block, keep the handle of every hook ``ModTracker`` registers."""
-    from torch.distributed._tools import mod_tracker
-
+    mod_tracker = mod_tracker_module()
     register = mod_tracker.register_multi_grad_hook
 
     def keeping(*args: Any, **kwargs: Any) -> Any:
@@ -58,9 +59,7 @@ def releasing_mod_tracker() -> Any:
         >>> tracker.parents
         {'Global'}
     """
-    from torch.distributed._tools.mod_tracker import ModTracker
-
-    class ReleasingModTracker(ModTracker):
+    class ReleasingModTracker(mod_tracker_module().ModTracker):  # type: ignore[misc, name-defined]
         def __init__(self) -> None:
             super().__init__()
             self._grad_hook_handles: List[Any] = []

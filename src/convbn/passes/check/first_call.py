@@ -34,7 +34,7 @@ from typing import Any, Callable, Dict, Iterator, Optional, Tuple
 
 import torch
 from torch import Tensor, nn
-from torch.utils import _pytree as pytree
+from ..._compat import pytree
 
 from ..graph.graph_module import GraphForward, eager, fused_modules, installed, retypable, retype
 from ..graph.hooks import global_hooks, hook_reason

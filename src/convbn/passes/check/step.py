@@ -10,7 +10,7 @@ from typing import Any, Callable, Dict, List, Tuple
 
 import torch
 from torch import Tensor, nn
-from torch.utils import _pytree as pytree
+from ..._compat import pytree
 
 from ..graph.graph_module import eager
 from .validate import Comparison, StateSnapshot, compare_outputs, float64_slack, run_step, to_float64, tolerance

@@ -12,7 +12,7 @@ from typing import Any, Callable, ContextManager, Dict, Iterator, List, Literal,
 
 import torch
 from torch import Tensor, nn
-from torch.utils import _pytree as pytree
+from ..._compat import pytree
 
 from ...functional.private_rng import PrivateRNG, private_rng
 from .backward_aside import backward_grads, holds_reentrant_checkpoint

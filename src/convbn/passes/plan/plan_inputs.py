@@ -26,7 +26,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor, nn
-from torch.utils import _pytree as pytree
+from ..._compat import pytree
 
 from ...functional.conv import recompute_cost
 from ...memory import saved_bytes, timeline
