@@ -33,7 +33,7 @@ __all__ = [
     "set_grad_enabled_now", "InferenceModeContext", "current_autograd_node", "storage_use_count",
     "will_engine_execute_node", "graph_task_keeps_graph", "SingleLevelFunction", "function_apply_impl",
     "function_apply_wrapper", "global_module_hooks", "functorch_config", "inductor_compile_fx",
-    "SAC_ADVISORY_LOGGER", "is_non_overlapping_and_dense_or_false", "make_channels_last_strides_for",
+    "SAC_ADVISORY_LOGGER", "is_non_overlapping_and_dense_or_false", "dense_or_false_fallback", "make_channels_last_strides_for",
     "make_contiguous_strides_for", "suggest_memory_format", "mem_tracker_class", "mod_tracker_module",
     "HAS_MEM_TRACKER", "fsdp_state_of", "insert_module_state", "fsdp_new_init_disabled",
 ]
@@ -202,17 +202,33 @@ from torch._prims_common import (  # noqa: E402
     suggest_memory_format,
 )
 
-try:  # 2.9 on: answers False for sizes it cannot decide instead of guarding on them
+def dense_or_false_fallback(a: torch.Tensor) -> bool:
+    """Whether some order of ``a``'s dimensions makes it contiguous (non-overlapping and dense),
+    from its sizes and strides as torch's own check reads them; ``False`` where a symbolic size
+    or stride cannot be decided."""
+    try:
+        if a.is_sparse:
+            return False
+        if a.numel() == 0:
+            return True
+        if a.dim() == 1:
+            return int(a.stride(0)) == 1 or int(a.shape[0]) < 2
+        expected = 1
+        for size, stride in sorted(zip(a.shape, a.stride()), key=lambda p: int(p[1])):  # smallest stride first
+            if int(size) == 1:
+                continue
+            if int(stride) != expected:
+                return False
+            expected *= int(size)
+        return True
+    except Exception:  # noqa: BLE001 - a data-dependent symbolic size: not known to be dense
+        return False
+
+
+try:  # torch._prims_common.is_non_overlapping_and_dense_or_false: 2.9 on
     from torch._prims_common import is_non_overlapping_and_dense_or_false
 except ImportError:
-    from torch._prims_common import is_non_overlapping_and_dense as _dense
-
-    def is_non_overlapping_and_dense_or_false(a: torch.Tensor) -> bool:  # type: ignore[misc]
-        """``is_non_overlapping_and_dense``, ``False`` where symbolic sizes leave it undecided."""
-        try:
-            return bool(_dense(a))
-        except Exception:  # noqa: BLE001 - a data-dependent symbolic size: not known to be dense
-            return False
+    is_non_overlapping_and_dense_or_false = dense_or_false_fallback  # type: ignore[assignment]
 
 
 # --- memory meters (torch.distributed._tools, 2.5 on) --------------------------------------

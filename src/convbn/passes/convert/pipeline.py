@@ -46,6 +46,7 @@ from ..graph.graph_module import GraphForward, eager, forget_undo, install, inst
 from ..graph.concat_heads import flatten_cats
 from ..graph.specialize import Defaults, constant_defaults, none_used_as_value
 from ..report.convert_report import ConvertReport
+from ..tracing.self_check import warn_if_tracer_broken
 from ..tracing.trace import LayerTracer, Traced, short_reason, trace
 from .cat_norms import split_cat_norms
 from .first_call_capture import CaptureOnFirstCall
@@ -177,6 +178,7 @@ def convert_module(module: nn.Module, prefix: str, conv: Conversion, exposed: bo
         if traced is None:
             if own_forward:  # a container without forward is no failure
                 conv.report.untraced.append((prefix.rstrip("."), short_reason(err, 120)))
+                warn_if_tracer_broken("convert")  # Note: [a tracer that fails everywhere says so]
                 if conv.lazy and conv.example is None:  # Note: [captured on the first call]
                     _defer(module, prefix, conv)
             for name, child in module.named_children():

@@ -51,6 +51,7 @@ from ..graph.graph_module import forget_undo, install, installed
 from ..graph.transaction import transaction
 from ..graph.scripted import reject_torchscript
 from ..check.validate import tolerance, tolerance_rule
+from ..tracing.self_check import warn_if_tracer_broken
 from ..tracing.trace import LayerTracer, short_reason, trace
 
 __all__ = ["fold", "fold_conv_bn_modules", "FoldReport", "BNOutcome", "FoldCheck"]
@@ -96,6 +97,7 @@ def fold_module(module: nn.Module, prefix: str, ctx: FoldContext, done: Set[int]
         traced = _shape_trace(module, ctx)
         if traced is None:
             ctx.report.untraced.append((prefix.rstrip("."), f"{short_reason(exc)} (folded part by part)"))
+            warn_if_tracer_broken("fold")  # Note: [a tracer that fails everywhere says so]
             return fold_children(module, prefix, ctx, done)
     gm = traced.gm
     mark = len(ctx.report.outcomes)
