@@ -81,3 +81,20 @@ def pytest_runtest_teardown(item: pytest.Item, nextitem):
 
 
 _WATCH = pytest.StashKey()
+
+
+def _compat_files() -> frozenset:
+    """The files of tests/compat_subset.txt, relative to the repository root."""
+    from pathlib import Path
+
+    listed = Path(__file__).with_name("compat_subset.txt").read_text().splitlines()
+    return frozenset(line.strip() for line in listed if line.strip() and not line.startswith("#"))
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items) -> None:
+    """Mark the compatibility subset ``compat`` (the files tests/compat_subset.txt lists):
+    ``scripts/test_torch.sh VERSION`` runs them on that torch release."""
+    files = _compat_files()
+    for item in items:
+        if item.nodeid.split("::")[0] in files:
+            item.add_marker(pytest.mark.compat)

@@ -20,8 +20,6 @@ from convbn.passes.graph import share_copy as share_copy_module
 from convbn.passes.graph import thread_patch
 from convbn.passes.tracing import self_check
 
-pytestmark = pytest.mark.compat
-
 
 def _model() -> nn.Module:
     torch.manual_seed(0)
