@@ -45,11 +45,20 @@ if [ "$have" != "$VERSION" ] || ! "$PY" -c 'import pytest, hypothesis, numpy' 2>
     echo "== installing torch==$VERSION into $VENV (several GB the first time)"
     "$PY" -m pip install -q "torch==$VERSION" pytest hypothesis numpy
 fi
-echo "== installing this checkout ($ROOT) into $VENV"
-"$PY" -m pip install -q --no-deps --force-reinstall "$ROOT"
-
 WORK=$(mktemp -d)
 trap 'rm -rf "$WORK"' EXIT
+echo "== installing this checkout ($ROOT) into $VENV"
+# from a copy of the files git knows (tracked, and new ones not ignored): the build leaves no
+# build/ in the checkout, and a stale build/ cannot leak into the wheel
+if git -C "$ROOT" rev-parse --is-inside-work-tree > /dev/null 2>&1; then
+    mkdir "$WORK/checkout"
+    (cd "$ROOT" && git ls-files -z -c -o --exclude-standard \
+        | tar --null -T - --ignore-failed-read -cf - 2> /dev/null | tar -xf - -C "$WORK/checkout")
+    SOURCE=$WORK/checkout
+else
+    SOURCE=$ROOT
+fi
+"$PY" -m pip install -q --no-deps --force-reinstall "$SOURCE"
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 export TORCHINDUCTOR_CACHE_DIR=$WORK/inductor
 unset PYTHONPATH

@@ -147,3 +147,16 @@ def test_global_module_hooks_are_seen() -> None:
 def test_mem_tracker_is_found_by_feature() -> None:
     assert _compat.HAS_MEM_TRACKER
     assert _compat.mem_tracker_class().__name__ == "MemTracker"
+
+
+@pytest.mark.parametrize("args", [[], ["2.x"], ["2.8.0", "--constraint"], ["2.8.0", "--constraint", "/no/such/file"]])
+def test_test_torch_script_refuses_bad_arguments_in_one_line(args: list) -> None:
+    """``scripts/test_torch.sh`` checks its arguments before it builds anything: exit 2, one line."""
+    import subprocess
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "scripts" / "test_torch.sh"
+    done = subprocess.run(["bash", str(script), *args], capture_output=True, text=True, timeout=60,
+                          env={"PATH": "/usr/bin:/bin", "CONVBN_TORCH_VENVS": "/nonexistent/never-made"})
+    assert done.returncode == 2, done
+    assert len(done.stderr.strip().splitlines()) == 1 and done.stdout == "", done
