@@ -105,6 +105,7 @@ def test_function_apply_as_a_classmethod_or_a_plain_function() -> None:
     lambda: torch.randn(3, 0),
     lambda: torch.randn(7)[::2],
     lambda: torch.randn(1, 1),
+    lambda: torch.randn(6).as_strided((2, 1, 3), (3, 100, 1)),  # a size-1 dimension's stride is free
     lambda: torch.randn(5, 1, 3).transpose(0, 1),
 ])
 def test_the_dense_check_fallback_agrees_with_torch(make: Any) -> None:
