@@ -45,6 +45,9 @@ if [ "$have" != "$VERSION" ] || ! "$PY" -c 'import pytest, hypothesis, numpy' 2>
     echo "== installing torch==$VERSION into $VENV (several GB the first time)"
     "$PY" -m pip install -q "torch==$VERSION" pytest hypothesis numpy
 fi
+# the real models of the subset (pure Python; --no-deps: they would resolve another torch)
+"$PY" -c 'import monai, efficientnet_pytorch' 2> /dev/null \
+    || "$PY" -m pip install -q --no-deps monai efficientnet_pytorch
 WORK=$(mktemp -d)
 trap 'rm -rf "$WORK"' EXIT
 echo "== installing this checkout ($ROOT) into $VENV"
@@ -94,7 +97,7 @@ fi
 
 echo "== the compatibility subset (tests/compat_subset.txt)"
 cd "$ROOT"
-mapfile -t files < <(grep -v '^#' tests/compat_subset.txt | sed '/^\s*$/d')
+mapfile -t files < <(grep -v '^#' tests/compat_subset.txt | sed '/^\s*$/d; s/::.*//' | sort -u)
 set +e
 "$PY" -m pytest -q -m compat -p no:cacheprovider "${files[@]}" "$@" 2>&1 | tee "$WORK/pytest.out"
 rc=${PIPESTATUS[0]}
