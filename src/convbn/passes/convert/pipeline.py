@@ -49,7 +49,7 @@ from ..report.convert_report import ConvertReport
 from ..tracing.self_check import warn_if_tracer_broken
 from ..tracing.trace import LayerTracer, Traced, short_reason, trace
 from .cat_norms import split_cat_norms
-from .first_call_capture import CaptureOnFirstCall
+from .first_call_capture import CaptureOnFirstCall, CaptureWhenMaterialised
 from .match import MatchedLayer, find_layers, group_chains, split_heads
 from .pools import lean_pools
 from .recapture import Recapture, _merge, _remove_installed, attach_guards, refuse_flat_parameters
@@ -58,7 +58,7 @@ from .variants import Variants
 
 __all__ = ["Conversion", "GraphRewrite", "CANONICALISE", "convert_module", "rewrite_module", "trace_module",
            "canonicalise", "match", "build", "install_graph", "arm_guards", "run_again", "reconvert",
-           "capture_on_call", "capture_variant", "dedupe"]
+           "capture_on_call", "capture_variant", "dedupe", "defer_until_materialised"]
 
 
 @dataclass(frozen=True)
@@ -110,6 +110,8 @@ class Conversion:
     example: Optional[Tuple[Any, ...]] = None  # example_inputs, as positional arguments
     deferred: List[str] = field(default_factory=list)  # prefixes of modules captured on their first call
     root: Optional[nn.Module] = None  # the model being converted
+    reuse: Optional[Any] = None  # a ConvertPlan whose checks and plans are taken (Note: [a conversion made once])
+    checks: List[Tuple[str, str]] = field(default_factory=list)  # (module, why it differs or "") per check
     _called: Optional[Dict[int, Tuple[Tuple[Any, ...], Dict[str, Any]]]] = None
 
     @property
@@ -198,6 +200,14 @@ def _defer(module: nn.Module, prefix: str, conv: Conversion) -> None:
     conv.deferred.append(prefix)
     module.__dict__["forward"] = CaptureOnFirstCall(module, prefix, conv.whole_report, conv.mode,
                                                     conv.chain, conv.recaptures, "", capture_on_call)
+
+
+def defer_until_materialised(module: nn.Module, conv: Conversion) -> None:
+    """Give the model, converted on the meta device, a forward that converts it on its first call
+    once its tensors have values (Note: [a model converted on the meta device])."""
+    conv.deferred.append("")
+    module.__dict__["forward"] = CaptureWhenMaterialised(module, "", conv.whole_report, conv.mode, conv.chain,
+                                                         conv.recaptures, "", capture_on_call)
 
 
 # --------------------------------------------------------------------------- the stages

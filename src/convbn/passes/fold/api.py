@@ -48,6 +48,7 @@ from ..report.outcome import BNOutcome, bn_module_names, explain_ghost_loops, fr
 from ..check.first_call import FirstCallCheck
 from ..check.step import called_inputs
 from ..graph.graph_module import forget_undo, install, installed
+from ..graph.meta import meta_tensor
 from ..graph.transaction import transaction
 from ..graph.scripted import reject_torchscript
 from ..check.validate import tolerance, tolerance_rule
@@ -254,7 +255,7 @@ def fold(
 
     Raises:
         TypeError: ``model`` is not an ``nn.Module`` (or is a TorchScript module).
-        ValueError: ``model`` is in training mode.
+        ValueError: ``model`` is in training mode, or a parameter or buffer is on the meta device.
         RuntimeError: ``check=True`` and the folded model's outputs differ.
 
     Example:
@@ -272,6 +273,12 @@ def _check_model(model: Any) -> None:
     if not isinstance(model, nn.Module):
         raise TypeError(f"fold() expects a torch.nn.Module, but got {type(model).__name__}")
     reject_torchscript(model, "fold")
+    on_meta = meta_tensor(model)
+    if on_meta is not None:
+        raise ValueError(
+            f"fold() folds the model's weights and running statistics, but {on_meta!r} is on the meta device "
+            f"(shapes without values). Materialise the model first (model.to_empty(device=...), then its "
+            f"initialisation or model.load_state_dict(...)) and call fold() on it.")
     if model.training:
         raise ValueError(
             "fold() folds BatchNorm running statistics, which only define the model's output in "

@@ -12,10 +12,10 @@ from typing import Any, List, Optional, Sequence, Tuple
 
 from torch import nn
 
-from ...memory import saved_bytes
+from ...memory import saved_bytes, track_saved
 from ...nn.chain import ChainLayer, FusedChain
 from ...progress import stage
-from .chain_plans import apply_plan, lazy_plan, recompute_all
+from .chain_plans import apply_plan, lazy_plan
 from .peak_model import ChainCost, drops_needed, step_peak
 from .peak_planner import plan_for_peak, plan_within_peak
 from .planner import plan_layers
@@ -79,15 +79,17 @@ def _measure(original: nn.Module, converted: nn.Module, inputs: Tuple[Any, ...])
     """Measure the eager step and every chain of ``converted`` recomputing all (state restored)."""
     with StateSnapshot(original), StateSnapshot(converted):
         stage("plan: measuring the eager step")
-        eager = measure_saved(original, inputs)
-        eager_peak = measure_peak(original, inputs).peak
+        # one recorded step gives both the peak and, from its forward, the saved bytes (the
+        # mean loss and the backward save nothing): no second forward of the eager model
+        with track_saved(original, per_module=False) as saved:
+            eager_peak = measure_peak(original, inputs).peak
+        eager = saved.result.activation_bytes
         chains = chains_of(converted)
-        for m in chains:  # measured here, on the example inputs: no plan or guard on the first call
-            m.apply_plan(recompute_all(m))
         stage(f"plan: measuring {len(chains)} chains")
-        floor = measure_saved(converted, inputs)
+        # every layer recomputing (no plan or guard on the first call); ``measured.floor`` is
+        # the saved bytes of that plan, from the same run
         ordered, measured = measure_plan_inputs(converted, inputs)
-    return _Measured(eager, eager_peak, floor, ordered, measured)
+    return _Measured(eager, eager_peak, measured.floor, ordered, measured)
 
 
 def _extra_bytes(m: _Measured, memory_budget: Optional[float], layers: Sequence[ChainLayer]) -> int:

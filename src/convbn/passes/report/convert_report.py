@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Dict, List, Optional
+from typing import TYPE_CHECKING, Any, Dict, List, Optional
 
 from ...functional.strategies import ConvertStrategy, LayerMode
 from ...memory import format_bytes
@@ -115,6 +115,10 @@ class ConvertReport:
         variants: the variants captured after ``convert`` for calls unlike the first capture
             (another value of an optional argument, other input shapes), one line each:
             the module and what the variant was specialised on.
+        plan: with ``example_inputs``, what this conversion decided (a :class:`convbn.ConvertPlan`:
+            the checks' results, each chain's plan, the figures above), to pass back as
+            ``convert(..., plan=...)`` after a resume: the same conversion without running the model.
+        reused_plan: whether this conversion took its checks and plans from ``convert(plan=...)``.
     """
 
     pairs: List[FusedPair] = field(default_factory=list)
@@ -139,6 +143,8 @@ class ConvertReport:
     lean_pools: List[str] = field(default_factory=list)
     changes: List[str] = field(default_factory=list)
     variants: List[str] = field(default_factory=list)
+    plan: Optional[Any] = field(default=None, repr=False)
+    reused_plan: bool = False
 
     @property
     def outcomes(self) -> List[BNOutcome]:
