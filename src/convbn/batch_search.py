@@ -37,6 +37,7 @@ stopped where it goes over the limit, and the choice to confirm made from counte
 from __future__ import annotations
 
 import copy
+import gc
 import warnings
 from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
@@ -152,6 +153,7 @@ class Search:
         """A new copy of the model and optimizer (the one before it dropped first), in training
         mode, the optimizer's state made by one warm-up step at batch 2."""
         self.held = ()
+        gc.collect()  # a converted copy is held in reference cycles: freed before the next exists
         m, o = copy.deepcopy((self.model, self.opt))  # the copied optimizer refers to the copy's parameters
         m.train()
         if o is not None:
@@ -160,23 +162,23 @@ class Search:
         self.held = (m, o)
         return m, o
 
-    def step(self, m: nn.Module, o: Optional[torch.optim.Optimizer], b: int, measure: Any = timeline) -> Any:
-        """A recorded step at batch ``b`` (``measure``: :func:`timeline`, or ``measure_peak``
-        for a converted copy), stopped above the limit (Note: [answering within the limit]):
-        its :class:`Timeline`, or the :class:`StepOverLimit` that stopped it."""
+    def step(self, m: nn.Module, o: Optional[torch.optim.Optimizer], b: int, planned: bool = False) -> Any:
+        """A recorded step at batch ``b`` (:func:`timeline`; ``planned``: ``measure_peak``, the
+        converted copy's state put back), stopped above the limit (Note: [answering within the
+        limit]): its :class:`Timeline`, or the :class:`StepOverLimit` that stopped it."""
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
         x, room = batch_of(self.inputs, b), self.usable - self.resident
         try:
-            if measure is timeline:
-                return timeline(m, *x, optimizer=o, loss_fn=self.loss_fn, stop_above=room)
-            return measure(m, x, optimizer=o, loss_fn=self.loss_fn, stop_above=room)
+            if planned:
+                return measure_peak(m, x, optimizer=o, loss_fn=self.loss_fn, stop_above=room)
+            return timeline(m, *x, optimizer=o, loss_fn=self.loss_fn, stop_above=room)
         except StepOverLimit as over:
             return over
 
-    def total(self, m: nn.Module, o: Optional[torch.optim.Optimizer], b: int, measure: Any = timeline) -> int:
+    def total(self, m: nn.Module, o: Optional[torch.optim.Optimizer], b: int, planned: bool = False) -> int:
         """``resident`` + the step's peak at ``b`` (+ the bytes where it was stopped, over the limit)."""
-        out = self.step(m, o, b, measure)
+        out = self.step(m, o, b, planned)
         return self.resident + (out.bytes if isinstance(out, StepOverLimit) else out.peak)
 
     # ------------------------------------------------------------------ measured probes
@@ -212,11 +214,12 @@ class Search:
         return (work <= CONFIRM_FLOPS if self.confirm == "auto" else bool(self.confirm)), work
 
     def confirmed(self, side: str, b: int, predicted: int, seen: Dict[int, int], how: str,
-                  probe: Callable[[int], int]) -> Result:
+                  probe: Callable[[int], int]) -> Union[Result, str]:
         """Confirm a predicted answer ``b`` by real steps at ``b`` and ``b + 1`` (``probe``)
-        where ``confirm`` says so; measure instead where they disagree with it."""
+        where ``confirm`` says so; where they disagree with it, or ``b`` is within the small
+        batches, why the side is to be measured instead (the caller measures)."""
         if b <= PROBE_BATCHES[1]:  # within the measured batches: measuring is cheap and exact
-            return self.measured(side, seen if side == "eager" else None)
+            return ""
         ok, work = self.affordable(side, b)
         if not ok:
             stage(f"{side}: batch {b} predicted; not confirmed (steps at {b} and {b + 1}: {work / 1e12:.2g} TFLOP)")
@@ -228,7 +231,7 @@ class Search:
             seen[c] = probe(c)
         if seen[b] <= self.usable and (b == self.upper or seen[b + 1] > self.usable):
             return b, seen[b], seen, f"measured at batch {b} and the batch above it (predicted alike)"
-        return self.measured(side, seen if side == "eager" else None, " (the prediction was off)")
+        return " (the prediction was off)"
 
     def eager_predicted(self) -> Result:
         seen: Dict[int, int] = {}
@@ -250,9 +253,19 @@ class Search:
             return self.measured("eager", seen, f" (the step at batch {b3} is off the line)")
         b = largest_fitting(lambda n: self.resident + lines.peak_at(n) <= self.usable, self.upper)
         how = f"predicted from steps at batches {b1} and {b2} (exact at {b3})"
-        return self.confirmed("eager", b, self.resident + lines.peak_at(b), seen, how, lambda c: self.total(m, o, c))
+        out = self.confirmed("eager", b, self.resident + lines.peak_at(b), seen, how, lambda c: self.total(m, o, c))
+        return self.measured("eager", seen, out) if isinstance(out, str) else out
 
     def fused_predicted(self) -> Result:
+        """The convbn side predicted (Note: [searching the batch]); where the prediction cannot
+        be made or checked, measured, the converted copy dropped first."""
+        out = self._fused_prediction()
+        if isinstance(out, str):
+            self.held = ()
+            return self.measured("convbn", None, out)
+        return out
+
+    def _fused_prediction(self) -> Union[Result, str]:
         b1, b2, b3 = PROBE_BATCHES
         stage(f"convbn: converting at batch {b1}")
         m, o = self.fresh()  # the eager copy dropped: one side at a time
@@ -261,7 +274,7 @@ class Search:
             conv = convert(m, example_inputs=batch_of(self.inputs, b1),
                            **{**self.convert_kwargs, "strategy": "recompute_conv"})
         if not conv.convbn_report.pairs or self.convert_kwargs.get("memory_budget") is not None:
-            return self.measured("convbn")
+            return ""
         measured: Dict[int, PlanInputs] = {}
         chains: List[Any] = []
         for b in (b1, b2):
@@ -276,16 +289,16 @@ class Search:
         def planned(n: int) -> int:  # a real step at n of the copy planned for n as predicted
             plan = plan_at(n)
             apply_plan(chains, plan.keeps, plan.may_drop)
-            return self.total(conv, o, n, measure_peak)
+            return self.total(conv, o, n, planned=True)
 
         try:
             plan = plan_at(b3)
         except ValueError:
-            return self.measured("convbn", None, " (the planner's inputs are not lines in the batch)")
+            return " (the planner's inputs are not lines in the batch)"
         stage(f"convbn: a recorded step at batch {b3}, planned as predicted")
         seen = {b3: planned(b3)}
         if seen[b3] != self.resident + plan.peak:
-            return self.measured("convbn", None, f" (the predicted peak at batch {b3} is off)")
+            return f" (the predicted peak at batch {b3} is off)"
         b = largest_fitting(lambda n: self.resident + plan_at(n).peak <= self.usable, self.upper)
         how = f"predicted from the planner's inputs at batches {b1} and {b2} (exact at {b3})"
         return self.confirmed("convbn", b, self.resident + plan_at(b).peak if b else 0, seen, how, planned)
