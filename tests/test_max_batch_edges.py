@@ -193,3 +193,18 @@ def test_a_summary_without_an_eager_batch_says_so():
     fit = BatchFit(memory=2 << 20, usable=2 << 20, resident=0, eager_batch=0, convbn_batch=3)
     assert fit.summary() == "in 2.0 MiB: eager trains no batch (not one sample), convbn batch 3"
     assert "inf" not in str(fit)
+
+
+def test_the_command_line_says_a_too_small_memory_in_one_line(tmp_path, monkeypatch, capsys):
+    from convbn.cli import main
+
+    (tmp_path / "edge_nets.py").write_text(
+        "import torch.nn as nn\n"
+        "def build():\n"
+        "    return nn.Sequential(nn.Conv2d(3, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8), nn.ReLU(),\n"
+        "                         nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 4))\n")
+    monkeypatch.chdir(tmp_path)
+    assert main(["explain", "edge_nets:build", "--input-shape", "2x3x12x12", "--memory", "10", "--quiet"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("convbn explain: error: memory='10' (10 B) is below what one sample needs")
+    assert "Traceback" not in err[0] and "batch 0" not in err[0]
