@@ -51,15 +51,14 @@ class _FakeClock:
         return self.now
 
 
-@pytest.mark.parametrize("confirm", ["auto", None])
-def test_the_same_answer_on_a_fast_and_on_a_busy_clock(monkeypatch, confirm):
+def test_the_same_answer_on_a_fast_and_on_a_busy_clock(monkeypatch):
     net, opt, x = _setup()
     fits = []
     for step in (1e-9, 1e4):  # a very fast machine, then one where every step seems to take hours
         clock = _FakeClock(step)
         for name in ("perf_counter", "monotonic", "time", "process_time"):
             monkeypatch.setattr(time, name, clock)
-        fits.append(convbn.max_batch(net, x, "2MiB", optimizer=opt, confirm=confirm))
+        fits.append(convbn.max_batch(net, x, "2MiB", optimizer=opt))  # confirm="auto", the default
         monkeypatch.undo()
     fast, busy = fits
     assert str(fast) == str(busy) and fast.probes == busy.probes and fast.how == busy.how
@@ -103,8 +102,8 @@ def test_a_step_over_the_limit_is_stopped_by_timeline():
         timeline(net, x, stop_above=1.5)
 
 
-@pytest.mark.parametrize("confirm,method", [(True, "predict"), (False, "predict"), ("auto", "predict")])
-def test_answering_stays_within_the_limit_and_holds_one_copy(monkeypatch, confirm, method):
+@pytest.mark.parametrize("confirm", [True, False])
+def test_answering_stays_within_the_limit_and_holds_one_copy(monkeypatch, confirm):
     """Every step max_batch runs ends within the limit or is stopped at the first operator
     over it, and a copy of the model exists only once the one before it is gone."""
     net, opt, x = _setup()
@@ -132,13 +131,13 @@ def test_answering_stays_within_the_limit_and_holds_one_copy(monkeypatch, confir
     monkeypatch.setattr(batch_search, "timeline", recording_timeline)
     monkeypatch.setattr(plan_inputs, "timeline", recording_timeline)
     monkeypatch.setattr(batch_search, "copy", Copier)
-    fit = convbn.max_batch(net, x, "2MiB", optimizer=opt, confirm=confirm, method=method)
+    fit = convbn.max_batch(net, x, "2MiB", optimizer=opt, confirm=confirm)
     room = fit.usable - fit.resident
     probe_steps = [s for s in steps if s[2] is not None]  # plan measurement's own recordings have no limit
     assert probe_steps and all(limit == room for _, _, limit in probe_steps)
     assert all(peak <= room for kind, peak, _ in probe_steps if kind == "ended")
     stopped = [s for s in probe_steps if s[0] == "stopped"]
-    assert len(stopped) == (2 if confirm is not False else 0)  # the batch above each answer
+    assert len(stopped) == (2 if confirm else 0)  # the batch above each answer
     assert all(peak > room for _, peak, _ in stopped)
     assert len(copies) == 2  # one per side
 

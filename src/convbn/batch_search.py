@@ -36,10 +36,11 @@ stopped where it goes over the limit, and the choice to confirm made from counte
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import gc
 import warnings
-from typing import Any, Callable, Dict, List, Optional, Tuple, Union
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple, Union
 
 import torch
 from torch import Tensor, nn
@@ -52,7 +53,7 @@ from .passes.plan.auto_plan import apply_plan, plan_to_target
 from .passes.plan.plan_inputs import PlanInputs, measure_peak, measure_plan_inputs, plan_inputs_at
 from .progress import stage
 
-__all__ = ["CONFIRM_FLOPS", "Search", "batch_of", "measured_search"]
+__all__ = ["CONFIRM_FLOPS", "Search", "batch_of", "measured_search", "young_heap"]
 
 #: With ``confirm="auto"``, :func:`convbn.max_batch` confirms a predicted answer by real steps
 #: at it and the batch above it where those two steps are counted to do at most this many
@@ -120,6 +121,22 @@ def measured_search(peak_at: Callable[[int], int], usable: int, upper: int,
     return lo, seen.get(lo, 0), seen
 
 
+@contextlib.contextmanager
+def young_heap() -> Iterator[None]:
+    """Within the block, ``gc.collect()`` looks only at objects made in it: what existed
+    before is frozen (``gc.freeze``), so freeing a copy held in reference cycles costs
+    what the copy holds, not the whole interpreter's heap (1.4 s a collection in a test
+    process). Left alone where the caller froze objects itself."""
+    if gc.get_freeze_count():
+        yield
+        return
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
+
+
 def _warm_up(model: nn.Module, opt: torch.optim.Optimizer, inputs: Tuple[Any, ...],
              loss_fn: Optional[Callable[[Any], Tensor]]) -> None:
     """One unrecorded training step (the optimizer's state made), gradients set to None after."""
@@ -152,8 +169,9 @@ class Search:
     def fresh(self) -> Tuple[nn.Module, Optional[torch.optim.Optimizer]]:
         """A new copy of the model and optimizer (the one before it dropped first), in training
         mode, the optimizer's state made by one warm-up step at batch 2."""
-        self.held = ()
-        gc.collect()  # a converted copy is held in reference cycles: freed before the next exists
+        if self.held:
+            self.held = ()
+            gc.collect()  # a converted copy is held in reference cycles: freed before the next exists
         m, o = copy.deepcopy((self.model, self.opt))  # the copied optimizer refers to the copy's parameters
         m.train()
         if o is not None:

@@ -18,7 +18,7 @@ from typing import Any, Callable, Dict, Literal, Optional, Tuple, Union
 import torch
 from torch import Tensor, nn
 
-from .batch_search import CONFIRM_FLOPS, Search
+from .batch_search import CONFIRM_FLOPS, Search, young_heap
 from .batch_search import batch_of as _batch_of
 from .memory.budget import parse_memory, resident_bytes, usable_bytes
 from .memory.saved import format_bytes
@@ -174,7 +174,7 @@ def max_batch(  # over 60 lines for its public docstring (Args, Raises, Example)
     _check_convert_kwargs(model, inputs, limit, convert_kwargs)
     device = next((t.device for t in (*model.parameters(), *model.buffers())), torch.device("cpu"))
     _check_fits_resident(memory, limit, resident_bytes(model), device, "parameters and buffers")
-    with progress_scope("max_batch", progress):
+    with progress_scope("max_batch", progress), young_heap():
         search = Search(model, optimizer, inputs, loss_fn, limit, upper, device,
                         "auto" if confirm is None else confirm, convert_kwargs)
         _check_fits_resident(memory, limit, search.resident, device, "parameters, buffers and optimizer state")
