@@ -42,6 +42,7 @@ from .folder import FoldContext
 from .stages import fold_graph
 from .layers import fold_conv_bn_modules
 from ..graph.layers import LAYER_MODULES
+from ..graph.model_copy import model_copy
 from ..report.attached import attach_report, detach_report
 from ..report.fold_report import FoldCheck, FoldReport
 from ..report.outcome import BNOutcome, bn_module_names, explain_ghost_loops, frozen_lookalikes, unreached
@@ -165,7 +166,7 @@ def _fold_finer(model: nn.Module, args: Tuple[Any, ...], reference: Any, eager_e
     -- each validated on the inputs it received in an eager run, recursively finer where it
     differs too, however the parent reaches it -- and keep the model's own forward. ``None``
     if that is not closer to eager either."""
-    work = copy.deepcopy(model)
+    work = model_copy(model)
     inputs = called_inputs(work, args, {})
     report = FoldReport()
     report.untraced.append(("", f"folding the whole model changed its outputs ({why}); folded child by child"))
@@ -313,7 +314,7 @@ class FoldRun:
 
 def prepare(model: nn.Module, inplace: bool, example_inputs: Any, check: bool) -> FoldRun:
     """The module to fold, the reference run on the sample input and each module's inputs."""
-    work = model if inplace else copy.deepcopy(model)
+    work = model if inplace else model_copy(model)
     run = FoldRun(model, work, inplace, check, FoldContext(FoldReport(), inplace, {}, {}),
                   bn_module_names(work), frozen_lookalikes(work))
     if check or example_inputs is not None:
@@ -321,7 +322,7 @@ def prepare(model: nn.Module, inplace: bool, example_inputs: Any, check: bool) -
     # A float64 copy of the original is run only if the fixed tolerance fails (see Note:
     # [fold's tolerance follows eager's own rounding]); with inplace, copied before folding.
     if check and run.args is not None:
-        run.original = copy.deepcopy(work) if inplace else model
+        run.original = model_copy(work) if inplace else model
     if run.args is not None:  # each module's inputs, for a trace with real shapes where fx fails
         try:
             run.ctx.called = {**called_inputs(work, run.args, {}), id(work): (run.args, {})}

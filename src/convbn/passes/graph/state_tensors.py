@@ -1,0 +1,55 @@
+"""Tensors a model keeps in its own mutable state, outside parameters and buffers.
+
+Note: [a tensor read from the model's state is not a constant]
+A module may read, in its forward, a tensor another part of the model stored during the same
+call: a U-Net whose decoder reads ``self.store["e1"]``, written by a forward hook on an
+encoder block. ``torch.fx`` runs the hook's module as one call and never runs its hooks while
+tracing, so the read finds nothing (``KeyError``) or the tensor a *previous* call stored,
+which fx then records as a constant (``_tensor_constant0``): the rewrite would compute with
+a stale activation (``Sizes of tensors must match`` at another input size, or, at the same
+size, silently wrong values and no gradient into the encoder). A tensor the trace meets that
+sits in a plain container (``dict``, ``list``, ``tuple``, ``set``) of a module's attributes is
+such a read: the tracer refuses it (``TraceHazard``), the module stays whole and the report
+says why.
+"""
+from __future__ import annotations
+
+from typing import Any, Set
+
+from torch import Tensor, nn
+
+__all__ = ["state_tensor_ids"]
+
+_REGISTRIES = frozenset(nn.Module().__dict__)  # _parameters, _buffers, _modules, the hook tables...
+
+
+def _collect(value: Any, found: Set[int], depth: int) -> None:
+    if isinstance(value, Tensor):
+        found.add(id(value))
+    elif depth and isinstance(value, dict):
+        for v in list(value.values()):
+            _collect(v, found, depth - 1)
+    elif depth and isinstance(value, (list, tuple, set)):
+        for v in list(value):
+            _collect(v, found, depth - 1)
+
+
+def state_tensor_ids(root: nn.Module, depth: int = 3) -> Set[int]:
+    """``id``s of the tensors held in plain containers among the attributes of ``root``'s modules
+    (up to ``depth`` containers deep), the model's own mutable state (Note: [a tensor read from
+    the model's state is not a constant]). Tensors held directly as attributes are left out:
+    fx reads those as attributes of the module, not as constants.
+
+    Example:
+        >>> import torch
+        >>> net = nn.Linear(2, 2)
+        >>> net.store = {"x": torch.zeros(1)}
+        >>> id(net.store["x"]) in state_tensor_ids(net)
+        True
+    """
+    found: Set[int] = set()
+    for m in root.modules():
+        for key, value in vars(m).items():
+            if key not in _REGISTRIES and not isinstance(value, Tensor):
+                _collect(value, found, depth)
+    return found
