@@ -25,7 +25,6 @@ name ``convert``'s report has too (it is not part of ``state_dict``). See :func:
 """
 from __future__ import annotations
 
-import copy
 import dataclasses
 import warnings
 from dataclasses import dataclass
@@ -166,7 +165,10 @@ def _fold_finer(model: nn.Module, args: Tuple[Any, ...], reference: Any, eager_e
     -- each validated on the inputs it received in an eager run, recursively finer where it
     differs too, however the parent reaches it -- and keep the model's own forward. ``None``
     if that is not closer to eager either."""
-    work = model_copy(model)
+    try:
+        work = model_copy(model)
+    except Exception:  # noqa: BLE001 - a model that refuses copying: the whole-model result stands
+        return None
     inputs = called_inputs(work, args, {})
     report = FoldReport()
     report.untraced.append(("", f"folding the whole model changed its outputs ({why}); folded child by child"))
@@ -312,9 +314,20 @@ class FoldRun:
         return self.ctx.report
 
 
+def _copy_to_fold(model: nn.Module) -> nn.Module:
+    """The copy ``fold(inplace=False)`` folds (:func:`model_copy`), or a ``TypeError`` naming
+    ``inplace=True`` where the model cannot be copied."""
+    try:
+        return model_copy(model)
+    except Exception as exc:  # noqa: BLE001 - whatever refuses the copy, the same remedy
+        raise TypeError(
+            f"convbn.fold(model) folds a copy of the model, and copying this {type(model).__name__} failed "
+            f"({short_reason(exc)}); fold the model itself with convbn.fold(model, inplace=True)") from exc
+
+
 def prepare(model: nn.Module, inplace: bool, example_inputs: Any, check: bool) -> FoldRun:
     """The module to fold, the reference run on the sample input and each module's inputs."""
-    work = model if inplace else model_copy(model)
+    work = model if inplace else _copy_to_fold(model)
     run = FoldRun(model, work, inplace, check, FoldContext(FoldReport(), inplace, {}, {}),
                   bn_module_names(work), frozen_lookalikes(work))
     if check or example_inputs is not None:
@@ -322,7 +335,10 @@ def prepare(model: nn.Module, inplace: bool, example_inputs: Any, check: bool) -
     # A float64 copy of the original is run only if the fixed tolerance fails (see Note:
     # [fold's tolerance follows eager's own rounding]); with inplace, copied before folding.
     if check and run.args is not None:
-        run.original = model_copy(work) if inplace else model
+        try:
+            run.original = model_copy(work) if inplace else model
+        except Exception:  # noqa: BLE001 - a model that refuses copying: the float64 fallback is not tried
+            run.original = None
     if run.args is not None:  # each module's inputs, for a trace with real shapes where fx fails
         try:
             run.ctx.called = {**called_inputs(work, run.args, {}), id(work): (run.args, {})}

@@ -22,7 +22,9 @@ import copy
 import types
 from typing import Any, Dict, Optional
 
-from torch import Tensor, nn
+from torch import nn
+
+from .state_tensors import held_tensors
 
 __all__ = ["model_copy", "rebind_hook_closures"]
 
@@ -48,10 +50,9 @@ def model_copy(model: nn.Module, memo: Optional[Dict[int, Any]] = None) -> nn.Mo
         False
     """
     memo = {} if memo is None else memo
-    for m in model.modules():
-        for t in vars(m).values():
-            if isinstance(t, Tensor) and not t.is_leaf:  # refuses deepcopy; nothing writes into it
-                memo.setdefault(id(t), t)
+    for i, t in held_tensors(model).items():
+        if not t.is_leaf:  # refuses deepcopy; not a parameter or buffer, nothing writes into it
+            memo.setdefault(i, t)
     clone = copy.deepcopy(model, memo)
     rebind_hook_closures(clone, memo)
     return clone

@@ -14,18 +14,18 @@ says why.
 """
 from __future__ import annotations
 
-from typing import Any, Set
+from typing import Any, Dict, Set
 
 from torch import Tensor, nn
 
-__all__ = ["state_tensor_ids"]
+__all__ = ["state_tensor_ids", "held_tensors"]
 
 _REGISTRIES = frozenset(nn.Module().__dict__)  # _parameters, _buffers, _modules, the hook tables...
 
 
-def _collect(value: Any, found: Set[int], depth: int) -> None:
+def _collect(value: Any, found: Dict[int, Tensor], depth: int) -> None:
     if isinstance(value, Tensor):
-        found.add(id(value))
+        found[id(value)] = value
     elif depth and isinstance(value, dict):
         for v in list(value.values()):
             _collect(v, found, depth - 1)
@@ -47,9 +47,21 @@ def state_tensor_ids(root: nn.Module, depth: int = 3) -> Set[int]:
         >>> id(net.store["x"]) in state_tensor_ids(net)
         True
     """
-    found: Set[int] = set()
+    return set(held_tensors(root, depth, direct=False))
+
+
+def held_tensors(root: nn.Module, depth: int = 3, direct: bool = True) -> Dict[int, Tensor]:
+    """``id -> tensor`` for every tensor ``root``'s modules hold outside their parameters and
+    buffers: in plain containers among their attributes (up to ``depth`` deep) and, with
+    ``direct``, as attributes themselves."""
+    found: Dict[int, Tensor] = {}
     for m in root.modules():
         for key, value in vars(m).items():
-            if key not in _REGISTRIES and not isinstance(value, Tensor):
+            if key in _REGISTRIES:
+                continue
+            if isinstance(value, Tensor):
+                if direct:
+                    found[id(value)] = value
+            else:
                 _collect(value, found, depth)
     return found
