@@ -70,3 +70,33 @@ def test_fold_of_an_uncopyable_model_names_inplace() -> None:
         torch.testing.assert_close(v, before[k], rtol=0, atol=0)
     folded = convbn.fold(model, inplace=True)
     assert folded is model and [o.batchnorm for o in folded.convbn_report.folded] == ["bn"]
+
+
+class ReadsItsBatchNorm(nn.Module):
+    """Reads its BatchNorm's weight outside the BatchNorm: the whole-model fold replaces the
+    BatchNorm's slot, so the folded forward fails where it reads it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv, self.bn = nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.bn(self.conv(x)) * self.bn.weight.view(1, -1, 1, 1)
+
+
+@pytest.mark.parametrize("inplace", [False, True])
+@pytest.mark.parametrize("with_inputs", [False, True])
+def test_a_failing_fold_check_leaves_the_model_and_says_why(inplace: bool, with_inputs: bool) -> None:
+    torch.manual_seed(0)
+    model = randomise_batchnorms(ReadsItsBatchNorm()).eval()
+    x = torch.randn(2, 3, 8, 8, dtype=torch.float64)
+    expected = model(x).detach()
+    with pytest.warns(RuntimeWarning, match="returned unfolded"):
+        folded = convbn.fold(model, example_inputs=x if with_inputs else None, inplace=inplace)
+    assert (folded is model) == inplace
+    report = folded.convbn_report
+    assert not report.folded and [o.batchnorm for o in report.skipped] == ["bn"], report
+    assert "fold's check" in report.skipped[0].reason and "left unfolded" in report.skipped[0].reason
+    assert report.check is not None and not report.check.passed
+    torch.testing.assert_close(folded(x), expected, rtol=0, atol=0)
+    assert isinstance(model.bn, nn.BatchNorm2d) and model.forward.__func__ is ReadsItsBatchNorm.forward

@@ -241,11 +241,13 @@ def fold(
             If ``None`` a small input is inferred from the first conv/linear layer when
             possible (the report says when it is not).
         check: run ``example_inputs`` (or the inferred input) through the model before
-            and after folding (eval, no grad, same RNG seed) and raise if the outputs differ by more than
+            and after folding (eval, no grad, same RNG seed); where the outputs differ by more than
             ``tol * max(1, max|reference|)`` (``tol`` = 1e-4 for float32, 1e-10 for
             float64) plus 4x what the original itself gets wrong in its dtype, measured
             against a float64 run of a copy: the check allows what float rounding of the
-            unfolded model already allows, and no more.
+            unfolded model already allows, and no more, (or the folded model raises) the
+            model is returned as it was, every BatchNorm reported left with the reason, and a
+            ``RuntimeWarning`` says so (Note: [a check that fails leaves the model as it was]).
 
     Returns:
         The folded model, of ``model``'s type (``model``'s deep copy, or ``model`` itself
@@ -256,7 +258,7 @@ def fold(
     Raises:
         TypeError: ``model`` is not an ``nn.Module`` (or is a TorchScript module).
         ValueError: ``model`` is in training mode.
-        RuntimeError: ``check=True`` and the folded model's outputs differ.
+        TypeError: the model cannot be copied (``inplace=False``); the message names ``inplace=True``.
 
     Example:
         >>> net = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.BatchNorm2d(8)).eval()
@@ -264,8 +266,46 @@ def fold(
         >>> print(folded.convbn_report)  # doctest: +SKIP
     """
     _check_model(model)
-    with transaction(model):  # Note: [a failed pass changes nothing]
-        return _fold_model(model, inplace, example_inputs, check)
+    try:
+        with transaction(model):  # Note: [a failed pass changes nothing]
+            return _fold_model(model, inplace, example_inputs, check)
+    except CheckFailed as failed:  # Note: [a check that fails leaves the model as it was]
+        return _left_as_it_was(model, inplace, failed)
+
+
+class CheckFailed(Exception):
+    """fold's check found the folded model wrong: caught by :func:`fold`, never seen by the user.
+
+    Args:
+        why: what the check found (and what to do about it).
+        check: the check's record, for the report.
+    """
+
+    def __init__(self, why: str, check: Optional[FoldCheck]) -> None:
+        super().__init__(why)
+        self.why = why
+        self.check = check
+
+
+# Note: [a check that fails leaves the model as it was]
+# fold's check compares the folded model with the original on the sample input. Where it
+# differs (or the folded model raises, or the model's own outputs jump on last-bit changes so
+# nothing can be compared) and folding child by child is no closer either, fold does not raise:
+# the transaction puts an in-place model back, and fold returns the model as it was (a copy,
+# without inplace), every BatchNorm reported left with the check's finding as the reason, and
+# one RuntimeWarning saying the same and what to do (check=False, other example_inputs).
+
+
+def _left_as_it_was(model: nn.Module, inplace: bool, failed: CheckFailed) -> nn.Module:
+    """The model unfolded, its report saying why (Note: [a check that fails leaves the model as it was])."""
+    out = model if inplace else _copy_to_fold(model)
+    report = FoldReport()
+    report.check = failed.check
+    reason = f"fold's check: {failed.why}; left unfolded"
+    report.outcomes = [BNOutcome(names[0], "left", reason=reason) for names in bn_module_names(out)]
+    attach_report(out, report)
+    warnings.warn(f"convbn.fold: {failed.why}; the model is returned unfolded.", RuntimeWarning, stacklevel=3)
+    return out
 
 
 def _check_model(model: Any) -> None:
@@ -385,7 +425,7 @@ def check_folded(run: FoldRun) -> FoldRun:
 
 
 def _checked(run: FoldRun) -> Optional[nn.Module]:
-    """Raise if the folded model's outputs differ from the reference beyond the tolerance;
+    """:class:`CheckFailed` if the folded model's outputs differ from the reference beyond the tolerance;
     the child-by-child fold where that is closer to eager, else ``None`` (the check recorded)."""
     args, report = run.args, run.report
     try:
@@ -395,7 +435,7 @@ def _checked(run: FoldRun) -> Optional[nn.Module]:
         finer = None if run.inplace else _fold_finer(run.model, args, run.reference, None, short_reason(exc))
         if finer is not None:
             return finer
-        raise RuntimeError(f"fold(): the folded model fails on the sample input.\n{report}") from exc
+        raise CheckFailed(f"the folded model fails on the sample input ({short_reason(exc)})", report.check) from exc
     diff, tol, ok, why, eager_errors = _verdict(run, out)
     if not ok and not run.inplace:
         finer = _fold_finer(run.model, args, run.reference, eager_errors, f"max abs diff {diff:.3g} > {tol:.3g}")
@@ -436,20 +476,18 @@ def _raise_differs(run: FoldRun, diff: float, tol: float) -> None:
     """The error for a folded model whose outputs differ: the model's own jumps, or a bug."""
     jump = output_jump(run.original, run.args, run.reference) if run.original is not None else None
     if jump is not None:  # Note: [a model that jumps on last-bit changes] in fold_check.py
-        raise RuntimeError(
-            f"fold(): cannot check the fold on these inputs: the model's own outputs jump on last-bit "
+        raise CheckFailed(
+            f"cannot check the fold on these inputs: the model's own outputs jump on last-bit "
             f"changes (moving its input by {jump[0]:.1g}, relative, moves the original's outputs by "
             f"{jump[1]:.3g} > {jump[2]:.3g}), as a top-k, argmax, sort or threshold over near-tied values "
             f"does; folding changes rounding, so the folded outputs jump too (max abs diff {diff:.3g} > "
             f"{tol:.3g}). This says nothing about the fold itself. Pass example_inputs=... away from such "
             f"ties (real data rather than random or constant tensors), or check=False to get the folded "
-            f"model unchecked.\n{run.report}"
-        )
-    raise RuntimeError(
-        "fold(): the folded model's outputs differ from the original's beyond the "
-        f"tolerance (max abs diff {diff:.3g} > {tol:.3g}); this is a bug in convbn, "
-        f"please report it with the model. Use check=False to get the model anyway.\n{run.report}"
-    )
+            f"model unchecked", run.report.check)
+    raise CheckFailed(
+        "the folded model's outputs differ from the original's beyond the "
+        f"tolerance (max abs diff {diff:.3g} > {tol:.3g}), which is a bug in convbn: "
+        "please report it with the model", run.report.check)
 
 
 #: fold's stages after :func:`prepare`, in order (see Note: [fold's stages]).
