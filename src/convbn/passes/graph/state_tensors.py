@@ -8,7 +8,8 @@ tracing, so the read finds nothing (``KeyError``) or the tensor a *previous* cal
 which fx then records as a constant (``_tensor_constant0``): the rewrite would compute with
 a stale activation (``Sizes of tensors must match`` at another input size, or, at the same
 size, silently wrong values and no gradient into the encoder). A tensor the trace meets that
-sits in a plain container (``dict``, ``list``, ``tuple``, ``set``) of a module's attributes is
+sits in a plain container (``dict``, ``list``, ``tuple``, ``set``, a plain object's attributes) of a
+module's attributes is
 such a read: the tracer refuses it (``TraceHazard``), the module stays whole and the report
 says why.
 """
@@ -26,11 +27,16 @@ _REGISTRIES = frozenset(nn.Module().__dict__)  # _parameters, _buffers, _modules
 def _collect(value: Any, found: Dict[int, Tensor], depth: int) -> None:
     if isinstance(value, Tensor):
         found[id(value)] = value
-    elif depth and isinstance(value, dict):
+    elif not depth or isinstance(value, (nn.Module, type, str, bytes, int, float, bool)) or callable(value):
+        return  # modules are walked on their own; classes, functions and scalars hold no activation
+    elif isinstance(value, dict):
         for v in list(value.values()):
             _collect(v, found, depth - 1)
-    elif depth and isinstance(value, (list, tuple, set)):
+    elif isinstance(value, (list, tuple, set, frozenset)):
         for v in list(value):
+            _collect(v, found, depth - 1)
+    elif isinstance(getattr(value, "__dict__", None), dict):  # a record object: what a hook stored in it
+        for v in list(vars(value).values()):
             _collect(v, found, depth - 1)
 
 
