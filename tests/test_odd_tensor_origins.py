@@ -191,3 +191,62 @@ def test_module_tracker_on_a_stale_view_does_not_segfault() -> None:
     """The reported crash at its smallest: torch's ``register_multi_grad_hook(mode="any")`` on a
     module output that is a view changed through another alias."""
     assert _run(_HOOK_ONLY)["grad"] > 0
+
+
+class _SparseNet:
+    """Built lazily (torch imported in the test): a sparse buffer and a sparse parameter used by
+    ``torch.sparse.mm`` before Conv1d -> BatchNorm1d and Linear -> BatchNorm1d."""
+
+    @staticmethod
+    def make() -> "torch.nn.Module":
+        import torch
+        from torch import nn
+
+        class SparseNet(nn.Module):
+            def __init__(self) -> None:
+                super().__init__()
+                i = torch.tensor([[0, 1, 2], [1, 2, 0]])
+                self.register_buffer("adj", torch.sparse_coo_tensor(i, torch.ones(3), (3, 3)))
+                self.qs = nn.Parameter(torch.randn(3, 4).to_sparse())
+                self.conv, self.bn2 = nn.Conv1d(3, 6, 1), nn.BatchNorm1d(6)
+                self.lin, self.bn = nn.Linear(4, 8), nn.BatchNorm1d(8)
+
+            def forward(self, x: "torch.Tensor") -> "torch.Tensor":
+                h = torch.sparse.mm(self.adj, x.transpose(0, 1).reshape(3, -1)).reshape(3, x.shape[0], 4).transpose(0, 1)
+                h = h + torch.sparse.mm(self.qs, torch.ones(4, 4)).unsqueeze(0)
+                y = torch.relu(self.bn2(self.conv(h)))
+                return torch.relu(self.bn(self.lin(y.mean(1)))).sum(1)
+
+        return SparseNet()
+
+
+@pytest.mark.parametrize("strategy", ["auto", "recompute_bn"])
+@pytest.mark.parametrize("with_inputs", [False, True])
+def test_sparse_parameters_neither_break_the_checks_nor_the_planner(strategy: str, with_inputs: bool) -> None:
+    """A sparse parameter's gradient is sparse (the checks compare it dense); torch's memory
+    meters cannot read a sparse tensor's storage (the auto planner then plans each chain on its
+    first training call, and the report says why: Note: [a step the meters cannot measure])."""
+    import torch
+
+    from bn_calls import eager_bn_calls
+
+    torch.manual_seed(0)
+    model = _SparseNet.make()
+    torch.manual_seed(0)
+    eager = _SparseNet.make()  # (torch cannot deepcopy a sparse Parameter)
+    x = torch.randn(4, 3, 4)
+    fast = convbn.convert(model, example_inputs=x if with_inputs else None, strategy=strategy)
+    for _ in range(2):
+        for m in (fast, eager):
+            m.zero_grad(set_to_none=True)
+        y, y_eager = fast(x), eager(x)
+        y.sum().backward()
+        y_eager.sum().backward()
+        torch.testing.assert_close(y, y_eager, rtol=1e-5, atol=1e-5)
+        for (name, p), q in zip(eager.named_parameters(), fast.parameters()):
+            torch.testing.assert_close(q.grad.to_dense(), p.grad.to_dense(), rtol=1e-4, atol=1e-5, msg=name)
+    assert [o.result for o in fast.convbn_report.outcomes] == ["fused", "fused"]
+    assert eager_bn_calls(fast, x) == 0
+    if strategy == "auto" and with_inputs:
+        assert "could not be measured" in fast.convbn_report.planning_note
+        assert "could not be measured" in str(fast.convbn_report)

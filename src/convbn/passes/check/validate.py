@@ -185,6 +185,12 @@ class Comparison:
         return f"max |difference| {self.max_abs_diff:.3g} > allowed {self.allowed:.3g}"
 
 
+def _strided(t: Any) -> Any:
+    """A sparse (or other non-strided) tensor as a dense one, for comparing (a sparse parameter's
+    gradient is sparse; ``max`` and subtraction of its values are not defined for every layout)."""
+    return t.to_dense() if isinstance(t, Tensor) and t.layout != torch.strided else t
+
+
 def compare_outputs(reference: Any, candidate: Any, tolerance: Callable[[torch.dtype], float],
                     slack: Optional[Sequence[float]] = None, relative: bool = False) -> Comparison:
     """Compare two pytrees of outputs leaf by leaf.
@@ -196,12 +202,14 @@ def compare_outputs(reference: Any, candidate: Any, tolerance: Callable[[torch.d
     often far below 1). Other tensors must be equal, other values equal.
     """
     ref_leaves, ref_spec = pytree.tree_flatten(reference)
+    ref_leaves = [_strided(t) for t in ref_leaves]
     floor = 0.0
     if relative:
         mags = [t.detach().abs().max().item() for t in ref_leaves
                 if isinstance(t, Tensor) and t.is_floating_point() and t.numel()]
         floor = 1e-3 * max((m for m in mags if math.isfinite(m)), default=0.0)
     new_leaves, new_spec = pytree.tree_flatten(candidate)
+    new_leaves = [_strided(t) for t in new_leaves]
     if ref_spec != new_spec:
         return Comparison(False, math.inf, 0.0, f"output structure changed: {ref_spec} vs {new_spec}")
     worst = Comparison(True)
