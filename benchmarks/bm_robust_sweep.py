@@ -91,7 +91,8 @@ def _reid(name: str) -> Built:
     import torch
 
     models = _lenient("torchreid.reid.models")
-    return models.build_model(name, num_classes=10, pretrained=False, loss="softmax"), (torch.randn(2, 3, 64, 32),)
+    size = (160, 64) if name == "hacnn" else (64, 32)  # HACNN asserts its input size
+    return models.build_model(name, num_classes=10, pretrained=False, loss="softmax"), (torch.randn(2, 3, *size),)
 
 
 def _gan(name: str) -> Built:
