@@ -208,3 +208,46 @@ def test_function_gradcheck_and_gradgradcheck(keep: tuple) -> None:
     out = f(x, *params)
     assert type(out.grad_fn).__name__ == "NormChainFunctionBackward"
     torch.testing.assert_close(out, norm_chain_reference(x, params, specs), rtol=0, atol=0)
+
+
+class ConvNeXtLinearBlock(nn.Module):
+    """torchvision's CNBlock / timm's ConvNeXtBlock(conv_mlp=False): the LayerNorm's channels-last
+    output feeds the MLP's Linear, the permute back comes after the MLP (NORMS_BUGS.md 2)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.dw, self.ln = nn.Conv2d(8, 8, 7, padding=3, groups=8), nn.LayerNorm(8, eps=1e-6)
+        self.fc1, self.fc2 = nn.Linear(8, 32), nn.Linear(32, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.ln(torch.permute(self.dw(x), [0, 2, 3, 1]))
+        return x + self.fc2(F.gelu(self.fc1(h))).permute(0, 3, 1, 2)
+
+
+def test_convnext_block_with_linear_mlp_fuses_its_layernorm() -> None:
+    eager, work = _twins(ConvNeXtLinearBlock)
+    fast = convbn.convert(work, strategy="recompute_conv")
+    assert [(o.batchnorm, o.result, o.layer) for o in fast.convbn_report.outcomes] == [("ln", "fused", "dw")]
+    assert_steps_match(eager, fast, torch.randn(2, 8, 9, 9, dtype=torch.float64))
+
+
+class Tower(nn.Module):
+    """A head applying one tower to each feature level in a Python loop (FCOS / RetinaNet heads):
+    the parent does not trace, its Sequential converts on its own (NORMS_BUGS.md 3)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tower = nn.Sequential(nn.Conv2d(8, 8, 3, padding=1), nn.GroupNorm(4, 8), nn.ReLU())
+
+    def forward(self, feats: list) -> list:
+        return [self.tower(f) for f in feats]
+
+
+def test_norm_of_a_container_converted_alone_is_reported_once() -> None:
+    eager, work = _twins(Tower)
+    fast = convbn.convert(work)
+    feats = [torch.randn(2, 8, 8, 8, dtype=torch.float64), torch.randn(2, 8, 4, 4, dtype=torch.float64)]
+    outs, ref = fast(feats), eager(feats)
+    for o, r in zip(outs, ref):
+        torch.testing.assert_close(o, r, rtol=0, atol=1e-12)
+    assert [(o.batchnorm, o.result) for o in fast.convbn_report.outcomes] == [("tower.1", "fused")]
