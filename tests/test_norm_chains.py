@@ -80,7 +80,21 @@ def _seq(norm: Callable[[], nn.Module], act: nn.Module, dims: int = 2) -> nn.Mod
     return nn.Sequential(conv(6, 8, 3, padding=1), norm(), act, conv(8, 8, 3, padding=1, bias=False), norm(), act)
 
 
+class ConvNeXt1x1Block(nn.Module):
+    """dwconv -> LayerNorm2d -> 1x1 conv -> GELU -> 1x1 conv, plus the skip: one chain whose middle
+    layer is a convolution with an activation and no norm."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.dw, self.norm = nn.Conv2d(6, 6, 7, padding=3, groups=6), LayerNorm2d(6)
+        self.pw1, self.pw2 = nn.Conv2d(6, 24, 1), nn.Conv2d(24, 6, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.pw2(F.gelu(self.pw1(self.norm(self.dw(x)))))
+
+
 MODELS = {
+    "convnext-1x1-mlp": (ConvNeXt1x1Block, (2, 6, 8, 8), 3),
     "groupnorm-silu": (lambda: _seq(lambda: nn.GroupNorm(4, 8), nn.SiLU()), (2, 6, 8, 8), 2),
     "groupnorm-1group-relu": (lambda: _seq(lambda: nn.GroupNorm(1, 8, affine=False), nn.ReLU()), (2, 6, 8, 8), 2),
     "instancenorm2d-affine-stats": (lambda: _seq(lambda: nn.InstanceNorm2d(8, affine=True, track_running_stats=True),
