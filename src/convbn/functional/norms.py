@@ -202,6 +202,8 @@ NORMS: List[NormRow] = [
             _group_compute, _group_module, _group_args,
             modules=(nn.GroupNorm,), standard_forwards=(nn.GroupNorm.forward,), functions=(F.group_norm,),
             output_unread=True,
+            fold=lambda call, stats: "cannot fold: per-sample statistics (a GroupNorm normalises each sample by "
+                                     "its own, in eval too)",
             signature=(("input", None), ("num_groups", None), ("weight", None), ("bias", None), ("eps", 1e-5))),
     NormRow("instance_norm", "per sample and channel, over all positions",
             _instance_compute, _instance_module, _instance_args,
@@ -213,7 +215,9 @@ NORMS: List[NormRow] = [
             _layer_compute, _layer_module, _layer_args, functions=(channel_layer_norm,),
             signature=(("input", None), ("normalized_shape", None), ("weight", None), ("bias", None),
                        ("eps", 1e-5)),
-            stat_count=lambda call, shape: _prod(shape) // max(shape[1], 1), output_unread=True),
+            stat_count=lambda call, shape: _prod(shape) // max(shape[1], 1), output_unread=True,
+            fold=lambda call, stats: "cannot fold: per-sample statistics (a LayerNorm normalises each position of "
+                                     "each sample by its own, in eval too)"),
 ]
 
 
