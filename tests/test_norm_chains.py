@@ -265,3 +265,37 @@ def test_norm_of_a_container_converted_alone_is_reported_once() -> None:
     for o, r in zip(outs, ref):
         torch.testing.assert_close(o, r, rtol=0, atol=1e-12)
     assert [(o.batchnorm, o.result) for o in fast.convbn_report.outcomes] == [("tower.1", "fused")]
+
+
+def test_double_backward_through_converted_norm_chains() -> None:
+    """A gradient penalty (create_graph=True) through fused norm chains equals eager's."""
+    eager, work = _twins(PreActBlock)
+    fast = convbn.convert(work, strategy="recompute_bn")
+    x = torch.randn(2, 8, 6, 6, dtype=torch.float64)
+    results = []
+    for model in (eager, fast):
+        xi = x.clone().requires_grad_()
+        out = model(xi)
+        (gx,) = torch.autograd.grad(out.square().sum(), xi, create_graph=True)
+        gx.square().sum().backward()
+        results.append([out.detach(), gx.detach()] + [p.grad.clone() for p in model.parameters()])
+        model.zero_grad(set_to_none=True)
+    for a, b in zip(*results):
+        torch.testing.assert_close(b, a, rtol=0, atol=1e-10)
+
+
+@pytest.mark.parametrize("fullgraph", [False, True])
+def test_torch_compile_runs_norm_chains(fullgraph: bool) -> None:
+    """Under torch.compile a norm chain is its eager ops (nn/norm_chain.py): same outputs and
+    gradients, no graph break where fullgraph is asked."""
+    eager, work = _twins(lambda: _seq(lambda: nn.GroupNorm(4, 8), nn.SiLU()))
+    fast = convbn.convert(work, strategy="recompute_bn")
+    fast(torch.randn(2, 6, 8, 8, dtype=torch.float64))  # the first call's check, eager
+    compiled = torch.compile(fast, fullgraph=fullgraph, backend="aot_eager")
+    x = torch.randn(2, 6, 8, 8, dtype=torch.float64)
+    out_c, out_e = compiled(x), eager(x)
+    torch.testing.assert_close(out_c, out_e, rtol=0, atol=1e-10)
+    out_c.sum().backward()
+    out_e.sum().backward()
+    for p, q in zip(eager.parameters(), fast.parameters()):
+        torch.testing.assert_close(q.grad, p.grad, rtol=0, atol=1e-10)
