@@ -299,3 +299,25 @@ def test_torch_compile_runs_norm_chains(fullgraph: bool) -> None:
     out_e.sum().backward()
     for p, q in zip(eager.parameters(), fast.parameters()):
         torch.testing.assert_close(q.grad, p.grad, rtol=0, atol=1e-10)
+
+
+@pytest.mark.parametrize("net, shape, most", [("DiffusionUNet", (2, 3, 32, 32), 0.55),
+                                              ("InstanceUNet3d", (2, 1, 16, 16, 16), 0.55),
+                                              ("ConvNeXtNet", (4, 3, 64, 64), 0.5)])
+def test_step_peak_below_eager(net: str, shape: tuple, most: float) -> None:
+    """The standard loop's exact CPU peak (timeline: zero_grad, forward, loss, backward, step) of
+    the benchmark's nets, converted with example_inputs: at most ``most`` of eager's, never above."""
+    import importlib.util
+    import os
+
+    path = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "bm_norm_peaks.py")
+    spec = importlib.util.spec_from_file_location("bm_norm_peaks", path)
+    bm = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bm)  # type: ignore[union-attr]
+    torch.manual_seed(0)
+    model = getattr(bm, net)()
+    x = torch.randn(shape)
+    fast = convbn.convert(copy.deepcopy(model), example_inputs=(x,))
+    assert all(isinstance(c, FusedNormChain) for c in fused_chains(fast)) and fused_chains(fast)
+    eager_peak, fast_peak = bm._peak(model, x), bm._peak(fast, x)
+    assert fast_peak <= most * eager_peak, (fast_peak / eager_peak, fast.convbn_report)
