@@ -321,3 +321,19 @@ def test_step_peak_below_eager(net: str, shape: tuple, most: float) -> None:
     assert all(isinstance(c, FusedNormChain) for c in fused_chains(fast)) and fused_chains(fast)
     eager_peak, fast_peak = bm._peak(model, x), bm._peak(fast, x)
     assert fast_peak <= most * eager_peak, (fast_peak / eager_peak, fast.convbn_report)
+
+
+def test_what_each_strategy_keeps() -> None:
+    """recompute_bn keeps the chain input and each conv output, recompute_conv the input alone
+    (saved bytes, exact): a chain keeping nothing, or everything, fails here."""
+    eager, work = _twins(MODELS["groupnorm-silu"][0])
+    x = torch.randn(2, 6, 8, 8, dtype=torch.float64)
+    kept = {}
+    for strategy in ("recompute_bn", "recompute_conv"):
+        fast = convbn.convert(copy.deepcopy(work), strategy=strategy)
+        fast(x)  # the first call's check
+        kept[strategy] = convbn.saved_bytes(fast, x.clone().requires_grad_()).activation_bytes
+    map_bytes = 2 * 8 * 8 * 8 * 8  # one (2, 8, 8, 8) float64 conv output
+    assert kept["recompute_conv"] == x.numel() * 8
+    assert kept["recompute_bn"] == x.numel() * 8 + 2 * map_bytes
+    assert convbn.saved_bytes(eager, x.clone().requires_grad_()).activation_bytes > kept["recompute_bn"]
