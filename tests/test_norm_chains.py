@@ -337,3 +337,11 @@ def test_what_each_strategy_keeps() -> None:
     assert kept["recompute_conv"] == x.numel() * 8
     assert kept["recompute_bn"] == x.numel() * 8 + 2 * map_bytes
     assert convbn.saved_bytes(eager, x.clone().requires_grad_()).activation_bytes > kept["recompute_bn"]
+
+
+@pytest.mark.expect_unfused("the InstanceNorm after an activation is left; its reason is the point")
+def test_left_norm_reason_names_the_norm() -> None:
+    """NORMS_BUGS.md 5: the reason names the norm, not "BatchNorm"."""
+    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.LeakyReLU(), nn.InstanceNorm2d(8, affine=True), nn.Flatten())
+    (o,) = convbn.convert(model).convbn_report.outcomes
+    assert o.left and o.reason.startswith("InstanceNorm2d after an activation: it follows"), o.reason
