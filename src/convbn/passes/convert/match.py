@@ -25,6 +25,8 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from ...functional.conv import ConvSpec, conv_out_channels
 from ..bn.kind import bn_conv_dims
 from ..bn.sites import BNSite, find_bn_sites
+from ..bn.norm_sites import find_norm_sites
+from ...nn.norm_view import NormView
 from ..graph.layers import has_standard_forward, layer_call, layer_spec
 from .match_tail import TailMatch, TailOpMatch, describe_node, match_tail, node_arg, tail_label
 from ..report.convert_report import ConvertReport
@@ -247,6 +249,13 @@ def head_input(site: BNSite) -> fx.Node:
 
 def _conv_bn_mismatch(conv: MatchedConv, bn: _BatchNorm) -> Optional[str]:
     """Why ``bn`` cannot normalise ``conv``'s output (rank or channels), or ``None``."""
+    if isinstance(bn, NormView):  # a per-sample norm (functional/norms.py)
+        if conv.spec.is_linear:
+            return f"a {bn.row} after a linear layer (per-sample norms fuse after convolutions)"
+        out = conv_out_channels(getattr(conv.owner, conv.weight_name).shape, conv.spec)
+        if bn.channels and bn.channels != out:
+            return f"the {bn.row} normalises {bn.channels} channels, but the convolution has {out} output channels"
+        return None
     dims_ok = bn_conv_dims(bn)
     if dims_ok and conv.spec.dims not in dims_ok:
         what = "a linear layer" if conv.spec.is_linear else f"a {conv.spec.dims}-D convolution"
@@ -376,10 +385,12 @@ def find_layers(gm: fx.GraphModule, root: nn.Module, prefix: str, report: Conver
     """
     layers: List[MatchedLayer] = []
     found = find_bn_sites(gm, prefix, root)
-    for bn_name, bn_why in found.left:
+    norms = find_norm_sites(gm, prefix, root)  # per-sample norms: the same sites (functional/norms.py)
+    for bn_name, bn_why in found.left + norms.left:
         if not any(o.batchnorm == bn_name for o in report.recorded):  # one line per BatchNorm
             report.leave(bn_name, bn_why)
-    for site in found.sites:
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    for site in sorted(found.sites + norms.sites, key=lambda s: order[s.node]):
         node, bn, name, src = site.node, site.bn, site.name, site.input
         tail = match_tail(node, root, prefix)
         conv = _match_conv(src, gm, root)
@@ -441,6 +452,13 @@ def _within_grad_regions(layers: List[MatchedLayer], regions: Dict[fx.Node, int]
     return kept
 
 
+def _per_sample(l: MatchedLayer, prev: Optional[MatchedLayer] = None) -> bool:
+    """Whether ``l`` normalises per sample (an end layer: as the layer it follows)."""
+    if l.bn is None and prev is not None:
+        return _per_sample(prev)
+    return isinstance(l.bn, NormView)
+
+
 def group_chains(layers: List[MatchedLayer], chain: bool, report: Optional[ConvertReport] = None
                  ) -> List[List[MatchedLayer]]:
     """Group layers (in graph order) into chains: a layer joins the chain whose last layer's
@@ -456,7 +474,7 @@ def group_chains(layers: List[MatchedLayer], chain: bool, report: Optional[Conve
         # rank reads (x.ndim, as norm-act layers check) are the same on every tensor of a chain
         if (chain and prev is not None and id(prev) in where and where[id(prev)][-1] is prev
                 and len(prev.out.users) == 1 and all(is_rank_use(u) for u in prev.shape_uses)
-                and prev.region == l.region
+                and prev.region == l.region and _per_sample(prev) == _per_sample(l, prev)
                 and l.conv is not None and l.conv.spec.pre_pad_mode == "constant"):
             c = where[id(prev)]
         elif l.is_end:

@@ -49,6 +49,7 @@ from ..report.convert_report import ConvertReport
 from ..tracing.trace import LayerTracer, Traced, short_reason, trace
 from .cat_norms import split_cat_norms
 from .first_call_capture import CaptureOnFirstCall
+from ..bn.norm_sites import channel_layer_norms
 from .match import MatchedLayer, find_layers, group_chains, split_heads
 from .pools import lean_pools
 from .recapture import Recapture, _merge, _remove_installed, attach_guards, refuse_flat_parameters
@@ -84,6 +85,8 @@ CANONICALISE: Tuple[GraphRewrite, ...] = (
     GraphRewrite("token BatchNorms on rows", lambda gm, root, prefix: flatten_token_bns(gm)),
     # bn(linear(x).flatten(1)) on a 2-D x -> bn(linear(x)) (bn/tokens.py)
     GraphRewrite("no-op flattens before a BatchNorm1d", lambda gm, root, prefix: drop_noop_flattens(gm)),
+    # permute -> LayerNorm(C) -> permute back -> one channel_layer_norm node (bn/norm_sites.py)
+    GraphRewrite("channel LayerNorms as one node", lambda gm, root, prefix: channel_layer_norms(gm)),
     # bn(conv(x)[..., :-p]) -> bn(conv'(x)), the crop in its padding (bn/conv_crops.py)
     GraphRewrite("crops of a convolution's output as padding", lambda gm, root, prefix: absorb_conv_crops(gm, root)),
     # BN(cat(conv_i)) -> cat(BN_i(conv_i)) (cat_norms.py)
