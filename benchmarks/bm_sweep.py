@@ -570,7 +570,8 @@ def run_one(label: str, peak: bool = True) -> Dict[str, Any]:
             m64 = copy.deepcopy(model).double()
             m64.load_state_dict(snapshot)
             m64 = m64.double()
-            x64 = tuple(t.double() if t.is_floating_point() else t for t in inputs)
+            x64 = torch.utils._pytree.tree_map(  # lists of feature maps too (detection heads)
+                lambda t: t.double() if isinstance(t, torch.Tensor) and t.is_floating_point() else t, inputs)
             if ref64 is None:
                 ref64 = _step(copy.deepcopy(m64), x64)
             res64 = _check_convert(m64, x64, with_inputs, ref64, called, "float64", norms)
