@@ -55,8 +55,11 @@ class NormView:
         if row is None:
             raise TypeError(f"{type(module).__name__} is no per-sample norm of convbn.functional.norms.NORMS")
         stats = getattr(module, "running_mean", None) is not None
-        channels = getattr(module, "num_channels", None) or getattr(module, "num_features")
-        return cls(module, row.name, row.call_of_module, channels, "weight", "bias",
+        weight = getattr(module, "weight", None)
+        channels = (getattr(module, "num_channels", None) or getattr(module, "num_features", None)
+                    or (weight.numel() if isinstance(weight, Tensor) else 0))
+        return cls(module, row.name, row.call_of_module, channels,
+                   "weight" if hasattr(module, "weight") else None, "bias" if hasattr(module, "bias") else None,
                    "running_mean" if stats else None, "running_var" if stats else None, module_call=True)
 
     def _get(self, i: int) -> Optional[Tensor]:

@@ -364,6 +364,18 @@ def _end_layers(layers: List[MatchedLayer], gm: fx.GraphModule, root: nn.Module,
     return ends
 
 
+def _all_sites(gm: fx.GraphModule, root: nn.Module, prefix: str, report: ConvertReport) -> List[BNSite]:
+    """BatchNorm and per-sample norm sites (functional/norms.py) in graph order; each norm that
+    cannot be a site is reported left in ``report``, one line per norm."""
+    found = find_bn_sites(gm, prefix, root)
+    norms = find_norm_sites(gm, prefix, root)
+    for bn_name, bn_why in found.left + norms.left:
+        if not any(o.batchnorm == bn_name for o in report.recorded):  # one line per BatchNorm
+            report.leave(bn_name, bn_why)
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    return sorted(found.sites + norms.sites, key=lambda s: order[s.node])
+
+
 def find_layers(gm: fx.GraphModule, root: nn.Module, prefix: str, report: ConvertReport,
                 chain: bool = True) -> List[MatchedLayer]:
     """Every fusable layer of ``gm`` in graph order; each BatchNorm not matched is reported
@@ -384,13 +396,7 @@ def find_layers(gm: fx.GraphModule, root: nn.Module, prefix: str, report: Conver
     (``convbn.passes.convert.pipeline.CANONICALISE``); matching changes no node.
     """
     layers: List[MatchedLayer] = []
-    found = find_bn_sites(gm, prefix, root)
-    norms = find_norm_sites(gm, prefix, root)  # per-sample norms: the same sites (functional/norms.py)
-    for bn_name, bn_why in found.left + norms.left:
-        if not any(o.batchnorm == bn_name for o in report.recorded):  # one line per BatchNorm
-            report.leave(bn_name, bn_why)
-    order = {n: i for i, n in enumerate(gm.graph.nodes)}
-    for site in sorted(found.sites + norms.sites, key=lambda s: order[s.node]):
+    for site in _all_sites(gm, root, prefix, report):
         node, bn, name, src = site.node, site.bn, site.name, site.input
         tail = match_tail(node, root, prefix)
         conv = _match_conv(src, gm, root)

@@ -1,0 +1,210 @@
+"""convert on Conv -> GroupNorm / InstanceNorm / channel LayerNorm -> tail chains (issue 39).
+
+Each model is converted and compared with its eager twin in float64 over two training steps
+(outputs, the input's and every parameter's gradient, running statistics, num_batches_tracked:
+``assert_steps_match``), with the fused Function asserted to have run, the report's lines
+checked, and ``state_dict`` unchanged.
+"""
+from __future__ import annotations
+
+import copy
+from typing import Callable
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import convbn
+from capture_helpers import assert_steps_match
+from fusion_checks import assert_fused, fused_chains
+from convbn.autograd.norm_chain import NormChainFunction, NormLayerSpec, norm_chain_reference
+from convbn.functional.activations import Activation
+from convbn.functional.conv import conv_spec_from_module
+from convbn.functional.norms import NormCall
+from convbn.nn.norm_chain import FusedNormChain
+
+
+class LayerNorm2d(nn.LayerNorm):
+    """timm's LayerNorm2d: a LayerNorm subclass whose forward permutes around ``F.layer_norm``."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.permute(0, 2, 3, 1)
+        x = F.layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps)
+        return x.permute(0, 3, 1, 2)
+
+
+class ChannelsLastLN(nn.Module):
+    """Conv -> permute -> nn.LayerNorm -> permute back -> GELU -> conv (ConvNeXt-style)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.dw = nn.Conv2d(6, 6, 3, padding=1, groups=6)
+        self.norm = nn.LayerNorm(6)
+        self.pw = nn.Conv2d(6, 6, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.norm(self.dw(x).permute(0, 2, 3, 1)).permute(0, 3, 1, 2)
+        return self.pw(F.gelu(y))
+
+
+class FunctionalGN(nn.Module):
+    """F.group_norm on the module's own tensors, then SiLU."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(6, 8, 3, padding=1)
+        self.weight = nn.Parameter(torch.rand(8) + 0.5)
+        self.bias = nn.Parameter(torch.randn(8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.silu(F.group_norm(self.conv(x), 4, self.weight, self.bias, 1e-5))
+
+
+class PreActBlock(nn.Module):
+    """A diffusion ResBlock's order: GroupNorm -> SiLU -> Conv, twice, plus the skip."""
+
+    def __init__(self, c: int = 8) -> None:
+        super().__init__()
+        self.norm1, self.conv1 = nn.GroupNorm(4, c), nn.Conv2d(c, c, 3, padding=1)
+        self.norm2, self.conv2 = nn.GroupNorm(4, c), nn.Conv2d(c, c, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.conv1(F.silu(self.norm1(x)))
+        h = self.conv2(F.silu(self.norm2(h)))
+        return x + h
+
+
+def _seq(norm: Callable[[], nn.Module], act: nn.Module, dims: int = 2) -> nn.Module:
+    conv = {1: nn.Conv1d, 2: nn.Conv2d, 3: nn.Conv3d}[dims]
+    return nn.Sequential(conv(6, 8, 3, padding=1), norm(), act, conv(8, 8, 3, padding=1, bias=False), norm(), act)
+
+
+MODELS = {
+    "groupnorm-silu": (lambda: _seq(lambda: nn.GroupNorm(4, 8), nn.SiLU()), (2, 6, 8, 8), 2),
+    "groupnorm-1group-relu": (lambda: _seq(lambda: nn.GroupNorm(1, 8, affine=False), nn.ReLU()), (2, 6, 8, 8), 2),
+    "instancenorm2d-affine-stats": (lambda: _seq(lambda: nn.InstanceNorm2d(8, affine=True, track_running_stats=True),
+                                                 nn.LeakyReLU(0.01)), (2, 6, 8, 8), 2),
+    "instancenorm2d-plain": (lambda: _seq(lambda: nn.InstanceNorm2d(8), nn.LeakyReLU(0.2)), (2, 6, 8, 8), 2),
+    "instancenorm3d-stats-momentum-none": (
+        lambda: _seq(lambda: nn.InstanceNorm3d(8, track_running_stats=True, momentum=None), nn.LeakyReLU(0.01), 3),
+        (2, 6, 5, 5, 5), 2),
+    "instancenorm1d-affine": (lambda: _seq(lambda: nn.InstanceNorm1d(8, affine=True), nn.GELU(), 1), (3, 6, 9), 2),
+    "layernorm2d-subclass": (lambda: _seq(lambda: LayerNorm2d(8), nn.GELU()), (2, 6, 8, 8), 2),
+    "channels-last-layernorm": (ChannelsLastLN, (2, 6, 8, 8), 2),
+    "functional-group-norm": (FunctionalGN, (2, 6, 8, 8), 1),
+    "pre-activation": (PreActBlock, (2, 8, 8, 8), 3),
+}
+
+
+def _twins(make: Callable[[], nn.Module]) -> tuple:
+    torch.manual_seed(0)
+    eager = make().double()
+    with torch.no_grad():
+        for p in eager.parameters():  # affine parameters away from 1 / 0
+            p.add_(torch.randn_like(p) * 0.1)
+    return eager, copy.deepcopy(eager)
+
+
+@pytest.mark.parametrize("strategy", ["recompute_bn", "recompute_conv", "auto"])
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_norm_chain_matches_eager(name: str, strategy: str) -> None:
+    make, shape, pairs = MODELS[name]
+    eager, work = _twins(make)
+    state = {k: v.clone() for k, v in eager.state_dict().items()}
+    x = torch.randn(shape, dtype=torch.float64)
+    fast = convbn.convert(work, strategy=strategy)
+    report = assert_fused(fast, pairs=pairs)
+    assert all(isinstance(c, FusedNormChain) for c in fused_chains(fast))
+    assert list(fast.state_dict()) == list(state)
+    assert all(torch.equal(fast.state_dict()[k], v) for k, v in state.items())
+    assert_steps_match(eager, fast, x, steps=2)
+    assert not report.skipped, report
+    with torch.no_grad():  # the no-grad path
+        torch.testing.assert_close(fast(x), eager(x), rtol=0, atol=1e-12)
+
+
+def test_report_names_each_norm_and_what_runs() -> None:
+    eager, work = _twins(MODELS["instancenorm2d-affine-stats"][0])
+    fast = convbn.convert(work, strategy="recompute_bn")
+    report = fast.convbn_report
+    assert [(p.conv, p.bn, p.activation) for p in report.pairs] == [
+        ("0", "1", "leaky_relu(0.01)"), ("3", "4", "leaky_relu(0.01)")]
+    assert [o.result for o in report.outcomes] == ["fused", "fused"]
+    assert "1 -> " not in str(report) or "leaky_relu" in str(report)
+
+
+def test_running_stats_move_once_per_step() -> None:
+    """A mutant updating InstanceNorm's running statistics again in backward's recompute fails here."""
+    eager, work = _twins(MODELS["instancenorm2d-affine-stats"][0])
+    fast = convbn.convert(work, strategy="recompute_conv")
+    x = torch.randn(2, 6, 8, 8, dtype=torch.float64)
+    for _ in range(3):
+        eager(x).sum().backward()
+        fast(x).sum().backward()
+    for (n, b), c in zip(eager.named_buffers(), fast.buffers()):
+        torch.testing.assert_close(c, b, rtol=0, atol=1e-12, msg=n)
+
+
+def test_eval_instance_norm_with_running_stats_runs_its_statistics() -> None:
+    make = MODELS["instancenorm2d-affine-stats"][0]
+    eager, work = _twins(make)
+    with torch.no_grad():
+        for m in eager.modules():
+            if isinstance(m, nn.InstanceNorm2d):
+                m.running_mean.normal_()
+                m.running_var.uniform_(0.5, 2.0)
+    work.load_state_dict(eager.state_dict())
+    fast = convbn.convert(work, strategy="recompute_bn")
+    for m in (eager, fast):
+        for mod in m.modules():
+            if isinstance(mod, nn.InstanceNorm2d):
+                mod.eval()  # a frozen InstanceNorm inside a model in training mode
+    assert_steps_match(eager, fast, torch.randn(2, 6, 8, 8, dtype=torch.float64), steps=1)
+
+
+def test_hooked_norm_left_with_reason() -> None:
+    eager, work = _twins(MODELS["groupnorm-silu"][0])
+    work[1].register_forward_hook(lambda m, i, o: None)
+    fast = convbn.convert(work, strategy="recompute_bn")
+    left = {o.batchnorm: o.reason for o in fast.convbn_report.outcomes if o.left}
+    assert "hooks" in left["1"]
+    assert_steps_match(eager, fast, torch.randn(2, 6, 8, 8, dtype=torch.float64), steps=1)
+
+
+@pytest.mark.expect_unfused("a GroupNorm after a linear layer is left, with the reason")
+def test_norm_after_linear_left_with_reason() -> None:
+    model = nn.Sequential(nn.Linear(4, 8), nn.GroupNorm(2, 8), nn.ReLU()).double()
+    fast = convbn.convert(copy.deepcopy(model))
+    (o,) = fast.convbn_report.outcomes
+    assert o.left and "linear layer" in o.reason
+
+
+def _layer_specs(keep: tuple) -> tuple:
+    c1, c2 = nn.Conv2d(3, 4, 3, padding=1), nn.Conv2d(4, 4, 3, stride=2, padding=1)
+    return (NormLayerSpec(conv_spec_from_module(c1), NormCall("group_norm", 1e-5, 2), Activation("silu"), keep_y=keep[0]),
+            NormLayerSpec(conv_spec_from_module(c2), NormCall("channel_layer_norm", 1e-5, normalized=(4,)),
+                          Activation("gelu"), keep_y=keep[1]),
+            NormLayerSpec(conv_spec_from_module(nn.Conv2d(4, 2, 1)), None, Activation("identity")))
+
+
+@pytest.mark.parametrize("keep", [(True, True), (False, False), (True, False), (False, True)])
+def test_function_gradcheck_and_gradgradcheck(keep: tuple) -> None:
+    specs = _layer_specs(keep)
+    g = torch.Generator().manual_seed(0)
+
+    def t(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, dtype=torch.float64, generator=g).requires_grad_()
+
+    params = [t(4, 3, 3, 3), t(4), t(4), t(4), t(4, 4, 3, 3), t(4), t(4), t(4), t(2, 4, 1, 1), t(2)]
+    x = t(2, 3, 5, 5)
+    stats = ((None, None),) * 3
+
+    def f(x: torch.Tensor, *ps: torch.Tensor) -> torch.Tensor:
+        return NormChainFunction.apply(x, *ps, specs, stats)
+
+    assert torch.autograd.gradcheck(f, (x, *params))
+    assert torch.autograd.gradgradcheck(f, (x, *params))
+    out = f(x, *params)
+    assert type(out.grad_fn).__name__ == "NormChainFunctionBackward"
+    torch.testing.assert_close(out, norm_chain_reference(x, params, specs), rtol=0, atol=0)
