@@ -12,7 +12,9 @@ CPU inputs (batch 2):
   attention), ``UNet2DConditionModel`` (cross-attention), ``AutoencoderKL`` / ``VQModel``
   encoders-decoders, called with ``return_dict=False`` through a small wrapper module.
 * ``convnext``: ConvNeXt-style classifiers (depthwise conv -> LayerNorm over channels -> MLP):
-  timm ``convnext_*`` / ``convnextv2_*`` and torchvision ``convnext_tiny``.
+  timm ``convnext_*`` / ``convnextv2_*`` (the small ones with a 1x1-conv MLP after a
+  ``LayerNorm2d``, and ``conv_mlp=False``: ``nn.LayerNorm`` channels-last, then ``nn.Linear``)
+  and torchvision ``convnext_tiny`` (``Permute`` modules, channels-last ``nn.LayerNorm``).
 * ``dethead``: detection heads with Conv -> GroupNorm -> ReLU towers: torchvision ``FCOSHead``
   and the GroupNorm ``RetinaNetHead`` of RetinaNet v2, on a list of FPN-like feature maps.
 * ``gnresnet``: ResNets normalised by GroupNorm: timm ``resnet50_gn``, timm ``resnetv2`` BiT
@@ -328,7 +330,8 @@ NORM_FAMILIES: Dict[str, Dict[str, Entry]] = {
     "convnext": {
         "timm-convnext_atto": ("classification", _timm("convnext_atto")),
         "timm-convnext_atto_ols": ("classification", _timm("convnext_atto_ols")),
-        "timm-convnext_femto-conv-mlp": ("classification", _timm("convnext_femto", conv_mlp=True)),
+        "timm-convnext_atto-channels-last-mlp": ("classification", _timm("convnext_atto", conv_mlp=False)),
+        "timm-convnext_femto": ("classification", _timm("convnext_femto")),
         "timm-convnextv2_atto": ("classification", _timm("convnextv2_atto")),
         "tv-convnext_tiny": ("classification", _tv_convnext),
     },
