@@ -72,7 +72,9 @@ class NormLayerSpec:
 
     @property
     def saves_y(self) -> bool:
-        return self.keep_y and self.conv is not None and self.norm is not None
+        """Whether forward keeps the conv output: kept by the plan, and needed (a norm or a tail follows)."""
+        return self.keep_y and self.conv is not None and (self.norm is not None or bool(self.tail)
+                                                          or not self.act.is_identity)
 
 
 def _split(spec: NormLayerSpec, ps: Sequence[Optional[Tensor]]) -> Tuple[Any, Any, Any, Any, List[Any]]:
@@ -146,13 +148,23 @@ def norm_chain_reference(x0: Tensor, params: Sequence[Optional[Tensor]], specs: 
     return x
 
 
+#: layer ``i``'s norm + tail run again under autograd: its conv output as a leaf, its norm and
+#: tail parameters as leaves (``None`` where absent), and the output
+PostGraph = Tuple[Tensor, List[Optional[Tensor]], Tensor]
+
+
 class _Rebuild:
-    """Each layer's input and conv output in backward (Note: [a per-sample norm layer's backward])."""
+    """Each layer's input and conv output in backward (Note: [a per-sample norm layer's backward]).
+
+    The input of layer ``i`` is layer ``i - 1``'s norm + tail output: it is computed under
+    autograd and that graph kept (``pending``) for layer ``i - 1``'s backward, which runs next,
+    so the element-wise recompute runs once per layer."""
 
     def __init__(self, x0: Tensor, params: Sequence[Optional[Tensor]], specs: Sequence[NormLayerSpec],
-                 kept: Dict[int, Tensor], stats: Sequence[Stats]) -> None:
+                 kept: Dict[int, Tensor], stats: Sequence[Stats], needs: Sequence[bool]) -> None:
         self.x0, self.params, self.specs, self.kept, self.stats = x0, params, specs, kept, stats
-        self.off = _offsets(specs)
+        self.off, self.needs = _offsets(specs), needs
+        self.pending: Dict[int, PostGraph] = {}
 
     def layer(self, i: int) -> Tuple[Any, Any, Any, Any, List[Any]]:
         return _split(self.specs[i], self.params[self.off[i]: self.off[i + 1]])
@@ -162,62 +174,76 @@ class _Rebuild:
         if i in self.kept:
             return self.kept[i]
         spec = self.specs[i]
+        x = x if x is not None else self.input(i)
         if spec.conv is None:
-            return x if x is not None else self.input(i)
+            return x
         w, b, *_ = self.layer(i)
-        return _conv(spec, x if x is not None else self.input(i), w, b, i == 0)
+        return _conv(spec, x, w, b, i == 0)
+
+    def post_graph(self, i: int, y: Tensor) -> PostGraph:
+        """Layer ``i``'s norm + tail on ``y`` under autograd (statistics read, never updated)."""
+        spec = self.specs[i]
+        _, _, g, beta, tws = self.layer(i)
+        n_conv = 2 if spec.conv is not None else 0
+        base = self.off[i] + n_conv
+        with torch.enable_grad():
+            yv = y.detach().requires_grad_(True)
+            pv = [None if p is None else p.detach().requires_grad_(self.needs[base + k])
+                  for k, p in enumerate([g, beta, *tws])]
+            out = _post(spec, yv, pv[0], pv[1], pv[2:], self.stats[i], update=False)
+        return yv, pv, out
 
     def input(self, i: int) -> Tensor:
-        """Layer ``i``'s input, from the nearest kept conv output before it, or from ``x0``."""
+        """Layer ``i``'s input, from the nearest kept conv output before it, or from ``x0``; the
+        last step's graph is kept for layer ``i - 1``'s backward."""
+        if i == 0:
+            return self.x0
         j = i - 1
         while j >= 0 and j not in self.kept:
             j -= 1
         x = self.x0 if j < 0 else None
-        start = 0 if j < 0 else j
-        for k in range(start, i):
+        for k in range(max(j, 0), i - 1):
             y = self.kept[k] if k == j else self.y(k, x)
             _, _, g, beta, tws = self.layer(k)
-            x = _post(self.specs[k], y, g, beta, tws, self.stats[k], update=False)
-        return x  # type: ignore[return-value]
+            with torch.no_grad():
+                x = _post(self.specs[k], y, g, beta, tws, self.stats[k], update=False)
+        y = self.kept[i - 1] if j == i - 1 else self.y(i - 1, x)
+        graph = self.post_graph(i - 1, y)
+        self.pending[i - 1] = graph
+        return graph[2].detach()
 
 
-def _layer_backward(rb: _Rebuild, i: int, grad: Tensor, x_need: bool, needs: Sequence[bool],
-                    grads: List[Optional[Tensor]]) -> Optional[Tensor]:
-    """Gradients of layer ``i``'s parameters into ``grads`` where ``needs`` (both in flat parameter
-    order); returns the gradient of its input (``None`` for the first layer unless ``x_need``)."""
+def _layer_backward(rb: _Rebuild, i: int, grad: Tensor, x_need: bool, grads: List[Optional[Tensor]]) -> Optional[Tensor]:
+    """Gradients of layer ``i``'s parameters into ``grads`` (flat parameter order, where
+    ``rb.needs``); returns the gradient of its input (``None`` for the first layer unless ``x_need``)."""
     spec = rb.specs[i]
-    w, b, g, beta, tws = rb.layer(i)
+    w, b, *_ = rb.layer(i)
     x = rb.input(i) if spec.conv is not None else rb.x0
-    y = rb.y(i, x)
-    base = rb.off[i]
-    norm_params = [g, beta, *tws]
-    n_conv = 2 if spec.conv is not None else 0
-    with torch.enable_grad():
-        yv = y.detach().requires_grad_(True)
-        pv = [None if p is None else p.detach().requires_grad_(needs[base + n_conv + k])
-              for k, p in enumerate(norm_params)]
-        out = _post(spec, yv, pv[0], pv[1], pv[2:], rb.stats[i], update=False)
-        wanted = [yv] + [p for p in pv if p is not None and p.requires_grad]
-        got = list(torch.autograd.grad(out, wanted, grad, allow_unused=True))
+    graph = rb.pending.pop(i, None)
+    y = graph[0].detach() if graph is not None else rb.y(i, x)
+    yv, pv, out = graph if graph is not None else rb.post_graph(i, y)
+    base, n_conv = rb.off[i], 2 if spec.conv is not None else 0
+    wanted = [yv] + [p for p in pv if p is not None and p.requires_grad]
+    got = list(torch.autograd.grad(out, wanted, grad, allow_unused=True))
     gy, rest = got[0], iter(got[1:])
     for k, p in enumerate(pv):
         if p is not None and p.requires_grad:
             gp = next(rest)
             grads[base + n_conv + k] = torch.zeros_like(p) if gp is None else gp
-    del out, yv, pv
+    del out, yv, pv, graph
     if gy is None:
         gy = torch.zeros_like(y)
     if spec.conv is None:
         return gy
-    pad = i > 0 and bool(spec.conv.pre_pad)
+    needs = rb.needs
     xin = spec.conv.pad_input(x) if i > 0 else x
     gx, gw, gb = conv_backward(gy, xin, w, spec.conv, (i > 0 or x_need, needs[base], b is not None and needs[base + 1]))
     grads[base], grads[base + 1] = gw, gb
-    if pad and gx is not None:
+    if i > 0 and bool(spec.conv.pre_pad) and gx is not None:  # through the padding of an absorbed pad
         with torch.enable_grad():
             xv = x.detach().requires_grad_(True)
             gx = torch.autograd.grad(spec.conv.pad_input(xv), xv, gx)[0]
-    return gx  # type: ignore[return-value]
+    return gx
 
 
 class NormChainFunction(torch.autograd.Function):
@@ -249,11 +275,11 @@ class NormChainFunction(torch.autograd.Function):
                                             needs=needs[: 1 + n])
             return (*grads[: 1 + n], None, None)
         kept = dict(zip(ctx.kept_idx, saved[1 + n:]))
-        rb = _Rebuild(x0, params, specs, kept, stats)  # type: ignore[arg-type]
+        rb = _Rebuild(x0, params, specs, kept, stats, needs[1: 1 + n])  # type: ignore[arg-type]
         flat: List[Optional[Tensor]] = [None] * n
         g: Optional[Tensor] = grad_out
         for i in reversed(range(len(specs))):
-            g = _layer_backward(rb, i, g, needs[0], needs[1: 1 + n], flat)  # type: ignore[arg-type]
+            g = _layer_backward(rb, i, g, needs[0], flat)  # type: ignore[arg-type]
             rb.kept.pop(i, None)
         return (g if needs[0] else None, *flat, None, None)
 

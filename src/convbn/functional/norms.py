@@ -37,7 +37,7 @@ from torch import Tensor, nn
 from torch.nn.modules.instancenorm import _InstanceNorm
 
 __all__ = ["NormCall", "NormRow", "NORMS", "norm_row", "row_of_module", "row_of_function", "channel_layer_norm",
-           "norm_forward", "norm_reference"]
+           "norm_forward", "norm_reference", "stat_bytes"]
 
 
 @dataclass(frozen=True)
@@ -80,6 +80,9 @@ class NormRow:
     #: the function's parameters by position, ``(name, default)``: how a recorded call is read
     signature: Tuple[Tuple[str, Any], ...] = ()
     fold: Callable[[NormCall, bool], str] = field(default=lambda call, stats: "cannot fold: per-sample statistics")
+    #: how many (mean, inverse std) pairs a call on a tensor of this shape computes (the
+    #: planner's memory model: what the norm's own backward holds besides its input)
+    stat_count: Callable[[NormCall, Tuple[int, ...]], int] = field(default=lambda call, shape: shape[0] * call.groups)
 
     def tracks_stats(self, call: NormCall, has_stats: bool) -> bool:
         """Whether a training call updates running statistics (given the module holds them)."""
@@ -183,6 +186,13 @@ def _layer_args(a: Dict[str, Any]) -> ModuleCall:
     return NormCall("channel_layer_norm", float(eps), normalized=(int(shape[0]),))
 
 
+def _prod(shape: Tuple[int, ...]) -> int:
+    out = 1
+    for s in shape:
+        out *= int(s)
+    return out
+
+
 #: the table every layer reads (a row per norm; see the module docstring)
 NORMS: List[NormRow] = [
     NormRow("group_norm", "per sample, over each group of channels and all positions",
@@ -194,11 +204,12 @@ NORMS: List[NormRow] = [
             modules=(_InstanceNorm,), standard_forwards=(_InstanceNorm.forward,), functions=(F.instance_norm,),
             signature=(("input", None), ("running_mean", None), ("running_var", None), ("weight", None),
                        ("bias", None), ("use_input_stats", True), ("momentum", 0.1), ("eps", 1e-5)),
-            fold=_instance_fold),
+            fold=_instance_fold, stat_count=lambda call, shape: shape[0] * shape[1]),
     NormRow("channel_layer_norm", "per sample and position, over the channels",
             _layer_compute, _layer_module, _layer_args, functions=(channel_layer_norm,),
             signature=(("input", None), ("normalized_shape", None), ("weight", None), ("bias", None),
-                       ("eps", 1e-5))),
+                       ("eps", 1e-5)),
+            stat_count=lambda call, shape: _prod(shape) // max(shape[1], 1)),
 ]
 
 
@@ -229,6 +240,11 @@ def row_of_function(fn: Any) -> Optional[NormRow]:
         if any(fn is f for f in row.functions):
             return row
     return None
+
+
+def stat_bytes(call: NormCall, shape: Tuple[int, ...], element_size: int = 4) -> int:
+    """Bytes of the statistics (mean and inverse std) a call on ``shape`` computes."""
+    return 2 * element_size * norm_row(call.row).stat_count(call, tuple(shape))
 
 
 def norm_forward(y: Tensor, call: NormCall, weight: Optional[Tensor], bias: Optional[Tensor],
