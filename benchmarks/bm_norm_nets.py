@@ -23,8 +23,9 @@ Measured (the standard loop: ``zero_grad(set_to_none=True)``, forward, mean loss
 
 * **peak**: exact live-tensor bytes above what is live after ``zero_grad``, weight gradients
   counted (:func:`convbn.memory.timeline`, the one definition); compiled graphs run outside
-  Python dispatch, so their peak is sampled process RSS (:class:`convbn.memory.peak_memory`)
-  and their ratio is to eager's RSS measured the same way in the same run;
+  Python dispatch, so their peak is sampled process RSS (:class:`convbn.memory.peak_memory`,
+  freed heap pages returned to the OS first) and their ratio is to eager's RSS measured the
+  same way in the same run;
 * **step ms**: median over interleaved rounds (each round one step of every configuration, the
   order rotated per round) after warm-up; ratio to eager's median in the same run;
 * **norms fused**: per-sample norm modules the eager step calls that the configuration's step
@@ -60,6 +61,7 @@ from zoo import import_torchvision_without_fake_kernels  # noqa: E402
 import convbn  # noqa: E402
 from convbn.bench.checkpointing import checkpoint_blocks  # noqa: E402
 from convbn.bench.training_configs import budget_backend  # noqa: E402
+from convbn.bench.training_run import _release_freed_memory  # noqa: E402
 from convbn.memory import peak_memory, timeline  # noqa: E402
 
 __all__ = ["NETS", "Config", "build_configs", "measure", "main"]
@@ -173,7 +175,7 @@ def _step(cfg: Config, x: Tuple[torch.Tensor, ...]) -> None:
 
 def _rss_peak(cfg: Config, x: Tuple[torch.Tensor, ...]) -> int:
     cfg.model.zero_grad(set_to_none=True)  # as timeline: freed gradients are not the step's
-    gc.collect()
+    _release_freed_memory(torch.device("cpu"))  # freed heap pages back to the OS: RSS starts from a floor
     with peak_memory("cpu") as meter:
         _step(cfg, x)
     return int(meter.result.peak)
