@@ -89,8 +89,9 @@ def _diffusion(batch: int) -> Net:
                        down_block_types=("DownBlock2D",) * 3, up_block_types=("UpBlock2D",) * 3,
                        layers_per_block=2, norm_num_groups=16)
     model = DiffusionStep(unet, torch.arange(batch) * 97 % 1000)
-    blocks = ([f"unet.down_blocks.{i}" for i in range(3)] + ["unet.mid_block"]
-              + [f"unet.up_blocks.{i}" for i in range(3)])
+    # each ResBlock, as diffusers' own gradient checkpointing does (the up blocks' ``resnets`` are
+    # read by UNet2DModel.forward, so the blocks themselves cannot be wrapped)
+    blocks = [f"unet.{n}" for n, m in unet.named_modules() if type(m).__name__ == "ResnetBlock2D"]
     return model, (torch.randn(batch, 3, 64, 64),), blocks
 
 
