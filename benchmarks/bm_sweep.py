@@ -344,11 +344,29 @@ def _step(model: Any, inputs: Tuple[Any, ...]) -> Dict[str, Any]:
     model.zero_grad(set_to_none=True)
     torch.manual_seed(123)
     out = model(*inputs)
-    _loss(out).backward()
+    loss = _loss(out)
+    chains = _chain_calls(loss)
+    loss.backward()
     state = model.state_dict(keep_vars=True)
-    return {"out": [t.detach() for t in _leaves(out)],
+    return {"out": [t.detach() for t in _leaves(out)], "chain_calls": chains,
             "grads": {k: v.grad for k, v in state.items() if isinstance(v, torch.nn.Parameter)},
             "buffers": {k: v.detach().clone() for k, v in state.items() if not isinstance(v, torch.nn.Parameter)}}
+
+
+def _chain_calls(loss: Any) -> Dict[str, int]:
+    """Fused chain Functions in ``loss``'s autograd graph, by node name (the fused path ran)."""
+    found: Dict[str, int] = collections.Counter()
+    seen: Dict[int, Any] = {}  # nodes kept alive: a freed node's id could be reused
+    stack = [getattr(loss, "grad_fn", None)]
+    while stack:
+        node = stack.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen[id(node)] = node
+        if type(node).__name__.endswith("ChainFunctionBackward"):
+            found[type(node).__name__] += 1
+        stack.extend(n for n, _ in node.next_functions)
+    return dict(found)
 
 
 def _compare(ref: Dict[str, Any], got: Dict[str, Any]) -> Dict[str, float]:
@@ -390,10 +408,14 @@ def cause(error: str) -> str:
     return "other: " + error[:120]
 
 
-def _norms_gone(eager: Dict[str, str], now: Dict[str, str]) -> Dict[str, int]:
-    """Per kind: the per-sample norms the eager step called that the converted step no longer
-    calls as modules (they ran inside a fused chain)."""
-    return dict(collections.Counter(kind for name, kind in eager.items() if name not in now))
+def _norms_gone(eager: Dict[str, str], now: Dict[str, str], reported: set) -> Dict[str, int]:
+    """Per kind: the per-sample norms the eager step called that the report lists as fused and
+    the converted step no longer calls as modules (they ran inside a fused chain). A norm module
+    with its own forward may be traced into its parent's graph and so not be called as a module
+    while left unfused: the report decides those (an outcome for a functional call names the
+    module it sits in after ``in``)."""
+    fused = {name.rpartition(" in ")[2] for name in reported}
+    return dict(collections.Counter(kind for name, kind in eager.items() if name not in now and name in fused))
 
 
 def _check_convert(model: Any, inputs: Tuple[Any, ...], with_inputs: bool, ref: Dict[str, Any],
@@ -425,8 +447,9 @@ def _check_convert(model: Any, inputs: Tuple[Any, ...], with_inputs: bool, ref: 
     finally:
         for h in handles + frozen_handles + norm_handles:
             h.remove()
-    res["norm_fused_ran"] = _norms_gone(norms_eager, norms)
-    res["norm_report_fused"] = len(reported & set(norms_eager))
+    res["norm_fused_ran"] = _norms_gone(norms_eager, norms, reported)
+    res["chain_calls"] = got["chain_calls"]
+    res["norm_report_fused"] = len({n.rpartition(" in ")[2] for n in reported} & set(norms_eager))
     res["still_called"] = len(called)
     res["fused_ran"] = len(called_eager - called)
     res["report_not_run"] = sorted(reported & called)  # listed as fused, yet called as a module
@@ -437,7 +460,8 @@ def _check_convert(model: Any, inputs: Tuple[Any, ...], with_inputs: bool, ref: 
         norms_next, norm_handles = norm_hooks(conv)
         handles += norm_handles
         _step(conv, inputs)
-        res["norm_fused_ran_next"] = _norms_gone(norms_eager, norms_next)
+        reported_next = {o.batchnorm for o in getattr(conv.convbn_report, "outcomes", []) if o.result == "fused"}
+        res["norm_fused_ran_next"] = _norms_gone(norms_eager, norms_next, reported_next)
         reported = {o.batchnorm for o in getattr(conv.convbn_report, "outcomes", []) if o.result == "fused"}
         res["fused_ran_next"] = len(called_eager - called_next)
         res["report_fused_next"] = len(reported)  # listed at the same moment as what ran is counted

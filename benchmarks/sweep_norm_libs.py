@@ -27,8 +27,10 @@ CPU inputs (batch 2):
 ``instance``, ``layer-channel``: a LayerNorm over one dimension of a 4-D / 5-D tensor, either
 channels-last between permutes or a ``LayerNorm2d`` over dimension 1; ``layer-token``: a
 LayerNorm on token sequences, outside this work); :func:`norm_hooks` records which ones a
-training step calls as modules, so the sweep counts the ones a converted model no longer
-calls (fused and running), per kind.
+training step calls as modules, so the sweep counts, per kind, the ones the converted model's
+report lists as fused *and* its step no longer calls as modules (fused and running; a norm
+module with its own forward can be traced into its parent's graph and so not be called while
+left unfused, hence the report too), and the fused norm chain Functions in the step's graph.
 
 Set-up (``--no-deps``: each would otherwise resolve another torch)::
 
@@ -364,8 +366,9 @@ def norm_per_model(records: List[Dict[str, Any]]) -> str:
     """One row per model with per-sample norms: called by kind, fused and running (ei / noei 2nd
     step), the report's most common reasons for the ones left."""
     lines = ["| model | norms called (" + " / ".join(NORM_KINDS) + ") | fused ran (ei / noei 2nd step) | "
-             "convert ok (ei / noei) | peak x eager | left (report's reasons) |",
-             "|---|---|---|---|---:|---|"]
+             "norm chain calls in the step's graph (ei) | convert ok (ei / noei) | peak x eager | "
+             "left (report's reasons) |",
+             "|---|---|---|---:|---|---:|---|"]
     for r in records:
         if "norm_called" not in r or not any(r["norm_called"].values()):
             continue
@@ -375,6 +378,7 @@ def norm_per_model(records: List[Dict[str, Any]]) -> str:
         ratio = f"{pk['converted'] / pk['eager']:.2f}" if isinstance(pk, dict) and pk.get("eager") else "-"
         reasons = "; ".join(f"{v}x {k}" for k, v in list(c.get("left_reasons", {}).items())[:2])
         lines.append(f"| {r['label']} | {called} | {sum(c.get('norm_fused_ran', {}).values())} / "
-                     f"{sum(n.get('norm_fused_ran_next', {}).values())} | {c.get('ok', '-')} / {n.get('ok', '-')} | "
+                     f"{sum(n.get('norm_fused_ran_next', {}).values())} | "
+                     f"{c.get('chain_calls', {}).get('NormChainFunctionBackward', '-')} | {c.get('ok', '-')} / {n.get('ok', '-')} | "
                      f"{ratio} | {reasons[:160] or '-'} |")
     return "\n".join(lines)
