@@ -561,7 +561,7 @@ def run_one(label: str, peak: bool = True) -> Dict[str, Any]:
     except Exception as exc:  # noqa: BLE001 - the library cannot build it here: not counted
         rec["skipped"] = "build: " + _short(exc)
         return rec
-    rec["input"] = [list(t.shape) for t in inputs]
+    rec["input"] = [list(t.shape) for t in torch.utils._pytree.tree_leaves(inputs) if isinstance(t, torch.Tensor)]
     rec["bns"] = sum(isinstance(m, _BatchNorm) for m in model.modules())
     rec["frozen_bns"] = sum(_frozen_bn_like(m) for m in model.modules())
     rec["norms"] = count_norms(model)
