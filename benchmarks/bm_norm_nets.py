@@ -28,8 +28,8 @@ Measured (the standard loop: ``zero_grad(set_to_none=True)``, forward, mean loss
   same way in the same run;
 * **step ms**: median over interleaved rounds (each round one step of every configuration, the
   order rotated per round) after warm-up; ratio to eager's median in the same run;
-* **norms fused**: per-sample norm modules the eager step calls that the configuration's step
-  no longer calls as modules (they ran inside a fused chain).
+* **norms fused**: per-sample norm modules the eager step calls that the configuration's report
+  lists as fused and its step no longer calls as modules (they ran inside a fused chain).
 
 The model factory and conversion are set up untimed. Run::
 
@@ -202,8 +202,10 @@ def _first_steps(cfgs: List[Config], x: Tuple[torch.Tensor, ...], warmup: int) -
                     h.remove()
     eager = called.get("eager", {})
     for cfg in cfgs:
-        if cfg.name in called:
-            cfg.fused = sum(1 for n in eager if n not in called[cfg.name])
+        report = getattr(cfg.model, "convbn_report", None)
+        if cfg.name in called and report is not None:
+            fused = {o.batchnorm.rpartition(" in ")[2] for o in report.outcomes if o.result == "fused"}
+            cfg.fused = sum(1 for n in eager if n not in called[cfg.name] and n in fused)
 
 
 def measure(cfgs: List[Config], x: Tuple[torch.Tensor, ...], rounds: int, warmup: int) -> None:
