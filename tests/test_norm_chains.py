@@ -80,7 +80,21 @@ def _seq(norm: Callable[[], nn.Module], act: nn.Module, dims: int = 2) -> nn.Mod
     return nn.Sequential(conv(6, 8, 3, padding=1), norm(), act, conv(8, 8, 3, padding=1, bias=False), norm(), act)
 
 
+class ConvNeXt1x1Block(nn.Module):
+    """dwconv -> LayerNorm2d -> 1x1 conv -> GELU -> 1x1 conv, plus the skip: one chain whose middle
+    layer is a convolution with an activation and no norm."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.dw, self.norm = nn.Conv2d(6, 6, 7, padding=3, groups=6), LayerNorm2d(6)
+        self.pw1, self.pw2 = nn.Conv2d(6, 24, 1), nn.Conv2d(24, 6, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.pw2(F.gelu(self.pw1(self.norm(self.dw(x)))))
+
+
 MODELS = {
+    "convnext-1x1-mlp": (ConvNeXt1x1Block, (2, 6, 8, 8), 3),
     "groupnorm-silu": (lambda: _seq(lambda: nn.GroupNorm(4, 8), nn.SiLU()), (2, 6, 8, 8), 2),
     "groupnorm-1group-relu": (lambda: _seq(lambda: nn.GroupNorm(1, 8, affine=False), nn.ReLU()), (2, 6, 8, 8), 2),
     "instancenorm2d-affine-stats": (lambda: _seq(lambda: nn.InstanceNorm2d(8, affine=True, track_running_stats=True),
@@ -208,3 +222,118 @@ def test_function_gradcheck_and_gradgradcheck(keep: tuple) -> None:
     out = f(x, *params)
     assert type(out.grad_fn).__name__ == "NormChainFunctionBackward"
     torch.testing.assert_close(out, norm_chain_reference(x, params, specs), rtol=0, atol=0)
+
+
+class ConvNeXtLinearBlock(nn.Module):
+    """torchvision's CNBlock / timm's ConvNeXtBlock(conv_mlp=False): the LayerNorm's channels-last
+    output feeds the MLP's Linear, the permute back comes after the MLP (NORMS_BUGS.md 2)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.dw, self.ln = nn.Conv2d(8, 8, 7, padding=3, groups=8), nn.LayerNorm(8, eps=1e-6)
+        self.fc1, self.fc2 = nn.Linear(8, 32), nn.Linear(32, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.ln(torch.permute(self.dw(x), [0, 2, 3, 1]))
+        return x + self.fc2(F.gelu(self.fc1(h))).permute(0, 3, 1, 2)
+
+
+def test_convnext_block_with_linear_mlp_fuses_its_layernorm() -> None:
+    eager, work = _twins(ConvNeXtLinearBlock)
+    fast = convbn.convert(work, strategy="recompute_conv")
+    assert [(o.batchnorm, o.result, o.layer) for o in fast.convbn_report.outcomes] == [("ln", "fused", "dw")]
+    assert_steps_match(eager, fast, torch.randn(2, 8, 9, 9, dtype=torch.float64))
+
+
+class Tower(nn.Module):
+    """A head applying one tower to each feature level in a Python loop (FCOS / RetinaNet heads):
+    the parent does not trace, its Sequential converts on its own (NORMS_BUGS.md 3)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tower = nn.Sequential(nn.Conv2d(8, 8, 3, padding=1), nn.GroupNorm(4, 8), nn.ReLU())
+
+    def forward(self, feats: list) -> list:
+        return [self.tower(f) for f in feats]
+
+
+def test_norm_of_a_container_converted_alone_is_reported_once() -> None:
+    eager, work = _twins(Tower)
+    fast = convbn.convert(work)
+    feats = [torch.randn(2, 8, 8, 8, dtype=torch.float64), torch.randn(2, 8, 4, 4, dtype=torch.float64)]
+    outs, ref = fast(feats), eager(feats)
+    for o, r in zip(outs, ref):
+        torch.testing.assert_close(o, r, rtol=0, atol=1e-12)
+    assert [(o.batchnorm, o.result) for o in fast.convbn_report.outcomes] == [("tower.1", "fused")]
+
+
+def test_double_backward_through_converted_norm_chains() -> None:
+    """A gradient penalty (create_graph=True) through fused norm chains equals eager's."""
+    eager, work = _twins(PreActBlock)
+    fast = convbn.convert(work, strategy="recompute_bn")
+    x = torch.randn(2, 8, 6, 6, dtype=torch.float64)
+    results = []
+    for model in (eager, fast):
+        xi = x.clone().requires_grad_()
+        out = model(xi)
+        (gx,) = torch.autograd.grad(out.square().sum(), xi, create_graph=True)
+        gx.square().sum().backward()
+        results.append([out.detach(), gx.detach()] + [p.grad.clone() for p in model.parameters()])
+        model.zero_grad(set_to_none=True)
+    for a, b in zip(*results):
+        torch.testing.assert_close(b, a, rtol=0, atol=1e-10)
+
+
+@pytest.mark.parametrize("fullgraph", [False, True])
+def test_torch_compile_runs_norm_chains(fullgraph: bool) -> None:
+    """Under torch.compile a norm chain is its eager ops (nn/norm_chain.py): same outputs and
+    gradients, no graph break where fullgraph is asked."""
+    eager, work = _twins(lambda: _seq(lambda: nn.GroupNorm(4, 8), nn.SiLU()))
+    fast = convbn.convert(work, strategy="recompute_bn")
+    fast(torch.randn(2, 6, 8, 8, dtype=torch.float64))  # the first call's check, eager
+    compiled = torch.compile(fast, fullgraph=fullgraph, backend="aot_eager")
+    x = torch.randn(2, 6, 8, 8, dtype=torch.float64)
+    out_c, out_e = compiled(x), eager(x)
+    torch.testing.assert_close(out_c, out_e, rtol=0, atol=1e-10)
+    out_c.sum().backward()
+    out_e.sum().backward()
+    for p, q in zip(eager.parameters(), fast.parameters()):
+        torch.testing.assert_close(q.grad, p.grad, rtol=0, atol=1e-10)
+
+
+@pytest.mark.parametrize("net, shape, most", [("DiffusionUNet", (2, 3, 32, 32), 0.55),
+                                              ("InstanceUNet3d", (2, 1, 16, 16, 16), 0.55),
+                                              ("ConvNeXtNet", (4, 3, 64, 64), 0.5)])
+def test_step_peak_below_eager(net: str, shape: tuple, most: float) -> None:
+    """The standard loop's exact CPU peak (timeline: zero_grad, forward, loss, backward, step) of
+    the benchmark's nets, converted with example_inputs: at most ``most`` of eager's, never above."""
+    import importlib.util
+    import os
+
+    path = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "bm_norm_peaks.py")
+    spec = importlib.util.spec_from_file_location("bm_norm_peaks", path)
+    bm = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bm)  # type: ignore[union-attr]
+    torch.manual_seed(0)
+    model = getattr(bm, net)()
+    x = torch.randn(shape)
+    fast = convbn.convert(copy.deepcopy(model), example_inputs=(x,))
+    assert all(isinstance(c, FusedNormChain) for c in fused_chains(fast)) and fused_chains(fast)
+    eager_peak, fast_peak = bm._peak(model, x), bm._peak(fast, x)
+    assert fast_peak <= most * eager_peak, (fast_peak / eager_peak, fast.convbn_report)
+
+
+def test_what_each_strategy_keeps() -> None:
+    """recompute_bn keeps the chain input and each conv output, recompute_conv the input alone
+    (saved bytes, exact): a chain keeping nothing, or everything, fails here."""
+    eager, work = _twins(MODELS["groupnorm-silu"][0])
+    x = torch.randn(2, 6, 8, 8, dtype=torch.float64)
+    kept = {}
+    for strategy in ("recompute_bn", "recompute_conv"):
+        fast = convbn.convert(copy.deepcopy(work), strategy=strategy)
+        fast(x)  # the first call's check
+        kept[strategy] = convbn.saved_bytes(fast, x.clone().requires_grad_()).activation_bytes
+    map_bytes = 2 * 8 * 8 * 8 * 8  # one (2, 8, 8, 8) float64 conv output
+    assert kept["recompute_conv"] == x.numel() * 8
+    assert kept["recompute_bn"] == x.numel() * 8 + 2 * map_bytes
+    assert convbn.saved_bytes(eager, x.clone().requires_grad_()).activation_bytes > kept["recompute_bn"]

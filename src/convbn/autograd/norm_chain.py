@@ -18,6 +18,15 @@ Running statistics move once, in forward (the recompute normalises with the samp
 statistics and passes no buffer). A differentiable backward (``create_graph=True``) rebuilds
 the whole chain from ``x0`` and the parameters with the same ops (Note: [double backward]).
 The slow, obviously right reference is :func:`norm_chain_reference` (eager ops end to end).
+
+Note: [the norm's output as a root only]
+Layer ``i``'s norm is recomputed under autograd once, when layer ``i + 1`` rebuilds its input,
+and that graph waits for layer ``i``'s backward. Where the activation's derivative is a
+function of its output (the ReLU family) and the norm's row says its backward never reads its
+output (``output_unread``: GroupNorm, InstanceNorm and LayerNorm read their input and
+statistics), the norm's output is only autograd's root: its storage is released at once
+(``resize_(0)``, its shape kept) and the activation's backward reads the activation's output,
+which the next convolution's backward needed anyway.
 """
 from __future__ import annotations
 
@@ -29,7 +38,7 @@ from torch import Tensor
 
 from ..functional.activations import Activation
 from ..functional.conv import ConvSpec, conv_backward, conv_forward
-from ..functional.norms import NormCall, norm_forward, norm_reference
+from ..functional.norms import NormCall, norm_forward, norm_reference, norm_row
 from ..functional.tail import DropoutOp, PReLUOp, TailOp
 from .double_backward import differentiable_backward
 from .saving import load_tensors, save_tensors
@@ -149,8 +158,9 @@ def norm_chain_reference(x0: Tensor, params: Sequence[Optional[Tensor]], specs: 
 
 
 #: layer ``i``'s norm + tail run again under autograd: its conv output as a leaf, its norm and
-#: tail parameters as leaves (``None`` where absent), and the output
-PostGraph = Tuple[Tensor, List[Optional[Tensor]], Tensor]
+#: tail parameters as leaves (``None`` where absent), the graph's root (the norm's output, or the
+#: tail's), and the activation's output where its backward reads that instead of the root
+PostGraph = Tuple[Tensor, List[Optional[Tensor]], Tensor, Optional[Tensor]]
 
 
 class _Rebuild:
@@ -180,8 +190,11 @@ class _Rebuild:
         w, b, *_ = self.layer(i)
         return _conv(spec, x, w, b, i == 0)
 
-    def post_graph(self, i: int, y: Tensor) -> PostGraph:
-        """Layer ``i``'s norm + tail on ``y`` under autograd (statistics read, never updated)."""
+    def post_graph(self, i: int, y: Tensor) -> Tuple[PostGraph, Tensor]:
+        """Layer ``i``'s norm + tail on ``y`` under autograd (statistics read, never updated), and
+        its output. A lone activation stays out of the graph (its backward is the native kernel
+        :meth:`~convbn.functional.activations.Activation.backward` eager's autograd runs), so the
+        graph keeps the norm's output, not the activation's."""
         spec = self.specs[i]
         _, _, g, beta, tws = self.layer(i)
         n_conv = 2 if spec.conv is not None else 0
@@ -190,8 +203,18 @@ class _Rebuild:
             yv = y.detach().requires_grad_(True)
             pv = [None if p is None else p.detach().requires_grad_(self.needs[base + k])
                   for k, p in enumerate([g, beta, *tws])]
-            out = _post(spec, yv, pv[0], pv[1], pv[2:], self.stats[i], update=False)
-        return yv, pv, out
+            if spec.tail:
+                out = _post(spec, yv, pv[0], pv[1], pv[2:], self.stats[i], update=False)
+                return (yv, pv, out, None), out.detach()
+            z = norm_reference(yv, spec.norm, pv[0], pv[1], *self.stats[i]) if spec.norm is not None else yv
+        with torch.no_grad():
+            a = z if spec.act.is_identity else spec.act(z)
+        if a is not z and spec.act.output_derivable and spec.norm is not None and norm_row(spec.norm.row).output_unread:
+            # Note: [the norm's output as a root only]: its backward reads its input and statistics,
+            # the activation's backward its output: the norm's output is kept as autograd's root only
+            z.untyped_storage().resize_(0)
+            return (yv, pv, z, a), a.detach()
+        return (yv, pv, z, None), a.detach()
 
     def input(self, i: int) -> Tensor:
         """Layer ``i``'s input, from the nearest kept conv output before it, or from ``x0``; the
@@ -208,33 +231,47 @@ class _Rebuild:
             with torch.no_grad():
                 x = _post(self.specs[k], y, g, beta, tws, self.stats[k], update=False)
         y = self.kept[i - 1] if j == i - 1 else self.y(i - 1, x)
-        graph = self.post_graph(i - 1, y)
-        self.pending[i - 1] = graph
-        return graph[2].detach()
+        self.pending[i - 1], out = self.post_graph(i - 1, y)
+        return out
 
 
-def _layer_backward(rb: _Rebuild, i: int, grad: Tensor, x_need: bool, grads: List[Optional[Tensor]]) -> Optional[Tensor]:
+def _layer_backward(rb: _Rebuild, i: int, grad: List[Tensor], x_need: bool, grads: List[Optional[Tensor]]
+                    ) -> Optional[Tensor]:
     """Gradients of layer ``i``'s parameters into ``grads`` (flat parameter order, where
-    ``rb.needs``); returns the gradient of its input (``None`` for the first layer unless ``x_need``)."""
+    ``rb.needs``); returns the gradient of its input (``None`` for the first layer unless
+    ``x_need``). ``grad`` holds the incoming gradient and is emptied once read, so that it can
+    be freed before the convolution's backward; the layer's input is rebuilt after its norm's
+    backward where its conv output was kept (fewer maps alive at once)."""
     spec = rb.specs[i]
     w, b, *_ = rb.layer(i)
-    x = rb.input(i) if spec.conv is not None else rb.x0
+    x: Optional[Tensor] = rb.x0 if (spec.conv is None or i == 0) else None
     graph = rb.pending.pop(i, None)
-    y = graph[0].detach() if graph is not None else rb.y(i, x)
-    yv, pv, out = graph if graph is not None else rb.post_graph(i, y)
+    if graph is None:
+        if i not in rb.kept and spec.conv is not None and x is None:
+            x = rb.input(i)
+        graph = rb.post_graph(i, rb.y(i, x))[0]
+    yv, pv, out, act_out = graph
     base, n_conv = rb.off[i], 2 if spec.conv is not None else 0
+    g = grad.pop()
+    if act_out is not None:  # Note: [the norm's output as a root only]
+        g = spec.act.backward_from_output_(g, act_out)
+    elif not spec.tail and not spec.act.is_identity:  # the activation's native backward kernel
+        g = spec.act.backward(g, out.detach())
     wanted = [yv] + [p for p in pv if p is not None and p.requires_grad]
-    got = list(torch.autograd.grad(out, wanted, grad, allow_unused=True))
+    got = list(torch.autograd.grad(out, wanted, g, allow_unused=True)) if out is not yv else [g]
+    del g
     gy, rest = got[0], iter(got[1:])
     for k, p in enumerate(pv):
         if p is not None and p.requires_grad:
             gp = next(rest)
             grads[base + n_conv + k] = torch.zeros_like(p) if gp is None else gp
-    del out, yv, pv, graph
     if gy is None:
-        gy = torch.zeros_like(y)
+        gy = torch.zeros_like(yv)
+    del out, yv, pv, graph, got, act_out
     if spec.conv is None:
         return gy
+    if x is None:
+        x = rb.input(i)
     needs = rb.needs
     xin = spec.conv.pad_input(x) if i > 0 else x
     gx, gw, gb = conv_backward(gy, xin, w, spec.conv, (i > 0 or x_need, needs[base], b is not None and needs[base + 1]))
@@ -278,8 +315,11 @@ class NormChainFunction(torch.autograd.Function):
         rb = _Rebuild(x0, params, specs, kept, stats, needs[1: 1 + n])  # type: ignore[arg-type]
         flat: List[Optional[Tensor]] = [None] * n
         g: Optional[Tensor] = grad_out
+        del grad_out
         for i in reversed(range(len(specs))):
-            g = _layer_backward(rb, i, g, needs[0], flat)  # type: ignore[arg-type]
+            holder = [g]
+            g = None
+            g = _layer_backward(rb, i, holder, needs[0], flat)  # type: ignore[arg-type]
             rb.kept.pop(i, None)
         return (g if needs[0] else None, *flat, None, None)
 

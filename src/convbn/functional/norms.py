@@ -83,6 +83,9 @@ class NormRow:
     #: how many (mean, inverse std) pairs a call on a tensor of this shape computes (the
     #: planner's memory model: what the norm's own backward holds besides its input)
     stat_count: Callable[[NormCall, Tuple[int, ...]], int] = field(default=lambda call, shape: shape[0] * call.groups)
+    #: its backward reads its input and statistics, never its output (the chain's backward may
+    #: then release the recomputed output: Note: [the norm's output as a root only])
+    output_unread: bool = False
 
     def tracks_stats(self, call: NormCall, has_stats: bool) -> bool:
         """Whether a training call updates running statistics (given the module holds them)."""
@@ -198,18 +201,23 @@ NORMS: List[NormRow] = [
     NormRow("group_norm", "per sample, over each group of channels and all positions",
             _group_compute, _group_module, _group_args,
             modules=(nn.GroupNorm,), standard_forwards=(nn.GroupNorm.forward,), functions=(F.group_norm,),
+            output_unread=True,
+            fold=lambda call, stats: "cannot fold: per-sample statistics (a GroupNorm normalises each sample by "
+                                     "its own, in eval too)",
             signature=(("input", None), ("num_groups", None), ("weight", None), ("bias", None), ("eps", 1e-5))),
     NormRow("instance_norm", "per sample and channel, over all positions",
             _instance_compute, _instance_module, _instance_args,
             modules=(_InstanceNorm,), standard_forwards=(_InstanceNorm.forward,), functions=(F.instance_norm,),
             signature=(("input", None), ("running_mean", None), ("running_var", None), ("weight", None),
                        ("bias", None), ("use_input_stats", True), ("momentum", 0.1), ("eps", 1e-5)),
-            fold=_instance_fold, stat_count=lambda call, shape: shape[0] * shape[1]),
+            fold=_instance_fold, stat_count=lambda call, shape: shape[0] * shape[1], output_unread=True),
     NormRow("channel_layer_norm", "per sample and position, over the channels",
             _layer_compute, _layer_module, _layer_args, functions=(channel_layer_norm,),
             signature=(("input", None), ("normalized_shape", None), ("weight", None), ("bias", None),
                        ("eps", 1e-5)),
-            stat_count=lambda call, shape: _prod(shape) // max(shape[1], 1)),
+            stat_count=lambda call, shape: _prod(shape) // max(shape[1], 1), output_unread=True,
+            fold=lambda call, stats: "cannot fold: per-sample statistics (a LayerNorm normalises each position of "
+                                     "each sample by its own, in eval too)"),
 ]
 
 

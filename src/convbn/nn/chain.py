@@ -57,7 +57,7 @@ class FusedChain(nn.Module):
         for i, l in enumerate(layers):
             if l.is_head and i != 0:
                 raise ValueError(f"only a chain's first layer may have no convolution (a head), but layer {i} has none")
-            if l.is_end and i != len(layers) - 1:
+            if l.is_end and i != len(layers) - 1 and not (self._ends_inside and l.elements):
                 raise ValueError(f"only a chain's last layer may have no BatchNorm (an end), but layer {i} has none")
         # Unregistered on purpose (see module docstring).
         object.__setattr__(self, "layers", list(layers))
@@ -78,6 +78,9 @@ class FusedChain(nn.Module):
         object.__setattr__(self, "watched", [[m for m in (l.bn, *l.tail) if isinstance(m, nn.Module)]
                                              for l in self.layers])
 
+    #: whether a layer with no norm but a tail may sit inside the chain (per-sample norm chains:
+    #: Note: [conv -> act layers inside a per-sample chain] in passes/convert/match.py)
+    _ends_inside = False
     layers: List[ChainLayer]
     watched: List[List[nn.Module]]
     op_structure: ChainStructure

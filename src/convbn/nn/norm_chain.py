@@ -43,6 +43,8 @@ class FusedNormChain(FusedChain):
         Built by :func:`convbn.convert`; ``print(model)`` shows each chain's layers and modes.
     """
 
+    _ends_inside = True
+
     def __init__(self, layers: Sequence[ChainLayer]) -> None:
         for i, l in enumerate(layers):
             if l.bn is not None and not isinstance(l.bn, NormView):

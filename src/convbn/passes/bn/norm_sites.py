@@ -13,7 +13,10 @@ A LayerNorm over the channels is written channels-last: ``x.permute(0, 2, 3, 1)`
 forward), then the permute back. :func:`channel_layer_norms` (a canonicalising rewrite of
 convert's pipeline) replaces the three nodes by one call of
 :func:`convbn.functional.norms.channel_layer_norm`, which runs those very ops (same values
-wherever the graph runs); a LayerNorm module with hooks stays a module call.
+wherever the graph runs); a LayerNorm module with hooks stays a module call. Where the
+channels-last result is read as it is (ConvNeXt's block: LayerNorm -> Linear MLP -> permute
+back), the permute and LayerNorm become ``channel_layer_norm(x).permute(0, 2, 3, 1)``: the
+same values in the same strides (the two permutes compose to none).
 """
 from __future__ import annotations
 
@@ -93,19 +96,24 @@ def channel_layer_norms(gm: fx.GraphModule) -> int:
             continue
         ln = next(iter(p1.users))
         found = _layer_norm_call(ln, gm)
-        if found is None or node_arg(ln, 0, "input", None) is not p1 or len(ln.users) != 1:
+        if found is None or node_arg(ln, 0, "input", None) is not p1:
             continue
-        p2 = next(iter(ln.users))
-        if _permute_dims(p2) != _to_first(len(dims)) or p2.args[0] is not ln:
-            continue
+        p2 = next(iter(ln.users)) if len(ln.users) == 1 else None
+        back = p2 is not None and _permute_dims(p2) == _to_first(len(dims)) and p2.args[0] is ln
         shape, w, b, eps, target = found
-        with graph.inserting_before(p2):
+        with graph.inserting_before(ln):
             if target is not None:  # a module: its tensors as get_attr nodes
                 w = graph.get_attr(f"{target}.weight") if w is not None else None
                 b = graph.get_attr(f"{target}.bias") if b is not None else None
             new = graph.call_function(channel_layer_norm, (p1.args[0], shape, w, b, eps))
-        p2.replace_all_uses_with(new)
-        for n in (p2, ln, p1):
+            if not back:  # the channels-last result others read (ConvNeXt's MLP): the same view of it
+                last = graph.call_method("permute", (new, *dims))
+        if back:
+            p2.replace_all_uses_with(new)
+            graph.erase_node(p2)
+        else:
+            ln.replace_all_uses_with(last)
+        for n in (ln, p1):
             graph.erase_node(n)
         done += 1
     if done:

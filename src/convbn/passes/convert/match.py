@@ -353,14 +353,33 @@ def _head_conv_joins(node: fx.Node, out: fx.Node, bn: nn.Module, gm: fx.GraphMod
 
 
 def _end_layers(layers: List[MatchedLayer], gm: fx.GraphModule, root: nn.Module, prefix: str) -> List[MatchedLayer]:
-    """End layers: a convolution with no BN after it that is the only reader of a layer's output."""
+    """End layers: a convolution with no BN after it that is the only reader of a layer's output.
+
+    Note: [conv -> act layers inside a per-sample chain]
+    After a per-sample norm layer (functional/norms.py) an end takes the element-wise tail after
+    its convolution too, and a convolution reading that tail's output is an end in turn: a
+    ConvNeXt block's ``dwconv -> LayerNorm -> 1x1 conv -> GELU -> 1x1 conv`` is one chain, the
+    middle layer a convolution with an activation and no norm. BatchNorm chains end at their
+    first end layer, as before.
+    """
     claimed = {l.conv.node for l in layers if l.conv is not None}
     ends: List[MatchedLayer] = []
-    for l in layers:
+    per_sample = {id(l) for l in layers if isinstance(l.bn, NormView)}
+    todo = list(layers)
+    while todo:
+        l = todo.pop(0)
         conv = _conv_reading(l.out, gm, root, prefix)
-        if isinstance(conv, MatchedConv) and conv.node not in claimed:
-            claimed.add(conv.node)
-            ends.append(MatchedLayer(conv, None, None, ""))
+        if not isinstance(conv, MatchedConv) or conv.node in claimed:
+            continue
+        claimed.add(conv.node)
+        end = MatchedLayer(conv, None, None, "")
+        if id(l) in per_sample and not conv.spec.is_linear and len(conv.node.users) == 1:
+            tail = match_tail(conv.node, root, prefix)
+            if tail.ops and not tail.shape_uses:
+                end = dataclasses.replace(end, tail=tuple(tail.ops))
+                per_sample.add(id(end))
+                todo.append(end)
+        ends.append(end)
     return ends
 
 
@@ -459,9 +478,10 @@ def _within_grad_regions(layers: List[MatchedLayer], regions: Dict[fx.Node, int]
 
 
 def _per_sample(l: MatchedLayer, prev: Optional[MatchedLayer] = None) -> bool:
-    """Whether ``l`` normalises per sample (an end layer: as the layer it follows)."""
-    if l.bn is None and prev is not None:
-        return _per_sample(prev)
+    """Whether ``l`` belongs in a per-sample norm chain: its norm is one; an end layer with a
+    tail is (only those chains have them); another end layer goes with the layer it follows."""
+    if l.bn is None:
+        return bool(l.tail) or (prev is not None and _per_sample(prev))
     return isinstance(l.bn, NormView)
 
 
@@ -470,7 +490,7 @@ def group_chains(layers: List[MatchedLayer], chain: bool, report: Optional[Conve
     """Group layers (in graph order) into chains: a layer joins the chain whose last layer's
     output its conv alone reads. Heads only start chains, ends only end them; an end that
     joins nothing is dropped, and a head left alone is reported in ``report`` and dropped."""
-    by_out = {l.out: l for l in layers if not l.is_end}
+    by_out = {l.out: l for l in layers if not l.is_end or l.tail}  # Note: [conv -> act layers inside a per-sample chain]
     chains: List[List[MatchedLayer]] = []
     where: Dict[int, List[MatchedLayer]] = {}
     for l in layers:  # graph (topological) order

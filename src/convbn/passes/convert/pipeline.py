@@ -49,6 +49,7 @@ from ..report.convert_report import ConvertReport
 from ..tracing.trace import LayerTracer, Traced, short_reason, trace
 from .cat_norms import split_cat_norms
 from .first_call_capture import CaptureOnFirstCall
+from ...functional.norms import row_of_module
 from ..bn.norm_sites import channel_layer_norms
 from .match import MatchedLayer, find_layers, group_chains, split_heads
 from .pools import lean_pools
@@ -160,8 +161,9 @@ def convert_module(module: nn.Module, prefix: str, conv: Conversion, exposed: bo
     if id(module) in conv.done or isinstance(module, (FusedChain, _FusedConvBNNd)) or not may_normalise(module):
         return
     conv.done.add(id(module))
-    if isinstance(module, _BatchNorm) and prefix:  # a lone BatchNorm child: nothing to fuse, nothing to trace
-        return
+    if isinstance(module, (_BatchNorm, nn.LayerNorm)) or row_of_module(module) is not None:
+        if prefix:  # a lone norm child (BatchNorm, a norm-table row): nothing to fuse, nothing to trace
+            return
     own_forward = type(module).forward is not nn.Module.forward
     try:
         if not own_forward and "forward" not in module.__dict__:
