@@ -337,3 +337,33 @@ def test_what_each_strategy_keeps() -> None:
     assert kept["recompute_conv"] == x.numel() * 8
     assert kept["recompute_bn"] == x.numel() * 8 + 2 * map_bytes
     assert convbn.saved_bytes(eager, x.clone().requires_grad_()).activation_bytes > kept["recompute_bn"]
+
+
+@pytest.mark.expect_unfused("the InstanceNorm after an activation is left; its reason is the point")
+def test_left_norm_reason_names_the_norm() -> None:
+    """NORMS_BUGS.md 5: the reason names the norm, not "BatchNorm"."""
+    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.LeakyReLU(), nn.InstanceNorm2d(8, affine=True), nn.Flatten())
+    (o,) = convbn.convert(model).convbn_report.outcomes
+    assert o.left and o.reason.startswith("InstanceNorm2d after an activation: it follows"), o.reason
+
+
+@pytest.mark.expect_unfused("a hook added after convert runs the chain as eager modules, by design")
+def test_hook_added_later_runs_and_a_swapped_norm_is_captured_again() -> None:
+    eager, work = _twins(MODELS["groupnorm-silu"][0])
+    fast = convbn.convert(work, strategy="recompute_bn")
+    x = torch.randn(2, 6, 8, 8, dtype=torch.float64)
+    assert_steps_match(eager, fast, x, steps=1)
+    seen = []
+    handle = fast[1].register_forward_hook(lambda m, i, o: seen.append(o.shape))
+    torch.testing.assert_close(fast(x), eager(x), rtol=0, atol=1e-12)
+    assert seen == [torch.Size([2, 8, 8, 8])]  # the GroupNorm module ran, its hook with it
+    handle.remove()
+    new_norm = nn.GroupNorm(2, 8).double()  # another norm swapped in: what the capture assumed changed
+    fast[1] = new_norm
+    eager[1] = copy.deepcopy(new_norm)
+    fast.zero_grad(set_to_none=True)
+    eager.zero_grad(set_to_none=True)
+    with pytest.warns(UserWarning):
+        out = fast(x)
+    torch.testing.assert_close(out, eager(x), rtol=0, atol=1e-12)
+    assert any(o.batchnorm == "1" and o.result == "fused" for o in fast.convbn_report.outcomes)

@@ -127,14 +127,26 @@ def _forward(x0: Tensor, params: Sequence[Optional[Tensor]], specs: Sequence[Nor
     """The chain's output and the kept conv outputs (running statistics updated once)."""
     off = _offsets(specs)
     kept: Dict[int, Tensor] = {}
-    x = x0
+    x: Optional[Tensor] = x0
     for i, spec in enumerate(specs):
         w, b, g, beta, tws = _split(spec, params[off[i]: off[i + 1]])
-        y = _conv(spec, x, w, b, i == 0) if spec.conv is not None else x
+        y = _conv(spec, x, w, b, i == 0) if spec.conv is not None else x  # type: ignore[arg-type]
+        x = None  # the layer's input is dead once its conv ran (the caller holds x0)
         if spec.saves_y:
             kept[i] = y
-        x = _post(spec, y, g, beta, tws, stats[i], update=True)
-    return x, kept
+        if spec.norm is None or spec.tail or spec.act.is_identity:
+            x = _post(spec, y, g, beta, tws, stats[i], update=True)
+            continue
+        z = norm_forward(y, spec.norm, g, beta, *stats[i])
+        del y  # freed here unless kept
+        # no autograd records this forward: the activation writes into the norm's fresh output,
+        # one map fewer alive at the layer's end than eager's z and act(z)
+        x = spec.act(z, inplace=True) if not _shares_storage(z, kept.get(i)) else spec.act(z)
+    return x, kept  # type: ignore[return-value]
+
+
+def _shares_storage(a: Tensor, b: Optional[Tensor]) -> bool:
+    return b is not None and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
 
 
 def norm_chain_forward_no_grad(x0: Tensor, params: Sequence[Optional[Tensor]], specs: Sequence[NormLayerSpec],

@@ -425,10 +425,12 @@ def find_layers(gm: fx.GraphModule, root: nn.Module, prefix: str, report: Conver
                                   or f"its input is not a convolution output (it follows {describe_node(src)})")
             after_act = _conv_before_tail(src, gm, root, prefix)
             if after_act is not None:
-                why = (f"BatchNorm after an activation: it follows {after_act} (conv -> activation -> BN order); "
-                       "a chain layer computes conv -> BN -> activation, and the activation between the "
-                       "convolution and this BN keeps it out of the convolution's layer (it fuses as a chain head "
-                       "where a convolution alone reads it, after element-wise ops only)")
+                what = _norm_kind(bn)
+                short = "BN" if what == "BatchNorm" else what
+                why = (f"{what} after an activation: it follows {after_act} (conv -> activation -> {short} order); "
+                       f"a chain layer computes conv -> {short} -> activation, and the activation between the "
+                       f"convolution and this {short} keeps it out of the convolution's layer (it fuses as a chain "
+                       "head where a convolution alone reads it, after element-wise ops only)")
         elif isinstance(conv, str):
             why = conv
         else:
@@ -475,6 +477,11 @@ def _within_grad_regions(layers: List[MatchedLayer], regions: Dict[fx.Node, int]
             continue
         kept.append(l)
     return kept
+
+
+def _norm_kind(bn: object) -> str:
+    """What the reports call a norm: ``BatchNorm``, or a per-sample norm's class (``InstanceNorm3d``)."""
+    return type(bn.owner).__name__ if isinstance(bn, NormView) else "BatchNorm"
 
 
 def _per_sample(l: MatchedLayer, prev: Optional[MatchedLayer] = None) -> bool:
