@@ -17,6 +17,7 @@ from typing import Any, Callable, Dict, Optional
 
 import torch
 
+from .._compat import mem_tracker_class
 from ..autograd.grad_sink import stand_ins
 from .mod_tracking import releasing_mod_tracker
 
@@ -209,13 +210,7 @@ class tensor_peak:
     """
 
     def __init__(self, *track: Any, hooks: bool = False) -> None:
-        try:
-            from torch.distributed._tools.mem_tracker import MemTracker
-        except ImportError as err:  # pragma: no cover - torch builds without it
-            raise ImportError(
-                "tensor_peak needs torch.distributed._tools.mem_tracker (PyTorch >= 2.5 with distributed); "
-                "use peak_memory() instead"
-            ) from err
+        MemTracker = mem_tracker_class()  # noqa: N806 - one line naming what a torch without it lacks
         self._tracker = _frozen_safe(MemTracker)() if hooks else _hookless(MemTracker)()
         # torch's ModTracker leaves a cycle through autograd nodes behind, which keeps the
         # parameters of a measured model alive (Note: [a module tracker that leaves nothing alive])

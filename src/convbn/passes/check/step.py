@@ -11,7 +11,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 from torch import Tensor, nn
-from torch.utils import _pytree as pytree
+from ..._compat import pytree
 
 from ..graph.graph_module import eager
 from .validate import (Comparison, StateSnapshot, compare_outputs, float64_slack, relative_floor, run_step, to_float64,

@@ -12,7 +12,7 @@ from typing import Any, Callable, ContextManager, Dict, Iterator, List, Literal,
 
 import torch
 from torch import Tensor, nn
-from torch.utils import _pytree as pytree
+from ..._compat import pytree
 
 from ...functional.private_rng import PrivateRNG, private_rng
 from .backward_aside import backward_grads, holds_reentrant_checkpoint
@@ -185,6 +185,12 @@ class Comparison:
         return f"max |difference| {self.max_abs_diff:.3g} > allowed {self.allowed:.3g}"
 
 
+def _strided(t: Any) -> Any:
+    """A sparse (or other non-strided) tensor as a dense one, for comparing (a sparse parameter's
+    gradient is sparse; ``max`` and subtraction of its values are not defined for every layout)."""
+    return t.to_dense() if isinstance(t, Tensor) and t.layout != torch.strided else t
+
+
 def relative_floor(reference: Any) -> float:
     """The smallest scale :func:`compare_outputs` gives a leaf with ``relative``: 1e-3 of the
     largest finite ``max|leaf|`` of ``reference`` (read without a copy of any leaf)."""
@@ -247,9 +253,11 @@ def compare_outputs(reference: Any, candidate: Any, tolerance: Callable[[torch.d
     must be equal, other values equal.
     """
     ref_leaves, ref_spec = pytree.tree_flatten(reference)
+    ref_leaves = [_strided(t) for t in ref_leaves]
     if relative and floor is None:
-        floor = relative_floor(reference)
+        floor = relative_floor(ref_leaves)
     new_leaves, new_spec = pytree.tree_flatten(candidate)
+    new_leaves = [_strided(t) for t in new_leaves]
     if ref_spec != new_spec:
         return Comparison(False, math.inf, 0.0, f"output structure changed: {ref_spec} vs {new_spec}")
     worst = Comparison(True)
