@@ -48,14 +48,19 @@ def check_step(module: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any])
     grad, unless the eager model then fails where it runs on the inputs as given), buffers
     and the global RNG state afterwards (Note: [one tolerance rule] in validate.py). The
     rewrite's gradients are compared as they come (Note: [a check that holds one side's
-    gradients]); where one differs, it is kept and judged again with the allowance a float64
-    copy of the eager step gives (rounding amplified by the model itself).
+    gradients]); where that finds a difference, both steps run again and are compared whole,
+    with a float64 copy's help where rounding is amplified.
 
     Raises:
         Exception: whatever the eager model raises on these inputs (the user's inputs are wrong).
     """
     held = [_eager_step(module, args, kwargs)]  # handed over whole: its gradients are let go as the rewrite's come
-    return _streamed(module, args, kwargs, held[0][1], held)
+    grad_inputs = held[0][1]
+    result = _streamed(module, args, kwargs, grad_inputs, held)
+    if result.ok or result.note.startswith("the rewrite raised"):
+        return result
+    ref, grad_inputs = _eager_step(module, args, kwargs)
+    return _compared_whole(module, args, kwargs, grad_inputs, ref)
 
 
 def _eager_step(module: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Tuple[Tuple[Any, ...], bool]:
@@ -78,8 +83,7 @@ def _eager_step(module: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any]
 # gradients as in training), and each gradient, the moment it is accumulated, is compared with
 # the eager one and both are let go. Outputs, buffers and the RNG state are compared after
 # the step. The comparison is the same (each leaf against the same allowance, relative to the
-# same floor); a gradient beyond float32's allowance is kept, with eager's, and judged again
-# with the allowance a float64 copy of the eager step gives, as the whole tree was. On an
+# same floor); where it finds a difference, the whole-tree comparison runs as before. On an
 # accelerator the eager step's results wait in host memory (each gradient of the rewrite is
 # copied there to be compared), so the device holds one step at a time. On CPU they share
 # one memory: while the rewrite's step runs, what is alive is the eager gradients not yet
@@ -90,26 +94,18 @@ def _eager_step(module: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any]
 def _streamed(module: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any], grad_inputs: bool,
               held: List[Tuple[Tuple[Any, ...], bool]]) -> Comparison:
     """The rewrite's step against the eager step ``held`` holds (taken out of it: nothing else
-    keeps its gradients), its gradients compared and released as they come; those that differ
-    kept for :func:`_with_float64_slack`."""
+    keeps its gradients), its gradients compared and released as they come."""
     ref = held.pop()[0]
     floor = relative_floor(ref[:3])
     ref = _to_host(ref)  # on an accelerator, eager's results wait in host memory
     eager_grads: List[Optional[Tensor]] = ref[1]
     worst = [Comparison(True)]
-    differing: Dict[int, Tuple[Tensor, Tensor]] = {}
 
     def on_grad(i: int, grad: Tensor) -> None:
         expected, eager_grads[i] = eager_grads[i], None
-        if expected is None:
-            worst[0] = _worse(worst[0], Comparison(False, math.inf, 0.0, "gradients differ: one where eager has none"))
-            return
-        grad = grad.to(expected.device)
-        found = compare_outputs(expected, grad, tolerance, relative=True, floor=floor)
-        if found.ok or found.note:
-            worst[0] = _worse(worst[0], found)
-        else:  # beyond float32's allowance: judged again below, with a float64 copy's
-            differing[i] = (expected, grad.detach().clone())
+        found = (Comparison(False, math.inf, 0.0, "gradients differ: one where eager has none") if expected is None
+                 else compare_outputs(expected, grad.to(expected.device), tolerance, relative=True, floor=floor))
+        worst[0] = _worse(worst[0], found)
 
     rng: List[Tensor] = []
     try:
@@ -124,37 +120,9 @@ def _streamed(module: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any], 
         return Comparison(False, float("inf"), 0.0, "the global RNG state after the step differs")
     if grads and len(grads) != len(eager_grads):
         return Comparison(False, float("inf"), 0.0, "the gradients differ in number")
-    new = _to_host((out, grads or [None] * len(eager_grads), buffers))
-    rest = compare_outputs((ref[0], eager_grads, ref[2]), new, tolerance, relative=True, floor=floor)
-    if (rest.ok and not differing) or rest.note or (not worst[0].ok and worst[0].note):
-        return _worse(worst[0], rest)
-    return _worse(worst[0], _with_float64_slack(module, args, kwargs, grad_inputs, (ref[0], ref[2]),
-                                                (new[0], new[2]), differing, floor))
-
-
-def _with_float64_slack(module: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any], grad_inputs: bool,
-                        eager_rest: Tuple[Any, Any], new_rest: Tuple[Any, Any],
-                        differing: Dict[int, Tuple[Tensor, Tensor]], floor: float) -> Comparison:
-    """Outputs, buffers and the gradients that differed judged again with the allowance of
-    Note: [one tolerance rule] (eager's own distance to a float64 copy of its step): rounding
-    the model itself amplifies is not a difference of the rewrite."""
-    order = sorted(differing)
-    eager_tree = (eager_rest[0], [differing[i][0] for i in order], eager_rest[1])
-    new_tree = (new_rest[0], [differing[i][1] for i in order], new_rest[1])
-
-    def run64(model64: nn.Module) -> Any:
-        with eager(model64):
-            out, grads, buffers, _ = _step(model64, to_float64(args), to_float64(kwargs), grad_inputs=grad_inputs)
-        return out, [grads[i] for i in order], buffers
-
-    slack = float64_slack(module, run64, eager_tree)
-    result = compare_outputs(eager_tree, new_tree, tolerance, slack=slack, relative=True, floor=floor)
-    if result.ok:
-        return result
-    parts = [what for what, i in (("outputs", 0), ("gradients", 1), ("buffers (running statistics / num_batches_tracked)", 2))
-             if not compare_outputs(eager_tree[i], new_tree[i], tolerance, relative=True, floor=floor).ok]
-    what = " and ".join(parts) + " differ" if parts else "the step differs"
-    return Comparison(False, result.max_abs_diff, result.allowed, f"{what}: {result.describe()}")
+    rest = compare_outputs((ref[0], eager_grads, ref[2]), _to_host((out, grads or [None] * len(eager_grads), buffers)),
+                           tolerance, relative=True, floor=floor)
+    return _worse(worst[0], rest)
 
 
 def _to_host(tree: Any) -> Any:
@@ -171,6 +139,39 @@ def _worse(a: Comparison, b: Comparison) -> Comparison:
         return c.max_abs_diff / c.allowed if c.allowed > 0 else 0.0
 
     return b if ratio(b) > ratio(a) else a
+
+
+def _compared_whole(module: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any], grad_inputs: bool,
+                    ref: Tuple[Any, ...]) -> Comparison:
+    """The rewrite's step held whole and compared with ``ref`` (and, where that fails, with
+    the allowance a float64 copy of the eager step gives)."""
+    try:
+        new = _step(module, args, kwargs, grad_inputs=grad_inputs)
+    except Exception as exc:  # noqa: BLE001 - the rewrite must not fail where eager does not
+        return Comparison(False, float("inf"), 0.0, f"the rewrite raised {type(exc).__name__}: "
+                          f"{str(exc).splitlines()[0] if str(exc) else ''}")
+    if len(ref[3]) != len(new[3]) or not all(torch.equal(a, b) for a, b in zip(ref[3], new[3])):
+        return Comparison(False, float("inf"), 0.0, "the global RNG state after the step differs")
+    result = compare_outputs(ref[:3], new[:3], tolerance, relative=True)
+    if not result.ok:  # rounding amplified by the model itself? ask a float64 copy (costly: only now)
+        def run64(model64: nn.Module) -> Any:
+            with eager(model64):
+                return _step(model64, to_float64(args), to_float64(kwargs))[:3]
+
+        slack = float64_slack(module, run64, ref[:3])
+        if slack is not None:
+            result = compare_outputs(ref[:3], new[:3], tolerance, slack=slack, relative=True)
+    if not result.ok:
+        result = Comparison(False, result.max_abs_diff, result.allowed, f"{_what_differs(ref, new)}: {result.describe()}")
+    return result
+
+
+def _what_differs(ref: Tuple[Any, ...], new: Tuple[Any, ...]) -> str:
+    """Which of a step's results differ, in words (outputs, gradients, buffers)."""
+    parts = [what for what, i in (("outputs", 0), ("gradients", 1),
+                                  ("buffers (running statistics / num_batches_tracked)", 2))
+             if not compare_outputs(ref[i], new[i], tolerance, relative=True).ok]
+    return " and ".join(parts) + " differ" if parts else "the step differs"
 
 
 def called_inputs(module: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any]
