@@ -17,6 +17,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
+from convbn._compat import functorch_config, inductor_compile_fx
 from convbn.bench.checkpointing import CheckpointBlock, checkpoint_blocks, find_blocks
 from convbn.bench.concat_checkpoint import checkpoint_concat_heads
 from convbn.passes.convert.api import convert
@@ -86,10 +87,8 @@ def budget_backend(budget: float) -> Callable[..., Any]:
     """
 
     def backend(gm: torch.fx.GraphModule, example_inputs: List[Tensor]) -> Any:
-        from torch._inductor.compile_fx import compile_fx
-
-        with torch._functorch.config.patch(activation_memory_budget=budget):
-            return compile_fx(gm, example_inputs)
+        with functorch_config().patch(activation_memory_budget=budget):
+            return inductor_compile_fx()(gm, example_inputs)
 
     backend.__name__ = f"inductor_budget_{_fmt_budget(budget).replace('.', '_')}"
     return backend
@@ -121,7 +120,7 @@ def build_config(name: str, base: nn.Module, x: Tensor, lr: float) -> TrainingCo
         report = model.convbn_report
         note = f"{len(report.pairs)} pairs in {report.num_chains} chains"
         model = torch.compile(model, backend=budget_backend(budget))
-        context = lambda: torch._functorch.config.patch(activation_memory_budget=budget)  # noqa: E731
+        context = lambda: functorch_config().patch(activation_memory_budget=budget)  # noqa: E731
     elif name.startswith("convert"):
         if "budget=" in name:
             budget = float(name.rpartition("=")[2])
@@ -152,7 +151,7 @@ def build_config(name: str, base: nn.Module, x: Tensor, lr: float) -> TrainingCo
         budget = float(name.rpartition("=")[2])
         model = torch.compile(model, backend=budget_backend(budget))
         # see Note: [One dynamo cache entry per budget]; the patch also covers lazy (re)compiles
-        context = lambda: torch._functorch.config.patch(activation_memory_budget=budget)  # noqa: E731
+        context = lambda: functorch_config().patch(activation_memory_budget=budget)  # noqa: E731
     elif name != "eager":
         raise ValueError(f"unknown configuration {name!r}")
     optimizer = torch.optim.SGD(params, lr=lr)

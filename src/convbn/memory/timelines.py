@@ -25,8 +25,8 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 from torch import Tensor, nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
+from .._compat import TorchDispatchMode, current_autograd_node, pytree
 from .mod_tracking import releasing_mod_tracker
 from .peaks import tensor_peak
 from .saved import _with_fused
@@ -143,7 +143,7 @@ class _TimelineMode(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
         op = str(func)
-        node = torch._C._current_autograd_node()
+        node = current_autograd_node()
         if node is not None:
             op = f"{node.name()}/{op}"
         point = TimelinePoint(self.read(), self.phase, self.where(), op, 0 if node is None else id(node))
@@ -289,7 +289,7 @@ def _name_fused(mod_tracker: Any, model: nn.Module) -> None:
 
 def default_loss(out: Any) -> Tensor:
     """The loss :func:`timeline` uses without ``loss_fn``: the mean of the output's first tensor, in float32."""
-    leaves = [t for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, Tensor)]
+    leaves = [t for t in pytree.tree_leaves(out) if isinstance(t, Tensor)]
     if not leaves:
         raise TypeError(f"timeline's default loss needs a tensor output, but the model returned {type(out).__name__}")
     return leaves[0].float().mean()
