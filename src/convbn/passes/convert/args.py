@@ -6,8 +6,8 @@ from typing import Any, Iterator, Optional, Tuple
 
 import torch
 from torch import Tensor, nn
-from torch.utils import _pytree as pytree
 
+from ..._compat import pytree
 from ...functional.strategies import CONVERT_STRATEGIES, check_strategy
 from ...memory.budget import parse_memory
 from ..graph.meta import meta_tensor
