@@ -46,8 +46,7 @@ PlainChain = Optional[Tuple[Tuple[bool, ...], Tuple[bool, ...], str, Tuple[Plain
 
 @dataclass(frozen=True)
 class ConvertPlan:
-    """What :func:`convbn.convert` decided with ``example_inputs`` (Note: [a conversion made
-    once]): pass it back as ``convert(..., plan=...)`` to convert the same model again (after a
+    """What :func:`convbn.convert` decided with ``example_inputs``: pass it back as ``convert(..., plan=...)`` to convert the same model again (after a
     resume from a checkpoint) without running it.
 
     Attributes:
