@@ -90,6 +90,7 @@ def convert(
     peak_budget: Optional[float] = None,
     memory_limit: Any = None,
     progress: Optional[bool] = None,
+    time_budget: Optional[float] = None,
 ) -> M:
     """Fuse every Conv -> BatchNorm (-> activation) of ``model`` for memory-lean training.
 
@@ -130,6 +131,16 @@ def convert(
             is the least recompute whose predicted peak fits; where none fits, the lowest
             peak, with a warning. Optimizer state is not known here: subtract it, or use
             :func:`convbn.max_batch` (which does). Needs ``example_inputs``.
+        time_budget: with ``"auto"``, the training step's *time* allowed, as a ratio of the
+            unconverted model's step time on ``example_inputs`` (``1.05``: at most 5 % slower):
+            the plan with the lowest predicted peak whose predicted step time fits (less a
+            1 % margin). Step times are predicted from costs measured once, in this call, on
+            the device at hand: the unconverted step, the converted step keeping every conv
+            output and one forward of each fused convolution (Note: [a plan's step time] in
+            ``passes/plan/time_planner.py``); the report has them (``step_costs``) and the
+            prediction (``predicted_time_ratio``). Where no plan fits, the fastest, with a
+            warning. Not with ``peak_budget`` / ``memory_limit``; with ``memory_budget`` both
+            are limits. Needs ``example_inputs``.
         example_inputs: a tensor or tuple of inputs. The result is *validated* on them:
             the original and the rewrite each run one forward and one backward (random
             upstream gradient) and outputs, gradients and running statistics are compared;
@@ -168,15 +179,16 @@ def convert(
         >>> fast[0].weight is net[0].weight
         True
     """
-    check_args(model, strategy, memory_budget, example_inputs, peak_budget, memory_limit)
+    check_args(model, strategy, memory_budget, example_inputs, peak_budget, memory_limit, time_budget)
     check_progress(progress)
     with progress_scope("convert", progress), transaction(model):  # Note: [a failed pass changes nothing]
         return _convert_model(model, strategy, memory_budget, example_inputs, inplace, chain, peak_budget,
-                              memory_limit)
+                              memory_limit, time_budget)
 
 
 def _convert_model(model: nn.Module, strategy: str, memory_budget: Optional[float], example_inputs: Any,
-                   inplace: bool, chain: bool, peak_budget: Optional[float], memory_limit: Any) -> nn.Module:
+                   inplace: bool, chain: bool, peak_budget: Optional[float], memory_limit: Any,
+                   time_budget: Optional[float] = None) -> nn.Module:
     """:func:`convert` once its arguments are checked: the pipeline's stages for the whole model
     (Note: the table in pipeline.py), in order. Warnings: stack level 3, the caller of ``convert``."""
     inputs = as_args(example_inputs) if example_inputs is not None else None
@@ -185,7 +197,7 @@ def _convert_model(model: nn.Module, strategy: str, memory_budget: Optional[floa
     conv = Conversion(strategy, chain, ConvertReport(strategy=strategy), lazy=inputs is None, example=inputs, root=work)
     _trace_match_build(work, inputs, conv)
     _complete_report(model, conv.report)
-    _plan(work, inputs, conv.report, memory_budget, peak_budget, memory_limit)
+    _plan(work, inputs, conv.report, memory_budget, peak_budget, memory_limit, time_budget)
     work.__dict__["convbn_report"] = conv.report
     arm_guards(conv)
     conv.report.attach(work)  # Note: [a report says what runs]
@@ -217,7 +229,7 @@ def _complete_report(model: nn.Module, report: ConvertReport) -> None:
 
 
 def _plan(work: nn.Module, inputs: Optional[Tuple[Any, ...]], report: ConvertReport, memory_budget: Optional[float],
-          peak_budget: Optional[float], memory_limit: Any) -> None:
+          peak_budget: Optional[float], memory_limit: Any, time_budget: Optional[float] = None) -> None:
     """Stage *plan*: with ``example_inputs``, ``"auto"`` plans every chain on them (the other
     strategies' plans are made when their chains are built) and the saved bytes are measured."""
     if inputs is None or not report.pairs:
@@ -229,7 +241,7 @@ def _plan(work: nn.Module, inputs: Optional[Tuple[Any, ...]], report: ConvertRep
             target = usable_bytes(parse_memory(memory_limit), device) - resident_bytes(work)
         with eager(work):  # the eager model: the very same modules, their own forwards
             reference = share_copy(work)
-        plan_auto(reference, work, inputs, memory_budget, report, peak_budget, target)
+        plan_auto(reference, work, inputs, memory_budget, report, peak_budget, target, time_budget)
         return
     with StateSnapshot(work):
         with eager(work):
@@ -250,7 +262,8 @@ def explain(model: nn.Module, example_inputs: Any = None, **kwargs: Any) -> Conv
     Args:
         model: the model.
         example_inputs: inputs for measuring saved bytes and planning (recommended).
-        **kwargs: ``strategy``, ``memory_budget``, ``peak_budget``, ``chain``, ``progress`` as for :func:`convert`.
+        **kwargs: ``strategy``, ``memory_budget``, ``peak_budget``, ``time_budget``, ``chain``, ``progress`` as
+            for :func:`convert`.
 
     Returns:
         The :class:`ConvertReport`: each pair with its strategy, kept bytes and extra
