@@ -46,7 +46,7 @@ def _device(model: nn.Module) -> torch.device:
 
 
 def _step_seconds(model: nn.Module, inputs: Tuple[Any, ...], clock: Callable[[], float]) -> float:
-    for p in model.parameters():
+    for p in model.parameters():  # zero_grad(set_to_none=True), as a training step does
         p.grad = None
     t = clock()
     trained_outputs_loss(model(*inputs)).backward()
@@ -92,7 +92,7 @@ def measure_step_costs(original: nn.Module, converted: nn.Module, chains: Sequen
     """The step costs of ``converted`` (its ``chains`` in forward order) against ``original``
     (sharing its parameters) on ``inputs``: every chain keeps all its conv outputs while the
     steps are timed, then has its plan back; state and gradients are restored."""
-    params = list(original.parameters())
+    params = list({id(p): p for m in (original, converted) for p in m.parameters()}.values())
     grads = [p.grad for p in params]
     plans = [c.plan for c in chains]
     try:
