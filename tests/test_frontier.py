@@ -36,6 +36,7 @@ def test_pareto_front_cases():
     assert pareto_front([(2.0, 1.0), (1.0, 2.0), (2.0, 2.0)]) == [1, 0]  # (2, 2) dominated by both
     assert pareto_front([(1.0, 1.0), (1.0, 1.0)]) == [0, 1]  # equal points: neither dominates
     assert pareto_front([(1.0, 2.0), (1.0, 1.0)]) == [1]  # same peak, slower: dominated
+    assert pareto_front([(1.0, 2.0), (2.0, 2.0)]) == [0]  # same time, higher peak: dominated
     assert pareto_front([(1.0, float("nan")), (2.0, 2.0)]) == [1]  # a failed configuration is never on it
     assert dominates((1, 1), (1, 2)) and not dominates((1, 1), (1, 1)) and not dominates((0, 2), (1, 1))
 
