@@ -27,7 +27,7 @@ from .time_planner import StepCosts
 __all__ = ["measure_step_costs", "STEP_ROUNDS", "CONV_REPEATS"]
 
 #: Interleaved rounds of the eager and the converted step (after one warm-up step each).
-STEP_ROUNDS = 5
+STEP_ROUNDS = 7
 #: Timed calls of each layer's convolution (after one warm-up call); the median is kept.
 CONV_REPEATS = 5
 
