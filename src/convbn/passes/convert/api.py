@@ -136,8 +136,8 @@ def convert(
             the plan with the lowest predicted peak whose predicted step time fits (less a
             1 % margin). Step times are predicted from costs measured once, in this call, on
             the device at hand: the unconverted step, the converted step keeping every conv
-            output and one forward of each fused convolution (Note: [a plan's step time] in
-            ``passes/plan/time_planner.py``); the report has them (``step_costs``) and the
+            output and one forward of each fused convolution (a plan's time is the second plus
+            the convolutions it runs again); the report has them (``step_costs``) and the
             prediction (``predicted_time_ratio``). Where no plan fits, the fastest, with a
             warning. Not with ``peak_budget`` / ``memory_limit``; with ``memory_budget`` both
             are limits. Needs ``example_inputs``.
