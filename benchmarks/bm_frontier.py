@@ -43,6 +43,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--compile-budget", type=float, action="append", default=None)
     ap.add_argument("--time-budget", type=float, action="append", default=[], help="add convert(time_budget=T)")
     ap.add_argument("--no-compile", action="store_true")
+    ap.add_argument("--layout-optimization", choices=("on", "off"), default=None,
+                    help="inductor's layout optimisation for every compiled configuration (default: inductor's)")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = ap.parse_args(argv)
@@ -57,12 +59,15 @@ def main(argv: Optional[List[str]] = None) -> int:
     x = torch.randn(args.batch_size, *shape, device=args.device)
     settings = FrontierSettings(precision=args.precision, compile=not args.no_compile,
                                 compile_budgets=tuple(args.compile_budget or (0.5, 0.3)), plans=args.plans,
-                                time_budgets=tuple(args.time_budget), rounds=args.rounds, warmup=args.warmup)
+                                time_budgets=tuple(args.time_budget), rounds=args.rounds, warmup=args.warmup,
+                                layout_optimization=None if args.layout_optimization is None
+                                else args.layout_optimization == "on")
     points = run_frontier(base, x, settings, progress=lambda s: print(f"# {s}", file=sys.stderr, flush=True))
     clock = "thread CPU time" if args.device == "cpu" and args.threads == 1 else "wall time"
     print(f"# {args.model} input {'x'.join(map(str, x.shape))} {args.precision} on {args.device}, torch "
           f"{torch.__version__}, convbn {convbn.__version__}, {args.threads} thread(s), {args.rounds} interleaved "
-          f"rounds ({clock}), peak: {'CPU allocator' if args.device == 'cpu' else 'CUDA allocator'}")
+          f"rounds ({clock}), peak: {'CPU allocator' if args.device == 'cpu' else 'CUDA allocator'}"
+          + (f", inductor layout optimisation {args.layout_optimization}" if args.layout_optimization else ""))
     print(frontier_table(points))
     return 0
 

@@ -2,19 +2,21 @@
 
 ``torch._functorch.config.activation_memory_budget`` (AOTAutograd's partitioner trades
 recompute for memory: 1.0 keeps what the default partitioner keeps, 0.0 recomputes all it
-can) and ``torch._dynamo.config.recompile_limit`` are private torch names. They are read
+can), ``torch._dynamo.config.recompile_limit`` and ``torch._inductor.config.layout_optimization``
+are private torch names. They are read
 here and nowhere else in ``bench/``, each inside a function with a fallback, so the
 compatibility module can take them over whole.
 """
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, ContextManager, Iterator, List
+from typing import Any, Callable, ContextManager, Iterator, List, Optional
 
 import torch
 from torch import Tensor
 
-__all__ = ["activation_memory_budget", "budget_backend", "has_activation_memory_budget", "raise_recompile_limit"]
+__all__ = ["activation_memory_budget", "budget_backend", "has_activation_memory_budget", "raise_recompile_limit",
+           "inductor_layout_optimization"]
 
 
 def _functorch_config() -> Any:
@@ -82,3 +84,18 @@ def raise_recompile_limit(limit: int) -> ContextManager[None]:
     if not hasattr(config, name):  # pragma: no cover
         return contextlib.nullcontext()
     return config.patch(**{name: max(int(getattr(config, name)), int(limit))})
+
+
+def inductor_layout_optimization(enabled: Optional[bool]) -> ContextManager[None]:
+    """Inductor's layout optimisation (channels-last convolutions; on the CPU it saves a
+    channels-last copy of each conv weight for backward) on or off while the block runs, for
+    every graph compiled in it; ``None``: inductor's own setting."""
+    if enabled is None:
+        return contextlib.nullcontext()
+    try:
+        from torch._inductor import config
+    except ImportError:  # pragma: no cover
+        return contextlib.nullcontext()
+    if not hasattr(config, "layout_optimization"):  # pragma: no cover
+        return contextlib.nullcontext()
+    return config.patch(layout_optimization=bool(enabled))
