@@ -3,9 +3,8 @@
 ``torch._functorch.config.activation_memory_budget`` (AOTAutograd's partitioner trades
 recompute for memory: 1.0 keeps what the default partitioner keeps, 0.0 recomputes all it
 can), ``torch._dynamo.config.recompile_limit`` and ``torch._inductor.config.layout_optimization``
-are private torch names. They are read
-here and nowhere else in ``bench/``, each inside a function with a fallback, so the
-compatibility module can take them over whole.
+are private torch names: ``convbn._compat`` imports them, and ``bench/`` reaches
+them only here.
 """
 from __future__ import annotations
 
@@ -15,17 +14,18 @@ from typing import Any, Callable, ContextManager, Iterator, List, Optional
 import torch
 from torch import Tensor
 
+from convbn._compat import dynamo_config, functorch_config, inductor_compile_fx, inductor_config
+
 __all__ = ["activation_memory_budget", "budget_backend", "has_activation_memory_budget", "raise_recompile_limit",
            "inductor_layout_optimization"]
 
 
 def _functorch_config() -> Any:
-    """``torch._functorch.config`` where this torch has it, else ``None``."""
+    """AOTAutograd's settings where this torch has them, else ``None``."""
     try:
-        from torch._functorch import config
+        return functorch_config()
     except ImportError:  # pragma: no cover - every torch this package declares has it
         return None
-    return config
 
 
 def has_activation_memory_budget() -> bool:
@@ -62,10 +62,8 @@ def budget_backend(budget: float) -> Callable[..., Any]:
         pass
 
     def backend(gm: torch.fx.GraphModule, example_inputs: List[Tensor]) -> Any:
-        from torch._inductor.compile_fx import compile_fx
-
         with activation_memory_budget(budget):
-            return compile_fx(gm, example_inputs)
+            return inductor_compile_fx()(gm, example_inputs)
 
     backend.__name__ = f"inductor_budget_{format(budget, 'g').replace('.', '_')}"
     return backend
@@ -77,7 +75,7 @@ def raise_recompile_limit(limit: int) -> ContextManager[None]:
     ``__call__``), one cache entry per model and grad mode, so a frontier of a dozen models
     would run the last ones uncompiled under the default limit (8)."""
     try:
-        from torch._dynamo import config
+        config = dynamo_config()
     except ImportError:  # pragma: no cover
         return contextlib.nullcontext()
     name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
@@ -93,7 +91,7 @@ def inductor_layout_optimization(enabled: Optional[bool]) -> ContextManager[None
     if enabled is None:
         return contextlib.nullcontext()
     try:
-        from torch._inductor import config
+        config = inductor_config()
     except ImportError:  # pragma: no cover
         return contextlib.nullcontext()
     if not hasattr(config, "layout_optimization"):  # pragma: no cover
