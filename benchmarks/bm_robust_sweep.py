@@ -5,7 +5,7 @@ Libraries (``requirements-sweep.txt``, installed ``--no-deps``), networks built 
 * ``ocr``: ``easyocr`` -- the CRAFT text detector (VGG16-BN U-Net) and both CRNN recognisers
   (VGG and ResNet feature extractors, BiLSTM heads).
 * ``video``: ``pytorchvideo`` -- X3D, slow ResNet-50, R(2+1)D, CSN (3-D convolutions, BatchNorm3d).
-* ``reid``: ``torchreid`` -- person re-identification nets (OSNet, MLFN, HACNN, PCB, ResNet-50
+* ``reid``: ``torchreid`` -- person re-identification nets (OSNet, MLFN, PCB, ResNet-50
   with its BatchNorm1d neck, ShuffleNet, MobileNetV2).
 * ``gan``: ``torchgan`` -- DCGAN / conditional generators (ConvTranspose -> BatchNorm) and
   discriminators, an energy-based auto-encoding discriminator.
@@ -91,8 +91,7 @@ def _reid(name: str) -> Built:
     import torch
 
     models = _lenient("torchreid.reid.models")
-    size = (160, 64) if name == "hacnn" else (64, 32)  # HACNN asserts its input size
-    return models.build_model(name, num_classes=10, pretrained=False, loss="softmax"), (torch.randn(2, 3, *size),)
+    return models.build_model(name, num_classes=10, pretrained=False, loss="softmax"), (torch.randn(2, 3, 64, 32),)
 
 
 def _gan(name: str) -> Built:
@@ -134,7 +133,8 @@ def _flows(name: str) -> Built:
 FAMILIES: Dict[str, Tuple[Callable[[str], Built], Tuple[str, ...]]] = {
     "ocr": (_ocr, ("craft", "vgg_model", "model")),
     "video": (_video, ("x3d", "resnet", "r2plus1d", "csn")),
-    "reid": (_reid, ("osnet_x0_25", "mlfn", "hacnn", "pcb_p4", "resnet50", "shufflenet", "mobilenetv2_x1_0")),
+    # (HACNN is left out: its forward calls .cuda())
+    "reid": (_reid, ("osnet_x0_25", "mlfn", "pcb_p4", "resnet50", "shufflenet", "mobilenetv2_x1_0")),
     "gan": (_gan, ("dcgan_g", "cond_g", "dcgan_d", "autoenc_d")),
     "tabular": (_tabular, ("tabnet", "pretrain")),
     "flows": (_flows, ("residual", "conv_residual")),

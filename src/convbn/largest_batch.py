@@ -122,8 +122,7 @@ def max_batch(  # over 60 lines for its public docstring (Args, Raises, Example)
     peak (cuDNN workspaces included) against the limit less a 10 % margin for allocator
     fragmentation (not yet verified on a GPU).
 
-    Answering stays within ``memory`` (Note: [answering within the limit] in
-    ``batch_search.py``): one copy exists at a time, and a step that goes over the limit is
+    Answering stays within ``memory``: one copy of the model exists at a time, and a step that goes over the limit is
     stopped after the operator that took it over, so the tensors the call holds above what
     was live before it are at most ``memory`` plus that one operator's output (the CPU
     allocator's own scratch space for convolutions comes on top). ``method="measure"`` is
@@ -146,8 +145,8 @@ def max_batch(  # over 60 lines for its public docstring (Args, Raises, Example)
             on large batches, the reference the prediction is tested against).
         confirm: with ``"predict"``, confirm the answer by real steps at it and the batch
             above it: ``"auto"`` (default) where those two steps are counted to do at most
-            :data:`CONFIRM_FLOPS` floating-point operations each side (the eager step's
-            count at batch 2, scaled to those batches; never a clock), ``True`` always,
+            2e12 floating-point operations each side (the eager step's count at batch 2,
+            scaled to those batches; never a clock), ``True`` always,
             ``False`` never (``None``: ``"auto"``). ``BatchFit.how`` says which was done.
         progress: print a line per stage on stderr: ``None`` where stderr is a terminal.
         **convert_kwargs: passed to :func:`convbn.convert` (e.g. ``chain=False``).

@@ -200,7 +200,7 @@ def relative_floor(reference: Any) -> float:
 
 
 def _abs_max(t: Tensor) -> float:
-    t = t.detach()
+    t = _strided(t.detach())
     return max(abs(t.amax().item()), abs(t.amin().item()))
 
 
@@ -226,6 +226,7 @@ def leaf_difference(a: Tensor, b: Tensor) -> Tuple[Optional[str], float, float]:
     # were the peak of ``convert``'s check on weight-heavy models, above a training step's."""
     diff = scale = 0.0
     any_finite = False
+    a, b = _strided(a), _strided(b)
     for ac, bc in zip(_chunks(a), _chunks(b)):
         fa = torch.isfinite(ac)
         if not torch.equal(fa, torch.isfinite(bc)) or not torch.equal(ac[~fa].nan_to_num(), bc[~fa].nan_to_num()):

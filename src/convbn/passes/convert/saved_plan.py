@@ -25,8 +25,8 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor, nn
-from ..._compat import pytree
 
+from ..._compat import pytree
 from ...autograd.chain_plan import ChainPlan, LazyPlan
 from ...nn.chain import FusedChain
 

@@ -250,7 +250,7 @@ def fold(  # over 60 lines for its public docstring (Args, Returns, Raises, Exam
             against a float64 run of a copy: the check allows what float rounding of the
             unfolded model already allows, and no more, (or the folded model raises) the
             model is returned as it was, every BatchNorm reported left with the reason, and a
-            ``RuntimeWarning`` says so (Note: [a check that fails leaves the model as it was]).
+            ``RuntimeWarning`` says so.
 
     Returns:
         The folded model, of ``model``'s type (``model``'s deep copy, or ``model`` itself
