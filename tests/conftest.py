@@ -81,3 +81,24 @@ def pytest_runtest_teardown(item: pytest.Item, nextitem):
 
 
 _WATCH = pytest.StashKey()
+
+
+def _compat_entries() -> tuple:
+    """The lines of tests/compat_subset.txt: test files or node id prefixes."""
+    from pathlib import Path
+
+    listed = Path(__file__).with_name("compat_subset.txt").read_text().splitlines()
+    return tuple(line.strip() for line in listed if line.strip() and not line.startswith("#"))
+
+
+def _in_compat_subset(nodeid: str, entries: tuple) -> bool:
+    return any(nodeid == e or (nodeid.startswith(e) and nodeid[len(e)] in ":[-]") for e in entries)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items) -> None:
+    """Mark the compatibility subset ``compat`` (the tests tests/compat_subset.txt lists):
+    ``scripts/test_torch.sh VERSION`` runs them on that torch release."""
+    entries = _compat_entries()
+    for item in items:
+        if _in_compat_subset(item.nodeid, entries):
+            item.add_marker(pytest.mark.compat)

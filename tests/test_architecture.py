@@ -9,6 +9,8 @@ else to ``pkg``.
 
 The layers, lowest first; a module may import its own layer or lower ones:
 
+-. ``compat``      ``_compat.py``: the one door to private torch names and to torch APIs
+                   newer than the declared minimum (tests/test_private_torch.py)
 0. ``functional``  pure maths on tensors (no ``autograd.Function``)
 1. ``autograd``    the ``torch.autograd.Function``s and the functional entry points
                    that dispatch to them (``autograd/dispatch.py``)
@@ -51,6 +53,7 @@ import pytest
 SRC = Path(__file__).resolve().parents[1] / "src" / "convbn"
 
 LAYERS: Tuple[Tuple[str, Tuple[str, ...]], ...] = (
+    ("compat", ("convbn._compat",)),
     ("functional", ("convbn.functional",)),
     ("autograd", ("convbn.autograd",)),
     ("nn", ("convbn.nn",)),
@@ -188,8 +191,9 @@ def test_the_walker_sees_function_local_and_relative_imports() -> None:
 
 def test_every_module_has_a_layer() -> None:
     graph, _ = _graph()
-    assert layer_of("convbn.functional.conv") == (0, "functional")
-    assert layer_of("convbn.passes") == (4, "passes")
+    assert layer_of("convbn.functional.conv") == (1, "functional")
+    assert layer_of("convbn._compat") == (0, "compat")
+    assert layer_of("convbn.passes") == (5, "passes")
     assert layer_of("convbn.bench.training")[1] == "app"
     assert layer_of("convbn.memory")[1] == "tools"
     for m in graph:

@@ -345,6 +345,7 @@ def test_left_norm_reason_names_the_norm() -> None:
     model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.LeakyReLU(), nn.InstanceNorm2d(8, affine=True), nn.Flatten())
     (o,) = convbn.convert(model).convbn_report.outcomes
     assert o.left and o.reason.startswith("InstanceNorm2d after an activation: it follows"), o.reason
+    assert "pre-activation chain (InstanceNorm2d -> element-wise ops -> conv)" in o.reason and "BN" not in o.reason
 
 
 @pytest.mark.expect_unfused("a hook added after convert runs the chain as eager modules, by design")

@@ -20,7 +20,8 @@ from convbn.autograd import chain_compiled, chain_kernels
 #: a concept no other exported name does (test_no_object_exported_under_two_names checks it).
 PUBLIC: Dict[str, List[str]] = {
     "convbn": [
-        "ACTIVATIONS", "Activation", "BNOutcome", "BatchFit", "ConvertReport", "ConvertStrategy", "FoldReport",
+        "ACTIVATIONS", "Activation", "BNOutcome", "BatchFit", "ConvertPlan", "ConvertReport", "ConvertStrategy",
+        "FoldReport",
         "FusedChain", "FusedConvBN1d", "FusedConvBN2d", "FusedConvBN3d", "GradcheckReport", "PeakMemory",
         "SavedBytes", "Strategy", "Timeline", "compile_chains", "conv_bn_act", "convert", "explain", "fold",
         "fold_conv_bn_modules", "fused_kernels", "fused_modules", "gradcheck_module", "max_batch", "peak_memory",

@@ -53,6 +53,7 @@ import torch
 from torch import Tensor
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
+from .._compat import SAC_ADVISORY_LOGGER
 from ..functional.deprecation import warn_renamed
 from ..functional.tail import DropoutOp, PReLUOp
 from .chain_spec import ChainLayerSpec, param_offsets, split_params
@@ -210,7 +211,7 @@ def quiet_own_advisory() -> None:
     """Attach :class:`_OwnRegionAdvisory` to torch's checkpoint logger (once): called where a
     fused chain is built, never on ``import convbn``; it drops only the advisory about convbn's
     own ``context_fn``."""
-    logger = logging.getLogger("torch._higher_order_ops.wrap")
+    logger = logging.getLogger(SAC_ADVISORY_LOGGER)
     if _ADVISORY_FILTER not in logger.filters:
         logger.addFilter(_ADVISORY_FILTER)
 

@@ -30,8 +30,8 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 from torch import Tensor
-from torch.utils._python_dispatch import _get_current_dispatch_mode
 
+from .._compat import current_dispatch_mode
 from ..functional.activations import Activation
 from ..functional.batchnorm import BNSpec
 from ..functional.bn_act import bn_act_backward, bn_act_forward
@@ -126,7 +126,7 @@ def _applies(y: Tensor, bn: Optional[BNSpec], act: Activation) -> bool:
     return (fused_kernels_enabled() and bn is not None and bn.batch_stats and bn.process_group is None
             and not isinstance(bn.momentum, Tensor) and act.fused_forward_kernel and y.dtype == torch.float32
             and y.device.type == "cpu" and type(y) is Tensor and not torch.compiler.is_compiling()
-            and _get_current_dispatch_mode() is None)
+            and current_dispatch_mode() is None)
 
 
 def _run(name: str, fn: Callable[..., Any], *args: Any) -> Any:

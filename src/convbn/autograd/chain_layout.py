@@ -24,7 +24,7 @@ from typing import Any, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
-from torch._prims_common import (
+from .._compat import (
     is_non_overlapping_and_dense_or_false,
     make_channels_last_strides_for,
     make_contiguous_strides_for,

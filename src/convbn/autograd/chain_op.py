@@ -24,10 +24,10 @@ from __future__ import annotations
 from typing import Any, List, Optional, Sequence, Tuple, Union
 
 import torch
-import torch._functorch.config
 from torch import Tensor
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
+from .._compat import functorch_config
 from ..functional.batchnorm import BNSpec
 from ..functional.conv import conv_output_shape
 from .chain import ChainLayerSpec, chain_backward, chain_forward, param_offsets
@@ -194,7 +194,7 @@ torch.library.register_autograd("convbn::chain_fwd", _backward, setup_context=_s
 
 def _partitioner_may_recompute_ops() -> bool:
     """Whether AOTAutograd's partitioner may recompute an op outside its allowlist (a custom op)."""
-    cfg = torch._functorch.config
+    cfg = functorch_config()
     return (float(getattr(cfg, "activation_memory_budget", 1.0)) < 1.0 or bool(getattr(cfg, "aggressive_recomputation", False))
             or not bool(getattr(cfg, "ban_recompute_not_in_allowlist", True)))
 

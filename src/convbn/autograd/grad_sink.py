@@ -32,6 +32,8 @@ from typing import Any, Callable, Dict, Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
+from .._compat import will_engine_execute_node
+
 __all__ = ["GradSink", "Recording", "param_sink", "stand_ins"]
 
 #: ``sink(index, grad)``: the value to return in that gradient slot
@@ -73,7 +75,7 @@ def _will_run(fn: Any) -> bool:
     """Whether the running backward executes ``fn``; ``False`` under ``torch.autograd.grad``,
     which never accumulates into ``.grad`` (and refuses the question for a leaf's node)."""
     try:
-        return bool(torch._C._will_engine_execute_node(fn))
+        return will_engine_execute_node(fn)
     except RuntimeError:
         return False
 

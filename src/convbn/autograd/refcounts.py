@@ -13,6 +13,8 @@ from typing import Any, List, Optional, Tuple
 import torch
 from torch import Tensor
 
+from .._compat import current_autograd_node, storage_use_count
+
 __all__ = ["sole_owner", "incoming_refs", "cpp_uses", "frees_incoming_gradients", "calibrate"]
 
 
@@ -102,7 +104,7 @@ def _fresh_counts() -> Optional[Tuple[int, int]]:
         return _FRESH
     with _LOCK:
         if not _CALIBRATED:
-            if torch._C._current_autograd_node() is not None or torch.compiler.is_compiling() or _traced():
+            if current_autograd_node() is not None or torch.compiler.is_compiling() or _traced():
                 return None
             fresh, by_python, by_engine = _probe(), _probe("python"), _probe("engine")
             sees_holders = (fresh is not None and by_python is not None and by_engine is not None
@@ -163,7 +165,7 @@ def sole_owner(t: Tensor, refs: int) -> bool:
     try:
         st = t.untyped_storage()
         # one reference from t's TensorImpl, one from ``st`` itself
-        shared = torch._C._storage_Use_Count(st._cdata) != 2
+        shared = storage_use_count(st) != 2
     except (AttributeError, RuntimeError, NotImplementedError):  # pragma: no cover - private API moved
         return False
     return not shared and st.nbytes() == t.numel() * t.element_size() and t.storage_offset() == 0

@@ -12,6 +12,8 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from .._compat import graph_task_keeps_graph
+
 __all__ = ["BACKWARD_TWICE", "free_storage", "freed", "keeping_graph"]
 
 
@@ -67,7 +69,4 @@ def keeping_graph() -> bool:
     unknown or while compiling."""
     if torch.compiler.is_compiling():
         return True
-    try:
-        return bool(torch._C._autograd._get_current_graph_task_keep_graph())
-    except (AttributeError, RuntimeError):  # pragma: no cover - private API moved / no graph task
-        return True
+    return graph_task_keeps_graph()

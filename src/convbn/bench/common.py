@@ -15,6 +15,8 @@ from typing import Any, Callable, Dict, Optional, Sequence
 import torch
 from torch import Tensor
 
+from .._compat import pytree
+
 from convbn.cli import output_path
 
 __all__ = [
@@ -44,7 +46,7 @@ def first_tensor(out: Any) -> Tensor:
     """
     if isinstance(out, Tensor):
         return out
-    for t in torch.utils._pytree.tree_leaves(out):
+    for t in pytree.tree_leaves(out):
         if isinstance(t, Tensor):
             return t
     raise TypeError(f"the model returned no tensor (got {type(out).__name__})")

@@ -21,6 +21,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import Tensor, nn
 
+from .._compat import pytree
 from ..memory import Timeline, format_bytes, timeline
 from .plotting import pyplot
 from ..passes.convert.api import convert
@@ -44,7 +45,7 @@ def _projection_loss(seed: int) -> Callable[[object], Tensor]:
 
     def loss(out: object) -> Tensor:
         t = out if isinstance(out, Tensor) else next(
-            v for v in torch.utils._pytree.tree_leaves(out) if isinstance(v, Tensor))
+            v for v in pytree.tree_leaves(out) if isinstance(v, Tensor))
         if t.shape not in cache:
             g = torch.Generator().manual_seed(seed)
             cache[t.shape] = torch.randn(t.shape, generator=g).to(t.device)

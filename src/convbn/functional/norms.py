@@ -34,7 +34,8 @@ from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.nn.modules.instancenorm import _InstanceNorm
+
+from .._compat import InstanceNormBase
 
 __all__ = ["NormCall", "NormRow", "NORMS", "norm_row", "row_of_module", "row_of_function", "channel_layer_norm",
            "norm_forward", "norm_reference", "stat_bytes"]
@@ -120,7 +121,7 @@ def _instance_compute(y: Tensor, call: NormCall, w: Optional[Tensor], b: Optiona
 
 
 def _instance_module(m: nn.Module) -> ModuleCall:
-    if not isinstance(m, _InstanceNorm):
+    if not isinstance(m, InstanceNormBase):
         return None
     use_input = m.training or not m.track_running_stats
     if not use_input and m.running_mean is None:
@@ -207,7 +208,7 @@ NORMS: List[NormRow] = [
             signature=(("input", None), ("num_groups", None), ("weight", None), ("bias", None), ("eps", 1e-5))),
     NormRow("instance_norm", "per sample and channel, over all positions",
             _instance_compute, _instance_module, _instance_args,
-            modules=(_InstanceNorm,), standard_forwards=(_InstanceNorm.forward,), functions=(F.instance_norm,),
+            modules=(InstanceNormBase,), standard_forwards=(InstanceNormBase.forward,), functions=(F.instance_norm,),
             signature=(("input", None), ("running_mean", None), ("running_var", None), ("weight", None),
                        ("bias", None), ("use_input_stats", True), ("momentum", 0.1), ("eps", 1e-5)),
             fold=_instance_fold, stat_count=lambda call, shape: shape[0] * shape[1], output_unread=True),

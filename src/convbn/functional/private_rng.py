@@ -22,7 +22,8 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import torch
 from torch import Tensor
-from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
+
+from .._compat import TorchDispatchMode, dispatch_mode_stack
 
 __all__ = ["PrivateRNG", "private_rng", "active_private_rng"]
 
@@ -164,7 +165,7 @@ def private_rng(seed: int = 0) -> Iterator[PrivateRNG]:
 
 def active_private_rng() -> Optional[PrivateRNG]:
     """The innermost :class:`PrivateRNG` on this thread's dispatch mode stack, if any."""
-    for mode in reversed(_get_current_dispatch_mode_stack()):
+    for mode in reversed(dispatch_mode_stack()):
         if isinstance(mode, PrivateRNG):
             return mode
     return None

@@ -128,7 +128,11 @@ class ChainLayer:
     def record_plan(self, mode: str, may_drop: bool) -> None:
         """Record its chain's plan for this layer (``FusedChain.apply_plan`` only); from then on
         ``mode`` and ``may_drop`` change only this way."""
-        self.__dict__.update(mode=mode, may_drop=may_drop, _in_chain=True)
+        # object.__setattr__, not self.__dict__.update: Dynamo of torch 2.5 - 2.8 traces only
+        # the former when a lazy plan settles on the first compiled call
+        object.__setattr__(self, "mode", mode)
+        object.__setattr__(self, "may_drop", may_drop)
+        object.__setattr__(self, "_in_chain", True)
 
     @property
     def is_head(self) -> bool:

@@ -30,7 +30,11 @@ POOL_MODULES: Dict[Type[nn.Module], Tuple[str, int]] = {
 def pool_module_spec(module: nn.Module) -> Optional[PoolSpec]:
     """The :class:`PoolSpec` of a pooling module that runs its class's own forward and
     returns no indices; ``None`` for anything else."""
-    base = next((c for c in type(module).__mro__ if c in POOL_MODULES), None)
+    base: Optional[Type[nn.Module]] = None
+    for c in type(module).__mro__:  # a loop, not next(genexpr): Dynamo of torch 2.8 traces this
+        if c in POOL_MODULES:
+            base = c
+            break
     if base is None or type(module).forward is not base.forward:  # type: ignore[attr-defined]
         return None
     kind, dims = POOL_MODULES[base]

@@ -306,7 +306,8 @@ def _match_head(site: BNSite, tail: TailMatch, gm: fx.GraphModule, root: nn.Modu
     after = f" after {tail_label(tail.ops)}," if tail.ops else ""
     conv = _conv_reading(out, gm, root, prefix)
     if isinstance(conv, str):
-        why = f"it does not start a pre-activation chain (BN -> element-wise ops -> conv):{after} {conv}"
+        short = "BN" if _norm_kind(site.bn) == "BatchNorm" else _norm_kind(site.bn)
+        why = f"it does not start a pre-activation chain ({short} -> element-wise ops -> conv):{after} {conv}"
         if tail.blocked:
             why += f"; the element-wise ops stop at {tail.blocked}"
         return why
@@ -521,7 +522,8 @@ def group_chains(layers: List[MatchedLayer], chain: bool, report: Optional[Conve
     for c in chains:
         if len(c) == 1 and c[0].is_head:
             if report is not None:
-                report.leave(c[0].bn_name, f"it would start a pre-activation chain (BN -> {c[0].activation} -> conv), "
+                short = "BN" if _norm_kind(c[0].bn) == "BatchNorm" else _norm_kind(c[0].bn)
+                report.leave(c[0].bn_name, f"it would start a pre-activation chain ({short} -> {c[0].activation} -> conv), "
                              "but the convolution after it cannot join the chain (see that layer's line); BN -> act "
                              "alone saves nothing")
             continue

@@ -46,9 +46,10 @@ from ..graph.graph_module import GraphForward, eager, forget_undo, install, inst
 from ..graph.concat_heads import flatten_cats
 from ..graph.specialize import Defaults, constant_defaults, none_used_as_value
 from ..report.convert_report import ConvertReport
+from ..tracing.self_check import warn_if_tracer_broken
 from ..tracing.trace import LayerTracer, Traced, short_reason, trace
 from .cat_norms import split_cat_norms
-from .first_call_capture import CaptureOnFirstCall
+from .first_call_capture import CaptureOnFirstCall, CaptureWhenMaterialised
 from ...functional.norms import row_of_module
 from ..bn.norm_sites import channel_layer_norms
 from .match import MatchedLayer, find_layers, group_chains, split_heads
@@ -59,7 +60,7 @@ from .variants import Variants
 
 __all__ = ["Conversion", "GraphRewrite", "CANONICALISE", "convert_module", "rewrite_module", "trace_module",
            "canonicalise", "match", "build", "install_graph", "arm_guards", "run_again", "reconvert",
-           "capture_on_call", "capture_variant", "dedupe"]
+           "capture_on_call", "capture_variant", "dedupe", "defer_until_materialised"]
 
 
 @dataclass(frozen=True)
@@ -113,6 +114,8 @@ class Conversion:
     example: Optional[Tuple[Any, ...]] = None  # example_inputs, as positional arguments
     deferred: List[str] = field(default_factory=list)  # prefixes of modules captured on their first call
     root: Optional[nn.Module] = None  # the model being converted
+    reuse: Optional[Any] = None  # a ConvertPlan whose checks and plans are taken (Note: [a conversion made once])
+    checks: List[Tuple[str, str]] = field(default_factory=list)  # (module, why it differs or "") per check
     _called: Optional[Dict[int, Tuple[Tuple[Any, ...], Dict[str, Any]]]] = None
 
     @property
@@ -182,6 +185,7 @@ def convert_module(module: nn.Module, prefix: str, conv: Conversion, exposed: bo
         if traced is None:
             if own_forward:  # a container without forward is no failure
                 conv.report.untraced.append((prefix.rstrip("."), short_reason(err, 120)))
+                warn_if_tracer_broken("convert")  # Note: [a tracer that fails everywhere says so]
                 if conv.lazy and conv.example is None:  # Note: [captured on the first call]
                     _defer(module, prefix, conv)
             for name, child in module.named_children():
@@ -201,6 +205,14 @@ def _defer(module: nn.Module, prefix: str, conv: Conversion) -> None:
     conv.deferred.append(prefix)
     module.__dict__["forward"] = CaptureOnFirstCall(module, prefix, conv.whole_report, conv.mode,
                                                     conv.chain, conv.recaptures, "", capture_on_call)
+
+
+def defer_until_materialised(module: nn.Module, conv: Conversion) -> None:
+    """Give the model, converted on the meta device, a forward that converts it on its first call
+    once its tensors have values (Note: [a model converted on the meta device])."""
+    conv.deferred.append("")
+    module.__dict__["forward"] = CaptureWhenMaterialised(module, "", conv.whole_report, conv.mode, conv.chain,
+                                                         conv.recaptures, "", capture_on_call)
 
 
 # --------------------------------------------------------------------------- the stages

@@ -10,7 +10,7 @@ from typing import Optional, Set, Tuple
 
 import torch.fx as fx
 from torch import Tensor
-from torch.utils import _pytree as pytree
+from ..._compat import pytree
 
 from ...functional.fold import fold_bn_into_following, fold_bn_into_preceding
 from ..bn.tokens import features_to_dim1

@@ -9,7 +9,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Set, Tuple
 import torch
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
-from torch.utils import _pytree as pytree
+from ..._compat import pytree
 
 from .folder import FoldContext
 from ..graph.layers import LAYER_MODULES

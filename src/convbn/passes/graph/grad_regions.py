@@ -32,6 +32,8 @@ import torch.fx as fx
 from torch.autograd import grad_mode
 from torch.fx.node import has_side_effect
 
+from ..._compat import InferenceModeContext, set_grad_enabled_now
+
 __all__ = ["enter_grad_mode", "exit_grad_mode", "enter_inference_mode", "exit_inference_mode",
            "recording_grad_modes", "grad_region_of", "GRAD_MODE_FUNCTIONS"]
 
@@ -40,20 +42,20 @@ __all__ = ["enter_grad_mode", "exit_grad_mode", "enter_inference_mode", "exit_in
 def enter_grad_mode(mode: bool) -> bool:
     """Set grad mode to ``mode``; return the mode it replaced (for :func:`exit_grad_mode`)."""
     prev = torch.is_grad_enabled()
-    torch._C._set_grad_enabled(mode)
+    set_grad_enabled_now(mode)
     return prev
 
 
 @has_side_effect
 def exit_grad_mode(prev: bool) -> None:
     """Put back the grad mode :func:`enter_grad_mode` replaced."""
-    torch._C._set_grad_enabled(prev)
+    set_grad_enabled_now(prev)
 
 
 @has_side_effect
 def enter_inference_mode(mode: bool) -> Any:
     """Enter ``torch.inference_mode(mode)``; return the context for :func:`exit_inference_mode`."""
-    ctx = torch._C._InferenceMode(mode)
+    ctx = InferenceModeContext(mode)
     ctx.__enter__()
     return ctx
 
@@ -166,7 +168,7 @@ def recording_grad_modes(tracer: fx.Tracer) -> Iterator[None]:
             if _depth == 0:
                 for cls, name, original, _ in _installed:
                     setattr(cls, name, original)
-        torch._C._set_grad_enabled(enabled)
+        set_grad_enabled_now(enabled)
 
 
 def grad_region_of(graph: fx.Graph) -> Dict[fx.Node, int]:

@@ -48,8 +48,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tupl
 import torch
 import torch.fx as fx
 from torch import nn
-from torch.fx.graph_module import _forward_from_src
-from torch.utils import _pytree as pytree
+from ..._compat import forward_from_src, pytree
 
 from ...nn.fused_conv_bn import hooks_of
 
@@ -104,7 +103,7 @@ class GraphForward:
         python_code = graph.python_code(root_module="self")
         self.code: str = python_code.src
         self._globals = dict(python_code.globals)
-        self.fn: Callable[..., Any] = _forward_from_src(self.code, self._globals)
+        self.fn: Callable[..., Any] = forward_from_src(self.code, self._globals)
         prev = owner.__dict__.get("forward")
         self.previous = prev if not isinstance(prev, GraphForward) else prev.previous
         self.added = list(added)
@@ -290,7 +289,7 @@ class GraphForward:
         self.__dict__.update(state)
         self._globals = _live_globals(state["_globals"])
         self.graph = None
-        self.fn = _forward_from_src(self.code, self._globals)
+        self.fn = forward_from_src(self.code, self._globals)
 
     def __repr__(self) -> str:
         return f"GraphForward({type(self.owner).__name__}, fallback={self.fallback})"

@@ -4,7 +4,7 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from torch import nn
-from torch.nn.modules import module as _module
+from ..._compat import global_module_hooks
 
 from ...nn.fused_conv_bn import OBSERVER_ATTR
 
@@ -46,5 +46,4 @@ def hook_reason(m: nn.Module) -> Optional[str]:
 
 def global_hooks() -> bool:
     """Whether global module hooks (``nn.modules.module.register_module_*_hook``) are registered."""
-    return bool(_module._global_forward_pre_hooks or _module._global_forward_hooks
-                or _module._global_backward_hooks or getattr(_module, "_global_backward_pre_hooks", None))
+    return any(global_module_hooks())

@@ -27,7 +27,7 @@ import torch.fx as fx
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.fx.node import has_side_effect
-from torch.utils import _pytree as pytree
+from ..._compat import FakeTensorMode, orig_module_call, orig_module_getattr, pytree
 
 from .thread_patch import original_item, scoped_item
 
@@ -113,14 +113,12 @@ _RANDOM_FACTORIES = ("rand", "randn", "randint", "randperm")
 def _untraced() -> Iterator[None]:
     """Run code for real while a trace is under way: ``nn.Module`` calls and attribute reads
     as outside tracing (``torch.fx`` patches them), grad-mode regions not recorded."""
-    from torch.fx import _symbolic_trace as st
-
     from .grad_regions import _recording
 
     patched = {k: nn.Module.__dict__[k] for k in ("__call__", "__getattr__")}
     tracer, _recording.tracer = _recording.tracer, None
-    nn.Module.__call__ = st._orig_module_call  # type: ignore[method-assign]
-    nn.Module.__getattr__ = st._orig_module_getattr  # type: ignore[method-assign]
+    nn.Module.__call__ = orig_module_call  # type: ignore[method-assign]
+    nn.Module.__getattr__ = orig_module_getattr  # type: ignore[method-assign]
     _REAL.depth = getattr(_REAL, "depth", 0) + 1
     try:
         yield
@@ -158,8 +156,6 @@ class ShapeTracing:
 
     def __init__(self, *args: Any, example: Tuple[Tuple[Any, ...], Dict[str, Any]] = ((), {}), **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)  # type: ignore[call-arg]
-        from torch._subclasses.fake_tensor import FakeTensorMode
-
         self._fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
         self._example = example
         self._bound: Optional[Dict[str, Any]] = None

@@ -23,6 +23,9 @@ from typing import Any, Dict, Optional
 
 from torch import Tensor, nn
 
+from ..._compat import fsdp_new_init_disabled, fsdp_state_of, insert_module_state
+from .model_copy import model_copy
+
 __all__ = ["share_copy"]
 
 
@@ -56,7 +59,7 @@ def share_copy(model: nn.Module) -> nn.Module:
             if isinstance(t, Tensor):
                 memo[id(t)] = t
     try:
-        return copy.deepcopy(model, memo)
+        return model_copy(model, memo)  # hooks closing over the model close over the copy
     except Exception:  # noqa: BLE001 - something in the model refuses deepcopy: copy the tree only
         return _clone_tree(model, {})
 
@@ -73,35 +76,31 @@ def _sharded_parameter(model: nn.Module) -> Optional[str]:
 def _fsdp_states(model: nn.Module) -> Optional[Dict[int, Any]]:
     """``id(module) -> FSDP2 state`` for each module of ``model`` that ``fully_shard`` was
     applied to, or ``None`` where there is none (or this torch has no FSDP2)."""
-    try:
-        from torch.distributed.fsdp._fully_shard._fsdp_state import _get_module_fsdp_state
-    except ImportError:  # a torch built without distributed, or without FSDP2
-        return None
-    states = {id(m): s for m in model.modules() if (s := _get_module_fsdp_state(m)) is not None}
+    states = {id(m): s for m in model.modules() if (s := fsdp_state_of(m)) is not None}
     return states or None
 
 
 def _enter_fsdp_states(model: nn.Module, clone: nn.Module, states: Dict[int, Any]) -> None:
     """Enter each module of ``clone`` whose original in ``model`` has an FSDP2 state into
     FSDP's module -> state map (a weak map: the entries go with the copy)."""
-    from torch.distributed._composable_state import _insert_module_state
-    from torch.distributed.fsdp._fully_shard._fsdp_state import _get_module_fsdp_state
-
     # the same walk over both trees (a module reached twice is entered once)
     for (_, original), (_, copied) in zip(model.named_modules(remove_duplicate=False),
                                           clone.named_modules(remove_duplicate=False)):
         state = states.get(id(original))
-        if state is not None and _get_module_fsdp_state(copied) is None:
-            _insert_module_state(copied, state)
+        if state is not None and fsdp_state_of(copied) is None:
+            insert_module_state(copied, state)
 
 
 def _copy_fsdp_module(module: nn.Module) -> nn.Module:
     """``copy.copy(module)`` for a module of a model sharded by ``fully_shard``: FSDP's class
     would construct (``__init__``) the module's original class instead; the copy keeps
     ``module``'s class."""
-    from torch.distributed.fsdp._fully_shard._fully_shard import disable_fsdp_module_new_init
-
-    with disable_fsdp_module_new_init():
+    no_init = fsdp_new_init_disabled()
+    if no_init is None:  # a torch without FSDP's switch: make the object without its class's __new__
+        clone = object.__new__(type(module))
+        clone.__setstate__(dict(module.__dict__))
+        return clone
+    with no_init:
         clone = copy.copy(module)
     if type(clone) is not type(module):
         clone.__class__ = type(module)

@@ -32,7 +32,8 @@ from typing import Any, Dict, Optional, Tuple
 import torch
 import torch.fx as fx
 from torch import nn
-from torch.fx._symbolic_trace import _assert_is_none
+
+from ..._compat import fx_assert, fx_assert_is_none
 
 __all__ = ["Defaults", "GIVEN", "constant_defaults", "none_used_as_value"]
 
@@ -130,9 +131,9 @@ class Defaults:
         for node in reversed(list(graph.nodes)):
             if node.op != "call_function":
                 continue
-            if node.target is _assert_is_none and node.args[0].op == "placeholder":
+            if node.target is fx_assert_is_none and node.args[0].op == "placeholder":
                 graph.erase_node(node)
-            elif node.target is torch._assert and isinstance(node.args[0], fx.Node):
+            elif node.target is fx_assert and isinstance(node.args[0], fx.Node):
                 cond = node.args[0]
                 if (cond.op == "call_function" and cond.target is operator.eq
                         and isinstance(cond.args[0], fx.Node) and cond.args[0].op == "placeholder"

@@ -22,7 +22,7 @@ import contextlib
 import threading
 from typing import Any, Callable, Dict, Iterator, List, Tuple
 
-import torch.fx._symbolic_trace as _fx_trace
+from ..._compat import FxPatcher, fx_trace_globals, fx_tracing_flag, set_fx_tracing_flag
 
 __all__ = ["scoped_attr", "scoped_item", "fx_patches_scoped", "thread_view_attr", "thread_view_item", "original_item",
            "static_attr"]
@@ -184,7 +184,7 @@ def static_attr(cls: type, name: str, default: Any = None) -> Any:
     return default
 
 
-class _ScopedPatcher(_fx_trace._Patcher):
+class _ScopedPatcher(FxPatcher):  # type: ignore[misc, valid-type]
     """``torch.fx``'s patcher, with every patch the tracing thread's own (Note above)."""
 
     def __init__(self) -> None:
@@ -216,7 +216,7 @@ class _ScopedPatcher(_fx_trace._Patcher):
 
 
 @contextlib.contextmanager
-def _new_patcher() -> Iterator[_fx_trace._Patcher]:
+def _new_patcher() -> Iterator[Any]:
     with _ScopedPatcher() as patcher:
         yield patcher
 
@@ -238,13 +238,13 @@ def fx_patches_scoped() -> Iterator[None]:
     """
     with _TRACES_LOCK:
         if _TRACES["count"] == 0:
-            _TRACES["flag"] = _fx_trace._is_fx_tracing_flag
+            _TRACES["flag"] = fx_tracing_flag()
         _TRACES["count"] += 1
     try:
-        with scoped_item(_fx_trace.__dict__, "_new_patcher", _new_patcher):
+        with scoped_item(fx_trace_globals(), "_new_patcher", _new_patcher):
             yield
     finally:
         with _TRACES_LOCK:
             _TRACES["count"] -= 1
             if _TRACES["count"] == 0:
-                _fx_trace._is_fx_tracing_flag = _TRACES["flag"]
+                set_fx_tracing_flag(_TRACES["flag"])

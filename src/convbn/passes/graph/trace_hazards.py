@@ -15,6 +15,7 @@ from typing import Any, Callable, Iterator, List, Optional, Tuple
 import torch
 import torch.fx as fx
 
+from ..._compat import SingleLevelFunction, function_apply_impl, function_apply_wrapper, pytree
 from .thread_patch import scoped_attr, static_attr
 
 __all__ = ["FunctionCall", "opaque_functions"]
@@ -135,7 +136,7 @@ class FunctionCall:
 
 
 def _first_proxy(tree: Any) -> Optional[fx.Proxy]:
-    return next((a for a in torch.utils._pytree.tree_leaves(tree) if isinstance(a, fx.Proxy)), None)
+    return next((a for a in pytree.tree_leaves(tree) if isinstance(a, fx.Proxy)), None)
 
 
 def _opaque_apply(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -186,12 +187,11 @@ def _function_classes() -> List[type]:
 def opaque_functions() -> Iterator[None]:
     """While tracing, every custom ``torch.autograd.Function`` called on proxies is recorded as
     one :class:`FunctionCall` (Note: [autograd Functions stay whole]); restored on exit."""
-    from torch.autograd.function import _SingleLevelFunction
-
-    base_setup = static_attr(_SingleLevelFunction, "setup_context")
+    base_setup = static_attr(SingleLevelFunction, "setup_context")
     apply = static_attr(torch.autograd.Function, "apply")
     with contextlib.ExitStack() as patches:  # Note: [tracing patches are the tracing thread's]
-        patches.enter_context(scoped_attr(torch.autograd.Function, "apply", classmethod(_opaque_apply(apply.__func__))))
+        patches.enter_context(scoped_attr(torch.autograd.Function, "apply",
+                                                function_apply_wrapper(_opaque_apply(function_apply_impl(apply)))))
         for cls in _function_classes():
             fwd = static_attr(cls, "forward")
             if not isinstance(fwd, staticmethod):  # legacy (instance-method) Functions: left as they are

@@ -26,7 +26,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor, nn
-from torch.utils import _pytree as pytree
+from ..._compat import pytree
 
 from ...functional.conv import recompute_cost
 from ...functional.norms import stat_bytes
@@ -299,10 +299,11 @@ def trained_outputs_loss(out: Any) -> Tensor:
 
 
 def measure_peak(model: nn.Module, inputs: Tuple[Any, ...], *, optimizer: Optional[torch.optim.Optimizer] = None,
-                 loss_fn: Optional[Callable[[Any], Tensor]] = None) -> Any:
+                 loss_fn: Optional[Callable[[Any], Tensor]] = None, stop_above: Optional[int] = None) -> Any:
     """Timeline of one training step of ``model`` (loss: :func:`trained_outputs_loss`, unless ``loss_fn``);
     gradients, buffers, modes and RNG are put back afterwards (parameters too, unless an
-    ``optimizer`` steps them)."""
+    ``optimizer`` steps them). ``stop_above``: as :func:`~convbn.memory.timeline`'s (the step
+    stopped by ``StepOverLimit`` past that many bytes)."""
     params = list(model.parameters())
     grads = [p.grad for p in params]
     for p in params:
@@ -310,7 +311,8 @@ def measure_peak(model: nn.Module, inputs: Tuple[Any, ...], *, optimizer: Option
     try:
         with StateSnapshot(model):
             model.train()
-            return timeline(model, *inputs, optimizer=optimizer, loss_fn=loss_fn or trained_outputs_loss)
+            return timeline(model, *inputs, optimizer=optimizer, loss_fn=loss_fn or trained_outputs_loss,
+                            stop_above=stop_above)
     finally:
         for p, g in zip(params, grads):
             p.grad = g

@@ -1,0 +1,321 @@
+"""The one door to torch's private names and to torch APIs newer than the declared minimum.
+
+# Note: [one door to private torch]
+# convbn supports every torch from ``MINIMUM_TORCH`` on (pyproject's ``Requires-Dist``,
+# docs/torch-versions.md). Everything it reads from torch that is private (a ``torch._*``
+# module or function, a private attribute of a public module) or newer than that minimum is
+# named here, and only here (tests/test_private_torch.py fails on any other file that
+# imports or reads one). Each entry is found by a feature check (an import or ``hasattr``,
+# never a comparison of version strings), names the first release that has it, and either
+# has a working fallback or an ``available`` flag (``HAS_*``) its callers degrade by. An
+# entry that needs importing a heavy or optional part of torch (inductor, distributed) is a
+# function, so ``import convbn`` stays cheap and never fails on a torch that lacks it.
+#
+# What a release that changed a private name looks like here: 2.15 keeps torch.fx's
+# "a symbolic trace is running" flag per thread (``fx_tracing_flag`` / ``set_fx_tracing_flag``),
+# and its ``autograd.Function.apply`` is no longer a ``classmethod`` (``function_apply_impl``).
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, ContextManager, Dict, Optional, Tuple
+
+import torch
+import torch.fx._symbolic_trace as _fx_trace  # torch.fx's tracer internals (every release)
+import torch.nn.modules.module as _nn_module
+from torch.fx import graph_module as _fx_graph_module
+from torch.utils import _pytree as pytree  # 1.x on: tree_leaves / tree_map / tree_flatten / tree_unflatten
+from torch.utils._python_dispatch import TorchDispatchMode  # 1.13 on
+
+__all__ = [
+    "MINIMUM_TORCH", "pytree", "TorchDispatchMode", "current_dispatch_mode", "dispatch_mode_stack",
+    "fx_assert", "fx_assert_is_none", "FxPatcher", "fx_trace_globals", "orig_module_call", "orig_module_getattr",
+    "fx_tracing_flag", "set_fx_tracing_flag", "forward_from_src", "FakeTensorMode",
+    "set_grad_enabled_now", "InferenceModeContext", "current_autograd_node", "storage_use_count",
+    "will_engine_execute_node", "graph_task_keeps_graph", "SingleLevelFunction", "function_apply_impl",
+    "function_apply_wrapper", "global_module_hooks", "functorch_config", "inductor_compile_fx", "inductor_config", "dynamo_config",
+    "SAC_ADVISORY_LOGGER", "is_non_overlapping_and_dense_or_false", "dense_or_false_fallback", "make_channels_last_strides_for",
+    "make_contiguous_strides_for", "suggest_memory_format", "mem_tracker_class", "mod_tracker_module",
+    "HAS_MEM_TRACKER", "fsdp_state_of", "insert_module_state", "fsdp_new_init_disabled", "InstanceNormBase",
+]
+
+#: The oldest torch convbn declares (pyproject ``torch>=2.5``): the first release with the public
+#: selective-checkpoint API (``torch.utils.checkpoint.CheckpointPolicy``) the inductor chains
+#: state their plan with, and with ``torch.distributed._tools.mem_tracker``, the exact tensor
+#: meter convbn's peaks, timelines, ``max_batch`` and ``explain`` count with. For messages only.
+MINIMUM_TORCH = "2.5"
+
+# --- nn module bases ------------------------------------------------------------------------
+#: ``torch.nn.modules.instancenorm._InstanceNorm``: every release; the base of
+#: ``nn.InstanceNorm{1,2,3}d`` (and of the lazy ones), whose forward the norm table recognises.
+from torch.nn.modules.instancenorm import _InstanceNorm as InstanceNormBase  # noqa: E402
+
+# --- dispatch modes ------------------------------------------------------------------------
+# torch.utils._python_dispatch._get_current_dispatch_mode / _get_current_dispatch_mode_stack: 2.0
+from torch.utils._python_dispatch import _get_current_dispatch_mode as current_dispatch_mode  # noqa: E402
+from torch.utils._python_dispatch import _get_current_dispatch_mode_stack as dispatch_mode_stack  # noqa: E402
+
+# --- torch.fx internals --------------------------------------------------------------------
+#: ``torch._assert``: 1.8 on, the traceable assert fx graphs call.
+fx_assert: Callable[..., Any] = torch._assert
+
+
+def _never_called(*args: Any) -> None:  # a target no fx node has: where torch lacks the helper
+    return None
+
+
+#: ``torch.fx._symbolic_trace._assert_is_none`` (2.0 on): the assertion fx records for a
+#: ``concrete_args`` entry of ``None``; without it, no node matches and nothing is specialised.
+fx_assert_is_none: Callable[..., Any] = getattr(_fx_trace, "_assert_is_none", _never_called)
+#: ``torch.fx._symbolic_trace._Patcher`` (1.x on): the patcher a symbolic trace patches with.
+FxPatcher: type = _fx_trace._Patcher
+#: torch.fx's ``nn.Module.__call__`` / ``__getattr__`` as they are outside a trace (1.x on).
+orig_module_call: Callable[..., Any] = _fx_trace._orig_module_call
+orig_module_getattr: Callable[..., Any] = _fx_trace._orig_module_getattr
+#: ``torch.fx.graph_module._forward_from_src`` (1.x on): compiles a graph's Python code.
+forward_from_src: Callable[..., Any] = _fx_graph_module._forward_from_src
+
+
+def fx_trace_globals() -> Dict[str, Any]:
+    """The globals of ``torch.fx._symbolic_trace``, where ``_new_patcher`` (2.1 on) is looked up
+    by each trace (``thread_patch`` swaps it for the tracing thread only)."""
+    return _fx_trace.__dict__
+
+
+def fx_tracing_flag() -> Optional[bool]:
+    """torch.fx's module-global "a symbolic trace is running" flag (``_is_fx_tracing_flag``,
+    1.x to 2.14); ``None`` where torch keeps it per thread (2.15 on), so a trace in another
+    thread cannot leave it set and there is nothing to save."""
+    if "_is_fx_tracing_flag" in _fx_trace.__dict__:
+        return bool(_fx_trace.__dict__["_is_fx_tracing_flag"])
+    return None
+
+
+def set_fx_tracing_flag(value: Optional[bool]) -> None:
+    """Put back what :func:`fx_tracing_flag` returned (nothing to do for ``None``)."""
+    if value is not None and "_is_fx_tracing_flag" in _fx_trace.__dict__:
+        _fx_trace._is_fx_tracing_flag = value  # type: ignore[attr-defined]
+
+
+def FakeTensorMode(*args: Any, **kwargs: Any) -> Any:  # noqa: N802 - torch's class, imported on use
+    """``torch._subclasses.fake_tensor.FakeTensorMode(*args, **kwargs)`` (2.0 on), imported on first use."""
+    from torch._subclasses.fake_tensor import FakeTensorMode as mode
+
+    return mode(*args, **kwargs)
+
+
+# --- autograd internals --------------------------------------------------------------------
+#: ``torch._C._set_grad_enabled`` (1.x on): set grad mode without a context object.
+set_grad_enabled_now: Callable[[bool], None] = torch._C._set_grad_enabled
+#: ``torch._C._InferenceMode`` (1.9 on): the context ``torch.inference_mode`` enters.
+InferenceModeContext: type = torch._C._InferenceMode
+
+
+def current_autograd_node() -> Any:
+    """``torch._C._current_autograd_node()`` (1.13 on): the node whose backward is running on
+    this thread; ``None`` outside a backward (and where torch cannot tell)."""
+    fn = getattr(torch._C, "_current_autograd_node", None)
+    return None if fn is None else fn()
+
+
+def storage_use_count(storage: Any) -> int:
+    """``torch._C._storage_Use_Count`` (2.1 on): C++ references to an untyped storage.
+
+    Raises:
+        AttributeError: this torch has no such count (callers treat the storage as shared).
+    """
+    return int(torch._C._storage_Use_Count(storage._cdata))
+
+
+def will_engine_execute_node(node: Any) -> bool:
+    """``torch._C._will_engine_execute_node`` (1.13 on): whether the running backward runs ``node``.
+
+    Raises:
+        RuntimeError: no backward is running, or torch refuses the question (a leaf's node).
+    """
+    fn = getattr(torch._C, "_will_engine_execute_node", None)
+    if fn is None:
+        raise RuntimeError("this torch cannot tell which autograd nodes a backward runs")
+    return bool(fn(node))
+
+
+def graph_task_keeps_graph() -> bool:
+    """``torch._C._autograd._get_current_graph_task_keep_graph()`` (2.0 on): whether the running
+    backward retains its graph; ``True`` (the safe answer) where torch cannot tell."""
+    fn = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", None)
+    try:
+        return True if fn is None else bool(fn())
+    except RuntimeError:  # no graph task on this thread
+        return True
+
+
+#: ``torch.autograd.function._SingleLevelFunction`` (2.0 on): the base whose
+#: ``setup_context`` a Function without its own inherits; ``Function`` itself before.
+SingleLevelFunction: type = getattr(torch.autograd.function, "_SingleLevelFunction", torch.autograd.Function)
+
+
+def function_apply_impl(apply: Any) -> Callable[..., Any]:
+    """The plain function behind ``torch.autograd.Function.apply`` as stored on the class,
+    called as ``impl(cls, *args)``: the ``__func__`` of a ``classmethod`` (up to 2.14), the
+    function itself where ``apply`` is stored as a plain function or descriptor (2.15 on)."""
+    if isinstance(apply, classmethod):
+        return apply.__func__
+    inner = getattr(apply, "__func__", None)
+    if inner is not None:  # a bound method
+        return inner
+    if callable(apply):
+        return apply
+    raise TypeError(f"torch.autograd.Function.apply is a {type(apply).__name__}; "
+                    "expected a classmethod or a function taking the class first")
+
+
+def function_apply_wrapper(impl: Callable[..., Any]) -> Any:
+    """What to store as ``Function.apply`` so that ``cls.apply(*args)`` calls ``impl(cls, *args)``:
+    a ``classmethod`` on every release (what 2.15's own ``apply`` descriptor does too)."""
+    return classmethod(impl)
+
+
+def global_module_hooks() -> Tuple[Any, ...]:
+    """The global module hook registries of ``torch.nn.modules.module`` (forward pre, forward,
+    backward: 1.x on; backward pre: 2.0 on), each a dict; missing ones as empty dicts."""
+    names = ("_global_forward_pre_hooks", "_global_forward_hooks", "_global_backward_hooks",
+             "_global_backward_pre_hooks")
+    return tuple(getattr(_nn_module, n, {}) for n in names)
+
+
+# --- compilers (imported on use: inductor is heavy) ----------------------------------------
+def functorch_config() -> Any:
+    """``torch._functorch.config`` (2.0 on): AOTAutograd's partitioner settings."""
+    import torch._functorch.config as config
+
+    return config
+
+
+def inductor_config() -> Any:
+    """``torch._inductor.config`` (2.0 on): inductor's settings (``layout_optimization`` ...)."""
+    import torch._inductor.config as config
+
+    return config
+
+
+def dynamo_config() -> Any:
+    """``torch._dynamo.config`` (2.0 on): Dynamo's settings (``recompile_limit``, before 2.6
+    ``cache_size_limit``)."""
+    import torch._dynamo.config as config
+
+    return config
+
+
+def inductor_compile_fx() -> Callable[..., Any]:
+    """``torch._inductor.compile_fx.compile_fx`` (2.0 on): inductor as a backend function."""
+    from torch._inductor.compile_fx import compile_fx
+
+    return compile_fx
+
+
+#: The logger torch's selective-checkpoint advisory is written to (2.4 on).
+SAC_ADVISORY_LOGGER = "torch._higher_order_ops.wrap"
+
+# --- strides (torch._prims_common, 2.0 on) -------------------------------------------------
+from torch._prims_common import (  # noqa: E402
+    make_channels_last_strides_for,
+    make_contiguous_strides_for,
+    suggest_memory_format,
+)
+
+def dense_or_false_fallback(a: torch.Tensor) -> bool:
+    """Whether some order of ``a``'s dimensions makes it contiguous (non-overlapping and dense),
+    from its sizes and strides as torch's own check reads them; ``False`` where a symbolic size
+    or stride cannot be decided."""
+    try:
+        if a.is_sparse:
+            return False
+        if a.numel() == 0:
+            return True
+        if a.dim() == 1:
+            return int(a.stride(0)) == 1 or int(a.shape[0]) < 2
+        expected = 1
+        for size, stride in sorted(zip(a.shape, a.stride()), key=lambda p: int(p[1])):  # smallest stride first
+            if int(size) == 1:
+                continue
+            if int(stride) != expected:
+                return False
+            expected *= int(size)
+        return True
+    except Exception:  # noqa: BLE001 - a data-dependent symbolic size: not known to be dense
+        return False
+
+
+try:  # torch._prims_common.is_non_overlapping_and_dense_or_false: 2.9 on
+    from torch._prims_common import is_non_overlapping_and_dense_or_false
+except ImportError:
+    is_non_overlapping_and_dense_or_false = dense_or_false_fallback  # type: ignore[assignment]
+
+
+# --- memory meters (torch.distributed._tools, 2.5 on) --------------------------------------
+def _has_module(name: str) -> bool:
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec(name) is not None
+    except ImportError:  # a parent package missing (a torch built without distributed)
+        return False
+
+
+#: Whether this torch has ``torch.distributed._tools.mem_tracker`` (2.5 on, with distributed).
+HAS_MEM_TRACKER: bool = _has_module("torch.distributed._tools.mem_tracker")
+
+
+def mem_tracker_class() -> type:
+    """``torch.distributed._tools.mem_tracker.MemTracker`` (2.5 on).
+
+    Raises:
+        ImportError: one line naming what this torch lacks and what works without it.
+    """
+    try:
+        from torch.distributed._tools.mem_tracker import MemTracker
+    except ImportError as err:
+        raise ImportError(f"convbn's exact tensor peak needs torch.distributed._tools.mem_tracker (torch >= "
+                          f"{MINIMUM_TORCH} built with distributed); this torch {torch.__version__} has none: "
+                          "use convbn.memory.peak_memory() instead") from err
+    return MemTracker
+
+
+def mod_tracker_module() -> Any:
+    """The module ``torch.distributed._tools.mod_tracker`` (2.5 on); see :func:`mem_tracker_class`."""
+    mem_tracker_class()  # the same one-line error where it is missing
+    from torch.distributed._tools import mod_tracker
+
+    return mod_tracker
+
+
+# --- FSDP2 internals (torch.distributed.fsdp._fully_shard: 2.6 on) -------------------------
+def fsdp_state_of(module: Any) -> Any:
+    """FSDP2's state of ``module`` (``_get_module_fsdp_state``: 2.6 on; ``None`` for a module
+    ``fully_shard`` was not applied to, and on a torch without FSDP2 or distributed)."""
+    try:
+        from torch.distributed.fsdp._fully_shard._fsdp_state import _get_module_fsdp_state
+    except ImportError:
+        try:  # 2.4 - 2.5: FSDP2 under torch.distributed._composable
+            from torch.distributed._composable.fsdp._fsdp_state import _get_module_fsdp_state
+        except ImportError:
+            return None
+    return _get_module_fsdp_state(module)
+
+
+def insert_module_state(module: Any, state: Any) -> None:
+    """``torch.distributed._composable_state._insert_module_state`` (2.0 on): enter ``module``
+    into the composable APIs' weak module -> state map."""
+    from torch.distributed._composable_state import _insert_module_state
+
+    _insert_module_state(module, state)
+
+
+def fsdp_new_init_disabled() -> Optional[ContextManager[None]]:
+    """FSDP2's ``disable_fsdp_module_new_init()`` (2.9 on): within it, making an object of an
+    ``FSDP<Module>`` class does not call the original class's ``__init__``; ``None`` where
+    this torch has no such switch (callers then make the object without ``__new__``)."""
+    try:
+        from torch.distributed.fsdp._fully_shard._fully_shard import disable_fsdp_module_new_init
+    except ImportError:
+        return None
+    return disable_fsdp_module_new_init()
