@@ -18,7 +18,11 @@ TinyViT, DeDoDe, ``kornia``); and fourteen more libraries, one family each
 nnU-Net's ``dynamic_network_architectures`` ``dna``, ``torchxrayvision`` ``xrv``, ``open_clip``
 ``clip``, ``facenet_pytorch`` ``facenet``, ``effdet``, ``lightly``, ``speechbrain`` ``sb``,
 ``segmentation_models_pytorch_3d`` ``smp3d``, ``torchdistill`` ``td``, ``timm_3d`` ``timm3d``,
-``vit_pytorch`` ``vitp``, ``torch_geometric`` ``pyg``). Each model runs in its own subprocess with a time limit,
+``vit_pytorch`` ``vitp``, ``torch_geometric`` ``pyg``); and seven families whose nets normalise per
+sample (:mod:`sweep_norm_libs`: MONAI ``monai``, nnU-Net with InstanceNorm ``dnanorm``, ``diffusers``
+``diff``, ConvNeXt ``convnext``, detection heads ``dethead``, GroupNorm ResNets ``gnresnet``, and
+BatchNorm controls from the same libraries ``bnctl``), counted per kind of norm (a second table:
+norms called, fused and running, report, float64 decisions, peak). Each model runs in its own subprocess with a time limit,
 on a small input (batch 2; 64 x 64 images, 32 x 32 for CIFAR nets, the model's own size where
 it needs one), float32, CPU, one thread:
 
@@ -140,8 +144,10 @@ CV_OTHER = ["simplepose_resnet18_coco", "lwopenpose2d_mobilenet_cmupan_coco", "i
 sys.path.insert(0, HERE)  # sweep_new_libs beside this file, also when imported as a module
 from sweep_new_libs import HF_MODELS, KORNIA_MODELS, build_hf, build_kornia  # noqa: E402
 from sweep_more_libs import MORE_FAMILIES, build_more  # noqa: E402
+from sweep_norm_libs import (NORM_FAMILIES, build_norm, count_norms, norm_hooks, norm_markdown,  # noqa: E402
+                             norm_per_model)
 
-FAMILIES = ["smp", "yolo", "cv", "gen", "pm", "hf", "kornia", *MORE_FAMILIES]
+FAMILIES = ["smp", "yolo", "cv", "gen", "pm", "hf", "kornia", *MORE_FAMILIES, *NORM_FAMILIES]
 
 #: label -> (family, name, task)
 MODELS: Dict[str, Tuple[str, str, str]] = {}
@@ -168,7 +174,7 @@ for _n, (_t, _) in HF_MODELS.items():
     MODELS[f"hf:{_n}"] = ("hf", _n, _t)
 for _n, (_t, _) in KORNIA_MODELS.items():
     MODELS[f"kornia:{_n}"] = ("kornia", _n, _t)
-for _f, _entries in MORE_FAMILIES.items():
+for _f, _entries in [*MORE_FAMILIES.items(), *NORM_FAMILIES.items()]:
     for _n, (_t, _) in _entries.items():
         MODELS[f"{_f}:{_n}"] = (_f, _n, _t)
 
@@ -258,6 +264,9 @@ def build(family: str, name: str) -> Tuple[Any, Tuple[Any, ...]]:
     if family in MORE_FAMILIES:
         model, x = build_more(family, name, gen)
         return model.train(), x
+    if family in NORM_FAMILIES:
+        model, x = build_norm(family, name, gen)
+        return model.train(), x
     raise ValueError(f"unknown family {family!r}; expected one of {', '.join(FAMILIES)}")
 
 
@@ -335,11 +344,29 @@ def _step(model: Any, inputs: Tuple[Any, ...]) -> Dict[str, Any]:
     model.zero_grad(set_to_none=True)
     torch.manual_seed(123)
     out = model(*inputs)
-    _loss(out).backward()
+    loss = _loss(out)
+    chains = _chain_calls(loss)
+    loss.backward()
     state = model.state_dict(keep_vars=True)
-    return {"out": [t.detach() for t in _leaves(out)],
+    return {"out": [t.detach() for t in _leaves(out)], "chain_calls": chains,
             "grads": {k: v.grad for k, v in state.items() if isinstance(v, torch.nn.Parameter)},
             "buffers": {k: v.detach().clone() for k, v in state.items() if not isinstance(v, torch.nn.Parameter)}}
+
+
+def _chain_calls(loss: Any) -> Dict[str, int]:
+    """Fused chain Functions in ``loss``'s autograd graph, by node name (the fused path ran)."""
+    found: Dict[str, int] = collections.Counter()
+    seen: Dict[int, Any] = {}  # nodes kept alive: a freed node's id could be reused
+    stack = [getattr(loss, "grad_fn", None)]
+    while stack:
+        node = stack.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen[id(node)] = node
+        if type(node).__name__.endswith("ChainFunctionBackward"):
+            found[type(node).__name__] += 1
+        stack.extend(n for n, _ in node.next_functions)
+    return dict(found)
 
 
 def _compare(ref: Dict[str, Any], got: Dict[str, Any]) -> Dict[str, float]:
@@ -381,13 +408,24 @@ def cause(error: str) -> str:
     return "other: " + error[:120]
 
 
+def _norms_gone(eager: Dict[str, str], now: Dict[str, str], reported: set) -> Dict[str, int]:
+    """Per kind: the per-sample norms the eager step called that the report lists as fused and
+    the converted step no longer calls as modules (they ran inside a fused chain). A norm module
+    with its own forward may be traced into its parent's graph and so not be called as a module
+    while left unfused: the report decides those (an outcome for a functional call names the
+    module it sits in after ``in``)."""
+    fused = {name.rpartition(" in ")[2] for name in reported}
+    return dict(collections.Counter(kind for name, kind in eager.items() if name not in now and name in fused))
+
+
 def _check_convert(model: Any, inputs: Tuple[Any, ...], with_inputs: bool, ref: Dict[str, Any],
-                   called_eager: set, dtype: str) -> Dict[str, Any]:
+                   called_eager: set, dtype: str, norms_eager: Optional[Dict[str, str]] = None) -> Dict[str, Any]:
     import torch
 
     import convbn
 
     res: Dict[str, Any] = {"ok": False, "dtype": dtype}
+    norms_eager = norms_eager or {}
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -400,14 +438,18 @@ def _check_convert(model: Any, inputs: Tuple[Any, ...], with_inputs: bool, ref: 
     res["report_fused"] = len(reported)
     called, handles = _bn_hooks(conv)
     frozen, frozen_handles = _bn_hooks(conv, frozen=True)
+    norms, norm_handles = norm_hooks(conv)
     try:
         got = _step(conv, inputs)
     except Exception as exc:  # noqa: BLE001
         res["error"] = "converted model raised: " + _short(exc)
         return res
     finally:
-        for h in handles + frozen_handles:
+        for h in handles + frozen_handles + norm_handles:
             h.remove()
+    res["norm_fused_ran"] = _norms_gone(norms_eager, norms, reported)
+    res["chain_calls"] = got["chain_calls"]
+    res["norm_report_fused"] = len({n.rpartition(" in ")[2] for n in reported} & set(norms_eager))
     res["still_called"] = len(called)
     res["fused_ran"] = len(called_eager - called)
     res["report_not_run"] = sorted(reported & called)  # listed as fused, yet called as a module
@@ -415,7 +457,11 @@ def _check_convert(model: Any, inputs: Tuple[Any, ...], with_inputs: bool, ref: 
     errs = _compare(ref, got)
     try:  # a second step: what runs once the first call's checks are behind
         called_next, handles = _bn_hooks(conv)
+        norms_next, norm_handles = norm_hooks(conv)
+        handles += norm_handles
         _step(conv, inputs)
+        reported_next = {o.batchnorm for o in getattr(conv.convbn_report, "outcomes", []) if o.result == "fused"}
+        res["norm_fused_ran_next"] = _norms_gone(norms_eager, norms_next, reported_next)
         reported = {o.batchnorm for o in getattr(conv.convbn_report, "outcomes", []) if o.result == "fused"}
         res["fused_ran_next"] = len(called_eager - called_next)
         res["report_fused_next"] = len(reported)  # listed at the same moment as what ran is counted
@@ -515,9 +561,10 @@ def run_one(label: str, peak: bool = True) -> Dict[str, Any]:
     except Exception as exc:  # noqa: BLE001 - the library cannot build it here: not counted
         rec["skipped"] = "build: " + _short(exc)
         return rec
-    rec["input"] = [list(t.shape) for t in inputs]
+    rec["input"] = [list(t.shape) for t in torch.utils._pytree.tree_leaves(inputs) if isinstance(t, torch.Tensor)]
     rec["bns"] = sum(isinstance(m, _BatchNorm) for m in model.modules())
     rec["frozen_bns"] = sum(_frozen_bn_like(m) for m in model.modules())
+    rec["norms"] = count_norms(model)
     snapshot = copy.deepcopy(model.state_dict())
     try:
         eager = copy.deepcopy(model)
@@ -526,29 +573,32 @@ def run_one(label: str, peak: bool = True) -> Dict[str, Any]:
         return rec
     called, handles = _bn_hooks(eager)
     frozen, frozen_handles = _bn_hooks(eager, frozen=True)
+    norms, norm_handles = norm_hooks(eager)
     try:
         ref = _step(eager, inputs)
     except Exception as exc:  # noqa: BLE001 - eager itself does not train on this input: not counted
         rec["skipped"] = "eager: " + _short(exc)
         return rec
-    for h in handles + frozen_handles:
+    for h in handles + frozen_handles + norm_handles:
         h.remove()
+    rec["norm_called"] = dict(collections.Counter(norms.values()))
     rec["bn_called"] = len(called)
     rec["frozen_called"] = len(frozen)
     times = {"build+eager": round(time.time() - t0, 1)}
     ref64 = None
     for key, with_inputs in (("convert", True), ("convert_noei", False)):
         model.load_state_dict(snapshot)
-        res = _check_convert(model, inputs, with_inputs, ref, called, "float32")
+        res = _check_convert(model, inputs, with_inputs, ref, called, "float32", norms)
         if not res["ok"] and str(res.get("error", "")).startswith("mismatch"):
             # rounding in doubt: judge the step in float64
             m64 = copy.deepcopy(model).double()
             m64.load_state_dict(snapshot)
             m64 = m64.double()
-            x64 = tuple(t.double() if t.is_floating_point() else t for t in inputs)
+            x64 = torch.utils._pytree.tree_map(  # lists of feature maps too (detection heads)
+                lambda t: t.double() if isinstance(t, torch.Tensor) and t.is_floating_point() else t, inputs)
             if ref64 is None:
                 ref64 = _step(copy.deepcopy(m64), x64)
-            res64 = _check_convert(m64, x64, with_inputs, ref64, called, "float64")
+            res64 = _check_convert(m64, x64, with_inputs, ref64, called, "float64", norms)
             res64.pop("conv", None)
             res["float64"] = {k: v for k, v in res64.items() if k.endswith("_err") or k in ("ok", "error")}
             res["ok"] = res64["ok"]
@@ -783,8 +833,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         latest = {r["label"]: r for r in records}  # a model run twice: its last record
         records = [latest[lb] for lb in labels if lb in latest]  # the models --family / --models / --limit pick
         print(markdown(records, f"python benchmarks/bm_sweep.py --report {args.report}{selection}"))
+        print("\n" + norm_markdown(records, f"python benchmarks/bm_sweep.py --report {args.report}{selection}"))
         if args.per_model:
-            print("\n" + per_model(records))
+            print("\n" + per_model(records) + "\n\n" + norm_per_model(records))
         print("\n" + causes_table(records) + "\n")
         print(failures(records))
         return 0
@@ -822,8 +873,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         json.dump(records, f, indent=1, default=float)
     command = "python benchmarks/bm_sweep.py" + selection
     print(markdown(records, command))
+    print("\n" + norm_markdown(records, command))
     if args.per_model:
-        print("\n" + per_model(records))
+        print("\n" + per_model(records) + "\n\n" + norm_per_model(records))
     print(f"\n{len(records)} models in {time.time() - t0:.0f} s wall ({args.jobs} jobs)\n")
     print(causes_table(records) + "\n")
     print(failures(records))

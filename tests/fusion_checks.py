@@ -16,7 +16,7 @@ from torch import Tensor, nn
 import convbn
 from convbn.nn.chain import FusedChain
 from convbn.passes.graph.graph_module import fused_modules as graph_fused_modules
-from fusion_watch import CHAIN_BACKWARD
+from fusion_watch import CHAIN_BACKWARD, FUSED_BACKWARDS
 
 __all__ = ["assert_fused", "chain_nodes", "assert_chain_ran", "fused_chains"]
 
@@ -72,7 +72,7 @@ def chain_nodes(out: Tensor) -> List[Any]:
         if node is None or id(node) in seen:
             continue
         seen[id(node)] = node
-        if type(node).__name__ == CHAIN_BACKWARD:
+        if type(node).__name__ in FUSED_BACKWARDS:
             found.append(node)
         stack.extend(n for n, _ in node.next_functions)
     return found

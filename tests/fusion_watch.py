@@ -35,8 +35,12 @@ from torch import Tensor, nn
 
 #: the grad_fn name of the fused chain's autograd Function
 CHAIN_BACKWARD = "ChainFunctionBackward"
+#: the grad_fn name of the per-sample-norm chain's Function (autograd/norm_chain.py)
+NORM_CHAIN_BACKWARD = "NormChainFunctionBackward"
+#: every fused chain Function's grad_fn name
+FUSED_BACKWARDS = (CHAIN_BACKWARD, NORM_CHAIN_BACKWARD)
 
-__all__ = ["CHAIN_BACKWARD", "Watch", "install", "start", "stop", "watching", "current"]
+__all__ = ["CHAIN_BACKWARD", "NORM_CHAIN_BACKWARD", "FUSED_BACKWARDS", "Watch", "install", "start", "stop", "watching", "current"]
 
 
 @dataclass
@@ -67,10 +71,10 @@ class Watch:
         rec.calls += 1
         if out.requires_grad:
             name = type(out.grad_fn).__name__
-            if name == CHAIN_BACKWARD:
+            if name in FUSED_BACKWARDS:
                 rec.fused += 1
             else:
-                rec.unfused_how = f"output grad_fn {name}, not {CHAIN_BACKWARD}"
+                rec.unfused_how = f"output grad_fn {name}, not one of {FUSED_BACKWARDS}"
         elif no_grad_kernel:
             rec.fused += 1
         else:
@@ -126,7 +130,9 @@ def eager_by_design(chain: Any, inputs: Tuple[Tensor, ...]) -> bool:
         return True
     if chain._hooked() or any(t.numel() == 0 for t in inputs) or chain._linear_on_other_shape(x):
         return True
-    return bool(chain.layers[0].is_head and torch.is_autocast_enabled(x.device.type))
+    autocast = torch.is_autocast_enabled(x.device.type)
+    # a per-sample-norm chain runs autocast's casts as eager modules (nn/norm_chain.py)
+    return bool(autocast and (chain.layers[0].is_head or type(chain).__name__ == "FusedNormChain"))
 
 
 def current() -> Optional[Watch]:
@@ -194,6 +200,17 @@ def install() -> None:
         return no_grad(*args, **kwargs)
 
     chain_run.chain_forward_no_grad = counting_no_grad
+    import convbn.autograd.norm_chain as norm_chain
+
+    norm_no_grad = norm_chain.norm_chain_forward_no_grad
+
+    @functools.wraps(norm_no_grad)
+    def counting_norm_no_grad(*args: Any, **kwargs: Any) -> Any:
+        if not torch.compiler.is_compiling():
+            _NO_GRAD_RUNS[0] += 1
+        return norm_no_grad(*args, **kwargs)
+
+    norm_chain.norm_chain_forward_no_grad = counting_norm_no_grad
     forward = FusedChain.forward
 
     @functools.wraps(forward)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import time
+from types import SimpleNamespace
 from typing import Any, List
 
 import pytest
@@ -99,14 +100,33 @@ def _echo_worker(rank: int, world: int, t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def test_launch_workers_results_in_rank_order_and_failures_stop_every_rank() -> None:
-    results = launch_workers(_echo_worker, 2, torch.ones(3), timeout=60)
+class _StoppedClock:
+    """``time.monotonic`` for the launcher that never reaches its deadline: the launcher returns
+    because the ranks ended, never because time ran out. Past ``polls`` readings (the launcher
+    polls every 0.05 s: over an hour) it fails the test instead of waiting for ever."""
+
+    def __init__(self, polls: int = 100_000) -> None:
+        self.left = polls
+
+    def __call__(self) -> float:
+        self.left -= 1
+        if self.left < 0:
+            raise AssertionError("the launcher kept waiting for rank 0 after rank 1 failed")
+        return 0.0
+
+
+def test_launch_workers_results_in_rank_order_and_failures_stop_every_rank(monkeypatch) -> None:
+    results = launch_workers(_echo_worker, 2, torch.ones(3), timeout=600)
     assert [r.tolist() for r in results] == [[3.0] * 3] * 2
 
-    t0 = time.monotonic()
+    import convbn.bench.launch as launch
+
+    # not the timeout, on any machine: with a clock that never reaches the deadline the call ends
+    # only once rank 1 has failed and rank 0 is stopped (by the launcher, or by its barrier losing
+    # its peer), and says which rank failed and why; no elapsed time is compared
+    monkeypatch.setattr(launch, "time", SimpleNamespace(monotonic=_StoppedClock(), sleep=time.sleep))
     with pytest.raises(RuntimeError, match="rank 1 of 2 failed(.|\n)*rank 1 broke on purpose"):
         launch_workers(_failing_worker, 2, timeout=60)
-    assert time.monotonic() - t0 < 50  # not the timeout: rank 0 was terminated once rank 1 failed
 
 
 def test_launch_workers_rejects_bad_world_size() -> None:

@@ -4,7 +4,6 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import time
 from typing import List
 
 import pytest
@@ -218,19 +217,16 @@ def _compile_works() -> bool:
 def test_compile_budgets_on_a_tiny_model() -> None:
     """Each budget gets its own compiled graph and saved_tensors_hooks see what it keeps.
 
-    Compiles twice on a tiny network: a few seconds with a warm inductor cache,
-    up to a minute cold; skipped when the run takes longer than 60 s.
+    Compiles twice on a tiny network: a few seconds with a warm inductor cache, up to a
+    minute cold (run however long it takes: whether it runs depends on no clock).
     """
     net = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
                         nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
                         nn.Flatten(), nn.Linear(8 * 8 * 8, 10))
-    t0 = time.perf_counter()
     rows = run_training_bench("tiny", batch_size=4, configs=["compile"], steps=1, warmup=0, memory_rounds=0,
                               compile_budgets=[1.0, 0.1], progress=False, model=net, input_shape=(3, 8, 8))
     if any(r.note.startswith("failed") for r in rows):
         pytest.skip(f"torch.compile failed here: {[r.note for r in rows]}")
-    if time.perf_counter() - t0 > 60:
-        pytest.skip(f"torch.compile took {time.perf_counter() - t0:.0f} s (> 60 s) on this machine")
     by = {r.config: r for r in rows}
     full, low = by["torch.compile budget=1"], by["torch.compile budget=0.1"]
     assert full.saved_bytes and low.saved_bytes and low.saved_bytes < full.saved_bytes

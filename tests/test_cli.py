@@ -14,7 +14,7 @@ from convbn.cli import load_commands, main
 ENV = dict(os.environ, OMP_NUM_THREADS="1", COLUMNS="200")
 
 
-def _convbn(*args, timeout=120):
+def _convbn(*args, timeout=600):  # a guard against a hang only: generous for a loaded machine
     return subprocess.run([sys.executable, "-m", "convbn", *args], capture_output=True, text=True, timeout=timeout,
                           env=ENV)
 

@@ -3,6 +3,7 @@ TorchScript input, and inputs of the wrong rank (eager's exception type, on ever
 from __future__ import annotations
 
 import copy
+import warnings
 from typing import Any, Callable, Dict, List
 
 import pytest
@@ -39,22 +40,32 @@ class TiedDetector(nn.Module):
 
 
 def test_fold_names_a_model_that_jumps_on_last_bit_changes() -> None:
-    raised = []
+    """fold's check cannot compare such outputs: it never raises, it returns the model unfolded
+    with a warning and report that say why and what to do (Note: [a check that fails leaves the
+    model as it was])."""
+    left = []
     for seed in range(8, 14):
         torch.manual_seed(seed)
         model = TiedDetector().eval()
         x = torch.randn(16, 3, 8, 8)
-        try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
             folded = convbn.fold(model, example_inputs=x)
-        except RuntimeError as exc:
-            msg = str(exc)
+        said = [str(w.message) for w in caught if "returned unfolded" in str(w.message)]
+        if said:
+            msg = said[0]
             assert "bug in convbn" not in msg, msg
             assert "jump on last-bit changes" in msg and "top-k" in msg, msg
             assert "example_inputs" in msg and "check=False" in msg, msg  # what to do
-            raised.append(seed)
+            assert not folded.convbn_report.folded and folded.convbn_report.skipped, folded.convbn_report
+            assert all("jump on last-bit changes" in o.reason for o in folded.convbn_report.outcomes)
+            with torch.no_grad():
+                for got, want in zip(folded(x), model(x)):
+                    torch.testing.assert_close(got, want, rtol=0, atol=0)  # the model as it was
+            left.append(seed)
             folded = convbn.fold(model, example_inputs=x, check=False)  # the way out it names
         assert folded.convbn_report.folded, folded.convbn_report
-    assert raised, "no seed gave a tie the fold's rounding flips: the test checks nothing"
+    assert left, "no seed gave a tie the fold's rounding flips: the test checks nothing"
 
 
 def _mk(train: bool = True) -> nn.Sequential:

@@ -41,7 +41,7 @@ def _run(
     env.update(extra_env or {})
     return subprocess.run(
         [sys.executable, str(EXAMPLES / script), "--out", str(out_dir)],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=180,
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
     )
 
 

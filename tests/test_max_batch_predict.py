@@ -12,7 +12,7 @@ import torch
 import torch.nn as nn
 
 import convbn
-import convbn.largest_batch as batch_fit
+import convbn.batch_search as batch_search
 from convbn.largest_batch import _batch_of
 from convbn.batch_predict import StepLines, largest_fitting
 from convbn.memory import timeline
@@ -126,7 +126,7 @@ BAD = [
     (dict(memory=-5), ValueError, "memory must be positive"),
     (dict(loss_fn="mse"), TypeError, "loss_fn must be callable"),
     (dict(method="fast"), ValueError, "method must be 'predict' or 'measure'"),
-    (dict(confirm="yes"), TypeError, "confirm must be None, True or False"),
+    (dict(confirm="yes"), TypeError, "confirm must be 'auto', True or False"),
     (dict(progress="loud"), TypeError, "progress must be None"),
     (dict(chian=False), TypeError, "convbn.convert, which says"),
     (dict(strategy="recompute_bn"), ValueError, "strategy='auto' only"),
@@ -141,7 +141,8 @@ def test_max_batch_checks_every_argument_before_any_step(monkeypatch, bad, error
     def no_step(*args, **kwargs):
         raise AssertionError("a step ran before the arguments were checked")
 
-    monkeypatch.setattr(batch_fit, "timeline", no_step)
+    monkeypatch.setattr(batch_search, "timeline", no_step)
+    monkeypatch.setattr(batch_search.copy, "deepcopy", no_step)
     net = _resnet()
     opt = torch.optim.SGD(net.parameters(), lr=0.1)
     args = dict(example_inputs=torch.randn(2, 3, 16, 16), memory="64MiB", optimizer=opt)

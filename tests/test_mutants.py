@@ -20,7 +20,7 @@ _spec.loader.exec_module(mutants)  # type: ignore[union-attr]
 
 @pytest.mark.parametrize("name", list(mutants.MUTANTS))
 def test_mutant_is_killed(name: str) -> None:
-    killed, seconds, out = mutants.run_mutant(name, timeout=600)
+    killed, seconds, out = mutants.run_mutant(name, timeout=3600)  # a hang guard: a loaded machine is slow
     assert killed, f"mutant {name!r} ({mutants.MUTANTS[name].doc}) SURVIVED its tests " \
                    f"{list(mutants.MUTANTS[name].tests)}:\n{out}"
 

@@ -27,7 +27,7 @@ sys.meta_path.insert(0, _NoRich())
 def _run_without_rich(code: str) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONPATH=SRC, OMP_NUM_THREADS="1")
     return subprocess.run([sys.executable, "-c", _BLOCK_RICH + textwrap.dedent(code)], env=env,
-                          capture_output=True, text=True, timeout=120)
+                          capture_output=True, text=True, timeout=600)
 
 
 def test_core_and_commands_load_without_rich() -> None:

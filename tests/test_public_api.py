@@ -20,14 +20,17 @@ from convbn.autograd import chain_compiled, chain_kernels
 #: a concept no other exported name does (test_no_object_exported_under_two_names checks it).
 PUBLIC: Dict[str, List[str]] = {
     "convbn": [
-        "ACTIVATIONS", "Activation", "BNOutcome", "BatchFit", "ConvertReport", "ConvertStrategy", "FoldReport",
+        "ACTIVATIONS", "Activation", "BNOutcome", "BatchFit", "ConvertPlan", "ConvertReport", "ConvertStrategy",
+        "FoldReport",
         "FusedChain", "FusedConvBN1d", "FusedConvBN2d", "FusedConvBN3d", "GradcheckReport", "PeakMemory",
         "SavedBytes", "Strategy", "Timeline", "compile_chains", "conv_bn_act", "convert", "explain", "fold",
         "fold_conv_bn_modules", "fused_kernels", "fused_modules", "gradcheck_module", "max_batch", "peak_memory",
         "saved_bytes", "tensor_peak", "timeline", "track_saved",
     ],
     "convbn.autograd": ["ChainFunction", "FrozenFunction", "conv_bn_act"],
-    "convbn.nn": ["ChainLayer", "FusedChain", "FusedConvBN1d", "FusedConvBN2d", "FusedConvBN3d", "SyncBatchNorm"],
+    "convbn.nn": ["ChainLayer", "FusedChain", "FusedConvBN1d", "FusedConvBN2d", "FusedConvBN3d", "FusedConvGroupNorm1d",
+                  "FusedConvGroupNorm2d", "FusedConvGroupNorm3d", "FusedConvInstanceNorm1d", "FusedConvInstanceNorm2d",
+                  "FusedConvInstanceNorm3d", "FusedNormChain", "SyncBatchNorm"],
     "convbn.memory": ["PHASES", "PeakMemory", "SavedBytes", "Timeline", "TimelinePoint", "allocator_peak",
                       "format_bytes", "peak_memory", "saved_bytes", "tensor_peak", "timeline", "track_saved"],
     "convbn.integrations": ["convert_submodules", "has_batchnorm"],

@@ -17,6 +17,7 @@ import torch.fx
 from torch import Tensor, nn
 
 import convbn
+from convbn.passes.report.attached import detach_report
 import convbn.passes.convert.api as convert_api
 import convbn.passes.fold.api as fold_api
 
@@ -138,7 +139,8 @@ def test_fold_with_bad_example_inputs_changes_nothing() -> None:
 @pytest.mark.parametrize("fault", [RuntimeError, KeyboardInterrupt])
 def test_fold_inplace_failing_after_folding_changes_nothing(fault: type, monkeypatch: pytest.MonkeyPatch) -> None:
     """fold(inplace=True) writes the folded weights into the layers' own parameters: a failure
-    after that puts the original weights back."""
+    after that puts the original weights back. An exception of the folded model in fold's check
+    is the check's finding (the model is returned as it was, with a warning); Ctrl-C propagates."""
     model = _model(train=False)
     before = _state(model)
     calls: List[int] = []
@@ -149,8 +151,14 @@ def test_fold_inplace_failing_after_folding_changes_nothing(fault: type, monkeyp
         raise fault("injected")
 
     monkeypatch.setattr(fold_api, "run_no_grad", failing_run)
-    with pytest.raises(fault, match="injected"):
-        convbn.fold(model, inplace=True, example_inputs=GOOD)
+    if fault is KeyboardInterrupt:
+        with pytest.raises(fault, match="injected"):
+            convbn.fold(model, inplace=True, example_inputs=GOOD)
+    else:
+        with pytest.warns(RuntimeWarning, match="injected"):
+            assert convbn.fold(model, inplace=True, example_inputs=GOOD) is model
+        assert not model.convbn_report.folded
+        detach_report(model)  # the report of what happened is the one addition
     assert calls  # the fault came after folding
     monkeypatch.setattr(fold_api, "run_no_grad", run)
     _assert_same(before, model)

@@ -91,7 +91,7 @@ def _top_level_entries(dist: str) -> Dict[str, Path]:
 
 def _torch_only_venv(where: Path) -> Path:
     """A venv whose site-packages links to torch and its requirements only; returns its python."""
-    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(where)], check=True, timeout=120)
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(where)], check=True, timeout=600)
     python = where / "bin" / "python"
     site = Path(subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
                                capture_output=True, text=True, check=True, env=_clean_env()).stdout.strip())
@@ -135,7 +135,7 @@ def _build_wheel(tmp: Path) -> Path:
     return wheels[0]
 
 
-def _run(args: List[str], cwd: Path, timeout: int = 180) -> subprocess.CompletedProcess:
+def _run(args: List[str], cwd: Path, timeout: int = 600) -> subprocess.CompletedProcess:
     start = time.perf_counter()
     proc = subprocess.run(args, cwd=cwd, capture_output=True, text=True, timeout=timeout, env=_clean_env())
     print(f"{time.perf_counter() - start:.1f} s: {' '.join(args[-3:])}")

@@ -24,6 +24,7 @@ from .memory import PeakMemory, SavedBytes, Timeline, peak_memory, saved_bytes, 
 from .nn.chain import FusedChain
 from .nn.fused_conv_bn import FusedConvBN1d, FusedConvBN2d, FusedConvBN3d
 from .passes.convert.api import convert, explain
+from .passes.convert.saved_plan import ConvertPlan
 from .passes.fold.api import FoldReport, fold, fold_conv_bn_modules
 from .passes.report.live import running_fused_modules as fused_modules
 from .passes.report.outcome import BNOutcome
@@ -36,6 +37,7 @@ __all__ = [
     "Activation",
     "BNOutcome",
     "BatchFit",
+    "ConvertPlan",
     "ConvertReport",
     "ConvertStrategy",
     "FoldReport",

@@ -35,7 +35,7 @@ __all__ = [
     "function_apply_wrapper", "global_module_hooks", "functorch_config", "inductor_compile_fx",
     "SAC_ADVISORY_LOGGER", "is_non_overlapping_and_dense_or_false", "dense_or_false_fallback", "make_channels_last_strides_for",
     "make_contiguous_strides_for", "suggest_memory_format", "mem_tracker_class", "mod_tracker_module",
-    "HAS_MEM_TRACKER", "fsdp_state_of", "insert_module_state", "fsdp_new_init_disabled",
+    "HAS_MEM_TRACKER", "fsdp_state_of", "insert_module_state", "fsdp_new_init_disabled", "InstanceNormBase",
 ]
 
 #: The oldest torch convbn declares (pyproject ``torch>=2.8``): the oldest release on which its
@@ -43,6 +43,11 @@ __all__ = [
 #: on (the public selective-checkpoint API, ``torch.distributed._tools.mem_tracker``), and the
 #: entries below keep their 2.5 - 2.7 fallbacks, but the subset fails there. For messages only.
 MINIMUM_TORCH = "2.8"
+
+# --- nn module bases ------------------------------------------------------------------------
+#: ``torch.nn.modules.instancenorm._InstanceNorm``: every release; the base of
+#: ``nn.InstanceNorm{1,2,3}d`` (and of the lazy ones), whose forward the norm table recognises.
+from torch.nn.modules.instancenorm import _InstanceNorm as InstanceNormBase  # noqa: E402
 
 # --- dispatch modes ------------------------------------------------------------------------
 # torch.utils._python_dispatch._get_current_dispatch_mode / _get_current_dispatch_mode_stack: 2.0

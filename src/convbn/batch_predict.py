@@ -17,11 +17,14 @@
 from __future__ import annotations
 
 from fractions import Fraction
-from typing import Callable, List, Sequence, Tuple
+from typing import Any, Callable, List, Optional, Tuple
 
-from .memory.timelines import Timeline
+import torch
+from torch import Tensor, nn
 
-__all__ = ["StepLines", "largest_fitting", "step_seconds", "PROBE_BATCHES"]
+from .memory.timelines import Timeline, default_loss
+
+__all__ = ["StepLines", "largest_fitting", "step_flops", "PROBE_BATCHES"]
 
 #: the batches a prediction is recorded at, and the one it is checked at
 PROBE_BATCHES = (2, 4, 3)
@@ -94,8 +97,20 @@ def largest_fitting(fits: Callable[[int], bool], upper: int) -> int:
     return lo
 
 
-def step_seconds(times: Sequence[Tuple[int, float]], batch: int) -> float:
-    """A step's wall time at ``batch`` on the line through two measured ``(batch, seconds)``."""
-    (ba, ta), (bb, tb) = times[0], times[1]
-    return max(ta, ta + (tb - ta) / (bb - ba) * (batch - ba))
+def step_flops(model: nn.Module, inputs: Tuple[Any, ...], loss_fn: Optional[Callable[[Any], Tensor]] = None) -> int:
+    """Floating-point operations of one forward and backward of ``model`` on ``inputs``, as
+    ``torch.utils.flop_counter.FlopCounterMode`` counts them (convolutions, matrix products,
+    attention: the work that sets a step's time); the gradients it makes are set to None after.
 
+    Example:
+        >>> step_flops(nn.Linear(8, 4, bias=False), (torch.randn(2, 8),))  # 2*8*4 forward + 2*8*4 weight grad
+        256
+    """
+    from torch.utils.flop_counter import FlopCounterMode  # public since torch 2.1
+
+    with FlopCounterMode(display=False) as counter, torch.enable_grad():
+        out = model(*inputs)
+        (default_loss(out) if loss_fn is None else loss_fn(out)).backward()
+    for p in model.parameters():
+        p.grad = None
+    return int(counter.get_total_flops())

@@ -8,6 +8,7 @@ needs more than it hands out (Note: [CUDA headroom]).
 """
 from __future__ import annotations
 
+import math
 import re
 from typing import Any, Optional, Set
 
@@ -34,7 +35,8 @@ def parse_memory(value: Any) -> int:
         The number of bytes (rounded down), positive.
 
     Raises:
-        ValueError: not positive, or a string that is not a number and a unit.
+        ValueError: below one byte, not finite (NaN, infinity), or a string that is not a
+            number and a unit.
         TypeError: neither a number nor a string.
 
     Example:
@@ -51,9 +53,11 @@ def parse_memory(value: Any) -> int:
                              f"such as '16GiB', but got {value!r}")
         out = int(float(m.group(1)) * _UNITS[unit])
     else:
+        if not math.isfinite(value):
+            raise ValueError(f"memory must be a finite number of bytes, but got {value!r}")
         out = int(value)
     if out <= 0:
-        raise ValueError(f"memory must be positive, but got {value!r}")
+        raise ValueError(f"memory must be positive (at least one byte), but got {value!r}")
     return out
 
 

@@ -13,15 +13,37 @@
 # The trick: keep the handles while the tracker's own hooks run, and remove them when the
 # block ends. The block holds the whole step (forward, loss, backward), so every hook has
 # fired by then; removing a hook from its node breaks the cycle.
+
+# Note: [a hook on a stale view crashes the process]
+# ``register_multi_grad_hook(..., mode="any")`` (what ``ModTracker`` puts on every module's
+# outputs) calls ``Tensor.register_hook`` on each tensor without reading its ``grad_fn`` first.
+# On a view whose base was changed in place through another alias (a spectrogram-augmentation
+# module that masks ``x[:, :, a:b].zero_()`` and returns its view ``x``), reading ``grad_fn``
+# is what refreshes the view's autograd history; ``register_hook`` before that refresh
+# writes into a hook table the refresh then clears, and the process dies with a segfault
+# (pytorch/pytorch#196459, torch 2.9 to 2.14). Reading ``grad_fn`` of every tensor before
+# the registration, as ``register_multi_grad_hook``'s ``"all"`` mode already does, is
+# torch's own fix, and safe on any tensor (a leaf answers ``None``).
 """
 from __future__ import annotations
 
 import contextlib
 from typing import Any, Iterator, List
 
+import torch
+
 from .._compat import mod_tracker_module
 
-__all__ = ["releasing_mod_tracker"]
+__all__ = ["releasing_mod_tracker", "refresh_view_history"]
+
+
+def refresh_view_history(tensors: Any) -> None:
+    """Read ``grad_fn`` of every tensor in ``tensors`` so that a view changed in place through
+    another alias has its autograd history brought up to date before a hook is registered on
+    it (Note: [a hook on a stale view crashes the process])."""
+    for t in tensors:
+        if isinstance(t, torch.Tensor) and t.requires_grad:
+            _ = t.grad_fn
 
 
 @contextlib.contextmanager
@@ -30,8 +52,9 @@ def _handles_into(handles: List[Any]) -> Iterator[None]:
     mod_tracker = mod_tracker_module()
     register = mod_tracker.register_multi_grad_hook
 
-    def keeping(*args: Any, **kwargs: Any) -> Any:
-        handle = register(*args, **kwargs)
+    def keeping(tensors: Any, *args: Any, **kwargs: Any) -> Any:
+        refresh_view_history(tensors)
+        handle = register(tensors, *args, **kwargs)
         handles.append(handle)
         return handle
 

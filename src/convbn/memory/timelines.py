@@ -31,7 +31,7 @@ from .mod_tracking import releasing_mod_tracker
 from .peaks import tensor_peak
 from .saved import _with_fused
 
-__all__ = ["PHASES", "Timeline", "TimelinePoint", "timeline", "default_loss"]
+__all__ = ["PHASES", "StepOverLimit", "Timeline", "TimelinePoint", "timeline", "default_loss"]
 
 #: the phases of one training step, in order, as :func:`timeline` records them
 PHASES = ("zero_grad", "forward", "loss", "backward", "optimizer")
@@ -105,6 +105,22 @@ class Timeline:
         return f"{p.phase}, in {p.module or '<root>'!r} at {p.op}"
 
 
+class StepOverLimit(RuntimeError):
+    """Raised by :func:`timeline` with ``stop_above``: the step was stopped after the first
+    operator whose bytes in use exceeded the limit (what it had made is freed as this unwinds).
+
+    Attributes:
+        bytes: bytes in use after that operator (above the step's start, as a point's).
+        point: that operator's :class:`TimelinePoint`.
+    """
+
+    def __init__(self, point: TimelinePoint, limit: int) -> None:
+        super().__init__(f"the step was stopped at {point.bytes} bytes in use, above the limit of {limit} "
+                         f"({point.phase}, {point.op})")
+        self.bytes = point.bytes
+        self.point = point
+
+
 def _innermost(parents: Any) -> str:
     names = [n for n in parents if n != "Global"]
     if not names:
@@ -116,10 +132,11 @@ def _innermost(parents: Any) -> str:
 class _TimelineMode(TorchDispatchMode):
     """Appends a :class:`TimelinePoint` after every operator (entered above the meter)."""
 
-    def __init__(self, read: Callable[[], int], where: Callable[[], str]) -> None:
+    def __init__(self, read: Callable[[], int], where: Callable[[], str], stop_above: Optional[int] = None) -> None:
         super().__init__()
         self.read = read
         self.where = where
+        self.stop_above = stop_above
         self.phase = "forward"
         self.points: List[TimelinePoint] = []
 
@@ -129,7 +146,11 @@ class _TimelineMode(TorchDispatchMode):
         node = current_autograd_node()
         if node is not None:
             op = f"{node.name()}/{op}"
-        self.points.append(TimelinePoint(self.read(), self.phase, self.where(), op, 0 if node is None else id(node)))
+        point = TimelinePoint(self.read(), self.phase, self.where(), op, 0 if node is None else id(node))
+        self.points.append(point)
+        if self.stop_above is not None and point.bytes > self.stop_above:
+            del out  # the step goes no further: nothing it made outlives the exception
+            raise StepOverLimit(point, self.stop_above)
         return out
 
 
@@ -154,6 +175,7 @@ def timeline(  # over 60 lines for its public docstring (what a step is, Args, E
     optimizer: Optional[torch.optim.Optimizer] = None,
     label: str = "",
     accumulate: bool = False,
+    stop_above: Optional[int] = None,
 ) -> Timeline:
     """Record live memory after every operator of one training step of ``model``.
 
@@ -181,9 +203,15 @@ def timeline(  # over 60 lines for its public docstring (what a step is, Args, E
         accumulate: keep the existing gradients (a later micro-batch of gradient
             accumulation): no ``zero_grad``, backward adds into ``.grad``, and the
             gradients so far count as live before the step.
+        stop_above: stop the step after the first operator whose bytes in use exceed this
+            many (above the start): :class:`StepOverLimit` is raised, so a step that does
+            not fit a limit never grows past it by more than that one operator's output.
 
     Returns:
         :class:`Timeline`.
+
+    Raises:
+        StepOverLimit: with ``stop_above``, the step went over it.
 
     Example:
         >>> net = nn.Sequential(nn.Linear(8, 8), nn.ReLU())
@@ -195,7 +223,10 @@ def timeline(  # over 60 lines for its public docstring (what a step is, Args, E
         raise TypeError(f"timeline expects an nn.Module, but got {type(model).__name__}")
     if loss_fn is None:
         loss_fn = default_loss
+    if stop_above is not None and (isinstance(stop_above, bool) or not isinstance(stop_above, int)):
+        raise TypeError(f"stop_above must be None or an int (bytes), but got {stop_above!r}")
     meter, mode, source = _meters(model, inputs, optimizer)
+    mode.stop_above = stop_above
     result = Timeline(source=source, label=label)
     if not accumulate:  # before the meter starts: freed gradients are not part of the step
         if optimizer is not None:

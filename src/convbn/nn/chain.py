@@ -57,7 +57,7 @@ class FusedChain(nn.Module):
         for i, l in enumerate(layers):
             if l.is_head and i != 0:
                 raise ValueError(f"only a chain's first layer may have no convolution (a head), but layer {i} has none")
-            if l.is_end and i != len(layers) - 1:
+            if l.is_end and i != len(layers) - 1 and not (self._ends_inside and l.elements):
                 raise ValueError(f"only a chain's last layer may have no BatchNorm (an end), but layer {i} has none")
         # Unregistered on purpose (see module docstring).
         object.__setattr__(self, "layers", list(layers))
@@ -78,6 +78,9 @@ class FusedChain(nn.Module):
         object.__setattr__(self, "watched", [[m for m in (l.bn, *l.tail) if isinstance(m, nn.Module)]
                                              for l in self.layers])
 
+    #: whether a layer with no norm but a tail may sit inside the chain (per-sample norm chains:
+    #: Note: [conv -> act layers inside a per-sample chain] in passes/convert/match.py)
+    _ends_inside = False
     layers: List[ChainLayer]
     watched: List[List[nn.Module]]
     op_structure: ChainStructure
@@ -179,17 +182,25 @@ class FusedChain(nn.Module):
                 if dt is not None:  # as autocast casts a conv module's operands
                     x, w, b = x.to(dt), w.to(dt), (None if b is None else b.to(dt))  # type: ignore[union-attr]
                 y = conv_forward(l.conv.pad_input(x), w, b, l.conv)  # type: ignore[arg-type]
-            # a norm-act module's own forward would apply its tail again: its batch norm only
-            z = y if l.bn is None else l.bn(y) if has_standard_bn_forward(l.bn) else standard_batch_norm(l.bn, y)
+            z = y if l.bn is None else self._normalise(l, y)
             if l.tail:
                 for e in l.tail:
                     z = e(z)
                 x = z
                 continue
-            in_tail = (l.bn, conv)
+            in_tail = (*self._norm_modules(l), conv)
             act = next((m for m in mods if all(m is not t for t in in_tail)), None)
             x = act(z) if act is not None else l.act(z)
         return x
+
+    def _normalise(self, l: ChainLayer, y: Tensor) -> Tensor:
+        """Layer ``l``'s norm as eager runs it (``_forward_eager``): a norm-act module's own
+        forward would apply its tail again, so its batch norm only."""
+        return l.bn(y) if has_standard_bn_forward(l.bn) else standard_batch_norm(l.bn, y)  # type: ignore[arg-type]
+
+    def _norm_modules(self, l: ChainLayer) -> Tuple[object, ...]:
+        """What stands for layer ``l``'s norm among its watched modules (not its activation)."""
+        return (l.bn,)
 
     def _linear_on_other_shape(self, input: Tensor) -> bool:
         """Whether a linear layer of the chain gets an input other than ``(N, C)``.

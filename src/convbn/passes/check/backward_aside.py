@@ -17,7 +17,7 @@ run on gradient accumulation (``register_post_accumulate_grad_hook``) run as in 
 """
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 from torch import Tensor
@@ -54,7 +54,8 @@ def holds_reentrant_checkpoint(outs: Sequence[Tensor]) -> bool:
 
 
 def backward_grads(outs: Sequence[Tensor], wrt: Sequence[Tensor], grad_outputs: Sequence[Tensor],
-                   params: Sequence[Tensor]) -> List[Optional[Tensor]]:
+                   params: Sequence[Tensor], on_grad: Optional[Callable[[int, Tensor], None]] = None
+                   ) -> List[Optional[Tensor]]:
     """The gradients of ``outs`` (upstream ``grad_outputs``) with respect to ``wrt``, computed
     by ``torch.autograd.backward`` with the ``.grad`` of ``wrt``, ``params`` and every leaf the
     graph reaches set aside and restored exactly afterwards (Note: [a check's backward through
@@ -65,6 +66,9 @@ def backward_grads(outs: Sequence[Tensor], wrt: Sequence[Tensor], grad_outputs: 
         wrt: the tensors (leaves) whose gradients are returned, ``None`` where none reaches them.
         grad_outputs: one upstream gradient per output.
         params: further leaves the backward may accumulate into (the model's parameters).
+        on_grad: ``on_grad(i, grad)`` as soon as ``wrt[i]``'s gradient is accumulated (its
+            ``register_post_accumulate_grad_hook``), which then lets it go (Note: [a check that
+            holds one side's gradients] in step.py); its slot in the result is ``None``.
 
     Returns:
         One gradient (or ``None``) per tensor of ``wrt``.
@@ -78,11 +82,25 @@ def backward_grads(outs: Sequence[Tensor], wrt: Sequence[Tensor], grad_outputs: 
         if id(t) not in aside:
             aside[id(t)] = t
     saved = [(t, t.grad) for t in aside.values()]
+    handles = [t.register_post_accumulate_grad_hook(_handing(i, on_grad)) for i, t in enumerate(wrt)
+               if on_grad is not None]
     try:
         for t, _ in saved:
             t.grad = None
         torch.autograd.backward(list(outs), list(grad_outputs))
         return [t.grad for t in wrt]
     finally:
+        for h in handles:
+            h.remove()
         for t, g in saved:
             t.grad = g
+
+
+def _handing(i: int, on_grad: Optional[Callable[[int, Tensor], None]]) -> Callable[[Tensor], None]:
+    """A post-accumulate-grad hook handing ``wrt[i]``'s gradient to ``on_grad``, then releasing it."""
+    def hook(t: Tensor) -> None:
+        grad, t.grad = t.grad, None
+        if on_grad is not None and grad is not None:
+            on_grad(i, grad)
+
+    return hook

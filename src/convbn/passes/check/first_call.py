@@ -65,8 +65,13 @@ class FirstCallCheck:
         with guards_paused(owner):  # guards checked just before: the check's own runs change nothing
             if hooked(owner):
                 # hooks may have side effects (collected features, counters): never call them
-                # more often than eager would; such models are validated with example_inputs only
-                return fwd.fn(owner, *args, **kwargs)
+                # more often than eager would; such models are validated with example_inputs only.
+                # A rewrite that raises is no reason to raise: the original runs instead
+                try:
+                    return fwd.fn(owner, *args, **kwargs)
+                except Exception as exc:  # noqa: BLE001 - whatever the rewrite raised, eager's forward decides
+                    _fall_back(fwd, f"the rewrite raised {type(exc).__name__}: {_first_line(exc)}")
+                    return fwd.original(*args, **kwargs)
             why = self.difference(fwd, args, kwargs)
             if why is None:  # the module itself fails: let it raise as eager would (as compared: no grad)
                 with torch.no_grad():
@@ -74,15 +79,7 @@ class FirstCallCheck:
             if not why:
                 fwd.undo = None  # checked: the weights it replaced are no longer needed
                 return fwd.run(*args, **kwargs)
-            fwd.fallback = True
-            fwd.fallback_reason = f"it differed from the original on the first call ({why})"
-            warnings.warn(
-                f"convbn: the rewritten {type(owner).__name__} differs from the original on its first call "
-                f"({why}); running the original (unfused) forward from now on. Pass example_inputs=... to "
-                "convert/fold to validate (and convert finer) up front.",
-                RuntimeWarning,
-                stacklevel=4,
-            )
+            _fall_back(fwd, why)
             return fwd.original(*args, **kwargs)
 
     def difference(self, fwd: GraphForward, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Optional[str]:
@@ -109,7 +106,24 @@ class FirstCallCheck:
                         result = compare_outputs(ref, out, self.tolerance, slack=slack)
                 return result.describe() if not result.ok else ""
             except Exception as exc:  # noqa: BLE001 - the rewrite fails: fall back
-                return f"the rewrite raised {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+                return f"the rewrite raised {type(exc).__name__}: {_first_line(exc)}"
+
+
+def _first_line(exc: BaseException) -> str:
+    return str(exc).splitlines()[0] if str(exc) else ""
+
+
+def _fall_back(fwd: GraphForward, why: str) -> None:
+    """The rewrite differed (or raised) on its first call: its module's own forward from now on, one warning."""
+    fwd.fallback = True
+    fwd.fallback_reason = f"it differed from the original on the first call ({why})"
+    warnings.warn(
+        f"convbn: the rewritten {type(fwd.owner).__name__} differs from the original on its first call "
+        f"({why}); running the original (unfused) forward from now on. Pass example_inputs=... to "
+        "convert/fold to validate (and convert finer) up front.",
+        RuntimeWarning,
+        stacklevel=5,
+    )
 
 
 class BackwardCheck:

@@ -19,7 +19,7 @@ from .backward_aside import backward_grads, holds_reentrant_checkpoint
 
 __all__ = ["StateSnapshot", "Comparison", "compare_outputs", "run_step", "seeded", "as_args", "float64_slack", "to_float64",
            "tolerance", "tolerance_rule", "ToleranceRule", "TOLERANCES", "CheckKind", "buffers_set_aside", "batch_sample",
-           "clone_tensors"]
+           "clone_tensors", "relative_floor", "leaf_difference"]
 
 
 def as_args(example_inputs: Any, name: str = "example_inputs") -> Tuple[Any, ...]:
@@ -185,23 +185,80 @@ class Comparison:
         return f"max |difference| {self.max_abs_diff:.3g} > allowed {self.allowed:.3g}"
 
 
+def _strided(t: Any) -> Any:
+    """A sparse (or other non-strided) tensor as a dense one, for comparing (a sparse parameter's
+    gradient is sparse; ``max`` and subtraction of its values are not defined for every layout)."""
+    return t.to_dense() if isinstance(t, Tensor) and t.layout != torch.strided else t
+
+
+def relative_floor(reference: Any) -> float:
+    """The smallest scale :func:`compare_outputs` gives a leaf with ``relative``: 1e-3 of the
+    largest finite ``max|leaf|`` of ``reference`` (read without a copy of any leaf)."""
+    mags = [_abs_max(t) for t in pytree.tree_leaves(reference)
+            if isinstance(t, Tensor) and t.is_floating_point() and t.numel()]
+    return 1e-3 * max((m for m in mags if math.isfinite(m)), default=0.0)
+
+
+def _abs_max(t: Tensor) -> float:
+    t = _strided(t.detach())
+    return max(abs(t.amax().item()), abs(t.amin().item()))
+
+
+#: elements of a leaf compared at a time: a check's float64 working copies stay ~1.5 MiB (Note: [a
+#: check's comparison in bounded memory])
+_CHUNK = 1 << 16
+
+
+def _chunks(t: Tensor) -> Iterator[Tensor]:
+    flat = t.detach().reshape(-1)
+    for start in range(0, flat.numel(), _CHUNK):
+        yield flat[start:start + _CHUNK]
+
+
+def leaf_difference(a: Tensor, b: Tensor) -> Tuple[Optional[str], float, float]:
+    """``(why they differ beyond rounding or None, max|a - b|, max|a|)`` over the finite values of
+    two floating tensors of one shape (non-finite values must be the same, in the same places;
+    a difference of -1: no value is finite).
+
+    # Note: [a check's comparison in bounded memory]
+    # The difference is taken in float64 a chunk of :data:`_CHUNK` elements at a time: whole-leaf
+    # float64 copies of the largest gradient (three of them, twice a float32 leaf's bytes each)
+    # were the peak of ``convert``'s check on weight-heavy models, above a training step's."""
+    diff = scale = 0.0
+    any_finite = False
+    a, b = _strided(a), _strided(b)
+    for ac, bc in zip(_chunks(a), _chunks(b)):
+        fa = torch.isfinite(ac)
+        if not torch.equal(fa, torch.isfinite(bc)) or not torch.equal(ac[~fa].nan_to_num(), bc[~fa].nan_to_num()):
+            return "non-finite values appeared, disappeared or changed", math.inf, 0.0
+        if not fa.any():
+            continue
+        any_finite = True
+        every = bool(fa.all())
+        a64, b64 = (ac if every else ac[fa]).double(), (bc if every else bc[fa]).double()
+        diff = max(diff, (a64 - b64).abs().max().item())
+        scale = max(scale, a64.abs().max().item())
+    return (None, diff, scale) if any_finite else (None, -1.0, 0.0)
+
+
 def compare_outputs(reference: Any, candidate: Any, tolerance: Callable[[torch.dtype], float],
-                    slack: Optional[Sequence[float]] = None, relative: bool = False) -> Comparison:
+                    slack: Optional[Sequence[float]] = None, relative: bool = False,
+                    floor: Optional[float] = None) -> Comparison:
     """Compare two pytrees of outputs leaf by leaf.
 
     A floating tensor passes when ``max|candidate - reference| <= tol * scale + slack[i]``
     (``tol = tolerance(dtype)``, ``slack`` per floating leaf, default 0), with the same
     non-finite values. ``scale`` is ``max(1, max|reference|)``, or with ``relative`` the
-    leaf's own ``max|reference|`` but at least 1e-3 of the largest leaf's (gradients are
-    often far below 1). Other tensors must be equal, other values equal.
+    leaf's own ``max|reference|`` but at least ``floor`` (default :func:`relative_floor` of
+    ``reference``: 1e-3 of the largest leaf's; gradients are often far below 1). Other tensors
+    must be equal, other values equal.
     """
     ref_leaves, ref_spec = pytree.tree_flatten(reference)
-    floor = 0.0
-    if relative:
-        mags = [t.detach().abs().max().item() for t in ref_leaves
-                if isinstance(t, Tensor) and t.is_floating_point() and t.numel()]
-        floor = 1e-3 * max((m for m in mags if math.isfinite(m)), default=0.0)
+    ref_leaves = [_strided(t) for t in ref_leaves]
+    if relative and floor is None:
+        floor = relative_floor(ref_leaves)
     new_leaves, new_spec = pytree.tree_flatten(candidate)
+    new_leaves = [_strided(t) for t in new_leaves]
     if ref_spec != new_spec:
         return Comparison(False, math.inf, 0.0, f"output structure changed: {ref_spec} vs {new_spec}")
     worst = Comparison(True)
@@ -223,16 +280,12 @@ def compare_outputs(reference: Any, candidate: Any, tolerance: Callable[[torch.d
         k += 1
         if torch.equal(a, b):  # the common case (bit-identical): nothing to measure
             continue
-        finite = torch.isfinite(a)
-        if not torch.equal(finite, torch.isfinite(b)) or not torch.equal(a[~finite].nan_to_num(), b[~finite].nan_to_num()):
-            return Comparison(False, math.inf, 0.0, "non-finite values appeared, disappeared or changed")
-        if not finite.any():
+        note, diff, amax = leaf_difference(a, b)
+        if note is not None:
+            return Comparison(False, math.inf, 0.0, note)
+        if diff < 0:  # nothing finite, and the non-finite values agree
             continue
-        all_finite = bool(finite.all())
-        a64 = (a if all_finite else a[finite]).detach().double()
-        b64 = (b if all_finite else b[finite]).detach().double()
-        scale = max(floor, a64.abs().max().item()) if relative else max(1.0, a64.abs().max().item())
-        diff = (a64 - b64).abs().max().item()
+        scale = max(floor or 0.0, amax) if relative else max(1.0, amax)
         allowed = tolerance(a.dtype) * scale + extra
         ratio = diff / allowed if allowed > 0 else (0.0 if diff == 0 else math.inf)
         if ratio > worst_ratio:
@@ -242,8 +295,8 @@ def compare_outputs(reference: Any, candidate: Any, tolerance: Callable[[torch.d
 
 
 def run_step(model: nn.Module, args: Tuple[Any, ...], params: Sequence[Tensor], seed: int,
-             backward: bool = True, rng: Optional[List[Tensor]] = None, grad_inputs: bool = True
-             ) -> Tuple[Any, List[Optional[Tensor]]]:
+             backward: bool = True, rng: Optional[List[Tensor]] = None, grad_inputs: bool = True,
+             on_grad: Optional[Callable[[int, Tensor], None]] = None) -> Tuple[Any, List[Optional[Tensor]]]:
     """One forward (RNG seeded with ``seed``) and, where possible, one backward with a random
     upstream gradient (also from ``seed``), returning outputs and the gradients of ``params``
     and of the floating tensor inputs. ``.grad`` fields are left alone (``torch.autograd.grad``;
@@ -253,9 +306,12 @@ def run_step(model: nn.Module, args: Tuple[Any, ...], params: Sequence[Tensor], 
     the forward's and the backward's private generators afterwards are appended (what each drew).
     ``grad_inputs=False``: the inputs require grad only where the caller's did (a model that
     sets ``requires_grad`` on a view of its input runs only so), and their gradients are
-    compared only then."""
-    inputs = [a.detach().clone().requires_grad_(a.is_floating_point() and (grad_inputs or a.requires_grad))
-              if isinstance(a, Tensor) else a for a in pytree.tree_leaves(args)]
+    compared only then. ``on_grad``: the backward is the training loop's own (``.backward()``,
+    every ``.grad`` set aside and restored), each gradient handed to ``on_grad(i, grad)`` as
+    soon as it is accumulated and released (its slot ``None``): Note: [a check that holds one
+    side's gradients] in step.py."""
+    inputs = [_step_input(a, grad_inputs) if isinstance(a, Tensor) else a for a in pytree.tree_leaves(args)]
+    versions = [(a, a._version) for a in inputs if isinstance(a, Tensor) and a.requires_grad]
     leaves, spec = pytree.tree_flatten(args)
     it = iter(inputs)
     call_args = pytree.tree_unflatten([next(it) for _ in leaves], spec)
@@ -263,6 +319,8 @@ def run_step(model: nn.Module, args: Tuple[Any, ...], params: Sequence[Tensor], 
         out = model(*call_args)
         if rng is not None:
             rng.extend(drawn.states())
+    if any(a._version != v for a, v in versions):  # written in place under no_grad: the caller's tensor
+        raise RuntimeError("the model wrote into its input in place; run again on copies")
     outs = [o for o in pytree.tree_leaves(out) if isinstance(o, Tensor) and o.requires_grad]
     wrt = [p for p in params if p.requires_grad] + [t for t in inputs if isinstance(t, Tensor) and t.requires_grad]
     if not backward or not outs or not wrt or not torch.is_grad_enabled():
@@ -270,13 +328,27 @@ def run_step(model: nn.Module, args: Tuple[Any, ...], params: Sequence[Tensor], 
     gen = torch.Generator().manual_seed(seed + 1)
     ups = [torch.randn(o.shape, generator=gen, dtype=torch.float64).to(o) for o in outs]
     with seeded(seed + 2) as drawn:  # a backward drawing random numbers draws the same on both sides
-        if holds_reentrant_checkpoint(outs):  # refuses autograd.grad: Note [a check's backward through a reentrant checkpoint]
+        if on_grad is not None:
+            grads = backward_grads(outs, wrt, ups, params, on_grad=on_grad)
+        elif holds_reentrant_checkpoint(outs):  # refuses autograd.grad: Note [a check's backward through a reentrant checkpoint]
             grads = backward_grads(outs, wrt, ups, params)
         else:
             grads = torch.autograd.grad(outs, wrt, ups, allow_unused=True)
         if rng is not None:
             rng.extend(drawn.states())
     return pytree.tree_map(lambda t: t.detach() if isinstance(t, Tensor) else t, out), list(grads)
+
+
+def _step_input(a: Tensor, grad_inputs: bool) -> Tensor:
+    """A check's own input for one step. Note: [a check's inputs are aliases where autograd guards them]
+    An input made to require grad is a detached *alias* of the caller's tensor, not a copy: a
+    leaf that requires grad cannot be written in place with grad enabled (autograd raises, and
+    :func:`convbn.passes.check.step.check_step` runs again with ``grad_inputs=False``), and a
+    write under ``no_grad`` moves its version counter, which :func:`run_step` checks. A copy
+    would be one more input's bytes alive through both steps of the check, above eager's step.
+    Every other input is a copy (the model may write into it)."""
+    needs = a.is_floating_point() and (grad_inputs or a.requires_grad)
+    return a.detach().requires_grad_(True) if needs else a.detach().clone()
 
 
 def to_float64(tree: Any) -> Any:

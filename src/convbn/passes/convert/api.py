@@ -20,14 +20,20 @@ from ...memory.budget import parse_memory, resident_bytes, usable_bytes
 from ...progress import check_progress, progress_scope, stage
 from ..check.step import called_inputs, check_step
 from ..check.validate import StateSnapshot, as_args
+from ..graph.meta import meta_tensor
 from ..graph.graph_module import eager, forget_undo, installed, uninstall
 from ..graph.share_copy import share_copy
 from ..graph.transaction import transaction
 from ..plan.auto_plan import measure_peak, measure_saved, plan_auto
+from ..plan.chain_plans import lazy_plan, recompute_all
+from ..plan.first_call_peak import peak_above_eager
+from ..plan.plan_inputs import chains_of
 from ..report.convert_report import ConvertReport
 from ..report.outcome import bn_module_names, explain_ghost_loops, frozen_lookalikes, unreached
-from .args import check_args
-from .pipeline import Conversion, arm_guards, convert_module, dedupe
+from .args import check_args, example_inputs_named
+from .saved_plan import (ConvertPlan, as_plan, chain_plans, figures_of, plan_key, plan_value, replace_figures,
+                         restore_shapes)
+from .pipeline import Conversion, arm_guards, convert_module, dedupe, defer_until_materialised
 from .rewrite import swap_sync_batchnorm
 
 __all__ = ["convert", "explain", "check_args"]
@@ -49,19 +55,35 @@ def _validated_convert(module: nn.Module, prefix: str, args: Tuple[Any, ...], kw
     convert_module(module, prefix, conv)
     if not any(installed(m) is not None for m in module.modules()):
         return
-    stage(f"check {prefix.rstrip('.') or 'the model'}: one training step, converted against eager")
-    result = check_step(module, args, kwargs)
-    if result.ok:
-        conv.report.validated.append(prefix.rstrip("."))
+    name = prefix.rstrip(".")
+    why = conv.reuse.check(name) if conv.reuse is not None else None  # Note: [a conversion made once]
+    if why is None:
+        stage(f"check {name or 'the model'}: one training step, converted against eager")
+        if conv.mode == "auto":  # Note: [the check runs the plan that keeps least]
+            for c in chains_of(module):
+                c.apply_plan(recompute_all(c))
+        result = check_step(module, args, kwargs)
+        why = "" if result.ok else result.describe()
+    conv.checks.append((name, why))
+    if not why:
+        conv.report.validated.append(name)
         return
     conv.rollback(mark)
     uninstall(module)
     _forget(module, conv)
-    conv.report.untraced.append((prefix.rstrip("."), f"the traced rewrite differs from eager ({result.describe()}); "
-                                "converted part by part"))
+    conv.report.untraced.append((name, f"the traced rewrite differs from eager ({why}); converted part by part"))
     conv.done.add(id(module))
     inputs = called_inputs(module, args, kwargs)
     _finer(module, prefix, inputs, conv)
+
+
+# Note: [the check runs the plan that keeps least]
+# Under ``"auto"`` the plan is made after the check (the planner measures the checked rewrite),
+# so the check's step runs every chain recomputing its convolutions: the plan whose backward does
+# the most (every layer's input rebuilt and its convolution run again) and whose step keeps the
+# least. While it runs, the eager step's gradients not yet compared are alive beside it (Note:
+# [a check that holds one side's gradients] in check/step.py); keeping least leaves the most
+# room for them under eager's own peak. The planner then gives every chain its plan.
 
 
 def _forget(module: nn.Module, conv: Conversion) -> None:
@@ -90,6 +112,7 @@ def convert(
     peak_budget: Optional[float] = None,
     memory_limit: Any = None,
     progress: Optional[bool] = None,
+    plan: Any = None,
 ) -> M:
     """Fuse every Conv -> BatchNorm (-> activation) of ``model`` for memory-lean training.
 
@@ -150,6 +173,13 @@ def convert(
         progress: print a line per stage (trace, check, plan) on stderr: ``None`` where
             stderr is a terminal (or where an enclosing call prints), ``True`` always,
             ``False`` never.
+        plan: what an earlier ``convert`` of the same model with the same ``example_inputs``
+            (shapes and dtypes) and options decided: its ``convbn_report.plan`` (a
+            :class:`convbn.ConvertPlan`) or that plan's ``as_dict()`` as a checkpoint stores it.
+            The model is traced and rewritten as always, and the checks' results and each
+            chain's plan are taken from ``plan`` instead of running the model (after a resume:
+            the same conversion in a fraction of the time). A plan made for another model,
+            other inputs or options warns and converts from scratch. Needs ``example_inputs``.
 
     Hooks and parametrizations: a conv, BatchNorm or
     activation module with hooks (including old-style ``weight_norm`` / ``spectral_norm`` and
@@ -169,23 +199,33 @@ def convert(
         True
     """
     check_args(model, strategy, memory_budget, example_inputs, peak_budget, memory_limit)
+    given = None if plan is None else as_plan(plan)
+    if given is not None and example_inputs is None:
+        raise ValueError("plan needs example_inputs: it holds what convert decided on them (pass the same shapes)")
     check_progress(progress)
+    options = dict(strategy=strategy, memory_budget=memory_budget, peak_budget=peak_budget,
+                   memory_limit=memory_limit, chain=chain)
     with progress_scope("convert", progress), transaction(model):  # Note: [a failed pass changes nothing]
-        return _convert_model(model, strategy, memory_budget, example_inputs, inplace, chain, peak_budget,
-                              memory_limit)
+        return _convert_model(model, example_inputs, inplace, options, given)
 
 
-def _convert_model(model: nn.Module, strategy: str, memory_budget: Optional[float], example_inputs: Any,
-                   inplace: bool, chain: bool, peak_budget: Optional[float], memory_limit: Any) -> nn.Module:
+def _convert_model(model: nn.Module, example_inputs: Any, inplace: bool, options: Dict[str, Any],
+                   given: Optional[ConvertPlan]) -> nn.Module:
     """:func:`convert` once its arguments are checked: the pipeline's stages for the whole model
     (Note: the table in pipeline.py), in order. Warnings: stack level 3, the caller of ``convert``."""
+    strategy, chain = options["strategy"], options["chain"]
     inputs = as_args(example_inputs) if example_inputs is not None else None
+    key = plan_key(model, inputs, options) if inputs is not None else None
     work = model if inplace else share_copy(model)
     swap_sync_batchnorm(work, inplace=True)
     conv = Conversion(strategy, chain, ConvertReport(strategy=strategy), lazy=inputs is None, example=inputs, root=work)
+    conv.reuse = _reusable(given, key)
     _trace_match_build(work, inputs, conv)
     _complete_report(model, conv.report)
-    _plan(work, inputs, conv.report, memory_budget, peak_budget, memory_limit)
+    if not _plan_again(work, conv):
+        _plan(work, inputs, conv.report, options["memory_budget"], options["peak_budget"], options["memory_limit"])
+    if key is not None:
+        conv.report.plan = ConvertPlan(key, tuple(conv.checks), chain_plans(chains_of(work)), figures_of(conv.report))
     work.__dict__["convbn_report"] = conv.report
     arm_guards(conv)
     conv.report.attach(work)  # Note: [a report says what runs]
@@ -197,15 +237,50 @@ def _convert_model(model: nn.Module, strategy: str, memory_budget: Optional[floa
 def _trace_match_build(work: nn.Module, inputs: Optional[Tuple[Any, ...]], conv: Conversion) -> None:
     """Stages *trace* to *install* over every module, and with ``example_inputs`` *check*
     (converted finer where the check fails). Conversion changes no state: reading a
-    parametrized weight (spectral_norm's power iteration) or tracing must not move buffers or the RNG."""
+    parametrized weight (spectral_norm's power iteration) or tracing must not move buffers or the RNG.
+    A model on the meta device is converted on its first call once materialised."""
     stage(f"trace and match {type(work).__name__}")
     with StateSnapshot(work):
         if inputs is not None:
-            _validated_convert(work, "", inputs, {}, conv)
+            with example_inputs_named(work, inputs):
+                _validated_convert(work, "", inputs, {}, conv)
+        elif meta_tensor(work) is not None:
+            defer_until_materialised(work, conv)
         else:
             convert_module(work, "", conv)
     forget_undo(work)
     dedupe(conv.report)
+
+
+def _reusable(given: Optional[ConvertPlan], key: Optional[str]) -> Optional[ConvertPlan]:
+    """``given`` where it was made for this model, these inputs and options; else ``None``, with
+    a warning where one was given (Note: [a conversion made once])."""
+    if given is None or given.key == key:
+        return given
+    warnings.warn("convert(plan=...) was made for another model, other example_inputs (shapes, dtypes, "
+                  "devices) or other options: converting from scratch", stacklevel=4)
+    return None
+
+
+def _plan_again(work: nn.Module, conv: Conversion) -> bool:
+    """Stage *plan* from a reused :class:`ConvertPlan`: each chain takes the plan recorded for it
+    (one the example inputs did not reach plans on its first call again) and the report the
+    recorded figures. ``False`` (plan from scratch) without one, or where the chains differ."""
+    chains = chains_of(work)
+    if conv.reuse is None or len(chains) != len(conv.reuse.chains):
+        return False
+    plans = [plan_value(p) for p in conv.reuse.chains]
+    if any(p is not None and len(p.keep) != len(c.layers) for c, p in zip(chains, plans)):
+        return False
+    for c, p, plain in zip(chains, plans, conv.reuse.chains):
+        if p is not None:
+            c.apply_plan(p)
+            restore_shapes(c, plain)
+        elif conv.report.strategy == "auto":
+            c.apply_plan(lazy_plan(c, peak_above_eager))
+    replace_figures(conv.report, conv.reuse.figures)
+    conv.report.reused_plan = True
+    return True
 
 
 def _complete_report(model: nn.Module, report: ConvertReport) -> None:

@@ -1,16 +1,20 @@
 """The arguments of :func:`convbn.convert`, checked before any work."""
 from __future__ import annotations
 
-from typing import Any, Optional
+import contextlib
+from typing import Any, Iterator, Optional, Tuple
 
-from torch import nn
+import torch
+from torch import Tensor, nn
 
+from ..._compat import pytree
 from ...functional.strategies import CONVERT_STRATEGIES, check_strategy
 from ...memory.budget import parse_memory
+from ..graph.meta import meta_tensor
 from ..graph.scripted import reject_torchscript
 from .recapture import refuse_flat_parameters
 
-__all__ = ["check_args"]
+__all__ = ["check_args", "example_inputs_named"]
 
 
 def check_args(model: Any, strategy: str, memory_budget: Optional[float], example_inputs: Any,
@@ -21,6 +25,12 @@ def check_args(model: Any, strategy: str, memory_budget: Optional[float], exampl
     reject_torchscript(model, "convert")
     refuse_flat_parameters(model)
     check_strategy(strategy, CONVERT_STRATEGIES)
+    on_meta = meta_tensor(model)
+    if example_inputs is not None and on_meta is not None:
+        raise ValueError(
+            f"convert(example_inputs=...) runs the model on them, but {on_meta!r} is on the meta device (shapes "
+            f"without values). Either convert without example_inputs (the model is converted on its first call "
+            f"once materialised: model.to_empty(device=...) and its weights loaded), or materialise it first.")
     if memory_limit is not None:
         parse_memory(memory_limit)  # TypeError / ValueError naming the value
         if strategy != "auto":
@@ -47,3 +57,33 @@ def check_args(model: Any, strategy: str, memory_budget: Optional[float], exampl
             )
         if example_inputs is None:
             raise ValueError("memory_budget needs example_inputs: the planner measures eager saved bytes on them")
+
+
+def _mismatch(model: nn.Module, inputs: Tuple[Any, ...]) -> Optional[str]:
+    """Where a floating tensor of ``inputs`` has another dtype or device than ``model``'s first
+    floating parameter or buffer: ``"tensor 0 is torch.float64 on cpu, the model's parameters
+    torch.float32 on cpu"``; ``None`` where they agree (or there is nothing to compare)."""
+    ref = next((t for t in (*model.parameters(), *model.buffers()) if t.is_floating_point()), None)
+    if ref is None:
+        return None
+    for i, t in enumerate(x for x in pytree.tree_leaves(inputs) if isinstance(x, Tensor)):
+        if t.is_floating_point() and (t.dtype != ref.dtype or t.device != ref.device):
+            return (f"tensor {i} is {t.dtype} on {t.device}, the model's parameters {ref.dtype} on {ref.device}")
+    return None
+
+
+@contextlib.contextmanager
+def example_inputs_named(model: nn.Module, inputs: Tuple[Any, ...]) -> Iterator[None]:
+    """Run the block (which runs ``model`` on ``inputs``); where it raises and a floating input's
+    dtype or device differs from the model's, raise one ``ValueError`` naming ``example_inputs``
+    and the difference instead of torch's own message (kept as the cause). A model that casts its
+    inputs itself runs as before: the difference is named only where the model fails."""
+    try:
+        yield
+    except (RuntimeError, TypeError) as exc:
+        why = _mismatch(model, inputs)
+        if why is None:
+            raise
+        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise ValueError(f"example_inputs do not match the model: {why} (the model raised: {first}); pass "
+                         f"example_inputs as the model takes them, e.g. x.to(dtype, device)") from exc

@@ -20,9 +20,10 @@ from typing import Any, Callable, Dict, Optional, Tuple
 import torch
 from torch import nn
 
+from ..graph.meta import meta_tensor
 from ..report.convert_report import ConvertReport
 
-__all__ = ["CaptureOnFirstCall"]
+__all__ = ["CaptureOnFirstCall", "CaptureWhenMaterialised"]
 
 #: (module, prefix, args, kwargs, report, strategy, chain, count, why) -> None: capture the module
 Capture = Callable[[nn.Module, str, Tuple[Any, ...], Dict[str, Any], ConvertReport, str, bool, int, str], None]
@@ -76,3 +77,26 @@ class CaptureOnFirstCall:
 
     def __repr__(self) -> str:
         return f"CaptureOnFirstCall({type(self.owner).__name__})"
+
+
+class CaptureWhenMaterialised(CaptureOnFirstCall):
+    """A :class:`CaptureOnFirstCall` for a model converted while on the meta device.
+
+    Note: [a model converted on the meta device]
+    A model built on the meta device has no values to trace BatchNorm statistics from or to
+    check a rewrite against. ``convert`` (without ``example_inputs``) gives the root this
+    forward: while any parameter or buffer is still on the meta device it runs the model's
+    own forward (a shape-only meta call captures nothing); its first call once materialised
+    (``model.to_empty(device=...)`` and an initialisation or ``load_state_dict``) converts the
+    model with that call's real inputs, checked on that call, as ``convert`` without
+    ``example_inputs`` does for any module.
+    """
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        owner = self.owner
+        if meta_tensor(owner) is not None:
+            return (self.previous or types.MethodType(type(owner).forward, owner))(*args, **kwargs)
+        return super().__call__(*args, **kwargs)
+
+    def __repr__(self) -> str:
+        return f"CaptureWhenMaterialised({type(self.owner).__name__})"

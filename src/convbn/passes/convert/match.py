@@ -25,6 +25,8 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from ...functional.conv import ConvSpec, conv_out_channels
 from ..bn.kind import bn_conv_dims
 from ..bn.sites import BNSite, find_bn_sites
+from ..bn.norm_sites import find_norm_sites
+from ...nn.norm_view import NormView
 from ..graph.layers import has_standard_forward, layer_call, layer_spec
 from .match_tail import TailMatch, TailOpMatch, describe_node, match_tail, node_arg, tail_label
 from ..report.convert_report import ConvertReport
@@ -247,6 +249,13 @@ def head_input(site: BNSite) -> fx.Node:
 
 def _conv_bn_mismatch(conv: MatchedConv, bn: _BatchNorm) -> Optional[str]:
     """Why ``bn`` cannot normalise ``conv``'s output (rank or channels), or ``None``."""
+    if isinstance(bn, NormView):  # a per-sample norm (functional/norms.py)
+        if conv.spec.is_linear:
+            return f"a {bn.row} after a linear layer (per-sample norms fuse after convolutions)"
+        out = conv_out_channels(getattr(conv.owner, conv.weight_name).shape, conv.spec)
+        if bn.channels and bn.channels != out:
+            return f"the {bn.row} normalises {bn.channels} channels, but the convolution has {out} output channels"
+        return None
     dims_ok = bn_conv_dims(bn)
     if dims_ok and conv.spec.dims not in dims_ok:
         what = "a linear layer" if conv.spec.is_linear else f"a {conv.spec.dims}-D convolution"
@@ -297,7 +306,8 @@ def _match_head(site: BNSite, tail: TailMatch, gm: fx.GraphModule, root: nn.Modu
     after = f" after {tail_label(tail.ops)}," if tail.ops else ""
     conv = _conv_reading(out, gm, root, prefix)
     if isinstance(conv, str):
-        why = f"it does not start a pre-activation chain (BN -> element-wise ops -> conv):{after} {conv}"
+        short = "BN" if _norm_kind(site.bn) == "BatchNorm" else _norm_kind(site.bn)
+        why = f"it does not start a pre-activation chain ({short} -> element-wise ops -> conv):{after} {conv}"
         if tail.blocked:
             why += f"; the element-wise ops stop at {tail.blocked}"
         return why
@@ -344,15 +354,46 @@ def _head_conv_joins(node: fx.Node, out: fx.Node, bn: nn.Module, gm: fx.GraphMod
 
 
 def _end_layers(layers: List[MatchedLayer], gm: fx.GraphModule, root: nn.Module, prefix: str) -> List[MatchedLayer]:
-    """End layers: a convolution with no BN after it that is the only reader of a layer's output."""
+    """End layers: a convolution with no BN after it that is the only reader of a layer's output.
+
+    Note: [conv -> act layers inside a per-sample chain]
+    After a per-sample norm layer (functional/norms.py) an end takes the element-wise tail after
+    its convolution too, and a convolution reading that tail's output is an end in turn: a
+    ConvNeXt block's ``dwconv -> LayerNorm -> 1x1 conv -> GELU -> 1x1 conv`` is one chain, the
+    middle layer a convolution with an activation and no norm. BatchNorm chains end at their
+    first end layer, as before.
+    """
     claimed = {l.conv.node for l in layers if l.conv is not None}
     ends: List[MatchedLayer] = []
-    for l in layers:
+    per_sample = {id(l) for l in layers if isinstance(l.bn, NormView)}
+    todo = list(layers)
+    while todo:
+        l = todo.pop(0)
         conv = _conv_reading(l.out, gm, root, prefix)
-        if isinstance(conv, MatchedConv) and conv.node not in claimed:
-            claimed.add(conv.node)
-            ends.append(MatchedLayer(conv, None, None, ""))
+        if not isinstance(conv, MatchedConv) or conv.node in claimed:
+            continue
+        claimed.add(conv.node)
+        end = MatchedLayer(conv, None, None, "")
+        if id(l) in per_sample and not conv.spec.is_linear and len(conv.node.users) == 1:
+            tail = match_tail(conv.node, root, prefix)
+            if tail.ops and not tail.shape_uses:
+                end = dataclasses.replace(end, tail=tuple(tail.ops))
+                per_sample.add(id(end))
+                todo.append(end)
+        ends.append(end)
     return ends
+
+
+def _all_sites(gm: fx.GraphModule, root: nn.Module, prefix: str, report: ConvertReport) -> List[BNSite]:
+    """BatchNorm and per-sample norm sites (functional/norms.py) in graph order; each norm that
+    cannot be a site is reported left in ``report``, one line per norm."""
+    found = find_bn_sites(gm, prefix, root)
+    norms = find_norm_sites(gm, prefix, root)
+    for bn_name, bn_why in found.left + norms.left:
+        if not any(o.batchnorm == bn_name for o in report.recorded):  # one line per BatchNorm
+            report.leave(bn_name, bn_why)
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    return sorted(found.sites + norms.sites, key=lambda s: order[s.node])
 
 
 def find_layers(gm: fx.GraphModule, root: nn.Module, prefix: str, report: ConvertReport,
@@ -375,11 +416,7 @@ def find_layers(gm: fx.GraphModule, root: nn.Module, prefix: str, report: Conver
     (``convbn.passes.convert.pipeline.CANONICALISE``); matching changes no node.
     """
     layers: List[MatchedLayer] = []
-    found = find_bn_sites(gm, prefix, root)
-    for bn_name, bn_why in found.left:
-        if not any(o.batchnorm == bn_name for o in report.recorded):  # one line per BatchNorm
-            report.leave(bn_name, bn_why)
-    for site in found.sites:
+    for site in _all_sites(gm, root, prefix, report):
         node, bn, name, src = site.node, site.bn, site.name, site.input
         tail = match_tail(node, root, prefix)
         conv = _match_conv(src, gm, root)
@@ -389,10 +426,12 @@ def find_layers(gm: fx.GraphModule, root: nn.Module, prefix: str, report: Conver
                                   or f"its input is not a convolution output (it follows {describe_node(src)})")
             after_act = _conv_before_tail(src, gm, root, prefix)
             if after_act is not None:
-                why = (f"BatchNorm after an activation: it follows {after_act} (conv -> activation -> BN order); "
-                       "a chain layer computes conv -> BN -> activation, and the activation between the "
-                       "convolution and this BN keeps it out of the convolution's layer (it fuses as a chain head "
-                       "where a convolution alone reads it, after element-wise ops only)")
+                what = _norm_kind(bn)
+                short = "BN" if what == "BatchNorm" else what
+                why = (f"{what} after an activation: it follows {after_act} (conv -> activation -> {short} order); "
+                       f"a chain layer computes conv -> {short} -> activation, and the activation between the "
+                       f"convolution and this {short} keeps it out of the convolution's layer (it fuses as a chain "
+                       "head where a convolution alone reads it, after element-wise ops only)")
         elif isinstance(conv, str):
             why = conv
         else:
@@ -441,12 +480,25 @@ def _within_grad_regions(layers: List[MatchedLayer], regions: Dict[fx.Node, int]
     return kept
 
 
+def _norm_kind(bn: object) -> str:
+    """What the reports call a norm: ``BatchNorm``, or a per-sample norm's class (``InstanceNorm3d``)."""
+    return type(bn.owner).__name__ if isinstance(bn, NormView) else "BatchNorm"
+
+
+def _per_sample(l: MatchedLayer, prev: Optional[MatchedLayer] = None) -> bool:
+    """Whether ``l`` belongs in a per-sample norm chain: its norm is one; an end layer with a
+    tail is (only those chains have them); another end layer goes with the layer it follows."""
+    if l.bn is None:
+        return bool(l.tail) or (prev is not None and _per_sample(prev))
+    return isinstance(l.bn, NormView)
+
+
 def group_chains(layers: List[MatchedLayer], chain: bool, report: Optional[ConvertReport] = None
                  ) -> List[List[MatchedLayer]]:
     """Group layers (in graph order) into chains: a layer joins the chain whose last layer's
     output its conv alone reads. Heads only start chains, ends only end them; an end that
     joins nothing is dropped, and a head left alone is reported in ``report`` and dropped."""
-    by_out = {l.out: l for l in layers if not l.is_end}
+    by_out = {l.out: l for l in layers if not l.is_end or l.tail}  # Note: [conv -> act layers inside a per-sample chain]
     chains: List[List[MatchedLayer]] = []
     where: Dict[int, List[MatchedLayer]] = {}
     for l in layers:  # graph (topological) order
@@ -456,7 +508,7 @@ def group_chains(layers: List[MatchedLayer], chain: bool, report: Optional[Conve
         # rank reads (x.ndim, as norm-act layers check) are the same on every tensor of a chain
         if (chain and prev is not None and id(prev) in where and where[id(prev)][-1] is prev
                 and len(prev.out.users) == 1 and all(is_rank_use(u) for u in prev.shape_uses)
-                and prev.region == l.region
+                and prev.region == l.region and _per_sample(prev) == _per_sample(l, prev)
                 and l.conv is not None and l.conv.spec.pre_pad_mode == "constant"):
             c = where[id(prev)]
         elif l.is_end:
@@ -470,7 +522,8 @@ def group_chains(layers: List[MatchedLayer], chain: bool, report: Optional[Conve
     for c in chains:
         if len(c) == 1 and c[0].is_head:
             if report is not None:
-                report.leave(c[0].bn_name, f"it would start a pre-activation chain (BN -> {c[0].activation} -> conv), "
+                short = "BN" if _norm_kind(c[0].bn) == "BatchNorm" else _norm_kind(c[0].bn)
+                report.leave(c[0].bn_name, f"it would start a pre-activation chain ({short} -> {c[0].activation} -> conv), "
                              "but the convolution after it cannot join the chain (see that layer's line); BN -> act "
                              "alone saves nothing")
             continue

@@ -49,7 +49,9 @@ from ..report.convert_report import ConvertReport
 from ..tracing.self_check import warn_if_tracer_broken
 from ..tracing.trace import LayerTracer, Traced, short_reason, trace
 from .cat_norms import split_cat_norms
-from .first_call_capture import CaptureOnFirstCall
+from .first_call_capture import CaptureOnFirstCall, CaptureWhenMaterialised
+from ...functional.norms import row_of_module
+from ..bn.norm_sites import channel_layer_norms
 from .match import MatchedLayer, find_layers, group_chains, split_heads
 from .pools import lean_pools
 from .recapture import Recapture, _merge, _remove_installed, attach_guards, refuse_flat_parameters
@@ -58,7 +60,7 @@ from .variants import Variants
 
 __all__ = ["Conversion", "GraphRewrite", "CANONICALISE", "convert_module", "rewrite_module", "trace_module",
            "canonicalise", "match", "build", "install_graph", "arm_guards", "run_again", "reconvert",
-           "capture_on_call", "capture_variant", "dedupe"]
+           "capture_on_call", "capture_variant", "dedupe", "defer_until_materialised"]
 
 
 @dataclass(frozen=True)
@@ -85,6 +87,8 @@ CANONICALISE: Tuple[GraphRewrite, ...] = (
     GraphRewrite("token BatchNorms on rows", lambda gm, root, prefix: flatten_token_bns(gm)),
     # bn(linear(x).flatten(1)) on a 2-D x -> bn(linear(x)) (bn/tokens.py)
     GraphRewrite("no-op flattens before a BatchNorm1d", lambda gm, root, prefix: drop_noop_flattens(gm)),
+    # permute -> LayerNorm(C) -> permute back -> one channel_layer_norm node (bn/norm_sites.py)
+    GraphRewrite("channel LayerNorms as one node", lambda gm, root, prefix: channel_layer_norms(gm)),
     # bn(conv(x)[..., :-p]) -> bn(conv'(x)), the crop in its padding (bn/conv_crops.py)
     GraphRewrite("crops of a convolution's output as padding", lambda gm, root, prefix: absorb_conv_crops(gm, root)),
     # BN(cat(conv_i)) -> cat(BN_i(conv_i)) (cat_norms.py)
@@ -110,6 +114,8 @@ class Conversion:
     example: Optional[Tuple[Any, ...]] = None  # example_inputs, as positional arguments
     deferred: List[str] = field(default_factory=list)  # prefixes of modules captured on their first call
     root: Optional[nn.Module] = None  # the model being converted
+    reuse: Optional[Any] = None  # a ConvertPlan whose checks and plans are taken (Note: [a conversion made once])
+    checks: List[Tuple[str, str]] = field(default_factory=list)  # (module, why it differs or "") per check
     _called: Optional[Dict[int, Tuple[Tuple[Any, ...], Dict[str, Any]]]] = None
 
     @property
@@ -158,8 +164,9 @@ def convert_module(module: nn.Module, prefix: str, conv: Conversion, exposed: bo
     if id(module) in conv.done or isinstance(module, (FusedChain, _FusedConvBNNd)) or not may_normalise(module):
         return
     conv.done.add(id(module))
-    if isinstance(module, _BatchNorm) and prefix:  # a lone BatchNorm child: nothing to fuse, nothing to trace
-        return
+    if isinstance(module, (_BatchNorm, nn.LayerNorm)) or row_of_module(module) is not None:
+        if prefix:  # a lone norm child (BatchNorm, a norm-table row): nothing to fuse, nothing to trace
+            return
     own_forward = type(module).forward is not nn.Module.forward
     try:
         if not own_forward and "forward" not in module.__dict__:
@@ -198,6 +205,14 @@ def _defer(module: nn.Module, prefix: str, conv: Conversion) -> None:
     conv.deferred.append(prefix)
     module.__dict__["forward"] = CaptureOnFirstCall(module, prefix, conv.whole_report, conv.mode,
                                                     conv.chain, conv.recaptures, "", capture_on_call)
+
+
+def defer_until_materialised(module: nn.Module, conv: Conversion) -> None:
+    """Give the model, converted on the meta device, a forward that converts it on its first call
+    once its tensors have values (Note: [a model converted on the meta device])."""
+    conv.deferred.append("")
+    module.__dict__["forward"] = CaptureWhenMaterialised(module, "", conv.whole_report, conv.mode, conv.chain,
+                                                         conv.recaptures, "", capture_on_call)
 
 
 # --------------------------------------------------------------------------- the stages

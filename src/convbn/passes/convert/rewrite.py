@@ -19,6 +19,8 @@ from torch import nn
 from ...nn.standard_bn import has_standard_bn_forward
 from ...nn.sync import SyncBatchNorm
 from ...nn.chain import ChainLayer, FusedChain
+from ...nn.norm_chain import FusedNormChain, is_norm_layer
+from ...nn.norm_view import NormView
 from ..graph.hooks import hook_reason
 from ..graph.concat_heads import chain_call_inputs, erase_unused_cat, shared_pieces
 from .match import MatchedLayer
@@ -47,7 +49,7 @@ def rewrite_chains(root: nn.Module, gm: fx.GraphModule, chains: List[List[Matche
             if not l.is_end:  # a head's BatchNorm is fused with the conv after it (the next layer's)
                 conv, direction = (chain[pos + 1].conv, "following") if l.is_head else (l.conv, "preceding")
                 report.recorded.append(BNOutcome(l.bn_name, "fused", conv.name if conv else None, direction))
-        fused = FusedChain(layers)
+        fused = (FusedNormChain if any(is_norm_layer(l) for l in layers) else FusedChain)(layers)
         if mode == "auto":  # planned lazily unless convert plans it with example_inputs; with
             # them, convert measures the whole step itself (no guard on the first call)
             fused.apply_plan(lazy_plan(fused, peak_above_eager if lazy else None))
@@ -141,7 +143,10 @@ def _hooked_modules(layer: MatchedLayer, gm: fx.GraphModule) -> List[Tuple[str, 
     found: List[Tuple[str, nn.Module]] = []
     if layer.conv is not None and layer.conv.node.op == "call_module":
         found.append((layer.conv.name, layer.conv.owner))
-    if layer.bn is not None and has_standard_bn_forward(layer.bn):  # a norm-act module's hooks need its
+    if isinstance(layer.bn, NormView):  # a per-sample norm: its module where the graph called it
+        if layer.bn.module_call:
+            found.append((layer.bn_name, layer.bn.owner))
+    elif layer.bn is not None and has_standard_bn_forward(layer.bn):  # a norm-act module's hooks need its
         found.append((layer.bn_name, layer.bn))  # own forward: the graph falls back to the original (watch_inlined)
     for op in layer.tail:
         if op.module_name is not None:

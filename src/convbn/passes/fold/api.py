@@ -25,7 +25,6 @@ name ``convert``'s report has too (it is not part of ``state_dict``). See :func:
 """
 from __future__ import annotations
 
-import copy
 import dataclasses
 import warnings
 from dataclasses import dataclass
@@ -42,12 +41,14 @@ from .folder import FoldContext
 from .stages import fold_graph
 from .layers import fold_conv_bn_modules
 from ..graph.layers import LAYER_MODULES
+from ..graph.model_copy import model_copy
 from ..report.attached import attach_report, detach_report
 from ..report.fold_report import FoldCheck, FoldReport
 from ..report.outcome import BNOutcome, bn_module_names, explain_ghost_loops, frozen_lookalikes, unreached
 from ..check.first_call import FirstCallCheck
 from ..check.step import called_inputs
 from ..graph.graph_module import forget_undo, install, installed
+from ..graph.meta import meta_tensor
 from ..graph.transaction import transaction
 from ..graph.scripted import reject_torchscript
 from ..check.validate import tolerance, tolerance_rule
@@ -167,7 +168,10 @@ def _fold_finer(model: nn.Module, args: Tuple[Any, ...], reference: Any, eager_e
     -- each validated on the inputs it received in an eager run, recursively finer where it
     differs too, however the parent reaches it -- and keep the model's own forward. ``None``
     if that is not closer to eager either."""
-    work = copy.deepcopy(model)
+    try:
+        work = model_copy(model)
+    except Exception:  # noqa: BLE001 - a model that refuses copying: the whole-model result stands
+        return None
     inputs = called_inputs(work, args, {})
     report = FoldReport()
     report.untraced.append(("", f"folding the whole model changed its outputs ({why}); folded child by child"))
@@ -208,7 +212,7 @@ def _fold_finer(model: nn.Module, args: Tuple[Any, ...], reference: Any, eager_e
     return work
 
 
-def fold(
+def fold(  # over 60 lines for its public docstring (Args, Returns, Raises, Example); the body is ~10
     model: M,
     *,
     inplace: bool = False,
@@ -240,11 +244,13 @@ def fold(
             If ``None`` a small input is inferred from the first conv/linear layer when
             possible (the report says when it is not).
         check: run ``example_inputs`` (or the inferred input) through the model before
-            and after folding (eval, no grad, same RNG seed) and raise if the outputs differ by more than
+            and after folding (eval, no grad, same RNG seed); where the outputs differ by more than
             ``tol * max(1, max|reference|)`` (``tol`` = 1e-4 for float32, 1e-10 for
             float64) plus 4x what the original itself gets wrong in its dtype, measured
             against a float64 run of a copy: the check allows what float rounding of the
-            unfolded model already allows, and no more.
+            unfolded model already allows, and no more, (or the folded model raises) the
+            model is returned as it was, every BatchNorm reported left with the reason, and a
+            ``RuntimeWarning`` says so.
 
     Returns:
         The folded model, of ``model``'s type (``model``'s deep copy, or ``model`` itself
@@ -254,8 +260,8 @@ def fold(
 
     Raises:
         TypeError: ``model`` is not an ``nn.Module`` (or is a TorchScript module).
-        ValueError: ``model`` is in training mode.
-        RuntimeError: ``check=True`` and the folded model's outputs differ.
+        ValueError: ``model`` is in training mode, or a parameter or buffer is on the meta device.
+        TypeError: the model cannot be copied (``inplace=False``); the message names ``inplace=True``.
 
     Example:
         >>> net = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.BatchNorm2d(8)).eval()
@@ -263,8 +269,46 @@ def fold(
         >>> print(folded.convbn_report)  # doctest: +SKIP
     """
     _check_model(model)
-    with transaction(model):  # Note: [a failed pass changes nothing]
-        return _fold_model(model, inplace, example_inputs, check)
+    try:
+        with transaction(model):  # Note: [a failed pass changes nothing]
+            return _fold_model(model, inplace, example_inputs, check)
+    except CheckFailed as failed:  # Note: [a check that fails leaves the model as it was]
+        return _left_as_it_was(model, inplace, failed)
+
+
+class CheckFailed(Exception):
+    """fold's check found the folded model wrong: caught by :func:`fold`, never seen by the user.
+
+    Args:
+        why: what the check found (and what to do about it).
+        check: the check's record, for the report.
+    """
+
+    def __init__(self, why: str, check: Optional[FoldCheck]) -> None:
+        super().__init__(why)
+        self.why = why
+        self.check = check
+
+
+# Note: [a check that fails leaves the model as it was]
+# fold's check compares the folded model with the original on the sample input. Where it
+# differs (or the folded model raises, or the model's own outputs jump on last-bit changes so
+# nothing can be compared) and folding child by child is no closer either, fold does not raise:
+# the transaction puts an in-place model back, and fold returns the model as it was (a copy,
+# without inplace), every BatchNorm reported left with the check's finding as the reason, and
+# one RuntimeWarning saying the same and what to do (check=False, other example_inputs).
+
+
+def _left_as_it_was(model: nn.Module, inplace: bool, failed: CheckFailed) -> nn.Module:
+    """The model unfolded, its report saying why (Note: [a check that fails leaves the model as it was])."""
+    out = model if inplace else _copy_to_fold(model)
+    report = FoldReport()
+    report.check = failed.check
+    reason = f"fold's check: {failed.why}; left unfolded"
+    report.outcomes = [BNOutcome(names[0], "left", reason=reason) for names in bn_module_names(out)]
+    attach_report(out, report)
+    warnings.warn(f"convbn.fold: {failed.why}; the model is returned unfolded.", RuntimeWarning, stacklevel=3)
+    return out
 
 
 def _check_model(model: Any) -> None:
@@ -272,6 +316,12 @@ def _check_model(model: Any) -> None:
     if not isinstance(model, nn.Module):
         raise TypeError(f"fold() expects a torch.nn.Module, but got {type(model).__name__}")
     reject_torchscript(model, "fold")
+    on_meta = meta_tensor(model)
+    if on_meta is not None:
+        raise ValueError(
+            f"fold() folds the model's weights and running statistics, but {on_meta!r} is on the meta device "
+            f"(shapes without values). Materialise the model first (model.to_empty(device=...), then its "
+            f"initialisation or model.load_state_dict(...)) and call fold() on it.")
     if model.training:
         raise ValueError(
             "fold() folds BatchNorm running statistics, which only define the model's output in "
@@ -313,9 +363,20 @@ class FoldRun:
         return self.ctx.report
 
 
+def _copy_to_fold(model: nn.Module) -> nn.Module:
+    """The copy ``fold(inplace=False)`` folds (:func:`model_copy`), or a ``TypeError`` naming
+    ``inplace=True`` where the model cannot be copied."""
+    try:
+        return model_copy(model)
+    except Exception as exc:  # noqa: BLE001 - whatever refuses the copy, the same remedy
+        raise TypeError(
+            f"convbn.fold(model) folds a copy of the model, and copying this {type(model).__name__} failed "
+            f"({short_reason(exc)}); fold the model itself with convbn.fold(model, inplace=True)") from exc
+
+
 def prepare(model: nn.Module, inplace: bool, example_inputs: Any, check: bool) -> FoldRun:
     """The module to fold, the reference run on the sample input and each module's inputs."""
-    work = model if inplace else copy.deepcopy(model)
+    work = model if inplace else _copy_to_fold(model)
     run = FoldRun(model, work, inplace, check, FoldContext(FoldReport(), inplace, {}, {}),
                   bn_module_names(work), frozen_lookalikes(work))
     if check or example_inputs is not None:
@@ -323,7 +384,10 @@ def prepare(model: nn.Module, inplace: bool, example_inputs: Any, check: bool) -
     # A float64 copy of the original is run only if the fixed tolerance fails (see Note:
     # [fold's tolerance follows eager's own rounding]); with inplace, copied before folding.
     if check and run.args is not None:
-        run.original = copy.deepcopy(work) if inplace else model
+        try:
+            run.original = model_copy(work) if inplace else model
+        except Exception:  # noqa: BLE001 - a model that refuses copying: the float64 fallback is not tried
+            run.original = None
     if run.args is not None:  # each module's inputs, for a trace with real shapes where fx fails
         try:
             run.ctx.called = {**called_inputs(work, run.args, {}), id(work): (run.args, {})}
@@ -370,7 +434,7 @@ def check_folded(run: FoldRun) -> FoldRun:
 
 
 def _checked(run: FoldRun) -> Optional[nn.Module]:
-    """Raise if the folded model's outputs differ from the reference beyond the tolerance;
+    """:class:`CheckFailed` if the folded model's outputs differ from the reference beyond the tolerance;
     the child-by-child fold where that is closer to eager, else ``None`` (the check recorded)."""
     args, report = run.args, run.report
     try:
@@ -380,7 +444,7 @@ def _checked(run: FoldRun) -> Optional[nn.Module]:
         finer = None if run.inplace else _fold_finer(run.model, args, run.reference, None, short_reason(exc))
         if finer is not None:
             return finer
-        raise RuntimeError(f"fold(): the folded model fails on the sample input.\n{report}") from exc
+        raise CheckFailed(f"the folded model fails on the sample input ({short_reason(exc)})", report.check) from exc
     diff, tol, ok, why, eager_errors = _verdict(run, out)
     if not ok and not run.inplace:
         finer = _fold_finer(run.model, args, run.reference, eager_errors, f"max abs diff {diff:.3g} > {tol:.3g}")
@@ -421,20 +485,18 @@ def _raise_differs(run: FoldRun, diff: float, tol: float) -> None:
     """The error for a folded model whose outputs differ: the model's own jumps, or a bug."""
     jump = output_jump(run.original, run.args, run.reference) if run.original is not None else None
     if jump is not None:  # Note: [a model that jumps on last-bit changes] in fold_check.py
-        raise RuntimeError(
-            f"fold(): cannot check the fold on these inputs: the model's own outputs jump on last-bit "
+        raise CheckFailed(
+            f"cannot check the fold on these inputs: the model's own outputs jump on last-bit "
             f"changes (moving its input by {jump[0]:.1g}, relative, moves the original's outputs by "
             f"{jump[1]:.3g} > {jump[2]:.3g}), as a top-k, argmax, sort or threshold over near-tied values "
             f"does; folding changes rounding, so the folded outputs jump too (max abs diff {diff:.3g} > "
             f"{tol:.3g}). This says nothing about the fold itself. Pass example_inputs=... away from such "
             f"ties (real data rather than random or constant tensors), or check=False to get the folded "
-            f"model unchecked.\n{run.report}"
-        )
-    raise RuntimeError(
-        "fold(): the folded model's outputs differ from the original's beyond the "
-        f"tolerance (max abs diff {diff:.3g} > {tol:.3g}); this is a bug in convbn, "
-        f"please report it with the model. Use check=False to get the model anyway.\n{run.report}"
-    )
+            f"model unchecked", run.report.check)
+    raise CheckFailed(
+        "the folded model's outputs differ from the original's beyond the "
+        f"tolerance (max abs diff {diff:.3g} > {tol:.3g}), which is a bug in convbn: "
+        "please report it with the model", run.report.check)
 
 
 #: fold's stages after :func:`prepare`, in order (see Note: [fold's stages]).

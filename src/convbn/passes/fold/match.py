@@ -13,6 +13,7 @@ import torch
 import torch.fx as fx
 from torch import Tensor, nn
 
+from ...functional.norms import row_of_function, row_of_module
 from ...nn.standard_bn import has_standard_bn_forward
 from ..bn.frozen import frozen_bn_eps
 from ..bn.sites import BNCall, bn_call
@@ -111,7 +112,7 @@ def match_bn(node: fx.Node, gm: fx.GraphModule, prefix: str, root: nn.Module) ->
     """
     call = bn_call(node, gm, prefix, root)
     if call is None:
-        return None
+        return _norm_site(node, gm, prefix)
     mod, name = call.module, call.name
     if call.kind == "functional":
         return _functional_site(call, gm)
@@ -130,6 +131,34 @@ def match_bn(node: fx.Node, gm: fx.GraphModule, prefix: str, root: nn.Module) ->
             return BNOutcome(name, "left", reason=why)
     return FoldSite(node, name, call.input, mod.running_mean, mod.running_var, _eps(mod),
                     mod.weight, mod.bias, mod, (), call.ranks)
+
+
+def _norm_site(node: fx.Node, gm: fx.GraphModule, prefix: str) -> Union[FoldSite, BNOutcome, None]:
+    """A per-sample norm of the norm table (functional/norms.py) applied by ``node``: a site where
+    its row says it folds (an InstanceNorm in eval mode normalising by its running statistics:
+    the same per-channel affine map as an eval BatchNorm), else its ``"left"`` outcome with the
+    row's reason; ``None`` where ``node`` computes none."""
+    if node.op == "call_module":
+        mod = gm.get_submodule(str(node.target))
+        row = row_of_module(mod)
+        if row is None:
+            return None
+        name = qualified(prefix, str(node.target))
+        got = row.call_of_module(mod)
+        stats = getattr(mod, "running_mean", None) is not None
+        why = got if isinstance(got, str) else row.fold(got, stats)
+        if not why and (type(mod).forward not in row.standard_forwards or mod._forward_hooks or mod._forward_pre_hooks
+                        or len(node.args) != 1 or node.kwargs):
+            why = f"{type(mod).__name__} has its own forward, hooks or extra arguments, which folding would drop"
+        if why:
+            return BNOutcome(name, "left", reason=why)
+        return FoldSite(node, name, node.args[0], mod.running_mean, mod.running_var, float(mod.eps),
+                        mod.weight, mod.bias, mod, ())
+    row = row_of_function(node.target) if node.op == "call_function" else None
+    if row is None:
+        return None
+    where = f"{getattr(node.target, '__name__', node.target)}() call '{node.name}' in {qualified(prefix, '')}"
+    return BNOutcome(where, "left", reason="cannot fold: per-sample statistics (a functional per-sample norm)")
 
 
 def _functional_site(call: BNCall, gm: fx.GraphModule) -> Union[FoldSite, BNOutcome]:

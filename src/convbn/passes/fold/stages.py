@@ -64,7 +64,8 @@ def fold_sites(folder: GraphFolder, matches: Matches) -> Set[str]:
             continue
         # a fold before this one may have rewired its input (conv -> BN -> BN: the second BN
         # reads the conv once the first is folded), so it is read from the graph as it is now
-        site = dataclasses.replace(site, input=bn_call(site.node, folder.gm, folder.prefix, folder.root).input)
+        call = bn_call(site.node, folder.gm, folder.prefix, folder.root)  # None: a per-sample norm module (its one argument)
+        site = dataclasses.replace(site, input=call.input if call is not None else site.node.args[0])
         with torch.no_grad():
             done, why_pre = fold_preceding(folder, site)
             if done:

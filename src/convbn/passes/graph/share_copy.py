@@ -24,6 +24,7 @@ from typing import Any, Dict, Optional
 from torch import Tensor, nn
 
 from ..._compat import fsdp_new_init_disabled, fsdp_state_of, insert_module_state
+from .model_copy import model_copy
 
 __all__ = ["share_copy"]
 
@@ -58,7 +59,7 @@ def share_copy(model: nn.Module) -> nn.Module:
             if isinstance(t, Tensor):
                 memo[id(t)] = t
     try:
-        return copy.deepcopy(model, memo)
+        return model_copy(model, memo)  # hooks closing over the model close over the copy
     except Exception:  # noqa: BLE001 - something in the model refuses deepcopy: copy the tree only
         return _clone_tree(model, {})
 

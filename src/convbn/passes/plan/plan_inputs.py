@@ -29,8 +29,10 @@ from torch import Tensor, nn
 from ..._compat import pytree
 
 from ...functional.conv import recompute_cost
+from ...functional.norms import stat_bytes
 from ...memory import saved_bytes, timeline
 from ...nn.chain import ChainLayer, FusedChain
+from ...nn.norm_view import NormView
 from ..check.validate import StateSnapshot
 from ..graph.graph_module import fused_modules
 from .chain_plans import recompute_all
@@ -267,7 +269,10 @@ def _on_lines(va: Any, vb: Any, ba: int, bb: int, batch: int) -> Any:
 
 def _stat_bytes(layer: ChainLayer) -> int:
     """Bytes of the mean and inverse std a layer's BatchNorm saves (float32, freed after its
-    BN backward: Note: [never above eager])."""
+    BN backward: Note: [never above eager]); a per-sample norm's as its row of the norm table
+    counts them (functional/norms.py)."""
+    if isinstance(layer.bn, NormView):
+        return stat_bytes(layer.bn.call(), layer.y_shape or (0, 0), 4) if layer.y_shape else 0
     return 0 if layer.bn is None else 2 * 4 * int(layer.bn.num_features)
 
 
@@ -294,10 +299,11 @@ def trained_outputs_loss(out: Any) -> Tensor:
 
 
 def measure_peak(model: nn.Module, inputs: Tuple[Any, ...], *, optimizer: Optional[torch.optim.Optimizer] = None,
-                 loss_fn: Optional[Callable[[Any], Tensor]] = None) -> Any:
+                 loss_fn: Optional[Callable[[Any], Tensor]] = None, stop_above: Optional[int] = None) -> Any:
     """Timeline of one training step of ``model`` (loss: :func:`trained_outputs_loss`, unless ``loss_fn``);
     gradients, buffers, modes and RNG are put back afterwards (parameters too, unless an
-    ``optimizer`` steps them)."""
+    ``optimizer`` steps them). ``stop_above``: as :func:`~convbn.memory.timeline`'s (the step
+    stopped by ``StepOverLimit`` past that many bytes)."""
     params = list(model.parameters())
     grads = [p.grad for p in params]
     for p in params:
@@ -305,7 +311,8 @@ def measure_peak(model: nn.Module, inputs: Tuple[Any, ...], *, optimizer: Option
     try:
         with StateSnapshot(model):
             model.train()
-            return timeline(model, *inputs, optimizer=optimizer, loss_fn=loss_fn or trained_outputs_loss)
+            return timeline(model, *inputs, optimizer=optimizer, loss_fn=loss_fn or trained_outputs_loss,
+                            stop_above=stop_above)
     finally:
         for p, g in zip(params, grads):
             p.grad = g

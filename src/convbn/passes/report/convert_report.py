@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Dict, List, Optional
+from typing import TYPE_CHECKING, Any, Dict, List, Optional
 
 from ...functional.strategies import ConvertStrategy, LayerMode
 from ...memory import format_bytes
@@ -112,9 +112,15 @@ class ConvertReport:
         changes: what changed in the model after ``convert`` (a module replaced, an attribute
             set, a class swapped) and what runs since: the module captured again, or its own
             forward.
+        planning_note: why ``strategy="auto"`` with ``example_inputs`` planned each chain on its
+            first training call instead (the step could not be measured), or ``""``.
         variants: the variants captured after ``convert`` for calls unlike the first capture
             (another value of an optional argument, other input shapes), one line each:
             the module and what the variant was specialised on.
+        plan: with ``example_inputs``, what this conversion decided (a :class:`convbn.ConvertPlan`:
+            the checks' results, each chain's plan, the figures above), to pass back as
+            ``convert(..., plan=...)`` after a resume: the same conversion without running the model.
+        reused_plan: whether this conversion took its checks and plans from ``convert(plan=...)``.
     """
 
     pairs: List[FusedPair] = field(default_factory=list)
@@ -139,6 +145,9 @@ class ConvertReport:
     lean_pools: List[str] = field(default_factory=list)
     changes: List[str] = field(default_factory=list)
     variants: List[str] = field(default_factory=list)
+    plan: Optional[Any] = field(default=None, repr=False)
+    reused_plan: bool = False
+    planning_note: str = ""
 
     @property
     def outcomes(self) -> List[BNOutcome]:
@@ -233,6 +242,8 @@ class ConvertReport:
                          + (f", target {format_bytes(self.target_saved_bytes)}" if self.target_saved_bytes else ""))
         if self.eager_fallback:
             lines.append("  chains run as eager modules: the fused step measured above eager's peak on example_inputs")
+        if self.planning_note:
+            lines.append(f"  plan: {self.planning_note}")
         if self.predicted_peak_bytes is not None:
             lines.append(f"  predicted peak: {format_bytes(self.predicted_peak_bytes)} (saved + backward transient) "
                          f"at {self.predicted_peak_where}")

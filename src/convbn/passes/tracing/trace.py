@@ -39,7 +39,7 @@ import sys
 import traceback
 import typing
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Type
+from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple, Type
 
 import torch
 import torch.fx as fx
@@ -55,6 +55,7 @@ from ..bn.recognise import NormActBody, recognise_norm_act
 from ..graph.checkpoint_calls import checkpointed_modules, keep_checkpoint_calls
 from ..graph.grad_regions import recording_grad_modes
 from ..graph.hooks import hook_reason
+from ..graph.state_tensors import state_tensor_ids
 from ..graph.shape_capture import Guards, ShapeGuard, ShapeTracing
 from ..graph.specialize import Defaults, constant_defaults, none_used_as_value
 from ..graph.layers import LAYER_MODULES, has_standard_forward
@@ -201,6 +202,14 @@ class _PartialTracing:
         self.norm_act: Dict[str, str] = {}
         self._frozen: Dict[int, bool] = {}
         self._bodies: Dict[int, NormActBody] = {}
+        self._state: Set[int] = set()
+
+    def create_arg(self, a: Any) -> Any:
+        # Note: [a tensor read from the model's state is not a constant]
+        if isinstance(a, torch.Tensor) and id(a) in self._state and a not in self.tensor_attrs:  # type: ignore[attr-defined]
+            raise TraceHazard("a tensor read from the model's own state (a container attribute, e.g. what a forward "
+                              "hook stored) would be recorded as a constant")
+        return super().create_arg(a)  # type: ignore[misc]
 
     def proxy(self, node: fx.Node) -> fx.Proxy:
         return _WatchedProxy(node, self)  # type: ignore[arg-type]
@@ -294,6 +303,7 @@ class _PartialTracing:
         self._bodies = {id(m): recognise_norm_act(m) for m in root.modules()
                         if isinstance(m, _BatchNorm) and not has_standard_bn_forward(m) and m is not root}
         self._frozen = {id(m): bool(frozen_bn_ranks(m)) for m in root.modules() if m is not root}
+        self._state = state_tensor_ids(root)
         for m in root.modules():  # frozen BatchNorms with a tail of children: inlined like norm-act
             if m is not root and not self._frozen[id(m)] and holds_frozen_bn_tensors(m) and any(m.children()):
                 self._bodies[id(m)] = recognise_frozen_norm_act(m)

@@ -1,0 +1,217 @@
+"""Per-sample norm nets (issue 39): a training step's peak and time, eager vs convert vs per-block checkpointing.
+
+Three nets written here in the shape their families use (no library needed):
+
+* a diffusion-style U-Net: ResBlocks of GroupNorm -> SiLU -> Conv (pre-activation), twice, plus
+  the skip, at two resolutions;
+* a 3-D InstanceNorm U-Net: Conv -> InstanceNorm3d(affine) -> LeakyReLU, twice per stage;
+* a ConvNeXt-style net: depthwise 7x7 conv -> LayerNorm2d over channels -> 1x1 conv -> GELU ->
+  1x1 conv, plus the skip.
+
+Peak: :func:`convbn.memory.timeline` (the standard loop: zero_grad(set_to_none=True), forward,
+mean loss, backward, SGD step; exact live tensor bytes on CPU). Time: forward + backward + step,
+median of ``--rounds`` interleaved rounds, as a ratio to eager's in the same process.
+
+    python benchmarks/bm_norm_peaks.py [--rounds 5]
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import statistics
+import time
+from typing import Callable, Dict, List, Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
+
+import convbn
+from convbn.memory import timeline
+
+
+class ResBlock(nn.Module):
+    def __init__(self, cin: int, cout: int) -> None:
+        super().__init__()
+        self.norm1, self.conv1 = nn.GroupNorm(8, cin), nn.Conv2d(cin, cout, 3, padding=1)
+        self.norm2, self.conv2 = nn.GroupNorm(8, cout), nn.Conv2d(cout, cout, 3, padding=1)
+        self.skip = nn.Conv2d(cin, cout, 1) if cin != cout else nn.Identity()
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.conv1(F.silu(self.norm1(x)))
+        h = self.conv2(F.silu(self.norm2(h)))
+        return self.skip(x) + h
+
+
+class DiffusionUNet(nn.Module):
+    def __init__(self, c: int = 32) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(3, c, 3, padding=1)
+        self.down = nn.ModuleList([ResBlock(c, c), ResBlock(c, c)])
+        self.pool = nn.Conv2d(c, 2 * c, 3, stride=2, padding=1)
+        self.mid = nn.ModuleList([ResBlock(2 * c, 2 * c), ResBlock(2 * c, 2 * c)])
+        self.upc = nn.ConvTranspose2d(2 * c, c, 2, stride=2)
+        self.up = nn.ModuleList([ResBlock(2 * c, c), ResBlock(c, c)])
+        self.out_norm, self.out = nn.GroupNorm(8, c), nn.Conv2d(c, 3, 3, padding=1)
+
+    def blocks(self) -> List[nn.Module]:
+        return [*self.down, *self.mid, *self.up]
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.stem(x)
+        for b in self.down:
+            h = b(h)
+        s = h
+        h = self.pool(h)
+        for b in self.mid:
+            h = b(h)
+        h = torch.cat([self.upc(h), s], 1)
+        for b in self.up:
+            h = b(h)
+        return self.out(F.silu(self.out_norm(h)))
+
+
+class INStage(nn.Module):
+    def __init__(self, cin: int, cout: int) -> None:
+        super().__init__()
+        self.conv1, self.norm1 = nn.Conv3d(cin, cout, 3, padding=1), nn.InstanceNorm3d(cout, affine=True)
+        self.conv2, self.norm2 = nn.Conv3d(cout, cout, 3, padding=1), nn.InstanceNorm3d(cout, affine=True)
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = F.leaky_relu(self.norm1(self.conv1(x)), 0.01)
+        return F.leaky_relu(self.norm2(self.conv2(x)), 0.01)
+
+
+class InstanceUNet3d(nn.Module):
+    def __init__(self, c: int = 16) -> None:
+        super().__init__()
+        self.enc1, self.enc2 = INStage(1, c), INStage(c, 2 * c)
+        self.pool = nn.MaxPool3d(2)
+        self.upc = nn.ConvTranspose3d(2 * c, c, 2, stride=2)
+        self.dec = INStage(2 * c, c)
+        self.head = nn.Conv3d(c, 2, 1)
+
+    def blocks(self) -> List[nn.Module]:
+        return [self.enc1, self.enc2, self.dec]
+
+    def forward(self, x: Tensor) -> Tensor:
+        s = self.enc1(x)
+        h = self.enc2(self.pool(s))
+        return self.head(self.dec(torch.cat([self.upc(h), s], 1)))
+
+
+class LayerNorm2d(nn.LayerNorm):
+    def forward(self, x: Tensor) -> Tensor:
+        return F.layer_norm(x.permute(0, 2, 3, 1), self.normalized_shape, self.weight, self.bias, self.eps).permute(0, 3, 1, 2)
+
+
+class ConvNeXtBlock(nn.Module):
+    def __init__(self, c: int) -> None:
+        super().__init__()
+        self.dw, self.norm = nn.Conv2d(c, c, 7, padding=3, groups=c), LayerNorm2d(c)
+        self.pw1, self.pw2 = nn.Conv2d(c, 4 * c, 1), nn.Conv2d(4 * c, c, 1)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x + self.pw2(F.gelu(self.pw1(self.norm(self.dw(x)))))
+
+
+class ConvNeXtNet(nn.Module):
+    def __init__(self, c: int = 32, depth: int = 4) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(3, c, 4, stride=4)
+        self.stage = nn.ModuleList([ConvNeXtBlock(c) for _ in range(depth)])
+        self.head = nn.Linear(c, 10)
+
+    def blocks(self) -> List[nn.Module]:
+        return list(self.stage)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.stem(x)
+        for b in self.stage:
+            h = b(h)
+        return self.head(h.mean((2, 3)))
+
+
+class Checkpointed(nn.Module):
+    """Each block under ``torch.utils.checkpoint`` (non-reentrant)."""
+
+    def __init__(self, block: nn.Module) -> None:
+        super().__init__()
+        self.block = block
+
+    def forward(self, x: Tensor) -> Tensor:
+        return checkpoint(self.block, x, use_reentrant=False)
+
+
+def checkpointed(model: nn.Module) -> nn.Module:
+    m = copy.deepcopy(model)
+    for parent in list(m.modules()):
+        for name, child in list(parent.named_children()):
+            if any(child is b for b in m.blocks()):  # type: ignore[operator]
+                setattr(parent, name, Checkpointed(child))
+    return m
+
+
+#: (label, factory, input shape)
+MODELS: List[Tuple[str, Callable[[], nn.Module], Tuple[int, ...]]] = [
+    ("diffusion U-Net (GroupNorm -> SiLU -> Conv)", DiffusionUNet, (4, 3, 64, 64)),
+    ("3-D U-Net (Conv -> InstanceNorm3d -> LeakyReLU)", InstanceUNet3d, (2, 1, 32, 32, 32)),
+    ("ConvNeXt-style (dwconv -> LayerNorm2d -> MLP)", ConvNeXtNet, (8, 3, 128, 128)),
+]
+
+
+def _loss(out: Tensor) -> Tensor:
+    return out.float().mean()
+
+
+def _peak(model: nn.Module, x: Tensor) -> int:
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    return timeline(model, x, loss_fn=_loss, optimizer=opt).peak
+
+
+def _step_time(model: nn.Module, x: Tensor, opt: torch.optim.Optimizer) -> float:
+    t0 = time.perf_counter()
+    opt.zero_grad(set_to_none=True)
+    _loss(model(x)).backward()
+    opt.step()
+    return time.perf_counter() - t0
+
+
+def measure(make: Callable[[], nn.Module], shape: Tuple[int, ...], rounds: int) -> Dict[str, Tuple[float, float]]:
+    """``{variant: (peak ratio to eager, time ratio to eager)}`` and eager's peak in MiB under ``"eager MiB"``."""
+    torch.manual_seed(0)
+    eager = make()
+    x = torch.randn(shape)
+    variants = {"eager": eager, "convert": convbn.convert(copy.deepcopy(eager), example_inputs=(x,)),
+                "checkpoint": checkpointed(eager)}
+    peaks = {k: _peak(m, x) for k, m in variants.items()}
+    opts = {k: torch.optim.SGD(m.parameters(), lr=1e-3) for k, m in variants.items()}
+    times: Dict[str, List[float]] = {k: [] for k in variants}
+    for k, m in variants.items():  # warm-up
+        _step_time(m, x, opts[k])
+    for _ in range(rounds):  # interleaved rounds
+        for k, m in variants.items():
+            times[k].append(_step_time(m, x, opts[k]))
+    med = {k: statistics.median(v) for k, v in times.items()}
+    out = {k: (peaks[k] / peaks["eager"], med[k] / med["eager"]) for k in variants}
+    out["eager MiB"] = (peaks["eager"] / 2**20, med["eager"])
+    return out
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=5)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    print("| net (input) | eager peak MiB | convert peak / time | checkpoint peak / time |")
+    print("|---|---:|---:|---:|")
+    for label, make, shape in MODELS:
+        r = measure(make, shape, args.rounds)
+        print(f"| {label} {tuple(shape)} | {r['eager MiB'][0]:.1f} | {r['convert'][0]:.2f}x / {r['convert'][1]:.2f}x "
+              f"| {r['checkpoint'][0]:.2f}x / {r['checkpoint'][1]:.2f}x |", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,345 @@
+"""The fused chain Function for per-sample norms (GroupNorm, InstanceNorm, channel LayerNorm).
+
+``NormChainFunction.apply(x0, *params, specs, stats)`` computes
+``tail_k(norm_k(conv_k(... tail_1(norm_1(conv_1(x0))) ...)))`` with the norms of
+:data:`convbn.functional.norms.NORMS`, keeping for backward only the chain input ``x0`` (its
+first convolution's weight gradient needs it) and, per layer whose plan keeps it, the
+convolution's output ``y_i``; eager keeps every ``y_i``, every norm output and every
+activation output.
+
+Note: [a per-sample norm layer's backward]
+Backward walks the layers from the last. A layer's input ``x_i`` is rebuilt from the nearest
+kept conv output before it (``x_i = tail(norm(y_{i-1}))``, element-wise) or from ``x0``; its
+``y_i`` is the kept one or its conv run again on ``x_i``. The norm and its tail are then run
+*again under autograd* from ``y_i`` -- the very eager ops (``F.group_norm``, ``F.silu`` ...),
+so their gradients are eager's bit for bit -- and differentiated with ``torch.autograd.grad``;
+the convolution's gradients come from ``aten.convolution_backward`` as in BatchNorm chains.
+Running statistics move once, in forward (the recompute normalises with the sample's own
+statistics and passes no buffer). A differentiable backward (``create_graph=True``) rebuilds
+the whole chain from ``x0`` and the parameters with the same ops (Note: [double backward]).
+The slow, obviously right reference is :func:`norm_chain_reference` (eager ops end to end).
+
+Note: [the norm's output as a root only]
+Layer ``i``'s norm is recomputed under autograd once, when layer ``i + 1`` rebuilds its input,
+and that graph waits for layer ``i``'s backward. Where the activation's derivative is a
+function of its output (the ReLU family) and the norm's row says its backward never reads its
+output (``output_unread``: GroupNorm, InstanceNorm and LayerNorm read their input and
+statistics), the norm's output is only autograd's root: its storage is released at once
+(``resize_(0)``, its shape kept) and the activation's backward reads the activation's output,
+which the next convolution's backward needed anyway.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import torch
+from torch import Tensor
+
+from ..functional.activations import Activation
+from ..functional.conv import ConvSpec, conv_backward, conv_forward
+from ..functional.norms import NormCall, norm_forward, norm_reference, norm_row
+from ..functional.tail import DropoutOp, PReLUOp, TailOp
+from .double_backward import differentiable_backward
+from .saving import load_tensors, save_tensors
+
+__all__ = ["NormLayerSpec", "NormChainFunction", "norm_chain_apply", "norm_chain_forward_no_grad",
+           "norm_chain_reference"]
+
+Stats = Tuple[Optional[Tensor], Optional[Tensor]]
+
+
+@dataclass(frozen=True)
+class NormLayerSpec:
+    """One layer of a per-sample-norm chain: ``[conv] -> [norm] -> tail``.
+
+    Attributes:
+        conv: the convolution's geometry (``None``: a pre-activation head, normalising ``x0``).
+        norm: the norm's call (``None``: an end layer, a bare convolution).
+        act: a single activation, or identity when ``tail`` is given.
+        tail: element-wise ops after the norm (activations and PReLU).
+        keep_y: keep the conv output for backward (else it is recomputed).
+    """
+
+    conv: Optional[ConvSpec]
+    norm: Optional[NormCall]
+    act: Activation
+    tail: Tuple[TailOp, ...] = ()
+    keep_y: bool = True
+
+    def __post_init__(self) -> None:
+        if self.conv is None and self.norm is None:
+            raise ValueError("a norm chain layer needs a convolution, a norm or both")
+        for op in self.tail:
+            if isinstance(op, DropoutOp):
+                raise ValueError(f"a norm chain layer's tail takes activations and PReLU, not {op}")
+
+    @property
+    def n_params(self) -> int:
+        return 2 * (self.conv is not None) + 2 * (self.norm is not None) + \
+            sum(isinstance(op, PReLUOp) for op in self.tail)
+
+    @property
+    def saves_y(self) -> bool:
+        """Whether forward keeps the conv output: kept by the plan, and needed (a norm or a tail follows)."""
+        return self.keep_y and self.conv is not None and (self.norm is not None or bool(self.tail)
+                                                          or not self.act.is_identity)
+
+
+def _split(spec: NormLayerSpec, ps: Sequence[Optional[Tensor]]) -> Tuple[Any, Any, Any, Any, List[Any]]:
+    it = iter(ps)
+    w, b = (next(it), next(it)) if spec.conv is not None else (None, None)
+    g, beta = (next(it), next(it)) if spec.norm is not None else (None, None)
+    return w, b, g, beta, list(it)
+
+
+def _offsets(specs: Sequence[NormLayerSpec]) -> List[int]:
+    out = [0]
+    for s in specs:
+        out.append(out[-1] + s.n_params)
+    return out
+
+
+def _tail(spec: NormLayerSpec, z: Tensor, tws: Sequence[Tensor]) -> Tensor:
+    """The layer's element-wise tail on ``z`` (differentiable eager ops)."""
+    if not spec.tail:
+        return z if spec.act.is_identity else spec.act(z)
+    ws = iter(tws)
+    for op in spec.tail:
+        z = op.reference(z, next(ws)) if isinstance(op, PReLUOp) else op(z)  # type: ignore[operator]
+    return z
+
+
+def _post(spec: NormLayerSpec, y: Tensor, g: Any, beta: Any, tws: Sequence[Tensor], stats: Stats,
+          update: bool) -> Tensor:
+    """``tail(norm(y))``; running statistics updated only where ``update``."""
+    if spec.norm is not None:
+        y = norm_forward(y, spec.norm, g, beta, *stats) if update else norm_reference(y, spec.norm, g, beta, *stats)
+    return _tail(spec, y, tws)
+
+
+def _conv(spec: NormLayerSpec, x: Tensor, w: Tensor, b: Optional[Tensor], first: bool) -> Tensor:
+    return conv_forward(x if first else spec.conv.pad_input(x), w, b, spec.conv)  # type: ignore[union-attr]
+
+
+def _forward(x0: Tensor, params: Sequence[Optional[Tensor]], specs: Sequence[NormLayerSpec],
+             stats: Sequence[Stats]) -> Tuple[Tensor, Dict[int, Tensor]]:
+    """The chain's output and the kept conv outputs (running statistics updated once)."""
+    off = _offsets(specs)
+    kept: Dict[int, Tensor] = {}
+    x: Optional[Tensor] = x0
+    for i, spec in enumerate(specs):
+        w, b, g, beta, tws = _split(spec, params[off[i]: off[i + 1]])
+        y = _conv(spec, x, w, b, i == 0) if spec.conv is not None else x  # type: ignore[arg-type]
+        x = None  # the layer's input is dead once its conv ran (the caller holds x0)
+        if spec.saves_y:
+            kept[i] = y
+        if spec.norm is None or spec.tail or spec.act.is_identity:
+            x = _post(spec, y, g, beta, tws, stats[i], update=True)
+            continue
+        z = norm_forward(y, spec.norm, g, beta, *stats[i])
+        del y  # freed here unless kept
+        # no autograd records this forward: the activation writes into the norm's fresh output,
+        # one map fewer alive at the layer's end than eager's z and act(z)
+        x = spec.act(z, inplace=True) if not _shares_storage(z, kept.get(i)) else spec.act(z)
+    return x, kept  # type: ignore[return-value]
+
+
+def _shares_storage(a: Tensor, b: Optional[Tensor]) -> bool:
+    return b is not None and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+
+
+def norm_chain_forward_no_grad(x0: Tensor, params: Sequence[Optional[Tensor]], specs: Sequence[NormLayerSpec],
+                               stats: Sequence[Stats]) -> Tensor:
+    """The chain where nothing needs a gradient: its forward, nothing kept."""
+    with torch.no_grad():
+        return _forward(x0, params, specs, stats)[0]
+
+
+def norm_chain_reference(x0: Tensor, params: Sequence[Optional[Tensor]], specs: Sequence[NormLayerSpec],
+                         stats: Sequence[Stats] = ()) -> Tensor:
+    """The chain with eager, differentiable ops end to end (the slow reference; double backward).
+    Running statistics update where ``stats`` gives them."""
+    off = _offsets(specs)
+    x = x0
+    for i, spec in enumerate(specs):
+        w, b, g, beta, tws = _split(spec, params[off[i]: off[i + 1]])
+        y = _conv(spec, x, w, b, i == 0) if spec.conv is not None else x
+        x = _post(spec, y, g, beta, tws, stats[i] if stats else (None, None), update=bool(stats))
+    return x
+
+
+#: layer ``i``'s norm + tail run again under autograd: its conv output as a leaf, its norm and
+#: tail parameters as leaves (``None`` where absent), the graph's root (the norm's output, or the
+#: tail's), and the activation's output where its backward reads that instead of the root
+PostGraph = Tuple[Tensor, List[Optional[Tensor]], Tensor, Optional[Tensor]]
+
+
+class _Rebuild:
+    """Each layer's input and conv output in backward (Note: [a per-sample norm layer's backward]).
+
+    The input of layer ``i`` is layer ``i - 1``'s norm + tail output: it is computed under
+    autograd and that graph kept (``pending``) for layer ``i - 1``'s backward, which runs next,
+    so the element-wise recompute runs once per layer."""
+
+    def __init__(self, x0: Tensor, params: Sequence[Optional[Tensor]], specs: Sequence[NormLayerSpec],
+                 kept: Dict[int, Tensor], stats: Sequence[Stats], needs: Sequence[bool]) -> None:
+        self.x0, self.params, self.specs, self.kept, self.stats = x0, params, specs, kept, stats
+        self.off, self.needs = _offsets(specs), needs
+        self.pending: Dict[int, PostGraph] = {}
+
+    def layer(self, i: int) -> Tuple[Any, Any, Any, Any, List[Any]]:
+        return _split(self.specs[i], self.params[self.off[i]: self.off[i + 1]])
+
+    def y(self, i: int, x: Optional[Tensor]) -> Tensor:
+        """Layer ``i``'s conv output (its input where it has no conv)."""
+        if i in self.kept:
+            return self.kept[i]
+        spec = self.specs[i]
+        x = x if x is not None else self.input(i)
+        if spec.conv is None:
+            return x
+        w, b, *_ = self.layer(i)
+        return _conv(spec, x, w, b, i == 0)
+
+    def post_graph(self, i: int, y: Tensor) -> Tuple[PostGraph, Tensor]:
+        """Layer ``i``'s norm + tail on ``y`` under autograd (statistics read, never updated), and
+        its output. A lone activation stays out of the graph (its backward is the native kernel
+        :meth:`~convbn.functional.activations.Activation.backward` eager's autograd runs), so the
+        graph keeps the norm's output, not the activation's."""
+        spec = self.specs[i]
+        _, _, g, beta, tws = self.layer(i)
+        n_conv = 2 if spec.conv is not None else 0
+        base = self.off[i] + n_conv
+        with torch.enable_grad():
+            yv = y.detach().requires_grad_(True)
+            pv = [None if p is None else p.detach().requires_grad_(self.needs[base + k])
+                  for k, p in enumerate([g, beta, *tws])]
+            if spec.tail:
+                out = _post(spec, yv, pv[0], pv[1], pv[2:], self.stats[i], update=False)
+                return (yv, pv, out, None), out.detach()
+            z = norm_reference(yv, spec.norm, pv[0], pv[1], *self.stats[i]) if spec.norm is not None else yv
+        with torch.no_grad():
+            a = z if spec.act.is_identity else spec.act(z)
+        if a is not z and spec.act.output_derivable and spec.norm is not None and norm_row(spec.norm.row).output_unread:
+            # Note: [the norm's output as a root only]: its backward reads its input and statistics,
+            # the activation's backward its output: the norm's output is kept as autograd's root only
+            z.untyped_storage().resize_(0)
+            return (yv, pv, z, a), a.detach()
+        return (yv, pv, z, None), a.detach()
+
+    def input(self, i: int) -> Tensor:
+        """Layer ``i``'s input, from the nearest kept conv output before it, or from ``x0``; the
+        last step's graph is kept for layer ``i - 1``'s backward."""
+        if i == 0:
+            return self.x0
+        j = i - 1
+        while j >= 0 and j not in self.kept:
+            j -= 1
+        x = self.x0 if j < 0 else None
+        for k in range(max(j, 0), i - 1):
+            y = self.kept[k] if k == j else self.y(k, x)
+            _, _, g, beta, tws = self.layer(k)
+            with torch.no_grad():
+                x = _post(self.specs[k], y, g, beta, tws, self.stats[k], update=False)
+        y = self.kept[i - 1] if j == i - 1 else self.y(i - 1, x)
+        self.pending[i - 1], out = self.post_graph(i - 1, y)
+        return out
+
+
+def _layer_backward(rb: _Rebuild, i: int, grad: List[Tensor], x_need: bool, grads: List[Optional[Tensor]]
+                    ) -> Optional[Tensor]:
+    """Gradients of layer ``i``'s parameters into ``grads`` (flat parameter order, where
+    ``rb.needs``); returns the gradient of its input (``None`` for the first layer unless
+    ``x_need``). ``grad`` holds the incoming gradient and is emptied once read, so that it can
+    be freed before the convolution's backward; the layer's input is rebuilt after its norm's
+    backward where its conv output was kept (fewer maps alive at once)."""
+    spec = rb.specs[i]
+    w, b, *_ = rb.layer(i)
+    x: Optional[Tensor] = rb.x0 if (spec.conv is None or i == 0) else None
+    graph = rb.pending.pop(i, None)
+    if graph is None:
+        if i not in rb.kept and spec.conv is not None and x is None:
+            x = rb.input(i)
+        graph = rb.post_graph(i, rb.y(i, x))[0]
+    yv, pv, out, act_out = graph
+    base, n_conv = rb.off[i], 2 if spec.conv is not None else 0
+    g = grad.pop()
+    if act_out is not None:  # Note: [the norm's output as a root only]
+        g = spec.act.backward_from_output_(g, act_out)
+    elif not spec.tail and not spec.act.is_identity:  # the activation's native backward kernel
+        g = spec.act.backward(g, out.detach())
+    wanted = [yv] + [p for p in pv if p is not None and p.requires_grad]
+    got = list(torch.autograd.grad(out, wanted, g, allow_unused=True)) if out is not yv else [g]
+    del g
+    gy, rest = got[0], iter(got[1:])
+    for k, p in enumerate(pv):
+        if p is not None and p.requires_grad:
+            gp = next(rest)
+            grads[base + n_conv + k] = torch.zeros_like(p) if gp is None else gp
+    if gy is None:
+        gy = torch.zeros_like(yv)
+    del out, yv, pv, graph, got, act_out
+    if spec.conv is None:
+        return gy
+    if x is None:
+        x = rb.input(i)
+    needs = rb.needs
+    xin = spec.conv.pad_input(x) if i > 0 else x
+    gx, gw, gb = conv_backward(gy, xin, w, spec.conv, (i > 0 or x_need, needs[base], b is not None and needs[base + 1]))
+    grads[base], grads[base + 1] = gw, gb
+    if i > 0 and bool(spec.conv.pre_pad) and gx is not None:  # through the padding of an absorbed pad
+        with torch.enable_grad():
+            xv = x.detach().requires_grad_(True)
+            gx = torch.autograd.grad(spec.conv.pad_input(xv), xv, gx)[0]
+    return gx
+
+
+class NormChainFunction(torch.autograd.Function):
+    """``apply(x0, *params, specs, stats)``: see the module docstring."""
+
+    @staticmethod
+    def forward(ctx: Any, x0: Tensor, *args: Any) -> Tensor:  # type: ignore[override]
+        *params, specs, stats = args
+        out, kept = _forward(x0, params, specs, stats)
+        ctx.kept_idx = tuple(kept)
+        save_tensors(ctx, (x0, *params, *kept.values()))
+        ctx.specs, ctx.stats_given = tuple(specs), tuple(stats)
+        ctx.n_params = len(params)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: Tensor) -> Tuple[Optional[Tensor], ...]:  # type: ignore[override]
+        saved = load_tensors(ctx)
+        n = ctx.n_params
+        x0, params = saved[0], saved[1: 1 + n]
+        specs: Tuple[NormLayerSpec, ...] = ctx.specs
+        # statistics are read (never updated) in backward: only where a norm normalises by them
+        stats = [s if (sp.norm is not None and not sp.norm.use_input_stats) else (None, None)
+                 for s, sp in zip(ctx.stats_given, specs)]
+        needs = ctx.needs_input_grad
+        if torch.is_grad_enabled():  # Note: [double backward] in autograd/double_backward.py
+            grads = differentiable_backward(ctx, grad_out, (x0, *params),
+                                            lambda x, *ps: norm_chain_reference(x, ps, specs, stats),
+                                            needs=needs[: 1 + n])
+            return (*grads[: 1 + n], None, None)
+        kept = dict(zip(ctx.kept_idx, saved[1 + n:]))
+        rb = _Rebuild(x0, params, specs, kept, stats, needs[1: 1 + n])  # type: ignore[arg-type]
+        flat: List[Optional[Tensor]] = [None] * n
+        g: Optional[Tensor] = grad_out
+        del grad_out
+        for i in reversed(range(len(specs))):
+            holder = [g]
+            g = None
+            g = _layer_backward(rb, i, holder, needs[0], flat)  # type: ignore[arg-type]
+            rb.kept.pop(i, None)
+        return (g if needs[0] else None, *flat, None, None)
+
+
+def norm_chain_apply(x0: Tensor, params: Sequence[Optional[Tensor]], specs: Sequence[NormLayerSpec],
+                     stats: Sequence[Stats]) -> Tensor:
+    """One call of a per-sample-norm chain: the no-grad forward where nothing needs a gradient,
+    else :class:`NormChainFunction`."""
+    if not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x0, *params))):
+        return norm_chain_forward_no_grad(x0, params, specs, stats)
+    return NormChainFunction.apply(x0, *params, tuple(specs), tuple(stats))

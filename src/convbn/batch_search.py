@@ -1,0 +1,322 @@
+"""The search behind :func:`convbn.max_batch`: steps of one copy of the model at a time, each
+stopped where it goes over the limit, and the choice to confirm made from counted work.
+
+# Note: [searching the batch]
+# For a fixed plan a step's peak is the most of lines in the batch (Note: [predicting the
+# batch] in batch_predict.py), but the converted model's plan is made for the batch
+# (``convert(memory_limit=...)``) and changes with it. By default the answer is predicted
+# (eager: the step's lines; convbn: the planner's inputs as lines, and at each batch the
+# plan ``convert`` would make) from steps at batches 2 and 4, checked at 3, then confirmed
+# by real steps at the answer and the batch above it (``confirm``). Where a check fails,
+# and with ``method="measure"``, the search measures, never extrapolates a result: two small
+# batches give a line, the line's crossing of the limit is the next probe, and every probe
+# (a batch that fits raises the lower bound, one that does not lowers the upper) refits the
+# line through the two nearest measured points, until the bounds are adjacent: the answer
+# ``b`` was measured within the limit and ``b + 1`` above it.
+#
+# Note: [answering within the limit]
+# The question is asked on a device that is nearly full, so answering it must not need more
+# than the answer. One copy of the model and optimizer exists at a time (the user's own are
+# only read): the eager side steps one warmed copy, which is dropped before the convbn side
+# converts another at batch 2 (its chains' plans then set per batch, never a convert at the
+# batch probed). Every step runs with ``stop_above`` (Note: [a step's peak]): a batch that does
+# not fit is stopped after the first operator that takes the step over the limit, so the
+# copy's resident bytes plus the step's live bytes never exceed the limit by more than that
+# operator's output. ``method="measure"`` and the fallbacks to it convert a fresh copy at
+# each batch they try (``convert``'s own check runs at that batch), so only the default path
+# is held to the limit.
+#
+# Note: [confirming by counted work]
+# Whether the predicted answer is confirmed by real steps is decided from the work those
+# steps would do, never from a clock: the eager step's floating-point operations are counted
+# once at batch 2 (``step_flops``), scaled to the batches of the confirming steps (4/3 of
+# it for the converted model, whose backward may recompute each convolution once), and
+# compared with :data:`CONFIRM_FLOPS`. The same call gives the same answer, the same
+# ``probes`` and the same ``how`` on an idle and on a loaded machine.
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+import gc
+import warnings
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple, Union
+
+import torch
+from torch import Tensor, nn
+
+from .batch_predict import PROBE_BATCHES, StepLines, largest_fitting, step_flops
+from .memory.budget import resident_bytes, usable_bytes
+from .memory.timelines import StepOverLimit, Timeline, default_loss, timeline
+from .passes.convert.api import convert
+from .passes.plan.auto_plan import apply_plan, plan_to_target
+from .passes.plan.plan_inputs import PlanInputs, measure_peak, measure_plan_inputs, plan_inputs_at
+from .progress import stage
+
+__all__ = ["CONFIRM_FLOPS", "Search", "batch_of", "measured_search", "young_heap"]
+
+#: With ``confirm="auto"``, :func:`convbn.max_batch` confirms a predicted answer by real steps
+#: at it and the batch above it where those two steps are counted to do at most this many
+#: floating-point operations per side (Note: [confirming by counted work]). 2e12 is a training
+#: step of a 224² ResNet-50 at about batch 40.
+CONFIRM_FLOPS = 2e12
+
+Result = Tuple[int, int, Dict[int, int], str]
+
+
+def batch_of(sample: Tuple[Any, ...], b: int) -> Tuple[Any, ...]:
+    """``sample``'s tensors taken to batch ``b`` along dim 0 (their rows repeated in turn)."""
+    out = []
+    for t in sample:
+        if isinstance(t, Tensor) and t.dim() > 0:
+            idx = torch.arange(b, device=t.device) % t.shape[0]
+            out.append(t.index_select(0, idx))
+        else:
+            out.append(t)
+    return tuple(out)
+
+
+def measured_search(peak_at: Callable[[int], int], usable: int, upper: int,
+                    seen: Optional[Dict[int, int]] = None) -> Tuple[int, int, Dict[int, int]]:
+    """The largest batch ``b <= upper`` with ``peak_at(b) <= usable``, by measurement (Note:
+    [searching the batch]); ``(b, peak_at(b), probes)``, ``(0, 0, probes)`` where batch 1 does
+    not fit. ``seen``: batches measured already (``peak_at`` of each)."""
+    seen = {} if seen is None else seen
+
+    def probe(b: int) -> int:
+        if b not in seen:
+            seen[b] = peak_at(b)
+        return seen[b]
+
+    lo, hi = 0, upper + 1  # lo fits (0: nothing yet), hi does not
+    for b in (2, 4):  # BatchNorm needs more than one value per channel: start from 2
+        if b >= hi:
+            break
+        if probe(b) <= usable:
+            lo = b
+        else:
+            hi = b
+            break
+    if lo == 0 and hi == 2:  # 2 does not fit: maybe 1 does (BatchNorm permitting)
+        try:
+            if probe(1) <= usable:
+                lo = 1
+        except ValueError:
+            pass
+        return (lo, seen.get(lo, 0), seen)
+    while hi - lo > 1:
+        pts = sorted(seen.items(), key=lambda kv: abs(kv[0] - (lo + hi) / 2))[:2]
+        (b1, p1), (b2, p2) = sorted(pts)
+        slope = (p2 - p1) / (b2 - b1) if b2 != b1 else 0.0
+        guess = b2 + (usable - p2) / slope if slope > 0 else 2 * lo
+        nxt = int(min(max(guess, lo + 1), hi - 1))
+        if hi > upper and nxt >= upper:
+            nxt = upper
+        if probe(nxt) <= usable:
+            lo = nxt
+        else:
+            hi = nxt
+        if lo == upper:
+            break
+    return lo, seen.get(lo, 0), seen
+
+
+@contextlib.contextmanager
+def young_heap() -> Iterator[None]:
+    """Within the block, ``gc.collect()`` looks only at objects made in it: what existed
+    before is frozen (``gc.freeze``), so freeing a copy held in reference cycles costs
+    what the copy holds, not the whole interpreter's heap (1.4 s a collection in a test
+    process). Left alone where the caller froze objects itself."""
+    if gc.get_freeze_count():
+        yield
+        return
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
+
+
+def _warm_up(model: nn.Module, opt: torch.optim.Optimizer, inputs: Tuple[Any, ...],
+             loss_fn: Optional[Callable[[Any], Tensor]]) -> None:
+    """One unrecorded training step (the optimizer's state made), gradients set to None after."""
+    opt.zero_grad(set_to_none=True)
+    with torch.enable_grad():
+        out = model(*inputs)
+        (default_loss(out) if loss_fn is None else loss_fn(out)).backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    for p in model.parameters():
+        p.grad = None
+
+
+class Search:
+    """One :func:`convbn.max_batch` call: the one copy it steps at a time, the limits, and
+    the two searches (eager, convbn); Note: [answering within the limit]."""
+
+    def __init__(self, model: nn.Module, opt: Optional[torch.optim.Optimizer], inputs: Tuple[Any, ...],
+                 loss_fn: Optional[Callable[[Any], Tensor]], limit: int, upper: int, device: torch.device,
+                 confirm: Union[bool, str], convert_kwargs: Dict[str, Any]) -> None:
+        self.model, self.opt, self.inputs, self.loss_fn = model, opt, inputs, loss_fn
+        self.limit, self.usable, self.upper, self.device = limit, usable_bytes(limit, device), upper, device
+        self.confirm, self.convert_kwargs = confirm, convert_kwargs
+        self.held: Tuple[Any, ...] = ()
+        m, o = self.fresh()
+        self.resident = resident_bytes(m, o)
+        self.state = self.resident - resident_bytes(m)  # optimizer state: not known to convert
+        self.flops: Optional[int] = None  # the eager step's at batch 2, counted once
+
+    def fresh(self) -> Tuple[nn.Module, Optional[torch.optim.Optimizer]]:
+        """A new copy of the model and optimizer (the one before it dropped first), in training
+        mode, the optimizer's state made by one warm-up step at batch 2."""
+        if self.held:
+            self.held = ()
+            gc.collect()  # a converted copy is held in reference cycles: freed before the next exists
+        m, o = copy.deepcopy((self.model, self.opt))  # the copied optimizer refers to the copy's parameters
+        m.train()
+        if o is not None:
+            stage("a warm-up step (the optimizer's state)")
+            _warm_up(m, o, batch_of(self.inputs, 2), self.loss_fn)
+        self.held = (m, o)
+        return m, o
+
+    def step(self, m: nn.Module, o: Optional[torch.optim.Optimizer], b: int, planned: bool = False) -> Any:
+        """A recorded step at batch ``b`` (:func:`timeline`; ``planned``: ``measure_peak``, the
+        converted copy's state put back), stopped above the limit (Note: [answering within the
+        limit]): its :class:`Timeline`, or the :class:`StepOverLimit` that stopped it."""
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        x, room = batch_of(self.inputs, b), self.usable - self.resident
+        try:
+            if planned:
+                return measure_peak(m, x, optimizer=o, loss_fn=self.loss_fn, stop_above=room)
+            return timeline(m, *x, optimizer=o, loss_fn=self.loss_fn, stop_above=room)
+        except StepOverLimit as over:
+            return over
+
+    def total(self, m: nn.Module, o: Optional[torch.optim.Optimizer], b: int, planned: bool = False) -> int:
+        """``resident`` + the step's peak at ``b`` (+ the bytes where it was stopped, over the limit)."""
+        out = self.step(m, o, b, planned)
+        return self.resident + (out.bytes if isinstance(out, StepOverLimit) else out.peak)
+
+    # ------------------------------------------------------------------ measured probes
+    def eager(self, b: int) -> int:
+        """``resident + peak`` of a real eager step at batch ``b`` (of the one eager copy)."""
+        stage(f"eager: a step at batch {b}")
+        m, o = self.held or self.fresh()  # the eager side runs first: the copy held is unconverted
+        return self.total(m, o, b)
+
+    def fused(self, b: int) -> int:
+        """``resident + peak`` of a real step of a fresh copy converted for batch ``b``."""
+        stage(f"convbn: converting for batch {b} and a step")
+        m, o = self.fresh()
+        x = batch_of(self.inputs, b)
+        with warnings.catch_warnings():  # a batch no plan fits warns: here it is only a probe
+            warnings.simplefilter("ignore")
+            m = convert(m, example_inputs=x, memory_limit=max(1, self.limit - self.state), **self.convert_kwargs)
+        return self.total(m, o, b)
+
+    def measured(self, side: str, seen: Optional[Dict[int, int]] = None, why: str = "") -> Result:
+        probe = self.eager if side == "eager" else self.fused
+        b, total, seen = measured_search(probe, self.usable, self.upper, seen)
+        return b, total, seen, f"measured at batch {b} and the batch above it{why}"
+
+    # ------------------------------------------------------------------ predictions
+    def affordable(self, side: str, b: int) -> Tuple[bool, float]:
+        """Whether to confirm ``b`` by steps at ``b`` and ``b + 1`` (``confirm``), and the work
+        counted for them (Note: [confirming by counted work])."""
+        if self.flops is None:
+            m, _ = self.held or self.fresh()
+            self.flops = step_flops(m, batch_of(self.inputs, 2), self.loss_fn)
+        work = self.flops / 2 * (2 * b + 1) * (4 / 3 if side == "convbn" else 1)
+        return (work <= CONFIRM_FLOPS if self.confirm == "auto" else bool(self.confirm)), work
+
+    def confirmed(self, side: str, b: int, predicted: int, seen: Dict[int, int], how: str,
+                  probe: Callable[[int], int]) -> Union[Result, str]:
+        """Confirm a predicted answer ``b`` by real steps at ``b`` and ``b + 1`` (``probe``)
+        where ``confirm`` says so; where they disagree with it, or ``b`` is within the small
+        batches, why the side is to be measured instead (the caller measures)."""
+        if b <= PROBE_BATCHES[1]:  # within the measured batches: measuring is cheap and exact
+            return ""
+        ok, work = self.affordable(side, b)
+        if not ok:
+            stage(f"{side}: batch {b} predicted; not confirmed (steps at {b} and {b + 1}: {work / 1e12:.2g} TFLOP)")
+            return b, predicted, seen, how + (f"; not confirmed by steps at that batch ({work / 1e12:.2g} TFLOP, "
+                                              f"above confirm='auto''s {CONFIRM_FLOPS / 1e12:g})"
+                                              if self.confirm == "auto" else "; not confirmed (confirm=False)")
+        stage(f"{side}: batch {b} predicted; confirming with steps at {b} and {b + 1}")
+        for c in (b, b + 1) if b < self.upper else (b,):
+            seen[c] = probe(c)
+        if seen[b] <= self.usable and (b == self.upper or seen[b + 1] > self.usable):
+            return b, seen[b], seen, f"measured at batch {b} and the batch above it (predicted alike)"
+        return " (the prediction was off)"
+
+    def eager_predicted(self) -> Result:
+        seen: Dict[int, int] = {}
+        tls: Dict[int, Timeline] = {}
+        m, o = self.held or self.fresh()
+        for b in PROBE_BATCHES:
+            stage(f"eager: a recorded step at batch {b}")
+            out = self.step(m, o, b)
+            seen[b] = self.resident + (out.bytes if isinstance(out, StepOverLimit) else out.peak)
+            if isinstance(out, StepOverLimit):
+                return self.measured("eager", seen, f" (batch {b} is over the limit)")
+            tls[b] = out
+        b1, b2, b3 = PROBE_BATCHES
+        try:
+            lines = StepLines(tls[b1], b1, tls[b2], b2)
+        except ValueError:
+            return self.measured("eager", seen, " (the step's memory is not a line in the batch)")
+        if not lines.agrees(tls[b3], b3):
+            return self.measured("eager", seen, f" (the step at batch {b3} is off the line)")
+        b = largest_fitting(lambda n: self.resident + lines.peak_at(n) <= self.usable, self.upper)
+        how = f"predicted from steps at batches {b1} and {b2} (exact at {b3})"
+        out = self.confirmed("eager", b, self.resident + lines.peak_at(b), seen, how, lambda c: self.total(m, o, c))
+        return self.measured("eager", seen, out) if isinstance(out, str) else out
+
+    def fused_predicted(self) -> Result:
+        """The convbn side predicted (Note: [searching the batch]); where the prediction cannot
+        be made or checked, measured, the converted copy dropped first."""
+        out = self._fused_prediction()
+        if isinstance(out, str):
+            self.held = ()
+            return self.measured("convbn", None, out)
+        return out
+
+    def _fused_prediction(self) -> Union[Result, str]:
+        b1, b2, b3 = PROBE_BATCHES
+        stage(f"convbn: converting at batch {b1}")
+        m, o = self.fresh()  # the eager copy dropped: one side at a time
+        with warnings.catch_warnings():  # the chains and layers only: their modes are planned below
+            warnings.simplefilter("ignore")
+            conv = convert(m, example_inputs=batch_of(self.inputs, b1),
+                           **{**self.convert_kwargs, "strategy": "recompute_conv"})
+        if not conv.convbn_report.pairs or self.convert_kwargs.get("memory_budget") is not None:
+            return ""
+        measured: Dict[int, PlanInputs] = {}
+        chains: List[Any] = []
+        for b in (b1, b2):
+            stage(f"convbn: measuring the chains at batch {b}")
+            chains, measured[b] = measure_plan_inputs(conv, batch_of(self.inputs, b), optimizer=o, loss_fn=self.loss_fn)
+        target = usable_bytes(max(1, self.limit - self.state), self.device) - resident_bytes(conv)
+
+        def plan_at(n: int) -> Any:
+            p = plan_inputs_at(measured[b1], measured[b2], n)
+            return plan_to_target(p.costs(), p.floor, p.extra, target, p.gaps())
+
+        def planned(n: int) -> int:  # a real step at n of the copy planned for n as predicted
+            plan = plan_at(n)
+            apply_plan(chains, plan.keeps, plan.may_drop)
+            return self.total(conv, o, n, planned=True)
+
+        try:
+            plan = plan_at(b3)
+        except ValueError:
+            return " (the planner's inputs are not lines in the batch)"
+        stage(f"convbn: a recorded step at batch {b3}, planned as predicted")
+        seen = {b3: planned(b3)}
+        if seen[b3] != self.resident + plan.peak:
+            return f" (the predicted peak at batch {b3} is off)"
+        b = largest_fitting(lambda n: self.resident + plan_at(n).peak <= self.usable, self.upper)
+        how = f"predicted from the planner's inputs at batches {b1} and {b2} (exact at {b3})"
+        return self.confirmed("convbn", b, self.resident + plan_at(b).peak if b else 0, seen, how, planned)

@@ -1,0 +1,119 @@
+"""``convert(model, example_inputs=x)``'s own peak against one eager training step's (issue 41
+item 1): the allocator's peak over the whole call, above what was live before it, within the
+step's peak plus the bytes of the BatchNorm statistics convert copies to put them back (Notes:
+[a check that holds one side's gradients], [the check runs the plan that keeps least],
+[a check's comparison in bounded memory]). CPU: every allocation and free the CPU allocator
+reports (:func:`convbn.memory.allocator_peak`); the same on CUDA with the allocator's peak."""
+from __future__ import annotations
+
+import gc
+from typing import Any, List, Tuple
+
+import pytest
+import torch
+from torch import nn
+
+import convbn
+from convbn.memory import allocator_peak
+from fusion_checks import assert_fused
+
+
+class _Block(nn.Module):
+    def __init__(self, cin: int, cout: int, stride: int) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Conv2d(cin, cout, 3, stride, 1, bias=False), nn.BatchNorm2d(cout), nn.ReLU(),
+                                  nn.Conv2d(cout, cout, 3, 1, 1, bias=False), nn.BatchNorm2d(cout))
+        self.down = (nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout))
+                     if stride != 1 or cin != cout else nn.Identity())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.body(x) + self.down(x))
+
+
+def _resnet(w: int) -> nn.Module:
+    """A torchvision-style ResNet (stem, four stages of basic blocks, pooled head), width ``w``."""
+    return nn.Sequential(nn.Conv2d(3, w, 7, 2, 3, bias=False), nn.BatchNorm2d(w), nn.ReLU(), nn.MaxPool2d(3, 2, 1),
+                         _Block(w, w, 1), _Block(w, 2 * w, 2), _Block(2 * w, 4 * w, 2), _Block(4 * w, 8 * w, 2),
+                         nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8 * w, 10))
+
+
+def _peaks(model: nn.Module, x: torch.Tensor) -> Tuple[int, int, Any]:
+    """(one eager training step's peak, convert's peak, the converted model)."""
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
+
+    def step() -> None:
+        opt.zero_grad(set_to_none=True)
+        model(x).float().mean().backward()
+        opt.step()
+
+    step()  # the momentum buffers exist before the measured step, as in training
+    eager = allocator_peak(step)
+    opt.zero_grad(set_to_none=True)
+    gc.collect()
+    held: List[Any] = []
+    peak = allocator_peak(lambda: held.append(convbn.convert(model, example_inputs=x, progress=False)))
+    return eager, peak, held[0]
+
+
+#: convert's own bookkeeping beside a step, whatever the batch: the check's random-number
+#: generator states (a few KiB each) and the like
+BOOKKEEPING = 64 * 1024
+
+
+def _allowance(model: nn.Module) -> int:
+    """What convert may hold above eager's step: a copy of the BatchNorm statistics (to put them
+    back) and :data:`BOOKKEEPING`."""
+    return sum(b.numel() * b.element_size() for b in model.buffers()) + BOOKKEEPING
+
+
+def test_convert_peaks_within_one_eager_training_step() -> None:
+    """Where activations make most of the step (a training batch), convert's peak is eager's."""
+    torch.manual_seed(0)
+    model = _resnet(16)
+    x = torch.randn(8, 3, 96, 96)
+    eager, peak, fast = _peaks(model, x)
+    assert_fused(fast, pairs=12)
+    assert fast.convbn_report.validated == [""]  # the check ran, on the whole model
+    assert peak <= eager + _allowance(model), (peak / eager, peak - eager)
+
+
+def test_convert_peak_where_weights_dominate_is_within_one_copy_of_their_gradients() -> None:
+    """Where the parameters outweigh the activations (a small batch of small images), the eager
+    gradients still to compare sit beside the rewrite's step: at most one copy of the parameters'
+    bytes above eager's step (Note: [a check that holds one side's gradients]; on CUDA they wait
+    in host memory)."""
+    torch.manual_seed(0)
+    model = _resnet(32)
+    x = torch.randn(8, 3, 64, 64)
+    eager, peak, fast = _peaks(model, x)
+    assert fast.convbn_report.validated == [""]
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert peak <= eager + params + _allowance(model), (peak / eager, peak - eager, params)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_convert_peaks_within_one_eager_training_step_on_cuda() -> None:
+    torch.manual_seed(0)
+    model = _resnet(32).cuda()
+    x = torch.randn(8, 3, 64, 64, device="cuda")
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
+
+    def peak_of(fn: Any) -> int:
+        torch.cuda.synchronize()
+        start = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        fn()
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated() - start
+
+    def step() -> None:
+        opt.zero_grad(set_to_none=True)
+        model(x).float().mean().backward()
+        opt.step()
+
+    step()
+    eager = peak_of(step)
+    opt.zero_grad(set_to_none=True)
+    held: List[Any] = []
+    peak = peak_of(lambda: held.append(convbn.convert(model, example_inputs=x, progress=False)))
+    assert peak <= eager + _allowance(model), (peak / eager, peak - eager)
