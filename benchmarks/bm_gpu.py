@@ -20,6 +20,13 @@ Modes::
     python benchmarks/bm_gpu.py table --model torchvision:resnet50 --batch-size 128 --amp none bf16 fp16
     python benchmarks/bm_gpu.py mnist --batch-size 2048
     python benchmarks/bm_gpu.py max-batch --model torchvision:resnet50
+    python benchmarks/bm_gpu.py frontier --model torchvision:resnet50 --batch-size 128 --amp none bf16 fp16 --time-budget 1.05
+
+``frontier`` is the (peak, time) plane of :mod:`convbn.bench.frontier_run` (eager, compile, compile
+with activation budgets 0.5 and 0.3, per-block checkpointing, convbn's plans from the lowest
+peak to eager's, each with and without compile; the frontier marked), one table per precision;
+it also runs on the CPU (fp32 and bf16), e.g. the smoke run
+``python benchmarks/bm_gpu.py frontier --device cpu --model mnist --batch-size 4 --amp none bf16 --no-compile --steps 1 --warmup 1 --plans 1``.
 """
 from __future__ import annotations
 
@@ -44,7 +51,7 @@ from convbn.bench.training import budget_backend, checkpoint_blocks
 DEFAULT_CHAINS = compile_chains_mode()  # convbn's default (or CONVBN_COMPILE_CHAINS), before any config sets one
 AMP = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 CONFIGS = ("eager", "auto", "auto:peak0.45", "auto:peak0.6", "budget", "tutorial", "checkpoint", "compile",
-           "compile0.5", "compile0.1", "convert+compile", "convert+compile:op", "convert+compile:inductor")
+           "compile0.5", "compile0.3", "compile0.1", "convert+compile", "convert+compile:op", "convert+compile:inductor")
 
 
 @dataclass
@@ -307,10 +314,37 @@ def run_mnist(batch: int, steps: int, warmup: int) -> List[Row]:
     return run_table("mnist", batch, None, ["none"], ["eager", "auto", "tutorial"], steps, warmup)
 
 
+def run_frontier_mode(args: argparse.Namespace) -> int:
+    """One frontier table per ``--amp`` precision (``none`` = fp32), every point side by side."""
+    from convbn.bench.frontier import frontier_table
+    from convbn.bench.frontier_run import FrontierSettings, run_frontier
+
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        print("bm_gpu: needs a CUDA device (or --device cpu)", file=sys.stderr)
+        return 2
+    torch.manual_seed(0)
+    base, shape = build_model(args.model)
+    if args.image_size:
+        shape = (shape[0],) + (args.image_size,) * (len(shape) - 1)
+    base = base.to(args.device).train()
+    x = torch.randn(args.batch_size, *shape, device=args.device)
+    name = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"
+    print(f"# {name} | torch {torch.__version__} | convbn {convbn.__version__} | {args.model} input "
+          f"{'x'.join(map(str, x.shape))} | {args.steps} interleaved rounds")
+    for amp in args.amp:
+        precision = {"none": "fp32"}.get(amp, amp)
+        settings = FrontierSettings(precision=precision, compile=not args.no_compile, plans=args.plans,
+                                    time_budgets=tuple(args.time_budget), rounds=args.steps, warmup=args.warmup)
+        points = run_frontier(base, x, settings)
+        print(f"\n## {precision}\n")
+        print(frontier_table(points), flush=True)
+    return 0
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("mode", choices=("table", "mnist", "max-batch"))
+    p.add_argument("mode", choices=("table", "mnist", "max-batch", "frontier"))
     p.add_argument("--model", default="torchvision:resnet50", help="model spec (convbn.bench.models)")
     p.add_argument("--batch-size", type=int, default=128)
     p.add_argument("--image-size", type=int, default=None)
@@ -325,7 +359,13 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--json", default=None, metavar="PATH")
     p.add_argument("--profile", default=None, metavar="DIR",
                    help="table: also write each configuration's CUDA kernels (torch.profiler) to DIR")
+    p.add_argument("--device", default="cuda", help="frontier: the device (cpu for a smoke run)")
+    p.add_argument("--plans", type=int, default=3, help="frontier: convbn plans from the lowest peak to eager's")
+    p.add_argument("--time-budget", type=float, action="append", default=[], help="frontier: add convert(time_budget=T)")
+    p.add_argument("--no-compile", action="store_true", help="frontier: leave out the torch.compile configurations")
     args = p.parse_args(argv)
+    if args.mode == "frontier":
+        return run_frontier_mode(args)
     if not torch.cuda.is_available():
         print("bm_gpu: needs a CUDA device", file=sys.stderr)
         return 2

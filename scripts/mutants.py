@@ -124,6 +124,15 @@ MUTANTS: Dict[str, Mutant] = {
         (("passes/fold/fold_check.py", '    rule = tolerance_rule("fold")\n',
           "    rule = tolerance_rule.__globals__['ToleranceRule']({torch.float64: 1e-10, torch.float32: 1e-4}, 1e-2)\n"),),
         (_FOLD_RULE,)),
+    "time_budget_ignored": Mutant(
+        "convert(time_budget=...) plans as if every plan fitted the time: the lowest peak whatever it costs",
+        (("passes/plan/time_planner.py", "    allowed = int(((time_budget - TIME_MARGIN) * step.eager - step.base) * 1e9)",
+          "    allowed = 1 << 62"),),
+        ("tests/test_time_budget.py::test_a_tight_time_budget_recomputes_no_conv",)),
+    "frontier_keeps_dominated": Mutant(
+        "the frontier keeps a point as slow as a lower-peak one (dominated points marked as choices)",
+        (("bench/frontier.py", "        if t < best_time or", "        if t <= best_time or"),),
+        ("tests/test_frontier.py::test_pareto_front_cases",)),
 }
 
 

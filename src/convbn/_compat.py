@@ -32,7 +32,7 @@ __all__ = [
     "fx_tracing_flag", "set_fx_tracing_flag", "forward_from_src", "FakeTensorMode",
     "set_grad_enabled_now", "InferenceModeContext", "current_autograd_node", "storage_use_count",
     "will_engine_execute_node", "graph_task_keeps_graph", "SingleLevelFunction", "function_apply_impl",
-    "function_apply_wrapper", "global_module_hooks", "functorch_config", "inductor_compile_fx",
+    "function_apply_wrapper", "global_module_hooks", "functorch_config", "inductor_compile_fx", "inductor_config", "dynamo_config",
     "SAC_ADVISORY_LOGGER", "is_non_overlapping_and_dense_or_false", "dense_or_false_fallback", "make_channels_last_strides_for",
     "make_contiguous_strides_for", "suggest_memory_format", "mem_tracker_class", "mod_tracker_module",
     "HAS_MEM_TRACKER", "fsdp_state_of", "insert_module_state", "fsdp_new_init_disabled", "InstanceNormBase",
@@ -186,6 +186,21 @@ def global_module_hooks() -> Tuple[Any, ...]:
 def functorch_config() -> Any:
     """``torch._functorch.config`` (2.0 on): AOTAutograd's partitioner settings."""
     import torch._functorch.config as config
+
+    return config
+
+
+def inductor_config() -> Any:
+    """``torch._inductor.config`` (2.0 on): inductor's settings (``layout_optimization`` ...)."""
+    import torch._inductor.config as config
+
+    return config
+
+
+def dynamo_config() -> Any:
+    """``torch._dynamo.config`` (2.0 on): Dynamo's settings (``recompile_limit``, before 2.6
+    ``cache_size_limit``)."""
+    import torch._dynamo.config as config
 
     return config
 

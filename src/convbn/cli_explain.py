@@ -15,6 +15,14 @@ Example:
     $ convbn explain mnist --memory 16GiB    # the largest batch eager and convbn train in 16 GiB
     $ convbn explain mnist --memory 16GiB --quiet   # no progress lines on stderr
     $ convbn explain mynet:build --checkpoint last.ckpt --dtype bfloat16 --channels-last
+    $ convbn explain mnist --input-shape 64x1x28x28 --time-budget 1.05   # the lowest peak within 5 % of eager's time
+    $ convbn explain torchvision:resnet18 --input-shape 8x3x112x112 --frontier --time-budget 1.05 --plot frontier.png
+
+``--frontier`` measures, side by side in one process, the training step's peak and time of
+eager, ``torch.compile`` (with activation-memory budgets 0.5 and 0.3), per-block
+checkpointing and convbn's plans from the lowest peak to eager's, each with and without
+compile, and marks the frontier (:mod:`convbn.bench.frontier_run`): a table, and with
+``--plot PATH`` a picture (the ``[plot]`` extra).
 """
 from __future__ import annotations
 
@@ -24,7 +32,8 @@ from typing import get_args
 
 import torch
 
-from .cli import Command, add_progress_arguments, add_renamed_option, fraction, memory_size
+from .cli import Command, add_progress_arguments, add_renamed_option, fraction, memory_size, positive_float
+from .cli_frontier import add_frontier_arguments, run_frontier_command
 from .functional.strategies import ConvertStrategy
 from .cli_model import add_model_arguments, channels_last_format, load_model, model_input, resolve_shape
 
@@ -46,6 +55,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--peak-budget", type=fraction, default=None, metavar="X",
                         help="with --strategy auto: the training step's peak memory allowed, a fraction in (0, 1] "
                              "of eager's")
+    parser.add_argument("--time-budget", type=positive_float, default=None, metavar="T",
+                        help="with --strategy auto: the step time allowed as a ratio of eager's (e.g. 1.05): the "
+                             "lowest peak predicted within it (convert's time_budget)")
+    add_frontier_arguments(parser)
     parser.add_argument("--memory", type=memory_size, default=None, metavar="SIZE",
                         help="also report the largest batch that trains within SIZE (e.g. 16GiB, 512MiB), eager "
                              "and converted (convbn.max_batch; runs real steps at the batches it tries)")
@@ -61,7 +74,8 @@ def run(args: argparse.Namespace) -> int:
     """Print the report of :func:`convbn.explain`; returns the exit code."""
     from .passes.convert.api import explain
 
-    for flag, value in (("--memory-budget", args.memory_budget), ("--peak-budget", args.peak_budget)):
+    for flag, value in (("--memory-budget", args.memory_budget), ("--peak-budget", args.peak_budget),
+                        ("--time-budget", args.time_budget)):
         if value is not None and args.strategy != "auto":
             raise ValueError(f"{flag} is used by --strategy auto only, but got --strategy {args.strategy}")
     if args.memory is not None:  # its size was checked while parsing
@@ -73,12 +87,14 @@ def run(args: argparse.Namespace) -> int:
     if args.channels_last:
         model = model.to(memory_format=channels_last_format(x.dim()))
     dtype = AUTOCAST_DTYPES[args.dtype]
+    if args.frontier:
+        return run_frontier_command(args, model, x)
     autocast = (torch.autocast(torch.device(args.device).type, dtype=dtype) if dtype is not None
                 else contextlib.nullcontext())
     progress = getattr(args, "progress", None)
     with autocast:
         report = explain(model, x, strategy=args.strategy, memory_budget=args.memory_budget, peak_budget=args.peak_budget,
-                         chain=not args.no_chain, progress=progress)
+                         time_budget=args.time_budget, chain=not args.no_chain, progress=progress)
     how = "".join((f", autocast {args.dtype}" if dtype is not None else "",
                    ", channels-last" if args.channels_last else ""))
     print(f"{args.spec}, input {'x'.join(map(str, x.shape))}{how}", flush=True)

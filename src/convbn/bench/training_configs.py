@@ -17,8 +17,8 @@ import torch
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from convbn._compat import functorch_config, inductor_compile_fx
 from convbn.bench.checkpointing import CheckpointBlock, checkpoint_blocks, find_blocks
+from convbn.bench.compile_budget import activation_memory_budget, budget_backend
 from convbn.bench.concat_checkpoint import checkpoint_concat_heads
 from convbn.passes.convert.api import convert
 
@@ -80,20 +80,6 @@ def config_names(
     return list(dict.fromkeys(names))
 
 
-def budget_backend(budget: float) -> Callable[..., Any]:
-    """An inductor backend that partitions with ``activation_memory_budget=budget``.
-
-    A distinct callable per configuration (see Note: [One dynamo cache entry per budget]).
-    """
-
-    def backend(gm: torch.fx.GraphModule, example_inputs: List[Tensor]) -> Any:
-        with functorch_config().patch(activation_memory_budget=budget):
-            return inductor_compile_fx()(gm, example_inputs)
-
-    backend.__name__ = f"inductor_budget_{_fmt_budget(budget).replace('.', '_')}"
-    return backend
-
-
 @dataclass
 class TrainingConfig:
     """One configuration under test: the transformed model, its parameters / buffers and optimizer."""
@@ -120,7 +106,7 @@ def build_config(name: str, base: nn.Module, x: Tensor, lr: float) -> TrainingCo
         report = model.convbn_report
         note = f"{len(report.pairs)} pairs in {report.num_chains} chains"
         model = torch.compile(model, backend=budget_backend(budget))
-        context = lambda: functorch_config().patch(activation_memory_budget=budget)  # noqa: E731
+        context = lambda: activation_memory_budget(budget)  # noqa: E731
     elif name.startswith("convert"):
         if "budget=" in name:
             budget = float(name.rpartition("=")[2])
@@ -151,7 +137,7 @@ def build_config(name: str, base: nn.Module, x: Tensor, lr: float) -> TrainingCo
         budget = float(name.rpartition("=")[2])
         model = torch.compile(model, backend=budget_backend(budget))
         # see Note: [One dynamo cache entry per budget]; the patch also covers lazy (re)compiles
-        context = lambda: functorch_config().patch(activation_memory_budget=budget)  # noqa: E731
+        context = lambda: activation_memory_budget(budget)  # noqa: E731
     elif name != "eager":
         raise ValueError(f"unknown configuration {name!r}")
     optimizer = torch.optim.SGD(params, lr=lr)

@@ -113,6 +113,7 @@ def convert(
     memory_limit: Any = None,
     progress: Optional[bool] = None,
     plan: Any = None,
+    time_budget: Optional[float] = None,
 ) -> M:
     """Fuse every Conv -> BatchNorm (-> activation) of ``model`` for memory-lean training.
 
@@ -153,6 +154,16 @@ def convert(
             is the least recompute whose predicted peak fits; where none fits, the lowest
             peak, with a warning. Optimizer state is not known here: subtract it, or use
             :func:`convbn.max_batch` (which does). Needs ``example_inputs``.
+        time_budget: with ``"auto"``, the training step's *time* allowed, as a ratio of the
+            unconverted model's step time on ``example_inputs`` (``1.05``: at most 5 % slower):
+            the plan with the lowest predicted peak whose predicted step time fits (less a
+            1 % margin). Step times are predicted from costs measured once, in this call, on
+            the device at hand: the unconverted step, the converted step keeping every conv
+            output and one forward of each fused convolution (a plan's time is the second plus
+            the convolutions it runs again); the report has them (``step_costs``) and the
+            prediction (``predicted_time_ratio``). Where no plan fits, the fastest, with a
+            warning. Not with ``peak_budget`` / ``memory_limit``; with ``memory_budget`` both
+            are limits. Needs ``example_inputs``.
         example_inputs: a tensor or tuple of inputs. The result is *validated* on them:
             the original and the rewrite each run one forward and one backward (random
             upstream gradient) and outputs, gradients and running statistics are compared;
@@ -198,13 +209,13 @@ def convert(
         >>> fast[0].weight is net[0].weight
         True
     """
-    check_args(model, strategy, memory_budget, example_inputs, peak_budget, memory_limit)
+    check_args(model, strategy, memory_budget, example_inputs, peak_budget, memory_limit, time_budget)
     given = None if plan is None else as_plan(plan)
     if given is not None and example_inputs is None:
         raise ValueError("plan needs example_inputs: it holds what convert decided on them (pass the same shapes)")
     check_progress(progress)
     options = dict(strategy=strategy, memory_budget=memory_budget, peak_budget=peak_budget,
-                   memory_limit=memory_limit, chain=chain)
+                   memory_limit=memory_limit, chain=chain, time_budget=time_budget)
     with progress_scope("convert", progress), transaction(model):  # Note: [a failed pass changes nothing]
         return _convert_model(model, example_inputs, inplace, options, given)
 
@@ -223,7 +234,8 @@ def _convert_model(model: nn.Module, example_inputs: Any, inplace: bool, options
     _trace_match_build(work, inputs, conv)
     _complete_report(model, conv.report)
     if not _plan_again(work, conv):
-        _plan(work, inputs, conv.report, options["memory_budget"], options["peak_budget"], options["memory_limit"])
+        _plan(work, inputs, conv.report, options["memory_budget"], options["peak_budget"], options["memory_limit"],
+              options["time_budget"])
     if key is not None:
         conv.report.plan = ConvertPlan(key, tuple(conv.checks), chain_plans(chains_of(work)), figures_of(conv.report))
     work.__dict__["convbn_report"] = conv.report
@@ -292,7 +304,7 @@ def _complete_report(model: nn.Module, report: ConvertReport) -> None:
 
 
 def _plan(work: nn.Module, inputs: Optional[Tuple[Any, ...]], report: ConvertReport, memory_budget: Optional[float],
-          peak_budget: Optional[float], memory_limit: Any) -> None:
+          peak_budget: Optional[float], memory_limit: Any, time_budget: Optional[float] = None) -> None:
     """Stage *plan*: with ``example_inputs``, ``"auto"`` plans every chain on them (the other
     strategies' plans are made when their chains are built) and the saved bytes are measured."""
     if inputs is None or not report.pairs:
@@ -304,7 +316,7 @@ def _plan(work: nn.Module, inputs: Optional[Tuple[Any, ...]], report: ConvertRep
             target = usable_bytes(parse_memory(memory_limit), device) - resident_bytes(work)
         with eager(work):  # the eager model: the very same modules, their own forwards
             reference = share_copy(work)
-        plan_auto(reference, work, inputs, memory_budget, report, peak_budget, target)
+        plan_auto(reference, work, inputs, memory_budget, report, peak_budget, target, time_budget)
         return
     with StateSnapshot(work):
         with eager(work):
@@ -325,7 +337,8 @@ def explain(model: nn.Module, example_inputs: Any = None, **kwargs: Any) -> Conv
     Args:
         model: the model.
         example_inputs: inputs for measuring saved bytes and planning (recommended).
-        **kwargs: ``strategy``, ``memory_budget``, ``peak_budget``, ``chain``, ``progress`` as for :func:`convert`.
+        **kwargs: ``strategy``, ``memory_budget``, ``peak_budget``, ``time_budget``, ``chain``, ``progress`` as
+            for :func:`convert`.
 
     Returns:
         The :class:`ConvertReport`: each pair with its strategy, kept bytes and extra

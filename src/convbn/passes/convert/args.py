@@ -18,13 +18,15 @@ __all__ = ["check_args", "example_inputs_named"]
 
 
 def check_args(model: Any, strategy: str, memory_budget: Optional[float], example_inputs: Any,
-               peak_budget: Optional[float] = None, memory_limit: Any = None) -> None:
+               peak_budget: Optional[float] = None, memory_limit: Any = None,
+               time_budget: Optional[float] = None) -> None:
     """Every argument of :func:`convert` checked before any work: ``TypeError`` / ``ValueError`` naming it."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"convert expects an nn.Module, but got {type(model).__name__}")
     reject_torchscript(model, "convert")
     refuse_flat_parameters(model)
     check_strategy(strategy, CONVERT_STRATEGIES)
+    _check_time_budget(time_budget, strategy, example_inputs, peak_budget, memory_limit)
     on_meta = meta_tensor(model)
     if example_inputs is not None and on_meta is not None:
         raise ValueError(
@@ -59,6 +61,23 @@ def check_args(model: Any, strategy: str, memory_budget: Optional[float], exampl
             raise ValueError("memory_budget needs example_inputs: the planner measures eager saved bytes on them")
 
 
+def _check_time_budget(time_budget: Optional[float], strategy: str, example_inputs: Any,
+                       peak_budget: Optional[float], memory_limit: Any) -> None:
+    """``time_budget``: a positive ratio of the unconverted step's time, with ``"auto"`` and
+    ``example_inputs``, and not with a peak asked for (both would choose the plan)."""
+    if time_budget is None:
+        return
+    if strategy != "auto":
+        raise ValueError(f"time_budget is used by strategy='auto' only, but got strategy={strategy!r}")
+    if isinstance(time_budget, bool) or not isinstance(time_budget, (int, float)) or not 0 < time_budget < float("inf"):
+        raise ValueError(f"time_budget must be a positive ratio of the unconverted model's step time (e.g. 1.05), "
+                         f"but got {time_budget!r}")
+    for name, value in (("peak_budget", peak_budget), ("memory_limit", memory_limit)):
+        if value is not None:
+            raise ValueError(f"give time_budget (the lowest peak within a step time) or {name} (the least recompute "
+                             f"within a peak), not both")
+    if example_inputs is None:
+        raise ValueError("time_budget needs example_inputs: the step costs are measured on them")
 def _mismatch(model: nn.Module, inputs: Tuple[Any, ...]) -> Optional[str]:
     """Where a floating tensor of ``inputs`` has another dtype or device than ``model``'s first
     floating parameter or buffer: ``"tensor 0 is torch.float64 on cpu, the model's parameters

@@ -20,6 +20,8 @@ from .peak_model import ChainCost, drops_needed, step_peak
 from .peak_planner import plan_for_peak, plan_within_peak
 from .planner import plan_layers
 from .plan_inputs import PlanInputs, chains_of, measure_peak, measure_plan_inputs
+from . import step_costs
+from .time_planner import plan_within_time
 from ..graph.graph_module import fused_modules
 from .first_call_peak import peak_above_eager
 from ..report.convert_report import ConvertReport
@@ -154,6 +156,24 @@ def _keeps(m: _Measured, extra: int, memory_budget: Optional[float], peak_budget
     return [[by_layer[id(l)] for l in c.layers] for c in m.ordered]
 
 
+def _time_keeps(original: nn.Module, converted: nn.Module, inputs: Tuple[Any, ...], m: _Measured, extra: int,
+                time_budget: float, report: ConvertReport) -> List[List[bool]]:
+    """The lowest-peak plan predicted within ``time_budget`` of the unconverted step (Note: [a
+    plan's step time] in time_planner.py), from step costs measured here, once; the costs and
+    the prediction go into the report."""
+    stage("plan: measuring step costs for time_budget")
+    costs = step_costs.measure_step_costs(original, converted, m.ordered, inputs)
+    chosen = plan_within_time(m.inputs.costs(), m.inputs.floor, extra, costs, time_budget, m.inputs.gaps())
+    report.step_costs, report.time_budget = costs, time_budget
+    report.predicted_time_ratio = chosen.seconds / costs.eager
+    if not chosen.reached:
+        warnings.warn(
+            f"time_budget={time_budget} asks for a step within {time_budget}x the unconverted step's time "
+            f"({costs.eager * 1e3:.2f} ms measured), but the fastest plan is predicted at "
+            f"{report.predicted_time_ratio:.3f}x: planned for the fastest", stacklevel=6)
+    return chosen.keeps
+
+
 def _eager_if_above(converted: nn.Module, inputs: Tuple[Any, ...], eager_peak: int, report: ConvertReport) -> None:
     """Note: [never above eager], last resort: a step measured above eager's (what a chain
     recomputes outweighs what it stops keeping, e.g. tiny weight-dominated models) runs its
@@ -169,7 +189,8 @@ def _eager_if_above(converted: nn.Module, inputs: Tuple[Any, ...], eager_peak: i
 
 
 def plan_auto(original: nn.Module, converted: nn.Module, inputs: Tuple[Any, ...], memory_budget: Optional[float],
-              report: ConvertReport, peak_budget: Optional[float] = None, peak_target: Optional[int] = None) -> None:
+              report: ConvertReport, peak_budget: Optional[float] = None, peak_target: Optional[int] = None,
+              time_budget: Optional[float] = None) -> None:
     """Plan every chain of ``converted`` (``convert(strategy="auto")``) and give each its plan.
 
     Args:
@@ -183,6 +204,8 @@ def plan_auto(original: nn.Module, converted: nn.Module, inputs: Tuple[Any, ...]
             (Note: [saved bytes or peak]); ``None``: no peak asked for.
         peak_target: the step's peak allowed in bytes (``convert(memory_limit=...)`` less
             the resident bytes); ``None``: none.
+        time_budget: the step time allowed as a ratio of the unconverted step's: the lowest
+            predicted peak within it (Note: [a plan's step time]); not with a peak asked for.
 
     # Note: [saved bytes or peak]
     # ``memory_budget`` limits the *saved* bytes (held from forward to backward): the
@@ -207,7 +230,28 @@ def plan_auto(original: nn.Module, converted: nn.Module, inputs: Tuple[Any, ...]
     report.eager_saved_bytes, report.floor_saved_bytes = m.eager, m.floor
     extra = _extra_bytes(m, memory_budget, layers)
     report.eager_peak_bytes = m.eager_peak
-    keeps = _keeps(m, extra, memory_budget, peak_budget, peak_target, report, layers)
+    if time_budget is not None:
+        keeps = _time_keeps(original, converted, inputs, m, extra, time_budget, report)
+    else:
+        keeps = _keeps(m, extra, memory_budget, peak_budget, peak_target, report, layers)
+    costs, gaps, floor = m.inputs.costs(), m.inputs.gaps(), m.inputs.floor
+    may_drop = _apply(converted, m, keeps)
+    # measured only where the prediction (exact on the models measured, BENCHMARKS.md
+    # "## Issue 24") is within 10 % of eager's: elsewhere one more recorded step would only confirm it
+    peak, where = step_peak(costs, keeps, floor, may_drop=may_drop, gaps=gaps)
+    if peak_target is None and peak_budget is None and memory_budget is None and time_budget is None \
+            and peak > 0.9 * m.eager_peak:
+        _eager_if_above(converted, inputs, m.eager_peak, report)
+    report.predicted_peak_bytes = peak
+    report.predicted_peak_where = _where(converted, m.ordered, where)
+    if memory_budget is not None:  # the default and a peak budget alone set no saved-bytes target
+        report.target_saved_bytes = m.floor + extra
+    report.saved_bytes = m.floor + sum(l.keep_bytes() for l in layers if l.mode == "recompute_bn")
+
+
+def _apply(converted: nn.Module, m: _Measured, keeps: List[List[bool]]) -> List[bool]:
+    """Give the reached chains their plans (with the drops their step peak needs) and the others
+    a plan made on their first call; returns the may-drop flags."""
     costs, gaps, floor = m.inputs.costs(), m.inputs.gaps(), m.inputs.floor
     may_drop = drops_needed(costs, keeps, floor, gaps)  # Note: [drops only where the step peaks]
     reached = {id(c) for c in m.ordered}
@@ -215,16 +259,7 @@ def plan_auto(original: nn.Module, converted: nn.Module, inputs: Tuple[Any, ...]
         if id(c) not in reached:  # not run by example_inputs: planned when it runs
             c.apply_plan(lazy_plan(c, peak_above_eager))
     apply_plan(m.ordered, keeps, may_drop)  # the planner is pure; its plans are applied here
-    # measured only where the prediction (exact on the models measured, BENCHMARKS.md
-    # "## Issue 24") is within 10 % of eager's: elsewhere one more recorded step would only confirm it
-    peak, where = step_peak(costs, keeps, floor, may_drop=may_drop, gaps=gaps)
-    if peak_target is None and peak_budget is None and memory_budget is None and peak > 0.9 * m.eager_peak:
-        _eager_if_above(converted, inputs, m.eager_peak, report)
-    report.predicted_peak_bytes = peak
-    report.predicted_peak_where = _where(converted, m.ordered, where)
-    if memory_budget is not None:  # the default and a peak budget alone set no saved-bytes target
-        report.target_saved_bytes = m.floor + extra
-    report.saved_bytes = m.floor + sum(l.keep_bytes() for l in layers if l.mode == "recompute_bn")
+    return may_drop
 
 
 def _where(converted: nn.Module, ordered: Sequence[FusedChain], where: int) -> str:

@@ -97,6 +97,10 @@ class ConvertReport:
             asked for (``peak_budget`` times ``eager_peak_bytes``) and the lowest any plan
             reaches; the plan meets the target when ``predicted_peak_bytes <= target_peak_bytes``,
             else it is the lowest-peak plan.
+        time_budget / step_costs / predicted_time_ratio: with ``time_budget``, the ratio asked
+            for, the step costs measured for it (:class:`~convbn.passes.plan.time_planner.StepCosts`:
+            eager's step, the converted step keeping every conv output, each conv's forward)
+            and the chosen plan's predicted step time as a ratio of eager's.
         eager_fallback: the default plan's step was measured above eager's peak on
             ``example_inputs``, so the chains run as eager modules (the default plan never
             peaks above the model as it was).
@@ -141,6 +145,9 @@ class ConvertReport:
     target_peak_bytes: Optional[int] = None
     lowest_peak_bytes: Optional[int] = None
     eager_fallback: bool = False
+    time_budget: Optional[float] = None
+    step_costs: Optional[Any] = None  # a plan.time_planner.StepCosts (report sits below plan)
+    predicted_time_ratio: Optional[float] = None
     shared_pieces: Dict[str, int] = field(default_factory=dict)
     lean_pools: List[str] = field(default_factory=list)
     changes: List[str] = field(default_factory=list)
@@ -252,6 +259,12 @@ class ConvertReport:
             lines.append(f"  peak budget: {format_bytes(self.target_peak_bytes)} "
                          + ("met" if met else f"unreachable, planned for the lowest reachable peak "
                             f"{format_bytes(self.lowest_peak_bytes or 0)}"))
+        if self.time_budget is not None and self.predicted_time_ratio is not None:
+            met = self.predicted_time_ratio <= self.time_budget
+            lines.append(f"  time budget: {self.time_budget}x eager's step; chosen plan predicted at "
+                         f"{self.predicted_time_ratio:.3f}x" + ("" if met else " (no plan fits: the fastest)"))
+        if self.step_costs is not None:
+            lines += self.step_costs.lines()
         if self.measured_peak_bytes is not None:
             ratio = f" ({self.measured_peak_bytes / self.eager_peak_bytes:.2f}x eager " \
                     f"{format_bytes(self.eager_peak_bytes)})" if self.eager_peak_bytes else ""
