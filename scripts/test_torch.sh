@@ -45,9 +45,10 @@ if [ "$have" != "$VERSION" ] || ! "$PY" -c 'import pytest, hypothesis, numpy' 2>
     echo "== installing torch==$VERSION into $VENV (several GB the first time)"
     "$PY" -m pip install -q "torch==$VERSION" pytest hypothesis numpy
 fi
-# the real models of the subset (pure Python; --no-deps: they would resolve another torch)
-"$PY" -c 'import monai, efficientnet_pytorch' 2> /dev/null \
-    || "$PY" -m pip install -q --no-deps monai efficientnet_pytorch
+# the real models of the subset (pure Python; --no-deps: they would resolve another torch), and
+# rich for the command line's tables (convbn[cli]; it needs no torch)
+"$PY" -c 'import monai, efficientnet_pytorch, rich' 2> /dev/null \
+    || { "$PY" -m pip install -q --no-deps monai efficientnet_pytorch && "$PY" -m pip install -q rich; }
 WORK=$(mktemp -d)
 trap 'rm -rf "$WORK"' EXIT
 echo "== installing this checkout ($ROOT) into $VENV"

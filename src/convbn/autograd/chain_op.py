@@ -19,7 +19,8 @@
 # in a chain]) reads and restores the global generators, which a compiled graph does not
 # reproduce exactly; FusedChain runs such a chain as eager modules under torch.compile.
 """
-from __future__ import annotations
+# no `from __future__ import annotations`: torch 2.5's custom_op reads the annotations of the
+# ops below as objects (it cannot resolve `Tuple[...]` given as a string)
 
 from typing import Any, List, Optional, Sequence, Tuple, Union
 
