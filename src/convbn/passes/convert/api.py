@@ -29,7 +29,7 @@ from ..plan.chain_plans import lazy_plan, recompute_all
 from ..plan.first_call_peak import peak_above_eager
 from ..plan.plan_inputs import chains_of
 from ..report.convert_report import ConvertReport
-from ..report.outcome import bn_module_names, explain_ghost_loops, frozen_lookalikes, unreached
+from ..report.outcome import explain_ghost_loops, frozen_lookalikes, norm_module_names, unreached
 from .args import check_args, example_inputs_named
 from .saved_plan import (ConvertPlan, as_plan, chain_plans, figures_of, plan_key, plan_value, replace_figures,
                          restore_shapes)
@@ -298,7 +298,7 @@ def _plan_again(work: nn.Module, conv: Conversion) -> bool:
 def _complete_report(model: nn.Module, report: ConvertReport) -> None:
     """Every BatchNorm module gets an outcome: fused, left with a reason, or not reached."""
     untraced = [m for m, _ in report.untraced]
-    report.recorded += unreached(bn_module_names(model), report.recorded, untraced, report.traced)
+    report.recorded += unreached(norm_module_names(model), report.recorded, untraced, report.traced)
     report.recorded += frozen_lookalikes(model, report.recorded)
     report.recorded = explain_ghost_loops(model, report.recorded)
 

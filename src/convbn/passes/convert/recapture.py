@@ -28,7 +28,7 @@ from ...nn.chain import FusedChain
 from ..check.guards import Guards
 from ..graph.graph_module import GraphForward, installed, uninstall
 from ..report.convert_report import ConvertReport
-from ..report.outcome import bn_module_names, unreached
+from ..report.outcome import norm_module_names, unreached
 
 __all__ = ["MAX_RECAPTURES", "Recapture", "attach_guards", "refuse_flat_parameters"]
 
@@ -106,7 +106,7 @@ class Recapture:
     def _give_up(self, owner: nn.Module, why: str) -> bool:
         _remove_installed(owner)
         fresh = ConvertReport(strategy=self.report.strategy)
-        for names in bn_module_names(owner):
+        for names in norm_module_names(owner):
             fresh.leave(self.prefix + names[0] if names[0] else self.prefix.rstrip("."),
                         f"runs its module's original forward: {why}")
         _merge(self.report, self.prefix, fresh, owner)
@@ -163,7 +163,7 @@ def _merge(report: ConvertReport, prefix: str, fresh: ConvertReport, owner: nn.M
     for p in fresh.pairs:
         p.chain += shift
     report.pairs[:] = kept + fresh.pairs
-    names = [[prefix + n for n in ns] for ns in bn_module_names(owner)]
+    names = [[prefix + n for n in ns] for ns in norm_module_names(owner)]
     fresh.recorded += unreached(names, fresh.recorded, [m for m, _ in fresh.untraced], fresh.traced)
     report.recorded[:] = [o for o in report.recorded if outside(o.batchnorm)] + fresh.recorded
     report.traced[:] = [t for t in report.traced if outside(t)] + fresh.traced

@@ -21,7 +21,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from ..bn.frozen import frozen_bn_ranks, frozen_bn_reason
 from ..bn.ghost import ghost_bn_reason
 
-__all__ = ["BNOutcome", "Direction", "OutcomeResult", "OUTCOME_RESULTS", "DIRECTIONS", "bn_module_names", "unreached", "frozen_lookalikes",
+__all__ = ["BNOutcome", "Direction", "OutcomeResult", "OUTCOME_RESULTS", "DIRECTIONS", "bn_module_names", "norm_module_names", "unreached", "frozen_lookalikes",
            "explain_ghost_loops"]
 
 #: what can happen to a BatchNorm: fused (convert), folded (fold), left as it was (either)
@@ -105,6 +105,28 @@ def bn_module_names(model: nn.Module) -> List[List[str]]:
     names: Dict[int, List[str]] = {}
     for name, m in model.named_modules(remove_duplicate=False):
         if isinstance(m, _BatchNorm) or frozen_bn_ranks(m):
+            names.setdefault(id(m), []).append(name)
+    return list(names.values())
+
+
+def norm_module_names(model: nn.Module) -> List[List[str]]:
+    """:func:`bn_module_names` for every norm :func:`convbn.convert` fuses: BatchNorm modules
+    and the per-sample norms (a norm-table row: ``GroupNorm``, ``InstanceNorm*``; and
+    ``nn.LayerNorm``), all names of each, in ``model.named_modules()`` order. Convert's report
+    ends with :func:`unreached` over these, so a per-sample norm the pass never reached (a lone
+    child of a module that could not be traced) is listed ``left`` as a BatchNorm is.
+
+    Example:
+        >>> gn = nn.GroupNorm(2, 4)
+        >>> norm_module_names(nn.Sequential(nn.Conv2d(3, 4, 1), gn, nn.BatchNorm2d(4)))
+        [['1'], ['2']]
+    """
+    from ...functional.norms import row_of_module  # the table imports nothing of the passes
+
+    names: Dict[int, List[str]] = {}
+    for name, m in model.named_modules(remove_duplicate=False):
+        if (isinstance(m, (_BatchNorm, nn.LayerNorm)) or row_of_module(m) is not None
+                or frozen_bn_ranks(m)):
             names.setdefault(id(m), []).append(name)
     return list(names.values())
 
