@@ -147,12 +147,12 @@ def test_every_called_norm_has_an_outcome(case: str, with_inputs: bool) -> None:
     assert len(names) == len(set(names))  # each norm once
 
 
-@pytest.mark.parametrize("case,norm,owner", [("timestep-unet", "conv_norm_out", "<root>"),
-                                              ("processor-attn", "attn.group_norm", "attn")])
-def test_unreached_norm_says_which_module_was_not_traced(case: str, norm: str, owner: str) -> None:
+@pytest.mark.parametrize("case,norm,owner,error", [("timestep-unet", "conv_norm_out", "<root>", "TraceHazard"),
+                                                    ("processor-attn", "attn.group_norm", "attn", "TraceError")])
+def test_unreached_norm_says_which_module_was_not_traced(case: str, norm: str, owner: str, error: str) -> None:
     cls, make = _cases()[case]
     conv = convbn.convert(cls())
     conv(*make())
     (o,) = [o for o in conv.convbn_report.outcomes if o.batchnorm == norm]
     assert o.result == "left"
-    assert f"'{owner}', which could not be traced as a whole" in o.reason
+    assert f"'{owner}', which could not be traced as a whole ({error}:" in o.reason  # and why

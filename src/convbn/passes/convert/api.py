@@ -296,9 +296,10 @@ def _plan_again(work: nn.Module, conv: Conversion) -> bool:
 
 
 def _complete_report(model: nn.Module, report: ConvertReport) -> None:
-    """Every BatchNorm module gets an outcome: fused, left with a reason, or not reached."""
+    """Every norm module (BatchNorm or per-sample) gets an outcome: fused, left with a reason, or not reached."""
     untraced = [m for m, _ in report.untraced]
-    report.recorded += unreached(norm_module_names(model), report.recorded, untraced, report.traced)
+    report.recorded += unreached(norm_module_names(model), report.recorded, untraced, report.traced,
+                                 errors=dict(report.untraced))
     report.recorded += frozen_lookalikes(model, report.recorded)
     report.recorded = explain_ghost_loops(model, report.recorded)
 

@@ -164,7 +164,8 @@ def _merge(report: ConvertReport, prefix: str, fresh: ConvertReport, owner: nn.M
         p.chain += shift
     report.pairs[:] = kept + fresh.pairs
     names = [[prefix + n for n in ns] for ns in norm_module_names(owner)]
-    fresh.recorded += unreached(names, fresh.recorded, [m for m, _ in fresh.untraced], fresh.traced)
+    fresh.recorded += unreached(names, fresh.recorded, [m for m, _ in fresh.untraced], fresh.traced,
+                                errors=dict(fresh.untraced))
     report.recorded[:] = [o for o in report.recorded if outside(o.batchnorm)] + fresh.recorded
     report.traced[:] = [t for t in report.traced if outside(t)] + fresh.traced
     report.untraced[:] = [u for u in report.untraced if outside(u[0])] + fresh.untraced

@@ -132,7 +132,7 @@ def norm_module_names(model: nn.Module) -> List[List[str]]:
 
 
 def unreached(bn_names: Sequence[Sequence[str]], outcomes: Sequence[BNOutcome], untraced: Iterable[str],
-              traced: Iterable[str] = ()) -> List[BNOutcome]:
+              traced: Iterable[str] = (), errors: Optional[Dict[str, str]] = None) -> List[BNOutcome]:
     """A ``"left"`` outcome for every BatchNorm module that ``outcomes`` name under none of its
     names: the pass never reached it, either inside a module it could not trace or because
     the traced forward never calls it. Both passes end with this, so every BatchNorm module
@@ -145,6 +145,8 @@ def unreached(bn_names: Sequence[Sequence[str]], outcomes: Sequence[BNOutcome], 
         untraced: qualified names of modules that could not be traced as a whole (``""``:
             the model itself).
         traced: qualified names of modules traced whole, where the pass records them.
+        errors: why each untraced module could not be traced (its trace error, shortened),
+            where the pass records it; the reason then says it.
 
     Returns:
         The outcomes to add, in the order of ``bn_names``.
@@ -166,7 +168,9 @@ def unreached(bn_names: Sequence[Sequence[str]], outcomes: Sequence[BNOutcome], 
         owner = max((o for o in whole if o == "" or name.startswith(o + ".")), key=len, default="")
         where = owner or "<root>"
         if whole.get(owner) is False:
-            reason = f"it is called from '{where}', which could not be traced as a whole; left as is"
+            err = (errors or {}).get(owner)
+            why = f" ({err})" if err else ""
+            reason = f"it is called from '{where}', which could not be traced as a whole{why}; left as is"
         else:
             reason = (f"it is not called in the traced forward pass of '{where}' (unused, or only reached in a way "
                       "tracing cannot see); left as is")
