@@ -14,7 +14,8 @@ import torch.nn.functional as F
 
 import convbn
 
-NORM_TYPES = (nn.GroupNorm, nn.modules.instancenorm._InstanceNorm, nn.LayerNorm, nn.modules.batchnorm._BatchNorm)
+NORM_TYPES = (nn.GroupNorm, nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d, nn.LayerNorm, nn.BatchNorm1d, nn.BatchNorm2d,
+              nn.BatchNorm3d)
 
 
 class ResBlock(nn.Module):  # diffusers ResnetBlock2D, reduced: forward(input_tensor, temb)
