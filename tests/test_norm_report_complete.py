@@ -157,3 +157,28 @@ def test_unreached_norm_says_which_module_was_not_traced(case: str, norm: str, o
     (o,) = [o for o in conv.convbn_report.outcomes if o.batchnorm == norm]
     assert o.result == "left"
     assert f"'{owner}', which could not be traced as a whole ({error}:" in o.reason  # and why
+
+
+class TokenLayerNorm(nn.Module):  # a conv stem, then a transformer-style LayerNorm over tokens
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3, padding=1)
+        self.bn = nn.BatchNorm2d(8)
+        self.ln = nn.LayerNorm(8)
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x):
+        tokens = torch.relu(self.bn(self.conv(x))).flatten(2).transpose(1, 2)
+        return self.fc(self.ln(tokens))
+
+
+@pytest.mark.parametrize("with_inputs", [False, True], ids=["lazy", "example_inputs"])
+def test_a_layer_norm_over_tokens_is_not_reported_as_a_norm_left(with_inputs: bool) -> None:
+    """A LayerNorm over tokens is no convolution's norm: the report does not list it (a ``left``
+    outcome would say it is not called, which is false), and the BatchNorm before it fuses."""
+    torch.manual_seed(0)
+    model, x = TokenLayerNorm(), torch.randn(2, 3, 8, 8)
+    out = convbn.convert(copy.deepcopy(model), example_inputs=x if with_inputs else None)
+    torch.testing.assert_close(out(x), model(x))
+    results = {o.batchnorm: o.result for o in out.convbn_report.outcomes}
+    assert results == {"bn": "fused"}

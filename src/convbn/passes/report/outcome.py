@@ -111,10 +111,11 @@ def bn_module_names(model: nn.Module) -> List[List[str]]:
 
 def norm_module_names(model: nn.Module) -> List[List[str]]:
     """:func:`bn_module_names` for every norm :func:`convbn.convert` fuses: BatchNorm modules
-    and the per-sample norms (a norm-table row: ``GroupNorm``, ``InstanceNorm*``; and
-    ``nn.LayerNorm``), all names of each, in ``model.named_modules()`` order. Convert's report
+    and the per-sample norms of a norm-table row (``GroupNorm``, ``InstanceNorm*``), all names of each, in ``model.named_modules()`` order. Convert's report
     ends with :func:`unreached` over these, so a per-sample norm the pass never reached (a lone
-    child of a module that could not be traced) is listed ``left`` as a BatchNorm is.
+    child of a module that could not be traced) is listed ``left`` as a BatchNorm is. A plain
+    ``nn.LayerNorm`` is not listed: most normalise tokens, not a convolution's channels, and a
+    channel LayerNorm is reported where its permutes are matched.
 
     Example:
         >>> gn = nn.GroupNorm(2, 4)
@@ -125,7 +126,7 @@ def norm_module_names(model: nn.Module) -> List[List[str]]:
 
     names: Dict[int, List[str]] = {}
     for name, m in model.named_modules(remove_duplicate=False):
-        if (isinstance(m, (_BatchNorm, nn.LayerNorm)) or row_of_module(m) is not None
+        if (isinstance(m, _BatchNorm) or row_of_module(m) is not None
                 or frozen_bn_ranks(m)):
             names.setdefault(id(m), []).append(name)
     return list(names.values())
