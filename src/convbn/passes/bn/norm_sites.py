@@ -31,7 +31,7 @@ from ...functional.norms import NormRow, channel_layer_norm, row_of_function, ro
 from ...nn.norm_view import NormView
 from ..graph.hooks import hook_reason
 from ..graph.layers import node_arg, normalize_args
-from .sites import BNSite, BNSites
+from .sites import BNSite, BNSites, _owner
 
 __all__ = ["find_norm_sites", "channel_layer_norms", "norm_module_names"]
 
@@ -123,14 +123,6 @@ def channel_layer_norms(gm: fx.GraphModule) -> int:
 
 
 # --------------------------------------------------------------------------- sites
-
-def _owner(root: nn.Module, target: str) -> Tuple[str, str, Optional[nn.Module]]:
-    path, _, attr = target.rpartition(".")
-    try:
-        return path, attr, root.get_submodule(path)
-    except AttributeError:
-        return path, attr, None
-
 
 _TENSORS = ("weight", "bias", "running_mean", "running_var")
 
