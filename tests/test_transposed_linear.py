@@ -24,6 +24,7 @@ from convbn.autograd.layer_functions import FrozenFunction, RecomputeBNFunction,
 from convbn.functional.activations import Activation, activation_from_module
 from convbn.functional.batchnorm import BNSpec
 from convbn.functional.conv import conv_flops, conv_output_shape, conv_spec_from_module
+from convbn.functional.norms import row_of_module
 from convbn.memory import saved_bytes
 from convbn.nn.chain import ChainLayer, FusedChain
 from convbn.nn.fused_conv_bn import FusedConvBN1d, FusedConvBN2d, FusedConvBN3d
@@ -702,5 +703,7 @@ def test_monai_decoders_with_transposed_batchnorms_fully_fused(name: str) -> Non
     report = fast.convbn_report
     transposed = {n for n, m in eager.named_modules() if isinstance(m, nn.modules.conv._ConvNd) and m.transposed}
     assert transposed and transposed <= {p.conv for p in report.pairs}
-    bns = [n for n, m in eager.named_modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+    # every BatchNorm, and every per-sample norm (AttentionUnet's merge convs: InstanceNorm), in a pair
+    bns = [n for n, m in eager.named_modules()
+           if isinstance(m, nn.modules.batchnorm._BatchNorm) or row_of_module(m) is not None]
     assert sorted(p.bn for p in report.pairs if p.bn) == sorted(bns) and not report.skipped  # chain ends have no BN
