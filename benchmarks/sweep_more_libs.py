@@ -143,13 +143,16 @@ def _effnet(name: str, **kw: Any) -> Callable[[Any], Built]:
 
 # --------------------------------------------------------------------------- dynamic_network_architectures
 
-def _dna(arch: str, dim: int, **kw: Any) -> Callable[[Any], Built]:
+def _dna(arch: str, dim: int, *, norm_kind: str = "batch", **kw: Any) -> Callable[[Any], Built]:
+    """An nnU-Net network of ``arch`` in ``dim`` dimensions, normalised by BatchNorm or, with
+    ``norm_kind="instance"``, by InstanceNorm (nnU-Net's own default); ``kw`` go to the network."""
     def build(gen: Any) -> Built:
         import torch.nn as nn
         from dynamic_network_architectures.architectures import unet
 
         conv = nn.Conv3d if dim == 3 else nn.Conv2d
-        norm = nn.BatchNorm3d if dim == 3 else nn.BatchNorm2d
+        norms = {"batch": (nn.BatchNorm2d, nn.BatchNorm3d), "instance": (nn.InstanceNorm2d, nn.InstanceNorm3d)}
+        norm = norms[norm_kind][dim == 3]
         stages = 4
         common = dict(input_channels=1, n_stages=stages, features_per_stage=[8, 16, 32, 32], conv_op=conv,
                       kernel_sizes=3, strides=[1, 2, 2, 2], num_classes=3, norm_op=norm,

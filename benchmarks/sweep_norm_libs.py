@@ -172,24 +172,10 @@ def _monai(name: str, dim: int, **kw: Any) -> Callable[[Any], Built]:
 # --------------------------------------------------------------------------- nnU-Net
 
 def _dna_in(arch: str, dim: int, **kw: Any) -> Callable[[Any], Built]:
-    def build(gen: Any) -> Built:
-        import torch.nn as nn
-        from dynamic_network_architectures.architectures import unet
+    """sweep_more_libs' nnU-Net builder with InstanceNorm, nnU-Net's default."""
+    from sweep_more_libs import _dna
 
-        common: Dict[str, Any] = dict(
-            input_channels=1, n_stages=4, features_per_stage=[8, 16, 32, 32],
-            conv_op=nn.Conv3d if dim == 3 else nn.Conv2d, kernel_sizes=3, strides=[1, 2, 2, 2], num_classes=3,
-            norm_op=nn.InstanceNorm3d if dim == 3 else nn.InstanceNorm2d,
-            norm_op_kwargs={"eps": 1e-5, "affine": True}, nonlin=nn.LeakyReLU,
-            nonlin_kwargs={"inplace": True})
-        if arch == "PlainConvUNet":
-            common.update(n_conv_per_stage=2, n_conv_per_stage_decoder=2, conv_bias=True)
-        else:
-            common.update(n_blocks_per_stage=[1, 2, 2, 2], n_conv_per_stage_decoder=1)
-        common.update(kw)
-        size = (24, 24, 24) if dim == 3 else (48, 48)
-        return getattr(unet, arch)(**common), _randn(gen, 2, 1, *size)
-    return build
+    return _dna(arch, dim, norm_kind="instance", **kw)
 
 
 # --------------------------------------------------------------------------- diffusers
