@@ -257,6 +257,8 @@ def _layer_backward(rb: _Rebuild, i: int, grad: List[Tensor], x_need: bool, grad
     spec = rb.specs[i]
     w, b, *_ = rb.layer(i)
     x: Optional[Tensor] = rb.x0 if (spec.conv is None or i == 0) else None
+    if i == len(rb.specs) - 1 and spec.norm is None and not spec.tail and spec.act.is_identity:  # a bare end conv
+        return _conv_backward(rb, i, grad.pop(), x, x_need, grads)
     graph = rb.pending.pop(i, None)
     if graph is None:
         if i not in rb.kept and spec.conv is not None and x is None:
@@ -280,8 +282,17 @@ def _layer_backward(rb: _Rebuild, i: int, grad: List[Tensor], x_need: bool, grad
     if gy is None:
         gy = torch.zeros_like(yv)
     del out, yv, pv, graph, got, act_out
+    rb.kept.pop(i, None)  # a kept conv output is read by its norm's backward only
     if spec.conv is None:
         return gy
+    return _conv_backward(rb, i, gy, x, x_need, grads)
+
+
+def _conv_backward(rb: _Rebuild, i: int, gy: Tensor, x: Optional[Tensor], x_need: bool,
+                   grads: List[Optional[Tensor]]) -> Optional[Tensor]:
+    """Layer ``i``'s convolution's gradients from ``gy`` (its input rebuilt where not given)."""
+    spec, base = rb.specs[i], rb.off[i]
+    w, b, *_ = rb.layer(i)
     if x is None:
         x = rb.input(i)
     needs = rb.needs

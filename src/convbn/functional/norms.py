@@ -87,6 +87,10 @@ class NormRow:
     #: its backward reads its input and statistics, never its output (the chain's backward may
     #: then release the recomputed output: Note: [the norm's output as a root only])
     output_unread: bool = False
+    #: maps of its input's size its backward makes besides its input's gradient (the planner's
+    #: memory model, autograd/norm_chain_memory.py): a channel LayerNorm's permuted input and
+    #: gradient made contiguous
+    backward_copies: int = 0
 
     def tracks_stats(self, call: NormCall, has_stats: bool) -> bool:
         """Whether a training call updates running statistics (given the module holds them)."""
@@ -216,7 +220,7 @@ NORMS: List[NormRow] = [
             _layer_compute, _layer_module, _layer_args, functions=(channel_layer_norm,),
             signature=(("input", None), ("normalized_shape", None), ("weight", None), ("bias", None),
                        ("eps", 1e-5)),
-            stat_count=lambda call, shape: _prod(shape) // max(shape[1], 1), output_unread=True,
+            stat_count=lambda call, shape: _prod(shape) // max(shape[1], 1), output_unread=True, backward_copies=2,
             fold=lambda call, stats: "cannot fold: per-sample statistics (a LayerNorm normalises each position of "
                                      "each sample by its own, in eval too)"),
 ]
