@@ -41,6 +41,7 @@ from ..functional.conv import ConvSpec, conv_backward, conv_forward
 from ..functional.norms import NormCall, norm_forward, norm_reference, norm_row
 from ..functional.tail import DropoutOp, PReLUOp, TailOp
 from .double_backward import differentiable_backward
+from .release import free_storage, keeping_graph
 from .saving import load_tensors, save_tensors
 
 __all__ = ["NormLayerSpec", "NormChainFunction", "norm_chain_apply", "norm_chain_forward_no_grad",
@@ -187,6 +188,8 @@ class _Rebuild:
         self.x0, self.params, self.specs, self.kept, self.stats = x0, params, specs, kept, stats
         self.off, self.needs = _offsets(specs), needs
         self.pending: Dict[int, PostGraph] = {}
+        #: no later backward unpacks the saved conv outputs: each is freed once read
+        self.free_kept = not keeping_graph()
 
     def layer(self, i: int) -> Tuple[Any, Any, Any, Any, List[Any]]:
         return _split(self.specs[i], self.params[self.off[i]: self.off[i + 1]])
@@ -282,7 +285,10 @@ def _layer_backward(rb: _Rebuild, i: int, grad: List[Tensor], x_need: bool, grad
     if gy is None:
         gy = torch.zeros_like(yv)
     del out, yv, pv, graph, got, act_out
-    rb.kept.pop(i, None)  # a kept conv output is read by its norm's backward only
+    kept = rb.kept.pop(i, None)  # a kept conv output is read by its norm's backward only
+    if kept is not None and rb.free_kept:  # Note: [freeing kept tensors early] in autograd/release.py
+        free_storage(kept)
+    del kept
     if spec.conv is None:
         return gy
     return _conv_backward(rb, i, gy, x, x_need, grads)

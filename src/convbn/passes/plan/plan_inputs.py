@@ -53,7 +53,7 @@ class PlanInputs:
         y_bytes / x_bytes / flops / w_bytes / s_bytes / acts: per chain (forward order), per
             layer: conv output and input bytes, conv MACs, parameter-gradient bytes,
             BatchNorm statistics bytes, activation kind (:class:`ChainCost`).
-        head / end: per chain, as in :class:`ChainCost`.
+        head / end / norms: per chain, as in :class:`ChainCost`.
         prefix_est: per chain, the prefix estimated from saved bytes (where the recorded
             step cannot tell its backward apart).
         floor: saved activation bytes with every layer keeping nothing.
@@ -73,6 +73,7 @@ class PlanInputs:
     acts: Tuple[Tuple[str, ...], ...]
     head: Tuple[bool, ...]
     end: Tuple[bool, ...]
+    norms: Tuple[Tuple[str, ...], ...]
     prefix_est: Ints
     floor: int
     extra: int
@@ -93,7 +94,7 @@ class PlanInputs:
                 y_bytes=self.y_bytes[j], x_bytes=self.x_bytes[j],
                 macs=tuple(recompute_cost(f, x, y) for f, x, y in zip(self.flops[j], self.x_bytes[j], self.y_bytes[j])),
                 acts=self.acts[j], prefix=self.prefix_est[j], w_bytes=self.w_bytes[j], head=self.head[j],
-                end=self.end[j], s_bytes=self.s_bytes[j])
+                end=self.end[j], s_bytes=self.s_bytes[j], norms=self.norms[j])
             if j in peaks:
                 own = chain_backward_peak(cost, [False] * len(cost.y_bytes))[0]
                 cost = replace(cost, prefix=max(0, peaks[j] - own))
@@ -171,7 +172,7 @@ def measure_plan_inputs(converted: nn.Module, inputs: Tuple[Any, ...], *,
         batch=batch, y_bytes=per_layer(ChainLayer.y_bytes), x_bytes=per_layer(ChainLayer.x_bytes),
         flops=per_layer(ChainLayer.flops), w_bytes=per_layer(_layer_param_bytes), s_bytes=per_layer(_stat_bytes),
         acts=per_layer(ChainLayer.tail_kind), head=tuple(c.layers[0].is_head for c in chains),
-        end=tuple(c.layers[-1].is_end for c in chains), prefix_est=tuple(prefix[names[id(c)]] for c in chains),
+        end=tuple(c.layers[-1].is_end for c in chains), norms=tuple(_norms(c) for c in chains), prefix_est=tuple(prefix[names[id(c)]] for c in chains),
         floor=rec.activation_bytes, extra=all_keep_bytes([m.layers for m in chains_of(converted)]),
         points=points, slots=slots, ops=ops)
 
@@ -230,7 +231,7 @@ def _line(a: int, b: int, ba: int, bb: int, batch: int) -> int:
     return round(a + Fraction(b - a, bb - ba) * (batch - ba))
 
 
-_CONSTANT = ("w_bytes", "s_bytes", "acts", "head", "end", "slots", "ops")
+_CONSTANT = ("w_bytes", "s_bytes", "acts", "head", "end", "norms", "slots", "ops")
 
 
 def plan_inputs_at(a: PlanInputs, b: PlanInputs, batch: int) -> PlanInputs:
@@ -272,8 +273,15 @@ def _stat_bytes(layer: ChainLayer) -> int:
     BN backward: Note: [never above eager]); a per-sample norm's as its row of the norm table
     counts them (functional/norms.py)."""
     if isinstance(layer.bn, NormView):
-        return stat_bytes(layer.bn.call(), layer.y_shape or (0, 0), 4) if layer.y_shape else 0
+        return stat_bytes(layer.bn.call(), layer.y_shape, 4, layer.bn.weight is not None) if layer.y_shape else 0
     return 0 if layer.bn is None else 2 * 4 * int(layer.bn.num_features)
+
+
+def _norms(chain: FusedChain) -> Tuple[str, ...]:
+    """A per-sample-norm chain's norm rows per layer (``""``: none); ``()`` for a BatchNorm chain."""
+    if not any(isinstance(l.bn, NormView) for l in chain.layers):
+        return ()
+    return tuple(l.bn.call().row if isinstance(l.bn, NormView) else "" for l in chain.layers)
 
 
 def _chain_param_bytes(chain: FusedChain) -> int:
