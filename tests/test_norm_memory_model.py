@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 import convbn
+from convbn.autograd.refcounts import frees_incoming_gradients
 from convbn.memory import timeline
 from convbn.nn.norm_chain import FusedNormChain
 from convbn.passes.plan.peak_model import ChainCost, chain_backward_peak
@@ -95,13 +96,16 @@ def _measured_backward(fused: nn.Module, cost: ChainCost, keep: list) -> int:
 def test_replayed_backward_is_the_measured_one(norm: str, act: str) -> None:
     """Keeping the conv outputs, the replay of NormChainFunction's backward is the measured peak
     to the byte (the norm's output released under ReLU as its row's ``output_unread`` says; each
-    kept conv output freed after its norm's backward; the Function's incoming gradient alive to
-    the end); recomputing them, within one conv output map (see the module docstring of
+    kept conv output freed after its norm's backward; the Function's incoming gradient freed once
+    its activation's backward read it); recomputing them, within one conv output map (see the module docstring of
     autograd/norm_chain_memory.py). The BatchNorm chain's replay, used before, is not."""
     fused, chain = _converted(norm, act, "recompute_bn")
     cost, keep = _cost(chain)
     measured = _measured_backward(fused, cost, keep)
-    assert chain_backward_peak(cost, keep)[0] == measured
+    # the incoming gradient is freed once consumed where this Python and torch let the probe
+    # prove it unshared (tests/test_peak_memory.py); elsewhere it stays to the end
+    held = 0 if frees_incoming_gradients() else cost.y_bytes[-1]
+    assert chain_backward_peak(cost, keep)[0] + held == measured
     bn_model = chain_backward_peak(ChainCost(cost.y_bytes, cost.x_bytes, cost.macs, cost.acts, w_bytes=cost.w_bytes,
                                              s_bytes=cost.s_bytes), keep)[0]
     assert bn_model != measured

@@ -41,6 +41,7 @@ from ..functional.conv import ConvSpec, conv_backward, conv_forward
 from ..functional.norms import NormCall, norm_forward, norm_reference, norm_row
 from ..functional.tail import DropoutOp, PReLUOp, TailOp
 from .double_backward import differentiable_backward
+from .refcounts import calibrate, incoming_refs, sole_owner
 from .release import free_storage, keeping_graph
 from .saving import load_tensors, save_tensors
 
@@ -190,6 +191,17 @@ class _Rebuild:
         self.pending: Dict[int, PostGraph] = {}
         #: no later backward unpacks the saved conv outputs: each is freed once read
         self.free_kept = not keeping_graph()
+        #: the Function's incoming gradient where it is the backward's alone, freed once consumed
+        self.engine_grad: Optional[Tensor] = None
+
+    def release_engine_grad(self, unless: Optional[Tensor] = None) -> None:
+        """Free the incoming gradient (Note: [freeing the incoming gradient] in
+        autograd/refcounts.py) unless ``unless`` is it or shares its storage."""
+        g = self.engine_grad
+        if g is None or (unless is not None and unless.untyped_storage().data_ptr() == g.untyped_storage().data_ptr()):
+            return
+        self.engine_grad = None
+        free_storage(g)
 
     def layer(self, i: int) -> Tuple[Any, Any, Any, Any, List[Any]]:
         return _split(self.specs[i], self.params[self.off[i]: self.off[i + 1]])
@@ -274,10 +286,12 @@ def _layer_backward(rb: _Rebuild, i: int, grad: List[Tensor], x_need: bool, grad
         g = spec.act.backward_from_output_(g, act_out)
     elif not spec.tail and not spec.act.is_identity:  # the activation's native backward kernel
         g = spec.act.backward(g, out.detach())
+    rb.release_engine_grad(unless=g)
     wanted = [yv] + [p for p in pv if p is not None and p.requires_grad]
     got = list(torch.autograd.grad(out, wanted, g, allow_unused=True)) if out is not yv else [g]
     del g
     gy, rest = got[0], iter(got[1:])
+    rb.release_engine_grad(unless=gy)
     for k, p in enumerate(pv):
         if p is not None and p.requires_grad:
             gp = next(rest)
@@ -305,6 +319,7 @@ def _conv_backward(rb: _Rebuild, i: int, gy: Tensor, x: Optional[Tensor], x_need
     xin = spec.conv.pad_input(x) if i > 0 else x
     gx, gw, gb = conv_backward(gy, xin, w, spec.conv, (i > 0 or x_need, needs[base], b is not None and needs[base + 1]))
     grads[base], grads[base + 1] = gw, gb
+    rb.release_engine_grad(unless=gx)
     if i > 0 and bool(spec.conv.pre_pad) and gx is not None:  # through the padding of an absorbed pad
         with torch.enable_grad():
             xv = x.detach().requires_grad_(True)
@@ -317,6 +332,7 @@ class NormChainFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, x0: Tensor, *args: Any) -> Tensor:  # type: ignore[override]
+        calibrate()  # Note: [calibrated once, in a clean state] (autograd/refcounts.py)
         *params, specs, stats = args
         out, kept = _forward(x0, params, specs, stats)
         ctx.kept_idx = tuple(kept)
@@ -327,6 +343,7 @@ class NormChainFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad_out: Tensor) -> Tuple[Optional[Tensor], ...]:  # type: ignore[override]
+        refs = incoming_refs(grad_out)  # first: Note: [freeing the incoming gradient]
         saved = load_tensors(ctx)
         n = ctx.n_params
         x0, params = saved[0], saved[1: 1 + n]
@@ -342,6 +359,7 @@ class NormChainFunction(torch.autograd.Function):
             return (*grads[: 1 + n], None, None)
         kept = dict(zip(ctx.kept_idx, saved[1 + n:]))
         rb = _Rebuild(x0, params, specs, kept, stats, needs[1: 1 + n])  # type: ignore[arg-type]
+        rb.engine_grad = grad_out if sole_owner(grad_out, refs) else None
         flat: List[Optional[Tensor]] = [None] * n
         g: Optional[Tensor] = grad_out
         del grad_out

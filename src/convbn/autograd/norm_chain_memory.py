@@ -148,14 +148,11 @@ class _NormReplay:
 
     def layer_backward(self, i: int, g: Hashable) -> Hashable:
         """Layer ``i`` from the incoming gradient ``g``; returns its input's gradient's name.
-        The chain's own incoming gradient (``"g"``) stays alive to the end: autograd's engine
-        holds it while the Function's backward runs."""
+        Each gradient is freed once consumed (the chain's own incoming one too: Note: [freeing
+        the incoming gradient] in autograd/refcounts.py)."""
         mem, n = self.mem, self.y[i]
         if not self.needs_y(i):  # an end layer's bare convolution: its gradient is the incoming one
-            if g == "g":
-                mem.alloc("gy", 0)
-            else:
-                mem.rename(g, "gy")
+            mem.rename(g, "gy")
             return self.conv_backward(i)
         if i not in self.graphs:  # the last layer: nothing rebuilt its graph yet
             if i > 0 and self.has_conv(i) and i not in self.kept:
@@ -168,24 +165,22 @@ class _NormReplay:
         held = self.graphs.pop(i)
         out = next((h for h in held if h in (("out", i), ("x", i + 1))), None)
         if self.root_only(i) and out is not None:  # grad_z written into the activation's output
-            self._free_grad(g)
+            mem.free(g)
             g = out
         elif self.kinds[i] in (LayerKind.SMOOTH, LayerKind.OUTPUT):  # the activation's backward kernel
             mem.alloc(("ga", i), n)
-            self._free_grad(g)
+            mem.free(g)
             g = ("ga", i)
         elif self.kinds[i] is LayerKind.TAIL:  # autograd through the tail, op by op
             for j, _ in enumerate(self.ops[i]):
                 mem.alloc(("gt", i, j), n)
                 if j:
                     mem.free(("gt", i, j - 1))
-            self._free_grad(g)
+            mem.free(g)
             g = ("gt", i, len(self.ops[i]) - 1)
         if self.has_norm(i):
             self.norm_backward(i)
-            self._free_grad(g)
-        elif g == "g":
-            mem.alloc("gy", 0)
+            mem.free(g)
         else:
             mem.rename(g, "gy")
         for h in held:
@@ -194,10 +189,6 @@ class _NormReplay:
         if not self.has_conv(i):
             return "gy"
         return self.conv_backward(i)
-
-    def _free_grad(self, g: Hashable) -> None:
-        if g != "g":
-            self.mem.free(g)
 
     def norm_backward(self, i: int) -> None:
         """The norm's input gradient as ``"gy"`` (its row's backward reads its input and
@@ -243,6 +234,6 @@ def norm_replay(y_sizes: Sequence[int], x_sizes: Sequence[int], keep: Sequence[b
 
     Example:
         >>> norm_replay([4, 8], [1, 4], [False, False], ["smooth", "smooth"], ["group_norm", "group_norm"])
-        (52, 1)
+        (44, 1)
     """
     return _NormReplay(y_sizes, x_sizes, keep, acts, norms, w_sizes, head, end, s_sizes).run()
