@@ -18,6 +18,10 @@ Running statistics move once, in forward (the recompute normalises with the samp
 statistics and passes no buffer). A differentiable backward (``create_graph=True``) rebuilds
 the whole chain from ``x0`` and the parameters with the same ops (Note: [double backward]).
 The slow, obviously right reference is :func:`norm_chain_reference` (eager ops end to end).
+Each kept conv output is freed once its norm's backward read it (Note: [freeing kept tensors
+early] in autograd/release.py), the incoming gradient once its last layer consumed it (Note:
+[freeing the incoming gradient] in autograd/refcounts.py), and a bare end convolution's output is
+never recomputed; the planner replays this order on sizes (autograd/norm_chain_memory.py).
 
 Note: [the norm's output as a root only]
 Layer ``i``'s norm is recomputed under autograd once, when layer ``i + 1`` rebuilds its input,
