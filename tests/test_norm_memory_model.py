@@ -128,3 +128,39 @@ def test_the_model_reads_the_norm_table(monkeypatch: pytest.MonkeyPatch) -> None
     rows = [replace(r, output_unread=False) if r.name == "group_norm" else r for r in norms.NORMS]
     monkeypatch.setattr(norms, "NORMS", rows)
     assert chain_backward_peak(cost, keep)[0] > before
+
+
+class ZeroPadUpCat(nn.Module):
+    """MONAI UpCat's shape: the upsampled map padded by zero (``replicate``), concatenated with the
+    skip, then Conv -> InstanceNorm -> LeakyReLU."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.skip = nn.Conv2d(3, 4, 3, padding=1)
+        self.up = nn.ConvTranspose2d(3, 4, 2, stride=2)
+        self.conv = nn.Conv2d(8, 4, 3, padding=1)
+        self.norm = nn.InstanceNorm2d(4, affine=True)
+
+    def forward(self, x: torch.Tensor, low: torch.Tensor) -> torch.Tensor:
+        up = torch.nn.functional.pad(self.up(low), [0, 0, 0, 0], "replicate")
+        return torch.nn.functional.leaky_relu(self.norm(self.conv(torch.cat([self.skip(x), up], 1))), 0.01)
+
+
+def test_zero_width_pad_before_a_concatenation_is_dropped() -> None:
+    """The zero pad is gone from the installed graph (its replication-pad backward no longer keeps
+    the upsampled map), the concatenation's pieces feed the chain, and training is eager's."""
+    torch.manual_seed(0)
+    eager = ZeroPadUpCat().double()
+    x, low = torch.randn(2, 3, 8, 8, dtype=torch.float64), torch.randn(2, 3, 4, 4, dtype=torch.float64)
+    fast = convbn.convert(copy.deepcopy(eager), example_inputs=(x, low))
+    graph = fast.forward.graph
+    assert not any(n.op == "call_function" and n.target is torch.nn.functional.pad for n in graph.nodes)
+    assert [type(m).__name__ for _, m in convbn.fused_modules(fast)] == ["FusedNormChain"]
+    for model in (eager, fast):
+        model.zero_grad(set_to_none=True)
+        model(x, low).pow(2).sum().backward()
+    torch.testing.assert_close(fast(x, low), eager(x, low), rtol=0, atol=1e-12)
+    for (name, p), q in zip(eager.named_parameters(), fast.parameters()):
+        torch.testing.assert_close(q.grad, p.grad, rtol=0, atol=1e-10, msg=name)
+    saved = convbn.saved_bytes(fast, x, low).activation_bytes
+    assert saved < convbn.saved_bytes(eager, x, low).activation_bytes
