@@ -38,7 +38,7 @@ from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
 from .chain_compiled import chain_contexts
-from .norm_chain import NormLayerSpec, Stats, _post, _split, _offsets
+from .norm_chain import NormLayerSpec, Stats, _offsets, _post, _split, norm_chain_reference
 
 __all__ = ["compilable_norm_chain", "norm_chain_compiled_apply"]
 
@@ -77,6 +77,9 @@ def norm_chain_compiled_apply(x0: Tensor, params: Sequence[Optional[Tensor]], sp
                               stats: Sequence[Stats]) -> Tensor:
     """Run a chain :func:`compilable_norm_chain` accepts as plain ops in a selective checkpoint
     (Note: [a norm chain under torch.compile]); running statistics updated once, as eager's."""
+    if not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x0, *params))):
+        with torch.no_grad():  # nothing to keep: the eager ops, running statistics updated where given
+            return norm_chain_reference(x0, params, specs, stats)
     tracks = [s.norm is not None and s.norm.use_input_stats and rm is not None and rv is not None
               for s, (rm, rv) in zip(specs, stats)]
     running = [t for s, (rm, rv), tr in zip(specs, stats, tracks)

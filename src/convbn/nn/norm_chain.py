@@ -78,7 +78,7 @@ class FusedNormChain(FusedChain):
         if layers[0].conv is not None:
             x = layers[0].conv.pad_input(x)
         params = _flat_params(layers, dt)
-        if torch.compiler.is_compiling() and torch.is_grad_enabled():
+        if torch.compiler.is_compiling():
             if not compilable_norm_chain(specs):
                 return self._forward_eager(_concat(pieces))
             return norm_chain_compiled_apply(x, params, specs, stats)  # Note: [a norm chain under torch.compile]
