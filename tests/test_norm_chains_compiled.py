@@ -199,3 +199,27 @@ def test_inductor_compiled_norm_chains_match_eager_and_keep_the_plans_set(induct
     # (compile of the eager model keeps at least each convolution's output: BENCHMARKS.md)
     assert kept_f <= kept_fused + 2 * x.shape[0] * 8 * 4, (kept_f, kept_fused)
     assert kept_f < 0.6 * kept_e, (kept_f, kept_e)
+
+
+def test_compiled_3d_instance_norm_chain_follows_new_shapes():
+    """A second input shape (Dynamo recompiles with dynamic sizes): eager's values."""
+    torch.manual_seed(0)
+    eager = nn.Sequential(nn.Conv3d(1, 4, 3, padding=1), nn.InstanceNorm3d(4, affine=True), nn.LeakyReLU(0.01),
+                          nn.Conv3d(4, 4, 3, padding=1), nn.InstanceNorm3d(4, track_running_stats=True),
+                          nn.LeakyReLU(0.01), nn.Conv3d(4, 2, 1)).double()
+    fast = convbn.convert(copy.deepcopy(eager))
+    assert_fused(fast)
+    cf = torch.compile(fast, backend="aot_eager", fullgraph=True)
+    for shape in ((2, 1, 6, 6, 6), (3, 1, 5, 7, 6)):
+        x = torch.randn(shape, dtype=torch.float64, generator=torch.Generator().manual_seed(sum(shape)))
+        for m in (eager, fast):
+            m.zero_grad(set_to_none=True)
+        (oe, gxe), (of, gxf) = _step(eager, x, torch.ones(shape[0], 2, *shape[2:], dtype=torch.float64)), \
+            _step(cf, x, torch.ones(shape[0], 2, *shape[2:], dtype=torch.float64))
+        assert_close(of, oe, rtol=1e-12, atol=1e-12)
+        assert_close(gxf, gxe, rtol=1e-12, atol=1e-12)
+        for pe, pf in zip(eager.parameters(), fast.parameters()):
+            assert_close(pf.grad, pe.grad, rtol=1e-12, atol=1e-12)
+        for be, bf in zip(eager.buffers(), fast.buffers()):
+            assert_close(bf, be, rtol=1e-12, atol=1e-12)
+    assert _activation_bytes(cf, x) < 0.7 * _activation_bytes(eager, x)
