@@ -223,3 +223,24 @@ def test_compiled_3d_instance_norm_chain_follows_new_shapes():
         for be, bf in zip(eager.buffers(), fast.buffers()):
             assert_close(bf, be, rtol=1e-12, atol=1e-12)
     assert _activation_bytes(cf, x) < 0.7 * _activation_bytes(eager, x)
+
+
+def test_norm_chain_with_prelu_under_bf16_autocast_recomputes_under_autocast():
+    """autocast casts PReLU's weight (a lower-precision op on the CPU): the backward's recompute,
+    called outside autocast, runs under the forward's autocast state (Note: [a norm chain under
+    autocast]); eager autocast's values exactly."""
+    torch.manual_seed(0)
+    eager = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.GroupNorm(4, 8), nn.PReLU(8),
+                          nn.Conv2d(8, 8, 3, padding=1), nn.InstanceNorm2d(8, affine=True), nn.PReLU(),
+                          nn.Conv2d(8, 4, 1))
+    fast = convbn.convert(copy.deepcopy(eager))
+    assert_fused(fast)
+    x = torch.randn(2, 3, 8, 8)
+    g = torch.randn(2, 4, 8, 8, dtype=torch.bfloat16)
+    (oe, gxe), (of, gxf) = _step(eager, x, g, amp=True), _step(fast, x, g, amp=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert type(fast(x.requires_grad_()).grad_fn).__name__ == "NormChainFunctionBackward"
+    assert_close(of, oe, rtol=0, atol=0)
+    assert_close(gxf, gxe, rtol=0, atol=0)
+    for (n, pe), pf in zip(eager.named_parameters(), fast.parameters()):
+        assert_close(pf.grad, pe.grad, rtol=0, atol=0, msg=n)
