@@ -19,7 +19,9 @@ fractions of eager autocast's peak and time. ``--compile``: ``torch.compile`` (i
 ``fullgraph``, channels_last input) of the eager net and of the converted one: the bytes the
 compiled forward keeps for backward (:func:`convbn.memory.saved_bytes`, exact: compiled
 graphs' own buffers are not seen by the live-tensor meters) and the step time, as fractions of
-compiled eager's. ``--nets`` picks nets by the start of their label (``diffusion 3-D``).
+compiled eager's; the step's peak (zero_grad, forward, loss, backward, SGD step) by
+:func:`convbn.memory.allocator_peak` (the allocator's events, which compiled code's buffers
+reach). ``--nets`` picks nets by the start of their label (``diffusion 3-D``).
 """
 from __future__ import annotations
 
@@ -35,7 +37,7 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 import convbn
-from convbn.memory import saved_bytes, timeline
+from convbn.memory import allocator_peak, saved_bytes, timeline
 
 
 class ResBlock(nn.Module):
@@ -242,20 +244,23 @@ def measure_compiled(make: Callable[[], nn.Module], shape: Tuple[int, ...], roun
                 "compiled convert": torch.compile(fast, fullgraph=True)}
     med = _times(variants, x, rounds)  # compiles first: the kept bytes are the compiled graphs'
     kept = {k: _kept(m, x) for k, m in variants.items()}
+    opts = {k: torch.optim.SGD(m.parameters(), lr=1e-3) for k, m in variants.items()}
+    peak = {k: allocator_peak(lambda: _step_time(m, x, opts[k])) for k, m in variants.items()}
     return {"eager kept MiB": kept["compiled eager"] / 2**20, "convert kept MiB": kept["compiled convert"] / 2**20,
-            "uncompiled convert kept MiB": _kept(fast, x) / 2**20,
+            "uncompiled convert kept MiB": _kept(fast, x) / 2**20, "eager peak MiB": peak["compiled eager"] / 2**20,
+            "peak": peak["compiled convert"] / peak["compiled eager"],
             "time": med["compiled convert"] / med["compiled eager"]}
 
 
 def _print_compiled(models: List[Tuple[str, Callable[[], nn.Module], Tuple[int, ...]]], rounds: int) -> None:
     print("| net (input, channels_last) | compiled eager: kept MiB | compiled convert: kept MiB (x) | "
-          "convert uncompiled: kept MiB | compiled convert time x compiled eager |")
-    print("|---|---:|---:|---:|---:|")
+          "convert uncompiled: kept MiB | compiled eager: step peak MiB | compiled convert: peak / time |")
+    print("|---|---:|---:|---:|---:|---:|")
     for label, make, shape in models:
         r = measure_compiled(make, shape, rounds)
         print(f"| {label} {tuple(shape)} | {r['eager kept MiB']:.1f} | {r['convert kept MiB']:.1f} "
               f"({r['convert kept MiB'] / r['eager kept MiB']:.2f}x) | {r['uncompiled convert kept MiB']:.1f} "
-              f"| {r['time']:.2f}x |", flush=True)
+              f"| {r['eager peak MiB']:.1f} | {r['peak']:.2f}x / {r['time']:.2f}x |", flush=True)
 
 
 def main(argv: Optional[List[str]] = None) -> int:
