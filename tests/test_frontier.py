@@ -112,3 +112,54 @@ def test_explain_frontier_errors_are_one_line_exit_2(capsys, argv, message):
     assert main(["explain", "mnist", "--input-shape", "4x1x28x28", "--frontier", "--quiet", *argv]) == 2
     err = capsys.readouterr().err
     assert message in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err
+
+
+def _conv_bn_net() -> torch.nn.Sequential:
+    """Three Conv3x3 -> BN -> ReLU blocks and a head: every conv weight has a channels_last
+    copy distinct from itself (a 1x1 weight's would have the same strides)."""
+    nn = torch.nn
+
+    def block(i, o):
+        return [nn.Conv2d(i, o, 3, padding=1, bias=False), nn.BatchNorm2d(o), nn.ReLU()]
+
+    torch.manual_seed(0)
+    return nn.Sequential(*block(3, 8), *block(8, 16), *block(16, 16), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+                         nn.Linear(16, 4)).train()
+
+
+def test_compiled_converted_model_saves_no_copy_of_a_conv_weight():
+    """Note: [a conv inductor cannot re-layout]. Under a plain ``torch.compile`` (inductor, its
+    layout optimisation on as by default) the converted model's backward keeps each conv weight
+    as the parameter itself: exactly the activations the uncompiled converted model keeps, and no
+    saved storage shaped like a conv weight that is not the parameter (inductor's channels_last
+    weight copies, 3 x 3 x 3 x 8 + 8 x 3 x 3 x 16 + 16 x 3 x 3 x 16 floats, are what a visible
+    ``aten.convolution`` makes it save)."""
+    import copy
+    import warnings
+
+    import convbn
+    from convbn.autograd.chain_compiled import compile_chains_mode
+    from convbn.memory import saved_bytes
+    from fusion_checks import assert_fused
+
+    assert compile_chains_mode() == "inductor"
+    x = torch.randn(4, 3, 16, 16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        fast = convbn.convert(_conv_bn_net(), strategy="recompute_bn")
+    assert_fused(fast, chains=1)
+    eager_saved = saved_bytes(copy.deepcopy(fast), x)
+    torch._dynamo.reset()
+    compiled = torch.compile(fast)
+    compiled(x).sum().backward()  # compiles (inductor)
+    fast.zero_grad(set_to_none=True)
+    saved = saved_bytes(compiled, x)
+    weights = {tuple(m.weight.shape) for m in fast.modules() if isinstance(m, torch.nn.Conv2d)}
+    copies = [(s, n) for (_, s, _, n), p in zip(saved.shapes, saved.is_param) if not p and s in weights]
+    assert copies == [], copies
+    assert saved.activation_bytes == eager_saved.activation_bytes, (saved.activation_bytes,
+                                                                    eager_saved.activation_bytes)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        compiled(x).sum().backward()
+    ops = {e.key: e.count for e in prof.key_averages() if e.key.startswith("convbn::")}
+    assert ops.get("convbn::conv", 0) == 3 and "convbn::chain_fwd" not in ops, ops  # the inductor chain ran
