@@ -163,3 +163,24 @@ def test_compiled_converted_model_saves_no_copy_of_a_conv_weight():
         compiled(x).sum().backward()
     ops = {e.key: e.count for e in prof.key_averages() if e.key.startswith("convbn::")}
     assert ops.get("convbn::conv", 0) == 3 and "convbn::chain_fwd" not in ops, ops  # the inductor chain ran
+
+
+@pytest.mark.parametrize("scaled", [False, True])
+def test_backward_and_step_with_and_without_a_grad_scaler(scaled):
+    """The benchmarks' one step after the loss (bench/common.py): with a GradScaler the
+    parameters move exactly as without one (the scale is a power of two, unscaled before the
+    step), and the scaler's ``update`` ran."""
+    from convbn.bench.common import backward_and_step
+
+    torch.manual_seed(0)
+    ref, net = torch.nn.Linear(3, 2), torch.nn.Linear(3, 2)
+    net.load_state_dict(ref.state_dict())
+    x = torch.randn(5, 3)
+    ref(x).square().mean().backward()
+    torch.optim.SGD(ref.parameters(), lr=0.1).step()
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**4, growth_interval=1) if scaled else None
+    backward_and_step(net(x).square().mean(), torch.optim.SGD(net.parameters(), lr=0.1), scaler)
+    for a, b in zip(net.parameters(), ref.parameters()):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-7)
+    if scaled:
+        assert scaler.get_scale() == 2.0**5  # update() grew it after one finite step
