@@ -23,15 +23,18 @@ selective-checkpoint policy.
 #
 # Tails of PReLUs and dropouts with p = 0, and transposed convolutions, run in the region
 # too. Chains with anything else (other tails, heads, linear layers, no batch statistics, a
-# process group, a momentum tensor) keep the custom op. (On the CPU inductor saves copies of
-# the conv weights in its own layout, as it does for compiled eager: weight-sized, not
-# activations.)
+# process group, a momentum tensor) keep the custom op. On the CPU each convolution in the
+# region is the opaque ``convbn::conv`` (Note: [a conv inductor cannot re-layout] in
+# autograd/conv_op.py): a visible ``aten.convolution`` made inductor save a channels_last
+# copy of every conv weight for backward, as it does compiling eager.
 #
 # The default under compile, as measured (BENCHMARKS.md "Issue 25"), against the op:
 #   H100, ResNet-50 b128 fp32:  0.77x eager (1.20x compiled eager), the op 1.41x eager;
 #   CPU, U-Net 2d b8 128²:      1.15x compiled eager at 0.79x its peak, the op 2.0x at 1.10x;
 #   CPU, ResNet-18 b8 112²:     1.03x compiled eager at 0.89x its peak, the op 1.02x at
-#                               0.71x (inductor's weight copies, above, are the difference).
+#                               0.71x (inductor's weight copies, above, were the difference;
+#                               with ``convbn::conv``: 0.91x compiled eager at 0.63x its peak,
+#                               BENCHMARKS.md "Issue 42").
 # ``with compile_chains("op"):`` (or ``CONVBN_COMPILE_CHAINS=op``) selects the op.
 #
 # torch logs a one-time advisory when a ``context_fn`` reaches a checkpoint under compile:
