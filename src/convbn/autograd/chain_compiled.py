@@ -62,7 +62,8 @@ from ..functional.tail import DropoutOp, PReLUOp
 from .chain_spec import ChainLayerSpec, param_offsets, split_params
 
 __all__ = ["CompileChainsMode", "compile_chains", "compile_chains_mode", "set_compile_chains", "fusible_by_inductor",
-           "chain_inductor_apply", "chain_contexts", "quiet_own_advisory", "hides_conv_layout"]
+           "chain_inductor_apply", "chain_contexts", "quiet_own_advisory", "hides_conv_layout",
+           "chain_convolution"]
 
 CompileChainsMode = Literal["inductor", "op"]
 _MODES: Tuple[CompileChainsMode, ...] = get_args(CompileChainsMode)
@@ -183,7 +184,10 @@ def hides_conv_layout(x: Tensor) -> bool:
     return x.device.type == "cpu"
 
 
-def _conv_fn(x: Tensor) -> Callable[..., Tensor]:
+def chain_convolution(x: Tensor) -> Callable[..., Tensor]:
+    """The convolution a compiled chain region on ``x``'s device calls, with
+    ``torch.convolution``'s arguments: ``convbn::conv`` where :func:`hides_conv_layout`, else
+    ``torch.convolution``."""
     if hides_conv_layout(x):
         from .conv_op import conv_op  # registers ``convbn::conv`` on first use
 
@@ -246,7 +250,7 @@ def _body(specs: Sequence[ChainLayerSpec]) -> Callable[..., Tuple[Tensor, ...]]:
 
     def run(x: Tensor, *params: Optional[Tensor]) -> Tuple[Tensor, ...]:
         stats: List[Tensor] = []
-        conv = _conv_fn(x)  # Note: [a conv inductor cannot re-layout]
+        conv = chain_convolution(x)  # Note: [a conv inductor cannot re-layout]
         for i, spec in enumerate(specs):
             w, b, g, beta, tail_weights = split_params(spec, params[off[i]: off[i + 1]])
             if i > 0:
