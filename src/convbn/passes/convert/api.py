@@ -164,7 +164,9 @@ def convert(
             the convolutions it runs again); the report has them (``step_costs``) and the
             prediction (``predicted_time_ratio``). Where no plan fits, the fastest, with a
             warning. Not with ``peak_budget`` / ``memory_limit``; with ``memory_budget`` both
-            are limits. Needs ``example_inputs``.
+            are limits. Needs ``example_inputs``. The ratio is of uncompiled steps, also when
+            the converted model is compiled afterwards (``explain --frontier`` measures the
+            compiled rows side by side).
         example_inputs: a tensor or tuple of inputs. The result is *validated* on them:
             the original and the rewrite each run one forward and one backward (random
             upstream gradient) and outputs, gradients and running statistics are compared;
