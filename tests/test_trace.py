@@ -150,6 +150,9 @@ def test_trace_hazards_convert_exactly(name: str, with_inputs: bool) -> None:
     fast = convbn.convert(copy.deepcopy(eager), example_inputs=x if with_inputs else None)
     assert_same_training(eager, fast, x)
     report = fast.convbn_report
+    if name in ("isinstance-cat", "torch.is_tensor-cat"):  # asked of a computed tensor: answered True, traced whole
+        assert not report.untraced and len(report.pairs) == 2, report  # Note: [is_tensor on a traced tensor is True]
+        return
     assert any("TraceHazard" in why for _, why in report.untraced), report
     assert len(report.pairs) >= 2  # the pairs outside the hazardous forward are still fused
 
