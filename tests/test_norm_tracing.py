@@ -14,6 +14,7 @@ from torch import nn
 
 import convbn
 from fusion_checks import assert_chain_ran
+from convbn.passes.graph.specialize import EmptyVarargs
 from convbn.passes.tracing.trace import LayerTracer, TraceHazard, trace
 
 
@@ -116,3 +117,29 @@ def test_is_tensor_on_an_input_traced_without_its_value_is_still_a_hazard() -> N
     t = torch.tensor([3, 7])
     traced = trace(TinyUNet(), LayerTracer, example=((torch.randn(2, 3, 6, 6), t), {}))
     assert not traced.guard().hold((torch.randn(2, 3, 6, 6), 5), {})  # a number there: not this graph
+
+
+class Wrapper(nn.Module):
+    """A training script's wrapper passing its ``*args`` on: ``forward(sample, *args)`` called as ``(x, t)``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = TinyUNet()
+
+    def forward(self, sample: torch.Tensor, *args: Any) -> torch.Tensor:
+        return self.inner(sample, *args, class_labels=None)
+
+
+def test_wrapper_passing_star_args_on_is_traced_whole_with_example_inputs() -> None:
+    eager, work = _twins(Wrapper)
+    x, t = torch.randn(2, 3, 6, 6, dtype=torch.float64), torch.tensor([3, 7])
+    fast = convbn.convert(work, example_inputs=(x, t))
+    report = fast.convbn_report  # before any call: traced whole, as the example call passed *args
+    assert not report.untraced, report.untraced
+    assert {o.batchnorm: o.result for o in report.outcomes} == {
+        "inner.block.norm1": "fused", "inner.block.norm2": "fused", "inner.norm_out": "fused"}
+    for _ in range(2):
+        _step_matches(eager, fast, x, t)
+    guard = EmptyVarargs(1, ("sample",), 1)  # what the wrapper's trace assumed: one tensor in *args
+    assert guard.hold((x, t), {}) and not guard.hold((x,), {}) and not guard.hold((x, t, t), {})
+    assert not guard.hold((x, t), {"scale": 2.0})

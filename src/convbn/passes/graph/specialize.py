@@ -183,16 +183,18 @@ def constant_defaults(module: nn.Module) -> Defaults:
 
 @dataclass(frozen=True)
 class EmptyVarargs:
-    """A forward with ``*args`` / ``**kwargs`` traced as the call passes them: empty.
+    """A forward with ``*args`` / ``**kwargs`` traced as the call passes them: ``**kwargs``
+    empty, ``*args`` empty or (a trace with the real inputs) that many tensors.
 
     Note: [``*args`` traced as the call passes them]
     ``torch.fx`` gives a root's ``*args`` one proxy, so ``len(args)`` or ``kwargs.get("scale")``
     (diffusers' ``ResnetBlock2D``, its down / up blocks) fails and the whole module stays
     unfused, though every call passes none. Where the symbolic trace fails and the call passes
-    nothing there, the trace takes ``args = ()`` and ``kwargs = {}`` (their placeholders dropped:
-    the graph's forward has the named arguments only), and :meth:`hold` guards every call: one
-    passing more positional arguments than the named ones, or a keyword that only ``**kwargs``
-    takes, runs the module's own forward.
+    nothing to ``**kwargs``, the trace takes ``kwargs = {}`` and ``args`` as a tuple of ``extra``
+    inputs of their own (``args_0``, ...; none without the real call: a wrapper's
+    ``forward(sample, *args)`` called as ``(x, t)`` gets one), and :meth:`hold` guards every
+    call: one passing another number of positional arguments there, or a keyword that only
+    ``**kwargs`` takes, runs the module's own forward.
 
     Attributes:
         positional: how many positional arguments the named parameters take (``self`` excluded).
@@ -201,14 +203,18 @@ class EmptyVarargs:
 
     positional: int
     named: Tuple[str, ...]
+    extra: int = 0
+
+    def _count_holds(self, n: int) -> bool:
+        return n == self.positional + self.extra if self.extra else n <= self.positional
 
     def hold(self, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> bool:
-        return len(args) <= self.positional and all(k in self.named for k in kwargs)
+        return self._count_holds(len(args)) and all(k in self.named for k in kwargs)
 
     def differing(self, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> str:
         extra = [k for k in kwargs if k not in self.named]
-        return (f"{len(args) - self.positional} more positional arguments than the traced *args (none)"
-                if len(args) > self.positional else f"keyword {extra[0]!r} the traced **kwargs (none) did not take")
+        return (f"{len(args)} positional arguments, traced with {self.positional} named and {self.extra} in *args"
+                if not self._count_holds(len(args)) else f"keyword {extra[0]!r} the traced **kwargs (none) did not take")
 
 
 def empty_varargs(module: nn.Module, example: Optional[Tuple[Tuple[Any, ...], Dict[str, Any]]]) -> Optional[EmptyVarargs]:
@@ -220,6 +226,13 @@ def empty_varargs(module: nn.Module, example: Optional[Tuple[Tuple[Any, ...], Di
         return None
     if not any(p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in params):
         return None
-    guard = EmptyVarargs(sum(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) for p in params),
-                         tuple(p.name for p in params if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)))
-    return guard if example is None or guard.hold(*example) else None
+    positional = sum(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) for p in params)
+    guard = EmptyVarargs(positional, tuple(p.name for p in params if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)))
+    if example is None or guard.hold(*example):
+        return guard
+    args, kwargs = example
+    has_star = any(p.kind == p.VAR_POSITIONAL for p in params)
+    if has_star and len(args) > positional and all(isinstance(a, torch.Tensor) for a in args[positional:]):
+        guard = EmptyVarargs(positional, guard.named, len(args) - positional)
+        return guard if guard.hold(args, kwargs) else None
+    return None

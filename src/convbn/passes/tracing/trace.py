@@ -195,7 +195,7 @@ class _PartialTracing:
     """
 
     def __init__(self, *args: Any, leaves: Sequence[str] = (), wrapped: Sequence[Callable[..., Any]] = (),
-                 no_varargs: bool = False, **kwargs: Any) -> None:
+                 no_varargs: Optional[EmptyVarargs] = None, **kwargs: Any) -> None:
         if wrapped:
             kwargs["autowrap_functions"] = tuple(wrapped)
         super().__init__(*args, **kwargs)  # type: ignore[call-arg]
@@ -213,12 +213,14 @@ class _PartialTracing:
     def create_args_for_root(self, root_fn: Callable[..., Any], is_module: bool,
                              concrete_args: Any = None) -> Tuple[Callable[..., Any], List[Any]]:
         fn, args = super().create_args_for_root(root_fn, is_module, concrete_args)  # type: ignore[misc]
-        if self._no_varargs:  # the root's *args / **kwargs as the call passes them: empty
+        if self._no_varargs is not None:  # the root's *args / **kwargs as the call passes them
             for i, a in enumerate(args):
                 target = str(a.node.target) if isinstance(a, fx.Proxy) and a.node.op == "placeholder" else ""
                 if target.startswith("*"):
-                    args[i] = {} if target.startswith("**") else ()
                     self.graph.erase_node(a.node)  # type: ignore[attr-defined]
+                    args[i] = {} if target.startswith("**") else tuple(
+                        self.create_proxy("placeholder", f"{target[1:]}_{k}", (), {})  # type: ignore[attr-defined]
+                        for k in range(self._no_varargs.extra))
         return fn, args
 
     def create_arg(self, a: Any) -> Any:
@@ -478,7 +480,7 @@ def trace(module: nn.Module, tracer_cls: Type[fx.Tracer] = fx.Tracer, *, leaves:
 
 
 def _tracer(tracer_cls: Type[fx.Tracer], leaves: Sequence[str], wrapped: Sequence[Callable[..., Any]],
-            example: Optional[Tuple[Tuple[Any, ...], Dict[str, Any]]], no_varargs: bool = False) -> Any:
+            example: Optional[Tuple[Tuple[Any, ...], Dict[str, Any]]], no_varargs: Optional[EmptyVarargs] = None) -> Any:
     if example is None:
         return _partial_class(tracer_cls)(leaves=leaves, wrapped=wrapped, no_varargs=no_varargs)
     key = (ShapeTracing, tracer_cls)
@@ -516,7 +518,7 @@ def _trace_with(module: nn.Module, tracer_cls: Type[fx.Tracer], leaves: Sequence
                 varargs: Optional[EmptyVarargs] = None) -> Traced:
     wrapped: List[Callable[..., Any]] = []
     for _ in range(16):
-        tracer = _tracer(tracer_cls, leaves, wrapped, example, varargs is not None)
+        tracer = _tracer(tracer_cls, leaves, wrapped, example, varargs)
         try:
             graph = tracer.trace(module, defaults.concrete_args())
             break
@@ -539,14 +541,14 @@ def _trace_with(module: nn.Module, tracer_cls: Type[fx.Tracer], leaves: Sequence
     traced.defaults = defaults
     traced.shapes = ShapeGuard(*example) if example is not None else None
     traced.varargs = varargs
-    traced.mode_dependent = _mode_dependent(module, tracer_cls, leaves, wrapped, gm.code, defaults, example,
-                                            varargs is not None)
+    traced.mode_dependent = _mode_dependent(module, tracer_cls, leaves, wrapped, gm.code, defaults, example, varargs)
     return traced
 
 
 def _mode_dependent(module: nn.Module, tracer_cls: Type[fx.Tracer], leaves: Sequence[str],
                     wrapped: Sequence[Callable[..., Any]], code: str, defaults: Defaults,
-                    example: Optional[Tuple[Tuple[Any, ...], Dict[str, Any]]] = None, no_varargs: bool = False) -> bool:
+                    example: Optional[Tuple[Tuple[Any, ...], Dict[str, Any]]] = None,
+                    no_varargs: Optional[EmptyVarargs] = None) -> bool:
     modes = [(m, m.training) for m in module.modules()]
     try:
         for m, t in modes:
