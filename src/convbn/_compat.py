@@ -28,6 +28,7 @@ from torch.utils._python_dispatch import TorchDispatchMode  # 1.13 on
 
 __all__ = [
     "MINIMUM_TORCH", "pytree", "TorchDispatchMode", "current_dispatch_mode", "dispatch_mode_stack",
+    "dispatch_modes_disabled",
     "fx_assert", "fx_assert_is_none", "FxPatcher", "fx_trace_globals", "orig_module_call", "orig_module_getattr",
     "fx_tracing_flag", "set_fx_tracing_flag", "forward_from_src", "FakeTensorMode",
     "set_grad_enabled_now", "InferenceModeContext", "current_autograd_node", "storage_use_count",
@@ -53,6 +54,9 @@ from torch.nn.modules.instancenorm import _InstanceNorm as InstanceNormBase  # n
 # torch.utils._python_dispatch._get_current_dispatch_mode / _get_current_dispatch_mode_stack: 2.0
 from torch.utils._python_dispatch import _get_current_dispatch_mode as current_dispatch_mode  # noqa: E402
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack as dispatch_mode_stack  # noqa: E402
+# torch.utils._python_dispatch._disable_current_modes: 2.0 on; every dispatch mode popped within
+# the block (an operator run from inside a mode without any mode, the meter's included, seeing it)
+from torch.utils._python_dispatch import _disable_current_modes as dispatch_modes_disabled  # noqa: E402
 
 # --- torch.fx internals --------------------------------------------------------------------
 #: ``torch._assert``: 1.8 on, the traceable assert fx graphs call.

@@ -28,6 +28,7 @@ from torch import Tensor, nn
 
 from .._compat import TorchDispatchMode, current_autograd_node, pytree
 from .mod_tracking import releasing_mod_tracker
+from .next_op import new_output_bytes
 from .peaks import tensor_peak
 from .saved import _with_fused
 
@@ -106,19 +107,25 @@ class Timeline:
 
 
 class StepOverLimit(RuntimeError):
-    """Raised by :func:`timeline` with ``stop_above``: the step was stopped after the first
-    operator whose bytes in use exceeded the limit (what it had made is freed as this unwinds).
+    """Raised by :func:`timeline` with ``stop_above``: the step was stopped at the first
+    operator whose bytes in use exceed the limit, before that operator ran where its outputs'
+    sizes are known beforehand (Note: [stopping before the operator that would cross]), after
+    it otherwise; what the step had made is freed as this unwinds.
 
     Attributes:
-        bytes: bytes in use after that operator (above the step's start, as a point's).
+        bytes: bytes in use after that operator (above the step's start, as a point's):
+            predicted where it was stopped before it ran.
         point: that operator's :class:`TimelinePoint`.
+        before: whether the operator was stopped before it ran (its outputs never existed).
     """
 
-    def __init__(self, point: TimelinePoint, limit: int) -> None:
-        super().__init__(f"the step was stopped at {point.bytes} bytes in use, above the limit of {limit} "
+    def __init__(self, point: TimelinePoint, limit: int, before: bool = False) -> None:
+        when = "before an operator that would have" if before else "at"
+        super().__init__(f"the step was stopped {when} {point.bytes} bytes in use, above the limit of {limit} "
                          f"({point.phase}, {point.op})")
         self.bytes = point.bytes
         self.point = point
+        self.before = before
 
 
 def _innermost(parents: Any) -> str:
@@ -141,6 +148,8 @@ class _TimelineMode(TorchDispatchMode):
         self.points: List[TimelinePoint] = []
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if self.stop_above is not None:
+            self._stop_before(func, args, kwargs)
         out = func(*args, **(kwargs or {}))
         op = str(func)
         node = current_autograd_node()
@@ -152,6 +161,19 @@ class _TimelineMode(TorchDispatchMode):
             del out  # the step goes no further: nothing it made outlives the exception
             raise StepOverLimit(point, self.stop_above)
         return out
+
+    def _stop_before(self, func: Any, args: Any, kwargs: Any) -> None:
+        """Raise :class:`StepOverLimit` before an operator whose outputs would take the bytes in
+        use over ``stop_above`` (Note: [stopping before the operator that would cross])."""
+        new = new_output_bytes(func, args, kwargs)
+        if new is None:
+            return
+        now = self.read()
+        if now + new > self.stop_above:
+            node = current_autograd_node()
+            op = str(func) if node is None else f"{node.name()}/{func}"
+            point = TimelinePoint(now + new, self.phase, self.where(), op, 0 if node is None else id(node))
+            raise StepOverLimit(point, self.stop_above, before=True)
 
 
 def _cuda_peak_reader(dev: torch.device, start: int) -> Callable[[], int]:
@@ -203,9 +225,11 @@ def timeline(  # over 60 lines for its public docstring (what a step is, Args, E
         accumulate: keep the existing gradients (a later micro-batch of gradient
             accumulation): no ``zero_grad``, backward adds into ``.grad``, and the
             gradients so far count as live before the step.
-        stop_above: stop the step after the first operator whose bytes in use exceed this
-            many (above the start): :class:`StepOverLimit` is raised, so a step that does
-            not fit a limit never grows past it by more than that one operator's output.
+        stop_above: stop the step at the first operator whose bytes in use would exceed this
+            many (above the start): :class:`StepOverLimit` is raised before that operator
+            runs where its outputs' sizes are known on the meta device (Note: [stopping before
+            the operator that would cross]), so a step that does not fit a limit never holds
+            tensors past it; after the operator otherwise.
 
     Returns:
         :class:`Timeline`.
