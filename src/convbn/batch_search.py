@@ -26,9 +26,9 @@ stopped where it goes over the limit, and the choice to confirm made from counte
 # does not hold (Note: [what answering holds above the limit]): the batch of inputs a step
 # trains on (live before the step, as for the user's loop), the CPU kernels' own scratch
 # (oneDNN's reorders, a convolution backward's buffers: not tensors) and the small steps at
-# batches 2 and 4. Only ``memory_budget=`` (a saved-bytes budget, not a plan per batch) and a
-# model with no pair converted still convert a fresh copy at each batch they try, whose
-# ``convert`` check at that batch is not held to the limit.
+# batches 2 and 4. Only ``memory_budget=`` (a saved-bytes budget, not a plan per batch) still
+# converts a fresh copy at each batch it tries, whose ``convert`` check at that batch is not
+# held to the limit.
 #
 # Note: [confirming by counted work]
 # Whether the predicted answer is confirmed by real steps is decided from the work those
@@ -51,13 +51,13 @@ from torch import Tensor, nn
 
 from .batch_predict import PROBE_BATCHES, StepLines, largest_fitting, step_flops
 from .memory.budget import resident_bytes, usable_bytes
-from .memory.timelines import StepOverLimit, Timeline, default_loss, timeline
+from .memory.timelines import StepOverLimit, Timeline, TimelinePoint, default_loss, timeline
 from .passes.convert.api import convert
 from .passes.plan.auto_plan import apply_plan, plan_to_target
 from .passes.plan.plan_inputs import PlanInputs, measure_peak, measure_plan_inputs, plan_inputs_at
 from .progress import stage
 
-__all__ = ["CONFIRM_FLOPS", "Search", "batch_of", "measured_search", "young_heap"]
+__all__ = ["CONFIRM_FLOPS", "Search", "batch_of", "input_bytes", "measured_search", "young_heap"]
 
 #: With ``confirm="auto"``, :func:`convbn.max_batch` confirms a predicted answer by real steps
 #: at it and the batch above it where those two steps are counted to do at most this many
@@ -125,6 +125,11 @@ def measured_search(peak_at: Callable[[int], int], usable: int, upper: int,
     return lo, seen.get(lo, 0), seen
 
 
+def input_bytes(sample: Tuple[Any, ...], b: int) -> int:
+    """Bytes of :func:`batch_of`'s ``(sample, b)``, without making it."""
+    return sum(t[:1].numel() * t.element_size() * b for t in sample if isinstance(t, Tensor) and t.dim() > 0)
+
+
 @contextlib.contextmanager
 def young_heap() -> Iterator[None]:
     """Within the block, ``gc.collect()`` looks only at objects made in it: what existed
@@ -190,7 +195,10 @@ class Search:
         limit]): its :class:`Timeline`, or the :class:`StepOverLimit` that stopped it."""
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
-        x, room = batch_of(self.inputs, b), self.usable - self.resident
+        room, inputs = self.usable - self.resident, input_bytes(self.inputs, b)
+        if inputs > room:  # the batch alone is over: never made (Note: [what answering holds above the limit])
+            return StepOverLimit(TimelinePoint(inputs, "forward", "", "the batch of inputs"), room, before=True)
+        x = batch_of(self.inputs, b)
         try:
             if planned:
                 return measure_peak(m, x, optimizer=o, loss_fn=self.loss_fn, stop_above=room)
@@ -228,8 +236,9 @@ class Search:
         if probe is None and side == "convbn":
             planner = self._planner()
             probe = self.fused if isinstance(planner, str) else planner[1]
-            why = why or ("" if isinstance(planner, str) else ", the plan at each batch the planner's from batches "
-                          f"{PROBE_BATCHES[0]} and {PROBE_BATCHES[1]}")
+            if not isinstance(planner, str) and planner[0] is not None:
+                why = why or (f", the plan at each batch the planner's from batches {PROBE_BATCHES[0]} and "
+                              f"{PROBE_BATCHES[1]}")
         b, total, seen = measured_search(probe or self.eager, self.usable, self.upper, seen)
         return b, total, seen, f"measured at batch {b} and the batch above it{why}"
 
@@ -295,13 +304,13 @@ class Search:
             return self.measured("convbn", None, out)
         return out
 
-    def _planner(self) -> Union[Tuple[Callable[[int], Any], Callable[[int], int]], str]:
+    def _planner(self) -> Union[Tuple[Optional[Callable[[int], Any]], Callable[[int], int]], str]:
         """A fresh copy converted at batch 2, the chains' planner inputs measured at batches 2
         and 4: ``(plan_at, planned)``, the plan ``convert(memory_limit=...)`` makes at a batch
-        (the inputs are lines in the batch) and ``resident + peak`` of a real step of the copy
-        planned so. Every later step is this copy's, stopped above the limit (Note: [answering
-        within the limit]). Where no pair was converted, ``memory_budget`` is given or the
-        inputs are not lines in the batch, why not (the caller converts a copy at each batch)."""
+        (the inputs are lines in the batch; ``None`` where no pair was converted) and
+        ``resident + peak`` of a real step of the copy planned so. Every later step is this copy's, stopped above the limit (Note: [answering
+        within the limit]). Where ``memory_budget`` is given or the inputs are not lines in the
+        batch, why not (the caller converts a copy at each batch)."""
         b1, b2, _ = PROBE_BATCHES
         stage(f"convbn: converting at batch {b1}")
         m, o = self.fresh()  # the eager copy dropped: one side at a time
@@ -309,9 +318,11 @@ class Search:
             warnings.simplefilter("ignore")
             conv = convert(m, example_inputs=batch_of(self.inputs, b1),
                            **{**self.convert_kwargs, "strategy": "recompute_conv"})
-        if not conv.convbn_report.pairs or self.convert_kwargs.get("memory_budget") is not None:
+        if self.convert_kwargs.get("memory_budget") is not None:
             self.held = ()
             return ""
+        if not conv.convbn_report.pairs:  # nothing planned per batch: this copy is stepped at every batch
+            return None, lambda n: self.total(conv, o, n)
         measured: Dict[int, PlanInputs] = {}
         chains: List[Any] = []
         for b in (b1, b2):
@@ -341,6 +352,8 @@ class Search:
         if isinstance(planner, str):
             return planner
         plan_at, planned = planner
+        if plan_at is None:
+            return ""
         plan = plan_at(b3)
         stage(f"convbn: a recorded step at batch {b3}, planned as predicted")
         seen = {b3: planned(b3)}

@@ -13,7 +13,7 @@ import os
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Optional
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
@@ -36,37 +36,63 @@ def _rss_bytes() -> int:
 
 def allocator_peak(fn: Callable[[], Any]) -> int:
     """The most bytes live at the CPU allocator while ``fn()`` runs, above what was live when
-    it began: every allocation and free the allocator reports to ``torch.profiler``
-    (``profile_memory=True``), replayed in order. Unlike :func:`~convbn.memory.timeline` it
-    sees compiled code's buffers (a step run by ``torch.compile``); it does not name operators.
-    Workspaces freed before ``fn`` returns count; allocator caching does not (these are
-    tensor bytes, not RSS).
+    it began: every allocation the allocator reports to ``torch.profiler``
+    (``profile_memory=True``) and the frees of those blocks, replayed in order. Unlike
+    :func:`~convbn.memory.timeline` it sees compiled code's buffers (a step run by
+    ``torch.compile``) and the kernels' own scratch (oneDNN's reorders, a convolution
+    backward's buffers); it does not name operators. Workspaces freed before ``fn`` returns
+    count; allocator caching does not (these are tensor bytes, not RSS).
+
+    # Note: [blocks from before the measurement]
+    # Memory live before ``fn`` and freed in it (the previous step's gradients, set to None
+    # by the step's ``zero_grad``) is not subtracted: the profiler reports such a free with
+    # its size only where the block was allocated under an earlier profiler session, so
+    # subtracting it made the same step's figure depend on what was measured before it.
+    # Only blocks allocated within ``fn`` count, from their allocation to their free: the
+    # same figure for the same block, whatever ran before.
 
     Args:
         fn: the block to measure, e.g. one training step.
 
     Returns:
-        Peak live CPU bytes above the start.
+        Peak live CPU bytes allocated within ``fn`` (not counting frees of older blocks).
 
     Example:
         >>> x = torch.randn(256, 256)
         >>> allocator_peak(lambda: (x @ x).sum()) >= 256 * 256 * 4
         True
     """
-    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     if not callable(fn):
         raise TypeError(f"allocator_peak expects a callable, but got {type(fn).__name__}")
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         fn()
-    events = sorted((e for e in prof.profiler.kineto_results.events()
-                     if e.name() == "[memory]" and e.device_type() == DeviceType.CPU), key=lambda e: e.start_ns())
+    events = sorted(_cpu_allocations(prof.profiler.kineto_results.experimental_event_tree()))
+    blocks: Dict[int, int] = {}
     live = peak = 0
-    for e in events:
-        live += e.nbytes()
-        peak = max(peak, live)
+    for _, ptr, nbytes in events:  # Note: [blocks from before the measurement]
+        if nbytes > 0:
+            blocks[ptr] = blocks.get(ptr, 0) + nbytes
+            live += nbytes
+            peak = max(peak, live)
+        elif ptr in blocks:
+            live -= blocks.pop(ptr)
     return peak
+
+
+def _cpu_allocations(roots: Any) -> List[Tuple[int, int, int]]:
+    """``(time ns, address, bytes)`` of every CPU allocation (positive) and free (negative)
+    in a profiler's event tree."""
+    out: List[Tuple[int, int, int]] = []
+    stack = list(roots)
+    while stack:
+        node = stack.pop()
+        stack.extend(node.children)
+        fields = node.extra_fields
+        if hasattr(fields, "alloc_size") and getattr(fields, "device", None) == torch.device("cpu"):
+            out.append((node.start_time_ns, int(fields.ptr), int(fields.alloc_size)))
+    return out
 
 
 @dataclass
