@@ -36,7 +36,7 @@ __all__ = [
     "function_apply_wrapper", "global_module_hooks", "functorch_config", "inductor_compile_fx", "inductor_config", "dynamo_config",
     "SAC_ADVISORY_LOGGER", "is_non_overlapping_and_dense_or_false", "dense_or_false_fallback", "make_channels_last_strides_for",
     "make_contiguous_strides_for", "suggest_memory_format", "mem_tracker_class", "mod_tracker_module",
-    "HAS_MEM_TRACKER", "fsdp_state_of", "insert_module_state", "fsdp_new_init_disabled", "InstanceNormBase",
+    "HAS_MEM_TRACKER", "sparse_parts", "fsdp_state_of", "insert_module_state", "fsdp_new_init_disabled", "InstanceNormBase",
 ]
 
 #: The oldest torch convbn declares (pyproject ``torch>=2.8``): the oldest release on which its
@@ -267,6 +267,21 @@ def _has_module(name: str) -> bool:
 
 #: Whether this torch has ``torch.distributed._tools.mem_tracker`` (2.5 on, with distributed).
 HAS_MEM_TRACKER: bool = _has_module("torch.distributed._tools.mem_tracker")
+
+
+def sparse_parts(t: torch.Tensor) -> Optional[Tuple[torch.Tensor, ...]]:
+    """The dense tensors a sparse tensor's memory is made of, ``()`` for a strided one, ``None``
+    for a layout not known here. COO: ``Tensor._indices()`` / ``_values()`` (every release: read
+    without coalescing, which would allocate); compressed layouts: their public index accessors."""
+    if t.layout == torch.strided:
+        return ()
+    if t.layout == torch.sparse_coo:
+        return (t._indices(), t._values())
+    if t.layout in (torch.sparse_csr, torch.sparse_bsr):
+        return (t.crow_indices(), t.col_indices(), t.values())
+    if t.layout in (torch.sparse_csc, torch.sparse_bsc):
+        return (t.ccol_indices(), t.row_indices(), t.values())
+    return None
 
 
 def mem_tracker_class() -> type:

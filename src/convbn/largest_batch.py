@@ -12,6 +12,7 @@ work] in ``batch_search.py``.
 from __future__ import annotations
 
 import inspect
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Literal, Optional, Tuple, Union
 
@@ -28,6 +29,17 @@ from .progress import check_progress, progress_scope, stage
 from .functional.deprecation import renamed_kwargs
 
 __all__ = ["BatchFit", "max_batch", "CONFIRM_FLOPS"]
+
+
+def __getattr__(name: str) -> Any:
+    """``CONFIRM_SECONDS``, deprecated: ``confirm="auto"`` decides by counted work
+    (:data:`CONFIRM_FLOPS`), never by the clock, and reads it no more."""
+    if name == "CONFIRM_SECONDS":
+        warnings.warn("convbn.largest_batch.CONFIRM_SECONDS is deprecated and no longer read: max_batch's "
+                      "confirm='auto' decides by the counted work of the confirming steps, never by the clock; "
+                      "set convbn.batch_search.CONFIRM_FLOPS instead", DeprecationWarning, stacklevel=2)
+        return 20.0
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 @dataclass

@@ -17,7 +17,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
-from .._compat import mem_tracker_class
+from .._compat import mem_tracker_class, pytree, sparse_parts
 from ..autograd.grad_sink import stand_ins
 from .mod_tracking import releasing_mod_tracker
 
@@ -213,12 +213,48 @@ def _hookless(base: Any) -> Any:
     return HooklessMemTracker
 
 
+def _counting_sparse(base: Any) -> Any:
+    """``MemTracker`` that counts a sparse tensor as the dense tensors it is made of (torch's
+    reads ``untyped_storage()``, which a sparse tensor has not: it raised mid-step); a layout
+    whose parts are not known here is a ``TypeError`` naming it."""
+
+    class SparseCountingMemTracker(base):  # type: ignore[misc, valid-type]
+        def _track(self, reftype: Any, t: Any) -> None:
+            parts = sparse_parts(t)
+            if parts is None:
+                raise TypeError(f"tensor_peak cannot count a tensor of layout {t.layout} (shape {tuple(t.shape)}): "
+                                "only strided and sparse COO / CSR / CSC / BSR / BSC tensors are measured")
+            for part in parts or (t,):
+                super()._track(reftype, part)
+
+        def _update_and_maybe_create_winfos(self, t: Any, reftype: Any, update_existing: bool = False) -> Any:
+            parts = sparse_parts(t)
+            if not parts:  # strided (torch's own path), or an unknown layout (torch's error)
+                return super()._update_and_maybe_create_winfos(t, reftype, update_existing)
+            return set().union(*(super(SparseCountingMemTracker, self)._update_and_maybe_create_winfos(
+                part, reftype, update_existing) for part in parts))
+
+        def _track_inputs_or_outputs(self, args: Any) -> int:
+            return super()._track_inputs_or_outputs(pytree.tree_map_only(torch.Tensor, _dense_parts, args))
+
+    return SparseCountingMemTracker
+
+
+def _dense_parts(t: torch.Tensor) -> Any:
+    """``t``, or the tuple of dense tensors a sparse ``t`` is made of."""
+    parts = sparse_parts(t)
+    return t if not parts else parts
+
+
 class tensor_peak:
     """Context manager: exact peak of live tensor bytes in the block, on any device.
 
     Counts tensor storages as they are created and freed (through PyTorch's
     ``MemTracker`` dispatch mode), so unlike sampled RSS it is deterministic and free
     of allocator caching: on CPU it is the analogue of ``torch.cuda.max_memory_allocated``.
+    A sparse tensor counts as its indices and values. Not counted: the kernels' own scratch
+    that is not a tensor (oneDNN's reorders, a convolution backward's buffers), which
+    :func:`allocator_peak` sees.
     It slows the block down, so measure peaks in a step that is not timed.
 
     Args:
@@ -237,6 +273,7 @@ class tensor_peak:
 
     def __init__(self, *track: Any, hooks: bool = False) -> None:
         MemTracker = mem_tracker_class()  # noqa: N806 - one line naming what a torch without it lacks
+        MemTracker = _counting_sparse(MemTracker)  # noqa: N806
         self._tracker = _frozen_safe(MemTracker)() if hooks else _hookless(MemTracker)()
         # torch's ModTracker leaves a cycle through autograd nodes behind, which keeps the
         # parameters of a measured model alive (Note: [a module tracker that leaves nothing alive])
