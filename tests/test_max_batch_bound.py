@@ -182,3 +182,17 @@ def test_confirm_seconds_is_a_deprecated_alias():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert largest_batch.CONFIRM_FLOPS == batch_search.CONFIRM_FLOPS
+
+
+def test_memtracker_internals_are_read_through_compat_only():
+    """torch's MemTracker's private members are overridden and read in ``_compat.py`` alone."""
+    import pathlib
+
+    import convbn.memory as memory
+
+    private = ("_curr_mem_snap", "_peak_mem", "_mod_tracker", "_known_modules", "_track_module_params_and_buffers",
+               "_update_peak_stats", "_pre_fw_hook", "_param_to_grad_hook_handles", "_update_and_maybe_create_winfos",
+               "_track_inputs_or_outputs", "_WINFO")
+    for path in pathlib.Path(memory.__file__).parent.glob("*.py"):
+        text = path.read_text()
+        assert not [name for name in private if f".{name}" in text or f"def {name}" in text], path.name

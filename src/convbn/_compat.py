@@ -36,7 +36,8 @@ __all__ = [
     "function_apply_wrapper", "global_module_hooks", "functorch_config", "inductor_compile_fx", "inductor_config", "dynamo_config",
     "SAC_ADVISORY_LOGGER", "is_non_overlapping_and_dense_or_false", "dense_or_false_fallback", "make_channels_last_strides_for",
     "make_contiguous_strides_for", "suggest_memory_format", "mem_tracker_class", "mod_tracker_module",
-    "HAS_MEM_TRACKER", "sparse_parts", "fsdp_state_of", "insert_module_state", "fsdp_new_init_disabled", "InstanceNormBase",
+    "HAS_MEM_TRACKER", "sparse_parts", "mem_tracker_total", "mod_tracker_of", "set_mod_tracker",
+    "name_module", "hookless_mem_tracker", "sparse_counting_mem_tracker", "frozen_safe_mem_tracker", "fsdp_state_of", "insert_module_state", "fsdp_new_init_disabled", "InstanceNormBase",
 ]
 
 #: The oldest torch convbn declares (pyproject ``torch>=2.8``): the oldest release on which its
@@ -299,6 +300,31 @@ def mem_tracker_class() -> type:
     return MemTracker
 
 
+# --- MemTracker internals (torch.distributed._tools.mem_tracker, 2.5 on) ------------------------
+# convbn's exact CPU meter (memory/peaks.py's tensor_peak, memory/timelines.py's timeline) is torch's
+# MemTracker with some of its private members overridden or read: all of them are here, so that a
+# release that renames one breaks this section alone (tests/test_step_peak.py checks the totals).
+def mem_tracker_total(tracker: Any) -> int:
+    """Bytes a ``MemTracker`` counts live now, summed over devices (its ``_curr_mem_snap``)."""
+    return sum(int(dev.get("Total", 0)) for dev in tracker._curr_mem_snap.values())
+
+
+def mod_tracker_of(tracker: Any) -> Any:
+    """The ``ModTracker`` a ``MemTracker`` names modules with (its ``_mod_tracker``)."""
+    return tracker._mod_tracker
+
+
+def set_mod_tracker(tracker: Any, mod_tracker: Any) -> None:
+    """Give a ``MemTracker`` another ``ModTracker`` (before it is entered)."""
+    tracker._mod_tracker = mod_tracker
+
+
+def name_module(mod_tracker: Any, module: Any, name: str) -> None:
+    """Tell a ``ModTracker`` a module's qualified name (its ``_known_modules``): it names modules
+    by walking ``named_children``, which does not list modules a rewrite holds unregistered."""
+    mod_tracker._known_modules[module] = name
+
+
 def mod_tracker_module() -> Any:
     """The module ``torch.distributed._tools.mod_tracker`` (2.5 on); see :func:`mem_tracker_class`."""
     mem_tracker_class()  # the same one-line error where it is missing
@@ -338,3 +364,99 @@ def fsdp_new_init_disabled() -> Optional[ContextManager[None]]:
     except ImportError:
         return None
     return disable_fsdp_module_new_init()
+
+
+def hookless_mem_tracker(base: Any) -> Any:
+    """``MemTracker`` that installs no gradient hooks on parameters.
+
+    # Note: [a meter that does not change the step]
+    # ``MemTracker`` registers a tensor hook and a post-accumulate hook on every parameter
+    # of a module it sees run, only to label gradient storages as gradients in its
+    # per-category statistics; its totals come from its dispatch mode, which sees every
+    # allocation either way (tests/test_step_peak.py checks the totals equal to the byte). A tensor hook
+    # is an observer of the gradient, so with it convbn's chains must return their
+    # weight gradients to autograd instead of accumulating them as eager's engine does
+    # (Note: [weight gradients as eager releases them]): the meter would measure another
+    # step than the user runs. convbn only reads totals, so it measures without the hooks.
+    """
+
+    _TOTAL = "Total"  # torch's key of a device's total in a snapshot (mem_tracker._TOTAL_KEY)
+
+    class HooklessMemTracker(base):  # type: ignore[misc, valid-type]
+        def _track_module_params_and_buffers(self, module: Any, install_grad_hooks: bool = True) -> Any:
+            return super()._track_module_params_and_buffers(module, install_grad_hooks=False)
+
+        def _update_peak_stats(self, peak_state: Any) -> None:
+            # Note: [a meter that reads totals only]
+            # torch's tracker updates, after every operator, the peak of every module it has
+            # seen run (a walk over all of them: operators x modules, quadratic in the model's
+            # size; on a 300-BatchNorm HRNet-style net most of a recorded step's time). convbn
+            # reads the totals only, so only the totals' peak is kept, exactly as torch keeps it.
+            for dev, snap in self._curr_mem_snap.items():
+                if self._peak_mem.get(dev, 0) < snap[_TOTAL]:
+                    self._peak_mem[dev] = snap[_TOTAL]
+                    self._peak_mem_snap[dev] = dict(snap)
+
+        def _pre_fw_hook(self, module: Any, inputs: Any) -> None:
+            # a module called again with no tracked parent (one activation module shared by
+            # every layer, run by a fused chain's eager part) looks like a next iteration to
+            # MemTracker, which raises; its per-module statistics are not read here: restart them
+            try:
+                super()._pre_fw_hook(module, inputs)
+            except NotImplementedError:
+                self.memory_tracking.pop(module, None)
+                super()._pre_fw_hook(module, inputs)
+
+    return HooklessMemTracker
+
+
+def sparse_counting_mem_tracker(base: Any) -> Any:
+    """``MemTracker`` that counts a sparse tensor as the dense tensors it is made of (torch's
+    reads ``untyped_storage()``, which a sparse tensor has not: it raised mid-step); a layout
+    whose parts are not known here is a ``TypeError`` naming it."""
+
+    class SparseCountingMemTracker(base):  # type: ignore[misc, valid-type]
+        def _track(self, reftype: Any, t: Any) -> None:
+            parts = sparse_parts(t)
+            if parts is None:
+                raise TypeError(f"tensor_peak cannot count a tensor of layout {t.layout} (shape {tuple(t.shape)}): "
+                                "only strided and sparse COO / CSR / CSC / BSR / BSC tensors are measured")
+            for part in parts or (t,):
+                super()._track(reftype, part)
+
+        def _update_and_maybe_create_winfos(self, t: Any, reftype: Any, update_existing: bool = False) -> Any:
+            parts = sparse_parts(t)
+            if not parts:  # strided (torch's own path), or an unknown layout (torch's error)
+                return super()._update_and_maybe_create_winfos(t, reftype, update_existing)
+            return set().union(*(super(SparseCountingMemTracker, self)._update_and_maybe_create_winfos(
+                part, reftype, update_existing) for part in parts))
+
+        def _track_inputs_or_outputs(self, args: Any) -> int:
+            return super()._track_inputs_or_outputs(pytree.tree_map_only(torch.Tensor, _dense_parts, args))
+
+    return SparseCountingMemTracker
+
+
+def _dense_parts(t: torch.Tensor) -> Any:
+    """``t``, or the tuple of dense tensors a sparse ``t`` is made of."""
+    parts = sparse_parts(t)
+    return t if not parts else parts
+
+
+class _NoHandle:
+    def remove(self) -> None:
+        pass
+
+
+def frozen_safe_mem_tracker(tracker_cls: type) -> type:
+    """``MemTracker`` that skips the gradient hooks of frozen parameters: it registers one
+    on every parameter of a module it enters, which raises for ``requires_grad=False``."""
+
+    class FrozenSafeMemTracker(tracker_cls):  # type: ignore[misc, valid-type]
+        def _track_module_params_and_buffers(self, module: Any, install_grad_hooks: bool = True) -> Any:
+            for p in module.parameters():
+                if not p.requires_grad and self._param_to_grad_hook_handles.get(p, None) is None:
+                    self._param_to_grad_hook_handles[p] = (_NoHandle(), _NoHandle())
+            return super()._track_module_params_and_buffers(module, install_grad_hooks)
+
+    return FrozenSafeMemTracker

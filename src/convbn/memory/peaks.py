@@ -17,7 +17,8 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
-from .._compat import mem_tracker_class, pytree, sparse_parts
+from .._compat import (frozen_safe_mem_tracker, hookless_mem_tracker, mem_tracker_class, set_mod_tracker,
+                       sparse_counting_mem_tracker)
 from ..autograd.grad_sink import stand_ins
 from .mod_tracking import releasing_mod_tracker
 
@@ -169,83 +170,6 @@ class peak_memory:
             self.result.end = now - self._start
 
 
-def _hookless(base: Any) -> Any:
-    """``MemTracker`` that installs no gradient hooks on parameters.
-
-    # Note: [a meter that does not change the step]
-    # ``MemTracker`` registers a tensor hook and a post-accumulate hook on every parameter
-    # of a module it sees run, only to label gradient storages as gradients in its
-    # per-category statistics; its totals come from its dispatch mode, which sees every
-    # allocation either way (tests/test_step_peak.py checks the totals equal to the byte). A tensor hook
-    # is an observer of the gradient, so with it convbn's chains must return their
-    # weight gradients to autograd instead of accumulating them as eager's engine does
-    # (Note: [weight gradients as eager releases them]): the meter would measure another
-    # step than the user runs. convbn only reads totals, so it measures without the hooks.
-    """
-
-    _TOTAL = "Total"  # torch's key of a device's total in a snapshot (mem_tracker._TOTAL_KEY)
-
-    class HooklessMemTracker(base):  # type: ignore[misc, valid-type]
-        def _track_module_params_and_buffers(self, module: Any, install_grad_hooks: bool = True) -> Any:
-            return super()._track_module_params_and_buffers(module, install_grad_hooks=False)
-
-        def _update_peak_stats(self, peak_state: Any) -> None:
-            # Note: [a meter that reads totals only]
-            # torch's tracker updates, after every operator, the peak of every module it has
-            # seen run (a walk over all of them: operators x modules, quadratic in the model's
-            # size; on a 300-BatchNorm HRNet-style net most of a recorded step's time). convbn
-            # reads the totals only, so only the totals' peak is kept, exactly as torch keeps it.
-            for dev, snap in self._curr_mem_snap.items():
-                if self._peak_mem.get(dev, 0) < snap[_TOTAL]:
-                    self._peak_mem[dev] = snap[_TOTAL]
-                    self._peak_mem_snap[dev] = dict(snap)
-
-        def _pre_fw_hook(self, module: Any, inputs: Any) -> None:
-            # a module called again with no tracked parent (one activation module shared by
-            # every layer, run by a fused chain's eager part) looks like a next iteration to
-            # MemTracker, which raises; its per-module statistics are not read here: restart them
-            try:
-                super()._pre_fw_hook(module, inputs)
-            except NotImplementedError:
-                self.memory_tracking.pop(module, None)
-                super()._pre_fw_hook(module, inputs)
-
-    return HooklessMemTracker
-
-
-def _counting_sparse(base: Any) -> Any:
-    """``MemTracker`` that counts a sparse tensor as the dense tensors it is made of (torch's
-    reads ``untyped_storage()``, which a sparse tensor has not: it raised mid-step); a layout
-    whose parts are not known here is a ``TypeError`` naming it."""
-
-    class SparseCountingMemTracker(base):  # type: ignore[misc, valid-type]
-        def _track(self, reftype: Any, t: Any) -> None:
-            parts = sparse_parts(t)
-            if parts is None:
-                raise TypeError(f"tensor_peak cannot count a tensor of layout {t.layout} (shape {tuple(t.shape)}): "
-                                "only strided and sparse COO / CSR / CSC / BSR / BSC tensors are measured")
-            for part in parts or (t,):
-                super()._track(reftype, part)
-
-        def _update_and_maybe_create_winfos(self, t: Any, reftype: Any, update_existing: bool = False) -> Any:
-            parts = sparse_parts(t)
-            if not parts:  # strided (torch's own path), or an unknown layout (torch's error)
-                return super()._update_and_maybe_create_winfos(t, reftype, update_existing)
-            return set().union(*(super(SparseCountingMemTracker, self)._update_and_maybe_create_winfos(
-                part, reftype, update_existing) for part in parts))
-
-        def _track_inputs_or_outputs(self, args: Any) -> int:
-            return super()._track_inputs_or_outputs(pytree.tree_map_only(torch.Tensor, _dense_parts, args))
-
-    return SparseCountingMemTracker
-
-
-def _dense_parts(t: torch.Tensor) -> Any:
-    """``t``, or the tuple of dense tensors a sparse ``t`` is made of."""
-    parts = sparse_parts(t)
-    return t if not parts else parts
-
-
 class tensor_peak:
     """Context manager: exact peak of live tensor bytes in the block, on any device.
 
@@ -273,11 +197,11 @@ class tensor_peak:
 
     def __init__(self, *track: Any, hooks: bool = False) -> None:
         MemTracker = mem_tracker_class()  # noqa: N806 - one line naming what a torch without it lacks
-        MemTracker = _counting_sparse(MemTracker)  # noqa: N806
-        self._tracker = _frozen_safe(MemTracker)() if hooks else _hookless(MemTracker)()
+        MemTracker = sparse_counting_mem_tracker(MemTracker)  # noqa: N806
+        self._tracker = frozen_safe_mem_tracker(MemTracker)() if hooks else hookless_mem_tracker(MemTracker)()
         # torch's ModTracker leaves a cycle through autograd nodes behind, which keeps the
         # parameters of a measured model alive (Note: [a module tracker that leaves nothing alive])
-        self._tracker._mod_tracker = releasing_mod_tracker()
+        set_mod_tracker(self._tracker, releasing_mod_tracker())
         # the chains' zero-byte gradient stand-ins share scalars made once, before any step
         self._tracker.track_external(*track, *stand_ins())
         self.result = PeakMemory(source="tensors")
@@ -298,22 +222,3 @@ class tensor_peak:
         self._tracker.__exit__(*exc)
         self.result.peak = peak - self._start
         self.result.end = end - self._start
-
-
-class _NoHandle:
-    def remove(self) -> None:
-        pass
-
-
-def _frozen_safe(tracker_cls: type) -> type:
-    """``MemTracker`` that skips the gradient hooks of frozen parameters: it registers one
-    on every parameter of a module it enters, which raises for ``requires_grad=False``."""
-
-    class FrozenSafeMemTracker(tracker_cls):  # type: ignore[misc, valid-type]
-        def _track_module_params_and_buffers(self, module: Any, install_grad_hooks: bool = True) -> Any:
-            for p in module.parameters():
-                if not p.requires_grad and self._param_to_grad_hook_handles.get(p, None) is None:
-                    self._param_to_grad_hook_handles[p] = (_NoHandle(), _NoHandle())
-            return super()._track_module_params_and_buffers(module, install_grad_hooks)
-
-    return FrozenSafeMemTracker

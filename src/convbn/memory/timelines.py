@@ -26,7 +26,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 from torch import Tensor, nn
 
-from .._compat import TorchDispatchMode, current_autograd_node, pytree
+from .._compat import TorchDispatchMode, current_autograd_node, mem_tracker_total, mod_tracker_of, name_module, pytree
 from .mod_tracking import releasing_mod_tracker
 from .next_op import new_output_bytes
 from .peaks import tensor_peak
@@ -293,9 +293,9 @@ def _meters(model: nn.Module, inputs: Tuple[Any, ...],
     else:
         tp = tensor_peak(*track)
         tracker = tp._tracker
-        _name_fused(tracker._mod_tracker, model)
-        mode = _TimelineMode(lambda: tp._total(tracker._curr_mem_snap) - tp._start,
-                             lambda: _innermost(tracker._mod_tracker.parents))
+        _name_fused(mod_tracker_of(tracker), model)
+        mode = _TimelineMode(lambda: mem_tracker_total(tracker) - tp._start,
+                             lambda: _innermost(mod_tracker_of(tracker).parents))
         meter = tp
         source = "tensors"
     return meter, mode, source
@@ -308,7 +308,7 @@ def _name_fused(mod_tracker: Any, model: nn.Module) -> None:
     registered = {id(m) for m in model.modules()}
     for name, mod in _with_fused(model):
         if id(mod) not in registered:
-            mod_tracker._known_modules[mod] = f"{root}.{name}"
+            name_module(mod_tracker, mod, f"{root}.{name}")
 
 
 def default_loss(out: Any) -> Tensor:
