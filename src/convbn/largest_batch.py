@@ -134,12 +134,17 @@ def max_batch(  # over 60 lines for its public docstring (Args, Raises, Example)
     peak (cuDNN workspaces included) against the limit less a 10 % margin for allocator
     fragmentation (not yet verified on a GPU).
 
-    Answering stays within ``memory``: one copy of the model exists at a time, and a step that goes over the limit is
-    stopped after the operator that took it over, so the tensors the call holds above what
-    was live before it are at most ``memory`` plus that one operator's output (the CPU
-    allocator's own scratch space for convolutions comes on top). ``method="measure"`` is
-    not held to it (it converts a copy at every batch it tries). Its answer depends on no
-    clock: the same call gives the same batches, ``probes`` and ``how`` on any machine.
+    Answering holds no tensor above ``memory``: one copy of the model exists at a time, and
+    a step that would go over the limit is stopped before the operator whose outputs would
+    take it over (their sizes known from a meta run), with ``method="measure"`` too. Above
+    what was live before the call, the call holds at most ``memory`` in tensors plus: the
+    batch of inputs a step trains on (not counted in the limit, as in :func:`convbn.timeline`),
+    on CPU the kernels' own scratch (not tensors: oneDNN's reorders and a convolution
+    backward's buffers, up to about two of that layer's activations; ResNet-50 224² at
+    768 MiB: 37.7 MiB above, 4.9 %), and ``convert``'s own check at batch 2. With
+    ``memory_budget=`` a copy is converted at each batch tried, not held to the limit. Its
+    answer depends on no clock: the same call gives the same batches, ``probes`` and
+    ``how`` on any machine.
 
     Args:
         model: the model, on the device to train on.
@@ -154,7 +159,8 @@ def max_batch(  # over 60 lines for its public docstring (Args, Raises, Example)
         upper: the largest batch tried.
         method: ``"predict"`` (default: small steps, a prediction, confirmed where
             affordable) or ``"measure"`` (real steps at every batch the search tries: slow
-            on large batches, the reference the prediction is tested against).
+            on large batches, the reference the prediction is tested against; the converted
+            side steps its batch-2 conversion planned for each batch as ``convert`` plans it).
         confirm: with ``"predict"``, confirm the answer by real steps at it and the batch
             above it: ``"auto"`` (default) where those two steps are counted to do at most
             2e12 floating-point operations each side (the eager step's count at batch 2,
