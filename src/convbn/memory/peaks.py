@@ -42,15 +42,9 @@ def allocator_peak(fn: Callable[[], Any]) -> int:
     :func:`~convbn.memory.timeline` it sees compiled code's buffers (a step run by
     ``torch.compile``) and the kernels' own scratch (oneDNN's reorders, a convolution
     backward's buffers); it does not name operators. Workspaces freed before ``fn`` returns
-    count; allocator caching does not (these are tensor bytes, not RSS).
-
-    # Note: [blocks from before the measurement]
-    # Memory live before ``fn`` and freed in it (the previous step's gradients, set to None
-    # by the step's ``zero_grad``) is not subtracted: the profiler reports such a free with
-    # its size only where the block was allocated under an earlier profiler session, so
-    # subtracting it made the same step's figure depend on what was measured before it.
-    # Only blocks allocated within ``fn`` count, from their allocation to their free: the
-    # same figure for the same block, whatever ran before.
+    count; allocator caching does not (these are tensor bytes, not RSS). Memory live before
+    ``fn`` and freed in it is not subtracted: only blocks allocated within ``fn`` count, so
+    the same block gives the same figure whatever ran before it.
 
     Args:
         fn: the block to measure, e.g. one training step.
@@ -67,6 +61,12 @@ def allocator_peak(fn: Callable[[], Any]) -> int:
 
     if not callable(fn):
         raise TypeError(f"allocator_peak expects a callable, but got {type(fn).__name__}")
+    # Note: [blocks from before the measurement]
+    # Memory live before ``fn`` and freed in it (the previous step's gradients, set to None by
+    # the step's ``zero_grad``) is not subtracted: the profiler reports such a free with its
+    # size only where the block was allocated under an earlier profiler session, so subtracting
+    # it made the same step's figure depend on what was measured before it. Only blocks
+    # allocated within ``fn`` count, from their allocation to their free.
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         fn()
     events = sorted(_cpu_allocations(prof.profiler.kineto_results.experimental_event_tree()))

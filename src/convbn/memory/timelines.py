@@ -227,9 +227,9 @@ def timeline(  # over 60 lines for its public docstring (what a step is, Args, E
             gradients so far count as live before the step.
         stop_above: stop the step at the first operator whose bytes in use would exceed this
             many (above the start): :class:`StepOverLimit` is raised before that operator
-            runs where its outputs' sizes are known on the meta device (Note: [stopping before
-            the operator that would cross]), so a step that does not fit a limit never holds
-            tensors past it; after the operator otherwise.
+            runs where its outputs' sizes are known on the meta device (the operator run there
+            first), so a step that does not fit a limit never holds tensors past it; after the
+            operator otherwise.
 
     Returns:
         :class:`Timeline`.
