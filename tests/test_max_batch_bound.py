@@ -196,3 +196,15 @@ def test_memtracker_internals_are_read_through_compat_only():
     for path in pathlib.Path(memory.__file__).parent.glob("*.py"):
         text = path.read_text()
         assert not [name for name in private if f".{name}" in text or f"def {name}" in text], path.name
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_a_step_at_its_own_peak_is_not_stopped():
+    """On CUDA the stop reads the bytes allocated now, not the allocator's peak since the last
+    reading (which would count a freed block again and stop a step that fits)."""
+    net, x = _mlp().cuda(), torch.randn(32, 64, device="cuda")
+    full = timeline(net, x)
+    assert timeline(net, x, stop_above=full.peak).peak == full.peak
+    with pytest.raises(StepOverLimit) as err:
+        timeline(net, x, stop_above=full.peak // 2)
+    assert err.value.bytes > full.peak // 2

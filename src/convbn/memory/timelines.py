@@ -144,6 +144,9 @@ class _TimelineMode(TorchDispatchMode):
         self.read = read
         self.where = where
         self.stop_above = stop_above
+        #: bytes in use now, where ``read`` is not that (CUDA: ``read`` is the peak since the
+        #: last reading, and resets it); ``None``: ``read``
+        self.now: Optional[Callable[[], int]] = None
         self.phase = "forward"
         self.points: List[TimelinePoint] = []
 
@@ -168,7 +171,7 @@ class _TimelineMode(TorchDispatchMode):
         new = new_output_bytes(func, args, kwargs)
         if new is None:
             return
-        now = self.read()
+        now = (self.now or self.read)()
         if now + new > self.stop_above:
             node = current_autograd_node()
             op = str(func) if node is None else f"{node.name()}/{func}"
@@ -289,6 +292,7 @@ def _meters(model: nn.Module, inputs: Tuple[Any, ...],
         torch.cuda.reset_peak_memory_stats(dev)
         meter: Any = releasing_mod_tracker()
         mode = _TimelineMode(_cuda_peak_reader(dev, start), lambda: _innermost(meter.parents))
+        mode.now = lambda: torch.cuda.memory_allocated(dev) - start  # not a peak reading: it would reset the peak
         source = "cuda"
     else:
         tp = tensor_peak(*track)
