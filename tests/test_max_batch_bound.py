@@ -208,3 +208,23 @@ def test_cuda_a_step_at_its_own_peak_is_not_stopped():
     with pytest.raises(StepOverLimit) as err:
         timeline(net, x, stop_above=full.peak // 2)
     assert err.value.bytes > full.peak // 2
+
+
+@pytest.mark.parametrize("method", ["predict", "measure"])
+def test_answering_allocates_within_the_memory_plus_the_inputs_where_kernels_need_no_scratch(method):
+    """Exact CPU allocator bytes over the whole call: on a channels-last net (oneDNN convolves
+    it without reordering, so its kernels need no scratch beyond their outputs) the call peaks
+    within ``memory`` plus the batch of inputs of the largest batch it stepped (live before a
+    step, not in the limit) plus 1 KiB of small allocations. Fails with the stop before the
+    operator removed (the crossing operator's output comes on top)."""
+    torch.manual_seed(0)
+    net = _resnet().to(memory_format=torch.channels_last)
+    x = torch.randn(2, 3, 16, 16).to(memory_format=torch.channels_last)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+    out = {}
+    peak = allocator_peak(lambda: out.setdefault("fit", convbn.max_batch(net, x, "2MiB", optimizer=opt,
+                                                                         method=method, confirm=True)))
+    fit = out["fit"]
+    stepped = max(b for side in fit.probes.values() for b in side)
+    assert fit.convbn_batch + 1 in fit.probes["convbn"]  # the batch above was stepped (and stopped)
+    assert peak <= fit.memory + batch_search.input_bytes((x,), stepped) + 1024
