@@ -12,7 +12,7 @@ process, its wall time and the process's memory while answering, two ways:
 
     PYTHONPATH=src:tests OMP_NUM_THREADS=1 python benchmarks/bm_max_batch_peak.py \\
         --model tv:resnet50 --size 224 --memory 768MiB [--confirm auto|true|false] [--allocator] \\
-        [--method predict|measure]
+        [--method predict|measure] [--channels-last]
 """
 from __future__ import annotations
 
@@ -50,12 +50,16 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--confirm", default="auto", choices=["auto", "true", "false"])
     parser.add_argument("--allocator", action="store_true", help="measure with allocator_peak instead of RSS")
     parser.add_argument("--method", default="predict", choices=["predict", "measure"])
+    parser.add_argument("--channels-last", action="store_true", help="model and inputs in channels-last memory format")
     args = parser.parse_args(argv)
     confirm: Any = {"auto": "auto", "true": True, "false": False}[args.confirm]
     torch.manual_seed(0)
     model, _shape = MODELS[args.model]()
     model.train()
     sample = (torch.randn(2, 3, args.size, args.size),)
+    if args.channels_last:
+        model = model.to(memory_format=torch.channels_last)
+        sample = (sample[0].to(memory_format=torch.channels_last),)
     opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
     limit = parse_memory(args.memory)
     out: Dict[str, Any] = {}
