@@ -59,7 +59,7 @@ from ..functional.tail import DropoutOp, PReLUOp
 from .chain_spec import ChainLayerSpec, param_offsets, split_params
 
 __all__ = ["CompileChainsMode", "compile_chains", "compile_chains_mode", "set_compile_chains", "fusible_by_inductor",
-           "chain_inductor_apply", "quiet_own_advisory"]
+           "chain_inductor_apply", "chain_contexts", "quiet_own_advisory"]
 
 CompileChainsMode = Literal["inductor", "op"]
 _MODES: Tuple[CompileChainsMode, ...] = get_args(CompileChainsMode)
@@ -171,7 +171,7 @@ def _plain_tail_op(op: Any) -> bool:
     return isinstance(op, PReLUOp) or (isinstance(op, DropoutOp) and op.p == 0.0)
 
 
-def _contexts(keep_y: Tuple[bool, ...]) -> Any:
+def chain_contexts(keep_y: Tuple[bool, ...]) -> Any:
     """The selective-checkpoint contexts of one call (a module-level function: Dynamo takes a
     ``functools.partial`` of one as ``context_fn``, not a closure)."""
     seen = {False: 0, True: 0}
@@ -190,7 +190,7 @@ def _contexts(keep_y: Tuple[bool, ...]) -> Any:
 
 class _OwnRegionAdvisory(logging.Filter):
     """Drops torch's one-time "context_fn ... under torch.compile" advisory where the
-    ``context_fn`` is :func:`_contexts` (Note above); every other record passes."""
+    ``context_fn`` is :func:`chain_contexts` (Note above); every other record passes."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         if "context_fn is passed to torch.utils.checkpoint" not in str(record.msg):
@@ -199,7 +199,7 @@ class _OwnRegionAdvisory(logging.Filter):
         while frame is not None:  # the caller that holds the region's context_fn
             fn = frame.f_locals.get("context_fn") if "checkpoint" in frame.f_code.co_name else None
             if fn is not None:
-                return not (isinstance(fn, functools.partial) and fn.func is _contexts)
+                return not (isinstance(fn, functools.partial) and fn.func is chain_contexts)
             frame = frame.f_back  # type: ignore[assignment]
         return True
 
@@ -253,7 +253,7 @@ def chain_inductor_apply(x: Tensor, params: Sequence[Optional[Tensor]], specs: S
     """Run a chain :func:`fusible_by_inductor` accepts as plain ops in a selective checkpoint
     (Note: [a chain inductor can see into]); running statistics updated as eager's."""
     keep = [s.keep_y for s in specs]
-    out, *moments = checkpoint(_body(specs), x, *params, use_reentrant=False, context_fn=functools.partial(_contexts, tuple(keep)))
+    out, *moments = checkpoint(_body(specs), x, *params, use_reentrant=False, context_fn=functools.partial(chain_contexts, tuple(keep)))
     with torch.no_grad():
         for i, (spec, (rm, rv)) in enumerate(zip(specs, stats)):
             if rm is not None and rv is not None:

@@ -119,7 +119,9 @@ def _post(spec: NormLayerSpec, y: Tensor, g: Any, beta: Any, tws: Sequence[Tenso
 
 
 def _conv(spec: NormLayerSpec, x: Tensor, w: Tensor, b: Optional[Tensor], first: bool) -> Tensor:
-    return conv_forward(x if first else spec.conv.pad_input(x), w, b, spec.conv)  # type: ignore[union-attr]
+    """The layer's convolution; its input cast to the weight's dtype (autocast's cast of a conv
+    module's operands: the caller casts the weights; Note: [a norm chain under autocast])."""
+    return conv_forward((x if first else spec.conv.pad_input(x)).to(w.dtype), w, b, spec.conv)  # type: ignore[union-attr]
 
 
 def _forward(x0: Tensor, params: Sequence[Optional[Tensor]], specs: Sequence[NormLayerSpec],
@@ -285,9 +287,10 @@ def _layer_backward(rb: _Rebuild, i: int, grad: List[Tensor], x_need: bool, grad
     if x is None:
         x = rb.input(i)
     needs = rb.needs
-    xin = spec.conv.pad_input(x) if i > 0 else x
+    xin = (spec.conv.pad_input(x) if i > 0 else x).to(w.dtype)
     gx, gw, gb = conv_backward(gy, xin, w, spec.conv, (i > 0 or x_need, needs[base], b is not None and needs[base + 1]))
     grads[base], grads[base + 1] = gw, gb
+    gx = None if gx is None else gx.to(x.dtype)  # back through the input's cast
     if i > 0 and bool(spec.conv.pre_pad) and gx is not None:  # through the padding of an absorbed pad
         with torch.enable_grad():
             xv = x.detach().requires_grad_(True)
@@ -304,12 +307,21 @@ class NormChainFunction(torch.autograd.Function):
         out, kept = _forward(x0, params, specs, stats)
         ctx.kept_idx = tuple(kept)
         save_tensors(ctx, (x0, *params, *kept.values()))
+        ctx.autocast = _autocast_state(x0)
         ctx.specs, ctx.stats_given = tuple(specs), tuple(stats)
         ctx.n_params = len(params)
         return out
 
     @staticmethod
     def backward(ctx: Any, grad_out: Tensor) -> Tuple[Optional[Tensor], ...]:  # type: ignore[override]
+        dev, enabled, dtype = ctx.autocast
+        if dev is None:
+            return NormChainFunction._backward(ctx, grad_out)
+        with torch.autocast(dev, dtype=dtype, enabled=enabled):  # the recompute under forward's autocast state
+            return NormChainFunction._backward(ctx, grad_out)
+
+    @staticmethod
+    def _backward(ctx: Any, grad_out: Tensor) -> Tuple[Optional[Tensor], ...]:
         saved = load_tensors(ctx)
         n = ctx.n_params
         x0, params = saved[0], saved[1: 1 + n]
@@ -334,6 +346,17 @@ class NormChainFunction(torch.autograd.Function):
             g = _layer_backward(rb, i, holder, needs[0], flat)  # type: ignore[arg-type]
             rb.kept.pop(i, None)
         return (g if needs[0] else None, *flat, None, None)
+
+
+def _autocast_state(x: Tensor) -> Tuple[Optional[str], bool, Optional[torch.dtype]]:
+    """Note: [a norm chain under autocast] Forward runs under the caller's autocast state (the
+    norms and tails get autocast's own casts; ``_conv`` casts each conv input to its weight's
+    dtype, the weights coming cast by the caller): backward recomputes under the same state,
+    whatever the state it is called in."""
+    dev = x.device.type
+    if dev not in ("cpu", "cuda"):
+        return None, False, None
+    return dev, torch.is_autocast_enabled(dev), torch.get_autocast_dtype(dev)
 
 
 def norm_chain_apply(x0: Tensor, params: Sequence[Optional[Tensor]], specs: Sequence[NormLayerSpec],
