@@ -79,7 +79,8 @@ class _Measured:
 
 # Note: [a step the meters cannot measure]
 # The meters (torch's MemTracker under ``tensor_peak`` / ``timeline``) read every tensor's
-# storage; a sparse parameter or buffer has none, and they raise NotImplementedError. That is
+# storage; a sparse tensor counts as its indices and values, but a layout they do not know
+# (a nested tensor) has none, and they raise NotImplementedError. That is
 # a limit of the measurement, not of the model: the chains then plan as without
 # ``example_inputs`` (a lazy plan each, resolved on its first training call) and the report
 # says why (``ConvertReport.planning_note``).
