@@ -18,16 +18,15 @@ from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple, Union
 
 import torch.fx as fx
-import torch.nn.functional as F
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from ...functional.conv import ConvSpec, conv_out_channels
+from ...functional.conv import conv_out_channels
 from ..bn.kind import bn_conv_dims
 from ..bn.sites import BNSite, find_bn_sites
 from ..bn.norm_sites import find_norm_sites
 from ...nn.norm_view import NormView
-from ..graph.layers import has_standard_forward, layer_call, layer_spec
+from .match_conv import MatchedConv, _match_conv, _zero_pad_of
 from .match_tail import TailMatch, TailOpMatch, describe_node, match_tail, node_arg, tail_label
 from ..report.convert_report import ConvertReport
 from ..graph.grad_regions import grad_region_of
@@ -41,18 +40,6 @@ __all__ = ["MatchedConv", "MatchedLayer", "find_layers", "group_chains", "split_
 
 
 # --------------------------------------------------------------------------- matching
-
-
-@dataclass
-class MatchedConv:
-    node: fx.Node
-    input: fx.Node
-    owner: nn.Module
-    weight_name: str
-    bias_name: Optional[str]
-    spec: ConvSpec
-    name: str
-    absorbed: Tuple[fx.Node, ...] = ()  # zero-padding nodes folded into ``spec``
 
 
 @dataclass
@@ -124,114 +111,6 @@ class MatchedLayer:
         if self.conv is not None:
             found += [self.conv.node, *reversed(self.conv.absorbed)]
         return found
-
-
-_ZERO_PADS = (nn.ZeroPad1d, nn.ZeroPad2d, nn.ZeroPad3d, nn.ConstantPad1d, nn.ConstantPad2d, nn.ConstantPad3d)
-
-
-def _zero_pad_of(node: fx.Node, gm: fx.GraphModule) -> Optional[Tuple[int, ...]]:
-    """``F.pad``-style amounts if ``node`` only zero-pads its input (``()`` for an Identity)."""
-    if node.op == "call_module":
-        mod = gm.get_submodule(str(node.target))
-        if type(mod) is nn.Identity:
-            return ()
-        if isinstance(mod, _ZERO_PADS) and float(getattr(mod, "value", 0.0)) == 0.0:
-            return tuple(int(p) for p in mod.padding)
-        return None
-    if node.op == "call_function" and node.target is F.pad:
-        pad, mode, value = node_arg(node, 1, "pad", None), node_arg(node, 2, "mode", "constant"), node_arg(node, 3, "value", None)
-        if mode == "constant" and not value and isinstance(pad, (list, tuple)) and all(isinstance(p, int) for p in pad):
-            return tuple(pad)
-    return None
-
-
-def _absorb_zero_pad(conv: MatchedConv, gm: fx.GraphModule) -> MatchedConv:
-    """Fold a zero-padding op that only feeds this conv into its spec (exact: zeros are zeros)."""
-    inp = conv.input
-    if conv.spec.pre_pad or len(inp.users) != 1:
-        return conv
-    pads = _zero_pad_of(inp, gm)
-    src = node_arg(inp, 0, "input", None)
-    if pads is None or not isinstance(src, fx.Node) or len(pads) > 2 * conv.spec.dims or any(p < 0 for p in pads):
-        return conv
-    pads = tuple(pads) + (0,) * (2 * conv.spec.dims - len(pads))
-    padding, pre = [], []
-    for i in range(conv.spec.dims):  # natural order; F.pad lists the last dim first
-        j = conv.spec.dims - 1 - i
-        left, right = conv.spec.padding[i] + pads[2 * j], conv.spec.padding[i] + pads[2 * j + 1]
-        padding.append(min(left, right))
-    for j in range(conv.spec.dims):
-        i = conv.spec.dims - 1 - j
-        pre += [conv.spec.padding[i] + pads[2 * j] - padding[i], conv.spec.padding[i] + pads[2 * j + 1] - padding[i]]
-    spec = ConvSpec(conv.spec.dims, conv.spec.stride, tuple(padding), conv.spec.dilation, conv.spec.groups,
-                    tuple(pre) if any(pre) else (), "constant")
-    return MatchedConv(conv.node, src, conv.owner, conv.weight_name, conv.bias_name, spec, conv.name,
-                 conv.absorbed + (inp,))
-
-
-def _match_conv(node: fx.Node, gm: fx.GraphModule, root: nn.Module) -> Union[MatchedConv, str, None]:
-    """A conv node as :class:`MatchedConv`, a string reason why it cannot be fused, or ``None``.
-
-    Weight owners are looked up on ``root``, the user's module: the traced GraphModule
-    holds stand-in containers for ``get_attr`` targets, which later re-assignments of
-    the real modules' parameters (``load_state_dict(assign=True)``) would not reach.
-    """
-    found = _match_conv_node(node, gm, root)
-    # zero padding before a transposed conv is not its ``padding`` (which crops the output)
-    if (isinstance(found, MatchedConv) and found.spec.pre_pad_mode == "constant" and found.spec.dims > 0
-            and not found.spec.transposed):
-        found = _absorb_zero_pad(found, gm)
-    return found
-
-
-def _match_conv_node(node: fx.Node, gm: fx.GraphModule, root: nn.Module) -> Union[MatchedConv, str, None]:
-    call = layer_call(node, gm)
-    if call is None or isinstance(call, str):
-        return call
-    inp = call.input
-    if call.module is not None:
-        mod = call.module
-        what = "linear layer" if call.kind == "linear" else "convolution"
-        if call.kind == "convt" and call.args["output_size"] is not None:
-            # its output_padding then follows the input's size at run time: not a fixed geometry
-            return (f"its input is a transposed convolution ({node.target}) called with output_size=, which "
-                    "sets its output_padding from each input's shape; left unfused (give the module "
-                    "output_padding instead to fuse it)")
-        if not has_standard_forward(mod):
-            return f"its input comes from {type(mod).__name__}, a {what} with a custom forward"
-        if not isinstance(inp, fx.Node):
-            return f"the {what}'s input is not a traced tensor"
-        return MatchedConv(node, inp, mod, "weight", "bias" if mod.bias is not None else None,
-                           layer_spec(call, mod.weight.shape), str(node.target))
-    what = {"conv": "convolution", "convt": "transposed convolution", "linear": "linear"}[call.kind]
-    w, b = call.args["weight"], call.args["bias"]
-    if not isinstance(w, fx.Node) or w.op != "get_attr":
-        return f"the functional {what}'s weight is not a module parameter"
-    if b is not None and (not isinstance(b, fx.Node) or b.op != "get_attr"):
-        return f"the functional {what}'s bias is not a module parameter"
-    geometry = [call.args[n] for n, _ in call.sig[3:]]
-    if any(isinstance(g, fx.Node) for g in geometry) or not isinstance(inp, fx.Node):
-        return f"the functional {what}'s arguments are not constants"
-    found = _param_owner(w, b, root, what)
-    if isinstance(found, str):
-        return found
-    owner, wpath, wname, bname = found
-    spec = layer_spec(call, getattr(owner, wname).shape)
-    return MatchedConv(node, inp, owner, wname, bname, spec, wpath or str(w.target))
-
-
-def _param_owner(w: fx.Node, b: Optional[fx.Node], root: nn.Module, what: str
-                 ) -> Union[Tuple[nn.Module, str, str, Optional[str]], str]:
-    """``(owner, owner path, weight name, bias name)`` of a functional layer's ``get_attr``
-    weight and bias, looked up on ``root``; a reason where they live in different modules."""
-    wpath, _, wname = str(w.target).rpartition(".")
-    owner = root.get_submodule(wpath) if wpath else root
-    bname = None
-    if b is not None:
-        bpath, _, bname = str(b.target).rpartition(".")
-        if bpath != wpath:
-            return f"the functional {what}'s weight and bias live in different modules"
-    return owner, wpath, wname, bname
 
 
 def head_input(site: BNSite) -> fx.Node:
