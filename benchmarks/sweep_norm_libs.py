@@ -44,13 +44,15 @@ import collections
 from functools import partial
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
+from sweep_norm_more import NORM_MORE_FAMILIES
+
 __all__ = ["NORM_FAMILIES", "NORM_KINDS", "build_norm", "count_norms", "norm_kind", "norm_hooks", "norm_markdown"]
 
 Built = Tuple[Any, Tuple[Any, ...]]
 Entry = Tuple[str, Callable[[Any], Built]]
 
 #: the kinds :func:`norm_kind` names, in table order
-NORM_KINDS = ("group", "instance", "layer-channel", "layer-token")
+NORM_KINDS = ("group", "instance", "layer-channel", "layer-token", "hand-written")
 
 
 def _randn(gen: Any, *shape: int) -> Tuple[Any, ...]:
@@ -61,17 +63,33 @@ def _randn(gen: Any, *shape: int) -> Tuple[Any, ...]:
 
 # --------------------------------------------------------------------------- counting
 
-def _is_norm(m: Any) -> bool:
+def _is_torch_norm(m: Any) -> bool:
     import torch.nn as nn
     from torch.nn.modules.instancenorm import _InstanceNorm
 
     return isinstance(m, (nn.GroupNorm, _InstanceNorm, nn.LayerNorm))
 
 
+def _is_hand_written_norm(m: Any) -> bool:
+    """A library's own normalisation module (``LayerNorm``, ``RMSNorm``, ``ChanLayerNorm`` ...
+    written from tensor ops): its class name ends in ``Norm``, it is no torch norm nor BatchNorm,
+    and it has no child modules (a ``PreNorm`` wrapper has one)."""
+    from torch.nn.modules.batchnorm import _BatchNorm
+
+    return (type(m).__name__.endswith("Norm") and not _is_torch_norm(m) and not isinstance(m, _BatchNorm)
+            and next(iter(m.children()), None) is None)
+
+
+def _is_norm(m: Any) -> bool:
+    return _is_torch_norm(m) or _is_hand_written_norm(m)
+
+
 def norm_kind(m: Any, x: Any) -> str:
     """What the normalisation module ``m`` computes on its input ``x`` (:data:`NORM_KINDS`)."""
     import torch.nn as nn
 
+    if _is_hand_written_norm(m):
+        return "hand-written"
     if isinstance(m, nn.GroupNorm):
         return "group"
     if not isinstance(m, nn.LayerNorm):
@@ -338,6 +356,9 @@ NORM_FAMILIES: Dict[str, Dict[str, Entry]] = {
         "tv-resnet18": ("classification", _tv_resnet(None)),
     },
 }
+
+
+NORM_FAMILIES.update(NORM_MORE_FAMILIES)
 
 
 def build_norm(family: str, name: str, gen: Any) -> Built:
