@@ -16,6 +16,7 @@ from ..._compat import pytree
 
 from ...functional.private_rng import PrivateRNG, private_rng
 from .backward_aside import backward_grads, holds_reentrant_checkpoint
+from .plain_state import PlainState
 
 __all__ = ["StateSnapshot", "Comparison", "compare_outputs", "run_step", "seeded", "as_args", "float64_slack", "to_float64",
            "tolerance", "tolerance_rule", "ToleranceRule", "TOLERANCES", "CheckKind", "buffers_set_aside", "batch_sample",
@@ -133,7 +134,9 @@ def _cuda_in_use() -> bool:
 
 
 class StateSnapshot:
-    """Snapshot buffers and ``training`` flags of ``model``; put them back on exit. Random
+    """Snapshot buffers and ``training`` flags of ``model``, and its modules' plain attributes and
+    buffer bindings (Note: [a check's run leaves the model's plain state as it was]); put them
+    back on exit. Random
     numbers drawn in the block come from generators of its own (:func:`seeded` with seed 0,
     unless an inner :func:`seeded` block says otherwise): the global RNG streams, and what
     other threads draw from them, are not touched.
@@ -149,12 +152,14 @@ class StateSnapshot:
     def __enter__(self) -> "StateSnapshot":
         self.buffers = [(b, b.detach().clone()) for b in self.model.buffers()]
         self.modes = [(m, m.training) for m in self.model.modules()]
+        self.plain = PlainState(self.model)
         self.rng = seeded(0)
         self.rng.__enter__()
         return self
 
     def __exit__(self, *exc: Any) -> None:
         self.rng.__exit__(None, None, None)
+        self.plain.restore()
         with torch.no_grad():
             for b, v in self.buffers:
                 if not b.is_inference():
