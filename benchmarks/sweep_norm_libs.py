@@ -20,13 +20,17 @@ CPU inputs (batch 2):
 * ``gnresnet``: ResNets normalised by GroupNorm: timm ``resnet50_gn``, timm ``resnetv2`` BiT
   (GroupNorm + weight-standardised convs), torchvision ``resnet18`` with a GroupNorm
   ``norm_layer``.
+* the eight families of :mod:`sweep_norm_more` (a second round of libraries), merged into
+  :data:`NORM_FAMILIES`.
 * ``bnctl``: BatchNorm controls built from the same libraries (MONAI ``UNet`` / ``DynUNet``
   with BatchNorm, torchvision ``resnet18``), whose numbers must not move.
 
 :func:`norm_kind` names what a called normalisation module computes (``group``,
 ``instance``, ``layer-channel``: a LayerNorm over one dimension of a 4-D / 5-D tensor, either
 channels-last between permutes or a ``LayerNorm2d`` over dimension 1; ``layer-token``: a
-LayerNorm on token sequences, outside this work); :func:`norm_hooks` records which ones a
+LayerNorm on token sequences, outside this work; ``hand-written``: a library's own norm module,
+``RMSNorm`` / ``LayerNorm`` written from tensor ops, counted apart from the three the fused share
+is taken over); :func:`norm_hooks` records which ones a
 training step calls as modules, so the sweep counts, per kind, the ones the converted model's
 report lists as fused *and* its step no longer calls as modules (fused and running; a norm
 module with its own forward can be traced into its parent's graph and so not be called while
