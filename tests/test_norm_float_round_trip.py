@@ -50,6 +50,30 @@ def test_float32_round_trip_norms_fuse_and_match_eager(norm: type, with_inputs: 
     assert_steps_match(eager, fast, x, steps=2, tol=FLOAT32)
 
 
+class ShapeBranch(nn.Module):
+    """Python on the input's shape (guided-diffusion's ``while len(emb.shape) < len(h.shape)``):
+    traced with real shapes, where ``x.dtype`` is a constant of the graph."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = _net(GroupNorm32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[-1] % 2 == 0:
+            x = x * 2
+        return self.body(x)
+
+
+def test_round_trip_in_a_graph_traced_with_real_shapes_fuses() -> None:
+    torch.manual_seed(0)
+    eager = ShapeBranch()
+    x = torch.randn(2, 3, 16, 16)
+    fast = convbn.convert(copy.deepcopy(eager), example_inputs=x, strategy="recompute_bn")
+    report = assert_fused(fast, pairs=3, chains=1)
+    assert [(o.batchnorm, o.result) for o in report.outcomes] == [("body.1", "fused"), ("body.4", "fused")], report
+    assert_steps_match(eager, fast, x, steps=2, tol=FLOAT32)
+
+
 def test_only_a_cast_back_to_the_same_tensor_s_dtype_is_removed() -> None:
     class CastElsewhere(nn.Module):  # the cast back reads another tensor's dtype: left as it is
         def __init__(self) -> None:

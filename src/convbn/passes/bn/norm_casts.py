@@ -9,7 +9,8 @@ output reaches the activation through ``.type(x.dtype)``: matching saw no convol
 the norm and no activation after it, and every GroupNorm of such a net was left (torchcfm's
 ``UNetModelWrapper``: 0 of 27). :func:`norm_float_round_trips` (a canonicalising rewrite of
 convert's pipeline) removes the two casts where both read the same tensor ``x``:
-``norm(x.float()).type(x.dtype)`` becomes ``norm(x)``. Where ``x`` is float32 (a float32 model,
+``norm(x.float()).type(x.dtype)`` becomes ``norm(x)`` (in a graph traced with real shapes, ``x.dtype``
+is a constant: the dtype the trace recorded for ``x``, kept in ``node.meta``). Where ``x`` is float32 (a float32 model,
 the case convert fuses) both casts return their input itself, so the graph computes the very
 same values. Where ``x`` is of a lower precision the norm runs at ``x``'s precision instead
 (torch's CPU and CUDA group / instance / layer norms accumulate their statistics in float32
@@ -26,6 +27,7 @@ import torch
 import torch.fx as fx
 
 from ...functional.norms import channel_layer_norm, row_of_function, row_of_module
+from ..graph.shape_capture import DTYPE
 
 __all__ = ["norm_float_round_trips"]
 
@@ -50,10 +52,14 @@ def _is_norm(node: fx.Node, gm: fx.GraphModule) -> bool:
 
 
 def _cast_back_to(node: fx.Node, src: fx.Node) -> bool:
-    """``node`` is ``t.type(src.dtype)`` or ``t.to(src.dtype)``."""
+    """``node`` is ``t.type(src.dtype)`` or ``t.to(src.dtype)``: ``src.dtype`` read in the graph, or,
+    in a graph traced with real shapes (guarded on its inputs' dtypes), the constant dtype the
+    trace recorded for ``src``."""
     if node.op != "call_method" or node.target not in ("type", "to") or len(node.args) != 2 or node.kwargs:
         return False
     dtype = node.args[1]
+    if isinstance(dtype, torch.dtype):
+        return src.meta.get(DTYPE) == dtype
     return (isinstance(dtype, fx.Node) and dtype.op == "call_function" and dtype.target is builtins.getattr
             and dtype.args == (src, "dtype"))
 
@@ -76,7 +82,7 @@ def norm_float_round_trips(gm: fx.GraphModule) -> int:
         norm.args = (src, *norm.args[1:])
         back.replace_all_uses_with(norm)
         graph.erase_node(back)
-        if not dtype.users:
+        if isinstance(dtype, fx.Node) and not dtype.users:
             graph.erase_node(dtype)
         graph.erase_node(cast)
         done += 1
