@@ -3,7 +3,9 @@
 For each model (setup not timed): one eager warm-up step, then ``--rounds`` interleaved rounds
 of [one eager training step, one ``convert``], then one ``convert(plan=...)`` with the first
 conversion's plan (a re-convert after a resume: Note: [a conversion made once]). Times are
-medians, as ratios to the eager step of the same process. Peaks, in a separate pass (the meter
+medians, as ratios to the eager step of the same process, both in wall-clock seconds and in
+this process's CPU seconds (``time.process_time``: one thread, so on a machine shared with
+other jobs the CPU ratio moves far less with their load than the wall-clock one). Peaks, in a separate pass (the meter
 slows what it measures): the allocator's peak over the whole ``convert`` call above what was
 live before it, and over one eager step (``zero_grad(set_to_none=True)``, forward, mean
 loss, backward, SGD step with momentum): on CPU every allocation and free the CPU allocator
@@ -65,11 +67,13 @@ def _peak(fn: Callable[[], Any], device: torch.device) -> int:
     return torch.cuda.max_memory_allocated(device) - start
 
 
-def _timed(fn: Callable[[], Any], device: torch.device) -> Tuple[float, Any]:
+def _timed(fn: Callable[[], Any], device: torch.device, cpu: List[float]) -> Tuple[float, Any]:
+    """Wall-clock seconds of ``fn()`` and its result; its CPU seconds are appended to ``cpu``."""
     _sync(device)
-    t = time.perf_counter()
+    t, c = time.perf_counter(), time.process_time()
     out = fn()
     _sync(device)
+    cpu.append(time.process_time() - c)
     return time.perf_counter() - t, out
 
 
@@ -82,38 +86,43 @@ def measure(key: str, rounds: int, device: torch.device, peaks: bool = True) -> 
 
     def step() -> None:
         opt.zero_grad(set_to_none=True)
-        out = model(x)
+        out = model(x)  # held through the backward, as a loss that saves the output (cross-entropy) holds as much
         (out if isinstance(out, torch.Tensor) else out[0]).float().mean().backward()
         opt.step()
 
     step()  # warm-up (and the momentum buffers exist from here on)
     steps: List[float] = []
     converts: List[float] = []
+    cpu_steps: List[float] = []
+    cpu_converts: List[float] = []
+    cpu_again: List[float] = [float("nan")]
     fast: Any = None
     for _ in range(rounds):
-        steps.append(_timed(step, device)[0])
+        steps.append(_timed(step, device, cpu_steps)[0])
         opt.zero_grad(set_to_none=True)
-        t, fast = _timed(lambda: convbn.convert(model, example_inputs=x, progress=False), device)
+        t, fast = _timed(lambda: convbn.convert(model, example_inputs=x, progress=False), device, cpu_converts)
         converts.append(t)
     again_t = float("nan")
     if getattr(fast.convbn_report, "plan", None) is not None:  # (a convbn without convert(plan=...): not timed)
         plan = fast.convbn_report.plan.as_dict()
-        again_t, again = _timed(lambda: convbn.convert(model, example_inputs=x, progress=False, plan=plan), device)
+        again_t, again = _timed(lambda: convbn.convert(model, example_inputs=x, progress=False, plan=plan), device,
+                                cpu_again)
         assert again.convbn_report.reused_plan and again.convbn_report.plan == fast.convbn_report.plan
         del again
     del fast
     gc.collect()
     step_t = statistics.median(steps)
+    cpu = dict(cpu_step=statistics.median(cpu_steps), cpu_convert=statistics.median(cpu_converts), cpu_again=cpu_again[-1])
     if not peaks:
         return dict(label=label, batch=shape, step=step_t, convert=statistics.median(converts), again=again_t,
-                    eager_peak=float("nan"), convert_peak=float("nan"))
+                    eager_peak=float("nan"), convert_peak=float("nan"), **cpu)
     eager_peak = _peak(step, device)
     opt.zero_grad(set_to_none=True)
     gc.collect()
     held: List[Any] = []
     convert_peak = _peak(lambda: held.append(convbn.convert(model, example_inputs=x, progress=False)), device)
     return dict(label=label, batch=shape, step=step_t, convert=statistics.median(converts), again=again_t,
-                eager_peak=eager_peak, convert_peak=convert_peak)
+                eager_peak=eager_peak, convert_peak=convert_peak, **cpu)
 
 
 def main(argv: Any = None) -> None:
@@ -126,15 +135,18 @@ def main(argv: Any = None) -> None:
     device = torch.device(args.device)
     print(f"torch {torch.__version__}, {device}, threads {torch.get_num_threads()}")
     print("| model | input | eager step | convert (x eager step) | convert(plan=) (x first convert) "
+          "| CPU s: eager step / convert (x) / convert(plan=) (x first) "
           "| eager step peak | convert peak | convert / eager peak |")
-    print("|---|---|---:|---:|---:|---:|---:|---:|")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
     for key in args.models:
         r = measure(key, args.rounds, device, peaks=not args.no_peaks)
         mib = 2 ** 20
         print(f"| {r['label']} | {'x'.join(map(str, r['batch']))} | {r['step']:.2f} s | {r['convert']:.1f} s "
               f"({r['convert'] / r['step']:.1f}x) | {r['again']:.2f} s ({r['again'] / r['convert']:.3f}x) "
+              f"| {r['cpu_step']:.2f} / {r['cpu_convert']:.1f} ({r['cpu_convert'] / r['cpu_step']:.1f}x) / "
+              f"{r['cpu_again']:.2f} ({r['cpu_again'] / r['cpu_convert']:.3f}x) "
               f"| {r['eager_peak'] / mib:.1f} MiB | {r['convert_peak'] / mib:.1f} MiB "
-              f"| {r['convert_peak'] / r['eager_peak']:.3f} |", flush=True)
+              f"| {r['convert_peak'] / r['eager_peak']:.4f} ({r['convert_peak'] - r['eager_peak']:+.0f} B) |", flush=True)
 
 
 if __name__ == "__main__":

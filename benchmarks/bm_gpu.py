@@ -45,6 +45,7 @@ from torch import Tensor, nn
 
 import convbn
 from convbn.autograd.chain_compiled import compile_chains_mode
+from convbn.bench.common import backward_and_step
 from convbn.bench.models import build_model
 from convbn.bench.training import budget_backend, checkpoint_blocks
 
@@ -127,14 +128,7 @@ class Stepper:
             out = self.model(x)
         if on_forward_end is not None:
             on_forward_end(out)
-        loss = (out.float() * self.proj[: out.shape[0]]).sum() / out.shape[0]
-        if self.scaler is not None:
-            self.scaler.scale(loss).backward()
-            self.scaler.step(self.opt)
-            self.scaler.update()
-        else:
-            loss.backward()
-            self.opt.step()
+        backward_and_step((out.float() * self.proj[: out.shape[0]]).sum() / out.shape[0], self.opt, self.scaler)
         self.opt.zero_grad(set_to_none=True)
         return out.detach()
 

@@ -13,6 +13,15 @@ mean loss, backward, SGD step; exact live tensor bytes on CPU). Time: forward + 
 median of ``--rounds`` interleaved rounds, as a ratio to eager's in the same process.
 
     python benchmarks/bm_norm_peaks.py [--rounds 5]
+
+``--amp``: every variant's step under ``torch.autocast("cpu", dtype=torch.bfloat16)``, as
+fractions of eager autocast's peak and time. ``--compile``: ``torch.compile`` (inductor,
+``fullgraph``, channels_last input) of the eager net and of the converted one: the bytes the
+compiled forward keeps for backward (:func:`convbn.memory.saved_bytes`, exact: compiled
+graphs' own buffers are not seen by the live-tensor meters) and the step time, as fractions of
+compiled eager's; the step's peak (zero_grad, forward, loss, backward, SGD step) by
+:func:`convbn.memory.allocator_peak` (the allocator's events, which compiled code's buffers
+reach). ``--nets`` picks nets by the start of their label (``diffusion 3-D``).
 """
 from __future__ import annotations
 
@@ -28,7 +37,7 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 import convbn
-from convbn.memory import timeline
+from convbn.memory import allocator_peak, saved_bytes, timeline
 
 
 class ResBlock(nn.Module):
@@ -153,16 +162,28 @@ def checkpointed(model: nn.Module) -> nn.Module:
     return m
 
 
-#: (label, factory, input shape)
-MODELS: List[Tuple[str, Callable[[], nn.Module], Tuple[int, ...]]] = [
-    ("diffusion U-Net (GroupNorm -> SiLU -> Conv)", DiffusionUNet, (4, 3, 64, 64)),
-    ("3-D U-Net (Conv -> InstanceNorm3d -> LeakyReLU)", InstanceUNet3d, (2, 1, 32, 32, 32)),
-    ("ConvNeXt-style (dwconv -> LayerNorm2d -> MLP)", ConvNeXtNet, (8, 3, 128, 128)),
+#: (label, factory, input shape, issue 39's peak target as a fraction of eager's)
+MODELS: List[Tuple[str, Callable[[], nn.Module], Tuple[int, ...], float]] = [
+    ("diffusion U-Net (GroupNorm -> SiLU -> Conv)", DiffusionUNet, (4, 3, 64, 64), 0.5),
+    ("3-D U-Net (Conv -> InstanceNorm3d -> LeakyReLU)", InstanceUNet3d, (2, 1, 32, 32, 32), 0.5),
+    ("ConvNeXt-style (dwconv -> LayerNorm2d -> MLP)", ConvNeXtNet, (8, 3, 128, 128), 0.7),
 ]
 
 
 def _loss(out: Tensor) -> Tensor:
     return out.float().mean()
+
+
+class Autocast(nn.Module):
+    """``model`` called under bf16 CPU autocast (the loss and the step outside it, as usual)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, x: Tensor) -> Tensor:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return self.model(x)
 
 
 def _peak(model: nn.Module, x: Tensor) -> int:
@@ -178,37 +199,93 @@ def _step_time(model: nn.Module, x: Tensor, opt: torch.optim.Optimizer) -> float
     return time.perf_counter() - t0
 
 
-def measure(make: Callable[[], nn.Module], shape: Tuple[int, ...], rounds: int) -> Dict[str, Tuple[float, float]]:
-    """``{variant: (peak ratio to eager, time ratio to eager)}`` and eager's peak in MiB under ``"eager MiB"``."""
-    torch.manual_seed(0)
-    eager = make()
-    x = torch.randn(shape)
-    variants = {"eager": eager, "convert": convbn.convert(copy.deepcopy(eager), example_inputs=(x,)),
-                "checkpoint": checkpointed(eager)}
-    peaks = {k: _peak(m, x) for k, m in variants.items()}
+def _times(variants: Dict[str, nn.Module], x: Tensor, rounds: int) -> Dict[str, float]:
+    """Median step time of each variant over interleaved rounds (after one warm-up step each)."""
     opts = {k: torch.optim.SGD(m.parameters(), lr=1e-3) for k, m in variants.items()}
     times: Dict[str, List[float]] = {k: [] for k in variants}
-    for k, m in variants.items():  # warm-up
+    for k, m in variants.items():  # warm-up (and, compiled, the compile)
         _step_time(m, x, opts[k])
     for _ in range(rounds):  # interleaved rounds
         for k, m in variants.items():
             times[k].append(_step_time(m, x, opts[k]))
-    med = {k: statistics.median(v) for k, v in times.items()}
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def measure(make: Callable[[], nn.Module], shape: Tuple[int, ...], rounds: int,
+            amp: bool = False, target: float = 0.5) -> Dict[str, Tuple[float, float]]:
+    """``{variant: (peak ratio to eager, time ratio to eager)}`` and eager's peak in MiB under
+    ``"eager MiB"``; ``"budget"`` is convert asked for the least recompute within ``target`` of
+    eager's peak (``peak_budget``)."""
+    torch.manual_seed(0)
+    eager = make()
+    x = torch.randn(shape)
+    variants = {"eager": eager, "convert": convbn.convert(copy.deepcopy(eager), example_inputs=(x,)),
+                "budget": convbn.convert(copy.deepcopy(eager), example_inputs=(x,), peak_budget=target),
+                "checkpoint": checkpointed(eager)}
+    if amp:
+        variants = {k: Autocast(m) for k, m in variants.items()}
+    peaks = {k: _peak(m, x) for k, m in variants.items()}
+    med = _times(variants, x, rounds)
     out = {k: (peaks[k] / peaks["eager"], med[k] / med["eager"]) for k in variants}
     out["eager MiB"] = (peaks["eager"] / 2**20, med["eager"])
     return out
 
 
+def _kept(model: nn.Module, x: Tensor) -> int:
+    """Bytes of the batch-sized tensors a training forward of ``model`` keeps for backward."""
+    return sum(b for _, sh, _, b in saved_bytes(model, x).shapes if len(sh) > 1 and sh[0] == x.shape[0])
+
+
+def measure_compiled(make: Callable[[], nn.Module], shape: Tuple[int, ...], rounds: int) -> Dict[str, float]:
+    """Compiled eager against compiled convert: kept MiB of each and the time ratio."""
+    torch.manual_seed(0)
+    eager = make()
+    x = torch.randn(shape).contiguous(memory_format=torch.channels_last if len(shape) == 4
+                                      else torch.channels_last_3d)
+    fast = convbn.convert(copy.deepcopy(eager), example_inputs=(x,))
+    variants = {"compiled eager": torch.compile(eager, fullgraph=True),
+                "compiled convert": torch.compile(fast, fullgraph=True)}
+    med = _times(variants, x, rounds)  # compiles first: the kept bytes are the compiled graphs'
+    kept = {k: _kept(m, x) for k, m in variants.items()}
+    opts = {k: torch.optim.SGD(m.parameters(), lr=1e-3) for k, m in variants.items()}
+    peak = {k: allocator_peak(lambda: _step_time(m, x, opts[k])) for k, m in variants.items()}
+    return {"eager kept MiB": kept["compiled eager"] / 2**20, "convert kept MiB": kept["compiled convert"] / 2**20,
+            "uncompiled convert kept MiB": _kept(fast, x) / 2**20, "eager peak MiB": peak["compiled eager"] / 2**20,
+            "peak": peak["compiled convert"] / peak["compiled eager"],
+            "time": med["compiled convert"] / med["compiled eager"]}
+
+
+def _print_compiled(models: List[Tuple[str, Callable[[], nn.Module], Tuple[int, ...]]], rounds: int) -> None:
+    print("| net (input, channels_last) | compiled eager: kept MiB | compiled convert: kept MiB (x) | "
+          "convert uncompiled: kept MiB | compiled eager: step peak MiB | compiled convert: peak / time |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for label, make, shape in models:
+        r = measure_compiled(make, shape, rounds)
+        print(f"| {label} {tuple(shape)} | {r['eager kept MiB']:.1f} | {r['convert kept MiB']:.1f} "
+              f"({r['convert kept MiB'] / r['eager kept MiB']:.2f}x) | {r['uncompiled convert kept MiB']:.1f} "
+              f"| {r['eager peak MiB']:.1f} | {r['peak']:.2f}x / {r['time']:.2f}x |", flush=True)
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--amp", action="store_true", help="every step under bf16 CPU autocast")
+    parser.add_argument("--compile", action="store_true", help="torch.compile of eager and of convert")
+    parser.add_argument("--nets", nargs="*", default=None, help="nets whose label starts with one of these")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
-    print("| net (input) | eager peak MiB | convert peak / time | checkpoint peak / time |")
-    print("|---|---:|---:|---:|")
-    for label, make, shape in MODELS:
-        r = measure(make, shape, args.rounds)
+    models = [m for m in MODELS if args.nets is None or any(m[0].startswith(n) for n in args.nets)]
+    if args.compile:
+        _print_compiled([m[:3] for m in models], args.rounds)
+        return 0
+    amp = " (bf16 autocast)" if args.amp else ""
+    print(f"| net (input){amp} | eager peak MiB | convert peak / time | convert peak_budget=target: peak / time "
+          "| checkpoint peak / time |")
+    print("|---|---:|---:|---:|---:|")
+    for label, make, shape, target in models:
+        r = measure(make, shape, args.rounds, args.amp, target)
         print(f"| {label} {tuple(shape)} | {r['eager MiB'][0]:.1f} | {r['convert'][0]:.2f}x / {r['convert'][1]:.2f}x "
+              f"| {target} -> {r['budget'][0]:.2f}x / {r['budget'][1]:.2f}x "
               f"| {r['checkpoint'][0]:.2f}x / {r['checkpoint'][1]:.2f}x |", flush=True)
     return 0
 

@@ -131,8 +131,9 @@ def eager_by_design(chain: Any, inputs: Tuple[Tensor, ...]) -> bool:
     if chain._hooked() or any(t.numel() == 0 for t in inputs) or chain._linear_on_other_shape(x):
         return True
     autocast = torch.is_autocast_enabled(x.device.type)
-    # a per-sample-norm chain runs autocast's casts as eager modules (nn/norm_chain.py)
-    return bool(autocast and (chain.layers[0].is_head or type(chain).__name__ == "FusedNormChain"))
+    # a BatchNorm head chain runs autocast's casts as eager modules (nn/chain.py); a per-sample-norm
+    # chain runs fused under autocast, its head included (Note: [a norm chain under autocast])
+    return bool(autocast and chain.layers[0].is_head and type(chain).__name__ != "FusedNormChain")
 
 
 def current() -> Optional[Watch]:

@@ -24,6 +24,11 @@ USER_NET = textwrap.dedent("""
         return nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
                              nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU())
 
+    def norms():  # per-sample norms: Conv -> GroupNorm -> SiLU, Conv -> InstanceNorm -> LeakyReLU
+        return nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.GroupNorm(4, 8), nn.SiLU(),
+                             nn.Conv2d(8, 8, 3, padding=1), nn.InstanceNorm2d(8, affine=True), nn.LeakyReLU(0.01),
+                             nn.Conv2d(8, 4, 1))
+
     def fixed():  # takes 3x8x8 only: its guessed 3x224x224 does not fit
         return nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 6 * 6, 2))
 """)
@@ -89,6 +94,16 @@ def test_explain_dtype_and_channels_last(project, capsys, dtype):
     assert "2 pairs fused" in out
     # under autocast the convs save half-precision tensors: the saved bytes differ from float32's
     assert _saved(out) != _saved(out32)
+
+
+def test_explain_a_norm_net_under_bf16_autocast_runs_the_fused_norm_chain(project, capsys):
+    """GroupNorm / InstanceNorm chains run fused under autocast: the measured step peaks inside
+    the norm chain's backward, not in eager modules."""
+    code, out, err = _run(["explain", "usernet_cli_use:norms", "--input-shape", "2x3x16x16", "--dtype", "bfloat16",
+                           "--channels-last"], capsys)
+    assert code == 0, err
+    assert "autocast bfloat16" in out and "3 pairs fused in 1 chains" in out, out
+    assert "NormChainFunctionBackward" in out, out
 
 
 def test_explain_channels_last_needs_a_4d_or_5d_input(project, capsys):

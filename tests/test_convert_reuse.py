@@ -121,3 +121,51 @@ def test_a_plan_whose_check_found_a_difference_replays_it(monkeypatch: pytest.Mo
     assert [u[0] for u in again.convbn_report.untraced] == [""]
     assert "converted part by part" in again.convbn_report.untraced[0][1]
     assert again.convbn_report.validated == ["stem", "a", "down"]
+
+
+class _ModeNet(nn.Module):
+    """A root whose graph depends on its mode (a branch on ``self.training``) around a part that does not."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = _Net()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.body(x)
+        return y * 2.0 if self.training else y
+
+
+def _modes_of(model: nn.Module) -> dict:
+    from convbn.passes.graph.graph_module import installed
+
+    return {n: getattr(installed(m), "modes", None) is not None for n, m in model.named_modules()
+            if installed(m) is not None}
+
+
+def test_a_reused_plan_answers_mode_dependence_without_tracing_the_other_mode(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Note: [a mode dependence answered once]: the second trace of each module (``training``
+    flipped) is not run again with a plan, the answers are the same, and a mode-dependent graph
+    still runs the module's own forward in the other mode; answers missing from a plan are asked."""
+    import convbn.passes.tracing.trace as trace_mod
+
+    torch.manual_seed(0)
+    x = torch.randn(4, 3, 16, 16, dtype=torch.float64)
+    first = convbn.convert(_ModeNet().double(), example_inputs=x)
+    plan = first.convbn_report.plan
+    assert [answer for _, answer in plan.modes] == [True]  # one graph (the model, traced whole), mode dependent
+    asked = []
+    real = trace_mod._mode_dependent
+    monkeypatch.setattr(trace_mod, "_mode_dependent", lambda *a, **k: asked.append(1) or real(*a, **k))
+    torch.manual_seed(1)
+    model = _ModeNet().double()
+    again = convbn.convert(model, example_inputs=x, plan=_saved(plan))
+    assert again.convbn_report.reused_plan and again.convbn_report.plan == plan
+    assert asked == []  # no module traced in the other mode
+    assert _modes_of(again) == _modes_of(first) and any(_modes_of(again).values())
+    again.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(again(x), model.eval()(x))  # eval: no doubling, as the model's own code
+    partial = dict(_saved(plan), modes=[])
+    third = convbn.convert(_ModeNet().double(), example_inputs=x, plan=partial)
+    assert third.convbn_report.reused_plan and asked  # asked again where the plan has no answer
+    assert _modes_of(third) == _modes_of(first)

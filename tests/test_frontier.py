@@ -112,3 +112,75 @@ def test_explain_frontier_errors_are_one_line_exit_2(capsys, argv, message):
     assert main(["explain", "mnist", "--input-shape", "4x1x28x28", "--frontier", "--quiet", *argv]) == 2
     err = capsys.readouterr().err
     assert message in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err
+
+
+def _conv_bn_net() -> torch.nn.Sequential:
+    """Three Conv3x3 -> BN -> ReLU blocks and a head: every conv weight has a channels_last
+    copy distinct from itself (a 1x1 weight's would have the same strides)."""
+    nn = torch.nn
+
+    def block(i, o):
+        return [nn.Conv2d(i, o, 3, padding=1, bias=False), nn.BatchNorm2d(o), nn.ReLU()]
+
+    torch.manual_seed(0)
+    return nn.Sequential(*block(3, 8), *block(8, 16), *block(16, 16), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+                         nn.Linear(16, 4)).train()
+
+
+def test_compiled_converted_model_saves_no_copy_of_a_conv_weight():
+    """Note: [a conv inductor cannot re-layout]. Under a plain ``torch.compile`` (inductor, its
+    layout optimisation on as by default) the converted model's backward keeps each conv weight
+    as the parameter itself: exactly the activations the uncompiled converted model keeps, and no
+    saved storage shaped like a conv weight that is not the parameter (inductor's channels_last
+    weight copies, 3 x 3 x 3 x 8 + 8 x 3 x 3 x 16 + 16 x 3 x 3 x 16 floats, are what a visible
+    ``aten.convolution`` makes it save)."""
+    import copy
+    import warnings
+
+    import convbn
+    from convbn.autograd.chain_compiled import compile_chains_mode
+    from convbn.memory import saved_bytes
+    from fusion_checks import assert_fused
+
+    assert compile_chains_mode() == "inductor"
+    x = torch.randn(4, 3, 16, 16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        fast = convbn.convert(_conv_bn_net(), strategy="recompute_bn")
+    assert_fused(fast, chains=1)
+    eager_saved = saved_bytes(copy.deepcopy(fast), x)
+    torch._dynamo.reset()
+    compiled = torch.compile(fast)
+    compiled(x).sum().backward()  # compiles (inductor)
+    fast.zero_grad(set_to_none=True)
+    saved = saved_bytes(compiled, x)
+    weights = {tuple(m.weight.shape) for m in fast.modules() if isinstance(m, torch.nn.Conv2d)}
+    copies = [(s, n) for (_, s, _, n), p in zip(saved.shapes, saved.is_param) if not p and s in weights]
+    assert copies == [], copies
+    assert saved.activation_bytes == eager_saved.activation_bytes, (saved.activation_bytes,
+                                                                    eager_saved.activation_bytes)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        compiled(x).sum().backward()
+    ops = {e.key: e.count for e in prof.key_averages() if e.key.startswith("convbn::")}
+    assert ops.get("convbn::conv", 0) == 3 and "convbn::chain_fwd" not in ops, ops  # the inductor chain ran
+
+
+@pytest.mark.parametrize("scaled", [False, True])
+def test_backward_and_step_with_and_without_a_grad_scaler(scaled):
+    """The benchmarks' one step after the loss (bench/common.py): with a GradScaler the
+    parameters move exactly as without one (the scale is a power of two, unscaled before the
+    step), and the scaler's ``update`` ran."""
+    from convbn.bench.common import backward_and_step
+
+    torch.manual_seed(0)
+    ref, net = torch.nn.Linear(3, 2), torch.nn.Linear(3, 2)
+    net.load_state_dict(ref.state_dict())
+    x = torch.randn(5, 3)
+    ref(x).square().mean().backward()
+    torch.optim.SGD(ref.parameters(), lr=0.1).step()
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**4, growth_interval=1) if scaled else None
+    backward_and_step(net(x).square().mean(), torch.optim.SGD(net.parameters(), lr=0.1), scaler)
+    for a, b in zip(net.parameters(), ref.parameters()):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-7)
+    if scaled:
+        assert scaler.get_scale() == 2.0**5  # update() grew it after one finite step

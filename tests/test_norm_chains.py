@@ -286,8 +286,9 @@ def test_double_backward_through_converted_norm_chains() -> None:
 
 @pytest.mark.parametrize("fullgraph", [False, True])
 def test_torch_compile_runs_norm_chains(fullgraph: bool) -> None:
-    """Under torch.compile a norm chain is its eager ops (nn/norm_chain.py): same outputs and
-    gradients, no graph break where fullgraph is asked."""
+    """Under torch.compile a norm chain is its ops in a selective checkpoint (Note: [a norm chain
+    under torch.compile]): same outputs and gradients, no graph break where fullgraph is asked
+    (tests/test_norm_chains_compiled.py: what it saves, autocast, inductor)."""
     eager, work = _twins(lambda: _seq(lambda: nn.GroupNorm(4, 8), nn.SiLU()))
     fast = convbn.convert(work, strategy="recompute_bn")
     fast(torch.randn(2, 6, 8, 8, dtype=torch.float64))  # the first call's check, eager

@@ -23,15 +23,18 @@ selective-checkpoint policy.
 #
 # Tails of PReLUs and dropouts with p = 0, and transposed convolutions, run in the region
 # too. Chains with anything else (other tails, heads, linear layers, no batch statistics, a
-# process group, a momentum tensor) keep the custom op. (On the CPU inductor saves copies of
-# the conv weights in its own layout, as it does for compiled eager: weight-sized, not
-# activations.)
+# process group, a momentum tensor) keep the custom op. On the CPU each convolution in the
+# region is the opaque ``convbn::conv`` (Note: [a conv inductor cannot re-layout] in
+# autograd/conv_op.py): a visible ``aten.convolution`` made inductor save a channels_last
+# copy of every conv weight for backward, as it does compiling eager.
 #
 # The default under compile, as measured (BENCHMARKS.md "Issue 25"), against the op:
 #   H100, ResNet-50 b128 fp32:  0.77x eager (1.20x compiled eager), the op 1.41x eager;
 #   CPU, U-Net 2d b8 128²:      1.15x compiled eager at 0.79x its peak, the op 2.0x at 1.10x;
 #   CPU, ResNet-18 b8 112²:     1.03x compiled eager at 0.89x its peak, the op 1.02x at
-#                               0.71x (inductor's weight copies, above, are the difference).
+#                               0.71x (inductor's weight copies, above, were the difference;
+#                               with ``convbn::conv``: 0.91x compiled eager at 0.63x its peak,
+#                               BENCHMARKS.md "Issue 42").
 # ``with compile_chains("op"):`` (or ``CONVBN_COMPILE_CHAINS=op``) selects the op.
 #
 # torch logs a one-time advisory when a ``context_fn`` reaches a checkpoint under compile:
@@ -59,7 +62,8 @@ from ..functional.tail import DropoutOp, PReLUOp
 from .chain_spec import ChainLayerSpec, param_offsets, split_params
 
 __all__ = ["CompileChainsMode", "compile_chains", "compile_chains_mode", "set_compile_chains", "fusible_by_inductor",
-           "chain_inductor_apply", "quiet_own_advisory"]
+           "chain_inductor_apply", "chain_contexts", "quiet_own_advisory", "hides_conv_layout",
+           "chain_convolution"]
 
 CompileChainsMode = Literal["inductor", "op"]
 _MODES: Tuple[CompileChainsMode, ...] = get_args(CompileChainsMode)
@@ -171,13 +175,38 @@ def _plain_tail_op(op: Any) -> bool:
     return isinstance(op, PReLUOp) or (isinstance(op, DropoutOp) and op.p == 0.0)
 
 
-def _contexts(keep_y: Tuple[bool, ...]) -> Any:
+def hides_conv_layout(x: Tensor) -> bool:
+    """Whether a compiled chain on ``x``'s device runs its convolutions as ``convbn::conv``
+    (Note: [a conv inductor cannot re-layout] in :mod:`convbn.autograd.conv_op`): on the CPU,
+    where inductor takes the layout optimisation for a training graph with convolutions (with
+    oneDNN always) and saves channels_last weight copies. A device check only: Dynamo traces
+    it without a graph break (``torch.backends.mkldnn.is_available`` would break the graph)."""
+    return x.device.type == "cpu"
+
+
+def chain_convolution(x: Tensor) -> Callable[..., Tensor]:
+    """The convolution a compiled chain region on ``x``'s device calls, with
+    ``torch.convolution``'s arguments: ``convbn::conv`` where :func:`hides_conv_layout`, else
+    ``torch.convolution``."""
+    if hides_conv_layout(x):
+        from .conv_op import conv_op  # registers ``convbn::conv`` on first use
+
+        return conv_op
+    return torch.convolution
+
+
+def _is_conv(op: Any) -> bool:
+    return op is _aten.convolution.default or (hasattr(torch.ops, "convbn") and op is getattr(
+        getattr(torch.ops.convbn, "conv", None), "default", None))
+
+
+def chain_contexts(keep_y: Tuple[bool, ...]) -> Any:
     """The selective-checkpoint contexts of one call (a module-level function: Dynamo takes a
     ``functools.partial`` of one as ``context_fn``, not a closure)."""
     seen = {False: 0, True: 0}
 
     def policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
-        if op is _aten.convolution.default:
+        if _is_conv(op):
             i = seen[ctx.is_recompute]
             seen[ctx.is_recompute] += 1
             return CheckpointPolicy.MUST_SAVE if keep_y[i % len(keep_y)] else CheckpointPolicy.MUST_RECOMPUTE
@@ -190,7 +219,7 @@ def _contexts(keep_y: Tuple[bool, ...]) -> Any:
 
 class _OwnRegionAdvisory(logging.Filter):
     """Drops torch's one-time "context_fn ... under torch.compile" advisory where the
-    ``context_fn`` is :func:`_contexts` (Note above); every other record passes."""
+    ``context_fn`` is :func:`chain_contexts` (Note above); every other record passes."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         if "context_fn is passed to torch.utils.checkpoint" not in str(record.msg):
@@ -199,7 +228,7 @@ class _OwnRegionAdvisory(logging.Filter):
         while frame is not None:  # the caller that holds the region's context_fn
             fn = frame.f_locals.get("context_fn") if "checkpoint" in frame.f_code.co_name else None
             if fn is not None:
-                return not (isinstance(fn, functools.partial) and fn.func is _contexts)
+                return not (isinstance(fn, functools.partial) and fn.func is chain_contexts)
             frame = frame.f_back  # type: ignore[assignment]
         return True
 
@@ -221,12 +250,13 @@ def _body(specs: Sequence[ChainLayerSpec]) -> Callable[..., Tuple[Tensor, ...]]:
 
     def run(x: Tensor, *params: Optional[Tensor]) -> Tuple[Tensor, ...]:
         stats: List[Tensor] = []
+        conv = chain_convolution(x)  # Note: [a conv inductor cannot re-layout]
         for i, spec in enumerate(specs):
             w, b, g, beta, tail_weights = split_params(spec, params[off[i]: off[i + 1]])
             if i > 0:
                 x = spec.conv.pad_input(x)  # type: ignore[union-attr]
             c = spec.conv
-            y = torch.convolution(x, w, b, list(c.stride), list(c.padding), list(c.dilation),  # type: ignore[union-attr]
+            y = conv(x, w, b, list(c.stride), list(c.padding), list(c.dilation),  # type: ignore[union-attr]
                                   c.transposed, c.kernel_output_padding(), c.groups)  # type: ignore[union-attr]
             dims = [0] + list(range(2, y.dim()))
             # statistics and normalisation in float32 at least, as batch norm computes them
@@ -253,7 +283,7 @@ def chain_inductor_apply(x: Tensor, params: Sequence[Optional[Tensor]], specs: S
     """Run a chain :func:`fusible_by_inductor` accepts as plain ops in a selective checkpoint
     (Note: [a chain inductor can see into]); running statistics updated as eager's."""
     keep = [s.keep_y for s in specs]
-    out, *moments = checkpoint(_body(specs), x, *params, use_reentrant=False, context_fn=functools.partial(_contexts, tuple(keep)))
+    out, *moments = checkpoint(_body(specs), x, *params, use_reentrant=False, context_fn=functools.partial(chain_contexts, tuple(keep)))
     with torch.no_grad():
         for i, (spec, (rm, rv)) in enumerate(zip(specs, stats)):
             if rm is not None and rv is not None:

@@ -18,6 +18,10 @@ Running statistics move once, in forward (the recompute normalises with the samp
 statistics and passes no buffer). A differentiable backward (``create_graph=True``) rebuilds
 the whole chain from ``x0`` and the parameters with the same ops (Note: [double backward]).
 The slow, obviously right reference is :func:`norm_chain_reference` (eager ops end to end).
+Each kept conv output is freed once its norm's backward read it (Note: [freeing kept tensors
+early] in autograd/release.py), the incoming gradient once its last layer consumed it (Note:
+[freeing the incoming gradient] in autograd/refcounts.py), and a bare end convolution's output is
+never recomputed; the planner replays this order on sizes (autograd/norm_chain_memory.py).
 
 Note: [the norm's output as a root only]
 Layer ``i``'s norm is recomputed under autograd once, when layer ``i + 1`` rebuilds its input,
@@ -41,6 +45,8 @@ from ..functional.conv import ConvSpec, conv_backward, conv_forward
 from ..functional.norms import NormCall, norm_forward, norm_reference, norm_row
 from ..functional.tail import DropoutOp, PReLUOp, TailOp
 from .double_backward import differentiable_backward
+from .refcounts import calibrate, incoming_refs, sole_owner
+from .release import free_storage, keeping_graph
 from .saving import load_tensors, save_tensors
 
 __all__ = ["NormLayerSpec", "NormChainFunction", "norm_chain_apply", "norm_chain_forward_no_grad",
@@ -119,7 +125,9 @@ def _post(spec: NormLayerSpec, y: Tensor, g: Any, beta: Any, tws: Sequence[Tenso
 
 
 def _conv(spec: NormLayerSpec, x: Tensor, w: Tensor, b: Optional[Tensor], first: bool) -> Tensor:
-    return conv_forward(x if first else spec.conv.pad_input(x), w, b, spec.conv)  # type: ignore[union-attr]
+    """The layer's convolution; its input cast to the weight's dtype (autocast's cast of a conv
+    module's operands: the caller casts the weights; Note: [a norm chain under autocast])."""
+    return conv_forward((x if first else spec.conv.pad_input(x)).to(w.dtype), w, b, spec.conv)  # type: ignore[union-attr]
 
 
 def _forward(x0: Tensor, params: Sequence[Optional[Tensor]], specs: Sequence[NormLayerSpec],
@@ -187,6 +195,19 @@ class _Rebuild:
         self.x0, self.params, self.specs, self.kept, self.stats = x0, params, specs, kept, stats
         self.off, self.needs = _offsets(specs), needs
         self.pending: Dict[int, PostGraph] = {}
+        #: no later backward unpacks the saved conv outputs: each is freed once read
+        self.free_kept = not keeping_graph()
+        #: the Function's incoming gradient where it is the backward's alone, freed once consumed
+        self.engine_grad: Optional[Tensor] = None
+
+    def release_engine_grad(self, unless: Optional[Tensor] = None) -> None:
+        """Free the incoming gradient (Note: [freeing the incoming gradient] in
+        autograd/refcounts.py) unless ``unless`` is it or shares its storage."""
+        g = self.engine_grad
+        if g is None or (unless is not None and unless.untyped_storage().data_ptr() == g.untyped_storage().data_ptr()):
+            return
+        self.engine_grad = None
+        free_storage(g)
 
     def layer(self, i: int) -> Tuple[Any, Any, Any, Any, List[Any]]:
         return _split(self.specs[i], self.params[self.off[i]: self.off[i + 1]])
@@ -257,6 +278,8 @@ def _layer_backward(rb: _Rebuild, i: int, grad: List[Tensor], x_need: bool, grad
     spec = rb.specs[i]
     w, b, *_ = rb.layer(i)
     x: Optional[Tensor] = rb.x0 if (spec.conv is None or i == 0) else None
+    if i == len(rb.specs) - 1 and spec.norm is None and not spec.tail and spec.act.is_identity:  # a bare end conv
+        return _conv_backward(rb, i, grad.pop(), x, x_need, grads)
     graph = rb.pending.pop(i, None)
     if graph is None:
         if i not in rb.kept and spec.conv is not None and x is None:
@@ -269,10 +292,12 @@ def _layer_backward(rb: _Rebuild, i: int, grad: List[Tensor], x_need: bool, grad
         g = spec.act.backward_from_output_(g, act_out)
     elif not spec.tail and not spec.act.is_identity:  # the activation's native backward kernel
         g = spec.act.backward(g, out.detach())
+    rb.release_engine_grad(unless=g)
     wanted = [yv] + [p for p in pv if p is not None and p.requires_grad]
     got = list(torch.autograd.grad(out, wanted, g, allow_unused=True)) if out is not yv else [g]
     del g
     gy, rest = got[0], iter(got[1:])
+    rb.release_engine_grad(unless=gy)
     for k, p in enumerate(pv):
         if p is not None and p.requires_grad:
             gp = next(rest)
@@ -280,14 +305,28 @@ def _layer_backward(rb: _Rebuild, i: int, grad: List[Tensor], x_need: bool, grad
     if gy is None:
         gy = torch.zeros_like(yv)
     del out, yv, pv, graph, got, act_out
+    kept = rb.kept.pop(i, None)  # a kept conv output is read by its norm's backward only
+    if kept is not None and rb.free_kept:  # Note: [freeing kept tensors early] in autograd/release.py
+        free_storage(kept)
+    del kept
     if spec.conv is None:
         return gy
+    return _conv_backward(rb, i, gy, x, x_need, grads)
+
+
+def _conv_backward(rb: _Rebuild, i: int, gy: Tensor, x: Optional[Tensor], x_need: bool,
+                   grads: List[Optional[Tensor]]) -> Optional[Tensor]:
+    """Layer ``i``'s convolution's gradients from ``gy`` (its input rebuilt where not given)."""
+    spec, base = rb.specs[i], rb.off[i]
+    w, b, *_ = rb.layer(i)
     if x is None:
         x = rb.input(i)
     needs = rb.needs
-    xin = spec.conv.pad_input(x) if i > 0 else x
+    xin = (spec.conv.pad_input(x) if i > 0 else x).to(w.dtype)
     gx, gw, gb = conv_backward(gy, xin, w, spec.conv, (i > 0 or x_need, needs[base], b is not None and needs[base + 1]))
     grads[base], grads[base + 1] = gw, gb
+    gx = None if gx is None else gx.to(x.dtype)  # back through the input's cast
+    rb.release_engine_grad(unless=gx)
     if i > 0 and bool(spec.conv.pre_pad) and gx is not None:  # through the padding of an absorbed pad
         with torch.enable_grad():
             xv = x.detach().requires_grad_(True)
@@ -300,16 +339,27 @@ class NormChainFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, x0: Tensor, *args: Any) -> Tensor:  # type: ignore[override]
+        calibrate()  # Note: [calibrated once, in a clean state] (autograd/refcounts.py)
         *params, specs, stats = args
         out, kept = _forward(x0, params, specs, stats)
         ctx.kept_idx = tuple(kept)
         save_tensors(ctx, (x0, *params, *kept.values()))
+        ctx.autocast = _autocast_state(x0)
         ctx.specs, ctx.stats_given = tuple(specs), tuple(stats)
         ctx.n_params = len(params)
         return out
 
     @staticmethod
     def backward(ctx: Any, grad_out: Tensor) -> Tuple[Optional[Tensor], ...]:  # type: ignore[override]
+        refs = incoming_refs(grad_out)  # first: Note: [freeing the incoming gradient]
+        dev, enabled, dtype = ctx.autocast
+        if dev is None:
+            return NormChainFunction._backward(ctx, grad_out, refs)
+        with torch.autocast(dev, dtype=dtype, enabled=enabled):  # the recompute under forward's autocast state
+            return NormChainFunction._backward(ctx, grad_out, refs)
+
+    @staticmethod
+    def _backward(ctx: Any, grad_out: Tensor, refs: int) -> Tuple[Optional[Tensor], ...]:
         saved = load_tensors(ctx)
         n = ctx.n_params
         x0, params = saved[0], saved[1: 1 + n]
@@ -325,6 +375,7 @@ class NormChainFunction(torch.autograd.Function):
             return (*grads[: 1 + n], None, None)
         kept = dict(zip(ctx.kept_idx, saved[1 + n:]))
         rb = _Rebuild(x0, params, specs, kept, stats, needs[1: 1 + n])  # type: ignore[arg-type]
+        rb.engine_grad = grad_out if sole_owner(grad_out, refs) else None
         flat: List[Optional[Tensor]] = [None] * n
         g: Optional[Tensor] = grad_out
         del grad_out
@@ -334,6 +385,17 @@ class NormChainFunction(torch.autograd.Function):
             g = _layer_backward(rb, i, holder, needs[0], flat)  # type: ignore[arg-type]
             rb.kept.pop(i, None)
         return (g if needs[0] else None, *flat, None, None)
+
+
+def _autocast_state(x: Tensor) -> Tuple[Optional[str], bool, Optional[torch.dtype]]:
+    """Note: [a norm chain under autocast] Forward runs under the caller's autocast state (the
+    norms and tails get autocast's own casts; ``_conv`` casts each conv input to its weight's
+    dtype, the weights coming cast by the caller): backward recomputes under the same state,
+    whatever the state it is called in."""
+    dev = x.device.type
+    if dev not in ("cpu", "cuda"):
+        return None, False, None
+    return dev, torch.is_autocast_enabled(dev), torch.get_autocast_dtype(dev)
 
 
 def norm_chain_apply(x0: Tensor, params: Sequence[Optional[Tensor]], specs: Sequence[NormLayerSpec],

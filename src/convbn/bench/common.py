@@ -22,6 +22,7 @@ from convbn.cli import output_path
 __all__ = [
     "DTYPES",
     "add_output_arguments",
+    "backward_and_step",
     "first_tensor",
     "fmt",
     "projection_loss",
@@ -55,6 +56,19 @@ def first_tensor(out: Any) -> Tensor:
 def projection_loss(out: Tensor, proj: Tensor) -> Tensor:
     """A loss with O(1) gradients for any output shape: a fixed random projection per sample."""
     return (out.float() * proj).sum() / out.shape[0]
+
+
+def backward_and_step(loss: Tensor, optimizer: torch.optim.Optimizer, scaler: Optional[Any] = None) -> None:
+    """The step after the loss: ``loss.backward()`` and ``optimizer.step()``, or, with a
+    ``torch.amp.GradScaler``, the scaled backward, ``scaler.step`` and ``scaler.update``
+    (float16 autocast); the benchmarks' one spelling of it."""
+    if scaler is not None:
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
+    else:
+        loss.backward()
+        optimizer.step()
 
 
 def timed_ms(fn: Callable[[], Any], device: torch.device) -> float:

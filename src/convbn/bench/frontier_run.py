@@ -32,6 +32,7 @@ from typing import Any, Callable, ContextManager, Dict, List, Optional, Sequence
 import torch
 from torch import Tensor, nn
 
+from convbn.bench.common import backward_and_step
 from convbn.bench.checkpointing import checkpoint_blocks, find_blocks
 from convbn.bench.compile_budget import budget_backend, inductor_layout_optimization, raise_recompile_limit
 from convbn.bench.frontier import FrontierPoint, mark_frontier
@@ -149,14 +150,7 @@ def _step(c: Config, x: Tensor, precision: str) -> None:
     """One training step of ``c`` (its gradients already set to None)."""
     with _autocast(x.device, precision):
         out = c.model(x)
-    loss = out.float().mean()
-    if c.scaler is not None:
-        c.scaler.scale(loss).backward()
-        c.scaler.step(c.optimizer)
-        c.scaler.update()
-    else:
-        loss.backward()
-        c.optimizer.step()
+    backward_and_step(out.float().mean(), c.optimizer, c.scaler)
 
 
 def _peak(c: Config, x: Tensor, precision: str) -> int:

@@ -87,6 +87,10 @@ class NormRow:
     #: its backward reads its input and statistics, never its output (the chain's backward may
     #: then release the recomputed output: Note: [the norm's output as a root only])
     output_unread: bool = False
+    #: its computation repeats the affine weight and bias once per sample (torch's InstanceNorm
+    #: runs batch_norm on ``(1, N * C, ...)``): the weight's statistics-sized copy is kept for
+    #: backward beside the statistics (the bias's dies with the forward)
+    affine_per_sample: bool = False
 
     def tracks_stats(self, call: NormCall, has_stats: bool) -> bool:
         """Whether a training call updates running statistics (given the module holds them)."""
@@ -211,7 +215,8 @@ NORMS: List[NormRow] = [
             modules=(InstanceNormBase,), standard_forwards=(InstanceNormBase.forward,), functions=(F.instance_norm,),
             signature=(("input", None), ("running_mean", None), ("running_var", None), ("weight", None),
                        ("bias", None), ("use_input_stats", True), ("momentum", 0.1), ("eps", 1e-5)),
-            fold=_instance_fold, stat_count=lambda call, shape: shape[0] * shape[1], output_unread=True),
+            fold=_instance_fold, stat_count=lambda call, shape: shape[0] * shape[1], output_unread=True,
+            affine_per_sample=True),
     NormRow("channel_layer_norm", "per sample and position, over the channels",
             _layer_compute, _layer_module, _layer_args, functions=(channel_layer_norm,),
             signature=(("input", None), ("normalized_shape", None), ("weight", None), ("bias", None),
@@ -251,9 +256,12 @@ def row_of_function(fn: Any) -> Optional[NormRow]:
     return None
 
 
-def stat_bytes(call: NormCall, shape: Tuple[int, ...], element_size: int = 4) -> int:
-    """Bytes of the statistics (mean and inverse std) a call on ``shape`` computes."""
-    return 2 * element_size * norm_row(call.row).stat_count(call, tuple(shape))
+def stat_bytes(call: NormCall, shape: Tuple[int, ...], element_size: int = 4, weight: bool = False) -> int:
+    """Bytes of the statistics (mean and inverse std) a call on ``shape`` computes for its
+    backward, with the per-sample copy of its ``weight`` (where given) its row makes."""
+    row = norm_row(call.row)
+    copies = int(weight and row.affine_per_sample)
+    return (2 + copies) * element_size * row.stat_count(call, tuple(shape))
 
 
 def norm_forward(y: Tensor, call: NormCall, weight: Optional[Tensor], bias: Optional[Tensor],

@@ -17,6 +17,7 @@ from torch import Tensor, nn
 
 from ..autograd.chain_plan import LazyPlan
 from ..autograd.norm_chain import NormLayerSpec, norm_chain_apply
+from ..autograd.norm_chain_compiled import compilable_norm_chain, norm_chain_compiled_apply
 from ..functional.conv import conv_output_shape
 from ..functional.conv_bn_call import autocast_dtype, check_inputs
 from ..functional.tail import DropoutOp
@@ -65,34 +66,40 @@ class FusedNormChain(FusedChain):
         layers = self.layers
         tails = [tail_spec(l) for l in layers]
         x = _concat(pieces)
-        if (autocast_dtype(input) is not None or torch.compiler.is_compiling()
-                or any(isinstance(op, DropoutOp) for _, t in tails for op in t)):
-            # autocast's casts, compile's tracing and a dropout's RNG stream are eager's own here
-            return self._forward_eager(x)
-        _check_norm_call(layers, x)
-        if isinstance(self.plan, LazyPlan) and torch.is_grad_enabled() and self._resolve_plan(pieces, None):
+        if any(isinstance(op, DropoutOp) for _, t in tails for op in t):
+            return self._forward_eager(x)  # a dropout's RNG stream is eager's own here
+        dt = autocast_dtype(input)  # autocast: the convs' weights cast as autocast casts a conv module's
+        _check_norm_call(layers, x, dt)
+        if isinstance(self.plan, LazyPlan) and torch.is_grad_enabled() and self._resolve_plan(pieces, dt):
             return self._forward_eager(x)
         specs = [NormLayerSpec(l.conv, None if l.bn is None else l.bn.call(), act, tail, keep)  # type: ignore[union-attr]
                  for l, (act, tail), keep in zip(layers, tails, self.plan.keep)]
         stats = [l.bn.stats() if l.bn is not None else (None, None) for l in layers]  # type: ignore[union-attr]
         if layers[0].conv is not None:
             x = layers[0].conv.pad_input(x)
-        return norm_chain_apply(x, _flat_params(layers), specs, stats)
+        params = _flat_params(layers, dt)
+        if torch.compiler.is_compiling():
+            if not compilable_norm_chain(specs):
+                return self._forward_eager(_concat(pieces))
+            return norm_chain_compiled_apply(x, params, specs, stats)  # Note: [a norm chain under torch.compile]
+        return norm_chain_apply(x, params, specs, stats)
 
 
-def _flat_params(layers: Sequence[ChainLayer]) -> List[Optional[Tensor]]:
-    """Per layer ``W, b`` (with a conv), the norm's ``weight, bias`` (with a norm), PReLU weights."""
+def _flat_params(layers: Sequence[ChainLayer], dt: Optional[torch.dtype]) -> List[Optional[Tensor]]:
+    """Per layer ``W, b`` (with a conv; cast to autocast's ``dt`` where given, differentiably, as
+    autocast casts a conv module's), the norm's ``weight, bias`` (with a norm), PReLU weights."""
     params: List[Optional[Tensor]] = []
     for l in layers:
         if l.conv is not None:
-            params += [l.weight, l.bias]
+            w, b = l.weight, l.bias
+            params += [w, b] if dt is None else [w.to(dt), None if b is None else b.to(dt)]  # type: ignore[union-attr]
         if l.bn is not None:
             params += [l.bn.weight, l.bn.bias]
         params += l.tail_params()
     return params
 
 
-def _check_norm_call(layers: Sequence[ChainLayer], x: Tensor) -> None:
+def _check_norm_call(layers: Sequence[ChainLayer], x: Tensor, dt: Optional[torch.dtype]) -> None:
     """The checks eager's modules make before any running statistic moves; records each
     layer's shapes for the planner (as ``FusedChain`` does)."""
     first = layers[0]
@@ -113,4 +120,4 @@ def _check_norm_call(layers: Sequence[ChainLayer], x: Tensor) -> None:
             shape = conv_output_shape(shape, l.weight.shape, l.conv)  # type: ignore[union-attr]
             if any(s <= 0 for s in shape[2:]):
                 raise RuntimeError(f"input of shape {tuple(x.shape)} is too small for {l.names[0]}: output {tuple(shape)}")
-        l.y_shape, l.y_dtype = tuple(shape), x.dtype
+        l.y_shape, l.y_dtype = tuple(shape), dt if dt is not None and l.conv is not None else x.dtype

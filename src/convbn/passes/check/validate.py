@@ -16,7 +16,9 @@ from ..._compat import pytree
 
 from ...functional.private_rng import PrivateRNG, private_rng
 from .backward_aside import backward_grads, holds_reentrant_checkpoint
+from .buffer_copies import buffer_copy, close_copies, open_copies
 from .plain_state import PlainState
+from .upstream import handed_once
 
 __all__ = ["StateSnapshot", "Comparison", "compare_outputs", "run_step", "seeded", "as_args", "float64_slack", "to_float64",
            "tolerance", "tolerance_rule", "ToleranceRule", "TOLERANCES", "CheckKind", "buffers_set_aside", "batch_sample",
@@ -150,7 +152,9 @@ class StateSnapshot:
         self.model = model
 
     def __enter__(self) -> "StateSnapshot":
-        self.buffers = [(b, b.detach().clone()) for b in self.model.buffers()]
+        # an enclosing snapshot's copy where it still holds the buffer's bits (Note: [nested snapshots share their copies])
+        self.buffers = [(b, buffer_copy(b)) for b in self.model.buffers()]
+        self.offered = open_copies(self.buffers)
         self.modes = [(m, m.training) for m in self.model.modules()]
         self.plain = PlainState(self.model)
         self.rng = seeded(0)
@@ -159,6 +163,7 @@ class StateSnapshot:
 
     def __exit__(self, *exc: Any) -> None:
         self.rng.__exit__(None, None, None)
+        close_copies(self.offered)
         self.plain.restore()
         with torch.no_grad():
             for b, v in self.buffers:
@@ -332,15 +337,20 @@ def run_step(model: nn.Module, args: Tuple[Any, ...], params: Sequence[Tensor], 
         return pytree.tree_map(lambda t: t.detach() if isinstance(t, Tensor) else t, out), []
     gen = torch.Generator().manual_seed(seed + 1)
     ups = [torch.randn(o.shape, generator=gen, dtype=torch.float64).to(o) for o in outs]
-    with seeded(seed + 2) as drawn:  # a backward drawing random numbers draws the same on both sides
-        if on_grad is not None:
-            grads = backward_grads(outs, wrt, ups, params, on_grad=on_grad)
-        elif holds_reentrant_checkpoint(outs):  # refuses autograd.grad: Note [a check's backward through a reentrant checkpoint]
-            grads = backward_grads(outs, wrt, ups, params)
-        else:
-            grads = torch.autograd.grad(outs, wrt, ups, allow_unused=True)
-        if rng is not None:
-            rng.extend(drawn.states())
+    ups, handles = handed_once(outs, ups)  # Note: [an upstream gradient let go once used]
+    try:
+        with seeded(seed + 2) as drawn:  # a backward drawing random numbers draws the same on both sides
+            if on_grad is not None:
+                grads = backward_grads(outs, wrt, ups, params, on_grad=on_grad)
+            elif holds_reentrant_checkpoint(outs):  # refuses autograd.grad: Note [a check's backward through a reentrant checkpoint]
+                grads = backward_grads(outs, wrt, ups, params)
+            else:
+                grads = torch.autograd.grad(outs, wrt, ups, allow_unused=True)
+            if rng is not None:
+                rng.extend(drawn.states())
+    finally:
+        for h in handles:
+            h.remove()
     return pytree.tree_map(lambda t: t.detach() if isinstance(t, Tensor) else t, out), list(grads)
 
 

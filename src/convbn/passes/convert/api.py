@@ -29,6 +29,7 @@ from ..plan.chain_plans import lazy_plan, recompute_all
 from ..plan.first_call_peak import peak_above_eager
 from ..plan.plan_inputs import chains_of
 from ..report.convert_report import ConvertReport
+from ..tracing.mode_answers import mode_answers
 from ..report.outcome import explain_ghost_loops, frozen_lookalikes, norm_module_names, unreached
 from .args import check_args, example_inputs_named
 from .saved_plan import (ConvertPlan, as_plan, chain_plans, figures_of, plan_key, plan_value, replace_figures,
@@ -163,7 +164,9 @@ def convert(
             the convolutions it runs again); the report has them (``step_costs``) and the
             prediction (``predicted_time_ratio``). Where no plan fits, the fastest, with a
             warning. Not with ``peak_budget`` / ``memory_limit``; with ``memory_budget`` both
-            are limits. Needs ``example_inputs``.
+            are limits. Needs ``example_inputs``. The ratio is of uncompiled steps, also when
+            the converted model is compiled afterwards (``explain --frontier`` measures the
+            compiled rows side by side).
         example_inputs: a tensor or tuple of inputs. The result is *validated* on them:
             the original and the rewrite each run one forward and one backward (random
             upstream gradient) and outputs, gradients and running statistics are compared;
@@ -231,13 +234,15 @@ def _convert_model(model: nn.Module, example_inputs: Any, inplace: bool, options
     swap_sync_batchnorm(work, inplace=True)
     conv = Conversion(strategy, chain, ConvertReport(strategy=strategy), lazy=inputs is None, example=inputs, root=work)
     conv.reuse = _reusable(given, key)
-    _trace_match_build(work, inputs, conv)
+    with mode_answers(dict(conv.reuse.modes) if conv.reuse is not None else {}) as modes:
+        _trace_match_build(work, inputs, conv)  # Note: [a mode dependence answered once]
     _complete_report(model, conv.report)
     if not _plan_again(work, conv):
         _plan(work, inputs, conv.report, options["memory_budget"], options["peak_budget"], options["memory_limit"],
               options["time_budget"])
     if key is not None:
-        conv.report.plan = ConvertPlan(key, tuple(conv.checks), chain_plans(chains_of(work)), figures_of(conv.report))
+        conv.report.plan = ConvertPlan(key, tuple(conv.checks), chain_plans(chains_of(work)), figures_of(conv.report),
+                                       tuple(sorted(modes.items())))
     work.__dict__["convbn_report"] = conv.report
     arm_guards(conv)
     conv.report.attach(work)  # Note: [a report says what runs]

@@ -44,6 +44,7 @@ from ..check.step import called_inputs, check_step
 from ..check.validate import StateSnapshot, tolerance
 from ..graph.graph_module import GraphForward, eager, forget_undo, install, installed
 from ..graph.concat_heads import flatten_cats
+from ..graph.zero_pads import drop_zero_pads
 from ..graph.specialize import Defaults, constant_defaults, none_used_as_value
 from ..report.convert_report import ConvertReport
 from ..tracing.self_check import warn_if_tracer_broken
@@ -82,6 +83,8 @@ class GraphRewrite:
 
 #: the canonicalising rewrites, run in this order on every traced graph before matching
 CANONICALISE: Tuple[GraphRewrite, ...] = (
+    # cat([.., pad(x, [0, .., 0]), ..]) -> cat([.., x, ..]) (graph/zero_pads.py)
+    GraphRewrite("zero-width pads read by concatenations", lambda gm, root, prefix: drop_zero_pads(gm)),
     # nested channel concatenations -> one cat of their leaves (graph/concat_heads.py)
     GraphRewrite("flatten nested concatenations", lambda gm, root, prefix: flatten_cats(gm.graph)),
     # bn(linear(t).transpose(1, 2)) -> BatchNorm1d on rows (bn/tokens.py)

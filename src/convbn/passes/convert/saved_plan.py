@@ -58,6 +58,8 @@ class ConvertPlan:
             the model; ``""`` as the reason: it matched).
         chains: each chain's plan, in the converted model's order of chains.
         figures: the report's measured figures (:data:`FIGURES`).
+        modes: ``(digest, answer)``: whether each traced module's graph depends on its mode, by a
+            digest of its class and its graph's code (Note: [a mode dependence answered once]).
 
     Example:
         >>> fast = convbn.convert(net, example_inputs=x)                          # doctest: +SKIP
@@ -69,13 +71,14 @@ class ConvertPlan:
     checks: Tuple[Tuple[str, str], ...]
     chains: Tuple[PlainChain, ...]
     figures: Tuple[Tuple[str, Any], ...]
+    modes: Tuple[Tuple[str, bool], ...] = ()
 
     def as_dict(self) -> Dict[str, Any]:
         """Plain values only (strings, numbers, booleans, lists, ``None``): for a checkpoint or a JSON file."""
         return {"format": "convbn.ConvertPlan/1", "key": self.key, "checks": [list(c) for c in self.checks],
                 "chains": [None if c is None else [list(c[0]), list(c[1]), c[2], [_plain_shapes(l) for l in c[3]]]
                            for c in self.chains],
-                "figures": [list(f) for f in self.figures]}
+                "figures": [list(f) for f in self.figures], "modes": [list(m) for m in self.modes]}
 
     @classmethod
     def from_dict(cls, value: Mapping[str, Any]) -> "ConvertPlan":
@@ -90,7 +93,8 @@ class ConvertPlan:
         return cls(str(value["key"]), tuple((str(n), str(why)) for n, why in value["checks"]),
                    tuple(None if c is None else (tuple(map(bool, c[0])), tuple(map(bool, c[1])), str(c[2]),
                                                  tuple(_read_shapes(l) for l in c[3])) for c in value["chains"]),
-                   tuple((str(k), v) for k, v in value["figures"]))
+                   tuple((str(k), v) for k, v in value["figures"]),
+                   tuple((str(k), bool(v)) for k, v in value.get("modes", ())))
 
     def check(self, name: str) -> Optional[str]:
         """Why the check of module ``name`` found a difference (``""``: it matched), or ``None``

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import List, Optional, Sequence, Tuple
 
 from ...autograd.chain_memory import choose_drops, replay
+from ...autograd.norm_chain_memory import norm_replay
 
 __all__ = ["ChainCost", "chain_backward_peak", "step_peak", "drops_needed", "gaps_of"]
 
@@ -52,6 +53,10 @@ class ChainCost:
             kept and in the floor; it recomputes nothing.
         end: the last layer has no BN: without a tail (kind ``"identity"``) it keeps nothing
             whatever its flag.
+        norms: a per-sample-norm chain's norms, each layer's row of the norm table
+            (``""``: none); empty for a BatchNorm chain. Its backward is replayed as
+            :class:`~convbn.autograd.norm_chain.NormChainFunction` runs it
+            (:func:`~convbn.autograd.norm_chain_memory.norm_replay`), not as a BatchNorm chain's.
     """
 
     y_bytes: Tuple[int, ...]
@@ -63,6 +68,7 @@ class ChainCost:
     head: bool = False
     end: bool = False
     s_bytes: Tuple[int, ...] = ()
+    norms: Tuple[str, ...] = ()
 
     def kept_bytes(self, keep: Sequence[bool]) -> int:
         """Bytes the chain keeps above the floor under ``keep``."""
@@ -85,6 +91,9 @@ def chain_backward_peak(cost: ChainCost, keep: Sequence[bool], may_drop: bool = 
     Returns:
         ``(peak_bytes, layer)``: the peak and the layer whose backward reaches it.
     """
+    if cost.norms:  # a per-sample-norm chain: no drops, its own backward order
+        return norm_replay(cost.y_bytes, cost.x_bytes, keep, cost.acts, cost.norms, cost.w_bytes or None,
+                           cost.head, cost.end, cost.s_bytes or None)
     # the drops the backward itself chooses (it does not count parameter gradients); none
     # where the chain may not drop (Note: [drops only where the step peaks])
     drop = choose_drops(cost.y_bytes, cost.x_bytes, keep, cost.acts, cost.head, cost.end) if may_drop \

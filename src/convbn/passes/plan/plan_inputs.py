@@ -30,7 +30,7 @@ from ..._compat import pytree
 
 from ...functional.conv import recompute_cost
 from ...functional.norms import stat_bytes
-from ...memory import saved_bytes, timeline
+from ...memory import timeline, track_saved
 from ...nn.chain import ChainLayer, FusedChain
 from ...nn.norm_view import NormView
 from ..check.validate import StateSnapshot
@@ -53,7 +53,7 @@ class PlanInputs:
         y_bytes / x_bytes / flops / w_bytes / s_bytes / acts: per chain (forward order), per
             layer: conv output and input bytes, conv MACs, parameter-gradient bytes,
             BatchNorm statistics bytes, activation kind (:class:`ChainCost`).
-        head / end: per chain, as in :class:`ChainCost`.
+        head / end / norms: per chain, as in :class:`ChainCost`.
         prefix_est: per chain, the prefix estimated from saved bytes (where the recorded
             step cannot tell its backward apart).
         floor: saved activation bytes with every layer keeping nothing.
@@ -73,6 +73,7 @@ class PlanInputs:
     acts: Tuple[Tuple[str, ...], ...]
     head: Tuple[bool, ...]
     end: Tuple[bool, ...]
+    norms: Tuple[Tuple[str, ...], ...]
     prefix_est: Ints
     floor: int
     extra: int
@@ -93,7 +94,7 @@ class PlanInputs:
                 y_bytes=self.y_bytes[j], x_bytes=self.x_bytes[j],
                 macs=tuple(recompute_cost(f, x, y) for f, x, y in zip(self.flops[j], self.x_bytes[j], self.y_bytes[j])),
                 acts=self.acts[j], prefix=self.prefix_est[j], w_bytes=self.w_bytes[j], head=self.head[j],
-                end=self.end[j], s_bytes=self.s_bytes[j])
+                end=self.end[j], s_bytes=self.s_bytes[j], norms=self.norms[j])
             if j in peaks:
                 own = chain_backward_peak(cost, [False] * len(cost.y_bytes))[0]
                 cost = replace(cost, prefix=max(0, peaks[j] - own))
@@ -144,7 +145,9 @@ def measure_plan_inputs(converted: nn.Module, inputs: Tuple[Any, ...], *,
     for m in chains_of(converted):
         m.apply_plan(recompute_all(m))
     converted.train()
-    rec = saved_bytes(converted, *inputs, per_module=True)
+    # one recorded step gives the saves of its forward too (Note: [the saves read off the recorded step])
+    run = _recorded_step(converted, inputs, chains_of(converted), optimizer, loss_fn)
+    rec = run.saved
     names = _names(converted)
     chain_params = {names[id(m)]: _chain_param_bytes(m) for m in chains_of(converted)}
     # walk the saves in forward order: a chain's prefix = activations saved before it +
@@ -164,41 +167,77 @@ def measure_plan_inputs(converted: nn.Module, inputs: Tuple[Any, ...], *,
     prefix = {m: a + total_params - p - chain_params.get(m, 0) for m, (a, p) in first.items()}
     chains = [m for m in chains_of(converted) if names.get(id(m)) in first]
     chains.sort(key=lambda m: order[names[id(m)]])  # forward order
-    points, slots, ops = _record(converted, inputs, chains, optimizer, loss_fn)
+    points, slots, ops = _slots(converted, run, chains)
     batch = next((int(t.shape[0]) for t in inputs if isinstance(t, Tensor) and t.dim() > 0), 0)
     per_layer = lambda f: tuple(tuple(f(l) for l in c.layers) for c in chains)  # noqa: E731
     return chains, PlanInputs(
         batch=batch, y_bytes=per_layer(ChainLayer.y_bytes), x_bytes=per_layer(ChainLayer.x_bytes),
         flops=per_layer(ChainLayer.flops), w_bytes=per_layer(_layer_param_bytes), s_bytes=per_layer(_stat_bytes),
         acts=per_layer(ChainLayer.tail_kind), head=tuple(c.layers[0].is_head for c in chains),
-        end=tuple(c.layers[-1].is_end for c in chains), prefix_est=tuple(prefix[names[id(c)]] for c in chains),
+        end=tuple(c.layers[-1].is_end for c in chains), norms=tuple(_norms(c) for c in chains), prefix_est=tuple(prefix[names[id(c)]] for c in chains),
         floor=rec.activation_bytes, extra=all_keep_bytes([m.layers for m in chains_of(converted)]),
         points=points, slots=slots, ops=ops)
 
 
-def _record(converted: nn.Module, inputs: Tuple[Any, ...], chains: Sequence[FusedChain],
-            optimizer: Optional[torch.optim.Optimizer], loss_fn: Optional[Callable[[Any], Tensor]]
-            ) -> Tuple[Ints, Ints, Tuple[str, ...]]:
-    """One recorded step: each point's bytes and slot (:class:`PlanInputs`). A chain's backward
-    is found by its autograd node (its output's ``grad_fn``), its forward by the module
-    running; the other moments (Note: [moments outside the chains] in peak_model.py) by the
-    chains whose forward has started and whose backward has not."""
-    nodes: Dict[int, int] = {}
+# Note: [the saves read off the recorded step]
+# The planner reads two things of the converted model's all-recompute step: what its forward
+# saves for backward, module by module (``track_saved``), and the bytes alive after every
+# operator of the whole step (``timeline``). They were two runs, a forward and then a step;
+# now the saves are counted during the recorded step's forward and the counting stops as the
+# loss is taken (the loss's own saves were never counted, and a chain's backward recomputing
+# its convolutions saves again, which is not what its forward keeps). Counting returns each
+# saved tensor as a detached alias of the same storage, so the bytes the timeline sees are
+# the same.
+
+
+@dataclass
+class _Run:
+    """One recorded step: its timeline, the autograd node of each chain's output (by id, to the
+    index of the chain in ``chains``, the nodes kept alive until read) and its forward's saves."""
+
+    tl: Any
+    nodes: Dict[int, FusedChain]
+    held: List[Any]
+    saved: Any
+
+
+def _recorded_step(converted: nn.Module, inputs: Tuple[Any, ...], chains: Sequence[FusedChain],
+                   optimizer: Optional[torch.optim.Optimizer], loss_fn: Optional[Callable[[Any], Tensor]]) -> _Run:
+    """Run one recorded step (Note: [the saves read off the recorded step])."""
+    nodes: Dict[int, FusedChain] = {}
     held: List[Any] = []  # the nodes stay alive (their ids unique) until the step is read
 
-    def record(j: int) -> Any:
+    def record(c: FusedChain) -> Any:
         def hook(module: nn.Module, args: Any, out: Any) -> None:
             if isinstance(out, Tensor) and out.grad_fn is not None:
-                nodes[id(out.grad_fn)] = j
+                nodes[id(out.grad_fn)] = c
                 held.append(out.grad_fn)
         return hook
 
-    handles = [c.register_forward_hook(record(j)) for j, c in enumerate(chains)]
+    counting = track_saved(converted, per_module=True)
+
+    def loss(out: Any) -> Tensor:
+        counting.__exit__(None, None, None)  # the forward is over
+        return (loss_fn or trained_outputs_loss)(out)
+
+    handles = [c.register_forward_hook(record(c)) for c in chains]
     try:
-        tl = measure_peak(converted, inputs, optimizer=optimizer, loss_fn=loss_fn)
+        with torch.enable_grad(), counting:
+            tl = measure_peak(converted, inputs, optimizer=optimizer, loss_fn=loss)
     finally:
         for h in handles:
             h.remove()
+    return _Run(tl, nodes, held, counting.result)
+
+
+def _slots(converted: nn.Module, run: _Run, chains: Sequence[FusedChain]) -> Tuple[Ints, Ints, Tuple[str, ...]]:
+    """Each point's bytes and slot (:class:`PlanInputs`), ``chains`` in forward order. A chain's
+    backward is found by its autograd node (its output's ``grad_fn``), its forward by the module
+    running; the other moments (Note: [moments outside the chains] in peak_model.py) by the
+    chains whose forward has started and whose backward has not."""
+    index = {id(c): j for j, c in enumerate(chains)}
+    nodes = {n: index[id(c)] for n, c in run.nodes.items() if id(c) in index}
+    tl = run.tl
     names = _names(converted)
     chain_of = {names[id(c)]: j for j, c in enumerate(chains) if id(c) in names}
     ran = -1  # the last chain (forward order) whose forward has started
@@ -220,7 +259,6 @@ def _record(converted: nn.Module, inputs: Tuple[Any, ...], chains: Sequence[Fuse
                 ran = max(ran, owner)
             alive = ran if pt.phase in ("forward", "loss") else -1
         slots.append(-(alive + 2))
-    del held
     return (tuple(p.bytes for p in tl.points), tuple(slots),
             tuple(f"{p.phase}:{p.op.rpartition('/')[2]}" for p in tl.points))
 
@@ -230,7 +268,7 @@ def _line(a: int, b: int, ba: int, bb: int, batch: int) -> int:
     return round(a + Fraction(b - a, bb - ba) * (batch - ba))
 
 
-_CONSTANT = ("w_bytes", "s_bytes", "acts", "head", "end", "slots", "ops")
+_CONSTANT = ("w_bytes", "s_bytes", "acts", "head", "end", "norms", "slots", "ops")
 
 
 def plan_inputs_at(a: PlanInputs, b: PlanInputs, batch: int) -> PlanInputs:
@@ -272,8 +310,15 @@ def _stat_bytes(layer: ChainLayer) -> int:
     BN backward: Note: [never above eager]); a per-sample norm's as its row of the norm table
     counts them (functional/norms.py)."""
     if isinstance(layer.bn, NormView):
-        return stat_bytes(layer.bn.call(), layer.y_shape or (0, 0), 4) if layer.y_shape else 0
+        return stat_bytes(layer.bn.call(), layer.y_shape, 4, layer.bn.weight is not None) if layer.y_shape else 0
     return 0 if layer.bn is None else 2 * 4 * int(layer.bn.num_features)
+
+
+def _norms(chain: FusedChain) -> Tuple[str, ...]:
+    """A per-sample-norm chain's norm rows per layer (``""``: none); ``()`` for a BatchNorm chain."""
+    if not any(isinstance(l.bn, NormView) for l in chain.layers):
+        return ()
+    return tuple(l.bn.call().row if isinstance(l.bn, NormView) else "" for l in chain.layers)
 
 
 def _chain_param_bytes(chain: FusedChain) -> int:

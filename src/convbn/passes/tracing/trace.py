@@ -59,6 +59,7 @@ from ..graph.state_tensors import state_tensor_ids
 from ..graph.shape_capture import Guards, ShapeGuard, ShapeTracing
 from ..graph.specialize import Defaults, constant_defaults, none_used_as_value
 from ..graph.layers import LAYER_MODULES, has_standard_forward
+from .mode_answers import mode_dependent_once
 from ..graph.thread_patch import fx_patches_scoped, original_item, scoped_item
 from ..graph.trace_hazards import FunctionCall, _answer_could_differ, _tensor_valued, opaque_functions
 
@@ -501,7 +502,8 @@ def _trace_with(module: nn.Module, tracer_cls: Type[fx.Tracer], leaves: Sequence
     traced.modes = [(m, m.training) for m in module.modules()]
     traced.defaults = defaults
     traced.shapes = ShapeGuard(*example) if example is not None else None
-    traced.mode_dependent = _mode_dependent(module, tracer_cls, leaves, wrapped, gm.code, defaults, example)
+    traced.mode_dependent = mode_dependent_once(  # Note: [a mode dependence answered once]
+        module, gm.code, lambda: _mode_dependent(module, tracer_cls, leaves, wrapped, gm.code, defaults, example))
     return traced
 
 

@@ -1,0 +1,63 @@
+"""How many times ``convert(model, example_inputs=x)`` runs the model (issue 41 item 3: convert's
+time is its steps), counted, not timed: an opaque custom ``autograd.Function`` inside the model
+(it stays one call in the rewrite: Note: [autograd Functions stay whole]) counts every forward
+and backward that really runs. The check runs one eager and one converted training step; the
+planner one recorded step of each, whose forward also gives the saves it reads (Note: [the
+saves read off the recorded step]): four forwards and four backwards, no forward of its own
+for the saved bytes."""
+from __future__ import annotations
+
+from typing import Any, List
+
+import torch
+from torch import nn
+
+import convbn
+from fusion_checks import assert_fused
+
+
+class _Count(torch.autograd.Function):
+    calls: List[str] = []
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        _Count.calls.append("forward")
+        return x * 1.0
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
+        _Count.calls.append("backward")
+        return g * 1.0
+
+
+class _Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8), nn.ReLU())
+        self.b = nn.Sequential(nn.Conv2d(8, 16, 3, 2, 1, bias=False), nn.BatchNorm2d(16), nn.ReLU())
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = _Count.apply(self.a(x))
+        return self.head(self.b(y).mean((2, 3)))
+
+
+def _runs(**options: Any) -> List[str]:
+    torch.manual_seed(0)
+    model, x = _Net(), torch.randn(8, 3, 32, 32)
+    _Count.calls.clear()
+    fast = convbn.convert(model, example_inputs=x, **options)
+    assert_fused(fast, pairs=2)
+    assert fast.convbn_report.validated == [""]  # the check ran
+    return list(_Count.calls)
+
+
+def test_convert_with_example_inputs_runs_four_steps_and_no_extra_forward() -> None:
+    calls = _runs()
+    assert calls.count("forward") == 4 and calls.count("backward") == 4, calls
+
+
+def test_a_strategy_without_the_planner_runs_the_check_and_its_measurement() -> None:
+    """``recompute_conv``: the check's two steps, then the saved bytes of each side (a forward each)."""
+    calls = _runs(strategy="recompute_conv")
+    assert calls.count("backward") == 2, calls
