@@ -1,8 +1,9 @@
-"""Note: [the plan keeping least, before eager] (``passes/plan/auto_plan.py``): where the default
-plan's step measures above eager's peak, the plan keeping least is measured before the model
-gives up every chain. The net is pytorch3dunet's ``UNet3D`` in small (its ``DoubleConv`` with
-the library's default layer order ``gcr``: GroupNorm -> Conv -> ReLU), where the default plan
-measured above eager's peak and every GroupNorm ran unfused."""
+"""pytorch3dunet's ``UNet3D`` in small (its ``DoubleConv`` with the library's default layer order
+``gcr``: GroupNorm -> Conv -> ReLU before each convolution), converted with ``example_inputs``:
+on the engine of 2026-11-28 morning its default plan measured above eager's peak (1.03x on the
+library's net) and every GroupNorm ran unfused (Note: [never above eager] in
+``passes/plan/auto_plan.py``); the planner on main since plans it within eager's peak. A
+regression test of that: every GroupNorm fused, the step's peak not above eager's."""
 from __future__ import annotations
 
 import copy
@@ -41,7 +42,7 @@ class PreNormUNet3D(nn.Module):
         return self.out(x)
 
 
-def test_default_plan_above_eager_falls_back_to_the_plan_keeping_least_not_to_eager() -> None:
+def test_prenorm_unet_fuses_every_groupnorm_within_eager_peak() -> None:
     torch.manual_seed(0)
     eager = PreNormUNet3D().double()
     x = torch.randn(2, 1, 16, 16, 16, dtype=torch.float64)
@@ -50,7 +51,6 @@ def test_default_plan_above_eager_falls_back_to_the_plan_keeping_least_not_to_ea
     report = assert_fused(fast, chains=10)  # a pre-activation head (the GroupNorm) and its conv each
     assert not report.eager_fallback, report
     assert [o.result for o in report.outcomes] == ["fused"] * 10, report
-    assert {p.strategy for p in report.pairs if p.kind != "head"} == {"recompute_conv"}, report
     assert timeline(fast, x).peak <= eager_peak  # exact peaks on CPU, the standard step
     fast.zero_grad(set_to_none=True)
     assert_steps_match(eager, fast, x, steps=2)

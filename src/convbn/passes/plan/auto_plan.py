@@ -79,7 +79,8 @@ class _Measured:
 
 # Note: [a step the meters cannot measure]
 # The meters (torch's MemTracker under ``tensor_peak`` / ``timeline``) read every tensor's
-# storage; a sparse parameter or buffer has none, and they raise NotImplementedError. That is
+# storage; a sparse tensor counts as its indices and values, but a layout they do not know
+# (a nested tensor) has none, and they raise NotImplementedError. That is
 # a limit of the measurement, not of the model: the chains then plan as without
 # ``example_inputs`` (a lazy plan each, resolved on its first training call) and the report
 # says why (``ConvertReport.planning_note``).
@@ -174,52 +175,18 @@ def _time_keeps(original: nn.Module, converted: nn.Module, inputs: Tuple[Any, ..
     return chosen.keeps
 
 
-def _eager_if_above(converted: nn.Module, inputs: Tuple[Any, ...], m: _Measured, keeps: List[List[bool]],
-                    report: ConvertReport) -> List[List[bool]]:
+def _eager_if_above(converted: nn.Module, inputs: Tuple[Any, ...], eager_peak: int, report: ConvertReport) -> None:
     """Note: [never above eager], last resort: a step measured above eager's (what a chain
-    recomputes outweighs what it stops keeping, e.g. tiny weight-dominated models) is measured
-    again with every layer recomputing its convolution (the plan keeping least), and where that
-    is above eager's too, runs its chains as eager modules, with the same peak as eager's.
-    Returns the keep flags of the plan the chains run (``keeps`` where the first is kept).
-
-    # Note: [the plan keeping least, before eager]
-    # The prediction and the measurement can disagree (pytorch3dunet's ``UNet3D``, GroupNorm ->
-    # Conv -> ReLU before each convolution: the default plan predicted within eager's peak,
-    # measured 1.03x; every layer recomputing measures 0.91x). Running eager there gave away
-    # every chain; the plan keeping least is measured once more (one recorded step, only where
-    # the first measurement was above eager's) before that."""
-    fused_peak = _measured_peak(converted, inputs)
-    if fused_peak <= m.eager_peak:
-        return keeps
-    least = [[False] * len(c.layers) for c in m.ordered]
-    if least != keeps:
-        _apply(converted, m, least)
-        least_peak = _measured_peak(converted, inputs)
-        if least_peak <= m.eager_peak:
-            return least
-        fused_peak = min(fused_peak, least_peak)
-    why = (f"the fused step measured {fused_peak} bytes at its peak on example_inputs, "
-           f"above eager's {m.eager_peak}: its layers run as eager modules")
-    for c in chains_of(converted):  # registered or added by the in-place rewrite
-        c.apply_plan(c.plan.running_eager(why))
-    report.eager_fallback = True
-    return least
-
-
-def _within_eager(converted: nn.Module, inputs: Tuple[Any, ...], m: _Measured, keeps: List[List[bool]],
-                  may_drop: List[bool], report: ConvertReport) -> List[List[bool]]:
-    """The default plan's keep flags, measured (:func:`_eager_if_above`) only where its predicted
-    peak (exact on the models measured, BENCHMARKS.md "## Issue 24") is within 10 % of eager's:
-    elsewhere one more recorded step would only confirm it."""
-    costs, gaps, floor = m.inputs.costs(), m.inputs.gaps(), m.inputs.floor
-    if step_peak(costs, keeps, floor, may_drop=may_drop, gaps=gaps)[0] <= 0.9 * m.eager_peak:
-        return keeps
-    return _eager_if_above(converted, inputs, m, keeps, report)
-
-
-def _measured_peak(converted: nn.Module, inputs: Tuple[Any, ...]) -> int:
+    recomputes outweighs what it stops keeping, e.g. tiny weight-dominated models) runs its
+    chains as eager modules, with the same peak as eager's."""
     with StateSnapshot(converted):
-        return measure_peak(converted, inputs).peak
+        fused_peak = measure_peak(converted, inputs).peak
+    if fused_peak > eager_peak:
+        why = (f"the fused step measured {fused_peak} bytes at its peak on example_inputs, above "
+               f"eager's {eager_peak}: its layers run as eager modules")
+        for m in chains_of(converted):  # registered or added by the in-place rewrite
+            m.apply_plan(m.plan.running_eager(why))
+        report.eager_fallback = True
 
 
 def plan_auto(original: nn.Module, converted: nn.Module, inputs: Tuple[Any, ...], memory_budget: Optional[float],
@@ -270,9 +237,12 @@ def plan_auto(original: nn.Module, converted: nn.Module, inputs: Tuple[Any, ...]
         keeps = _keeps(m, extra, memory_budget, peak_budget, peak_target, report, layers)
     costs, gaps, floor = m.inputs.costs(), m.inputs.gaps(), m.inputs.floor
     may_drop = _apply(converted, m, keeps)
-    if peak_target is None and peak_budget is None and memory_budget is None and time_budget is None:
-        keeps = _within_eager(converted, inputs, m, keeps, may_drop, report)
-    peak, where = step_peak(costs, keeps, floor, may_drop=drops_needed(costs, keeps, floor, gaps), gaps=gaps)
+    # measured only where the prediction (exact on the models measured, BENCHMARKS.md
+    # "## Issue 24") is within 10 % of eager's: elsewhere one more recorded step would only confirm it
+    peak, where = step_peak(costs, keeps, floor, may_drop=may_drop, gaps=gaps)
+    if peak_target is None and peak_budget is None and memory_budget is None and time_budget is None \
+            and peak > 0.9 * m.eager_peak:
+        _eager_if_above(converted, inputs, m.eager_peak, report)
     report.predicted_peak_bytes = peak
     report.predicted_peak_where = _where(converted, m.ordered, where)
     if memory_budget is not None:  # the default and a peak budget alone set no saved-bytes target
