@@ -11,7 +11,8 @@ process, its wall time and the process's memory while answering, two ways:
   replayed), with ``--allocator`` (in a separate run: the profiler slows the call).
 
     PYTHONPATH=src:tests OMP_NUM_THREADS=1 python benchmarks/bm_max_batch_peak.py \\
-        --model tv:resnet50 --size 224 --memory 768MiB [--confirm auto|true|false] [--allocator]
+        --model tv:resnet50 --size 224 --memory 768MiB [--confirm auto|true|false] [--allocator] \\
+        [--method predict|measure] [--channels-last]
 """
 from __future__ import annotations
 
@@ -48,17 +49,22 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--memory", default="768MiB")
     parser.add_argument("--confirm", default="auto", choices=["auto", "true", "false"])
     parser.add_argument("--allocator", action="store_true", help="measure with allocator_peak instead of RSS")
+    parser.add_argument("--method", default="predict", choices=["predict", "measure"])
+    parser.add_argument("--channels-last", action="store_true", help="model and inputs in channels-last memory format")
     args = parser.parse_args(argv)
     confirm: Any = {"auto": "auto", "true": True, "false": False}[args.confirm]
     torch.manual_seed(0)
     model, _shape = MODELS[args.model]()
     model.train()
     sample = (torch.randn(2, 3, args.size, args.size),)
+    if args.channels_last:
+        model = model.to(memory_format=torch.channels_last)
+        sample = (sample[0].to(memory_format=torch.channels_last),)
     opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
     limit = parse_memory(args.memory)
     out: Dict[str, Any] = {}
     call = lambda: out.setdefault("fit", convbn.max_batch(model, sample, args.memory, optimizer=opt,  # noqa: E731
-                                                         confirm=confirm, progress=True))
+                                                         confirm=confirm, method=args.method, progress=True))
     start, high_before = _rss(), _maxrss()
     t = time.perf_counter()
     peak = allocator_peak(call) if args.allocator else 0
@@ -72,8 +78,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     fit = out["fit"]
     print(fit)
     meter = "CPU allocator (profiler)" if args.allocator else "RSS high-water mark - RSS at the start"
-    print("| model | memory | confirm | eager / convbn batch | answering's peak | meter | over the memory | time |")
-    print(f"| {args.model} {args.size}² | {args.memory} | {args.confirm} | {fit.eager_batch} / {fit.convbn_batch} | "
+    print("| model | memory | method, confirm | eager / convbn batch | answering's peak | meter | over the memory | time |")
+    print(f"| {args.model} {args.size}² | {args.memory} | {args.method}, {args.confirm} | {fit.eager_batch} / {fit.convbn_batch} | "
           f"{format_bytes(peak)} ({peak / limit:.3f} x) | {meter} | {format_bytes(max(0, peak - limit))} | {seconds:.0f} s |")
     return 0
 

@@ -112,7 +112,7 @@ def _nothing_fused(report: Any) -> Optional[str]:
     """Why ``convert`` fused nothing (its first skipped BatchNorms), or ``None`` if it fused something."""
     if report is None or report.pairs:
         return None
-    return "; ".join(f"{s.batchnorm}: {s.reason}" for s in report.skipped[:3]) or "no Conv -> BatchNorm found"
+    return "; ".join(f"{s.batchnorm}: {s.reason}" for s in report.skipped[:3]) or "no Conv -> norm found"
 
 
 _CURRENT: List[Optional[Watch]] = [None]

@@ -148,15 +148,34 @@ def test_every_called_norm_has_an_outcome(case: str, with_inputs: bool) -> None:
     assert len(names) == len(set(names))  # each norm once
 
 
-@pytest.mark.parametrize("case,norm,owner,error", [("timestep-unet", "conv_norm_out", "<root>", "TraceHazard"),
-                                                    ("processor-attn", "attn.group_norm", "attn", "TraceError")])
-def test_unreached_norm_says_which_module_was_not_traced(case: str, norm: str, owner: str, error: str) -> None:
+class DataBranch(nn.Module):  # a data-dependent branch: no trace can follow it
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv, self.norm = nn.Conv2d(3, 8, 3, padding=1), nn.GroupNorm(4, 8)
+
+    def forward(self, x):
+        y = self.norm(self.conv(x))
+        return y * 2 if y.sum() > 0 else y
+
+
+@pytest.mark.expect_unfused("a data-dependent branch: the root cannot be traced")
+def test_unreached_norm_says_which_module_was_not_traced() -> None:
+    conv = convbn.convert(DataBranch())
+    conv(torch.randn(2, 3, 6, 6))
+    (o,) = [o for o in conv.convbn_report.outcomes if o.batchnorm == "norm"]
+    assert o.result == "left"
+    assert "'<root>', which could not be traced as a whole (TraceError:" in o.reason  # and why
+
+
+@pytest.mark.parametrize("case,norm,result,why", [
+    ("timestep-unet", "conv_norm_out", "fused", ""),  # traced as called (tests/test_norm_tracing.py)
+    ("processor-attn", "attn.group_norm", "left", "it follows method .transpose()")])  # traced on its call's shapes
+def test_diffusers_patterns_are_traced_and_their_norms_reported(case: str, norm: str, result: str, why: str) -> None:
     cls, make = _cases()[case]
     conv = convbn.convert(cls())
     conv(*make())
     (o,) = [o for o in conv.convbn_report.outcomes if o.batchnorm == norm]
-    assert o.result == "left"
-    assert f"'{owner}', which could not be traced as a whole ({error}:" in o.reason  # and why
+    assert o.result == result and why in o.reason, o
 
 
 class TokenLayerNorm(nn.Module):  # a conv stem, then a transformer-style LayerNorm over tokens

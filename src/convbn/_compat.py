@@ -28,6 +28,7 @@ from torch.utils._python_dispatch import TorchDispatchMode  # 1.13 on
 
 __all__ = [
     "MINIMUM_TORCH", "pytree", "TorchDispatchMode", "current_dispatch_mode", "dispatch_mode_stack",
+    "dispatch_modes_disabled",
     "fx_assert", "fx_assert_is_none", "FxPatcher", "fx_trace_globals", "orig_module_call", "orig_module_getattr",
     "fx_tracing_flag", "set_fx_tracing_flag", "forward_from_src", "FakeTensorMode",
     "set_grad_enabled_now", "InferenceModeContext", "current_autograd_node", "storage_use_count",
@@ -35,7 +36,8 @@ __all__ = [
     "function_apply_wrapper", "global_module_hooks", "functorch_config", "inductor_compile_fx", "inductor_config", "dynamo_config",
     "SAC_ADVISORY_LOGGER", "is_non_overlapping_and_dense_or_false", "dense_or_false_fallback", "make_channels_last_strides_for",
     "make_contiguous_strides_for", "suggest_memory_format", "mem_tracker_class", "mod_tracker_module",
-    "HAS_MEM_TRACKER", "fsdp_state_of", "insert_module_state", "fsdp_new_init_disabled", "InstanceNormBase",
+    "HAS_MEM_TRACKER", "sparse_parts", "mem_tracker_total", "mod_tracker_of", "set_mod_tracker",
+    "name_module", "hookless_mem_tracker", "sparse_counting_mem_tracker", "frozen_safe_mem_tracker", "fsdp_state_of", "insert_module_state", "fsdp_new_init_disabled", "InstanceNormBase",
 ]
 
 #: The oldest torch convbn declares (pyproject ``torch>=2.8``): the oldest release on which its
@@ -53,6 +55,9 @@ from torch.nn.modules.instancenorm import _InstanceNorm as InstanceNormBase  # n
 # torch.utils._python_dispatch._get_current_dispatch_mode / _get_current_dispatch_mode_stack: 2.0
 from torch.utils._python_dispatch import _get_current_dispatch_mode as current_dispatch_mode  # noqa: E402
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack as dispatch_mode_stack  # noqa: E402
+# torch.utils._python_dispatch._disable_current_modes: 2.0 on; every dispatch mode popped within
+# the block (an operator run from inside a mode without any mode, the meter's included, seeing it)
+from torch.utils._python_dispatch import _disable_current_modes as dispatch_modes_disabled  # noqa: E402
 
 # --- torch.fx internals --------------------------------------------------------------------
 #: ``torch._assert``: 1.8 on, the traceable assert fx graphs call.
@@ -265,6 +270,21 @@ def _has_module(name: str) -> bool:
 HAS_MEM_TRACKER: bool = _has_module("torch.distributed._tools.mem_tracker")
 
 
+def sparse_parts(t: torch.Tensor) -> Optional[Tuple[torch.Tensor, ...]]:
+    """The dense tensors a sparse tensor's memory is made of, ``()`` for a strided one, ``None``
+    for a layout not known here. COO: ``Tensor._indices()`` / ``_values()`` (every release: read
+    without coalescing, which would allocate); compressed layouts: their public index accessors."""
+    if t.layout == torch.strided:
+        return ()
+    if t.layout == torch.sparse_coo:
+        return (t._indices(), t._values())
+    if t.layout in (torch.sparse_csr, torch.sparse_bsr):
+        return (t.crow_indices(), t.col_indices(), t.values())
+    if t.layout in (torch.sparse_csc, torch.sparse_bsc):
+        return (t.ccol_indices(), t.row_indices(), t.values())
+    return None
+
+
 def mem_tracker_class() -> type:
     """``torch.distributed._tools.mem_tracker.MemTracker`` (2.5 on).
 
@@ -278,6 +298,31 @@ def mem_tracker_class() -> type:
                           f"{MINIMUM_TORCH} built with distributed); this torch {torch.__version__} has none: "
                           "use convbn.memory.peak_memory() instead") from err
     return MemTracker
+
+
+# --- MemTracker internals (torch.distributed._tools.mem_tracker, 2.5 on) ------------------------
+# convbn's exact CPU meter (memory/peaks.py's tensor_peak, memory/timelines.py's timeline) is torch's
+# MemTracker with some of its private members overridden or read: all of them are here, so that a
+# release that renames one breaks this section alone (tests/test_step_peak.py checks the totals).
+def mem_tracker_total(tracker: Any) -> int:
+    """Bytes a ``MemTracker`` counts live now, summed over devices (its ``_curr_mem_snap``)."""
+    return sum(int(dev.get("Total", 0)) for dev in tracker._curr_mem_snap.values())
+
+
+def mod_tracker_of(tracker: Any) -> Any:
+    """The ``ModTracker`` a ``MemTracker`` names modules with (its ``_mod_tracker``)."""
+    return tracker._mod_tracker
+
+
+def set_mod_tracker(tracker: Any, mod_tracker: Any) -> None:
+    """Give a ``MemTracker`` another ``ModTracker`` (before it is entered)."""
+    tracker._mod_tracker = mod_tracker
+
+
+def name_module(mod_tracker: Any, module: Any, name: str) -> None:
+    """Tell a ``ModTracker`` a module's qualified name (its ``_known_modules``): it names modules
+    by walking ``named_children``, which does not list modules a rewrite holds unregistered."""
+    mod_tracker._known_modules[module] = name
 
 
 def mod_tracker_module() -> Any:
@@ -319,3 +364,101 @@ def fsdp_new_init_disabled() -> Optional[ContextManager[None]]:
     except ImportError:
         return None
     return disable_fsdp_module_new_init()
+
+
+def hookless_mem_tracker(base: Any) -> Any:
+    """``MemTracker`` that installs no gradient hooks on parameters.
+
+    # Note: [a meter that does not change the step]
+    # ``MemTracker`` registers a tensor hook and a post-accumulate hook on every parameter
+    # of a module it sees run, only to label gradient storages as gradients in its
+    # per-category statistics; its totals come from its dispatch mode, which sees every
+    # allocation either way (tests/test_step_peak.py checks the totals equal to the byte). A tensor hook
+    # is an observer of the gradient, so with it convbn's chains must return their
+    # weight gradients to autograd instead of accumulating them as eager's engine does
+    # (Note: [weight gradients as eager releases them]): the meter would measure another
+    # step than the user runs. convbn only reads totals, so it measures without the hooks.
+    """
+
+    _TOTAL = "Total"  # torch's key of a device's total in a snapshot (mem_tracker._TOTAL_KEY)
+
+    class HooklessMemTracker(base):  # type: ignore[misc, valid-type]
+        def _track_module_params_and_buffers(self, module: Any, install_grad_hooks: bool = True) -> Any:
+            return super()._track_module_params_and_buffers(module, install_grad_hooks=False)
+
+        def _update_peak_stats(self, peak_state: Any) -> None:
+            # Note: [a meter that reads totals only]
+            # torch's tracker updates, after every operator, the peak of every module it has
+            # seen run (a walk over all of them: operators x modules, quadratic in the model's
+            # size; on a 300-BatchNorm HRNet-style net most of a recorded step's time). convbn
+            # reads the totals only, so only the totals' peak is kept, exactly as torch keeps it.
+            for dev, snap in self._curr_mem_snap.items():
+                if self._peak_mem.get(dev, 0) < snap[_TOTAL]:
+                    self._peak_mem[dev] = snap[_TOTAL]
+                    self._peak_mem_snap[dev] = dict(snap)
+
+        def _pre_fw_hook(self, module: Any, inputs: Any) -> None:
+            # a module called again with no tracked parent (one activation module shared by
+            # every layer, run by a fused chain's eager part) looks like a next iteration to
+            # MemTracker, which raises; its per-module statistics are not read here: restart them
+            try:
+                super()._pre_fw_hook(module, inputs)
+            except NotImplementedError:
+                self.memory_tracking.pop(module, None)
+                super()._pre_fw_hook(module, inputs)
+
+    return HooklessMemTracker
+
+
+def sparse_counting_mem_tracker(base: Any) -> Any:
+    """``MemTracker`` that counts a sparse tensor as the dense tensors it is made of (torch's
+    reads ``untyped_storage()``, which a sparse tensor has not: it raised mid-step); a layout
+    whose parts are not known here is a ``NotImplementedError`` naming it (the planner then
+    plans lazily: Note: [a step the meters cannot measure] in passes/plan/auto_plan.py)."""
+
+    class SparseCountingMemTracker(base):  # type: ignore[misc, valid-type]
+        def _track(self, reftype: Any, t: Any) -> None:
+            parts = sparse_parts(t)
+            if parts is None:
+                raise NotImplementedError(f"tensor_peak cannot count a tensor of layout {t.layout} (shape "
+                                          f"{tuple(t.shape)}): only strided and sparse COO / CSR / CSC / BSR / "
+                                          "BSC tensors are measured")
+            for part in parts or (t,):
+                super()._track(reftype, part)
+
+        def _update_and_maybe_create_winfos(self, t: Any, reftype: Any, update_existing: bool = False) -> Any:
+            parts = sparse_parts(t)
+            if not parts:  # strided (torch's own path), or an unknown layout (torch's error)
+                return super()._update_and_maybe_create_winfos(t, reftype, update_existing)
+            return set().union(*(super(SparseCountingMemTracker, self)._update_and_maybe_create_winfos(
+                part, reftype, update_existing) for part in parts))
+
+        def _track_inputs_or_outputs(self, args: Any) -> int:
+            return super()._track_inputs_or_outputs(pytree.tree_map_only(torch.Tensor, _dense_parts, args))
+
+    return SparseCountingMemTracker
+
+
+def _dense_parts(t: torch.Tensor) -> Any:
+    """``t``, or the tuple of dense tensors a sparse ``t`` is made of."""
+    parts = sparse_parts(t)
+    return t if not parts else parts
+
+
+class _NoHandle:
+    def remove(self) -> None:
+        pass
+
+
+def frozen_safe_mem_tracker(tracker_cls: type) -> type:
+    """``MemTracker`` that skips the gradient hooks of frozen parameters: it registers one
+    on every parameter of a module it enters, which raises for ``requires_grad=False``."""
+
+    class FrozenSafeMemTracker(tracker_cls):  # type: ignore[misc, valid-type]
+        def _track_module_params_and_buffers(self, module: Any, install_grad_hooks: bool = True) -> Any:
+            for p in module.parameters():
+                if not p.requires_grad and self._param_to_grad_hook_handles.get(p, None) is None:
+                    self._param_to_grad_hook_handles[p] = (_NoHandle(), _NoHandle())
+            return super()._track_module_params_and_buffers(module, install_grad_hooks)
+
+    return FrozenSafeMemTracker

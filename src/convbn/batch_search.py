@@ -19,12 +19,21 @@ stopped where it goes over the limit, and the choice to confirm made from counte
 # than the answer. One copy of the model and optimizer exists at a time (the user's own are
 # only read): the eager side steps one warmed copy, which is dropped before the convbn side
 # converts another at batch 2 (its chains' plans then set per batch, never a convert at the
-# batch probed). Every step runs with ``stop_above`` (Note: [a step's peak]): a batch that does
-# not fit is stopped after the first operator that takes the step over the limit, so the
-# copy's resident bytes plus the step's live bytes never exceed the limit by more than that
-# operator's output. ``method="measure"`` and the fallbacks to it convert a fresh copy at
-# each batch they try (``convert``'s own check runs at that batch), so only the default path
-# is held to the limit.
+# batch probed, with ``method="measure"`` too). Every step runs with ``stop_above`` (Note: [a
+# step's peak]): a batch that does not fit is stopped before the operator whose outputs would
+# take the step over the limit (Note: [stopping before the operator that would cross]), so the
+# copy's resident bytes plus the step's live tensors never exceed the limit. Only
+# ``memory_budget=`` (a saved-bytes budget, not a plan per batch) still converts a fresh copy
+# at each batch it tries, whose ``convert`` check at that batch is not held to the limit.
+#
+# Note: [what answering holds above the limit]
+# Not a constant, so stated and measured instead (BENCHMARKS.md, "max_batch within its limit"):
+# the batch of inputs a step trains on (live before the step, as in the user's loop, so not in
+# a step's peak; a batch whose inputs alone exceed the room is never made), the CPU kernels'
+# own scratch (oneDNN's reorders, a convolution backward's buffers: not tensors, so no tensor
+# meter sees them; up to about two of the layer's activations, at the one operator running),
+# and ``convert``'s check and the planner's steps at batches 2 and 4 (small batches, but
+# ``convert``'s float64 comparison is weight-sized: it dominates on a weight-heavy model).
 #
 # Note: [confirming by counted work]
 # Whether the predicted answer is confirmed by real steps is decided from the work those
@@ -47,13 +56,13 @@ from torch import Tensor, nn
 
 from .batch_predict import PROBE_BATCHES, StepLines, largest_fitting, step_flops
 from .memory.budget import resident_bytes, usable_bytes
-from .memory.timelines import StepOverLimit, Timeline, default_loss, timeline
+from .memory.timelines import StepOverLimit, Timeline, TimelinePoint, default_loss, timeline
 from .passes.convert.api import convert
 from .passes.plan.auto_plan import apply_plan, plan_to_target
 from .passes.plan.plan_inputs import PlanInputs, measure_peak, measure_plan_inputs, plan_inputs_at
 from .progress import stage
 
-__all__ = ["CONFIRM_FLOPS", "Search", "batch_of", "measured_search", "young_heap"]
+__all__ = ["CONFIRM_FLOPS", "Search", "batch_of", "input_bytes", "measured_search", "young_heap"]
 
 #: With ``confirm="auto"``, :func:`convbn.max_batch` confirms a predicted answer by real steps
 #: at it and the batch above it where those two steps are counted to do at most this many
@@ -121,6 +130,11 @@ def measured_search(peak_at: Callable[[int], int], usable: int, upper: int,
     return lo, seen.get(lo, 0), seen
 
 
+def input_bytes(sample: Tuple[Any, ...], b: int) -> int:
+    """Bytes of :func:`batch_of`'s ``(sample, b)``, without making it."""
+    return sum(t[:1].numel() * t.element_size() * b for t in sample if isinstance(t, Tensor) and t.dim() > 0)
+
+
 @contextlib.contextmanager
 def young_heap() -> Iterator[None]:
     """Within the block, ``gc.collect()`` looks only at objects made in it: what existed
@@ -186,7 +200,10 @@ class Search:
         limit]): its :class:`Timeline`, or the :class:`StepOverLimit` that stopped it."""
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
-        x, room = batch_of(self.inputs, b), self.usable - self.resident
+        room, inputs = self.usable - self.resident, input_bytes(self.inputs, b)
+        if inputs > room:  # the batch alone is over: never made (Note: [what answering holds above the limit])
+            return StepOverLimit(TimelinePoint(inputs, "forward", "", "the batch of inputs"), room, before=True)
+        x = batch_of(self.inputs, b)
         try:
             if planned:
                 return measure_peak(m, x, optimizer=o, loss_fn=self.loss_fn, stop_above=room)
@@ -207,7 +224,8 @@ class Search:
         return self.total(m, o, b)
 
     def fused(self, b: int) -> int:
-        """``resident + peak`` of a real step of a fresh copy converted for batch ``b``."""
+        """``resident + peak`` of a real step of a fresh copy converted for batch ``b``
+        (``memory_budget`` given, or no pair converted: no per-batch plan to hold it to the limit)."""
         stage(f"convbn: converting for batch {b} and a step")
         m, o = self.fresh()
         x = batch_of(self.inputs, b)
@@ -216,9 +234,17 @@ class Search:
             m = convert(m, example_inputs=x, memory_limit=max(1, self.limit - self.state), **self.convert_kwargs)
         return self.total(m, o, b)
 
-    def measured(self, side: str, seen: Optional[Dict[int, int]] = None, why: str = "") -> Result:
-        probe = self.eager if side == "eager" else self.fused
-        b, total, seen = measured_search(probe, self.usable, self.upper, seen)
+    def measured(self, side: str, seen: Optional[Dict[int, int]] = None, why: str = "",
+                 probe: Optional[Callable[[int], int]] = None) -> Result:
+        """The measuring search (Note: [searching the batch]) with ``probe`` (default: eager's
+        steps, or the converted side's planned copy, or a copy converted at each batch)."""
+        if probe is None and side == "convbn":
+            planner = self._planner()
+            probe = self.fused if isinstance(planner, str) else planner[1]
+            if not isinstance(planner, str) and planner[0] is not None:
+                why = why or (f", the plan at each batch the planner's from batches {PROBE_BATCHES[0]} and "
+                              f"{PROBE_BATCHES[1]}")
+        b, total, seen = measured_search(probe or self.eager, self.usable, self.upper, seen)
         return b, total, seen, f"measured at batch {b} and the batch above it{why}"
 
     # ------------------------------------------------------------------ predictions
@@ -283,16 +309,25 @@ class Search:
             return self.measured("convbn", None, out)
         return out
 
-    def _fused_prediction(self) -> Union[Result, str]:
-        b1, b2, b3 = PROBE_BATCHES
+    def _planner(self) -> Union[Tuple[Optional[Callable[[int], Any]], Callable[[int], int]], str]:
+        """A fresh copy converted at batch 2, the chains' planner inputs measured at batches 2
+        and 4: ``(plan_at, planned)``, the plan ``convert(memory_limit=...)`` makes at a batch
+        (the inputs are lines in the batch; ``None`` where no pair was converted) and
+        ``resident + peak`` of a real step of the copy planned so. Every later step is this copy's, stopped above the limit (Note: [answering
+        within the limit]). Where ``memory_budget`` is given or the inputs are not lines in the
+        batch, why not (the caller converts a copy at each batch)."""
+        b1, b2, _ = PROBE_BATCHES
         stage(f"convbn: converting at batch {b1}")
         m, o = self.fresh()  # the eager copy dropped: one side at a time
         with warnings.catch_warnings():  # the chains and layers only: their modes are planned below
             warnings.simplefilter("ignore")
             conv = convert(m, example_inputs=batch_of(self.inputs, b1),
                            **{**self.convert_kwargs, "strategy": "recompute_conv"})
-        if not conv.convbn_report.pairs or self.convert_kwargs.get("memory_budget") is not None:
+        if self.convert_kwargs.get("memory_budget") is not None:
+            self.held = ()
             return ""
+        if not conv.convbn_report.pairs:  # nothing planned per batch: this copy is stepped at every batch
+            return None, lambda n: self.total(conv, o, n)
         measured: Dict[int, PlanInputs] = {}
         chains: List[Any] = []
         for b in (b1, b2):
@@ -310,13 +345,26 @@ class Search:
             return self.total(conv, o, n, planned=True)
 
         try:
-            plan = plan_at(b3)
+            plan_at(PROBE_BATCHES[2])
         except ValueError:
+            self.held = ()
             return " (the planner's inputs are not lines in the batch)"
+        return plan_at, planned
+
+    def _fused_prediction(self) -> Union[Result, str]:
+        _, _, b3 = PROBE_BATCHES
+        planner = self._planner()
+        if isinstance(planner, str):
+            return planner
+        plan_at, planned = planner
+        if plan_at is None:
+            return ""
+        plan = plan_at(b3)
         stage(f"convbn: a recorded step at batch {b3}, planned as predicted")
         seen = {b3: planned(b3)}
         if seen[b3] != self.resident + plan.peak:
             return f" (the predicted peak at batch {b3} is off)"
         b = largest_fitting(lambda n: self.resident + plan_at(n).peak <= self.usable, self.upper)
-        how = f"predicted from the planner's inputs at batches {b1} and {b2} (exact at {b3})"
+        how = (f"predicted from the planner's inputs at batches {PROBE_BATCHES[0]} and {PROBE_BATCHES[1]} "
+               f"(exact at {b3})")
         return self.confirmed("convbn", b, self.resident + plan_at(b).peak if b else 0, seen, how, planned)

@@ -109,7 +109,7 @@ def run(args: argparse.Namespace) -> int:
 
 COMMAND = Command(
     name="explain",
-    help="per-layer report of what convbn.convert would do: strategy, kept bytes, recompute MACs, skipped BNs",
+    help="per-layer report of what convbn.convert would do: strategy, kept bytes, recompute MACs, skipped norms",
     add_arguments=add_arguments,
     run=run,
 )

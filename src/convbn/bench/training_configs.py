@@ -123,7 +123,7 @@ def build_config(name: str, base: nn.Module, x: Tensor, lr: float) -> TrainingCo
         if report is not None:
             note = f"{len(report.pairs)} pairs in {report.num_chains} chains"
             if report.skipped:
-                note += f", {len(report.skipped)} BN skipped"
+                note += f", {len(report.skipped)} norms skipped"
     elif name == "checkpoint per block":
         blocks = find_blocks(model)
         checkpoint_blocks(model, blocks)

@@ -160,7 +160,9 @@ def channel_layer_norm(x: Tensor, normalized_shape: Tuple[int, ...], weight: Opt
     """LayerNorm over the channel dimension of ``(N, C, *spatial)``: the values of
     ``F.layer_norm(x.permute(0, 2, ..., 1), (C,), weight, bias, eps)`` permuted back, computed
     by those very ops (the canonical form a channels-last LayerNorm between permutes and a
-    ``LayerNorm2d`` take in a traced graph: ``passes/bn/norm_sites.py``).
+    ``LayerNorm2d`` take in a traced graph: ``passes/bn/norm_sites.py``; a hand-written one:
+    ``passes/bn/hand_layer_norms.py``). A ``weight`` / ``bias`` stored in a broadcastable shape
+    with C elements (``(1, C, 1, 1)``) is read as ``(C,)``.
 
     Example:
         >>> x = torch.randn(2, 3, 4, 4)
@@ -168,6 +170,11 @@ def channel_layer_norm(x: Tensor, normalized_shape: Tuple[int, ...], weight: Opt
         >>> torch.equal(channel_layer_norm(x, (3,), None, None, 1e-5), ref)
         True
     """
+    shape = tuple(normalized_shape)
+    if weight is not None and tuple(weight.shape) != shape:  # stored broadcastable, e.g. (1, C, 1, 1)
+        weight = weight.reshape(shape)
+    if bias is not None and tuple(bias.shape) != shape:
+        bias = bias.reshape(shape)
     nd = x.dim()
     to_last = (0, *range(2, nd), 1)
     back = (0, nd - 1, *range(1, nd - 1))

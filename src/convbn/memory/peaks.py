@@ -13,11 +13,12 @@ import os
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Optional
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
-from .._compat import mem_tracker_class
+from .._compat import (frozen_safe_mem_tracker, hookless_mem_tracker, mem_tracker_class, set_mod_tracker,
+                       sparse_counting_mem_tracker)
 from ..autograd.grad_sink import stand_ins
 from .mod_tracking import releasing_mod_tracker
 
@@ -36,37 +37,63 @@ def _rss_bytes() -> int:
 
 def allocator_peak(fn: Callable[[], Any]) -> int:
     """The most bytes live at the CPU allocator while ``fn()`` runs, above what was live when
-    it began: every allocation and free the allocator reports to ``torch.profiler``
-    (``profile_memory=True``), replayed in order. Unlike :func:`~convbn.memory.timeline` it
-    sees compiled code's buffers (a step run by ``torch.compile``); it does not name operators.
-    Workspaces freed before ``fn`` returns count; allocator caching does not (these are
-    tensor bytes, not RSS).
+    it began: every allocation the allocator reports to ``torch.profiler``
+    (``profile_memory=True``) and the frees of those blocks, replayed in order. Unlike
+    :func:`~convbn.memory.timeline` it sees compiled code's buffers (a step run by
+    ``torch.compile``) and the kernels' own scratch (oneDNN's reorders, a convolution
+    backward's buffers); it does not name operators. Workspaces freed before ``fn`` returns
+    count; allocator caching does not (these are tensor bytes, not RSS). Memory live before
+    ``fn`` and freed in it is not subtracted: only blocks allocated within ``fn`` count, so
+    the same block gives the same figure whatever ran before it.
 
     Args:
         fn: the block to measure, e.g. one training step.
 
     Returns:
-        Peak live CPU bytes above the start.
+        Peak live CPU bytes allocated within ``fn`` (not counting frees of older blocks).
 
     Example:
         >>> x = torch.randn(256, 256)
         >>> allocator_peak(lambda: (x @ x).sum()) >= 256 * 256 * 4
         True
     """
-    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     if not callable(fn):
         raise TypeError(f"allocator_peak expects a callable, but got {type(fn).__name__}")
+    # Note: [blocks from before the measurement]
+    # Memory live before ``fn`` and freed in it (the previous step's gradients, set to None by
+    # the step's ``zero_grad``) is not subtracted: the profiler reports such a free with its
+    # size only where the block was allocated under an earlier profiler session, so subtracting
+    # it made the same step's figure depend on what was measured before it. Only blocks
+    # allocated within ``fn`` count, from their allocation to their free.
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         fn()
-    events = sorted((e for e in prof.profiler.kineto_results.events()
-                     if e.name() == "[memory]" and e.device_type() == DeviceType.CPU), key=lambda e: e.start_ns())
+    events = sorted(_cpu_allocations(prof.profiler.kineto_results.experimental_event_tree()))
+    blocks: Dict[int, int] = {}
     live = peak = 0
-    for e in events:
-        live += e.nbytes()
-        peak = max(peak, live)
+    for _, ptr, nbytes in events:  # Note: [blocks from before the measurement]
+        if nbytes > 0:
+            blocks[ptr] = blocks.get(ptr, 0) + nbytes
+            live += nbytes
+            peak = max(peak, live)
+        elif ptr in blocks:
+            live -= blocks.pop(ptr)
     return peak
+
+
+def _cpu_allocations(roots: Any) -> List[Tuple[int, int, int]]:
+    """``(time ns, address, bytes)`` of every CPU allocation (positive) and free (negative)
+    in a profiler's event tree."""
+    out: List[Tuple[int, int, int]] = []
+    stack = list(roots)
+    while stack:
+        node = stack.pop()
+        stack.extend(node.children)
+        fields = node.extra_fields
+        if hasattr(fields, "alloc_size") and getattr(fields, "device", None) == torch.device("cpu"):
+            out.append((node.start_time_ns, int(fields.ptr), int(fields.alloc_size)))
+    return out
 
 
 @dataclass
@@ -143,56 +170,15 @@ class peak_memory:
             self.result.end = now - self._start
 
 
-def _hookless(base: Any) -> Any:
-    """``MemTracker`` that installs no gradient hooks on parameters.
-
-    # Note: [a meter that does not change the step]
-    # ``MemTracker`` registers a tensor hook and a post-accumulate hook on every parameter
-    # of a module it sees run, only to label gradient storages as gradients in its
-    # per-category statistics; its totals come from its dispatch mode, which sees every
-    # allocation either way (tests/test_step_peak.py checks the totals equal to the byte). A tensor hook
-    # is an observer of the gradient, so with it convbn's chains must return their
-    # weight gradients to autograd instead of accumulating them as eager's engine does
-    # (Note: [weight gradients as eager releases them]): the meter would measure another
-    # step than the user runs. convbn only reads totals, so it measures without the hooks.
-    """
-
-    _TOTAL = "Total"  # torch's key of a device's total in a snapshot (mem_tracker._TOTAL_KEY)
-
-    class HooklessMemTracker(base):  # type: ignore[misc, valid-type]
-        def _track_module_params_and_buffers(self, module: Any, install_grad_hooks: bool = True) -> Any:
-            return super()._track_module_params_and_buffers(module, install_grad_hooks=False)
-
-        def _update_peak_stats(self, peak_state: Any) -> None:
-            # Note: [a meter that reads totals only]
-            # torch's tracker updates, after every operator, the peak of every module it has
-            # seen run (a walk over all of them: operators x modules, quadratic in the model's
-            # size; on a 300-BatchNorm HRNet-style net most of a recorded step's time). convbn
-            # reads the totals only, so only the totals' peak is kept, exactly as torch keeps it.
-            for dev, snap in self._curr_mem_snap.items():
-                if self._peak_mem.get(dev, 0) < snap[_TOTAL]:
-                    self._peak_mem[dev] = snap[_TOTAL]
-                    self._peak_mem_snap[dev] = dict(snap)
-
-        def _pre_fw_hook(self, module: Any, inputs: Any) -> None:
-            # a module called again with no tracked parent (one activation module shared by
-            # every layer, run by a fused chain's eager part) looks like a next iteration to
-            # MemTracker, which raises; its per-module statistics are not read here: restart them
-            try:
-                super()._pre_fw_hook(module, inputs)
-            except NotImplementedError:
-                self.memory_tracking.pop(module, None)
-                super()._pre_fw_hook(module, inputs)
-
-    return HooklessMemTracker
-
-
 class tensor_peak:
     """Context manager: exact peak of live tensor bytes in the block, on any device.
 
     Counts tensor storages as they are created and freed (through PyTorch's
     ``MemTracker`` dispatch mode), so unlike sampled RSS it is deterministic and free
     of allocator caching: on CPU it is the analogue of ``torch.cuda.max_memory_allocated``.
+    A sparse tensor counts as its indices and values. Not counted: the kernels' own scratch
+    that is not a tensor (oneDNN's reorders, a convolution backward's buffers), which
+    :func:`allocator_peak` sees.
     It slows the block down, so measure peaks in a step that is not timed.
 
     Args:
@@ -211,10 +197,11 @@ class tensor_peak:
 
     def __init__(self, *track: Any, hooks: bool = False) -> None:
         MemTracker = mem_tracker_class()  # noqa: N806 - one line naming what a torch without it lacks
-        self._tracker = _frozen_safe(MemTracker)() if hooks else _hookless(MemTracker)()
+        MemTracker = sparse_counting_mem_tracker(MemTracker)  # noqa: N806
+        self._tracker = frozen_safe_mem_tracker(MemTracker)() if hooks else hookless_mem_tracker(MemTracker)()
         # torch's ModTracker leaves a cycle through autograd nodes behind, which keeps the
         # parameters of a measured model alive (Note: [a module tracker that leaves nothing alive])
-        self._tracker._mod_tracker = releasing_mod_tracker()
+        set_mod_tracker(self._tracker, releasing_mod_tracker())
         # the chains' zero-byte gradient stand-ins share scalars made once, before any step
         self._tracker.track_external(*track, *stand_ins())
         self.result = PeakMemory(source="tensors")
@@ -235,22 +222,3 @@ class tensor_peak:
         self._tracker.__exit__(*exc)
         self.result.peak = peak - self._start
         self.result.end = end - self._start
-
-
-class _NoHandle:
-    def remove(self) -> None:
-        pass
-
-
-def _frozen_safe(tracker_cls: type) -> type:
-    """``MemTracker`` that skips the gradient hooks of frozen parameters: it registers one
-    on every parameter of a module it enters, which raises for ``requires_grad=False``."""
-
-    class FrozenSafeMemTracker(tracker_cls):  # type: ignore[misc, valid-type]
-        def _track_module_params_and_buffers(self, module: Any, install_grad_hooks: bool = True) -> Any:
-            for p in module.parameters():
-                if not p.requires_grad and self._param_to_grad_hook_handles.get(p, None) is None:
-                    self._param_to_grad_hook_handles[p] = (_NoHandle(), _NoHandle())
-            return super()._track_module_params_and_buffers(module, install_grad_hooks)
-
-    return FrozenSafeMemTracker

@@ -26,8 +26,9 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 from torch import Tensor, nn
 
-from .._compat import TorchDispatchMode, current_autograd_node, pytree
+from .._compat import TorchDispatchMode, current_autograd_node, mem_tracker_total, mod_tracker_of, name_module, pytree
 from .mod_tracking import releasing_mod_tracker
+from .next_op import new_output_bytes
 from .peaks import tensor_peak
 from .saved import _with_fused
 
@@ -106,19 +107,25 @@ class Timeline:
 
 
 class StepOverLimit(RuntimeError):
-    """Raised by :func:`timeline` with ``stop_above``: the step was stopped after the first
-    operator whose bytes in use exceeded the limit (what it had made is freed as this unwinds).
+    """Raised by :func:`timeline` with ``stop_above``: the step was stopped at the first
+    operator whose bytes in use exceed the limit, before that operator ran where its outputs'
+    sizes are known beforehand (Note: [stopping before the operator that would cross]), after
+    it otherwise; what the step had made is freed as this unwinds.
 
     Attributes:
-        bytes: bytes in use after that operator (above the step's start, as a point's).
+        bytes: bytes in use after that operator (above the step's start, as a point's):
+            predicted where it was stopped before it ran.
         point: that operator's :class:`TimelinePoint`.
+        before: whether the operator was stopped before it ran (its outputs never existed).
     """
 
-    def __init__(self, point: TimelinePoint, limit: int) -> None:
-        super().__init__(f"the step was stopped at {point.bytes} bytes in use, above the limit of {limit} "
+    def __init__(self, point: TimelinePoint, limit: int, before: bool = False) -> None:
+        when = "before an operator that would have" if before else "at"
+        super().__init__(f"the step was stopped {when} {point.bytes} bytes in use, above the limit of {limit} "
                          f"({point.phase}, {point.op})")
         self.bytes = point.bytes
         self.point = point
+        self.before = before
 
 
 def _innermost(parents: Any) -> str:
@@ -137,10 +144,15 @@ class _TimelineMode(TorchDispatchMode):
         self.read = read
         self.where = where
         self.stop_above = stop_above
+        #: bytes in use now, where ``read`` is not that (CUDA: ``read`` is the peak since the
+        #: last reading, and resets it); ``None``: ``read``
+        self.now: Optional[Callable[[], int]] = None
         self.phase = "forward"
         self.points: List[TimelinePoint] = []
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if self.stop_above is not None:
+            self._stop_before(func, args, kwargs)
         out = func(*args, **(kwargs or {}))
         op = str(func)
         node = current_autograd_node()
@@ -152,6 +164,19 @@ class _TimelineMode(TorchDispatchMode):
             del out  # the step goes no further: nothing it made outlives the exception
             raise StepOverLimit(point, self.stop_above)
         return out
+
+    def _stop_before(self, func: Any, args: Any, kwargs: Any) -> None:
+        """Raise :class:`StepOverLimit` before an operator whose outputs would take the bytes in
+        use over ``stop_above`` (Note: [stopping before the operator that would cross])."""
+        new = new_output_bytes(func, args, kwargs)
+        if new is None:
+            return
+        now = (self.now or self.read)()
+        if now + new > self.stop_above:
+            node = current_autograd_node()
+            op = str(func) if node is None else f"{node.name()}/{func}"
+            point = TimelinePoint(now + new, self.phase, self.where(), op, 0 if node is None else id(node))
+            raise StepOverLimit(point, self.stop_above, before=True)
 
 
 def _cuda_peak_reader(dev: torch.device, start: int) -> Callable[[], int]:
@@ -203,9 +228,11 @@ def timeline(  # over 60 lines for its public docstring (what a step is, Args, E
         accumulate: keep the existing gradients (a later micro-batch of gradient
             accumulation): no ``zero_grad``, backward adds into ``.grad``, and the
             gradients so far count as live before the step.
-        stop_above: stop the step after the first operator whose bytes in use exceed this
-            many (above the start): :class:`StepOverLimit` is raised, so a step that does
-            not fit a limit never grows past it by more than that one operator's output.
+        stop_above: stop the step at the first operator whose bytes in use would exceed this
+            many (above the start): :class:`StepOverLimit` is raised before that operator
+            runs where its outputs' sizes are known on the meta device (the operator run there
+            first), so a step that does not fit a limit never holds tensors past it; after the
+            operator otherwise.
 
     Returns:
         :class:`Timeline`.
@@ -265,13 +292,14 @@ def _meters(model: nn.Module, inputs: Tuple[Any, ...],
         torch.cuda.reset_peak_memory_stats(dev)
         meter: Any = releasing_mod_tracker()
         mode = _TimelineMode(_cuda_peak_reader(dev, start), lambda: _innermost(meter.parents))
+        mode.now = lambda: torch.cuda.memory_allocated(dev) - start  # not a peak reading: it would reset the peak
         source = "cuda"
     else:
         tp = tensor_peak(*track)
         tracker = tp._tracker
-        _name_fused(tracker._mod_tracker, model)
-        mode = _TimelineMode(lambda: tp._total(tracker._curr_mem_snap) - tp._start,
-                             lambda: _innermost(tracker._mod_tracker.parents))
+        _name_fused(mod_tracker_of(tracker), model)
+        mode = _TimelineMode(lambda: mem_tracker_total(tracker) - tp._start,
+                             lambda: _innermost(mod_tracker_of(tracker).parents))
         meter = tp
         source = "tensors"
     return meter, mode, source
@@ -284,7 +312,7 @@ def _name_fused(mod_tracker: Any, model: nn.Module) -> None:
     registered = {id(m) for m in model.modules()}
     for name, mod in _with_fused(model):
         if id(mod) not in registered:
-            mod_tracker._known_modules[mod] = f"{root}.{name}"
+            name_module(mod_tracker, mod, f"{root}.{name}")
 
 
 def default_loss(out: Any) -> Tensor:

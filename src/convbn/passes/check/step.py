@@ -13,7 +13,7 @@ import torch
 from torch import Tensor, nn
 from ..._compat import pytree
 
-from ..graph.graph_module import eager
+from ..graph.graph_module import eager, installed, retypable, retype
 from .validate import (Comparison, StateSnapshot, compare_outputs, float64_slack, relative_floor, run_step, to_float64,
                        tolerance)
 
@@ -118,11 +118,23 @@ def _streamed(module: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any], 
                           f"{str(exc).splitlines()[0] if str(exc) else ''}")
     if len(ref[3]) != len(rng) or not all(torch.equal(a, b) for a, b in zip(ref[3], rng)):
         return Comparison(False, float("inf"), 0.0, "the global RNG state after the step differs")
+    out = _in_its_structure(module, out, ref[0])
     if grads and len(grads) != len(eager_grads):
         return Comparison(False, float("inf"), 0.0, "the gradients differ in number")
     rest = compare_outputs((ref[0], eager_grads, ref[2]), _to_host((out, grads or [None] * len(eager_grads), buffers)),
                            tolerance, relative=True, floor=floor)
     return _worse(worst[0], rest)
+
+
+def _in_its_structure(module: nn.Module, out: Any, ref: Any) -> Any:
+    """The rewrite's output ``out`` in the eager output's container types where only they differ,
+    the rewrite learning them for its later calls (Note: [outputs keep their container types]
+    in graph_module.py; the first-call check learns them the same way)."""
+    fwd = installed(module)
+    if fwd is None or fwd.out_spec is not None or not retypable(out, ref):
+        return out
+    fwd.out_spec = pytree.tree_structure(ref)
+    return retype(out, fwd.out_spec)
 
 
 def _to_host(tree: Any) -> Any:
@@ -152,6 +164,7 @@ def _compared_whole(module: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, 
                           f"{str(exc).splitlines()[0] if str(exc) else ''}")
     if len(ref[3]) != len(new[3]) or not all(torch.equal(a, b) for a, b in zip(ref[3], new[3])):
         return Comparison(False, float("inf"), 0.0, "the global RNG state after the step differs")
+    new = (_in_its_structure(module, new[0], ref[0]), *new[1:])
     result = compare_outputs(ref[:3], new[:3], tolerance, relative=True)
     if not result.ok:  # rounding amplified by the model itself? ask a float64 copy (costly: only now)
         def run64(model64: nn.Module) -> Any:

@@ -333,7 +333,7 @@ def _plan(work: nn.Module, inputs: Optional[Tuple[Any, ...]], report: ConvertRep
 def _warn_nothing_fused(model: nn.Module, report: ConvertReport) -> None:
     why = "; ".join([f"{s.batchnorm}: {s.reason}" for s in report.skipped[:3]]
                     + [f"{m or '<root>'} not traceable: {e}" for m, e in report.untraced[:2]])
-    warnings.warn(f"convbn.convert fused nothing in {type(model).__name__} (no Conv -> BatchNorm pair found"
+    warnings.warn(f"convbn.convert fused nothing in {type(model).__name__} (no Conv -> norm pair found"
                   f"{': ' + why if why else ''}); it computes exactly as before", stacklevel=4)
 
 

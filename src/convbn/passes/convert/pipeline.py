@@ -52,6 +52,7 @@ from ..tracing.trace import LayerTracer, Traced, short_reason, trace
 from .cat_norms import split_cat_norms
 from .first_call_capture import CaptureOnFirstCall, CaptureWhenMaterialised
 from ...functional.norms import row_of_module
+from ..bn.hand_layer_norms import hand_channel_layer_norms
 from ..bn.norm_casts import norm_float_round_trips
 from ..bn.norm_sites import channel_layer_norms
 from .match import MatchedLayer, find_layers, group_chains, split_heads
@@ -93,6 +94,8 @@ CANONICALISE: Tuple[GraphRewrite, ...] = (
     GraphRewrite("no-op flattens before a BatchNorm1d", lambda gm, root, prefix: drop_noop_flattens(gm)),
     # permute -> LayerNorm(C) -> permute back -> one channel_layer_norm node (bn/norm_sites.py)
     GraphRewrite("channel LayerNorms as one node", lambda gm, root, prefix: channel_layer_norms(gm)),
+    # mean / var over dim 1, (x - u) / sqrt(v + eps) * w + b -> one channel_layer_norm node (bn/hand_layer_norms.py)
+    GraphRewrite("hand-written channel LayerNorms as one node", lambda gm, root, prefix: hand_channel_layer_norms(gm)),
     # norm(x.float()).type(x.dtype) -> norm(x): GroupNorm32 (bn/norm_casts.py)
     GraphRewrite("float32 round trips around a norm", lambda gm, root, prefix: norm_float_round_trips(gm)),
     # bn(conv(x)[..., :-p]) -> bn(conv'(x)), the crop in its padding (bn/conv_crops.py)

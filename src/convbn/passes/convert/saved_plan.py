@@ -58,8 +58,9 @@ class ConvertPlan:
             the model; ``""`` as the reason: it matched).
         chains: each chain's plan, in the converted model's order of chains.
         figures: the report's measured figures (:data:`FIGURES`).
-        modes: ``(digest, answer)``: whether each traced module's graph depends on its mode, by a
-            digest of its class and its graph's code (Note: [a mode dependence answered once]).
+        modes: ``(digest, answer)``: whether each traced module's graph depends on its mode
+            (``train()`` / ``eval()``), by a digest of its class and its graph's code, so that
+            converting again does not trace each module a second time to ask.
 
     Example:
         >>> fast = convbn.convert(net, example_inputs=x)                          # doctest: +SKIP

@@ -193,11 +193,19 @@ class ShapeTracing:
             bound.apply_defaults()
             self._bound = dict(bound.arguments)
         name = target.lstrip("*")
-        if name not in self._bound and name.rpartition("_")[0] in self._bound:  # a concrete argument: name_1
-            name = name.rpartition("_")[0]
+        base, _, k = name.rpartition("_")
+        if name not in self._bound and isinstance(self._bound.get(base), tuple) and k.isdigit() and self._star(base):
+            return self._fake(self._bound[base][int(k)])  # an item of *args traced as its own input
+        if name not in self._bound and base in self._bound:  # a concrete argument: name_1
+            name = base
         if name not in self._bound:
             raise _Unknown(target)
         return self._fake(self._bound[name])
+
+    def _star(self, name: str) -> bool:
+        """Whether ``name`` is the traced module's ``*args``."""
+        param = inspect.signature(type(self.root).forward).parameters.get(name)  # type: ignore[attr-defined]
+        return param is not None and param.kind == param.VAR_POSITIONAL
 
     def _attr(self, node: fx.Node) -> Any:
         obj: Any = self.root  # type: ignore[attr-defined]

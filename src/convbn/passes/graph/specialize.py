@@ -35,7 +35,7 @@ from torch import nn
 
 from ..._compat import fx_assert, fx_assert_is_none
 
-__all__ = ["Defaults", "GIVEN", "constant_defaults", "none_used_as_value"]
+__all__ = ["Defaults", "GIVEN", "EmptyVarargs", "constant_defaults", "empty_varargs", "none_used_as_value"]
 
 #: default values traced as constants: what code branches on (``is None``, ``if flag``, ``mode == "x"``)
 SPECIALIZED_TYPES = (type(None), bool, str)
@@ -179,3 +179,60 @@ def constant_defaults(module: nn.Module) -> Defaults:
             values.append(p.default)
         position += 1
     return Defaults(tuple(names), tuple(positions), tuple(values))
+
+
+@dataclass(frozen=True)
+class EmptyVarargs:
+    """A forward with ``*args`` / ``**kwargs`` traced as the call passes them: ``**kwargs``
+    empty, ``*args`` empty or (a trace with the real inputs) that many tensors.
+
+    Note: [``*args`` traced as the call passes them]
+    ``torch.fx`` gives a root's ``*args`` one proxy, so ``len(args)`` or ``kwargs.get("scale")``
+    (diffusers' ``ResnetBlock2D``, its down / up blocks) fails and the whole module stays
+    unfused, though every call passes none. Where the symbolic trace fails and the call passes
+    nothing to ``**kwargs``, the trace takes ``kwargs = {}`` and ``args`` as a tuple of ``extra``
+    inputs of their own (``args_0``, ...; none without the real call: a wrapper's
+    ``forward(sample, *args)`` called as ``(x, t)`` gets one), and :meth:`hold` guards every
+    call: one passing another number of positional arguments there, or a keyword that only
+    ``**kwargs`` takes, runs the module's own forward.
+
+    Attributes:
+        positional: how many positional arguments the named parameters take (``self`` excluded).
+        named: the names of every named parameter.
+    """
+
+    positional: int
+    named: Tuple[str, ...]
+    extra: int = 0
+
+    def _count_holds(self, n: int) -> bool:
+        return n == self.positional + self.extra if self.extra else n <= self.positional
+
+    def hold(self, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> bool:
+        return self._count_holds(len(args)) and all(k in self.named for k in kwargs)
+
+    def differing(self, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> str:
+        extra = [k for k in kwargs if k not in self.named]
+        return (f"{len(args)} positional arguments, traced with {self.positional} named and {self.extra} in *args"
+                if not self._count_holds(len(args)) else f"keyword {extra[0]!r} the traced **kwargs (none) did not take")
+
+
+def empty_varargs(module: nn.Module, example: Optional[Tuple[Tuple[Any, ...], Dict[str, Any]]]) -> Optional[EmptyVarargs]:
+    """The :class:`EmptyVarargs` of ``module``'s forward where it has ``*args`` or ``**kwargs``
+    and the ``example`` call (``None``: unknown, taken as none) passes nothing to them; else ``None``."""
+    try:
+        params = list(inspect.signature(type(module).forward).parameters.values())[1:]
+    except (TypeError, ValueError):
+        return None
+    if not any(p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in params):
+        return None
+    positional = sum(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) for p in params)
+    guard = EmptyVarargs(positional, tuple(p.name for p in params if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)))
+    if example is None or guard.hold(*example):
+        return guard
+    args, kwargs = example
+    has_star = any(p.kind == p.VAR_POSITIONAL for p in params)
+    if has_star and len(args) > positional and all(isinstance(a, torch.Tensor) for a in args[positional:]):
+        guard = EmptyVarargs(positional, guard.named, len(args) - positional)
+        return guard if guard.hold(args, kwargs) else None
+    return None

@@ -16,6 +16,7 @@ import torch
 import torch.fx as fx
 
 from ..._compat import SingleLevelFunction, function_apply_impl, function_apply_wrapper, pytree
+from .shape_capture import VALUE
 from .thread_patch import scoped_attr, static_attr
 
 __all__ = ["FunctionCall", "opaque_functions"]
@@ -106,6 +107,29 @@ def _answer_could_differ(proxy: fx.Proxy, frame: Any) -> bool:
         if issubclass(torch.Tensor, c) != issubclass(type(proxy), c):
             return True
     return False
+
+
+# Note: [is_tensor on a traced tensor is True]
+# ``torch.is_tensor(t)`` / ``isinstance(t, torch.Tensor)`` / ``torch.jit.isinstance(t, torch.Tensor)`` on a proxy answers False under
+# ``torch.fx`` and the trace records the non-tensor branch (diffusers' ``UNet2DModel`` wraps
+# ``timestep`` in a new tensor). Where the proxy surely stands for a tensor, the question is
+# answered as eager answers it: a value computed by the graph, or an input of a trace with the
+# real inputs whose value is a tensor (the shape guard then holds every call to tensors there).
+# An input traced symbolically may be anything (``timestep: Union[Tensor, float, int]``): still
+# a hazard.
+
+
+def _surely_a_tensor(node: fx.Node) -> bool:
+    if isinstance(node.meta.get(VALUE), torch.Tensor):  # the real value, where a shape trace knows it
+        return True
+    return node.op not in ("placeholder", "get_attr") and _tensor_valued(node)
+
+
+def _asks_tensor_only(frame: Any) -> bool:
+    """Whether the ``isinstance`` / ``is_tensor`` on ``frame``'s line asks about ``torch.Tensor`` alone."""
+    line = linecache.getline(frame.f_code.co_filename, frame.f_lineno)
+    return _asked_classes(line, frame) == [torch.Tensor]
+
 
 
 class FunctionCall:

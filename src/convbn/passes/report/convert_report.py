@@ -226,14 +226,14 @@ class ConvertReport:
         if waiting:
             lines.append(f"  captured on the first call: {', '.join(n or '<root>' for n in waiting[:4])}"
                          f"{', ...' if len(waiting) > 4 else ''} (traced with that call's real inputs then; the "
-                         "BatchNorms under them are listed as skipped until it)")
+                         "norms under them are listed as skipped until it)")
         return lines
 
     def __str__(self) -> str:
         skipped = self.skipped  # as things run now (sets each pair's status)
         running = [p for p in self.pairs if p.status.startswith(FUSED)]
         lines = [f"convbn.convert report (strategy={self.strategy!r}): {len(self.pairs)} pairs fused "
-                 f"in {self.num_chains} chains, {len(skipped)} BatchNorms skipped"]
+                 f"in {self.num_chains} chains, {len(skipped)} norms skipped"]
         if len(running) != len(self.pairs):
             lines.append(f"  running fused now: {len(running)} of {len(self.pairs)} pairs (the others: see 'fallback' below)")
         return "\n".join(lines + self._memory_lines() + self._pair_lines() + self._note_lines(skipped))
@@ -276,7 +276,7 @@ class ConvertReport:
         """The table of fused pairs: one line per conv + BN (+ tail), in chain order."""
         lines: List[str] = []
         width = max([12] + [len(p.activation) for p in self.pairs])
-        lines.append(f"  {'chain.pos':>9}  {'conv':<32} {'bn':<32} {'tail':<{width}} {'strategy':<15} {'kept':>10} "
+        lines.append(f"  {'chain.pos':>9}  {'conv':<32} {'norm':<32} {'tail':<{width}} {'strategy':<15} {'kept':>10} "
                      f"{'extra MACs':>12}")
         for p in self.pairs:
             # a head has no conv and an end no BN: "-" there, and the kind instead of a strategy

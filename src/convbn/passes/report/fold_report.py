@@ -68,14 +68,14 @@ class FoldReport:
         self.outcomes.append(BNOutcome(bn, "left", None, None, reason))
 
     def __str__(self) -> str:
-        rows = [("BatchNorm", "result", "layer", "reason / note")]
+        rows = [("norm", "result", "layer", "reason / note")]
         for a in self.outcomes:
             result = f"folded ({a.direction})" if a.folded else "skipped"
             rows.append((a.batchnorm, result, a.layer or "-", a.reason or ""))
         widths = [max(len(r[i]) for r in rows) for i in range(3)]
         lines = [
             f"FoldReport: {len(self.folded)} folded, {len(self.skipped)} skipped "
-            f"({len(self.outcomes)} BatchNorm calls/modules)"
+            f"({len(self.outcomes)} norm calls/modules)"
         ]
         for i, r in enumerate(rows):
             lines.append("  " + "  ".join(r[j].ljust(widths[j]) for j in range(3)) + "  " + r[3])

@@ -57,11 +57,12 @@ from ..graph.grad_regions import recording_grad_modes
 from ..graph.hooks import hook_reason
 from ..graph.state_tensors import state_tensor_ids
 from ..graph.shape_capture import Guards, ShapeGuard, ShapeTracing
-from ..graph.specialize import Defaults, constant_defaults, none_used_as_value
+from ..graph.specialize import Defaults, EmptyVarargs, constant_defaults, empty_varargs, none_used_as_value
 from ..graph.layers import LAYER_MODULES, has_standard_forward
 from .mode_answers import mode_dependent_once
 from ..graph.thread_patch import fx_patches_scoped, original_item, scoped_item
-from ..graph.trace_hazards import FunctionCall, _answer_could_differ, _tensor_valued, opaque_functions
+from ..graph.trace_hazards import (FunctionCall, _answer_could_differ, _asks_tensor_only, _surely_a_tensor, _tensor_valued,
+                                   opaque_functions)
 
 __all__ = ["TraceHazard", "LayerTracer", "Traced", "trace", "resolve_string_annotations", "short_reason", "FunctionCall"]
 
@@ -139,6 +140,8 @@ class _WatchedProxy(fx.Proxy):
         # C code (a torch op's argument parser) also reads ``__class__``; only an
         # ``isinstance`` / ``is_tensor`` written on the calling line is the model's question.
         if not _trusted(filename) and _asks_type(filename, frame.f_lineno) and _answer_could_differ(self, frame):
+            if _surely_a_tensor(self.node) and _asks_tensor_only(frame):
+                return torch.Tensor  # Note: [is_tensor on a traced tensor is True]
             raise TraceHazard(
                 f"isinstance() on a traced value at {os.path.basename(filename)}:{frame.f_lineno} "
                 "(torch.fx would record the non-tensor branch)"
@@ -150,6 +153,8 @@ def _patched_jit_isinstance(original: Callable[[Any, Any], bool]) -> Callable[[A
     def jit_isinstance(obj: Any, target_type: Any) -> bool:
         if type(obj) is _WatchedProxy or isinstance(obj, fx.Proxy):
             frame = sys._getframe(1)
+            if target_type is torch.Tensor and _surely_a_tensor(obj.node):
+                return True  # Note: [is_tensor on a traced tensor is True] (MONAI's UpCat asks this of its skip)
             if (isinstance(target_type, type) and _tensor_valued(obj.node)
                     and issubclass(torch.Tensor, target_type) == issubclass(type(obj), target_type)):
                 return original(obj, target_type)
@@ -191,7 +196,7 @@ class _PartialTracing:
     """
 
     def __init__(self, *args: Any, leaves: Sequence[str] = (), wrapped: Sequence[Callable[..., Any]] = (),
-                 **kwargs: Any) -> None:
+                 no_varargs: Optional[EmptyVarargs] = None, **kwargs: Any) -> None:
         if wrapped:
             kwargs["autowrap_functions"] = tuple(wrapped)
         super().__init__(*args, **kwargs)  # type: ignore[call-arg]
@@ -204,6 +209,20 @@ class _PartialTracing:
         self._frozen: Dict[int, bool] = {}
         self._bodies: Dict[int, NormActBody] = {}
         self._state: Set[int] = set()
+        self._no_varargs = no_varargs  # Note: [``*args`` traced as the call passes them]
+
+    def create_args_for_root(self, root_fn: Callable[..., Any], is_module: bool,
+                             concrete_args: Any = None) -> Tuple[Callable[..., Any], List[Any]]:
+        fn, args = super().create_args_for_root(root_fn, is_module, concrete_args)  # type: ignore[misc]
+        if self._no_varargs is not None:  # the root's *args / **kwargs as the call passes them
+            for i, a in enumerate(args):
+                target = str(a.node.target) if isinstance(a, fx.Proxy) and a.node.op == "placeholder" else ""
+                if target.startswith("*"):
+                    self.graph.erase_node(a.node)  # type: ignore[attr-defined]
+                    args[i] = {} if target.startswith("**") else tuple(
+                        self.create_proxy("placeholder", f"{target[1:]}_{k}", (), {})  # type: ignore[attr-defined]
+                        for k in range(self._no_varargs.extra))
+        return fn, args
 
     def create_arg(self, a: Any) -> Any:
         # Note: [a tensor read from the model's state is not a constant]
@@ -383,10 +402,12 @@ class Traced:
     modes: List[Tuple[nn.Module, bool]] = field(default_factory=list, repr=False)
     defaults: Defaults = field(default_factory=lambda: Defaults((), (), ()))
     shapes: Optional[ShapeGuard] = None
+    varargs: Optional[EmptyVarargs] = None
 
     def guard(self) -> Any:
         """The guard of calls the graph applies to (``hold(args, kwargs)``), or ``None``."""
-        guards = [g for g in (self.defaults if self.defaults.names else None, self.shapes) if g is not None]
+        guards = [g for g in (self.defaults if self.defaults.names else None, self.shapes, self.varargs)
+                  if g is not None]
         return None if not guards else guards[0] if len(guards) == 1 else Guards(guards)
 
     def opaque_layers(self, module: nn.Module) -> List[str]:
@@ -445,42 +466,60 @@ def trace(module: nn.Module, tracer_cls: Type[fx.Tracer] = fx.Tracer, *, leaves:
     if training is not None and module.training != training:
         module.train(training)
     try:
-        if defaults is not None:
+        if defaults is None:
+            return _trace(module, tracer_cls, leaves, example)
+        try:
             return _trace_with(module, tracer_cls, leaves, example, defaults)
-        return _trace(module, tracer_cls, leaves, example)
+        except Exception:
+            varargs = empty_varargs(module, example)  # Note: [``*args`` traced as the call passes them]
+            if varargs is None:
+                raise
+            return _trace_with(module, tracer_cls, leaves, example, defaults, varargs)
     finally:
         for m, t in flags:
             m.training = t
 
 
 def _tracer(tracer_cls: Type[fx.Tracer], leaves: Sequence[str], wrapped: Sequence[Callable[..., Any]],
-            example: Optional[Tuple[Tuple[Any, ...], Dict[str, Any]]]) -> Any:
+            example: Optional[Tuple[Tuple[Any, ...], Dict[str, Any]]], no_varargs: Optional[EmptyVarargs] = None) -> Any:
     if example is None:
-        return _partial_class(tracer_cls)(leaves=leaves, wrapped=wrapped)
+        return _partial_class(tracer_cls)(leaves=leaves, wrapped=wrapped, no_varargs=no_varargs)
     key = (ShapeTracing, tracer_cls)
     if key not in _PARTIAL_CLASSES:
         _PARTIAL_CLASSES[key] = type(f"Shaped{tracer_cls.__name__}", (ShapeTracing, _partial_class(tracer_cls)), {})
-    return _PARTIAL_CLASSES[key](leaves=leaves, wrapped=wrapped, example=example)
+    return _PARTIAL_CLASSES[key](leaves=leaves, wrapped=wrapped, example=example, no_varargs=no_varargs)
 
 
 def _trace(module: nn.Module, tracer_cls: Type[fx.Tracer], leaves: Sequence[str],
            example: Optional[Tuple[Tuple[Any, ...], Dict[str, Any]]] = None) -> Traced:
+    try:
+        return _trace_defaults(module, tracer_cls, leaves, example, None)
+    except Exception:
+        varargs = empty_varargs(module, example)  # Note: [``*args`` traced as the call passes them]
+        if varargs is None:
+            raise
+        return _trace_defaults(module, tracer_cls, leaves, example, varargs)
+
+
+def _trace_defaults(module: nn.Module, tracer_cls: Type[fx.Tracer], leaves: Sequence[str],
+                    example: Optional[Tuple[Tuple[Any, ...], Dict[str, Any]]], varargs: Optional[EmptyVarargs]) -> Traced:
     defaults = constant_defaults(module)
     if defaults.names:
         try:
-            traced = _trace_with(module, tracer_cls, leaves, example, defaults)
+            traced = _trace_with(module, tracer_cls, leaves, example, defaults, varargs)
             if not none_used_as_value(traced.graph):
                 return traced
         except Exception:  # noqa: BLE001 - the code needs them as values (x + residual): symbolic, as before
             pass
-    return _trace_with(module, tracer_cls, leaves, example, Defaults((), (), ()))
+    return _trace_with(module, tracer_cls, leaves, example, Defaults((), (), ()), varargs)
 
 
 def _trace_with(module: nn.Module, tracer_cls: Type[fx.Tracer], leaves: Sequence[str],
-                example: Optional[Tuple[Tuple[Any, ...], Dict[str, Any]]], defaults: Defaults) -> Traced:
+                example: Optional[Tuple[Tuple[Any, ...], Dict[str, Any]]], defaults: Defaults,
+                varargs: Optional[EmptyVarargs] = None) -> Traced:
     wrapped: List[Callable[..., Any]] = []
     for _ in range(16):
-        tracer = _tracer(tracer_cls, leaves, wrapped, example)
+        tracer = _tracer(tracer_cls, leaves, wrapped, example, varargs)
         try:
             graph = tracer.trace(module, defaults.concrete_args())
             break
@@ -502,19 +541,21 @@ def _trace_with(module: nn.Module, tracer_cls: Type[fx.Tracer], leaves: Sequence
     traced.modes = [(m, m.training) for m in module.modules()]
     traced.defaults = defaults
     traced.shapes = ShapeGuard(*example) if example is not None else None
+    traced.varargs = varargs
     traced.mode_dependent = mode_dependent_once(  # Note: [a mode dependence answered once]
-        module, gm.code, lambda: _mode_dependent(module, tracer_cls, leaves, wrapped, gm.code, defaults, example))
+        module, gm.code, lambda: _mode_dependent(module, tracer_cls, leaves, wrapped, gm.code, defaults, example, varargs))
     return traced
 
 
 def _mode_dependent(module: nn.Module, tracer_cls: Type[fx.Tracer], leaves: Sequence[str],
                     wrapped: Sequence[Callable[..., Any]], code: str, defaults: Defaults,
-                    example: Optional[Tuple[Tuple[Any, ...], Dict[str, Any]]] = None) -> bool:
+                    example: Optional[Tuple[Tuple[Any, ...], Dict[str, Any]]] = None,
+                    no_varargs: Optional[EmptyVarargs] = None) -> bool:
     modes = [(m, m.training) for m in module.modules()]
     try:
         for m, t in modes:
             m.training = not t
-        tracer = _tracer(tracer_cls, leaves, wrapped, example)
+        tracer = _tracer(tracer_cls, leaves, wrapped, example, no_varargs)
         graph = tracer.trace(module, defaults.concrete_args())
         defaults.strip_asserts(graph)
         checkpointed_modules(graph, module)

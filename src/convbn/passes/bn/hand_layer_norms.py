@@ -1,0 +1,295 @@
+"""Hand-written channel LayerNorms recognised by their graph pattern.
+
+Many ConvNeXt-style nets write their LayerNorm over the channels out by hand instead of calling
+``F.layer_norm`` between permutes (ConvNeXt's original ``LayerNorm(data_format="channels_first")``,
+the ``LayerNorm`` of lucidrains' U-Nets)::
+
+    u = x.mean(1, keepdim=True)                      # or torch.mean(x, dim=1, keepdim=True)
+    s = (x - u).pow(2).mean(1, keepdim=True)         # or torch.var(x, dim=1, unbiased=False, keepdim=True)
+    x = (x - u) / torch.sqrt(s + eps)                # or (x - u) * (s + eps).rsqrt()
+    x = w[:, None, None] * x + b[:, None, None]      # or * g with g of shape (1, C, 1, 1); bias optional
+
+:func:`hand_channel_layer_norms` (a canonicalising rewrite of convert's pipeline) replaces each
+such subgraph by one :func:`convbn.functional.norms.channel_layer_norm` node on the module's own
+affine tensors, which :mod:`convbn.passes.bn.norm_sites` then finds like any channel LayerNorm.
+
+Note: [a hand-written LayerNorm computes as F.layer_norm after convert]
+The formula above and ``F.layer_norm`` compute the same function, not the same bits: the mean,
+variance and reciprocal square root are rounded differently (float32 differences of a few ulps;
+float64 differences near 1e-15). After convert the pattern runs as ``F.layer_norm`` whether or not
+it is fused; tests compare against the model's own code in float64 with the library's float64
+tolerance. Recognised are: mean and biased variance over dim 1 (``mean`` of the squared
+difference, or ``var`` with ``unbiased=False`` / ``correction=0``), ``eps`` a number added to it,
+``sqrt`` divided or ``rsqrt`` (or ``** 0.5`` / ``** -0.5``) multiplied, then optionally ``* weight``
+and ``+ bias`` (either operand order) where each is a parameter or buffer with one dimension of
+size C, broadcast over the channel dimension (indexing with ``None``, ``view`` / ``reshape`` /
+``unsqueeze``, or stored as ``(1, C, 1, 1)``): the rank this implies must be the input's where
+the graph shows it (a convolution's output); elsewhere the first-call check compares. Without a weight the channel count is unknown
+before run time and the pattern is left as written. Nodes of the pattern that something else
+also reads stay (their values are unchanged).
+"""
+from __future__ import annotations
+
+import operator
+from typing import Any, List, Optional, Tuple
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+from torch import nn
+
+from ...functional.norms import channel_layer_norm
+from ..graph.layers import node_arg
+
+__all__ = ["hand_channel_layer_norms"]
+
+_SUB = ({operator.sub, torch.sub}, {"sub"})
+_ADD = ({operator.add, torch.add}, {"add"})
+_MUL = ({operator.mul, torch.mul}, {"mul"})
+_DIV = ({operator.truediv, torch.div}, {"div"})
+_POW = ({operator.pow, torch.pow}, {"pow"})
+_SQRT = ({torch.sqrt}, {"sqrt"})
+_RSQRT = ({torch.rsqrt}, {"rsqrt"})
+_SQUARE = ({torch.square}, {"square"})
+_MEAN = ({torch.mean}, {"mean"})
+_VAR = ({torch.var}, {"var"})
+_VIEWS = ({operator.getitem, torch.reshape, torch.unsqueeze}, {"view", "reshape", "unsqueeze"})
+
+
+def _is(node: Any, kind: Tuple[set, set]) -> bool:
+    if not isinstance(node, fx.Node):
+        return False
+    return (node.op == "call_function" and node.target in kind[0]) or (node.op == "call_method" and node.target in kind[1])
+
+
+def _binary(node: Any, kind: Tuple[set, set]) -> Optional[Tuple[Any, Any]]:
+    """The two operands of an element-wise binary op of ``kind`` with no other argument."""
+    if not _is(node, kind) or len(node.args) != 2 or node.kwargs:
+        return None
+    return node.args[0], node.args[1]
+
+
+def _unary(node: Any, kind: Tuple[set, set]) -> Any:
+    return node.args[0] if _is(node, kind) and len(node.args) == 1 and not node.kwargs else None
+
+
+def _number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _channel_reduction(node: Any, kind: Tuple[set, set]) -> Any:
+    """The input of a ``mean`` / biased ``var`` over dim 1 with ``keepdim=True``, else ``None``."""
+    if not _is(node, kind):
+        return None
+    dim = node_arg(node, 1, "dim", None)
+    if dim not in (1, (1,), [1]):
+        return None
+    if kind is _MEAN:
+        ok = node_arg(node, 2, "keepdim", False) is True and len(node.args) <= 3 and set(node.kwargs) <= {"dim", "keepdim"}
+    else:  # var(x, dim, unbiased, keepdim) or var(x, dim, *, correction=0, keepdim)
+        biased = node_arg(node, 2, "unbiased", True) is False or node.kwargs.get("correction", 1) == 0
+        ok = biased and node_arg(node, 3, "keepdim", False) is True and set(node.kwargs) <= {"dim", "unbiased",
+                                                                                               "correction", "keepdim"}
+    return node.args[0] if ok else None
+
+
+def _centred(node: Any) -> Any:
+    """``x`` of ``x - x.mean(1, keepdim=True)``, else ``None``."""
+    ops = _binary(node, _SUB)
+    if ops is None:
+        return None
+    x, mean = ops
+    return x if isinstance(x, fx.Node) and _channel_reduction(mean, _MEAN) is x else None
+
+
+def _variance_of(node: Any) -> Any:
+    """``x`` whose biased variance over the channels ``node`` computes, else ``None``."""
+    x = _channel_reduction(node, _VAR)
+    if x is not None:
+        return x
+    sq = _channel_reduction(node, _MEAN)
+    d = _unary(sq, _SQUARE)
+    if d is None:
+        pw, mul = _binary(sq, _POW), _binary(sq, _MUL)
+        d = pw[0] if pw is not None and pw[1] == 2 else mul[0] if mul is not None and mul[0] is mul[1] else None
+    return _centred(d)
+
+
+def _eps_added(node: Any) -> Optional[Tuple[Any, float]]:
+    """``(variance node, eps)`` of ``var + eps`` (either order), else ``None``."""
+    ops = _binary(node, _ADD)
+    if ops is None:
+        return None
+    a, b = ops
+    return (a, float(b)) if _number(b) else (b, float(a)) if _number(a) else None
+
+
+def _root(node: Any, inverse: bool) -> Any:
+    """The ``var + eps`` node under ``sqrt`` (``inverse``: ``rsqrt``) or the matching power."""
+    arg = _unary(node, _RSQRT if inverse else _SQRT)
+    if arg is not None:
+        return arg
+    pw = _binary(node, _POW)
+    return pw[0] if pw is not None and pw[1] == (-0.5 if inverse else 0.5) else None
+
+
+def _normalised(node: Any) -> Optional[Tuple[fx.Node, float]]:
+    """``(x, eps)`` where ``node`` is ``(x - mean) / sqrt(var + eps)`` (or ``* rsqrt``), else ``None``."""
+    div, mul = _binary(node, _DIV), _binary(node, _MUL)
+    pairs = [(div, False)] if div is not None else [(mul, True), ((mul[1], mul[0]), True)] if mul is not None else []
+    for (diff, scale), inverse in pairs:
+        x = _centred(diff)
+        added = _eps_added(_root(scale, inverse))
+        if x is not None and added is not None and _variance_of(added[0]) is x:
+            return x, added[1]
+    return None
+
+
+def _channel_vector(node: Any, gm: fx.GraphModule) -> Optional[Tuple[str, int, int]]:
+    """``(attribute target, C, rank of the input it broadcasts over as channels)`` of a stored
+    tensor with one dimension of size C, possibly indexed / viewed, else ``None``."""
+    ops: List[fx.Node] = []
+    while _is(node, _VIEWS) and len(ops) < 4:
+        ops.append(node)
+        node = node.args[0]
+    if not isinstance(node, fx.Node) or node.op != "get_attr":
+        return None
+    try:
+        t = _attr(gm, str(node.target))
+    except AttributeError:
+        return None
+    if not isinstance(t, torch.Tensor) or t.dim() == 0 or sorted(t.shape)[:-1] != [1] * (t.dim() - 1) or t.numel() < 2:
+        return None
+    shape = _viewed_shape(tuple(t.shape), reversed(ops))
+    if shape is None or [s for s in shape if s != 1] != [t.numel()]:
+        return None
+    pos = list(shape).index(t.numel())
+    if pos > 1:
+        return None
+    return str(node.target), t.numel(), len(shape) + 1 - pos
+
+
+def _attr(gm: fx.GraphModule, target: str) -> Any:
+    obj: Any = gm
+    for part in target.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _viewed_shape(shape: Tuple[int, ...], ops: Any) -> Optional[Tuple[int, ...]]:
+    """The shape after the indexing / view ops (constant arguments only), on a meta tensor."""
+    t = torch.empty(shape, device="meta")
+    for op in ops:
+        rest = list(op.args[1:])
+        if any(isinstance(a, fx.Node) for a in rest) or op.kwargs:
+            return None
+        try:
+            t = _apply(t, op, rest)
+        except (RuntimeError, IndexError, TypeError, ValueError):
+            return None
+    return tuple(t.shape)
+
+
+def _apply(t: torch.Tensor, op: fx.Node, rest: List[Any]) -> torch.Tensor:
+    if op.target is operator.getitem:
+        return t[rest[0]]
+    if op.op == "call_function":
+        return op.target(t, *rest)
+    return getattr(t, str(op.target))(*rest)
+
+
+def _affine(node: fx.Node, gm: fx.GraphModule) -> Optional[Tuple[fx.Node, Optional[str], int, int]]:
+    """``(output node, target, C, rank)`` of ``node * vector`` (either order), else ``None``."""
+    if len(node.users) != 1:
+        return None
+    user = next(iter(node.users))
+    ops = _binary(user, _MUL)
+    if ops is None or node not in ops:
+        return None
+    vec = _channel_vector(ops[1] if ops[0] is node else ops[0], gm)
+    return None if vec is None else (user, *vec)
+
+
+def _bias(node: fx.Node, gm: fx.GraphModule, channels: int, rank: int) -> Optional[Tuple[fx.Node, str]]:
+    """``(output node, target)`` of ``node + vector`` (either order) of the same channels, else ``None``."""
+    if len(node.users) != 1:
+        return None
+    user = next(iter(node.users))
+    ops = _binary(user, _ADD)
+    if ops is None or node not in ops:
+        return None
+    vec = _channel_vector(ops[1] if ops[0] is node else ops[0], gm)
+    return (user, vec[0]) if vec is not None and vec[1:] == (channels, rank) else None
+
+
+_CONV_RANK = {F.conv1d: 3, F.conv2d: 4, F.conv3d: 5}
+_SAME_RANK_MODULES = (nn.Identity, nn.Dropout, nn.ReLU, nn.ReLU6, nn.LeakyReLU, nn.SiLU, nn.GELU, nn.Hardswish,
+                      nn.Mish, nn.PReLU, nn.ELU, nn.Tanh, nn.Sigmoid)
+
+
+def _rank(node: Any, gm: fx.GraphModule) -> Optional[int]:
+    """The rank of ``node``'s value where the graph shows it (a convolution's output, through
+    activations and sums), else ``None``."""
+    for _ in range(8):
+        if not isinstance(node, fx.Node):
+            return None
+        if node.op == "call_module":
+            mod = gm.get_submodule(str(node.target))
+            if isinstance(mod, nn.modules.conv._ConvNd):
+                return len(mod.kernel_size) + 2
+            if not isinstance(mod, _SAME_RANK_MODULES) or len(node.args) != 1:
+                return None
+        elif node.op == "call_function" and node.target in _CONV_RANK:
+            return _CONV_RANK[node.target]
+        elif not (_is(node, _ADD) or _is(node, _SUB) or _is(node, _MUL)):
+            return None
+        node = node.args[0]
+    return None
+
+
+def _erase_unused(graph: fx.Graph, start: fx.Node) -> None:
+    """Erase ``start`` and, transitively, the nodes feeding it that nothing else reads."""
+    todo, erased = [start], set()
+    while todo:
+        n = todo.pop()
+        if n in erased or n.users or n.op in ("placeholder", "output"):
+            continue
+        inputs = list(n.all_input_nodes)
+        graph.erase_node(n)
+        erased.add(n)
+        todo.extend(inputs)
+
+
+def hand_channel_layer_norms(gm: fx.GraphModule) -> int:
+    """Replace each hand-written channel LayerNorm of ``gm`` (module docstring) by one
+    :func:`~convbn.functional.norms.channel_layer_norm` node. Returns how many were replaced.
+
+    Note: [a hand-written LayerNorm computes as F.layer_norm after convert]
+    """
+    graph, done = gm.graph, 0
+    for node in list(graph.nodes):
+        if node.graph is not graph or node.op not in ("call_function", "call_method"):
+            continue  # erased by an earlier replacement
+        found = _normalised(node)
+        if found is None:
+            continue
+        x, eps = found
+        scaled = _affine(node, gm)
+        if scaled is None:
+            continue  # no weight: the channel count is not known before run time
+        out, w_target, channels, rank = scaled
+        if _rank(x, gm) not in (None, rank):
+            continue  # the affine tensors broadcast over another dimension than the channels
+        shifted = _bias(out, gm, channels, rank)
+        out, b_target = shifted if shifted is not None else (out, None)
+        with graph.inserting_before(out):
+            w = graph.get_attr(w_target)
+            b = graph.get_attr(b_target) if b_target is not None else None
+            new = graph.call_function(channel_layer_norm, (x, (channels,), w, b, eps))
+        out.replace_all_uses_with(new)
+        _erase_unused(graph, out)
+        done += 1
+    if done:
+        graph.lint()
+        gm.recompile()
+    return done

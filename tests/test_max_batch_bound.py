@@ -1,0 +1,230 @@
+"""Answering max_batch holds no tensors above the memory asked about, and the meters it rests on
+count what they say: Notes [stopping before the operator that would cross] (memory/next_op.py),
+[answering within the limit] (batch_search.py), [blocks from before the measurement] (peaks.py).
+"""
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+
+import convbn
+import convbn.batch_search as batch_search
+import convbn.largest_batch as largest_batch
+from convbn.memory import allocator_peak, tensor_peak, timeline
+from convbn.memory.next_op import new_output_bytes
+from convbn.memory.timelines import StepOverLimit, _TimelineMode
+
+from test_max_batch_predict import _resnet
+
+aten = torch.ops.aten
+
+
+def _mlp():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(64, 256), nn.BatchNorm1d(256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(),
+                         nn.Linear(256, 10))
+
+
+def test_new_output_bytes_are_the_new_storages_known_before_the_op_runs():
+    a, b = torch.ones(4, 8), torch.ones(4, 8)
+    assert new_output_bytes(aten.add.Tensor, (a, b)) == 4 * 8 * 4
+    assert new_output_bytes(aten.add_.Tensor, (a, b)) == 0  # in place: the input's storage
+    assert new_output_bytes(aten.view.default, (a, [32])) == 0  # a view
+    assert new_output_bytes(aten.mm.default, (a, b.t())) == 4 * 4 * 4
+    assert new_output_bytes(aten.empty.memory_format, ([3, 5],), {"dtype": torch.float64}) == 3 * 5 * 8
+    w = torch.ones(2, 3, 3, 3)
+    out, gi, gw = aten.convolution_backward.default(torch.ones(1, 2, 6, 6), torch.ones(1, 3, 8, 8), w, None,
+                                                     [1, 1], [0, 0], [1, 1], False, [0, 0], 1, [True, True, False])
+    assert new_output_bytes(aten.convolution_backward.default, (torch.ones(1, 2, 6, 6), torch.ones(1, 3, 8, 8), w,
+                                                                None, [1, 1], [0, 0], [1, 1], False, [0, 0], 1,
+                                                                [True, True, False])) == out.nbytes + gi.nbytes
+    assert new_output_bytes(aten.add.Tensor, (torch.ones(4).to_sparse(), torch.ones(4).to_sparse())) is None
+    assert new_output_bytes(aten.nonzero.default, (a,)) is None  # a data-dependent shape: measured after
+
+
+@pytest.mark.parametrize("share", [1.0, 0.5, 0.25])
+def test_a_stopped_step_never_allocates_above_the_limit(share):
+    """Exact CPU allocator bytes: a step stopped at ``stop_above`` made no block above it (the
+    operator that would cross never ran); fails with the stop before the operator removed."""
+    net, x = _mlp(), torch.randn(32, 64)
+    full = timeline(net, x)
+    limit = int(full.peak * share) - 1
+    stopped = []
+
+    def step():
+        with pytest.raises(StepOverLimit) as err:
+            timeline(net, x, stop_above=limit)
+        stopped.append(err.value)
+
+    assert allocator_peak(step) <= limit
+    assert stopped[0].before and stopped[0].bytes > limit
+
+
+def test_the_stop_is_at_the_same_operator_before_or_after():
+    net, x = _mlp(), torch.randn(32, 64)
+    full = timeline(net, x)
+    with pytest.raises(StepOverLimit) as err:
+        timeline(net, x, stop_above=full.peak - 1)
+    assert err.value.before and err.value.bytes == full.peak and err.value.point.op == full.peak_point.op
+
+
+class _Reads:
+    """Every reading of live bytes by every stopped-above step, and each step's limit."""
+
+    def __init__(self, monkeypatch):
+        self.most, self.limits = {}, set()
+        real = _TimelineMode.__torch_dispatch__
+        reads = self
+
+        def dispatch(mode, func, types, args=(), kwargs=None):
+            if mode.stop_above is not None and not getattr(mode, "_watched", False):
+                mode._watched, inner = True, mode.read
+
+                def read():
+                    value = inner()
+                    reads.most[mode.stop_above] = max(reads.most.get(mode.stop_above, 0), value)
+                    return value
+
+                mode.read = read
+            return real(mode, func, types, args, kwargs)
+
+        monkeypatch.setattr(_TimelineMode, "__torch_dispatch__", dispatch)
+
+
+@pytest.mark.parametrize("method,confirm", [("predict", True), ("measure", None)])
+def test_answering_holds_no_tensors_above_the_limit(monkeypatch, method, confirm):
+    """Exact live tensor bytes after every operator of every step max_batch runs stay within
+    ``memory - resident`` (the steps over it stopped before they crossed), with
+    ``method="measure"`` too; fails with the stop before the operator removed."""
+    reads = _Reads(monkeypatch)
+    torch.manual_seed(0)
+    net = _resnet()
+    opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+    fit = convbn.max_batch(net, torch.randn(2, 3, 16, 16), "2MiB", optimizer=opt, method=method, confirm=confirm)
+    room = fit.usable - fit.resident
+    assert set(reads.most) == {room}  # every probing step ran against the room left by the limit
+    assert reads.most[room] <= room
+    assert fit.resident + fit.probes["convbn"][fit.convbn_batch + 1] > fit.usable  # the batch above was over
+    assert fit.convbn_batch > fit.eager_batch > 6
+
+
+def test_measure_converts_once_per_side(monkeypatch):
+    """``method="measure"`` steps the batch-2 conversion planned per batch: it no longer
+    converts (and checks) a copy at each batch it tries, which went far above the limit."""
+    calls = []
+    real = batch_search.convert
+    monkeypatch.setattr(batch_search, "convert", lambda m, **kw: calls.append(kw["example_inputs"][0].shape[0])
+                        or real(m, **kw))
+    torch.manual_seed(0)
+    net = _resnet()
+    fit = convbn.max_batch(net, torch.randn(2, 3, 16, 16), "2MiB", method="measure")
+    assert calls == [2] and len(fit.probes["convbn"]) > 3
+
+
+def test_a_batch_whose_inputs_alone_are_over_is_never_made(monkeypatch):
+    made = []
+    real = batch_search.batch_of
+    monkeypatch.setattr(batch_search, "batch_of", lambda s, b: made.append(b) or real(s, b))
+    torch.manual_seed(0)
+    fit = convbn.max_batch(_resnet(), torch.randn(2, 3, 16, 16), "2MiB", method="measure", upper=1 << 20)
+    room = fit.usable - fit.resident
+    assert all(b * 3 * 16 * 16 * 4 <= room for b in made)
+
+
+def test_allocator_peak_counts_only_blocks_made_in_the_call():
+    """The same step gives the same figure whether what it frees was made under an earlier
+    profiler session or not (Note: [blocks from before the measurement])."""
+    net, x = _mlp(), torch.randn(32, 64)
+
+    def step():
+        net.zero_grad(set_to_none=True)  # frees the gradients of the step before
+        net(x).mean().backward()
+
+    step()
+    unprofiled = allocator_peak(step)  # the gradients freed were made without a profiler
+    again = allocator_peak(step)  # these were made under the profiler of the call before
+    assert unprofiled == again > sum(p.numel() * 4 for p in net.parameters())
+
+
+@pytest.mark.parametrize("make", [lambda d: d.to_sparse(), lambda d: d.to_sparse_csr()], ids=["coo", "csr"])
+def test_tensor_peak_counts_a_sparse_tensor_as_its_parts(make):
+    dense = torch.zeros(64, 32)
+    dense[::3, ::5] = 1.0
+    with tensor_peak() as tp:
+        s = make(dense)
+    parts = (s._indices(), s._values()) if s.layout == torch.sparse_coo else (s.crow_indices(), s.col_indices(),
+                                                                             s.values())
+    assert tp.result.end == sum(p.untyped_storage().nbytes() for p in parts) > 0
+
+
+def test_timeline_and_tensor_peak_count_a_sparse_gradient():
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Embedding(1000, 16, sparse=True), nn.Linear(16, 4))
+    idx = torch.randint(0, 1000, (8, 3))
+    assert timeline(net, idx).peak > 0  # it raised: a sparse tensor has no storage
+    net.zero_grad(set_to_none=True)
+    with tensor_peak(net) as tp:
+        net(idx).sum().backward()
+    g = net[0].weight.grad
+    assert g.layout == torch.sparse_coo
+    kept = g._indices().untyped_storage().nbytes() + g._values().untyped_storage().nbytes()
+    # the sparse gradient's parts counted (one int64 copy of the indices may still be alive), not a dense table
+    assert kept + net[1].weight.grad.nbytes + net[1].bias.grad.nbytes <= tp.result.end < net[0].weight.nbytes
+
+
+def test_confirm_seconds_is_a_deprecated_alias():
+    with pytest.warns(DeprecationWarning, match="CONFIRM_SECONDS is deprecated and no longer read"):
+        assert largest_batch.CONFIRM_SECONDS == 20.0
+    assert "CONFIRM_SECONDS" not in largest_batch.__all__
+    with pytest.raises(AttributeError, match="no attribute 'CONFIRM_MINUTES'"):
+        largest_batch.CONFIRM_MINUTES
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert largest_batch.CONFIRM_FLOPS == batch_search.CONFIRM_FLOPS
+
+
+def test_memtracker_internals_are_read_through_compat_only():
+    """torch's MemTracker's private members are overridden and read in ``_compat.py`` alone."""
+    import pathlib
+
+    import convbn.memory as memory
+
+    private = ("_curr_mem_snap", "_peak_mem", "_mod_tracker", "_known_modules", "_track_module_params_and_buffers",
+               "_update_peak_stats", "_pre_fw_hook", "_param_to_grad_hook_handles", "_update_and_maybe_create_winfos",
+               "_track_inputs_or_outputs", "_WINFO")
+    for path in pathlib.Path(memory.__file__).parent.glob("*.py"):
+        text = path.read_text()
+        assert not [name for name in private if f".{name}" in text or f"def {name}" in text], path.name
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_a_step_at_its_own_peak_is_not_stopped():
+    """On CUDA the stop reads the bytes allocated now, not the allocator's peak since the last
+    reading (which would count a freed block again and stop a step that fits)."""
+    net, x = _mlp().cuda(), torch.randn(32, 64, device="cuda")
+    full = timeline(net, x)
+    assert timeline(net, x, stop_above=full.peak).peak == full.peak
+    with pytest.raises(StepOverLimit) as err:
+        timeline(net, x, stop_above=full.peak // 2)
+    assert err.value.bytes > full.peak // 2
+
+
+@pytest.mark.parametrize("method", ["predict", "measure"])
+def test_answering_allocates_within_the_memory_plus_the_inputs_where_kernels_need_no_scratch(method):
+    """Exact CPU allocator bytes over the whole call: on a channels-last net (oneDNN convolves
+    it without reordering, so its kernels need no scratch beyond their outputs) the call peaks
+    within ``memory`` plus the batch of inputs of the largest batch it stepped (live before a
+    step, not in the limit) plus 1 KiB of small allocations. Fails with the stop before the
+    operator removed (the crossing operator's output comes on top)."""
+    torch.manual_seed(0)
+    net = _resnet().to(memory_format=torch.channels_last)
+    x = torch.randn(2, 3, 16, 16).to(memory_format=torch.channels_last)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+    out = {}
+    peak = allocator_peak(lambda: out.setdefault("fit", convbn.max_batch(net, x, "2MiB", optimizer=opt,
+                                                                         method=method, confirm=True)))
+    fit = out["fit"]
+    stepped = max(b for side in fit.probes.values() for b in side)
+    assert fit.convbn_batch + 1 in fit.probes["convbn"]  # the batch above was stepped (and stopped)
+    assert peak <= fit.memory + batch_search.input_bytes((x,), stepped) + 1024
