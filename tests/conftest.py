@@ -12,10 +12,19 @@ nothing is fused (or that a chain runs as eager modules) says so with
 """
 import pytest
 import torch
+from hypothesis import settings
 
 import fusion_watch
 
 fusion_watch.install()
+
+# The suite's outcome depends on the code, never on the run: hypothesis draws the same examples
+# every run (derandomized, from each test's name), keeps no database of earlier failures
+# between runs and has no per-example deadline (a time limit is the machine's load, not the code). ``pytest --hypothesis-profile=explore`` draws fresh random examples (and saves
+# what fails) when looking for new counterexamples.
+settings.register_profile("suite", derandomize=True, database=None, deadline=None, print_blob=True)
+settings.register_profile("explore", derandomize=False)
+settings.load_profile("suite")
 
 
 def pytest_configure(config: pytest.Config) -> None:
