@@ -28,17 +28,17 @@ goes back into a module without changing what the user built:
 * **Mode dependence**: the trace is repeated with ``training`` flipped; a graph that
   differs runs the original code in the other mode (:mod:`convbn.passes.graph.graph_module`).
 
+Where each part lives: the leaf policy :mod:`.leaves` (:class:`LayerTracer`); the hazard checks
+made while tracing :mod:`.hazards` (:class:`TraceHazard`, the watched proxy, ``torch.jit.isinstance``
+patched); the result :mod:`.traced` (:class:`Traced`); this module the partial tracer, the
+:func:`trace` entry and the mode-dependence probe, and re-exports the names it always exported.
 What a replaced module keeps is :mod:`convbn.passes.graph.graph_module`; running and comparing
 the original and a rewrite is :mod:`convbn.passes.check.validate`; hooks: :mod:`convbn.passes.graph.hooks`.
 """
 from __future__ import annotations
 
-import linecache
-import os
-import sys
 import traceback
 import typing
-from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple, Type
 
 import torch
@@ -48,56 +48,22 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from ...nn.standard_bn import frozen_batch_norm, has_standard_bn_forward, standard_batch_norm
-from ...nn.chain import FusedChain
-from ...nn.fused_conv_bn import _FusedConvBNNd
 from ..bn.frozen import frozen_bn_ranks, holds_frozen_bn_tensors, recognise_frozen_norm_act
 from ..bn.recognise import NormActBody, recognise_norm_act
 from ..graph.checkpoint_calls import checkpointed_modules, keep_checkpoint_calls
 from ..graph.grad_regions import recording_grad_modes
 from ..graph.hooks import hook_reason
 from ..graph.state_tensors import state_tensor_ids
-from ..graph.shape_capture import Guards, ShapeGuard, ShapeTracing
+from ..graph.shape_capture import ShapeGuard, ShapeTracing
 from ..graph.specialize import Defaults, EmptyVarargs, constant_defaults, empty_varargs, none_used_as_value
-from ..graph.layers import LAYER_MODULES, has_standard_forward
 from .mode_answers import mode_dependent_once
 from ..graph.thread_patch import fx_patches_scoped, original_item, scoped_item
-from ..graph.trace_hazards import (FunctionCall, _answer_could_differ, _asks_tensor_only, _surely_a_tensor, _tensor_valued,
-                                   opaque_functions)
+from ..graph.trace_hazards import FunctionCall, opaque_functions
+from .hazards import TraceHazard, _patched_jit_isinstance, _trusted, _WatchedProxy
+from .leaves import LayerTracer
+from .traced import Traced
 
 __all__ = ["TraceHazard", "LayerTracer", "Traced", "trace", "resolve_string_annotations", "short_reason", "FunctionCall"]
-
-
-class LayerTracer(fx.Tracer):
-    """The leaf policy of :func:`convbn.convert` and :func:`convbn.fold`: the modules they
-    match stay single calls.
-
-    Leaves: BatchNorms with torch's forward (``_BatchNorm`` cannot be traced into: its
-    ``_check_input_dim`` branches on the input's rank), conv / conv-transpose / linear
-    modules that keep torch's ``forward`` (subclasses too; one with its own ``forward`` is
-    traced into, and its ``F.conv2d`` call matched), and convbn's fused modules (already
-    fused). Everything else as ``fx.Tracer``. Partial tracing, hooks and hazards:
-    :func:`trace`.
-
-    Note: [BatchNorm subclasses with their own forward]
-    One that :func:`~convbn.passes.bn.recognise.recognise_norm_act` recognises is inlined
-    (:class:`_PartialTracing`). One it does not is a leaf in training mode: its forward may
-    update running statistics in ways a trace runs once, and convert reports it left. In
-    eval mode (fold) it is traced into like any module: a ``batch_norm`` call on constant
-    statistics inside it folds like any other, and fold's check runs the result.
-    """
-
-    def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
-        if isinstance(m, (FusedChain, _FusedConvBNNd)):
-            return True
-        if isinstance(m, _BatchNorm):
-            return has_standard_bn_forward(m) or m.training or super().is_leaf_module(m, module_qualified_name)
-        if isinstance(m, LAYER_MODULES):
-            return has_standard_forward(m)
-        return super().is_leaf_module(m, module_qualified_name)
-
-
-class TraceHazard(RuntimeError):
-    """Raised while tracing where ``torch.fx`` would record a different computation than eager runs."""
 
 
 def short_reason(exc: BaseException, limit: int = 160) -> str:
@@ -107,64 +73,6 @@ def short_reason(exc: BaseException, limit: int = 160) -> str:
     if len(first) > limit:
         first = first[: limit - 3] + "..."
     return f"{type(exc).__name__}: {first}"
-
-
-_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
-_OWN_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
-# torch's own code inspects proxies on purpose (FX itself, pytree, dispatch, Parameter's
-# metaclass); ``torch.is_tensor`` (torch/__init__.py) is the model's question, not torch's.
-_IS_TENSOR_FILE = _TORCH_DIR + "__init__.py"
-
-
-def _trusted(filename: str) -> bool:
-    return (filename.startswith(_TORCH_DIR) and filename != _IS_TENSOR_FILE) or filename.startswith(_OWN_DIR)
-
-
-def _asks_type(filename: str, lineno: int) -> bool:
-    line = linecache.getline(filename, lineno)
-    return "isinstance" in line or "is_tensor" in line or "issubclass" in line
-
-
-class _WatchedProxy(fx.Proxy):
-    """A proxy that notices ``isinstance`` checks made on it by the model's own code.
-
-    ``isinstance(p, C)`` for a class ``C`` that ``type(p)`` is not a subclass of reads
-    ``p.__class__``; eager code would have seen a Tensor there. The check is a hazard
-    unless it comes from FX or torch internals.
-    """
-
-    @property  # type: ignore[misc]
-    def __class__(self) -> type:  # noqa: D401
-        frame = sys._getframe(1)
-        filename = frame.f_code.co_filename
-        # C code (a torch op's argument parser) also reads ``__class__``; only an
-        # ``isinstance`` / ``is_tensor`` written on the calling line is the model's question.
-        if not _trusted(filename) and _asks_type(filename, frame.f_lineno) and _answer_could_differ(self, frame):
-            if _surely_a_tensor(self.node) and _asks_tensor_only(frame):
-                return torch.Tensor  # Note: [is_tensor on a traced tensor is True]
-            raise TraceHazard(
-                f"isinstance() on a traced value at {os.path.basename(filename)}:{frame.f_lineno} "
-                "(torch.fx would record the non-tensor branch)"
-            )
-        return type(self)
-
-
-def _patched_jit_isinstance(original: Callable[[Any, Any], bool]) -> Callable[[Any, Any], bool]:
-    def jit_isinstance(obj: Any, target_type: Any) -> bool:
-        if type(obj) is _WatchedProxy or isinstance(obj, fx.Proxy):
-            frame = sys._getframe(1)
-            if target_type is torch.Tensor and _surely_a_tensor(obj.node):
-                return True  # Note: [is_tensor on a traced tensor is True] (MONAI's UpCat asks this of its skip)
-            if (isinstance(target_type, type) and _tensor_valued(obj.node)
-                    and issubclass(torch.Tensor, target_type) == issubclass(type(obj), target_type)):
-                return original(obj, target_type)
-            raise TraceHazard(
-                f"torch.jit.isinstance() on a traced value at {os.path.basename(frame.f_code.co_filename)}:"
-                f"{frame.f_lineno} (torch.fx would record the non-tensor branch)"
-            )
-        return original(obj, target_type)
-
-    return jit_isinstance
 
 
 _SPLITS = (torch.split, torch.Tensor.split, torch.tensor_split, torch.Tensor.tensor_split)  # torch.split is torch.functional.split
@@ -369,62 +277,6 @@ def _partial_class(tracer_cls: Type[fx.Tracer]) -> type:
     if tracer_cls not in _PARTIAL_CLASSES:
         _PARTIAL_CLASSES[tracer_cls] = type(f"Partial{tracer_cls.__name__}", (_PartialTracing, tracer_cls), {})
     return _PARTIAL_CLASSES[tracer_cls]
-
-
-@dataclass
-class Traced:
-    """Result of :func:`trace`.
-
-    Attributes:
-        gm: a GraphModule of the trace (holding only what the graph uses).
-        graph: its graph.
-        opaque: submodules rolled back to leaves, with the reason (failed or misleading trace).
-        hooked: submodules kept as leaves because they have hooks, with the hooks.
-        norm_act: BatchNorm subclasses with their own forward left as leaves, with why.
-        wrapped: helper functions recorded as single calls (their trace failed inside).
-        mode_dependent: the graph differs when traced with ``training`` flipped.
-        modes: every module's ``training`` flag when traced.
-        defaults: arguments traced at their default value (:mod:`.specialize`): the
-            rewritten forward applies only to calls that keep them.
-        shapes: for a trace with real shapes (:mod:`.shape_capture`), the input shapes it
-            assumed; ``None`` for a symbolic trace.
-
-    Method ``guard()``: what a call must satisfy for the graph to apply (``None``: anything).
-    """
-
-    gm: fx.GraphModule
-    graph: fx.Graph
-    opaque: Dict[str, str] = field(default_factory=dict)
-    hooked: Dict[str, str] = field(default_factory=dict)
-    norm_act: Dict[str, str] = field(default_factory=dict)
-    wrapped: List[str] = field(default_factory=list)
-    mode_dependent: bool = False
-    modes: List[Tuple[nn.Module, bool]] = field(default_factory=list, repr=False)
-    defaults: Defaults = field(default_factory=lambda: Defaults((), (), ()))
-    shapes: Optional[ShapeGuard] = None
-    varargs: Optional[EmptyVarargs] = None
-
-    def guard(self) -> Any:
-        """The guard of calls the graph applies to (``hold(args, kwargs)``), or ``None``."""
-        guards = [g for g in (self.defaults if self.defaults.names else None, self.shapes, self.varargs)
-                  if g is not None]
-        return None if not guards else guards[0] if len(guards) == 1 else Guards(guards)
-
-    def opaque_layers(self, module: nn.Module) -> List[str]:
-        """The conv / linear layers of ``module`` (subclasses with their own forward) left opaque
-        because their code did not trace: a BatchNorm after one cannot pair with it."""
-        return [name for name, why in self.opaque.items()
-                if why != "asked to be a leaf" and isinstance(module.get_submodule(name), LAYER_MODULES)]
-
-    def descend(self) -> Dict[str, str]:
-        """Leaves the caller should work inside on their own (opaque and hooked), outermost first."""
-        both = {**self.hooked, **self.opaque}
-        names = sorted(both, key=lambda n: n.count("."))
-        kept: Dict[str, str] = {}
-        for n in names:  # a leaf inside another leaf is reached through the outer one
-            if n and not any(n.startswith(k + ".") for k in kept if k):
-                kept[n] = both[n]
-        return kept
 
 
 def trace(module: nn.Module, tracer_cls: Type[fx.Tracer] = fx.Tracer, *, leaves: Sequence[str] = (),
