@@ -126,3 +126,19 @@ def test_report_after_convert_with_inputs_is_what_the_first_step_runs() -> None:
     assert eager - len(calls) == 2, calls
     assert report.variants == [], report.variants
     assert assert_report_matches_calls(eager, fast, *inputs, backward=True) == 2
+
+
+@pytest.mark.expect_unfused("fold: inference")
+def test_fold_traces_a_module_for_the_call_its_example_makes() -> None:
+    """fold's trace with the sample run's real inputs is for that call (``return_dict=False``):
+    the folded graph runs on such calls, without the message about a call off the traced values."""
+    torch.manual_seed(0)
+    model, inputs = _Wrapper().eval(), (torch.randn(2, 3, 8, 8), torch.tensor([1.0, 2.0]))
+    with torch.no_grad():
+        eager = eager_bn_calls(model, *inputs)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            folded = convbn.fold(model, example_inputs=inputs)
+            gone = assert_report_matches_calls(eager, folded, *inputs, result="folded")
+    assert gone == 2, folded.convbn_report
+    assert not [str(w.message) for w in caught if "traced as" in str(w.message)]
