@@ -142,3 +142,34 @@ def test_fold_traces_a_module_for_the_call_its_example_makes() -> None:
             gone = assert_report_matches_calls(eager, folded, *inputs, result="folded")
     assert gone == 2, folded.convbn_report
     assert not [str(w.message) for w in caught if "traced as" in str(w.message)]
+
+
+class _CalledTwice(nn.Module):
+    """The same module called twice, the second time off the values its capture was traced for."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = _ReturnDictNet()
+
+    def forward(self, sample: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        return self.inner(sample, t, return_dict=False)[0] + self.inner(sample, t)["sample"]
+
+
+def test_report_after_convert_is_not_left_by_convert_s_own_check() -> None:
+    """convert's check ran the second call before any variant was armed, so that call ran the
+    module's own forward; the report must not say ``fallback`` for it after convert: the first
+    step runs the capture fused and captures the variant for the second call."""
+    torch.manual_seed(0)
+    model, inputs = _CalledTwice(), (torch.randn(2, 3, 8, 8), torch.tensor([1.0, 2.0]))
+    eager = eager_bn_calls(model, *inputs)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        fast = convbn.convert(model, example_inputs=inputs)
+    report = fast.convbn_report
+    assert [(o.batchnorm, o.result) for o in report.outcomes] == [("inner.body.1", "fused"), ("inner.body.4", "fused")]
+    out = fast(*inputs)
+    assert_chain_ran(out, calls=2)  # the capture's chain, and the variant's for the second call
+    out.sum().backward()
+    assert len(report.variants) == 1, report.variants
+    assert eager == 4 and eager_bn_calls(fast, *inputs, backward=True) == 0  # each BatchNorm called twice
+    assert all(o.result == "fused" for o in report.outcomes), report

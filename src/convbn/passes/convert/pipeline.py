@@ -371,6 +371,9 @@ def arm_guards(conv: Conversion) -> None:
             attach_guards(fwd, gm, prefix, Recapture(report, prefix, conv.mode, conv.chain, conv.recaptures, reconvert))
             if fwd.defaults is not None:  # Note: [a variant per kind of call] in variants.py
                 fwd.variants = Variants(report, prefix, conv.mode, conv.chain, conv.recaptures, capture_variant)
+                # a call of convert's own check off the traced values ran the module's forward before
+                # any variant was armed; the next such call gets its variant: not what the report says
+                fwd.off_call = ""
     conv.to_guard.clear()
 
 
