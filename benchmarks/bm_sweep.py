@@ -21,7 +21,11 @@ nnU-Net's ``dynamic_network_architectures`` ``dna``, ``torchxrayvision`` ``xrv``
 ``vit_pytorch`` ``vitp``, ``torch_geometric`` ``pyg``); and seven families whose nets normalise per
 sample (:mod:`sweep_norm_libs`: MONAI ``monai``, nnU-Net with InstanceNorm ``dnanorm``, ``diffusers``
 ``diff``, ConvNeXt ``convnext``, detection heads ``dethead``, GroupNorm ResNets ``gnresnet``, and
-BatchNorm controls from the same libraries ``bnctl``), counted per kind of norm (a second table:
+BatchNorm controls from the same libraries ``bnctl``), and eight more (:mod:`sweep_norm_more`:
+``pytorch3dunet`` ``p3dunet``, fepegar's ``unet`` ``fepunet``, ``torchcfm`` ``cfm``,
+``taming-transformers`` ``taming``, ``denoising-diffusion-pytorch`` ``ddpm``,
+``video-diffusion-pytorch`` ``vdiff``, ``transformers`` ConvNext ``hfconvnext``, MONAI nets the first
+family does not build ``monai2``), counted per kind of norm (a second table:
 norms called, fused and running, report, float64 decisions, peak). Each model runs in its own subprocess with a time limit,
 on a small input (batch 2; 64 x 64 images, 32 x 32 for CIFAR nets, the model's own size where
 it needs one), float32, CPU, one thread:
@@ -65,6 +69,7 @@ Run::
     python benchmarks/bm_sweep.py --list                       # the model labels
     python benchmarks/bm_sweep.py --family hf kornia --jobs 1  # the two libraries added next
     python benchmarks/bm_sweep.py --family bd effnet dna xrv clip facenet effdet lightly sb smp3d td timm3d vitp pyg
+    python benchmarks/bm_sweep.py --family p3dunet fepunet cfm taming ddpm vdiff hfconvnext monai2 --per-model
 
 Set-up (``--no-deps``: each would otherwise resolve another torch; ``pyproject.toml``'s
 ``sweep`` extra lists the first five)::

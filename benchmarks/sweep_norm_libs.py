@@ -20,13 +20,17 @@ CPU inputs (batch 2):
 * ``gnresnet``: ResNets normalised by GroupNorm: timm ``resnet50_gn``, timm ``resnetv2`` BiT
   (GroupNorm + weight-standardised convs), torchvision ``resnet18`` with a GroupNorm
   ``norm_layer``.
+* the eight families of :mod:`sweep_norm_more` (a second round of libraries), merged into
+  :data:`NORM_FAMILIES`.
 * ``bnctl``: BatchNorm controls built from the same libraries (MONAI ``UNet`` / ``DynUNet``
   with BatchNorm, torchvision ``resnet18``), whose numbers must not move.
 
 :func:`norm_kind` names what a called normalisation module computes (``group``,
 ``instance``, ``layer-channel``: a LayerNorm over one dimension of a 4-D / 5-D tensor, either
 channels-last between permutes or a ``LayerNorm2d`` over dimension 1; ``layer-token``: a
-LayerNorm on token sequences, outside this work); :func:`norm_hooks` records which ones a
+LayerNorm on token sequences, outside this work; ``hand-written``: a library's own norm module,
+``RMSNorm`` / ``LayerNorm`` written from tensor ops, counted apart from the three the fused share
+is taken over); :func:`norm_hooks` records which ones a
 training step calls as modules, so the sweep counts, per kind, the ones the converted model's
 report lists as fused *and* its step no longer calls as modules (fused and running; a norm
 module with its own forward can be traced into its parent's graph and so not be called while
@@ -44,13 +48,15 @@ import collections
 from functools import partial
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
+from sweep_norm_more import NORM_MORE_FAMILIES
+
 __all__ = ["NORM_FAMILIES", "NORM_KINDS", "build_norm", "count_norms", "norm_kind", "norm_hooks", "norm_markdown"]
 
 Built = Tuple[Any, Tuple[Any, ...]]
 Entry = Tuple[str, Callable[[Any], Built]]
 
 #: the kinds :func:`norm_kind` names, in table order
-NORM_KINDS = ("group", "instance", "layer-channel", "layer-token")
+NORM_KINDS = ("group", "instance", "layer-channel", "layer-token", "hand-written")
 
 
 def _randn(gen: Any, *shape: int) -> Tuple[Any, ...]:
@@ -61,17 +67,33 @@ def _randn(gen: Any, *shape: int) -> Tuple[Any, ...]:
 
 # --------------------------------------------------------------------------- counting
 
-def _is_norm(m: Any) -> bool:
+def _is_torch_norm(m: Any) -> bool:
     import torch.nn as nn
     from torch.nn.modules.instancenorm import _InstanceNorm
 
     return isinstance(m, (nn.GroupNorm, _InstanceNorm, nn.LayerNorm))
 
 
+def _is_hand_written_norm(m: Any) -> bool:
+    """A library's own normalisation module (``LayerNorm``, ``RMSNorm``, ``ChanLayerNorm`` ...
+    written from tensor ops): its class name ends in ``Norm``, it is no torch norm nor BatchNorm,
+    and it has no child modules (a ``PreNorm`` wrapper has one)."""
+    from torch.nn.modules.batchnorm import _BatchNorm
+
+    return (type(m).__name__.endswith("Norm") and not _is_torch_norm(m) and not isinstance(m, _BatchNorm)
+            and next(iter(m.children()), None) is None)
+
+
+def _is_norm(m: Any) -> bool:
+    return _is_torch_norm(m) or _is_hand_written_norm(m)
+
+
 def norm_kind(m: Any, x: Any) -> str:
     """What the normalisation module ``m`` computes on its input ``x`` (:data:`NORM_KINDS`)."""
     import torch.nn as nn
 
+    if _is_hand_written_norm(m):
+        return "hand-written"
     if isinstance(m, nn.GroupNorm):
         return "group"
     if not isinstance(m, nn.LayerNorm):
@@ -338,6 +360,9 @@ NORM_FAMILIES: Dict[str, Dict[str, Entry]] = {
         "tv-resnet18": ("classification", _tv_resnet(None)),
     },
 }
+
+
+NORM_FAMILIES.update(NORM_MORE_FAMILIES)
 
 
 def build_norm(family: str, name: str, gen: Any) -> Built:

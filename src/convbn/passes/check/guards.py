@@ -27,7 +27,6 @@ runs its own forward: its identity is checked through its parent, its attributes
 """
 from __future__ import annotations
 
-import copy
 import enum
 import functools
 import operator
@@ -78,7 +77,7 @@ class _Entry:
         self.full = with_attributes
         self.cls = type(module)
         self.keys = plain_attributes(module) if with_attributes else ()
-        self.values: Any = copy.deepcopy(tuple(d[k] for k in self.keys))  # lists copied: mutation in place counts
+        self.values: Any = _kept(tuple(d[k] for k in self.keys))  # lists copied: mutation in place counts
         self.children = dict(module._modules)
         # parameters and buffers that are None stay None (a bias the trace left out); one C
         # call reads them, and one reads every guarded attribute (a tuple, or the value for one key)
@@ -124,6 +123,19 @@ class _Entry:
             if not (m.__dict__[key] == value):
                 return f"{where}.{key} changed from {value!r} to {m.__dict__[key]!r}"
         return f"{where} changed"
+
+
+def _kept(value: Any) -> Any:
+    """``value`` as a guard keeps it to compare with ``==`` later: lists (and the lists in tuples)
+    copied, so that a mutation in place counts; every other plain value is immutable or compared
+    by identity, so kept as it is. Not ``copy.deepcopy``: a deep copy of a ``functools.partial``
+    (pytorch3dunet's ``Decoder.joining``) is a new object, never ``==`` to the original, and the
+    guard failed on every call (Note: [what a rewrite assumes])."""
+    if type(value) is list:
+        return [_kept(v) for v in value]
+    if type(value) is tuple:
+        return tuple(_kept(v) for v in value)
+    return value
 
 
 def _getter(keys: Tuple[str, ...]) -> Optional[Callable[[Any], Any]]:

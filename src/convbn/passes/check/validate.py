@@ -17,6 +17,7 @@ from ..._compat import pytree
 from ...functional.private_rng import PrivateRNG, private_rng
 from .backward_aside import backward_grads, holds_reentrant_checkpoint
 from .buffer_copies import buffer_copy, close_copies, open_copies
+from .plain_state import PlainState
 from .upstream import handed_once
 
 __all__ = ["StateSnapshot", "Comparison", "compare_outputs", "run_step", "seeded", "as_args", "float64_slack", "to_float64",
@@ -135,7 +136,9 @@ def _cuda_in_use() -> bool:
 
 
 class StateSnapshot:
-    """Snapshot buffers and ``training`` flags of ``model``; put them back on exit. Random
+    """Snapshot buffers and ``training`` flags of ``model``, and its modules' plain attributes and
+    buffer bindings (Note: [a check's run leaves the model's plain state as it was]); put them
+    back on exit. Random
     numbers drawn in the block come from generators of its own (:func:`seeded` with seed 0,
     unless an inner :func:`seeded` block says otherwise): the global RNG streams, and what
     other threads draw from them, are not touched.
@@ -153,6 +156,7 @@ class StateSnapshot:
         self.buffers = [(b, buffer_copy(b)) for b in self.model.buffers()]
         self.offered = open_copies(self.buffers)
         self.modes = [(m, m.training) for m in self.model.modules()]
+        self.plain = PlainState(self.model)
         self.rng = seeded(0)
         self.rng.__enter__()
         return self
@@ -160,6 +164,7 @@ class StateSnapshot:
     def __exit__(self, *exc: Any) -> None:
         self.rng.__exit__(None, None, None)
         close_copies(self.offered)
+        self.plain.restore()
         with torch.no_grad():
             for b, v in self.buffers:
                 if not b.is_inference():

@@ -54,6 +54,7 @@ from .cat_norms import split_cat_norms
 from .first_call_capture import CaptureOnFirstCall, CaptureWhenMaterialised
 from ...functional.norms import row_of_module
 from ..bn.hand_layer_norms import hand_channel_layer_norms
+from ..bn.norm_casts import norm_float_round_trips
 from ..bn.norm_sites import channel_layer_norms
 from .match import MatchedLayer, find_layers, group_chains, split_heads
 from .pools import lean_pools
@@ -96,6 +97,8 @@ CANONICALISE: Tuple[GraphRewrite, ...] = (
     GraphRewrite("channel LayerNorms as one node", lambda gm, root, prefix: channel_layer_norms(gm)),
     # mean / var over dim 1, (x - u) / sqrt(v + eps) * w + b -> one channel_layer_norm node (bn/hand_layer_norms.py)
     GraphRewrite("hand-written channel LayerNorms as one node", lambda gm, root, prefix: hand_channel_layer_norms(gm)),
+    # norm(x.float()).type(x.dtype) -> norm(x): GroupNorm32 (bn/norm_casts.py)
+    GraphRewrite("float32 round trips around a norm", lambda gm, root, prefix: norm_float_round_trips(gm)),
     # bn(conv(x)[..., :-p]) -> bn(conv'(x)), the crop in its padding (bn/conv_crops.py)
     GraphRewrite("crops of a convolution's output as padding", lambda gm, root, prefix: absorb_conv_crops(gm, root)),
     # BN(cat(conv_i)) -> cat(BN_i(conv_i)) (cat_norms.py)

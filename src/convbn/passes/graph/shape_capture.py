@@ -31,10 +31,12 @@ from ..._compat import FakeTensorMode, orig_module_call, orig_module_getattr, py
 
 from .thread_patch import original_item, scoped_item
 
-__all__ = ["ShapeGuard", "Guards", "ShapeTracing", "VALUE", "assert_traced_shape"]
+__all__ = ["ShapeGuard", "Guards", "ShapeTracing", "VALUE", "DTYPE", "assert_traced_shape"]
 
-#: ``node.meta`` key of the fake value a shape trace computed for a node
+#: ``node.meta`` key of the fake value a shape trace computed for a node (while it traces)
 VALUE = "convbn_fake"
+#: ``node.meta`` key of the dtype a shape trace computed for a tensor node (kept in the graph)
+DTYPE = "convbn_dtype"
 
 
 def _signature(args: Any, kwargs: Any) -> Tuple[Any, ...]:
@@ -170,8 +172,10 @@ class ShapeTracing:
             if isinstance(value, Tensor):
                 with graph.inserting_after(placeholders[-1]):
                     graph.call_function(assert_traced_shape, (node, list(value.shape)))
-        for node in graph.nodes:  # the fake values served the trace only
-            node.meta.pop(VALUE, None)
+        for node in graph.nodes:  # the fake values served the trace only; their dtypes stay (bn/norm_casts.py)
+            value = node.meta.pop(VALUE, None)
+            if isinstance(value, Tensor):
+                node.meta[DTYPE] = value.dtype
         return graph
 
     def proxy(self, node: fx.Node) -> fx.Proxy:
