@@ -148,3 +148,23 @@ def test_bypassed_outputs_gradients_and_stats_equal_eager(norm: str) -> None:
     for a, b in zip(ref.buffers(), fast.buffers()):
         torch.testing.assert_close(a, b)
     torch.testing.assert_close(ref(*args), fast(*args))
+
+
+class SkippingBlock(WholeBlock):
+    """Calls neither ``out_layers`` nor its children (a branch not taken): nothing says its
+    parent reaches into it."""
+
+    def forward(self, x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        h = self.conv(x)
+        if bool((scale == scale).all()):
+            h = h + 0
+        return h * (1 + scale[:, :, None, None])
+
+
+@pytest.mark.expect_unfused("the converted container is never called")
+def test_a_container_skipped_whole_is_not_called_bypassed_with_example_inputs() -> None:
+    fast, args = _converted(SkippingBlock, "batch_norm", True)
+    _step(fast, args)
+    assert installed(fast.out_layers).bypassed == ""
+    [outcome] = fast.convbn_report.outcomes
+    assert outcome.result == "fused", outcome.reason

@@ -23,7 +23,7 @@ No hook is set on the user's modules: the mark is the rewritten forward's own at
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, Iterator, List
+from typing import Callable, Iterator, List, Tuple
 
 from torch import nn
 
@@ -48,11 +48,12 @@ def reached_forwards(parent: nn.Module) -> List[GraphForward]:
     return found
 
 
-def bypass_reason(owner: nn.Module, seen: str) -> str:
+def bypass_reason(owner: nn.Module, seen: Tuple[str, str]) -> str:
     """The report's reason for a rewritten ``owner`` that did not run although its parent did
-    (``seen``: where that was seen)."""
-    return (f"its parent calls its children, not it: the rewritten {type(owner).__name__}'s forward did not run "
-            f"when its parent's did ({seen}); its modules run unfused where called")
+    (``seen``: where that was seen, and what else it may be: a parent's call that skips the
+    module looks the same where nothing says its children were called)."""
+    return (f"its parent calls its children, not it{seen[1]}: the rewritten {type(owner).__name__}'s forward "
+            f"did not run when its parent's did ({seen[0]}); its modules run unfused where called")
 
 
 @contextlib.contextmanager
@@ -63,7 +64,7 @@ def watched_call(parent: nn.Module) -> Iterator[None]:
     every mark is taken back."""
     fwds = [f for f in reached_forwards(parent) if not f.bypassed]
     for f in fwds:
-        f.bypassed = bypass_reason(f.owner, "on the model's first call")
+        f.bypassed = bypass_reason(f.owner, ("on the parent's first call", " (or skips it)"))
     try:
         yield
     except BaseException:
@@ -79,4 +80,4 @@ def mark_if_bypassed(module: nn.Module, called: Callable[[nn.Module], bool]) -> 
     fwd = installed(module)
     if fwd is None or called(module) or not any(called(m) for m in module.modules() if m is not module):
         return
-    fwd.bypassed = bypass_reason(module, "in the eager run on example_inputs")
+    fwd.bypassed = bypass_reason(module, ("in the eager run on example_inputs", ""))
