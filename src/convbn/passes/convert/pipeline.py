@@ -42,6 +42,7 @@ from ..bn.tokens import drop_noop_flattens, flatten_token_bns
 from ..check.first_call import BackwardCheck, FirstCallCheck
 from ..check.step import called_inputs, check_step
 from ..check.validate import StateSnapshot, tolerance
+from ..graph.bypassed import mark_if_bypassed
 from ..graph.graph_module import GraphForward, eager, forget_undo, install, installed
 from ..graph.concat_heads import flatten_cats
 from ..graph.zero_pads import drop_zero_pads
@@ -203,6 +204,8 @@ def convert_module(module: nn.Module, prefix: str, conv: Conversion, exposed: bo
             return
     conv.report.traced.append(prefix.rstrip("."))
     rewrite_module(module, prefix, traced, conv)
+    if exposed and conv.example is not None:  # Note: [a container its parent does not call]
+        mark_if_bypassed(module, lambda m: conv.inputs_of(m) is not None)
     if exposed and isinstance(module, (nn.Sequential, nn.ModuleList, nn.ModuleDict)):
         for name, child in module.named_children():
             convert_module(child, f"{prefix}{name}.", conv, exposed=True)
