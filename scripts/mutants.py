@@ -133,6 +133,20 @@ MUTANTS: Dict[str, Mutant] = {
         "the frontier keeps a point as slow as a lower-peak one (dominated points marked as choices)",
         (("bench/frontier.py", "        if t < best_time or", "        if t <= best_time or"),),
         ("tests/test_frontier.py::test_pareto_front_cases",)),
+    "shape_trace_signature_defaults": Mutant(
+        "convert traces a module with the example's real inputs for its signature's optional arguments, not the call's",
+        (("passes/convert/pipeline.py", "        return trace_example_call(module, example, training=True)",
+          "        return trace(module, LayerTracer, training=True, example=example)"),),
+        ("tests/test_report_calls.py::test_report_after_convert_with_inputs_is_what_the_first_step_runs",)),
+    "fold_shape_trace_signature_defaults": Mutant(
+        "fold traces a module with the sample's real inputs for its signature's optional arguments, not the call's",
+        (("passes/fold/api.py", "        return trace_example_call(module, example)",
+          "        return trace(module, LayerTracer, example=example)"),),
+        ("tests/test_report_calls.py::test_fold_traces_a_module_for_the_call_its_example_makes",)),
+    "check_off_call_reported": Mutant(
+        "a call of convert's own check off the traced values leaves the report saying fallback",
+        (("passes/convert/pipeline.py", '                fwd.off_call = ""\n', ""),),
+        ("tests/test_report_calls.py::test_report_after_convert_is_not_left_by_convert_s_own_check",)),
 }
 
 

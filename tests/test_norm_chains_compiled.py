@@ -244,3 +244,26 @@ def test_norm_chain_with_prelu_under_bf16_autocast_recomputes_under_autocast():
     assert_close(gxf, gxe, rtol=0, atol=0)
     for (n, pe), pf in zip(eager.named_parameters(), fast.parameters()):
         assert_close(pf.grad, pe.grad, rtol=0, atol=0, msg=n)
+
+
+def test_inductor_compiled_norm_chains_save_no_copy_of_a_conv_weight(inductor_fast: Tuple[nn.Module, ...]):
+    """Note: [a conv inductor cannot re-layout] in ``convbn/autograd/conv_op.py``: on the CPU the
+    norm chains' region calls its convolutions as ``convbn::conv``, so inductor's layout
+    optimisation saves no channels_last copy of a conv weight for backward (the parameter itself
+    is kept), and the compiled model keeps exactly the activations the uncompiled converted one does."""
+    eager, fast, cf = inductor_fast
+    x = _input(8, torch.float32)
+    fast.zero_grad(set_to_none=True)
+    cf(x.clone().requires_grad_()).sum().backward()  # compiles here when this test runs alone
+    fast.zero_grad(set_to_none=True)
+    saved, uncompiled = saved_bytes(cf, x), saved_bytes(fast, x)
+    weights = {tuple(m.weight.shape) for m in fast.modules() if isinstance(m, nn.Conv2d)}
+    copies = [(s, n) for (_, s, _, n), p in zip(saved.shapes, saved.is_param) if not p and s in weights]
+    assert copies == [], copies
+    assert saved.activation_bytes == uncompiled.activation_bytes, (saved.activation_bytes, uncompiled.activation_bytes)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        cf(x).sum().backward()
+    fast.zero_grad(set_to_none=True)
+    ops = {e.key: e.count for e in prof.key_averages() if e.key.startswith("convbn::")}
+    # the compiled regions ran (only they call the opaque op): the body's three convolutions and the head's
+    assert ops.get("convbn::conv", 0) >= 4, ops

@@ -6,13 +6,15 @@ mode converted, in the other mode, and with a hook added after conversion and re
 from __future__ import annotations
 
 import warnings
+from typing import Any
 
 import pytest
 import torch
 from torch import nn
 
 import convbn
-from bn_calls import assert_report_matches_calls, eager_bn_calls
+from bn_calls import assert_report_matches_calls, counting_bn_calls, eager_bn_calls
+from fusion_checks import assert_chain_ran
 from robust_models import MODELS
 from test_hook_built_models import HookUNet
 
@@ -72,3 +74,102 @@ def test_fold_report_equals_the_calls_that_left(name: str, with_inputs: bool) ->
             folded(x)  # the first call's check done
         gone = assert_report_matches_calls(eager, folded, x, result="folded")
     assert gone > 0, folded.convbn_report
+
+
+class _ReturnDictNet(nn.Module):
+    """A diffusers-style model: ``return_dict`` optional, and ``torch.is_tensor`` on an
+    argument, so its symbolic trace fails and convert traces it with the example's real inputs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
+                                  nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU())
+
+    def forward(self, sample: torch.Tensor, t: torch.Tensor, return_dict: bool = True) -> Any:
+        if not torch.is_tensor(t):
+            t = torch.tensor([t])
+        out = self.body(sample) * t.float().view(-1, 1, 1, 1)
+        return {"sample": out} if return_dict else (out,)
+
+
+class _Wrapper(nn.Module):
+    """The sweep's wrapper: extra inputs passed through ``*args``, ``return_dict=False``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = _ReturnDictNet()
+
+    def forward(self, sample: torch.Tensor, *args: Any) -> Any:
+        return self.inner(sample, *args, return_dict=False)[0]
+
+
+def test_report_after_convert_with_inputs_is_what_the_first_step_runs() -> None:
+    """Traced with the example's real inputs, a module is traced for the call the example makes
+    (``return_dict=False`` here, not the signature's ``True``): the report right after convert
+    lists as fused what the first training step runs fused, with no variant needed
+    (Note: [a trace with real inputs is specialised to their call])."""
+    torch.manual_seed(0)
+    model, inputs = _Wrapper(), (torch.randn(2, 3, 8, 8), torch.tensor([1.0, 2.0]))
+    eager = eager_bn_calls(model, *inputs)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fast = convbn.convert(model, example_inputs=inputs)
+    report = fast.convbn_report
+    assert report.traced == ["", "inner"] and report.validated == [""], report
+    assert [(o.batchnorm, o.result) for o in report.outcomes] == [("inner.body.1", "fused"), ("inner.body.4", "fused")]
+    assert not [str(w.message) for w in caught], "convert's own check ran a call off the traced values"
+    # the first training step runs what the report said before it
+    with counting_bn_calls() as calls:
+        out = fast(*inputs)
+        assert_chain_ran(out, calls=1)
+        out.sum().backward()
+    assert eager - len(calls) == 2, calls
+    assert report.variants == [], report.variants
+    assert assert_report_matches_calls(eager, fast, *inputs, backward=True) == 2
+
+
+@pytest.mark.expect_unfused("fold: inference")
+def test_fold_traces_a_module_for_the_call_its_example_makes() -> None:
+    """fold's trace with the sample run's real inputs is for that call (``return_dict=False``):
+    the folded graph runs on such calls, without the message about a call off the traced values."""
+    torch.manual_seed(0)
+    model, inputs = _Wrapper().eval(), (torch.randn(2, 3, 8, 8), torch.tensor([1.0, 2.0]))
+    with torch.no_grad():
+        eager = eager_bn_calls(model, *inputs)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            folded = convbn.fold(model, example_inputs=inputs)
+            gone = assert_report_matches_calls(eager, folded, *inputs, result="folded")
+    assert gone == 2, folded.convbn_report
+    assert not [str(w.message) for w in caught if "traced as" in str(w.message)]
+
+
+class _CalledTwice(nn.Module):
+    """The same module called twice, the second time off the values its capture was traced for."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = _ReturnDictNet()
+
+    def forward(self, sample: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        return self.inner(sample, t, return_dict=False)[0] + self.inner(sample, t)["sample"]
+
+
+def test_report_after_convert_is_not_left_by_convert_s_own_check() -> None:
+    """convert's check ran the second call before any variant was armed, so that call ran the
+    module's own forward; the report must not say ``fallback`` for it after convert: the first
+    step runs the capture fused and captures the variant for the second call."""
+    torch.manual_seed(0)
+    model, inputs = _CalledTwice(), (torch.randn(2, 3, 8, 8), torch.tensor([1.0, 2.0]))
+    eager = eager_bn_calls(model, *inputs)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        fast = convbn.convert(model, example_inputs=inputs)
+    report = fast.convbn_report
+    assert [(o.batchnorm, o.result) for o in report.outcomes] == [("inner.body.1", "fused"), ("inner.body.4", "fused")]
+    out = fast(*inputs)
+    assert_chain_ran(out, calls=2)  # the capture's chain, and the variant's for the second call
+    out.sum().backward()
+    assert len(report.variants) == 1, report.variants
+    assert eager == 4 and eager_bn_calls(fast, *inputs, backward=True) == 0  # each BatchNorm called twice
+    assert all(o.result == "fused" for o in report.outcomes), report

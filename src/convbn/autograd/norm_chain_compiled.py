@@ -5,7 +5,7 @@
 # runs ``torch.autograd.grad`` on a recomputed norm), and compile of the model's own modules
 # keeps every convolution's output and more. As for BatchNorm chains (Note: [a chain inductor
 # can see into] in ``chain_compiled.py``), the chain is written here as the very eager ops
-# (``torch.convolution``, the norm row's ``compute``, the tail) inside ``torch.utils.checkpoint``
+# (the convolution, the norm row's ``compute``, the tail) inside ``torch.utils.checkpoint``
 # with a selective policy that states the plan to the partitioner:
 #
 #     convolution whose output the plan keeps     MUST_SAVE       (the kept ``y``)
@@ -17,6 +17,9 @@
 #
 # so what backward keeps is the chain input, the kept conv outputs and the parameters, as in
 # the eager Function, and inductor fuses the norm and the tail into the kernels around them.
+# The convolution is ``chain_compiled.chain_convolution``'s, as in BatchNorm chains: on the CPU
+# the opaque ``convbn::conv``, so that inductor's layout optimisation saves no channels_last copy
+# of a conv weight (Note: [a conv inductor cannot re-layout] in ``conv_op.py``).
 # Nothing is per norm: the region calls the row's ``compute`` of :data:`convbn.functional.norms.NORMS`.
 #
 # Running statistics (an InstanceNorm with ``track_running_stats`` in training) move once: the
@@ -37,7 +40,7 @@ import torch
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
-from .chain_compiled import chain_contexts
+from .chain_compiled import chain_contexts, chain_convolution
 from .norm_chain import NormLayerSpec, Stats, _offsets, _post, _split, norm_chain_reference
 
 __all__ = ["compilable_norm_chain", "norm_chain_compiled_apply"]
@@ -59,8 +62,8 @@ def _body(specs: Sequence[NormLayerSpec], tracks: Sequence[bool]) -> Any:
             if spec.conv is not None:
                 c = spec.conv
                 xin = (x if i == 0 else c.pad_input(x)).to(w.dtype)
-                x = torch.convolution(xin, w, b, list(c.stride), list(c.padding), list(c.dilation), c.transposed,
-                                      c.kernel_output_padding(), c.groups)
+                x = chain_convolution(xin)(xin, w, b, list(c.stride), list(c.padding), list(c.dilation), c.transposed,
+                                           c.kernel_output_padding(), c.groups)
             stats: Stats = (None, None)
             if tracks[i]:  # clones the row's compute updates (a recompute updates new ones)
                 stats = (next(running).clone(), next(running).clone())

@@ -20,6 +20,8 @@ from typing import Any, Callable, Dict, Optional, Tuple
 import torch
 from torch import nn
 
+from ..graph.bypassed import watched_call
+from ..graph.graph_module import installed
 from ..graph.meta import meta_tensor
 from ..report.convert_report import ConvertReport
 
@@ -67,6 +69,9 @@ class CaptureOnFirstCall:
             self._restore()
             self.capture(owner, self.prefix, args, kwargs, self.report, self.strategy, self.chain, self.count,
                          self.why)
+            if installed(owner) is None:  # not captured: its own forward, on the children converted alone
+                with watched_call(owner):  # Note: [a container its parent does not call]
+                    return owner.forward(*args, **kwargs)
         return owner.forward(*args, **kwargs)
 
     def _restore(self) -> None:

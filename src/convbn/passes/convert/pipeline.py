@@ -42,12 +42,14 @@ from ..bn.tokens import drop_noop_flattens, flatten_token_bns
 from ..check.first_call import BackwardCheck, FirstCallCheck
 from ..check.step import called_inputs, check_step
 from ..check.validate import StateSnapshot, tolerance
+from ..graph.bypassed import mark_if_bypassed
 from ..graph.graph_module import GraphForward, eager, forget_undo, install, installed
 from ..graph.concat_heads import flatten_cats
 from ..graph.zero_pads import drop_zero_pads
 from ..graph.specialize import Defaults, constant_defaults, none_used_as_value
 from ..report.convert_report import ConvertReport
 from ..tracing.self_check import warn_if_tracer_broken
+from ..tracing.example_trace import trace_example_call
 from ..tracing.trace import LayerTracer, Traced, short_reason, trace
 from .cat_norms import split_cat_norms
 from .first_call_capture import CaptureOnFirstCall, CaptureWhenMaterialised
@@ -202,6 +204,8 @@ def convert_module(module: nn.Module, prefix: str, conv: Conversion, exposed: bo
             return
     conv.report.traced.append(prefix.rstrip("."))
     rewrite_module(module, prefix, traced, conv)
+    if exposed and conv.example is not None:  # Note: [a container its parent does not call]
+        mark_if_bypassed(module, lambda m: conv.inputs_of(m) is not None)
     if exposed and isinstance(module, (nn.Sequential, nn.ModuleList, nn.ModuleDict)):
         for name, child in module.named_children():
             convert_module(child, f"{prefix}{name}.", conv, exposed=True)
@@ -272,13 +276,14 @@ def _fewer_opaque(module: nn.Module, traced: Any, shaped: Callable[[], Any]) -> 
 
 def _shape_trace(module: nn.Module, conv: Conversion) -> Optional[Traced]:
     """``module`` traced with the real shapes of the inputs it runs on (``example_inputs``):
-    Python code on shapes takes eager's branch; the graph is guarded on those shapes. ``None``
-    where they are not known or that trace fails too."""
+    Python code on shapes takes eager's branch; its optional arguments are those the call passes
+    (Note: [a trace with real inputs is specialised to their call]); the graph is guarded on
+    them. ``None`` where they are not known or that trace fails too."""
     example = conv.inputs_of(module)
     if example is None:
         return None
     try:
-        return trace(module, LayerTracer, training=True, example=example)
+        return trace_example_call(module, example, training=True)
     except Exception:  # noqa: BLE001 - not traceable even so (data-dependent control flow ...)
         return None
 
@@ -372,6 +377,9 @@ def arm_guards(conv: Conversion) -> None:
             attach_guards(fwd, gm, prefix, Recapture(report, prefix, conv.mode, conv.chain, conv.recaptures, reconvert))
             if fwd.defaults is not None:  # Note: [a variant per kind of call] in variants.py
                 fwd.variants = Variants(report, prefix, conv.mode, conv.chain, conv.recaptures, capture_variant)
+                # a call of convert's own check off the traced values ran the module's forward before
+                # any variant was armed; the next such call gets its variant: not what the report says
+                fwd.off_call = ""
     conv.to_guard.clear()
 
 

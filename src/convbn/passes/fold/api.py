@@ -53,6 +53,7 @@ from ..graph.transaction import transaction
 from ..graph.scripted import reject_torchscript
 from ..check.validate import tolerance, tolerance_rule
 from ..tracing.self_check import warn_if_tracer_broken
+from ..tracing.example_trace import trace_example_call
 from ..tracing.trace import LayerTracer, short_reason, trace
 
 __all__ = ["fold", "fold_conv_bn_modules", "FoldReport", "BNOutcome", "FoldCheck"]
@@ -68,12 +69,13 @@ M = TypeVar("M", bound=nn.Module)
 
 def _shape_trace(module: nn.Module, ctx: FoldContext) -> Any:
     """``module`` traced with the real shapes of its inputs in the sample run (Python code on
-    shapes takes eager's branch; the graph is guarded on them), or ``None``."""
+    shapes takes eager's branch; its optional arguments as that call passes them, Note: [a trace
+    with real inputs is specialised to their call]; the graph is guarded on them), or ``None``."""
     example = (ctx.called or {}).get(id(module))
     if example is None:
         return None
     try:
-        return trace(module, LayerTracer, example=example)
+        return trace_example_call(module, example)
     except Exception:  # noqa: BLE001 - not traceable even so
         return None
 

@@ -134,6 +134,9 @@ class GraphForward:
     #: the last call's difference from the captured calls where it ran the original forward
     #: (the live report says so), else ``""``
     off_call = ""
+    #: why the forward did not run although its parent's did (its parent calls its children, not it:
+    #: Note: [a container its parent does not call]), else ``""``; cleared by its next call
+    bypassed = ""
     #: the variants captured for calls off ``defaults`` (``lookup(self, args, kwargs)`` -> a
     #: forward or ``None``; convert's ``variants.Variants``), or ``None``: such calls run :meth:`original`
     variants: Any = None
@@ -198,6 +201,8 @@ class GraphForward:
         return type(self.owner).forward(self.owner, *args, **kwargs)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self.bypassed:
+            self.bypassed = ""  # called after all: what runs is decided below as for any call
         if self.fallback:
             return self.original(*args, **kwargs)
         if self.guards is not None and not torch.compiler.is_compiling():

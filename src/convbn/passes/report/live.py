@@ -33,6 +33,8 @@ def _status(fwd: Optional[GraphForward], chain: FusedChain) -> str:
     if fwd is not None and fwd.fallback:
         why = getattr(fwd, "fallback_reason", "") or "the rewrite's check failed"
         return f"fallback: {why}; the module's own (unfused) forward runs"
+    if fwd is not None and fwd.bypassed:
+        return f"fallback: {fwd.bypassed}"
     if fwd is not None and getattr(fwd, "off_call", ""):
         return (f"fallback: its last call ({fwd.off_call}) was unlike the captured ones and ran the module's own "
                 "(unfused) forward")
