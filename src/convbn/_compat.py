@@ -95,6 +95,16 @@ def fx_tracing_flag() -> Optional[bool]:
     return None
 
 
+def is_fx_tracing() -> bool:
+    """Whether a ``torch.fx`` symbolic trace is running (in this thread where torch keeps the
+    flag per thread): ``is_fx_symbolic_tracing`` (2.9 or so on; ``is_fx_tracing`` there warns
+    that it also answers for ``torch.export``), else the module-global flag (2.8)."""
+    probe = getattr(_fx_trace, "is_fx_symbolic_tracing", None)
+    if callable(probe):
+        return bool(probe())
+    return bool(fx_tracing_flag())
+
+
 def set_fx_tracing_flag(value: Optional[bool]) -> None:
     """Put back what :func:`fx_tracing_flag` returned (nothing to do for ``None``)."""
     if value is not None and "_is_fx_tracing_flag" in _fx_trace.__dict__:

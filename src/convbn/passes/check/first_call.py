@@ -34,7 +34,7 @@ from typing import Any, Callable, Dict, Iterator, Optional, Tuple
 
 import torch
 from torch import Tensor, nn
-from ..._compat import pytree
+from ..._compat import is_fx_tracing, pytree
 
 from ..graph.graph_module import GraphForward, eager, fused_modules, installed, retypable, retype
 from ..graph.hooks import global_hooks, hook_reason
@@ -62,6 +62,12 @@ class FirstCallCheck:
 
     def __call__(self, fwd: GraphForward, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
         owner = fwd.owner
+        if is_fx_tracing():
+            # Called for real inside another module's trace (a partial trace runs an untraceable
+            # module on its values): torch.fx's patched Module.__call__ is active, so nothing this
+            # call shows is the rewrite's own behaviour. The original runs; the check waits for
+            # the first call outside a trace.
+            return fwd.original(*args, **kwargs)
         with guards_paused(owner):  # guards checked just before: the check's own runs change nothing
             if hooked(owner):
                 # hooks may have side effects (collected features, counters): never call them
