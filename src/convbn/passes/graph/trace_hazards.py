@@ -110,7 +110,7 @@ def _answer_could_differ(proxy: fx.Proxy, frame: Any) -> bool:
 
 
 # Note: [is_tensor on a traced tensor is True]
-# ``torch.is_tensor(t)`` / ``isinstance(t, torch.Tensor)`` / ``torch.jit.isinstance(t, torch.Tensor)`` on a proxy answers False under
+# ``torch.is_tensor(t)`` / ``isinstance(t, torch.Tensor)`` on a proxy answers False under
 # ``torch.fx`` and the trace records the non-tensor branch (diffusers' ``UNet2DModel`` wraps
 # ``timestep`` in a new tensor). Where the proxy surely stands for a tensor, the question is
 # answered as eager answers it: a value computed by the graph, or an input of a trace with the

@@ -70,8 +70,6 @@ def _patched_jit_isinstance(original: Callable[[Any, Any], bool]) -> Callable[[A
     def jit_isinstance(obj: Any, target_type: Any) -> bool:
         if type(obj) is _WatchedProxy or isinstance(obj, fx.Proxy):
             frame = sys._getframe(1)
-            if target_type is torch.Tensor and _surely_a_tensor(obj.node):
-                return True  # Note: [is_tensor on a traced tensor is True] (MONAI's UpCat asks this of its skip)
             if (isinstance(target_type, type) and _tensor_valued(obj.node)
                     and issubclass(torch.Tensor, target_type) == issubclass(type(obj), target_type)):
                 return original(obj, target_type)
