@@ -204,11 +204,11 @@ def convert_module(module: nn.Module, prefix: str, conv: Conversion, exposed: bo
             return
     conv.report.traced.append(prefix.rstrip("."))
     rewrite_module(module, prefix, traced, conv)
-    if exposed and conv.example is not None:  # Note: [a container its parent does not call]
-        mark_if_bypassed(module, lambda m: conv.inputs_of(m) is not None)
     if exposed and isinstance(module, (nn.Sequential, nn.ModuleList, nn.ModuleDict)):
         for name, child in module.named_children():
             convert_module(child, f"{prefix}{name}.", conv, exposed=True)
+    if exposed and conv.example is not None:  # Note: [a container its parent does not call]
+        mark_if_bypassed(module, lambda m: conv.inputs_of(m) is not None)
 
 
 def _defer(module: nn.Module, prefix: str, conv: Conversion) -> None:

@@ -78,6 +78,9 @@ def mark_if_bypassed(module: nn.Module, called: Callable[[nn.Module], bool]) -> 
     ``example_inputs``) says the module was not called while a module under it was (Note: [a
     container its parent does not call])."""
     fwd = installed(module)
-    if fwd is None or called(module) or not any(called(m) for m in module.modules() if m is not module):
+    inner = [m for m in module.modules() if m is not module]
+    if fwd is None or called(module) or not any(called(m) for m in inner):
         return
+    if any(installed(m) is not None and called(m) for m in inner):
+        return  # the parent calls children that run rewrites of their own (an iterated Sequential of blocks)
     fwd.bypassed = bypass_reason(module, ("in the eager run on example_inputs", ""))
