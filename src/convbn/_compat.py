@@ -97,8 +97,9 @@ def fx_tracing_flag() -> Optional[bool]:
 
 def is_fx_tracing() -> bool:
     """Whether a ``torch.fx`` symbolic trace is running (in this thread where torch keeps the
-    flag per thread): ``is_fx_symbolic_tracing`` (2.9 or so on; ``is_fx_tracing`` there warns
-    that it also answers for ``torch.export``), else the module-global flag (2.8)."""
+    flag per thread): ``is_fx_symbolic_tracing`` where torch has it (2.13 does, 2.8 does not;
+    ``is_fx_tracing`` there warns that it also answers for ``torch.export``), else the
+    module-global flag."""
     probe = getattr(_fx_trace, "is_fx_symbolic_tracing", None)
     if callable(probe):
         return bool(probe())

@@ -320,13 +320,8 @@ def trace(module: nn.Module, tracer_cls: Type[fx.Tracer] = fx.Tracer, *, leaves:
     try:
         if defaults is None:
             return _trace(module, tracer_cls, leaves, example)
-        try:
-            return _trace_with(module, tracer_cls, leaves, example, defaults)
-        except Exception:
-            varargs = empty_varargs(module, example)  # Note: [``*args`` traced as the call passes them]
-            if varargs is None:
-                raise
-            return _trace_with(module, tracer_cls, leaves, example, defaults, varargs)
+        return _with_varargs_retry(module, example,
+                                   lambda varargs: _trace_with(module, tracer_cls, leaves, example, defaults, varargs))
     finally:
         for m, t in flags:
             m.training = t
@@ -344,13 +339,22 @@ def _tracer(tracer_cls: Type[fx.Tracer], leaves: Sequence[str], wrapped: Sequenc
 
 def _trace(module: nn.Module, tracer_cls: Type[fx.Tracer], leaves: Sequence[str],
            example: Optional[Tuple[Tuple[Any, ...], Dict[str, Any]]] = None) -> Traced:
+    return _with_varargs_retry(module, example,
+                               lambda varargs: _trace_defaults(module, tracer_cls, leaves, example, varargs))
+
+
+def _with_varargs_retry(module: nn.Module, example: Optional[Tuple[Tuple[Any, ...], Dict[str, Any]]],
+                        attempt: Callable[[Optional[EmptyVarargs]], Traced]) -> Traced:
+    """``attempt(None)``; where it fails, ``attempt`` again with the forward's ``*args`` /
+    ``**kwargs`` as the call passes them (Note: [``*args`` traced as the call passes them]), or
+    the first failure where that does not apply."""
     try:
-        return _trace_defaults(module, tracer_cls, leaves, example, None)
+        return attempt(None)
     except Exception:
-        varargs = empty_varargs(module, example)  # Note: [``*args`` traced as the call passes them]
+        varargs = empty_varargs(module, example)
         if varargs is None:
             raise
-        return _trace_defaults(module, tracer_cls, leaves, example, varargs)
+        return attempt(varargs)
 
 
 def _trace_defaults(module: nn.Module, tracer_cls: Type[fx.Tracer], leaves: Sequence[str],
