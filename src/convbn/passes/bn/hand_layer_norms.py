@@ -198,28 +198,29 @@ def _apply(t: torch.Tensor, op: fx.Node, rest: List[Any]) -> torch.Tensor:
     return getattr(t, str(op.target))(*rest)
 
 
-def _affine(node: fx.Node, gm: fx.GraphModule) -> Optional[Tuple[fx.Node, Optional[str], int, int]]:
-    """``(output node, target, C, rank)`` of ``node * vector`` (either order), else ``None``."""
+def _by_vector(node: fx.Node, gm: fx.GraphModule, kinds: Any) -> Optional[Tuple[fx.Node, Any]]:
+    """``(the sole user, its channel vector)`` where ``node``'s only user is a binary op of
+    ``kinds`` (either operand order) with a channel vector as the other operand, else ``None``."""
     if len(node.users) != 1:
         return None
     user = next(iter(node.users))
-    ops = _binary(user, _MUL)
+    ops = _binary(user, kinds)
     if ops is None or node not in ops:
         return None
     vec = _channel_vector(ops[1] if ops[0] is node else ops[0], gm)
-    return None if vec is None else (user, *vec)
+    return None if vec is None else (user, vec)
+
+
+def _affine(node: fx.Node, gm: fx.GraphModule) -> Optional[Tuple[fx.Node, Optional[str], int, int]]:
+    """``(output node, target, C, rank)`` of ``node * vector`` (either order), else ``None``."""
+    found = _by_vector(node, gm, _MUL)
+    return None if found is None else (found[0], *found[1])
 
 
 def _bias(node: fx.Node, gm: fx.GraphModule, channels: int, rank: int) -> Optional[Tuple[fx.Node, str]]:
     """``(output node, target)`` of ``node + vector`` (either order) of the same channels, else ``None``."""
-    if len(node.users) != 1:
-        return None
-    user = next(iter(node.users))
-    ops = _binary(user, _ADD)
-    if ops is None or node not in ops:
-        return None
-    vec = _channel_vector(ops[1] if ops[0] is node else ops[0], gm)
-    return (user, vec[0]) if vec is not None and vec[1:] == (channels, rank) else None
+    found = _by_vector(node, gm, _ADD)
+    return (found[0], found[1][0]) if found is not None and found[1][1:] == (channels, rank) else None
 
 
 _CONV_RANK = {F.conv1d: 3, F.conv2d: 4, F.conv3d: 5}
