@@ -54,7 +54,7 @@ from torch import nn
 from ...functional.norms import channel_layer_norm
 from ..graph.layers import node_arg
 
-__all__ = ["hand_channel_layer_norms"]
+__all__ = ["hand_channel_layer_norms", "known_rank"]
 
 _SUB = ({operator.sub, torch.sub}, {"sub"})
 _ADD = ({operator.add, torch.add}, {"add"})
@@ -314,7 +314,7 @@ _SAME_RANK_MODULES = (nn.Identity, nn.Dropout, nn.ReLU, nn.ReLU6, nn.LeakyReLU, 
                       nn.Mish, nn.PReLU, nn.ELU, nn.Tanh, nn.Sigmoid)
 
 
-def _rank(node: Any, gm: fx.GraphModule) -> Optional[int]:
+def known_rank(node: Any, gm: fx.GraphModule) -> Optional[int]:
     """The rank of ``node``'s value where the graph shows it (a convolution's output, through
     activations and sums), else ``None``."""
     for _ in range(8):
@@ -367,7 +367,7 @@ def hand_channel_layer_norms(gm: fx.GraphModule) -> int:
         if affine is None:
             continue  # no weight: the channel count is not known before run time
         out, w_target, b_target, channels, rank = affine
-        norm = _replacement(dims, rank, _rank(x, gm))
+        norm = _replacement(dims, rank, known_rank(x, gm))
         if norm is None:
             continue
         with graph.inserting_before(out):
