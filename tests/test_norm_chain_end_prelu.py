@@ -33,5 +33,6 @@ def test_an_end_layer_with_a_prelu_trains_as_eager(example: bool, strategy: str)
     assert [(o.batchnorm, o.result) for o in fast.convbn_report.outcomes] == [("0", "fused")]
     (chain,) = fused_chains(fast)
     assert isinstance(chain, FusedNormChain)
-    assert [l.conv is not None and l.bn is None and bool(l.tail_params()) for l in chain.layers][-1]  # conv -> PReLU end
+    end = chain.layers[-1]
+    assert end.conv is not None and end.bn is None and end.tail_params()  # the end layer: conv -> PReLU
     assert_steps_match(eager, fast, x, steps=2)  # outputs, input and every parameter's gradient (the PReLU's too)

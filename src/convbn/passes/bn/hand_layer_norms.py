@@ -28,8 +28,8 @@ Note: [a hand-written LayerNorm computes as F.layer_norm after convert]
 The formula above and ``F.layer_norm`` compute the same function, not the same bits: the mean,
 variance and reciprocal square root are rounded differently (float32 differences of a few ulps;
 float64 differences near 1e-15). After convert the pattern runs as ``F.layer_norm`` (a global one
-as ``F.group_norm``) whether or not it is fused; tests compare against the model's own code in float64 with the library's float64
-tolerance. Recognised are: mean and biased variance over dim 1 (``mean`` of the squared
+as ``F.group_norm``) whether or not it is fused; tests compare against the model's own code in
+float64 with the library's float64 tolerance. Recognised are: mean and biased variance over dim 1 (``mean`` of the squared
 difference, or ``var`` with ``unbiased=False`` / ``correction=0``; a global one: the same over
 dims ``1, 2, ..., rank - 1``, the rank known from the graph or the affine's broadcast),
 ``eps`` a number added to it,
