@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import List, Optional, Sequence, Tuple
 
 from ...autograd.chain_memory import choose_drops, replay
-from ...autograd.norm_chain_memory import norm_replay
+from ...autograd.norm_chain_memory import norm_conv_runs, norm_replay
 
 __all__ = ["ChainCost", "chain_backward_peak", "step_peak", "drops_needed", "gaps_of"]
 
@@ -77,7 +77,12 @@ class ChainCost:
                    if f and not (self.head and i == 0) and not (self.end and i == k - 1 and self.acts[i] == "identity"))
 
     def recompute(self, keep: Sequence[bool]) -> int:
-        """Recompute cost (``macs`` of the layers not keeping their conv output) under ``keep``."""
+        """Recompute cost under ``keep``: ``macs`` of the layers not keeping their conv output,
+        each as many times as the chain's backward runs that conv again (a per-sample-norm
+        chain: :func:`~convbn.autograd.norm_chain_memory.norm_conv_runs`; a BatchNorm chain: once)."""
+        if self.norms:
+            runs = norm_conv_runs(keep, self.acts, self.norms, self.head)
+            return sum(m * r for m, r in zip(self.macs, runs))
         return sum(m for m, f in zip(self.macs, keep) if not f)
 
 
