@@ -160,6 +160,20 @@ MUTANTS: Dict[str, Mutant] = {
         "moments inside a norm chain's forward count everything the chain keeps (as gaps)",
         (("passes/plan/plan_inputs.py", "        if owner is None or not self.norm[owner]:\n", "        if True:\n"),),
         ("tests/test_norm_forward_moments.py::test_predicted_step_peak_is_the_measured_one_for_every_plan",)),
+    "norm_end_layer_prelu_slot": Mutant(
+        "a norm chain's end layer conv -> PReLU reads its PReLU weight as if the layer had norm slots",
+        (("autograd/norm_chain.py", "return 2 * (spec.conv is not None) + (k if spec.norm is not None else k - 2)",
+          "return 2 * (spec.conv is not None) + k"),),
+        ("tests/test_norm_chain_end_prelu.py::test_an_end_layer_with_a_prelu_trains_as_eager[False-recompute_bn]",)),
+    "hand_global_norm_any_rank": Mutant(
+        "statistics over dims 1, 2, ... become a GroupNorm whatever the input's rank",
+        (("passes/bn/hand_layer_norms.py", "return F.group_norm if known == len(dims) + 1 else None",
+          "return F.group_norm"),),
+        ("tests/test_norm_hand_layer_norms.py::test_transposed_look_alikes_are_left_as_written[PartialStats]",)),
+    "channel_layer_norm_transpose_any_rank": Mutant(
+        "a transpose(1, 2) around a LayerNorm is taken for the channels-last permute at any rank",
+        (("passes/bn/norm_sites.py", "(-1, 1)) and known_rank(node.args[0], gm) == 3:", "(-1, 1)):"),),
+        ("tests/test_norm_transposed_layer_norms.py::test_a_4d_transpose_is_left_as_written[False]",)),
 }
 
 
