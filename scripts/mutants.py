@@ -147,6 +147,19 @@ MUTANTS: Dict[str, Mutant] = {
         "a call of convert's own check off the traced values leaves the report saying fallback",
         (("passes/convert/pipeline.py", '                fwd.off_call = ""\n', ""),),
         ("tests/test_report_calls.py::test_report_after_convert_is_not_left_by_convert_s_own_check",)),
+    "norm_recomputed_output_held": Mutant(
+        "a norm chain's backward holds a recomputed conv output through its conv's backward",
+        (("autograd/norm_chain.py", "    del out, yv, pv, graph, got, act_out, wanted\n",
+          "    del out, yv, pv, graph, got, act_out\n"),),
+        ("tests/test_norm_memory_model.py::test_replayed_backward_is_the_measured_one",)),
+    "norm_conv_runs_once": Mutant(
+        "the planner counts a norm chain's recomputed conv once, however often its backward runs it",
+        (("autograd/norm_chain_memory.py", "            runs[i] += has_conv[i]\n", "            runs[i] = int(has_conv[i])\n"),),
+        ("tests/test_norm_conv_runs.py",)),
+    "norm_forward_moments_as_gaps": Mutant(
+        "moments inside a norm chain's forward count everything the chain keeps (as gaps)",
+        (("passes/plan/plan_inputs.py", "        if owner is None or not self.norm[owner]:\n", "        if True:\n"),),
+        ("tests/test_norm_forward_moments.py::test_predicted_step_peak_is_the_measured_one_for_every_plan",)),
     "norm_end_layer_prelu_slot": Mutant(
         "a norm chain's end layer conv -> PReLU reads its PReLU weight as if the layer had norm slots",
         (("autograd/norm_chain.py", "return 2 * (spec.conv is not None) + (k if spec.norm is not None else k - 2)",
