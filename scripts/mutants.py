@@ -147,6 +147,20 @@ MUTANTS: Dict[str, Mutant] = {
         "a call of convert's own check off the traced values leaves the report saying fallback",
         (("passes/convert/pipeline.py", '                fwd.off_call = ""\n', ""),),
         ("tests/test_report_calls.py::test_report_after_convert_is_not_left_by_convert_s_own_check",)),
+    "fold_takes_shape_specialised_graph": Mutant(
+        "fold installs the graph of a module traced only with its real shapes even where its children fold alone",
+        (("passes/fold/api.py", "        if not own_code_joins_a_batchnorm(traced.gm, module, prefix):",
+          "        if False:"),),
+        ("tests/test_upcat_pattern.py::test_folded_upcat_pattern_exports_with_dynamic_batch_and_spatial_sizes",)),
+    "jit_isinstance_hazard": Mutant(
+        "torch.jit.isinstance on a computed tensor is a trace hazard again (MONAI's UpCat left opaque)",
+        (("passes/tracing/hazards.py", "        if real is not None:\n", "        if False:\n"),),
+        ("tests/test_upcat_pattern.py",)),
+    "jit_isinstance_list_of_proxies": Mutant(
+        "torch.jit.isinstance on a list of traced tensors asks the proxies themselves (answers False)",
+        (("passes/tracing/hazards.py", "        if not any(isinstance(a, fx.Proxy) for a in pytree.tree_leaves(obj)):",
+          "        if not isinstance(obj, fx.Proxy):"),),
+        ("tests/test_upcat_pattern.py::test_jit_isinstance_on_computed_tensors_is_answered_without_shapes",)),
 }
 
 
