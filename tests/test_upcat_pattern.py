@@ -193,3 +193,24 @@ def test_folded_upcat_pattern_exports_with_dynamic_batch_and_spatial_sizes() -> 
     inputs = [torch.randn(2, 1, 8, 8, 8), torch.randn(3, 1, 12, 16, 8), torch.randn(1, 1, 4, 4, 4)]
     assert max(deploy.check_program(program, model, inputs)) < 1e-5  # against the unfolded model
     assert max(deploy.check_program(program, folded, inputs)) < 1e-5
+
+
+@pytest.mark.slow
+def test_real_monai_basicunet_3d_traces_its_upcats_whole_and_stays_exact() -> None:
+    nets = pytest.importorskip("monai.networks.nets")
+    torch.manual_seed(0)
+    eager = nets.BasicUNet(spatial_dims=3, in_channels=1, out_channels=2, features=(4, 4, 8, 8, 8, 4)).double()
+    x = torch.randn(1, 1, 32, 32, 32, dtype=torch.float64)
+    fast = convbn.convert(copy.deepcopy(eager), example_inputs=x.clone())
+    report = fast.convbn_report
+    assert not report.untraced, report.untraced  # the four UpCats were trace hazards before
+    assert sum(p.bn.startswith("upcat_") for p in report.pairs) == 8, report
+    assert not _pads(fast), _pads(fast)
+    grad = torch.randn(1, 2, 32, 32, 32, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    out_e, out_f = eager(x), fast(x)
+    assert_chain_ran(out_f)
+    out_e.backward(grad)
+    out_f.backward(grad)
+    torch.testing.assert_close(out_f, out_e, **TOL)
+    for (name, pe), pf in zip(eager.named_parameters(), fast.parameters()):
+        torch.testing.assert_close(pf.grad, pe.grad, **TOL, msg=lambda m, name=name: f"{name}: {m}")
