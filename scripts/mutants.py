@@ -161,6 +161,11 @@ MUTANTS: Dict[str, Mutant] = {
         (("passes/tracing/hazards.py", "        if not any(isinstance(a, fx.Proxy) for a in pytree.tree_leaves(obj)):",
           "        if not isinstance(obj, fx.Proxy):"),),
         ("tests/test_upcat_pattern.py::test_jit_isinstance_on_computed_tensors_is_answered_without_shapes",)),
+    "jit_isinstance_trusts_opaque_outputs": Mutant(
+        "torch.jit.isinstance takes what an opaque module returned for a tensor (a dict answered as a tensor)",
+        (("passes/tracing/hazards.py", "    if name in getattr(tracer, \"opaque\", {}) or name in getattr(tracer, \"hooked\", {}):\n        return False\n",
+          ""),),
+        ("tests/test_upcat_pattern.py::test_jit_isinstance_on_what_an_opaque_module_returned_is_a_hazard",)),
 }
 
 

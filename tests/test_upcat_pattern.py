@@ -170,6 +170,34 @@ def test_jit_isinstance_on_an_input_a_symbolic_trace_cannot_know_is_a_hazard() -
         trace(AskInputs())
 
 
+class ReturnsDict(nn.Module):
+    """Opaque to ``torch.fx`` (a branch on data), returning a dict: its output is no tensor."""
+
+    def forward(self, x: Tensor) -> Any:
+        return {"y": x} if float(x.detach().abs().sum()) >= 0 else {"y": -x}
+
+
+class AsksOfADict(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Conv2d(3, 4, 3, padding=1)
+        self.features = ReturnsDict()
+
+    def forward(self, x: Tensor) -> Tensor:
+        out = self.features(self.a(x))
+        if torch.jit.isinstance(out, Dict[str, torch.Tensor]):  # True in eager
+            out = out["y"]
+        return out * 2
+
+
+def test_jit_isinstance_on_what_an_opaque_module_returned_is_a_hazard() -> None:
+    with pytest.raises(TraceHazard, match=r"torch\.jit\.isinstance"):
+        trace(AsksOfADict())
+    model = AsksOfADict()
+    x = torch.randn(2, 3, 5, 5)
+    torch.testing.assert_close(convbn.fold(copy.deepcopy(model).eval(), example_inputs=x)(x), model.eval()(x))
+
+
 def _randomize_bn(model: nn.Module) -> nn.Module:
     g = torch.Generator().manual_seed(0)
     for m in model.modules():

@@ -17,8 +17,10 @@ from typing import Any, Callable
 
 import torch
 import torch.fx as fx
+from torch import nn
 
 from ..._compat import pytree
+from ..graph.shape_capture import VALUE
 from ..graph.trace_hazards import _answer_could_differ, _asks_tensor_only, _surely_a_tensor, _tensor_valued
 
 __all__ = ["TraceHazard"]
@@ -78,14 +80,31 @@ class _WatchedProxy(fx.Proxy):
 # question is put to torch's own ``torch.jit.isinstance`` with each such proxy replaced by an empty
 # stand-in tensor: eager's answer, decided by types alone, so the graph stays as shape-generic as
 # the rest of the trace. A proxy that may stand for something else (an input of a symbolic trace,
-# a shape, a tuple of pieces) is a hazard, unless the answer is the same for a tensor and a proxy.
+# a shape, a tuple of pieces, what an opaque module returned: :func:`_returns_a_tensor`) is a
+# hazard, unless the answer is the same for a tensor and a proxy.
+
+
+def _returns_a_tensor(proxy: fx.Proxy) -> bool:
+    """Whether ``proxy`` surely stands for a tensor, a leaf module's output included only where
+    the module returns one: not a module left opaque or kept for its hooks (its forward may return
+    anything), not a recurrent layer or attention (tuples), not a pooling asked for its indices."""
+    node = proxy.node
+    if not _surely_a_tensor(node):
+        return False
+    if node.op != "call_module" or isinstance(node.meta.get(VALUE), torch.Tensor):
+        return True
+    tracer, name = proxy.tracer, str(node.target)
+    if name in getattr(tracer, "opaque", {}) or name in getattr(tracer, "hooked", {}):
+        return False
+    module = tracer.root.get_submodule(name)  # type: ignore[attr-defined]
+    return not (isinstance(module, (nn.RNNBase, nn.MultiheadAttention)) or getattr(module, "return_indices", False))
 
 
 def _stand_ins(obj: Any) -> Any:
     """``obj`` with every proxy replaced by an empty tensor, or ``None`` where a proxy in it may
     stand for a non-tensor (Note: [torch.jit.isinstance answered from types])."""
     leaves = pytree.tree_leaves(obj)
-    if not all(_surely_a_tensor(p.node) for p in leaves if isinstance(p, fx.Proxy)):
+    if not all(_returns_a_tensor(p) for p in leaves if isinstance(p, fx.Proxy)):
         return None
     return pytree.tree_map(lambda a: torch.empty(0) if isinstance(a, fx.Proxy) else a, obj)
 
