@@ -166,6 +166,20 @@ MUTANTS: Dict[str, Mutant] = {
         (("passes/tracing/hazards.py", "    if name in getattr(tracer, \"opaque\", {}) or name in getattr(tracer, \"hooked\", {}):\n        return False\n",
           ""),),
         ("tests/test_upcat_pattern.py::test_jit_isinstance_on_what_an_opaque_module_returned_is_a_hazard",)),
+    "norm_end_layer_prelu_slot": Mutant(
+        "a norm chain's end layer conv -> PReLU reads its PReLU weight as if the layer had norm slots",
+        (("autograd/norm_chain.py", "return 2 * (spec.conv is not None) + (k if spec.norm is not None else k - 2)",
+          "return 2 * (spec.conv is not None) + k"),),
+        ("tests/test_norm_chain_end_prelu.py::test_an_end_layer_with_a_prelu_trains_as_eager[False-recompute_bn]",)),
+    "hand_global_norm_any_rank": Mutant(
+        "statistics over dims 1, 2, ... become a GroupNorm whatever the input's rank",
+        (("passes/bn/hand_layer_norms.py", "return F.group_norm if known == len(dims) + 1 else None",
+          "return F.group_norm"),),
+        ("tests/test_norm_hand_layer_norms.py::test_transposed_look_alikes_are_left_as_written[PartialStats]",)),
+    "channel_layer_norm_transpose_any_rank": Mutant(
+        "a transpose(1, 2) around a LayerNorm is taken for the channels-last permute at any rank",
+        (("passes/bn/norm_sites.py", "(-1, 1)) and known_rank(node.args[0], gm) == 3:", "(-1, 1)):"),),
+        ("tests/test_norm_transposed_layer_norms.py::test_a_4d_transpose_is_left_as_written[False]",)),
 }
 
 
