@@ -27,6 +27,7 @@ def _net() -> nn.Module:
 
 
 def _resnet18() -> nn.Module:
+    pytest.importorskip("torchvision")
     from zoo import import_torchvision_without_fake_kernels
 
     return import_torchvision_without_fake_kernels().models.resnet18()
