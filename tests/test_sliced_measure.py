@@ -86,3 +86,29 @@ def test_a_small_batch_or_a_layer_the_lines_do_not_fit_is_recorded_at_the_batch(
     layer = next(l for c in sliced_measure.chains_of(fast) for l in c.layers)
     layer.y_shape = (4, *layer.y_shape[1:])  # shapes not those the example batch gives
     assert recorded_on_slices(reference, fast, (x8,)) is None
+
+
+class _OnlyItsBatch(nn.Module):
+    """Runs at batch 8 alone (a model written for one batch size)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8), nn.ReLU())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] != 8:
+            raise ValueError(f"batch 8 only, not {x.shape[0]}")
+        return self.body(x).mean((1, 2, 3))
+
+
+def test_a_model_that_fails_at_a_slice_is_recorded_at_its_batch() -> None:
+    torch.manual_seed(0)
+    model, x = _OnlyItsBatch(), torch.randn(8, 3, 8, 8)
+    fast = convbn.convert(model, example_inputs=x, progress=False)
+    assert_fused(fast, pairs=1)
+    assert fast.convbn_report.validated == [""] and fast.convbn_report.eager_peak_bytes > 0
+    with eager(fast):
+        reference = share_copy(fast)
+    state = {k: v.clone() for k, v in fast.state_dict().items()}
+    assert recorded_on_slices(reference, fast, (x,)) is None
+    assert all(torch.equal(v, fast.state_dict()[k]) for k, v in state.items())

@@ -21,8 +21,8 @@ The lines are used only where they are known to hold here:
   check's full-batch step left on the layers (so the slices cut the batch, not some other
   dimension, and the layers' shapes are affine in it).
 
-Elsewhere (a batch below :data:`MIN_BATCH`, inputs that cannot be sliced, a layer the check
-did not reach), both steps are recorded at the example batch as before. Byte counts are
+Elsewhere (a batch below :data:`MIN_BATCH`, inputs that cannot be sliced, a model that raises
+at a slice, a layer the check did not reach), both steps are recorded at the example batch as before. Byte counts are
 those of the exact CPU meter (live tensor storages), which has no rounding; on CUDA the
 allocator rounds block sizes, so the slices are used on the CPU only.
 """
@@ -97,6 +97,8 @@ def recorded_on_slices(original: nn.Module, converted: nn.Module, inputs: Tuple[
             if cut is None:
                 return None
             runs.append(record_eager_and_chains(original, converted, tuple(cut)))
+    except Exception:  # noqa: BLE001 - a model that runs only at its batch (state put back): recorded there
+        return None
     finally:
         _put_back(shapes)  # the layers keep the shapes of the example batch (the report reads them)
     return _on_lines(runs[0], runs[1], batch)
