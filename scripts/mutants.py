@@ -152,6 +152,21 @@ MUTANTS: Dict[str, Mutant] = {
         (("autograd/norm_chain.py", "    del out, yv, pv, graph, got, act_out, wanted\n",
           "    del out, yv, pv, graph, got, act_out\n"),),
         ("tests/test_norm_memory_model.py::test_replayed_backward_is_the_measured_one",)),
+    "norm_recomputed_act_beside_norm": Mutant(
+        "a norm chain's backward recomputes a ReLU-family activation beside the norm's output, not over it",
+        (("autograd/norm_chain.py", "                a = spec.act(_alias(z), inplace=True)\n",
+          "                a = spec.act(z)\n"),),
+        ("tests/test_norm_memory_model.py::test_recomputed_relu_is_written_over_the_norm_output",)),
+    "norm_recomputed_act_through_detach": Mutant(
+        "the activation written over the norm's output through detach(): the view's grad_fn is rebuilt",
+        (("autograd/norm_chain.py", "                a = spec.act(_alias(z), inplace=True)\n",
+          "                a = spec.act(z.detach(), inplace=True)\n"),),
+        ("tests/test_norm_memory_model.py::test_recomputed_relu_is_written_over_the_norm_output",)),
+    "norm_replay_act_beside_norm": Mutant(
+        "the planner's replay allocates the recomputed activation beside the norm's output",
+        (("autograd/norm_chain_memory.py", "            mem.rename((\"z\", i), out)\n",
+          "            mem.alloc(out, n)\n            mem.free((\"z\", i))\n"),),
+        ("tests/test_norm_memory_model.py::test_replayed_backward_is_the_measured_one",)),
     "norm_conv_runs_once": Mutant(
         "the planner counts a norm chain's recomputed conv once, however often its backward runs it",
         (("autograd/norm_chain_memory.py", "            runs[i] += has_conv[i]\n", "            runs[i] = int(has_conv[i])\n"),),

@@ -130,6 +130,34 @@ def test_the_model_reads_the_norm_table(monkeypatch: pytest.MonkeyPatch) -> None
     assert chain_backward_peak(cost, keep)[0] > before
 
 
+@pytest.mark.parametrize("norm", sorted(NORMS))
+def test_recomputed_relu_is_written_over_the_norm_output(norm: str) -> None:
+    """Note: [the norm's output as a root only]: under ReLU the backward recomputes each layer's
+    norm and writes the activation over the norm's output: no out-of-place ReLU in the chain's
+    backward (one map fewer alive than the norm's output beside the activation's), no view's
+    ``grad_fn`` rebuilt by that write (an ``AsStridedBackward0`` copies a whole map), the replay
+    still equal to the measured backward to the byte, and the layer-by-layer backward below
+    the replay of the same chain with the activation allocated beside the norm's output. Every
+    conv output kept: each layer's norm is recomputed under autograd (a rebuild from a recomputed
+    conv output runs without autograd, out of place: not this Note's)."""
+    fused, chain = _converted(norm, "relu", "recompute_bn")
+    cost, keep = _cost(chain)
+    torch.manual_seed(1)
+    x = torch.randn(8, 4, 16, 16, requires_grad=True)
+    fused(x).sum().backward()
+    for p in fused.parameters():
+        p.grad = None
+    ops = [p.op for p in timeline(fused, x).points if p.phase == "backward"]
+    ours = [op.split("/", 1)[1] for op in ops if op.startswith("NormChainFunctionBackward/")]
+    assert "aten.relu_.default" in ours and "aten.relu.default" not in ours, sorted(set(ours))
+    assert not any(op.startswith("AsStridedBackward0/") for op in ops)
+    held = 0 if frees_incoming_gradients() else cost.y_bytes[-1]
+    assert chain_backward_peak(cost, keep)[0] + held == _measured_backward(fused, cost, keep)
+    beside = ChainCost(cost.y_bytes, cost.x_bytes, cost.macs, ("smooth",) * 3, w_bytes=cost.w_bytes,
+                       head=cost.head, end=cost.end, s_bytes=cost.s_bytes, norms=cost.norms)
+    assert chain_backward_peak(cost, keep)[0] < chain_backward_peak(beside, keep)[0]
+
+
 class ZeroPadUpCat(nn.Module):
     """MONAI UpCat's shape: the upsampled map padded by zero (``replicate``), concatenated with the
     skip, then Conv -> InstanceNorm -> LeakyReLU."""

@@ -28,9 +28,11 @@ Layer ``i``'s norm is recomputed under autograd once, when layer ``i + 1`` rebui
 and that graph waits for layer ``i``'s backward. Where the activation's derivative is a
 function of its output (the ReLU family) and the norm's row says its backward never reads its
 output (``output_unread``: GroupNorm, InstanceNorm and LayerNorm read their input and
-statistics), the norm's output is only autograd's root: its storage is released at once
-(``resize_(0)``, its shape kept) and the activation's backward reads the activation's output,
-which the next convolution's backward needed anyway.
+statistics), the norm's output is only autograd's root: the activation is computed in place
+over it (one map, not the norm's output and the activation's side by side; the same kernel as
+the out-of-place call, so the same values) and the activation's backward reads the activation's
+output, which the next convolution's backward needed anyway. No node of the recomputed graph
+saved the norm's output, so writing over it changes no gradient.
 """
 from __future__ import annotations
 
@@ -160,6 +162,20 @@ def _forward(x0: Tensor, params: Sequence[Optional[Tensor]], specs: Sequence[Nor
     return x, kept  # type: ignore[return-value]
 
 
+def _root_only(spec: NormLayerSpec) -> bool:
+    """Note: [the norm's output as a root only]: a lone activation whose derivative is read off
+    its output, after a norm whose backward never reads its output."""
+    return (not spec.tail and not spec.act.is_identity and spec.act.output_derivable and spec.norm is not None
+            and norm_row(spec.norm.row).output_unread)
+
+
+def _alias(t: Tensor) -> Tensor:
+    """A tensor on ``t``'s memory with a version counter of its own: writing through it leaves
+    ``t`` as autograd recorded it (``t.detach()`` shares the counter, and a view whose counter
+    moved has its ``grad_fn`` rebuilt as an ``AsStridedBackward0`` that copies a whole map)."""
+    return t.new_empty(0).set_(t.untyped_storage(), t.storage_offset(), t.shape, t.stride())
+
+
 def _shares_storage(a: Tensor, b: Optional[Tensor]) -> bool:
     return b is not None and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
 
@@ -245,13 +261,15 @@ class _Rebuild:
                 out = _post(spec, yv, pv[0], pv[1], pv[2:], self.stats[i], update=False)
                 return (yv, pv, out, None), out.detach()
             z = norm_reference(yv, spec.norm, pv[0], pv[1], *self.stats[i]) if spec.norm is not None else yv
+        if _root_only(spec) and not _shares_storage(z, yv):
+            # Note: [the norm's output as a root only]: its backward reads its input and statistics,
+            # the activation's backward its output: the activation is written over the norm's
+            # output, whose tensor stays autograd's root only (no node of the graph saved it)
+            with torch.no_grad():
+                a = spec.act(_alias(z), inplace=True)
+            return (yv, pv, z, a), a.detach()
         with torch.no_grad():
             a = z if spec.act.is_identity else spec.act(z)
-        if a is not z and spec.act.output_derivable and spec.norm is not None and norm_row(spec.norm.row).output_unread:
-            # Note: [the norm's output as a root only]: its backward reads its input and statistics,
-            # the activation's backward its output: the norm's output is kept as autograd's root only
-            z.untyped_storage().resize_(0)
-            return (yv, pv, z, a), a.detach()
         return (yv, pv, z, None), a.detach()
 
     def input(self, i: int) -> Tensor:

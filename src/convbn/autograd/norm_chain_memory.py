@@ -87,11 +87,11 @@ class _NormReplay:
             else:
                 mem.rename(z, out) if self.has_norm(i) else mem.alloc(out, 0)
             held = tuple(h for h in held if h != z) + (out,)
+        elif self.root_only(i):  # the activation written over the norm's output: one map
+            mem.rename(("z", i), out)
+            held = tuple(h for h in held if h != ("z", i)) + (out,)
         else:
             mem.alloc(out, n)
-            if self.root_only(i):
-                mem.free(("z", i))
-                held = tuple(h for h in held if h != ("z", i)) + (out,)
         self.graphs[i] = held
 
     def build_x(self, i: int) -> None:
