@@ -143,6 +143,18 @@ MUTANTS: Dict[str, Mutant] = {
         (("passes/fold/api.py", "        return trace_example_call(module, example)",
           "        return trace(module, LayerTracer, example=example)"),),
         ("tests/test_report_calls.py::test_fold_traces_a_module_for_the_call_its_example_makes",)),
+    "report_first_capture_only": Mutant(
+        "the live report never reads what each kind of call ran: a module called unlike its capture keeps the first capture's outcome",
+        (("passes/report/calls_seen.py", '    return main.__dict__.get("seen")\n', "    return None\n"),),
+        ("tests/test_report_variants.py::test_report_says_what_calls_with_the_other_argument_ran[False-groupnorm]",)),
+    "report_calls_never_cleared": Mutant(
+        "the live report reads every call since convert, not the calls since it last read them",
+        (("passes/report/calls_seen.py", "        ran.clear()\n", ""),),
+        ("tests/test_report_variants.py::test_report_says_what_calls_with_the_other_argument_ran[False-batchnorm]",)),
+    "report_variant_fuses_every_layer": Mutant(
+        "the live report takes a layer as fused in a variant's calls whether or not the variant fuses it",
+        (("passes/report/live.py", "    return f\"fallback: the capture for these calls does not fuse it", "    return FUSED\n    return f\"fallback: the capture for these calls does not fuse it"),),
+        ("tests/test_report_variants.py::test_both_kinds_of_call_since_the_last_read_are_both_said[batchnorm]",)),
     "check_off_call_reported": Mutant(
         "a call of convert's own check off the traced values leaves the report saying fallback",
         (("passes/convert/pipeline.py", '                fwd.off_call = ""\n', ""),),
