@@ -155,6 +155,11 @@ MUTANTS: Dict[str, Mutant] = {
         "the live report takes a layer as fused in a variant's calls whether or not the variant fuses it",
         (("passes/report/live.py", "    return f\"fallback: the capture for these calls does not fuse it", "    return FUSED\n    return f\"fallback: the capture for these calls does not fuse it"),),
         ("tests/test_report_variants.py::test_both_kinds_of_call_since_the_last_read_are_both_said[batchnorm]",)),
+    "report_variant_fused_ignored": Mutant(
+        "the live report keeps 'left' for a norm the first capture left although the variant its calls ran fuses it",
+        (("passes/report/convert_report.py", "        theirs = variant_only_status(model) if model is not None else {}",
+          "        theirs = {}"),),
+        ("tests/test_report_variants.py::test_a_norm_only_a_variant_fuses_is_reported_fused_when_its_calls_ran[True-batchnorm]",)),
     "check_off_call_reported": Mutant(
         "a call of convert's own check off the traced values leaves the report saying fallback",
         (("passes/convert/pipeline.py", '                fwd.off_call = ""\n', ""),),

@@ -129,3 +129,32 @@ def test_both_kinds_of_call_since_the_last_read_are_both_said(norm, probe):
     pair = next(p for p in fast.convbn_report.pairs if p.bn == "block.norm1")
     assert pair.status == one.reason
     assert f"block.norm1: {one.reason}" in str(fast.convbn_report)
+
+
+
+@pytest.mark.parametrize("norm", list(NORMS))
+@pytest.mark.parametrize("with_inputs", [False, True])
+def test_a_norm_only_a_variant_fuses_is_reported_fused_when_its_calls_ran(norm, with_inputs, probe):
+    eager, model = twins(lambda: Net(NORMS[norm]))
+    eager.use = model.use = 1  # with example_inputs captured with inject (norm1 left), without them for inject=None
+    x = torch.randn(4, 3, 8, 8, dtype=torch.float64)
+    fast = convbn.convert(model, example_inputs=(x,) if with_inputs else None)
+    train(eager, fast, x, use=1)
+    assert set(probe) == {"block.norm2"}, probe
+    now = outcomes(fast)
+    assert (now["block.norm1"].result, now["block.norm2"].result) == ("left", "fused"), fast.convbn_report
+    probe.clear()
+    train(eager, fast, x, use=0, seed=1)  # the variant for inject=None fuses conv1 -> norm1
+    assert set(probe) == {"block.norm1", "block.norm2"}, probe
+    one = outcomes(fast)["block.norm1"]
+    assert (one.result, one.layer, one.direction, one.reason) == ("fused", "block.conv1", "preceding", ""), one
+    probe.clear()
+    train(eager, fast, x, use=2, seed=2)  # both kinds
+    assert set(probe) == {"block.norm1", "block.norm2"}, probe
+    one = outcomes(fast)["block.norm1"]
+    assert one.result == "fused" and one.reason.startswith("fused in some calls: fused in calls with inject=None;"), one
+    assert "in calls with inject=<given>: the" in one.reason and "does not fuse it" in one.reason, one
+    probe.clear()
+    train(eager, fast, x, use=1, seed=3)  # the first capture's kind only: left again, as recorded
+    assert set(probe) == {"block.norm2"}, probe
+    assert outcomes(fast)["block.norm1"].left, fast.convbn_report

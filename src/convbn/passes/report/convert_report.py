@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any, Dict, List, Optional
 
 from ...functional.strategies import ConvertStrategy, LayerMode
 from ...memory import format_bytes
-from .live import CHECK_PENDING, FUSED, PARTLY, all_chains, awaiting_capture, chain_status, layer_status, unchecked_chains
+from .live import CHECK_PENDING, FUSED, PARTLY, all_chains, awaiting_capture, chain_status, layer_status, unchecked_chains, variant_only_status
 from .outcome import BNOutcome
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -165,7 +165,10 @@ class ConvertReport:
         above eager" last resort, the other train/eval mode of a mode-dependent trace, hooks
         added later) is ``"left"`` with the reason ``"fallback: <why>"``."""
         status = self._pair_status()
-        return [_as_running(o, status.get(o.batchnorm, FUSED)) for o in self.recorded]
+        model = self.__dict__.get("_model")
+        theirs = variant_only_status(model) if model is not None else {}
+        return [_as_running(o, status.get(o.batchnorm, FUSED)) if o.batchnorm not in theirs
+                else _fused_by_variant(o, *theirs[o.batchnorm]) for o in self.recorded]
 
     def _pair_status(self) -> Dict[str, str]:
         """Per fused BatchNorm name, its chain's status; sets each pair's ``status``."""
@@ -338,3 +341,12 @@ def _as_running(outcome: BNOutcome, status: str) -> BNOutcome:
     if status.startswith(PARTLY):
         return replace(outcome, reason=status)
     return replace(outcome, result="left", direction=None, reason=status)
+
+
+def _fused_by_variant(outcome: BNOutcome, status: str, fused: Optional[BNOutcome]) -> BNOutcome:
+    """``outcome`` (left by the first capture) where a variant fuses it: ``"fused"`` as the variant
+    recorded it where every kind of call since the last read fused it, with ``status`` as its note
+    where only some did; left as it was where none did (Note: [a report says what ran, call by call])."""
+    if outcome.result != "left" or fused is None or not status.startswith(FUSED):
+        return outcome
+    return replace(fused, batchnorm=outcome.batchnorm, reason="" if status == FUSED else status)

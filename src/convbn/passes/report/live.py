@@ -13,7 +13,7 @@ from that state each time they are read, never copied once.
 from __future__ import annotations
 
 import functools
-from typing import Dict, Iterator, List, Optional, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 from torch import nn
 
@@ -23,7 +23,7 @@ from ...nn.fused_conv_bn import hooks_of
 from ..graph.graph_module import GraphForward, installed
 from .calls_seen import calls_seen, route_label
 
-__all__ = ["chain_status", "layer_status", "PARTLY", "running_fused_modules", "all_chains", "unchecked_chains", "awaiting_capture", "FUSED", "CHECK_PENDING"]
+__all__ = ["chain_status", "layer_status", "variant_only_status", "PARTLY", "running_fused_modules", "all_chains", "unchecked_chains", "awaiting_capture", "FUSED", "CHECK_PENDING"]
 
 #: the status of a chain whose fused Function runs
 FUSED = "fused"
@@ -124,10 +124,35 @@ def layer_status(model: nn.Module) -> Dict[int, str]:
     return found
 
 
-def _route_status(module: nn.Module, main: GraphForward, route: Optional[GraphForward], chain: FusedChain,
-                  layer: ChainLayer) -> str:
-    """What the calls that ran ``route`` did with ``layer`` of ``main``'s ``chain``."""
-    if route is main:
+def variant_only_status(model: nn.Module) -> Dict[str, Tuple[str, Any]]:
+    """``norm name -> (status, the variant's fused outcome)`` for each norm a module's first
+    capture does not fuse but a variant that ran since the last read does: what each kind of call
+    ran (Note: [a report says what ran, call by call] in calls_seen.py)."""
+    found: Dict[str, Tuple[str, Any]] = {}
+    for _, m in model.named_modules():
+        main = installed(m)
+        seen = calls_seen(main) if main is not None and main.variants is not None else None
+        if not seen or set(seen) in ({main}, {None}):
+            continue
+        variants = [r for r in seen if r is not None and r is not main]
+        theirs = {t for v in _variant_forwards(main) for t in v.added}
+        first = {l.names[1] for t, c in _chains_of(m, main) if t not in theirs for l in c.layers}
+        for variant in variants:
+            for layer in (l for _, c in _chains_of(m, variant) for l in c.layers):
+                norm = layer.names[1]
+                if not norm or norm in first or norm in found:
+                    continue
+                parts = [(route_label(r, main), "fallback: the first capture does not fuse it" if r is main else
+                          _route_status(m, main, r, None, layer)) for r in seen]
+                fused = next((o for o in variant.variant_outcomes or () if o.batchnorm == norm and not o.left), None)
+                found[norm] = (_combine(parts), fused)
+    return found
+
+
+def _route_status(module: nn.Module, main: GraphForward, route: Optional[GraphForward],
+                  chain: Optional[FusedChain], layer: ChainLayer) -> str:
+    """What the calls that ran ``route`` did with ``layer`` (of ``main``'s ``chain``, or a variant's)."""
+    if route is main and chain is not None:
         return _state_status(main, chain, last_call=False)
     if route is None:
         return "fallback: the module's own (unfused) forward ran"
