@@ -7,7 +7,8 @@ from typing import TYPE_CHECKING, Any, Dict, List, Optional
 
 from ...functional.strategies import ConvertStrategy, LayerMode
 from ...memory import format_bytes
-from .live import CHECK_PENDING, FUSED, PARTLY, all_chains, awaiting_capture, chain_status, layer_status, unchecked_chains, variant_only_status
+from .live import (CHECK_PENDING, FUSED, PARTLY, all_chains, awaiting_capture, chain_status, layer_status, unchecked_chains,
+                   variant_only_status)
 from .outcome import BNOutcome
 
 if TYPE_CHECKING:  # pragma: no cover

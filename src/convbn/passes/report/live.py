@@ -23,7 +23,8 @@ from ...nn.fused_conv_bn import hooks_of
 from ..graph.graph_module import GraphForward, installed
 from .calls_seen import calls_seen, route_label
 
-__all__ = ["chain_status", "layer_status", "variant_only_status", "PARTLY", "running_fused_modules", "all_chains", "unchecked_chains", "awaiting_capture", "FUSED", "CHECK_PENDING"]
+__all__ = ["chain_status", "layer_status", "variant_only_status", "PARTLY", "running_fused_modules", "all_chains",
+           "unchecked_chains", "awaiting_capture", "FUSED", "CHECK_PENDING"]
 
 #: the status of a chain whose fused Function runs
 FUSED = "fused"
@@ -120,7 +121,8 @@ def layer_status(model: nn.Module) -> Dict[int, str]:
             if target in theirs:
                 continue
             for layer in chain.layers:
-                found[id(layer)] = _combine([(route_label(r, main), _route_status(m, main, r, chain, layer)) for r in seen])
+                parts = [(route_label(r, main), _route_status(m, main, r, chain, layer)) for r in seen]
+                found[id(layer)] = _combine(parts)
     return found
 
 
@@ -161,7 +163,8 @@ def _route_status(module: nn.Module, main: GraphForward, route: Optional[GraphFo
             return _state_status(route, theirs, last_call=False)
     norm = layer.names[1]
     why = next((o.reason for o in route.variant_outcomes or () if norm and o.batchnorm == norm and o.left), "")
-    return f"fallback: the capture for these calls does not fuse it{' (' + why + ')' if why else ''}; it runs as modules"
+    why = f" ({why})" if why else ""
+    return f"fallback: the capture for these calls does not fuse it{why}; it runs as modules"
 
 
 def _same_layer(a: ChainLayer, b: ChainLayer) -> bool:
