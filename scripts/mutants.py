@@ -164,6 +164,38 @@ MUTANTS: Dict[str, Mutant] = {
         "a call of convert's own check off the traced values leaves the report saying fallback",
         (("passes/convert/pipeline.py", '                fwd.off_call = ""\n', ""),),
         ("tests/test_report_calls.py::test_report_after_convert_is_not_left_by_convert_s_own_check",)),
+    "norm_recomputed_output_held": Mutant(
+        "a norm chain's backward holds a recomputed conv output through its conv's backward",
+        (("autograd/norm_chain.py", "    del out, yv, pv, graph, got, act_out, wanted\n",
+          "    del out, yv, pv, graph, got, act_out\n"),),
+        ("tests/test_norm_memory_model.py::test_replayed_backward_is_the_measured_one",)),
+    "norm_conv_runs_once": Mutant(
+        "the planner counts a norm chain's recomputed conv once, however often its backward runs it",
+        (("autograd/norm_chain_memory.py", "            runs[i] += has_conv[i]\n", "            runs[i] = int(has_conv[i])\n"),),
+        ("tests/test_norm_conv_runs.py",)),
+    "norm_forward_moments_as_gaps": Mutant(
+        "moments inside a norm chain's forward count everything the chain keeps (as gaps)",
+        (("passes/plan/plan_inputs.py", "        if owner is None or not self.norm[owner]:\n", "        if True:\n"),),
+        ("tests/test_norm_forward_moments.py::test_predicted_step_peak_is_the_measured_one_for_every_plan",)),
+    "fold_takes_shape_specialised_graph": Mutant(
+        "fold installs the graph of a module traced only with its real shapes even where its children fold alone",
+        (("passes/fold/api.py", "        if not own_code_joins_a_batchnorm(traced.gm, module, prefix):",
+          "        if False:"),),
+        ("tests/test_upcat_pattern.py::test_folded_upcat_pattern_exports_with_dynamic_batch_and_spatial_sizes",)),
+    "jit_isinstance_hazard": Mutant(
+        "torch.jit.isinstance on a computed tensor is a trace hazard again (MONAI's UpCat left opaque)",
+        (("passes/tracing/hazards.py", "        if real is not None:\n", "        if False:\n"),),
+        ("tests/test_upcat_pattern.py",)),
+    "jit_isinstance_list_of_proxies": Mutant(
+        "torch.jit.isinstance on a list of traced tensors asks the proxies themselves (answers False)",
+        (("passes/tracing/hazards.py", "        if not any(isinstance(a, fx.Proxy) for a in pytree.tree_leaves(obj)):",
+          "        if not isinstance(obj, fx.Proxy):"),),
+        ("tests/test_upcat_pattern.py::test_jit_isinstance_on_computed_tensors_is_answered_without_shapes",)),
+    "jit_isinstance_trusts_opaque_outputs": Mutant(
+        "torch.jit.isinstance takes what an opaque module returned for a tensor (a dict answered as a tensor)",
+        (("passes/tracing/hazards.py", "    if name in getattr(tracer, \"opaque\", {}) or name in getattr(tracer, \"hooked\", {}):\n        return False\n",
+          ""),),
+        ("tests/test_upcat_pattern.py::test_jit_isinstance_on_what_an_opaque_module_returned_is_a_hazard",)),
     "norm_end_layer_prelu_slot": Mutant(
         "a norm chain's end layer conv -> PReLU reads its PReLU weight as if the layer had norm slots",
         (("autograd/norm_chain.py", "return 2 * (spec.conv is not None) + (k if spec.norm is not None else k - 2)",
@@ -178,6 +210,22 @@ MUTANTS: Dict[str, Mutant] = {
         "a transpose(1, 2) around a LayerNorm is taken for the channels-last permute at any rank",
         (("passes/bn/norm_sites.py", "(-1, 1)) and known_rank(node.args[0], gm) == 3:", "(-1, 1)):"),),
         ("tests/test_norm_transposed_layer_norms.py::test_a_4d_transpose_is_left_as_written[False]",)),
+    "float32_difference_not_decided_in_float64": Mutant(
+        "a float32 difference beyond the allowance stands (no float64 decision): a rounding-only rewrite is refused",
+        (("passes/check/step.py", "    del ref, new\n    pair.clear()\n", "    return found\n"),),
+        ("tests/test_check_float64_decision.py::test_a_rewrite_off_by_rounding_only_converts_whole_and_fused",)),
+    "float64_decision_accepts_any_difference": Mutant(
+        "the float64 decision accepts a rewrite that differs in float64 too (a wrong formula)",
+        (("passes/check/step.py", "    if not same.ok:\n        why =", "    if False:\n        why ="),),
+        ("tests/test_check_float64_decision.py::test_a_rewrite_that_is_wrong_in_float64_too_is_refused",)),
+    "float64_decision_without_the_rewrite": Mutant(
+        "a float64 step bit-identical to eager's (the rewrite did not run on the copy) decides",
+        (("passes/check/step.py", "elif not ran or same.max_abs_diff == 0:", "elif not ran:"),),
+        ("tests/test_check_float64_decision.py::test_a_float64_copy_whose_rewrite_does_not_run_decides_nothing",)),
+    "stopped_step_kept_with_its_traceback": Mutant(
+        "max_batch keeps a stopped step's exception with its traceback (its frames alive beside the next step)",
+        (("batch_search.py", "return over.with_traceback(None)", "return over"),),
+        ("tests/test_max_batch_bound.py::test_a_stopped_step_is_let_go_at_once",)),
 }
 
 
