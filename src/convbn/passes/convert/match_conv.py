@@ -159,7 +159,7 @@ def _computed_conv(call: LayerCall, w: fx.Node, b: Optional[fx.Node], root: nn.M
     with torch.no_grad():
         shape = cw.compute().shape
     spec = layer_spec(call, shape)
-    return MatchedConv(call.node, call.input, owner, cw.sources[0][1], bname, spec, path or w.name, computed=cw,
+    return MatchedConv(call.node, call.input, owner, cw.sources[0][1], bname, spec, path or call.node.name, computed=cw,
                        weight_nodes=tuple(nodes))
 
 
