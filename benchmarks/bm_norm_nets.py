@@ -7,7 +7,9 @@ Three networks nobody in this project wrote (issue 39's targets):
 * ``unet3d``: a 3-D U-Net, MONAI ``BasicUNet`` (Conv -> InstanceNorm -> LeakyReLU, 2-D / 3-D
   nnU-Net-style blocks);
 * ``convnext``: a ConvNeXt classifier, timm ``convnext_atto`` (depthwise conv -> LayerNorm over
-  channels -> MLP).
+  channels -> MLP);
+* ``bit``: a BiT ResNet, timm ``resnetv2_50x1_bit`` (weight-standardised ``StdConv2d`` ->
+  ``GroupNormAct``, pre-activation; the convs' weights computed in forward).
 
 Configurations, each a deep copy of the same seeded model:
 
@@ -110,11 +112,19 @@ def _convnext(batch: int) -> Net:
     return model, (torch.randn(batch, 3, 128, 128),), ["stem"] + [f"stages.{i}" for i in range(4)]
 
 
+def _bit(batch: int) -> Net:
+    import timm
+
+    model = timm.create_model("resnetv2_50x1_bit", pretrained=False, num_classes=10)
+    return model, (torch.randn(batch, 3, 128, 128),), ["stem"] + [f"stages.{i}" for i in range(4)]
+
+
 #: name -> (factory(batch) -> (model, inputs, checkpoint blocks), default batch, label)
 NETS: Dict[str, Tuple[Callable[[int], Net], int, str]] = {
     "diffusion": (_diffusion, 4, "diffusers UNet2DModel (GroupNorm -> SiLU -> Conv), 64x64"),
     "unet3d": (_unet3d, 2, "MONAI BasicUNet 3-D (Conv -> InstanceNorm -> LeakyReLU), 48^3"),
     "convnext": (_convnext, 8, "timm convnext_atto (dwconv -> LayerNorm -> MLP), 128x128"),
+    "bit": (_bit, 8, "timm resnetv2_50x1_bit (StdConv2d -> GroupNorm -> ReLU, pre-activation), 128x128"),
 }
 
 

@@ -238,3 +238,21 @@ def test_fold_leaves_a_computed_weight_with_its_reason() -> None:
     assert not report.folded and all("computed in forward" in o.reason for o in report.outcomes), report
     with torch.no_grad():
         torch.testing.assert_close(folded(x), eager(x), **EXACT)
+
+
+def test_a_converted_model_with_computed_weights_deep_copies_and_pickles() -> None:
+    import io
+
+    torch.manual_seed(0)
+    eager = _net(MeanStdConv)
+    x = torch.randn(2, 3, 8, 8, dtype=torch.float64)
+    fast = convbn.convert(copy.deepcopy(eager), example_inputs=x)
+    buf = io.BytesIO()
+    torch.save(fast, buf)
+    buf.seek(0)
+    for other in (copy.deepcopy(fast), torch.load(buf, weights_only=False)):
+        computed = _computed_layers(other)
+        assert len(computed) == 2
+        # the copy's layers read the copy's parameters, not the original's
+        assert computed[0].sources[0][0] is other[0] and other[0] is not fast[0]
+        _train_alike(copy.deepcopy(eager), other, x, steps=2)
