@@ -148,8 +148,10 @@ def _loss(out: Any) -> torch.Tensor:
 
 
 def build_configs(base: nn.Module, x: Tuple[torch.Tensor, ...], blocks: List[str],
-                  use_compile: bool) -> List[Config]:
-    """The configurations of one network (untimed set-up)."""
+                  use_compile: bool, several_computed: bool = False) -> List[Config]:
+    """The configurations of one network (untimed set-up); ``several_computed``: add ``convert``
+    with chains taking several computed-weight convolutions (Note: [one computed weight per
+    chain] in convbn/passes/convert/match.py switched off while converting)."""
     def converted(**kw: Any) -> nn.Module:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # a peak_budget below the floor warns: the lowest peak is asked
@@ -161,6 +163,8 @@ def build_configs(base: nn.Module, x: Tuple[torch.Tensor, ...], blocks: List[str
         ("convert lowest peak", lambda: converted(peak_budget=0.01), False),
         ("checkpoint per block", lambda: checkpoint_blocks(copy.deepcopy(base), blocks), False),
     ]
+    if several_computed:
+        makers.append(("convert, several computed weights per chain", lambda: _several_computed(converted), False))
     if use_compile:
         makers += [("torch.compile", lambda: torch.compile(copy.deepcopy(base)), True),
                    ("torch.compile budget=0.5", lambda: torch.compile(copy.deepcopy(base),
@@ -174,6 +178,18 @@ def build_configs(base: nn.Module, x: Tuple[torch.Tensor, ...], blocks: List[str
         except Exception as exc:  # noqa: BLE001 - the row says why
             cfgs.append(Config(name, nn.Identity(), compiled, error=f"{type(exc).__name__}: {exc}"[:160]))
     return cfgs
+
+
+def _several_computed(converted: Callable[[], nn.Module]) -> nn.Module:
+    """``converted()`` with the one-computed-weight-per-chain rule off."""
+    from convbn.passes.convert import match
+
+    rule = match._computes_weight
+    match._computes_weight = lambda chain: False
+    try:
+        return converted()
+    finally:
+        match._computes_weight = rule
 
 
 def _step(cfg: Config, x: Tuple[torch.Tensor, ...]) -> None:
@@ -280,6 +296,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--batch", type=int, help="batch size (default: the network's)")
     parser.add_argument("--compile", action="store_true", help="add torch.compile and its 0.5 budget")
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--several-computed", action="store_true",
+                        help="add convert with chains taking several computed-weight convolutions (BiT)")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     import_torchvision_without_fake_kernels()
@@ -291,7 +309,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         base, x, blocks = factory(args.batch or batch)
         base.train()
         norms = _count_eager_norms(copy.deepcopy(base), x)
-        cfgs = build_configs(base, x, blocks, args.compile)
+        cfgs = build_configs(base, x, blocks, args.compile, args.several_computed)
         measure(cfgs, x, args.rounds, args.warmup)
         print(table(f"{label}, batch {x[0].shape[0]}", cfgs, norms) + "\n", flush=True)
     return 0
