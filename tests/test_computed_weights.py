@@ -267,3 +267,26 @@ def test_a_converted_model_with_computed_weights_deep_copies_and_pickles() -> No
         # the copy's layers read the copy's parameters, not the original's
         assert computed[0].sources[0][0] is other[0] and other[0] is not fast[0]
         _train_alike(copy.deepcopy(eager), other, x, steps=2)
+
+
+def test_under_bf16_autocast_a_computed_weight_is_computed_and_cast_as_eager_does() -> None:
+    timm_or_skip()
+    from timm.layers import GroupNormAct, StdConv2d
+
+    torch.manual_seed(0)
+    eager = nn.Sequential(StdConv2d(3, 16, 3, padding=1), GroupNormAct(16, 4), StdConv2d(16, 16, 3, padding=1),
+                          GroupNormAct(16, 4))
+    x = torch.randn(2, 3, 16, 16)
+    fast = convbn.convert(copy.deepcopy(eager), example_inputs=x)
+    assert len(_computed_layers(fast)) == 2
+    xe, xf = x.clone().requires_grad_(), x.clone().requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out_e, out_f = eager(xe), fast(xf)
+    assert_chain_ran(out_f)
+    out_e.float().square().sum().backward()
+    out_f.float().square().sum().backward()
+    assert out_f.dtype == out_e.dtype == torch.bfloat16
+    torch.testing.assert_close(out_f, out_e, rtol=0, atol=0)  # the same ops in the same dtypes
+    torch.testing.assert_close(xf.grad, xe.grad, rtol=0, atol=0)
+    for (n, p), q in zip(fast.named_parameters(), eager.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0, msg=lambda m: f"{n}: {m}")
