@@ -381,9 +381,11 @@ def _computes_weight(chain: List[MatchedLayer]) -> bool:
     model computes (``StdConv2d``) it is a temporary, handed on to the model's weight computation
     only then: a chain of k such layers holds k weight-sized gradients at once where eager holds
     one, and on weight-heavy steps (BiT ResNets at small batches) the fused step peaked above
-    eager's (234.1 MB against 232.0 MB, resnetv2_50x1_bit at batch 2, 64 x 64) and every chain
-    ran eager. So a chain takes at most one layer with a computed weight: the next one starts a
-    chain of its own (an end layer with one is left to the graph).
+    eager's (234.1 MB against 232.0 MB, resnetv2_50x1_bit in float64 at batch 2, 64 x 64) and
+    every chain ran eager. So a chain takes at most one layer with a computed weight: the next
+    one starts a chain of its own (an end layer with one is left to the graph). The price, where
+    activations dominate: resnetv2_50x1_bit at batch 8, 128 x 128 peaks at 0.78x of eager's with
+    this rule, 0.69x without it (BENCHMARKS.md, ``bm_norm_nets.py --nets bit --several-computed``).
     """
     return any(m.conv is not None and m.conv.computed is not None for m in chain)
 
