@@ -164,6 +164,16 @@ MUTANTS: Dict[str, Mutant] = {
         (("nn/computed_weight.py", "        if cache is None:\n            return self.compute()",
           "        if True:\n            return self.compute()"),),
         ("tests/test_computed_weights.py::test_the_weight_is_computed_once_per_call_and_read_from_the_parameters_of_that_call",)),
+    "norm_heads_not_split": Mutant(
+        "a per-sample pre-activation head read by two convs is not given one head per conv",
+        (("passes/convert/match.py", "split_shared_heads(gm, root, prefix, joins) + split_shared_norm_heads(gm, root, prefix, joins)",
+          "split_shared_heads(gm, root, prefix, joins)"),),
+        ("tests/test_computed_weights.py::test_a_per_sample_pre_activation_head_read_by_two_convs_gets_one_head_each",)),
+    "norm_heads_split_with_stats": Mutant(
+        "a pre-activation norm with running statistics is copied per conv (its statistics updated twice)",
+        (("passes/convert/shared_heads.py", "        if view.stats() != (None, None) or (view.module_call",
+          "        if (view.module_call"),),
+        ("tests/test_computed_weights.py::test_a_pre_activation_norm_with_running_statistics_read_by_two_convs_is_not_copied",)),
     "computed_weights_one_chain": Mutant(
         "several computed-weight layers in one chain (their weight gradients all held at once in backward)",
         (("passes/convert/match.py", "and not (l.conv.computed is not None and _computes_weight(where[id(prev)]))",

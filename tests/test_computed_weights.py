@@ -137,10 +137,12 @@ def test_timm_bit_resnet_fuses_its_group_norms_exactly() -> None:
     x = torch.randn(2, 3, 32, 32, dtype=torch.float64)
     fast = convbn.convert(copy.deepcopy(eager), example_inputs=x)
     report = assert_fused(fast)
-    fused = [o.batchnorm for o in report.outcomes if o.result == "fused"]
-    # each block's norm2 / norm3 (after a StdConv) fuse; norm1 is a pre-activation head read by
-    # two convolutions (the shortcut and conv1), the final norm by pooling
-    assert sorted(fused) == sorted(f"stages.{s}.blocks.0.norm{k}" for s in (0, 1) for k in (2, 3)), report
+    outcomes = {o.batchnorm: o.result for o in report.outcomes}
+    # each block's norm2 / norm3 (after a StdConv) fuse, and norm1, a pre-activation head read by
+    # two convolutions (the shortcut and conv1: one head each); the final norm feeds pooling
+    assert outcomes == {**{f"stages.{s}.blocks.0.norm{k}": "fused" for s in (0, 1) for k in (1, 2, 3)},
+                        "norm": "left"}, report
+    assert len(report.outcomes) == 7, report  # one outcome per norm, a split head's too
     _train_alike(eager, fast, x, steps=2)
 
 
@@ -290,3 +292,44 @@ def test_under_bf16_autocast_a_computed_weight_is_computed_and_cast_as_eager_doe
     torch.testing.assert_close(xf.grad, xe.grad, rtol=0, atol=0)
     for (n, p), q in zip(fast.named_parameters(), eager.parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0, msg=lambda m: f"{n}: {m}")
+
+
+class PreActDown(nn.Module):
+    """A pre-activation block that downsamples: ``act(norm(x))`` read by the projection shortcut
+    and the body's first conv (ResNetV2 / BiT)."""
+
+    def __init__(self, norm: Callable[[int], nn.Module]) -> None:
+        super().__init__()
+        self.norm1, self.act = norm(8), nn.ReLU()
+        self.down = nn.Conv2d(8, 16, 1, stride=2)
+        self.conv1, self.norm2 = nn.Conv2d(8, 16, 3, stride=2, padding=1), norm(16)
+        self.conv2 = nn.Conv2d(16, 16, 3, padding=1)
+
+    def forward(self, x: Tensor) -> Tensor:
+        z = self.act(self.norm1(x))
+        return self.down(z) + self.conv2(torch.relu(self.norm2(self.conv1(z))))
+
+
+@pytest.mark.parametrize("norm", [lambda c: nn.GroupNorm(4, c), lambda c: nn.InstanceNorm2d(c, affine=True)],
+                         ids=["group", "instance"])
+def test_a_per_sample_pre_activation_head_read_by_two_convs_gets_one_head_each(norm: Callable[[int], nn.Module]) -> None:
+    torch.manual_seed(0)
+    eager = PreActDown(norm).double()
+    x = torch.randn(2, 8, 8, 8, dtype=torch.float64)
+    fast = convbn.convert(copy.deepcopy(eager), example_inputs=x)
+    report = assert_fused(fast)
+    assert {o.batchnorm: o.result for o in report.outcomes} == {"norm1": "fused", "norm2": "fused"}, report
+    heads = [l for c in fused_chains(fast) for l in c.layers if l.is_head]
+    assert [l.names[1] for l in heads] == ["norm1", "norm1"], report
+    _train_alike(eager, fast, x)
+
+
+def test_a_pre_activation_norm_with_running_statistics_read_by_two_convs_is_not_copied() -> None:
+    torch.manual_seed(0)
+    eager = PreActDown(lambda c: nn.InstanceNorm2d(c, affine=True, track_running_stats=True)).double()
+    x = torch.randn(2, 8, 8, 8, dtype=torch.float64)
+    fast = convbn.convert(copy.deepcopy(eager), example_inputs=x)
+    report = assert_fused(fast)
+    outcomes = {o.batchnorm: o.result for o in report.outcomes}
+    assert outcomes["norm1"] == "left" and outcomes["norm2"] == "fused", report  # two heads would update twice
+    _train_alike(eager, fast, x)

@@ -31,7 +31,7 @@ from .match_tail import TailMatch, TailOpMatch, describe_node, match_tail, node_
 from ..report.convert_report import ConvertReport
 from ..graph.grad_regions import grad_region_of
 from ..graph.shape_uses import is_rank_use, value_users
-from .shared_heads import split_shared_heads
+from .shared_heads import split_shared_heads, split_shared_norm_heads
 from ..bn.tokens import flattened_linear_reason
 
 __all__ = ["MatchedConv", "MatchedLayer", "find_layers", "group_chains", "split_heads", "head_input", "node_arg",
@@ -220,7 +220,8 @@ def _conv_before_tail(src: Any, gm: fx.GraphModule, root: nn.Module, prefix: str
 def split_heads(gm: fx.GraphModule, root: nn.Module, prefix: str) -> List[str]:
     """:func:`~convbn.passes.convert.shared_heads.split_shared_heads` where a head would join
     the conv that reads it as matching sees it: ``act(bn(x))`` read by several convs -> one head each."""
-    return split_shared_heads(gm, root, prefix, lambda conv, out, bn: _head_conv_joins(conv, out, bn, gm, root))
+    joins = lambda conv, out, bn: _head_conv_joins(conv, out, bn, gm, root)  # noqa: E731
+    return split_shared_heads(gm, root, prefix, joins) + split_shared_norm_heads(gm, root, prefix, joins)
 
 
 def _head_conv_joins(node: fx.Node, out: fx.Node, bn: nn.Module, gm: fx.GraphModule, root: nn.Module) -> bool:
