@@ -385,8 +385,8 @@ def _computes_weight(chain: List[MatchedLayer]) -> bool:
     eager's (234.1 MB against 232.0 MB, resnetv2_50x1_bit in float64 at batch 2, 64 x 64) and
     every chain ran eager. So a chain takes at most one layer with a computed weight: the next
     one starts a chain of its own (an end layer with one is left to the graph). The price, where
-    activations dominate: resnetv2_50x1_bit at batch 8, 128 x 128 peaks at 0.78x of eager's with
-    this rule, 0.69x without it (BENCHMARKS.md, ``bm_norm_nets.py --nets bit --several-computed``).
+    activations dominate: resnetv2_50x1_bit at batch 8, 128 x 128 peaks at 0.72x of eager's with
+    this rule, 0.63x without it (BENCHMARKS.md, ``bm_norm_nets.py --nets bit --several-computed``).
     """
     return any(m.conv is not None and m.conv.computed is not None for m in chain)
 
