@@ -25,7 +25,9 @@ BatchNorm controls from the same libraries ``bnctl``), and eight more (:mod:`swe
 ``pytorch3dunet`` ``p3dunet``, fepegar's ``unet`` ``fepunet``, ``torchcfm`` ``cfm``,
 ``taming-transformers`` ``taming``, ``denoising-diffusion-pytorch`` ``ddpm``,
 ``video-diffusion-pytorch`` ``vdiff``, ``transformers`` ConvNext ``hfconvnext``, MONAI nets the first
-family does not build ``monai2``), counted per kind of norm (a second table:
+family does not build ``monai2``), and seven more (:mod:`sweep_norm_third`: ``demucs``,
+``segment-anything`` ``sam``, ``encodec``, ``audio-diffusion-pytorch`` / ``a-unet`` ``aunet``,
+``x-unet`` ``xunet``, ``vocos``, ``asteroid``), counted per kind of norm (a second table:
 norms called, fused and running, report, float64 decisions, peak). Each model runs in its own subprocess with a time limit,
 on a small input (batch 2; 64 x 64 images, 32 x 32 for CIFAR nets, the model's own size where
 it needs one), float32, CPU, one thread:
@@ -70,6 +72,7 @@ Run::
     python benchmarks/bm_sweep.py --family hf kornia --jobs 1  # the two libraries added next
     python benchmarks/bm_sweep.py --family bd effnet dna xrv clip facenet effdet lightly sb smp3d td timm3d vitp pyg
     python benchmarks/bm_sweep.py --family p3dunet fepunet cfm taming ddpm vdiff hfconvnext monai2 --per-model
+    python benchmarks/bm_sweep.py --family demucs sam encodec aunet xunet vocos asteroid --per-model
 
 Set-up (``--no-deps``: each would otherwise resolve another torch; ``pyproject.toml``'s
 ``sweep`` extra lists the first five)::
@@ -586,6 +589,11 @@ def run_one(label: str, peak: bool = True) -> Dict[str, Any]:
         return rec
     for h in handles + frozen_handles + norm_handles:
         h.remove()
+    if any(p.grad is not None for p in model.parameters()):
+        # the copy's forward reached the original's modules (a forward closing over them, as
+        # a-unet's functional modules do): no check on copies would be one of this model
+        rec["skipped"] = "deepcopy of the model is not independent: its step wrote gradients into the original"
+        return rec
     rec["norm_called"] = dict(collections.Counter(norms.values()))
     rec["bn_called"] = len(called)
     rec["frozen_called"] = len(frozen)

@@ -20,8 +20,8 @@ CPU inputs (batch 2):
 * ``gnresnet``: ResNets normalised by GroupNorm: timm ``resnet50_gn``, timm ``resnetv2`` BiT
   (GroupNorm + weight-standardised convs), torchvision ``resnet18`` with a GroupNorm
   ``norm_layer``.
-* the eight families of :mod:`sweep_norm_more` (a second round of libraries), merged into
-  :data:`NORM_FAMILIES`.
+* the eight families of :mod:`sweep_norm_more` (a second round of libraries) and the six of
+  :mod:`sweep_norm_third` (a third round), merged into :data:`NORM_FAMILIES`.
 * ``bnctl``: BatchNorm controls built from the same libraries (MONAI ``UNet`` / ``DynUNet``
   with BatchNorm, torchvision ``resnet18``), whose numbers must not move.
 
@@ -49,6 +49,7 @@ from functools import partial
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from sweep_norm_more import NORM_MORE_FAMILIES
+from sweep_norm_third import NORM_THIRD_FAMILIES
 
 __all__ = ["NORM_FAMILIES", "NORM_KINDS", "build_norm", "count_norms", "norm_kind", "norm_hooks", "norm_markdown"]
 
@@ -75,13 +76,16 @@ def _is_torch_norm(m: Any) -> bool:
 
 
 def _is_hand_written_norm(m: Any) -> bool:
-    """A library's own normalisation module (``LayerNorm``, ``RMSNorm``, ``ChanLayerNorm`` ...
-    written from tensor ops): its class name ends in ``Norm``, it is no torch norm nor BatchNorm,
-    and it has no child modules (a ``PreNorm`` wrapper has one)."""
+    """A library's own normalisation module (``LayerNorm``, ``RMSNorm``, ``ChanLayerNorm``,
+    ``LayerNorm2d``, asteroid's ``GlobLN`` ... written from tensor ops): its class name ends in
+    ``Norm``, ``Norm1d`` / ``Norm2d`` / ``Norm3d`` or ``LN``, it is no torch norm nor BatchNorm, and it
+    has no child modules (a ``PreNorm`` wrapper has one)."""
+    import re
+
     from torch.nn.modules.batchnorm import _BatchNorm
 
-    return (type(m).__name__.endswith("Norm") and not _is_torch_norm(m) and not isinstance(m, _BatchNorm)
-            and next(iter(m.children()), None) is None)
+    return (re.search(r"(Norm|LN)([123]d)?$", type(m).__name__) is not None and not _is_torch_norm(m)
+            and not isinstance(m, _BatchNorm) and next(iter(m.children()), None) is None)
 
 
 def _is_norm(m: Any) -> bool:
@@ -364,6 +368,7 @@ NORM_FAMILIES: Dict[str, Dict[str, Entry]] = {
 
 
 NORM_FAMILIES.update(NORM_MORE_FAMILIES)
+NORM_FAMILIES.update(NORM_THIRD_FAMILIES)
 
 
 def build_norm(family: str, name: str, gen: Any) -> Built:

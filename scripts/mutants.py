@@ -179,6 +179,36 @@ MUTANTS: Dict[str, Mutant] = {
         (("passes/convert/match.py", "and not (l.conv.computed is not None and _computes_weight(where[id(prev)]))",
           "and True"),),
         ("tests/test_computed_weights.py::test_timm_std_conv_with_group_norm_act_fuses_and_trains_as_eager",)),
+    "norm_end_layer_prelu_slot": Mutant(
+        "a norm chain's end layer conv -> PReLU reads its PReLU weight as if the layer had norm slots",
+        (("autograd/norm_chain.py", "return 2 * (spec.conv is not None) + (k if spec.norm is not None else k - 2)",
+          "return 2 * (spec.conv is not None) + k"),),
+        ("tests/test_norm_chain_end_prelu.py::test_an_end_layer_with_a_prelu_trains_as_eager[False-recompute_bn]",)),
+    "hand_global_norm_any_rank": Mutant(
+        "statistics over dims 1, 2, ... become a GroupNorm whatever the input's rank",
+        (("passes/bn/hand_layer_norms.py", "return F.group_norm if known == len(dims) + 1 else None",
+          "return F.group_norm"),),
+        ("tests/test_norm_hand_layer_norms.py::test_transposed_look_alikes_are_left_as_written[PartialStats]",)),
+    "channel_layer_norm_transpose_any_rank": Mutant(
+        "a transpose(1, 2) around a LayerNorm is taken for the channels-last permute at any rank",
+        (("passes/bn/norm_sites.py", "(-1, 1)) and known_rank(node.args[0], gm) == 3:", "(-1, 1)):"),),
+        ("tests/test_norm_transposed_layer_norms.py::test_a_4d_transpose_is_left_as_written[False]",)),
+    "float32_difference_not_decided_in_float64": Mutant(
+        "a float32 difference beyond the allowance stands (no float64 decision): a rounding-only rewrite is refused",
+        (("passes/check/step.py", "    del ref, new\n    pair.clear()\n", "    return found\n"),),
+        ("tests/test_check_float64_decision.py::test_a_rewrite_off_by_rounding_only_converts_whole_and_fused",)),
+    "float64_decision_accepts_any_difference": Mutant(
+        "the float64 decision accepts a rewrite that differs in float64 too (a wrong formula)",
+        (("passes/check/step.py", "    if not same.ok:\n        why =", "    if False:\n        why ="),),
+        ("tests/test_check_float64_decision.py::test_a_rewrite_that_is_wrong_in_float64_too_is_refused",)),
+    "float64_decision_without_the_rewrite": Mutant(
+        "a float64 step bit-identical to eager's (the rewrite did not run on the copy) decides",
+        (("passes/check/step.py", "elif not ran or same.max_abs_diff == 0:", "elif not ran:"),),
+        ("tests/test_check_float64_decision.py::test_a_float64_copy_whose_rewrite_does_not_run_decides_nothing",)),
+    "stopped_step_kept_with_its_traceback": Mutant(
+        "max_batch keeps a stopped step's exception with its traceback (its frames alive beside the next step)",
+        (("batch_search.py", "return over.with_traceback(None)", "return over"),),
+        ("tests/test_max_batch_bound.py::test_a_stopped_step_is_let_go_at_once",)),
 }
 
 

@@ -157,7 +157,7 @@ def _run(*argv: str) -> dict:
     root = os.path.dirname(os.path.dirname(os.path.abspath(convbn.__file__)))  # this checkout's src/
     env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
     proc = subprocess.run([sys.executable, "-c", _SCRIPT, *argv], capture_output=True, text=True, env=env,
-                          timeout=300)
+                          timeout=900)
     assert proc.returncode == 0, (f"the scenario {argv} ended with exit status {proc.returncode} "
                                   f"(-11: segmentation fault)\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])

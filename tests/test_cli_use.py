@@ -56,7 +56,7 @@ def test_installed_script_imports_module_callable_from_the_current_folder(projec
     script.write_text("import sys\nfrom convbn.cli import main\nif __name__ == '__main__':\n    sys.exit(main())\n")
     env = dict(os.environ, PYTHONPATH=SRC, OMP_NUM_THREADS="1", COLUMNS="200")
     proc = subprocess.run([sys.executable, str(script), "explain", "usernet_cli_use:build", "--input-shape", "2x3x8x8"],
-                          cwd=project, capture_output=True, text=True, timeout=300, env=env)
+                          cwd=project, capture_output=True, text=True, timeout=900, env=env)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "2 pairs fused" in proc.stdout
 

@@ -13,6 +13,7 @@ import copy
 import io
 import itertools
 import re
+import warnings
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import pytest
@@ -462,8 +463,15 @@ def test_lazy_auto_plans_on_first_training_call() -> None:
     eager, fast = convert_pair(Net)  # strategy="auto", no example inputs
     chains = [m for _, m in convbn.fused_modules(fast) if isinstance(m, FusedChain)]
     assert chains and all(c.plan_on_first_call is not None for c in chains)
-    assert_same_training(eager, fast, inp(2, 3, 10, 10))
-    assert all(c.plan_on_first_call is None for c in chains)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert_same_training(eager, fast, inp(2, 3, 10, 10))
+    # (failed once, not reproduced: a chain not planned after a training step means its first
+    # call ran unfused; the message says what convert's checks did: a fallback warns)
+    unplanned = [c for c in chains if c.plan_on_first_call is not None]
+    assert not unplanned, (f"{len(unplanned)} of {len(chains)} chains not planned by a training step (eager reason, "
+                           f"hooked: {[(c.eager_reason, c._hooked()) for c in unplanned]}); warnings: "
+                           f"{[str(w.message) for w in caught]}; report: {fast.convbn_report}")
     # Each chain was planned for the tutorial method's memory: a 2-layer chain can keep the
     # second layer's input or, cheaper in recompute, one conv output of the same size.
     for c in chains:

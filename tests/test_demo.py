@@ -106,7 +106,7 @@ def test_python_m_convbn_demo_prints_table(tmp_path: Any) -> None:
     proc = subprocess.run(
         [sys.executable, "-m", "convbn", "demo", "--epochs", "1", "--limit", "96", "--batch-size", "48",
          "--device", "cpu", "--plot", str(png)],
-        capture_output=True, text=True, timeout=300, env=env,
+        capture_output=True, text=True, timeout=900, env=env,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = " ".join(proc.stdout.split())  # rich wraps at the console width

@@ -191,7 +191,7 @@ def test_the_site_builds_in_strict_mode(tmp_path):
     site = tmp_path / "site"
     env = {**os.environ, "NO_MKDOCS_2_WARNING": "1"}
     done = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "-f", str(ROOT / "mkdocs.yml"),
-                           "-d", str(site)], cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
+                           "-d", str(site)], cwd=ROOT, capture_output=True, text=True, timeout=900, env=env)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
     api = (site / "reference" / "convbn" / "index.html").read_text()
     for anchor in ("convbn.convert", "convbn.fold", "convbn.explain", "convbn.max_batch"):

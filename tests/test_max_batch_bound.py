@@ -228,3 +228,34 @@ def test_answering_allocates_within_the_memory_plus_the_inputs_where_kernels_nee
     stepped = max(b for side in fit.probes.values() for b in side)
     assert fit.convbn_batch + 1 in fit.probes["convbn"]  # the batch above was stepped (and stopped)
     assert peak <= fit.memory + batch_search.input_bytes((x,), stepped) + 1024
+
+
+def test_a_stopped_step_is_let_go_at_once(monkeypatch):
+    """The batch a stopped step trained on (and the step's tensors) are freed when the step
+    returns, not at the next garbage collection: the exception is kept without its traceback,
+    which held the step's frames in a reference cycle beside the next step."""
+    import gc
+    import weakref
+
+    made = []
+    real = batch_search.batch_of
+
+    def recorded(sample, b):
+        out = real(sample, b)
+        made.append(weakref.ref(out[0]))
+        return out
+
+    monkeypatch.setattr(batch_search, "batch_of", recorded)
+    torch.manual_seed(0)
+    search = batch_search.Search(_resnet(), None, (torch.randn(2, 3, 16, 16),), None, 600_000, 1 << 10,
+                                 torch.device("cpu"), True, {})
+    m, o = search.held
+    gc.disable()
+    try:
+        made.clear()
+        out = search.step(m, o, 64)
+        assert isinstance(out, StepOverLimit) and out.__traceback__ is None
+        assert made and all(r() is None for r in made)
+    finally:
+        gc.enable()
+

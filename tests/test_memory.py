@@ -149,17 +149,32 @@ def test_format_bytes() -> None:
 # Note: the two RSS tests run in a fresh process. In a long test session the allocator
 # may serve a 64 MiB block from pages already resident after earlier tests freed theirs,
 # so process RSS (what this meter samples) need not grow at all: seen in the full suite.
+# The "freed" case waits for the sampler itself, not for a time: until two samples began after
+# the allocation (the first of them has then finished and been recorded), however loaded the
+# machine; a fixed sleep would let a starved sampler thread miss the block.
 _RSS_SCRIPT = """
 import sys, time, torch
-from convbn.memory import peak_memory
+from convbn.memory import peak_memory, peaks
 n = 64 * 1024 * 1024
+samples = [0]
+rss = peaks._rss_bytes
+
+
+def counted():
+    samples[0] += 1
+    return rss()
+
+
+peaks._rss_bytes = counted
 if sys.argv[1] == "alive":
     with peak_memory("cpu") as pm:
         t = torch.ones(n // 4)
 else:
     with peak_memory("cpu", interval=0.0005) as pm:
         t = torch.ones(n // 4)
-        time.sleep(0.2)  # let the sampler run (generous: CI machines are loaded)
+        seen = samples[0]
+        while samples[0] < seen + 2:
+            time.sleep(0.001)
         del t
 r = pm.result
 print(r.source, r.peak, r.end)
@@ -170,7 +185,8 @@ def _rss_in_fresh_process(case: str):
     import subprocess
     import sys
 
-    out = subprocess.run([sys.executable, "-c", _RSS_SCRIPT, case], capture_output=True, text=True, check=True)
+    out = subprocess.run([sys.executable, "-c", _RSS_SCRIPT, case], capture_output=True, text=True, check=True,
+                         timeout=600)  # a hang guard only
     source, peak, end = out.stdout.split()
     return source, int(peak), int(end)
 

@@ -145,3 +145,83 @@ def test_look_alikes_are_left_as_written(cls: type) -> None:
     assert not fast.convbn_report.pairs
     assert hand_channel_layer_norms(fx.symbolic_trace(eager)) == 0  # the conv before it gives the input's rank
     assert torch.equal(fast(x), eager(x))  # the model's own code runs, bit for bit
+
+
+# --------------------------------------------------------------------------- transposed affine, global statistics
+
+class TransposedLN(nn.Module):
+    """asteroid's ``_LayerNorm`` spelling: statistics over dims ``1`` (``ChanLN``, "cLN") or
+    ``1 .. rank - 1`` (``GlobLN``, "gLN"), the affine over the last dimension between transposes."""
+
+    def __init__(self, c: int, dims: tuple = (1,), eps: float = 1e-8) -> None:
+        super().__init__()
+        self.gamma, self.beta = nn.Parameter(torch.ones(c)), nn.Parameter(torch.zeros(c))
+        self.dims, self.eps = list(dims), eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        mean = x.mean(dim=self.dims, keepdim=True)
+        var = torch.var(x, dim=self.dims, keepdim=True, unbiased=False)
+        normed = (x - mean) / (var + self.eps).sqrt()
+        return (self.gamma * normed.transpose(1, -1) + self.beta).transpose(1, -1)
+
+
+def _tasnet_block(norm: Callable[[int], nn.Module]) -> nn.Module:
+    """Conv-TasNet's block shape: Conv1d -> PReLU -> norm -> depthwise Conv1d -> PReLU -> norm -> Conv1d."""
+    return nn.Sequential(nn.Conv1d(3, 8, 1), nn.PReLU(), norm(8), nn.Conv1d(8, 8, 3, padding=1, groups=8),
+                         nn.PReLU(), norm(8), nn.Conv1d(8, 4, 1))
+
+
+TRANSPOSED = {"channel": lambda c: TransposedLN(c), "global": lambda c: TransposedLN(c, dims=(1, 2))}
+
+
+@pytest.mark.parametrize("example", [True, False])
+@pytest.mark.parametrize("name", sorted(TRANSPOSED))
+def test_transposed_affine_and_global_layer_norms_fuse_and_match_their_code(name: str, example: bool) -> None:
+    torch.manual_seed(0)
+    eager = _tasnet_block(TRANSPOSED[name]).double()
+    with torch.no_grad():
+        for p in eager.parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+    x = torch.randn(2, 3, 11, dtype=torch.float64)
+    fast = convbn.convert(copy.deepcopy(eager), example_inputs=(x,) if example else None)
+    fused = {o.batchnorm for o in fast.convbn_report.outcomes if o.result == "fused"}
+    assert fused == {"2", "5"}  # both norms, each the head of the conv that reads it
+    assert all(isinstance(c, FusedNormChain) for c in fused_chains(fast))
+    assert_steps_match(eager, fast, x, steps=2)
+
+
+@pytest.mark.parametrize("name", sorted(TRANSPOSED))
+def test_the_transposed_pattern_becomes_one_norm_node(name: str) -> None:
+    eager = _tasnet_block(TRANSPOSED[name]).double()
+    gm = _graph_of(eager)
+    assert hand_channel_layer_norms(gm) == 2
+    norms = [n.target for n in gm.graph.nodes if n.op in ("call_function", "call_method")]
+    assert norms == [channel_layer_norm if name == "channel" else torch.nn.functional.group_norm] * 2
+    x = torch.randn(2, 3, 11, dtype=torch.float64)
+    torch.testing.assert_close(gm(x), eager(x), rtol=1e-12, atol=1e-12)
+
+
+class PartialStats(TransposedLN):
+    """Statistics over dims 1 and 2 of a 4-D tensor: not every dimension after the batch's."""
+
+    def __init__(self, c: int) -> None:
+        super().__init__(c, dims=(1, 2))
+
+
+class TransposedElsewhere(TransposedLN):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # affine over dim 2 (transpose(1, 2)), not the channels
+        mean = x.mean(dim=1, keepdim=True)
+        normed = (x - mean) / (torch.var(x, dim=1, keepdim=True, unbiased=False) + self.eps).sqrt()
+        return (self.gamma * normed.transpose(2, -1) + self.beta).transpose(2, -1)
+
+
+@pytest.mark.expect_unfused("look-alikes of a LayerNorm: nothing to fuse")
+@pytest.mark.parametrize("cls", [PartialStats, TransposedElsewhere])
+def test_transposed_look_alikes_are_left_as_written(cls: type) -> None:
+    torch.manual_seed(0)
+    eager = nn.Sequential(nn.Conv2d(3, 7, 3, padding=1), cls(7), nn.GELU()).double()
+    assert hand_channel_layer_norms(fx.symbolic_trace(eager)) == 0
+    fast = convbn.convert(copy.deepcopy(eager))
+    x = torch.randn(2, 3, 7, 7, dtype=torch.float64)
+    assert not fast.convbn_report.pairs
+    assert torch.equal(fast(x), eager(x))

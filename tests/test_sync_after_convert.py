@@ -79,7 +79,7 @@ def _chain_ran(y: Tensor) -> bool:
 
 @pytest.mark.expect_unfused("the chains run in the worker processes, checked there through their autograd nodes")
 def test_sync_batchnorm_conversion_after_convert_synchronises_fused() -> None:
-    for rank, r in enumerate(launch_workers(_worker, WORLD, timeout=180.0)):
+    for rank, r in enumerate(launch_workers(_worker, WORLD, timeout=900.0)):
         torch.testing.assert_close(r["y"], r["ye"], **TOL, msg=lambda m: f"rank {rank} output: {m}")
         for n, g in r["grads_e"].items():
             torch.testing.assert_close(r["grads"][n], g, **TOL, msg=lambda m: f"rank {rank} grad {n}: {m}")

@@ -128,7 +128,7 @@ def _build_wheel(tmp: Path) -> Path:
     out = tmp / "wheels"
     proc = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
                            "--no-index", "--quiet", "-w", str(out), str(project)],
-                          capture_output=True, text=True, timeout=300, env=_clean_env())
+                          capture_output=True, text=True, timeout=900, env=_clean_env())
     assert proc.returncode == 0, proc.stderr[-3000:]
     wheels = list(out.glob("convbn-*.whl"))
     assert len(wheels) == 1, wheels
@@ -159,7 +159,7 @@ def test_wheel_in_a_torch_only_venv(tmp_path: Path) -> None:
     assert probe.stdout.strip() == "[]", probe.stdout
 
     install = _run([sys.executable, "-m", "pip", "--python", str(python), "install", "--no-deps", "--no-index",
-                    "--quiet", str(wheel)], work, timeout=300)
+                    "--quiet", str(wheel)], work, timeout=900)
     assert install.returncode == 0, install.stderr[-3000:]
 
     version = _run([str(bin_dir / "convbn"), "--version"], work)
@@ -195,7 +195,7 @@ def test_wheel_and_sdist_ship_the_licence_and_the_sdist_leaves_tests_out(tmp_pat
     project = _copy_project(tmp_path)
     proc = subprocess.run([sys.executable, "-c", "import sys; from setuptools import build_meta as b; "
                            "out = sys.argv[1]; s = b.build_sdist(out); w = b.build_wheel(out); print('BUILT', s, w)", str(tmp_path / "dist")],
-                          cwd=project, capture_output=True, text=True, timeout=300, env=_clean_env())
+                          cwd=project, capture_output=True, text=True, timeout=900, env=_clean_env())
     assert proc.returncode == 0, proc.stderr[-3000:]
     built = [line.split() for line in proc.stdout.splitlines() if line.startswith("BUILT ")][-1]
     sdist, wheel = tmp_path / "dist" / built[1], tmp_path / "dist" / built[2]

@@ -99,6 +99,13 @@ def _split(spec: NormLayerSpec, ps: Sequence[Optional[Tensor]]) -> Tuple[Any, An
     return w, b, g, beta, list(it)
 
 
+def _post_slot(spec: NormLayerSpec, k: int) -> int:
+    """Where entry ``k`` of ``[norm weight, norm bias, *tail weights]`` sits among the layer's
+    parameters (:func:`_split`'s order): after the conv's two, and the norm's two only where the
+    layer has a norm (an end layer's ``conv -> PReLU`` has no norm slots)."""
+    return 2 * (spec.conv is not None) + (k if spec.norm is not None else k - 2)
+
+
 def _offsets(specs: Sequence[NormLayerSpec]) -> List[int]:
     out = [0]
     for s in specs:
@@ -230,11 +237,9 @@ class _Rebuild:
         graph keeps the norm's output, not the activation's."""
         spec = self.specs[i]
         _, _, g, beta, tws = self.layer(i)
-        n_conv = 2 if spec.conv is not None else 0
-        base = self.off[i] + n_conv
         with torch.enable_grad():
             yv = y.detach().requires_grad_(True)
-            pv = [None if p is None else p.detach().requires_grad_(self.needs[base + k])
+            pv = [None if p is None else p.detach().requires_grad_(self.needs[self.off[i] + _post_slot(spec, k)])
                   for k, p in enumerate([g, beta, *tws])]
             if spec.tail:
                 out = _post(spec, yv, pv[0], pv[1], pv[2:], self.stats[i], update=False)
@@ -286,7 +291,7 @@ def _layer_backward(rb: _Rebuild, i: int, grad: List[Tensor], x_need: bool, grad
             x = rb.input(i)
         graph = rb.post_graph(i, rb.y(i, x))[0]
     yv, pv, out, act_out = graph
-    base, n_conv = rb.off[i], 2 if spec.conv is not None else 0
+    base = rb.off[i]
     g = grad.pop()
     if act_out is not None:  # Note: [the norm's output as a root only]
         g = spec.act.backward_from_output_(g, act_out)
@@ -301,7 +306,7 @@ def _layer_backward(rb: _Rebuild, i: int, grad: List[Tensor], x_need: bool, grad
     for k, p in enumerate(pv):
         if p is not None and p.requires_grad:
             gp = next(rest)
-            grads[base + n_conv + k] = torch.zeros_like(p) if gp is None else gp
+            grads[base + _post_slot(spec, k)] = torch.zeros_like(p) if gp is None else gp
     if gy is None:
         gy = torch.zeros_like(yv)
     del out, yv, pv, graph, got, act_out

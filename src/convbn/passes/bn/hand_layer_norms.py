@@ -1,4 +1,5 @@
-"""Hand-written channel LayerNorms recognised by their graph pattern.
+"""Hand-written channel LayerNorms (and global ones: GroupNorm with one group) recognised by
+their graph pattern.
 
 Many ConvNeXt-style nets write their LayerNorm over the channels out by hand instead of calling
 ``F.layer_norm`` between permutes (ConvNeXt's original ``LayerNorm(data_format="channels_first")``,
@@ -9,17 +10,29 @@ the ``LayerNorm`` of lucidrains' U-Nets)::
     x = (x - u) / torch.sqrt(s + eps)                # or (x - u) * (s + eps).rsqrt()
     x = w[:, None, None] * x + b[:, None, None]      # or * g with g of shape (1, C, 1, 1); bias optional
 
+or with 1-D affine tensors applied over the last dimension between two transposes (asteroid's
+``_LayerNorm``)::
+
+    x = (w * x.transpose(1, -1) + b).transpose(1, -1)
+
+A *global* LayerNorm takes the same statistics over every dimension after the batch's
+(``x.mean(dim=[1, 2], keepdim=True)`` on a 3-D input: asteroid's ``GlobLN``, "gLN" of
+Conv-TasNet), which with a per-channel affine is ``F.group_norm(x, 1, w, b, eps)``.
+
 :func:`hand_channel_layer_norms` (a canonicalising rewrite of convert's pipeline) replaces each
-such subgraph by one :func:`convbn.functional.norms.channel_layer_norm` node on the module's own
-affine tensors, which :mod:`convbn.passes.bn.norm_sites` then finds like any channel LayerNorm.
+such subgraph by one :func:`convbn.functional.norms.channel_layer_norm` node (a global one: one
+``F.group_norm`` node) on the module's own affine tensors, which
+:mod:`convbn.passes.bn.norm_sites` then finds like any channel LayerNorm (GroupNorm).
 
 Note: [a hand-written LayerNorm computes as F.layer_norm after convert]
 The formula above and ``F.layer_norm`` compute the same function, not the same bits: the mean,
 variance and reciprocal square root are rounded differently (float32 differences of a few ulps;
-float64 differences near 1e-15). After convert the pattern runs as ``F.layer_norm`` whether or not
-it is fused; tests compare against the model's own code in float64 with the library's float64
-tolerance. Recognised are: mean and biased variance over dim 1 (``mean`` of the squared
-difference, or ``var`` with ``unbiased=False`` / ``correction=0``), ``eps`` a number added to it,
+float64 differences near 1e-15). After convert the pattern runs as ``F.layer_norm`` (a global one
+as ``F.group_norm``) whether or not it is fused; tests compare against the model's own code in
+float64 with the library's float64 tolerance. Recognised are: mean and biased variance over dim 1 (``mean`` of the squared
+difference, or ``var`` with ``unbiased=False`` / ``correction=0``; a global one: the same over
+dims ``1, 2, ..., rank - 1``, the rank known from the graph or the affine's broadcast),
+``eps`` a number added to it,
 ``sqrt`` divided or ``rsqrt`` (or ``** 0.5`` / ``** -0.5``) multiplied, then optionally ``* weight``
 and ``+ bias`` (either operand order) where each is a parameter or buffer with one dimension of
 size C, broadcast over the channel dimension (indexing with ``None``, ``view`` / ``reshape`` /
@@ -41,7 +54,7 @@ from torch import nn
 from ...functional.norms import channel_layer_norm
 from ..graph.layers import node_arg
 
-__all__ = ["hand_channel_layer_norms"]
+__all__ = ["hand_channel_layer_norms", "known_rank"]
 
 _SUB = ({operator.sub, torch.sub}, {"sub"})
 _ADD = ({operator.add, torch.add}, {"add"})
@@ -77,12 +90,22 @@ def _number(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
-def _channel_reduction(node: Any, kind: Tuple[set, set]) -> Any:
-    """The input of a ``mean`` / biased ``var`` over dim 1 with ``keepdim=True``, else ``None``."""
+def _reduced_dims(dim: Any) -> Optional[Tuple[int, ...]]:
+    """The dims of a reduction as a sorted tuple: ``1``, ``(1,)`` or ``[1, 2, ...]`` of
+    consecutive dims from 1 (non-negative ints), else ``None``."""
+    dims = (dim,) if isinstance(dim, int) and not isinstance(dim, bool) else dim
+    if not isinstance(dims, (tuple, list)) or not dims or not all(type(d) is int for d in dims):
+        return None
+    return tuple(dims) if list(dims) == list(range(1, len(dims) + 1)) else None
+
+
+def _reduction(node: Any, kind: Tuple[set, set]) -> Optional[Tuple[Any, Tuple[int, ...]]]:
+    """``(input, dims)`` of a ``mean`` / biased ``var`` with ``keepdim=True`` over dim 1, or over
+    dims 1, 2, ... (:func:`_reduced_dims`), else ``None``."""
     if not _is(node, kind):
         return None
-    dim = node_arg(node, 1, "dim", None)
-    if dim not in (1, (1,), [1]):
+    dims = _reduced_dims(node_arg(node, 1, "dim", None))
+    if dims is None:
         return None
     if kind is _MEAN:
         ok = node_arg(node, 2, "keepdim", False) is True and len(node.args) <= 3 and set(node.kwargs) <= {"dim", "keepdim"}
@@ -90,29 +113,33 @@ def _channel_reduction(node: Any, kind: Tuple[set, set]) -> Any:
         biased = node_arg(node, 2, "unbiased", True) is False or node.kwargs.get("correction", 1) == 0
         ok = biased and node_arg(node, 3, "keepdim", False) is True and set(node.kwargs) <= {"dim", "unbiased",
                                                                                                "correction", "keepdim"}
-    return node.args[0] if ok else None
+    return (node.args[0], dims) if ok else None
 
 
-def _centred(node: Any) -> Any:
-    """``x`` of ``x - x.mean(1, keepdim=True)``, else ``None``."""
+def _centred(node: Any) -> Optional[Tuple[Any, Tuple[int, ...]]]:
+    """``(x, dims)`` of ``x - x.mean(dims, keepdim=True)``, else ``None``."""
     ops = _binary(node, _SUB)
     if ops is None:
         return None
     x, mean = ops
-    return x if isinstance(x, fx.Node) and _channel_reduction(mean, _MEAN) is x else None
+    reduced = _reduction(mean, _MEAN)
+    return (x, reduced[1]) if isinstance(x, fx.Node) and reduced is not None and reduced[0] is x else None
 
 
-def _variance_of(node: Any) -> Any:
-    """``x`` whose biased variance over the channels ``node`` computes, else ``None``."""
-    x = _channel_reduction(node, _VAR)
-    if x is not None:
-        return x
-    sq = _channel_reduction(node, _MEAN)
-    d = _unary(sq, _SQUARE)
+def _variance_of(node: Any) -> Optional[Tuple[Any, Tuple[int, ...]]]:
+    """``(x, dims)`` where ``node`` computes the biased variance of ``x`` over ``dims``, else ``None``."""
+    reduced = _reduction(node, _VAR)
+    if reduced is not None:
+        return reduced
+    sq = _reduction(node, _MEAN)
+    if sq is None:
+        return None
+    d = _unary(sq[0], _SQUARE)
     if d is None:
-        pw, mul = _binary(sq, _POW), _binary(sq, _MUL)
+        pw, mul = _binary(sq[0], _POW), _binary(sq[0], _MUL)
         d = pw[0] if pw is not None and pw[1] == 2 else mul[0] if mul is not None and mul[0] is mul[1] else None
-    return _centred(d)
+    centred = _centred(d)
+    return centred if centred is not None and centred[1] == sq[1] else None
 
 
 def _eps_added(node: Any) -> Optional[Tuple[Any, float]]:
@@ -133,15 +160,16 @@ def _root(node: Any, inverse: bool) -> Any:
     return pw[0] if pw is not None and pw[1] == (-0.5 if inverse else 0.5) else None
 
 
-def _normalised(node: Any) -> Optional[Tuple[fx.Node, float]]:
-    """``(x, eps)`` where ``node`` is ``(x - mean) / sqrt(var + eps)`` (or ``* rsqrt``), else ``None``."""
+def _normalised(node: Any) -> Optional[Tuple[fx.Node, float, Tuple[int, ...]]]:
+    """``(x, eps, dims)`` where ``node`` is ``(x - mean) / sqrt(var + eps)`` (or ``* rsqrt``), the
+    statistics over ``dims``, else ``None``."""
     div, mul = _binary(node, _DIV), _binary(node, _MUL)
     pairs = [(div, False)] if div is not None else [(mul, True), ((mul[1], mul[0]), True)] if mul is not None else []
     for (diff, scale), inverse in pairs:
-        x = _centred(diff)
+        centred = _centred(diff)
         added = _eps_added(_root(scale, inverse))
-        if x is not None and added is not None and _variance_of(added[0]) is x:
-            return x, added[1]
+        if centred is not None and added is not None and _variance_of(added[0]) == centred:
+            return centred[0], added[1], centred[1]
     return None
 
 
@@ -223,12 +251,70 @@ def _bias(node: fx.Node, gm: fx.GraphModule, channels: int, rank: int) -> Option
     return (found[0], found[1][0]) if found is not None and found[1][1:] == (channels, rank) else None
 
 
+_TRANSPOSE = ({torch.transpose}, {"transpose"})
+
+
+def _swaps_first_and_last(node: Any) -> bool:
+    """Whether ``node`` is ``t.transpose(1, -1)`` (or ``(-1, 1)``, method or function)."""
+    return (_is(node, _TRANSPOSE) and len(node.args) == 3 and not node.kwargs
+            and tuple(node.args[1:]) in ((1, -1), (-1, 1)))
+
+
+def _sole_user(node: fx.Node) -> Any:
+    return next(iter(node.users)) if len(node.users) == 1 else None
+
+
+Affine = Tuple[fx.Node, str, Optional[str], int, Optional[int]]
+
+
+def _broadcast_affine(node: fx.Node, gm: fx.GraphModule) -> Optional[Affine]:
+    """``(output, weight, bias, C, rank)`` of ``node * w (+ b)``, ``w`` / ``b`` broadcast over dim 1
+    of a tensor of that rank, else ``None``."""
+    scaled = _affine(node, gm)
+    if scaled is None:
+        return None
+    out, w_target, channels, rank = scaled
+    shifted = _bias(out, gm, channels, rank)
+    out, b_target = shifted if shifted is not None else (out, None)
+    return out, w_target, b_target, channels, rank
+
+
+def _transposed_affine(node: fx.Node, gm: fx.GraphModule) -> Optional[Affine]:
+    """``(output, weight, bias, C, None)`` of ``(w * node.transpose(1, -1) + b).transpose(1, -1)``
+    with ``w`` / ``b`` vectors over the last dimension (asteroid's ``_LayerNorm``): the same
+    per-channel affine for a tensor of any rank; else ``None``."""
+    swapped = _sole_user(node)
+    if not _swaps_first_and_last(swapped):
+        return None
+    scaled = _affine(swapped, gm)
+    if scaled is None or scaled[3] != 2:  # a vector the last dimension broadcasts over
+        return None
+    out, w_target, channels, _ = scaled
+    shifted = _bias(out, gm, channels, 2)
+    out, b_target = shifted if shifted is not None else (out, None)
+    back = _sole_user(out)
+    return (back, w_target, b_target, channels, None) if _swaps_first_and_last(back) else None
+
+
+def _replacement(dims: Tuple[int, ...], rank: Optional[int], input_rank: Optional[int]) -> Any:
+    """The norm the pattern computes: a channel LayerNorm (statistics over dim 1), a GroupNorm
+    with one group (statistics over dims 1 .. rank - 1 of an input whose rank the graph or the
+    broadcast affine tensors show), or ``None`` (the affine tensors broadcast over another
+    dimension than the channels; statistics over only some of the dimensions)."""
+    if rank is not None and input_rank not in (None, rank):
+        return None
+    if dims == (1,):
+        return channel_layer_norm
+    known = input_rank if input_rank is not None else rank
+    return F.group_norm if known == len(dims) + 1 else None
+
+
 _CONV_RANK = {F.conv1d: 3, F.conv2d: 4, F.conv3d: 5}
 _SAME_RANK_MODULES = (nn.Identity, nn.Dropout, nn.ReLU, nn.ReLU6, nn.LeakyReLU, nn.SiLU, nn.GELU, nn.Hardswish,
                       nn.Mish, nn.PReLU, nn.ELU, nn.Tanh, nn.Sigmoid)
 
 
-def _rank(node: Any, gm: fx.GraphModule) -> Optional[int]:
+def known_rank(node: Any, gm: fx.GraphModule) -> Optional[int]:
     """The rank of ``node``'s value where the graph shows it (a convolution's output, through
     activations and sums), else ``None``."""
     for _ in range(8):
@@ -263,7 +349,9 @@ def _erase_unused(graph: fx.Graph, start: fx.Node) -> None:
 
 def hand_channel_layer_norms(gm: fx.GraphModule) -> int:
     """Replace each hand-written channel LayerNorm of ``gm`` (module docstring) by one
-    :func:`~convbn.functional.norms.channel_layer_norm` node. Returns how many were replaced.
+    :func:`~convbn.functional.norms.channel_layer_norm` node, and each hand-written global one
+    (statistics over every dimension after the batch's) by one ``F.group_norm(x, 1, ...)`` node.
+    Returns how many were replaced.
 
     Note: [a hand-written LayerNorm computes as F.layer_norm after convert]
     """
@@ -274,19 +362,19 @@ def hand_channel_layer_norms(gm: fx.GraphModule) -> int:
         found = _normalised(node)
         if found is None:
             continue
-        x, eps = found
-        scaled = _affine(node, gm)
-        if scaled is None:
+        x, eps, dims = found
+        affine = _broadcast_affine(node, gm) or _transposed_affine(node, gm)
+        if affine is None:
             continue  # no weight: the channel count is not known before run time
-        out, w_target, channels, rank = scaled
-        if _rank(x, gm) not in (None, rank):
-            continue  # the affine tensors broadcast over another dimension than the channels
-        shifted = _bias(out, gm, channels, rank)
-        out, b_target = shifted if shifted is not None else (out, None)
+        out, w_target, b_target, channels, rank = affine
+        norm = _replacement(dims, rank, known_rank(x, gm))
+        if norm is None:
+            continue
         with graph.inserting_before(out):
             w = graph.get_attr(w_target)
             b = graph.get_attr(b_target) if b_target is not None else None
-            new = graph.call_function(channel_layer_norm, (x, (channels,), w, b, eps))
+            args = (x, (channels,), w, b, eps) if norm is channel_layer_norm else (x, 1, w, b, eps)
+            new = graph.call_function(norm, args)
         out.replace_all_uses_with(new)
         _erase_unused(graph, out)
         done += 1

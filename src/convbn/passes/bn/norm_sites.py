@@ -31,6 +31,7 @@ from ...functional.norms import NormRow, channel_layer_norm, row_of_function, ro
 from ...nn.norm_view import NormView
 from ..graph.hooks import hook_reason
 from ..graph.layers import node_arg, normalize_args
+from .hand_layer_norms import known_rank
 from .sites import BNSite, BNSites, _owner
 
 __all__ = ["find_norm_sites", "channel_layer_norms", "norm_module_names"]
@@ -61,6 +62,45 @@ def _to_first(n: int) -> Tuple[int, ...]:
     return (0, n - 1, *range(1, n - 1))
 
 
+def _transpose_dims(node: Any) -> Optional[Tuple[int, int]]:
+    """The two dims of a ``transpose`` node (method or ``torch.transpose``, ints), or ``None``."""
+    if not isinstance(node, fx.Node) or node.kwargs or len(node.args) != 3:
+        return None
+    if not ((node.op == "call_method" and node.target == "transpose")
+            or (node.op == "call_function" and node.target is torch.transpose)):
+        return None
+    a, b = node.args[1:]
+    return (a, b) if type(a) is int and type(b) is int else None
+
+
+Move = Tuple[str, Tuple[int, ...]]
+
+
+def _channels_to_last(node: Any, gm: fx.GraphModule) -> Optional[Move]:
+    """``("permute", dims)`` / ``("transpose", (a, b))`` of a node that moves the channels (dim 1)
+    last, else ``None``: a permute to ``(0, 2, ..., 1)``; ``transpose(1, 2)`` or ``(1, -1)`` where
+    the graph shows a 3-D input (vocos' ConvNeXt block after a Conv1d): there it is that permute,
+    in values and strides. At other ranks a transpose reorders the positions too (strides that
+    :func:`~convbn.functional.norms.channel_layer_norm` does not give back): left as written."""
+    dims = _permute_dims(node)
+    if dims is not None:
+        return ("permute", dims) if len(dims) >= 3 and dims == _to_last(len(dims)) else None
+    pair = _transpose_dims(node)
+    if pair in ((1, 2), (2, 1), (1, -1), (-1, 1)) and known_rank(node.args[0], gm) == 3:
+        return "transpose", pair  # type: ignore[return-value]
+    return None
+
+
+def _moves_back(node: Any, move: Move, src: fx.Node) -> bool:
+    """Whether ``node`` undoes ``move`` on ``src``."""
+    kind, dims = move
+    if not isinstance(node, fx.Node) or node.args[:1] != (src,):
+        return False
+    if kind == "permute":
+        return _permute_dims(node) == _to_first(len(dims))
+    return _transpose_dims(node) in (dims, dims[::-1])
+
+
 def _layer_norm_call(node: fx.Node, gm: fx.GraphModule) -> Optional[Tuple[Any, Any, Any, Any, Optional[str]]]:
     """``(normalized_shape, weight, bias, eps, module target)`` of a LayerNorm node over one
     dimension (a module with torch's forward and no hooks, or ``F.layer_norm``), else ``None``."""
@@ -86,20 +126,21 @@ def _layer_norm_call(node: fx.Node, gm: fx.GraphModule) -> Optional[Tuple[Any, A
 
 
 def channel_layer_norms(gm: fx.GraphModule) -> int:
-    """Rewrite each ``permute -> LayerNorm over the last dim -> permute back`` into one
+    """Rewrite each ``permute -> LayerNorm over the last dim -> permute back`` (or a transpose
+    that moves the channels last: :func:`_channels_to_last`) into one
     :func:`~convbn.functional.norms.channel_layer_norm` node (Note: [a channel LayerNorm is one
     node]). Returns how many were rewritten."""
     graph, done = gm.graph, 0
     for p1 in list(graph.nodes):
-        dims = _permute_dims(p1)
-        if dims is None or len(dims) < 3 or dims != _to_last(len(dims)) or len(p1.users) != 1:
+        move = _channels_to_last(p1, gm)
+        if move is None or len(p1.users) != 1:
             continue
         ln = next(iter(p1.users))
         found = _layer_norm_call(ln, gm)
         if found is None or node_arg(ln, 0, "input", None) is not p1:
             continue
         p2 = next(iter(ln.users)) if len(ln.users) == 1 else None
-        back = p2 is not None and _permute_dims(p2) == _to_first(len(dims)) and p2.args[0] is ln
+        back = p2 is not None and _moves_back(p2, move, ln)
         shape, w, b, eps, target = found
         with graph.inserting_before(ln):
             if target is not None:  # a module: its tensors as get_attr nodes
@@ -107,7 +148,7 @@ def channel_layer_norms(gm: fx.GraphModule) -> int:
                 b = graph.get_attr(f"{target}.bias") if b is not None else None
             new = graph.call_function(channel_layer_norm, (p1.args[0], shape, w, b, eps))
             if not back:  # the channels-last result others read (ConvNeXt's MLP): the same view of it
-                last = graph.call_method("permute", (new, *dims))
+                last = graph.call_method(move[0], (new, *move[1]))
         if back:
             p2.replace_all_uses_with(new)
             graph.erase_node(p2)

@@ -20,7 +20,7 @@ from .buffer_copies import buffer_copy, close_copies, open_copies
 from .plain_state import PlainState
 from .upstream import handed_once
 
-__all__ = ["StateSnapshot", "Comparison", "compare_outputs", "run_step", "seeded", "as_args", "float64_slack", "to_float64",
+__all__ = ["StateSnapshot", "Comparison", "compare_outputs", "run_step", "seeded", "as_args", "float64_slack", "eager_error_slack", "to_float64",
            "tolerance", "tolerance_rule", "ToleranceRule", "TOLERANCES", "CheckKind", "buffers_set_aside", "batch_sample",
            "clone_tensors", "relative_floor", "leaf_difference"]
 
@@ -69,7 +69,8 @@ def as_args(example_inputs: Any, name: str = "example_inputs") -> Tuple[Any, ...
 #     max|new - eager| <= rule(dtype) * scale + rule.eager_error_factor * (eager's own distance
 #                                                to a float64 run of the same step),
 # the second term asked for only when the first alone fails (Note: [fold's tolerance follows
-# eager's own rounding] in fold_check.py). ``scale`` is :func:`compare_outputs`'. The numbers
+# eager's own rounding] in fold_check.py); where both fail, convert's step check asks whether the
+# rewrite equals eager in float64 (Note: [a float32 difference decided in float64] in step.py). ``scale`` is :func:`compare_outputs`'. The numbers
 # live here and nowhere else, in one row per kind of check, read when a check runs:
 # ``"step"`` for a training step (forward and backward, gradients relative to their own
 # size: convert's checks), ``"fold"`` for an inference forward (folding is exact algebra on
@@ -389,16 +390,28 @@ def float64_slack(model: nn.Module, run: Callable[[nn.Module], Any], reference: 
             exact = run(model64)
     except Exception:  # noqa: BLE001 - no float64 reference: the caller's tolerance alone
         return None
+    return eager_error_slack(reference, exact, factor)
+
+
+def eager_error_slack(reference: Any, exact: Any, factor: Optional[float] = None) -> Optional[List[float]]:
+    """``factor`` (default: the ``"step"`` rule's ``eager_error_factor``) times ``max|reference -
+    exact|`` per floating leaf over the values finite in both (``exact``: the same run in float64),
+    taken a chunk at a time (Note: [a check's comparison in bounded memory]); ``None`` where the
+    two trees' floating leaves differ in number."""
+    if factor is None:
+        factor = tolerance_rule("step").eager_error_factor
+    leaves = [t for t in pytree.tree_leaves(reference) if isinstance(t, Tensor) and t.is_floating_point()]
     exact_leaves = [t for t in pytree.tree_leaves(exact) if isinstance(t, Tensor) and t.is_floating_point()]
     if len(exact_leaves) != len(leaves):
         return None
     slack = []
     for a, e in zip(leaves, exact_leaves):
-        if a.shape != e.shape:
-            slack.append(0.0)
-            continue
-        finite = torch.isfinite(a) & torch.isfinite(e)
-        err = (a.detach().double() - e.detach().double())[finite].abs().max().item() if finite.any() else 0.0
+        err = 0.0
+        if a.shape == e.shape:
+            for ac, ec in zip(_chunks(_strided(a)), _chunks(_strided(e))):
+                finite = torch.isfinite(ac) & torch.isfinite(ec)
+                if finite.any():
+                    err = max(err, (ac.double() - ec.double())[finite].abs().max().item())
         slack.append(factor * err)
     return slack
 
