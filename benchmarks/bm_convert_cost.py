@@ -13,6 +13,11 @@ reports to ``torch.profiler`` (:func:`convbn.memory.allocator_peak`), on CUDA
 ``torch.cuda.max_memory_allocated``.
 
     python benchmarks/bm_convert_cost.py [--models r18 r50 hrnet crnn] [--rounds 2] [--device cpu|cuda] [--no-peaks]
+                                         [--phases]
+
+``--phases``: also one more ``convert`` whose CPU seconds are split by where they go (the check's
+eager and converted steps, the planner's recorded steps, the rest: tracing, matching, planning),
+each as a ratio to the eager step; the functions are wrapped for that call only.
 """
 from __future__ import annotations
 
@@ -125,12 +130,57 @@ def measure(key: str, rounds: int, device: torch.device, peaks: bool = True) -> 
                 eager_peak=eager_peak, convert_peak=convert_peak, **cpu)
 
 
+#: (module, function, label) of what ``--phases`` times
+PHASES = (("convbn.passes.check.step", "_eager_step", "check: eager step"),
+          ("convbn.passes.check.step", "_streamed", "check: converted step (comparisons included)"),
+          ("convbn.passes.plan.sliced_measure", "record_eager_and_chains", "planner: recorded eager + converted steps"),
+          ("convbn.passes.plan.auto_plan", "record_eager_and_chains", "planner: recorded eager + converted steps"))
+
+
+def phases(key: str, device: torch.device) -> List[Tuple[str, float]]:
+    """CPU seconds of one ``convert`` of ``key``'s model split by :data:`PHASES` (and the rest), after
+    one warm-up eager step; first the CPU seconds of an eager forward and backward (mean loss, no
+    optimizer step)."""
+    import importlib
+
+    label, make, shape = MODELS[key]
+    torch.manual_seed(0)
+    model = make().to(device)
+    x = torch.randn(shape, device=device)
+    model(x).float().mean().backward()  # warm-up
+    model.zero_grad(set_to_none=True)
+    cpu: List[float] = []
+    _timed(lambda: model(x).float().mean().backward(), device, cpu)
+    model.zero_grad(set_to_none=True)
+    spent: Dict[str, float] = {}
+    saved = []
+    for mod_name, fn, what in PHASES:
+        mod = importlib.import_module(mod_name)
+        saved.append((mod, fn, getattr(mod, fn)))
+
+        def timed(*a: Any, _f: Any = getattr(mod, fn), _w: str = what, **k: Any) -> Any:
+            c = time.process_time()
+            try:
+                return _f(*a, **k)
+            finally:
+                spent[_w] = spent.get(_w, 0.0) + time.process_time() - c
+        setattr(mod, fn, timed)
+    try:
+        _timed(lambda: convbn.convert(model, example_inputs=x, progress=False), device, cpu)
+    finally:
+        for mod, fn, f in saved:
+            setattr(mod, fn, f)
+    rest = cpu[1] - sum(spent.values())
+    return [("eager step", cpu[0]), ("convert", cpu[1]), *spent.items(), ("the rest", rest)]
+
+
 def main(argv: Any = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--no-peaks", action="store_true", help="times only (no allocator pass)")
+    parser.add_argument("--phases", action="store_true", help="also where one convert's CPU seconds go")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     print(f"torch {torch.__version__}, {device}, threads {torch.get_num_threads()}")
@@ -147,6 +197,15 @@ def main(argv: Any = None) -> None:
               f"{r['cpu_again']:.2f} ({r['cpu_again'] / r['cpu_convert']:.3f}x) "
               f"| {r['eager_peak'] / mib:.1f} MiB | {r['convert_peak'] / mib:.1f} MiB "
               f"| {r['convert_peak'] / r['eager_peak']:.4f} ({r['convert_peak'] - r['eager_peak']:+.0f} B) |", flush=True)
+    if args.phases:
+        labels = list(dict.fromkeys(w for _, _, w in PHASES))
+        print("\n| model | " + " | ".join(["eager step (CPU s)", "convert"] + labels + ["the rest"])
+              + " |\n|---|" + "---:|" * (len(labels) + 3))
+        for key in args.models:
+            parts = phases(key, device)
+            step = parts[0][1]
+            cells = [f"{parts[0][1]:.2f}"] + [f"{s:.2f} ({s / step:.2f}x)" for _, s in parts[1:]]
+            print(f"| {MODELS[key][0]} | " + " | ".join(cells) + " |", flush=True)
 
 
 if __name__ == "__main__":

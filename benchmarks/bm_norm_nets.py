@@ -29,7 +29,8 @@ Measured (the standard loop: ``zero_grad(set_to_none=True)``, forward, mean loss
   freed heap pages returned to the OS first) and their ratio is to eager's RSS measured the
   same way in the same run;
 * **step ms**: median over interleaved rounds (each round one step of every configuration, the
-  order rotated per round) after warm-up; ratio to eager's median in the same run;
+  order rotated per round) after warm-up, thread CPU time with one intra-op thread (else wall
+  time); ratio to eager's median in the same run;
 * **norms fused**: per-sample norm modules the eager step calls that the configuration's report
   lists as fused and its step no longer calls as modules (they ran inside a fused chain).
 
@@ -246,12 +247,14 @@ def measure(cfgs: List[Config], x: Tuple[torch.Tensor, ...], rounds: int, warmup
         for cfg in live:
             if cfg.compiled or cfg.name == "eager":
                 cfg.rss = _rss_peak(cfg, x)
+    # thread CPU time with one intra-op thread (the rest of a loaded machine does not count)
+    clock = time.thread_time if torch.get_num_threads() == 1 else time.perf_counter
     for r in range(rounds):
         k = r % len(live)
         for cfg in live[k:] + live[:k]:
-            t0 = time.perf_counter()
+            t0 = clock()
             _step(cfg, x)
-            cfg.times.append(time.perf_counter() - t0)
+            cfg.times.append(clock() - t0)
 
 
 def table(label: str, cfgs: List[Config], norms: int) -> str:

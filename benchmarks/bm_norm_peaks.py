@@ -10,7 +10,9 @@ Three nets written here in the shape their families use (no library needed):
 
 Peak: :func:`convbn.memory.timeline` (the standard loop: zero_grad(set_to_none=True), forward,
 mean loss, backward, SGD step; exact live tensor bytes on CPU). Time: forward + backward + step,
-median of ``--rounds`` interleaved rounds, as a ratio to eager's in the same process.
+thread CPU time (one intra-op thread), median of ``--rounds`` interleaved rounds (the order
+reversed every other round), as a ratio to eager's in the same process. The planner's predicted
+peak of ``convert`` is printed beside the measured one.
 
     python benchmarks/bm_norm_peaks.py [--rounds 5]
 
@@ -191,12 +193,18 @@ def _peak(model: nn.Module, x: Tensor) -> int:
     return timeline(model, x, loss_fn=_loss, optimizer=opt).peak
 
 
+def _clock() -> float:
+    """Thread CPU time with one intra-op thread (forward and backward both run on the calling
+    thread on the CPU: the rest of a loaded machine does not count), else wall time."""
+    return time.thread_time() if torch.get_num_threads() == 1 else time.perf_counter()
+
+
 def _step_time(model: nn.Module, x: Tensor, opt: torch.optim.Optimizer) -> float:
-    t0 = time.perf_counter()
+    t0 = _clock()
     opt.zero_grad(set_to_none=True)
     _loss(model(x)).backward()
     opt.step()
-    return time.perf_counter() - t0
+    return _clock() - t0
 
 
 def _times(variants: Dict[str, nn.Module], x: Tensor, rounds: int) -> Dict[str, float]:
@@ -205,9 +213,10 @@ def _times(variants: Dict[str, nn.Module], x: Tensor, rounds: int) -> Dict[str, 
     times: Dict[str, List[float]] = {k: [] for k in variants}
     for k, m in variants.items():  # warm-up (and, compiled, the compile)
         _step_time(m, x, opts[k])
-    for _ in range(rounds):  # interleaved rounds
-        for k, m in variants.items():
-            times[k].append(_step_time(m, x, opts[k]))
+    order = list(variants)
+    for r in range(rounds):  # interleaved rounds, the order reversed every other round
+        for k in (order if r % 2 == 0 else order[::-1]):
+            times[k].append(_step_time(variants[k], x, opts[k]))
     return {k: statistics.median(v) for k, v in times.items()}
 
 
@@ -228,7 +237,14 @@ def measure(make: Callable[[], nn.Module], shape: Tuple[int, ...], rounds: int,
     med = _times(variants, x, rounds)
     out = {k: (peaks[k] / peaks["eager"], med[k] / med["eager"]) for k in variants}
     out["eager MiB"] = (peaks["eager"] / 2**20, med["eager"])
+    out["convert MiB"] = (peaks["convert"] / 2**20, _predicted(variants["convert"]) / 2**20)
     return out
+
+
+def _predicted(model: nn.Module) -> int:
+    """The planner's predicted step peak of a converted model (its report's), 0 where none."""
+    report = getattr(model, "convbn_report", None) or getattr(getattr(model, "model", None), "convbn_report", None)
+    return int(getattr(report, "predicted_peak_bytes", 0) or 0)
 
 
 def _kept(model: nn.Module, x: Tensor) -> int:
@@ -291,14 +307,15 @@ def main(argv: Optional[List[str]] = None) -> int:
         _print_compiled([m[:3] for m in models], args.rounds)
         return 0
     amp = " (bf16 autocast)" if args.amp else ""
-    print(f"| net (input){amp} | eager peak MiB | convert peak / time | convert peak_budget=target: peak / time "
-          "| checkpoint peak / time |")
-    print("|---|---:|---:|---:|---:|")
+    print(f"| net (input){amp} | eager peak MiB | convert peak MiB: measured / predicted | convert peak / time "
+          "| convert peak_budget=target: peak / time | checkpoint peak / time |")
+    print("|---|---:|---:|---:|---:|---:|")
     for label, make, shape, target in models:
         r = measure(make, shape, args.rounds, args.amp, target)
-        print(f"| {label} {tuple(shape)} | {r['eager MiB'][0]:.1f} | {r['convert'][0]:.2f}x / {r['convert'][1]:.2f}x "
-              f"| {target} -> {r['budget'][0]:.2f}x / {r['budget'][1]:.2f}x "
-              f"| {r['checkpoint'][0]:.2f}x / {r['checkpoint'][1]:.2f}x |", flush=True)
+        print(f"| {label} {tuple(shape)} | {r['eager MiB'][0]:.1f} | {r['convert MiB'][0]:.2f} / {r['convert MiB'][1]:.2f} "
+              f"| {r['convert'][0]:.2f}x / {r['convert'][1]:.3f}x "
+              f"| {target} -> {r['budget'][0]:.2f}x / {r['budget'][1]:.3f}x "
+              f"| {r['checkpoint'][0]:.2f}x / {r['checkpoint'][1]:.3f}x |", flush=True)
     return 0
 
 

@@ -179,6 +179,38 @@ MUTANTS: Dict[str, Mutant] = {
         (("passes/convert/match.py", "and not (l.conv.computed is not None and _computes_weight(where[id(prev)]))",
           "and True"),),
         ("tests/test_computed_weights.py::test_timm_std_conv_with_group_norm_act_fuses_and_trains_as_eager",)),
+    "norm_recomputed_output_held": Mutant(
+        "a norm chain's backward holds a recomputed conv output through its conv's backward",
+        (("autograd/norm_chain.py", "    del out, yv, pv, graph, got, act_out, wanted\n",
+          "    del out, yv, pv, graph, got, act_out\n"),),
+        ("tests/test_norm_memory_model.py::test_replayed_backward_is_the_measured_one",)),
+    "norm_conv_runs_once": Mutant(
+        "the planner counts a norm chain's recomputed conv once, however often its backward runs it",
+        (("autograd/norm_chain_memory.py", "            runs[i] += has_conv[i]\n", "            runs[i] = int(has_conv[i])\n"),),
+        ("tests/test_norm_conv_runs.py",)),
+    "norm_forward_moments_as_gaps": Mutant(
+        "moments inside a norm chain's forward count everything the chain keeps (as gaps)",
+        (("passes/plan/plan_inputs.py", "        if owner is None or not self.norm[owner]:\n", "        if True:\n"),),
+        ("tests/test_norm_forward_moments.py::test_predicted_step_peak_is_the_measured_one_for_every_plan",)),
+    "fold_takes_shape_specialised_graph": Mutant(
+        "fold installs the graph of a module traced only with its real shapes even where its children fold alone",
+        (("passes/fold/api.py", "        if not own_code_joins_a_batchnorm(traced.gm, module, prefix):",
+          "        if False:"),),
+        ("tests/test_upcat_pattern.py::test_folded_upcat_pattern_exports_with_dynamic_batch_and_spatial_sizes",)),
+    "jit_isinstance_hazard": Mutant(
+        "torch.jit.isinstance on a computed tensor is a trace hazard again (MONAI's UpCat left opaque)",
+        (("passes/tracing/hazards.py", "        if real is not None:\n", "        if False:\n"),),
+        ("tests/test_upcat_pattern.py",)),
+    "jit_isinstance_list_of_proxies": Mutant(
+        "torch.jit.isinstance on a list of traced tensors asks the proxies themselves (answers False)",
+        (("passes/tracing/hazards.py", "        if not any(isinstance(a, fx.Proxy) for a in pytree.tree_leaves(obj)):",
+          "        if not isinstance(obj, fx.Proxy):"),),
+        ("tests/test_upcat_pattern.py::test_jit_isinstance_on_computed_tensors_is_answered_without_shapes",)),
+    "jit_isinstance_trusts_opaque_outputs": Mutant(
+        "torch.jit.isinstance takes what an opaque module returned for a tensor (a dict answered as a tensor)",
+        (("passes/tracing/hazards.py", "    if name in getattr(tracer, \"opaque\", {}) or name in getattr(tracer, \"hooked\", {}):\n        return False\n",
+          ""),),
+        ("tests/test_upcat_pattern.py::test_jit_isinstance_on_what_an_opaque_module_returned_is_a_hazard",)),
     "norm_end_layer_prelu_slot": Mutant(
         "a norm chain's end layer conv -> PReLU reads its PReLU weight as if the layer had norm slots",
         (("autograd/norm_chain.py", "return 2 * (spec.conv is not None) + (k if spec.norm is not None else k - 2)",

@@ -1,10 +1,12 @@
 """How many times ``convert(model, example_inputs=x)`` runs the model (issue 41 item 3: convert's
 time is its steps), counted, not timed: an opaque custom ``autograd.Function`` inside the model
 (it stays one call in the rewrite: Note: [autograd Functions stay whole]) counts every forward
-and backward that really runs. The check runs one eager and one converted training step; the
-planner one recorded step of each, whose forward also gives the saves it reads (Note: [the
-saves read off the recorded step]): four forwards and four backwards, no forward of its own
-for the saved bytes."""
+and backward that really runs, and the batch each runs at. The check runs one eager and one
+converted training step at the example batch; the planner one recorded step of each, whose
+forward also gives the saves it reads (Note: [the saves read off the recorded step]), at two
+slices of the batch (2 and 3 samples) put on lines to it (Note: [measured on two slices of
+the batch] in sliced_measure.py): six forwards and six backwards, 26 samples' worth where four
+full-batch steps were 32, no forward of its own for the saved bytes."""
 from __future__ import annotations
 
 from typing import Any, List
@@ -18,10 +20,12 @@ from fusion_checks import assert_fused
 
 class _Count(torch.autograd.Function):
     calls: List[str] = []
+    batches: List[int] = []
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
         _Count.calls.append("forward")
+        _Count.batches.append(int(x.shape[0]))
         return x * 1.0
 
     @staticmethod
@@ -42,19 +46,28 @@ class _Net(nn.Module):
         return self.head(self.b(y).mean((2, 3)))
 
 
-def _runs(**options: Any) -> List[str]:
+def _runs(batch: int = 8, **options: Any) -> List[str]:
     torch.manual_seed(0)
-    model, x = _Net(), torch.randn(8, 3, 32, 32)
+    model, x = _Net(), torch.randn(batch, 3, 32, 32)
     _Count.calls.clear()
+    _Count.batches.clear()
     fast = convbn.convert(model, example_inputs=x, **options)
     assert_fused(fast, pairs=2)
     assert fast.convbn_report.validated == [""]  # the check ran
     return list(_Count.calls)
 
 
-def test_convert_with_example_inputs_runs_four_steps_and_no_extra_forward() -> None:
+def test_convert_with_example_inputs_runs_two_full_steps_and_two_on_slices() -> None:
     calls = _runs()
+    assert calls.count("forward") == 6 and calls.count("backward") == 6, calls
+    # the check's two steps at the example batch, then the planner's eager and converted step at 2, then at 3
+    assert _Count.batches == [8, 8, 2, 2, 3, 3], _Count.batches
+
+
+def test_a_batch_below_the_slices_minimum_records_at_the_example_batch() -> None:
+    calls = _runs(batch=4)
     assert calls.count("forward") == 4 and calls.count("backward") == 4, calls
+    assert _Count.batches == [4, 4, 4, 4], _Count.batches
 
 
 def test_a_strategy_without_the_planner_runs_the_check_and_its_measurement() -> None:

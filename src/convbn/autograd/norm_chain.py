@@ -309,7 +309,8 @@ def _layer_backward(rb: _Rebuild, i: int, grad: List[Tensor], x_need: bool, grad
             grads[base + _post_slot(spec, k)] = torch.zeros_like(p) if gp is None else gp
     if gy is None:
         gy = torch.zeros_like(yv)
-    del out, yv, pv, graph, got, act_out
+    # ``wanted`` holds ``yv``: a recomputed conv output would otherwise live through the conv's backward
+    del out, yv, pv, graph, got, act_out, wanted
     kept = rb.kept.pop(i, None)  # a kept conv output is read by its norm's backward only
     if kept is not None and rb.free_kept:  # Note: [freeing kept tensors early] in autograd/release.py
         free_storage(kept)

@@ -23,7 +23,7 @@ from typing import Dict, Hashable, Optional, Sequence, Tuple
 from ..functional.norms import norm_row
 from .chain_memory import LayerKind, SizeAllocator, TailOpCode, parse_kind
 
-__all__ = ["norm_replay"]
+__all__ = ["norm_replay", "norm_conv_runs"]
 
 
 class _NormReplay:
@@ -237,3 +237,41 @@ def norm_replay(y_sizes: Sequence[int], x_sizes: Sequence[int], keep: Sequence[b
         (44, 1)
     """
     return _NormReplay(y_sizes, x_sizes, keep, acts, norms, w_sizes, head, end, s_sizes).run()
+
+
+def norm_conv_runs(keep: Sequence[bool], acts: Sequence[str], norms: Sequence[str], head: bool = False) -> Tuple[int, ...]:
+    """How many times backward runs each layer's convolution again under ``keep``, walked in
+    :class:`~convbn.autograd.norm_chain.NormChainFunction`'s order (Note: [a conv run once per
+    rebuild]).
+
+    # Note: [a conv run once per rebuild]
+    # Each layer ``m >= 1`` with a convolution rebuilds its input once for its conv's backward
+    # (``_Rebuild.input``): from the nearest kept conv output ``j < m`` (or the chain input),
+    # running again the convolution of every layer ``j < i < m`` (of ``0 <= i < m`` where
+    # nothing before is kept). A layer whose output no later layer rebuilt (the last one)
+    # runs its own convolution for its norm's backward when not kept. So a layer not keeping
+    # its output is recomputed once per later layer up to the next kept one: a fully
+    # recomputed ConvNeXt block (dwconv -> LayerNorm, 1x1 -> GELU, 1x1) runs its depthwise
+    # conv twice. The planner's recompute cost counts each run (``ChainCost.recompute``).
+
+    Example:
+        >>> norm_conv_runs([False, False, False], ["identity", "smooth", "identity"], ["channel_layer_norm", "", ""])
+        (2, 1, 0)
+        >>> norm_conv_runs([True, False, False], ["identity", "smooth", "identity"], ["channel_layer_norm", "", ""])
+        (0, 1, 0)
+    """
+    k = len(keep)
+    has_conv = [not (head and i == 0) for i in range(k)]
+    needs_y = [bool(norms[i]) or parse_kind(acts[i])[0] is not LayerKind.IDENTITY for i in range(k)]
+    kept = [keep[i] and has_conv[i] and needs_y[i] for i in range(k)]
+    runs = [0] * k
+    for m in range(1, k):
+        if not has_conv[m]:
+            continue
+        j = max((i for i in range(m) if kept[i]), default=-1)
+        for i in range(j + 1, m):
+            runs[i] += has_conv[i]
+    last = k - 1
+    if has_conv[last] and needs_y[last] and not kept[last]:
+        runs[last] += 1
+    return tuple(runs)

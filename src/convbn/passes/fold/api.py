@@ -54,6 +54,7 @@ from ..graph.scripted import reject_torchscript
 from ..check.validate import tolerance, tolerance_rule
 from ..tracing.self_check import warn_if_tracer_broken
 from ..tracing.example_trace import trace_example_call
+from .generic import own_code_joins_a_batchnorm
 from ..tracing.trace import LayerTracer, short_reason, trace
 
 __all__ = ["fold", "fold_conv_bn_modules", "FoldReport", "BNOutcome", "FoldCheck"]
@@ -101,6 +102,10 @@ def fold_module(module: nn.Module, prefix: str, ctx: FoldContext, done: Set[int]
         if traced is None:
             ctx.report.untraced.append((prefix.rstrip("."), f"{short_reason(exc)} (folded part by part)"))
             warn_if_tracer_broken("fold")  # Note: [a tracer that fails everywhere says so]
+            return fold_children(module, prefix, ctx, done)
+        if not own_code_joins_a_batchnorm(traced.gm, module, prefix):  # Note: [fold prefers the shape-generic graph]
+            ctx.report.untraced.append((prefix.rstrip("."), f"{short_reason(exc)} (traced only with its real shapes; "
+                                        "folded part by part, so that its own code stays shape-generic)"))
             return fold_children(module, prefix, ctx, done)
     gm = traced.gm
     mark = len(ctx.report.outcomes)

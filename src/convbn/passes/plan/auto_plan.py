@@ -12,14 +12,15 @@ from typing import Any, List, Optional, Sequence, Tuple
 
 from torch import nn
 
-from ...memory import saved_bytes, track_saved
+from ...memory import saved_bytes
 from ...nn.chain import ChainLayer, FusedChain
 from ...progress import stage
 from .chain_plans import apply_plan, lazy_plan
 from .peak_model import ChainCost, drops_needed, step_peak
 from .peak_planner import plan_for_peak, plan_within_peak
 from .planner import plan_layers
-from .plan_inputs import PlanInputs, chains_of, measure_peak, measure_plan_inputs
+from .plan_inputs import PlanInputs, chains_of, measure_peak
+from .sliced_measure import record_eager_and_chains, recorded_on_slices
 from . import step_costs
 from .time_planner import plan_within_time
 from ..graph.graph_module import fused_modules
@@ -87,20 +88,18 @@ class _Measured:
 
 
 def _measure(original: nn.Module, converted: nn.Module, inputs: Tuple[Any, ...]) -> _Measured:
-    """Measure the eager step and every chain of ``converted`` recomputing all (state restored)."""
-    with StateSnapshot(original), StateSnapshot(converted):
-        stage("plan: measuring the eager step")
+    """Measure the eager step and every chain of ``converted`` recomputing all (state restored):
+    at two slices of the batch where their lines hold (Note: [measured on two slices of the
+    batch] in sliced_measure.py), else at the example batch."""
+    rec = recorded_on_slices(original, converted, inputs)
+    if rec is None:
+        stage(f"plan: measuring the eager step and {len(chains_of(converted))} chains")
         # one recorded step gives both the peak and, from its forward, the saved bytes (the
-        # mean loss and the backward save nothing): no second forward of the eager model
-        with track_saved(original, per_module=False) as saved:
-            eager_peak = measure_peak(original, inputs).peak
-        eager = saved.result.activation_bytes
-        chains = chains_of(converted)
-        stage(f"plan: measuring {len(chains)} chains")
-        # every layer recomputing (no plan or guard on the first call); ``measured.floor`` is
-        # the saved bytes of that plan, from the same run
-        ordered, measured = measure_plan_inputs(converted, inputs)
-    return _Measured(eager, eager_peak, measured.floor, ordered, measured)
+        # mean loss and the backward save nothing): no second forward of the eager model;
+        # every layer recomputing (no plan or guard on the first call); ``floor`` is the
+        # saved bytes of that plan, from the same run
+        rec = record_eager_and_chains(original, converted, inputs)
+    return _Measured(rec.eager_saved, rec.eager_peak, rec.inputs.floor, rec.ordered, rec.inputs)
 
 
 def _extra_bytes(m: _Measured, memory_budget: Optional[float], layers: Sequence[ChainLayer]) -> int:

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import List, Optional, Sequence, Tuple
 
 from ...autograd.chain_memory import choose_drops, replay
-from ...autograd.norm_chain_memory import norm_replay
+from ...autograd.norm_chain_memory import norm_conv_runs, norm_replay
 
 __all__ = ["ChainCost", "chain_backward_peak", "step_peak", "drops_needed", "gaps_of"]
 
@@ -53,6 +53,10 @@ class ChainCost:
             kept and in the floor; it recomputes nothing.
         end: the last layer has no BN: without a tail (kind ``"identity"``) it keeps nothing
             whatever its flag.
+        forward: a per-sample-norm chain's moments in its own forward, per layer: the most
+            bytes in use (the recorded all-recompute step's, the chains before it keeping
+            nothing) while that layer ran (0: none recorded; empty: not measured, such moments
+            are among the ``gaps`` of :func:`step_peak`). Note: [a moment inside a chain's forward].
         norms: a per-sample-norm chain's norms, each layer's row of the norm table
             (``""``: none); empty for a BatchNorm chain. Its backward is replayed as
             :class:`~convbn.autograd.norm_chain.NormChainFunction` runs it
@@ -69,15 +73,34 @@ class ChainCost:
     end: bool = False
     s_bytes: Tuple[int, ...] = ()
     norms: Tuple[str, ...] = ()
+    forward: Tuple[int, ...] = ()
 
     def kept_bytes(self, keep: Sequence[bool]) -> int:
         """Bytes the chain keeps above the floor under ``keep``."""
+        return sum(self._kept(i, f) for i, f in enumerate(keep))
+
+    def _kept(self, i: int, f: bool) -> int:
         k = len(self.y_bytes)
-        return sum(y for i, (y, f) in enumerate(zip(self.y_bytes, keep))
-                   if f and not (self.head and i == 0) and not (self.end and i == k - 1 and self.acts[i] == "identity"))
+        return self.y_bytes[i] if f and not (self.head and i == 0) and not (
+            self.end and i == k - 1 and self.acts[i] == "identity") else 0
+
+    def forward_peak(self, keep: Sequence[bool]) -> int:
+        """The most bytes in use during the chain's own forward under ``keep`` (0 where
+        ``forward`` is not measured): Note: [a moment inside a chain's forward]."""
+        out, kept = 0, 0
+        for i, b in enumerate(self.forward):
+            if b:
+                out = max(out, b + kept)
+            kept += self._kept(i, keep[i])
+        return out
 
     def recompute(self, keep: Sequence[bool]) -> int:
-        """Recompute cost (``macs`` of the layers not keeping their conv output) under ``keep``."""
+        """Recompute cost under ``keep``: ``macs`` of the layers not keeping their conv output,
+        each as many times as the chain's backward runs that conv again (a per-sample-norm
+        chain: :func:`~convbn.autograd.norm_chain_memory.norm_conv_runs`; a BatchNorm chain: once)."""
+        if self.norms:
+            runs = norm_conv_runs(keep, self.acts, self.norms, self.head)
+            return sum(m * r for m, r in zip(self.macs, runs))
         return sum(m for m, f in zip(self.macs, keep) if not f)
 
 
@@ -123,6 +146,9 @@ def step_peak(costs: Sequence[ChainCost], keeps: Sequence[Sequence[bool]], floor
             best, where = outside, -2
     before = 0
     for j, (c, kp) in enumerate(zip(costs, keeps)):
+        inner = before + c.forward_peak(kp) if c.forward else 0
+        if inner > best:
+            best, where = inner, -2
         md = True if may_drop is None else bool(may_drop[j])
         key = (j, tuple(kp), md)
         own = _cache.get(key) if _cache is not None else None
@@ -153,6 +179,20 @@ def gaps_of(gaps: Optional[Sequence[int]], n: int) -> List[int]:
     # more check per chain in the searches below; without it, a plan keeping much (on the
     # tutorial's MNIST network, every conv output) was predicted 54 MiB under the peak
     # measured in its max-pool backward.
+
+    # Note: [a moment inside a chain's forward]
+    # Counting every conv output a chain keeps at a moment inside that chain's own forward
+    # over-counts: the outputs of its later layers do not exist yet. On the 3-D InstanceNorm
+    # U-Net the decoder chain's forward was predicted at 30.5 MiB for a plan measured at
+    # 27.0, which made the planner prefer a plan with more recompute. So a per-sample-norm
+    # chain's forward moments are recorded per layer (``ChainCost.forward``, from the
+    # operators of the recorded step: a layer starts at its convolution) and a plan's value
+    # there is that moment's bytes plus the outputs it keeps of the chains before and of its
+    # own layers before ``i``. Layer ``i``'s own output needs no count: while its norm runs
+    # the recorded bytes hold it, and NormChainFunction's forward lets it go only before an
+    # in-place activation, which allocates nothing (kept, the step holds then what it held
+    # before); a tail keeps it bound into the next layer's convolution, in the recorded
+    # bytes too. Never below what the step holds then, never above the gap it used to be.
     """
     out = [0] * (n + 1)
     for m, g in enumerate(gaps or ()):

@@ -74,8 +74,8 @@ PEAK_BYTE_COST = 2 * COST_PER_BYTE
 @dataclass(frozen=True)
 class ChainOption:
     """One plan of one chain, as numbers: its keep flags, the conv output bytes it keeps
-    from forward (``kept``), its backward transient (``own``, :func:`chain_backward_peak`)
-    and the MACs it recomputes."""
+    from forward (``kept``), its backward transient (``own``, :func:`chain_backward_peak`;
+    or its own forward's moments less its prefix where higher) and the MACs it recomputes."""
 
     keep: Tuple[bool, ...]
     kept: int
@@ -98,8 +98,10 @@ def chain_options(cost: ChainCost, exhaustive: int = 10) -> List[ChainOption]:
         plans = set(cuts) | {tuple(f != (i == j) for i, f in enumerate(c)) for c in cuts for j in range(k)}
     opts = []
     for kp in sorted(plans):
-        opts.append(ChainOption(kp, cost.kept_bytes(kp), chain_backward_peak(cost, kp)[0],
-                                cost.recompute(kp)))
+        # the chain's own forward moments are checked with its backward's (both above what
+        # the chains before it keep): Note: [a moment inside a chain's forward] in peak_model.py
+        own = max(chain_backward_peak(cost, kp)[0], cost.forward_peak(kp) - cost.prefix)
+        opts.append(ChainOption(kp, cost.kept_bytes(kp), own, cost.recompute(kp)))
     opts.sort(key=lambda o: (o.kept, o.own, o.recompute))
     kept: List[ChainOption] = []
     for o in opts:  # Pareto: drop a plan some earlier (no more bytes kept) plan beats on both others

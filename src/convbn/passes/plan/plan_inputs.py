@@ -62,6 +62,9 @@ class PlanInputs:
         slots: for each point, the chain whose backward runs (``j >= 0``), or ``-(m + 1)``:
             a moment outside the chains' backwards where the first ``m`` chains may hold kept outputs.
         ops: for each point, its phase and operator (two records must agree on them).
+        inner: for each point inside a per-sample-norm chain's forward, the layer running
+            (its chain is the one ``slots`` says ran last); -1 elsewhere (Note: [a moment
+            inside a chain's forward] in peak_model.py).
     """
 
     batch: int
@@ -80,6 +83,7 @@ class PlanInputs:
     points: Ints
     slots: Ints
     ops: Tuple[str, ...]
+    inner: Ints = ()
 
     def costs(self) -> List[ChainCost]:
         """The chains' :class:`ChainCost` in forward order, each prefix measured where the
@@ -88,25 +92,37 @@ class PlanInputs:
         for b, s in zip(self.points, self.slots):
             if s >= 0:
                 peaks[s] = max(peaks.get(s, 0), b)
+        forward = self._forward_moments()
         out = []
         for j in range(len(self.y_bytes)):
             cost = ChainCost(
                 y_bytes=self.y_bytes[j], x_bytes=self.x_bytes[j],
                 macs=tuple(recompute_cost(f, x, y) for f, x, y in zip(self.flops[j], self.x_bytes[j], self.y_bytes[j])),
                 acts=self.acts[j], prefix=self.prefix_est[j], w_bytes=self.w_bytes[j], head=self.head[j],
-                end=self.end[j], s_bytes=self.s_bytes[j], norms=self.norms[j])
+                end=self.end[j], s_bytes=self.s_bytes[j], norms=self.norms[j],
+                forward=forward[j] if self.norms[j] and any(forward[j]) else ())
             if j in peaks:
                 own = chain_backward_peak(cost, [False] * len(cost.y_bytes))[0]
                 cost = replace(cost, prefix=max(0, peaks[j] - own))
             out.append(cost)
         return out
 
+    def _forward_moments(self) -> List[Tuple[int, ...]]:
+        """Per chain, per layer: the most bytes in use inside the chain's forward while the
+        layer ran (Note: [a moment inside a chain's forward] in peak_model.py)."""
+        forward = [[0] * len(y) for y in self.y_bytes]
+        for b, s, i in zip(self.points, self.slots, self.inner or ()):
+            if i >= 0:  # inside chain -s - 2's forward, at its layer i
+                forward[-s - 2][i] = max(forward[-s - 2][i], b)
+        return [tuple(f) for f in forward]
+
     def gaps(self) -> List[int]:
         """``gaps[m]``: the most bytes in use at a moment outside every chain's backward while
         the first ``m`` chains may hold kept outputs (Note: [moments outside the chains])."""
         out = [0] * (len(self.y_bytes) + 1)
-        for b, s in zip(self.points, self.slots):
-            if s < 0:
+        inner = self.inner or (-1,) * len(self.points)
+        for b, s, i in zip(self.points, self.slots, inner):
+            if s < 0 and i < 0:  # a moment inside a norm chain's forward is that chain's (costs())
                 out[-s - 1] = max(out[-s - 1], b)
         return out
 
@@ -167,7 +183,7 @@ def measure_plan_inputs(converted: nn.Module, inputs: Tuple[Any, ...], *,
     prefix = {m: a + total_params - p - chain_params.get(m, 0) for m, (a, p) in first.items()}
     chains = [m for m in chains_of(converted) if names.get(id(m)) in first]
     chains.sort(key=lambda m: order[names[id(m)]])  # forward order
-    points, slots, ops = _slots(converted, run, chains)
+    points, slots, ops, inner = _slots(converted, run, chains)
     batch = next((int(t.shape[0]) for t in inputs if isinstance(t, Tensor) and t.dim() > 0), 0)
     per_layer = lambda f: tuple(tuple(f(l) for l in c.layers) for c in chains)  # noqa: E731
     return chains, PlanInputs(
@@ -176,7 +192,7 @@ def measure_plan_inputs(converted: nn.Module, inputs: Tuple[Any, ...], *,
         acts=per_layer(ChainLayer.tail_kind), head=tuple(c.layers[0].is_head for c in chains),
         end=tuple(c.layers[-1].is_end for c in chains), norms=tuple(_norms(c) for c in chains), prefix_est=tuple(prefix[names[id(c)]] for c in chains),
         floor=rec.activation_bytes, extra=all_keep_bytes([m.layers for m in chains_of(converted)]),
-        points=points, slots=slots, ops=ops)
+        points=points, slots=slots, ops=ops, inner=inner)
 
 
 # Note: [the saves read off the recorded step]
@@ -230,25 +246,28 @@ def _recorded_step(converted: nn.Module, inputs: Tuple[Any, ...], chains: Sequen
     return _Run(tl, nodes, held, counting.result)
 
 
-def _slots(converted: nn.Module, run: _Run, chains: Sequence[FusedChain]) -> Tuple[Ints, Ints, Tuple[str, ...]]:
-    """Each point's bytes and slot (:class:`PlanInputs`), ``chains`` in forward order. A chain's
-    backward is found by its autograd node (its output's ``grad_fn``), its forward by the module
-    running; the other moments (Note: [moments outside the chains] in peak_model.py) by the
-    chains whose forward has started and whose backward has not."""
+def _slots(converted: nn.Module, run: _Run, chains: Sequence[FusedChain]) -> Tuple[Ints, Ints, Tuple[str, ...], Ints]:
+    """Each point's bytes, slot and layer inside a norm chain's forward (:class:`PlanInputs`),
+    ``chains`` in forward order. A chain's backward is found by its autograd node (its output's
+    ``grad_fn``), its forward by the module running; the other moments (Note: [moments outside
+    the chains] in peak_model.py) by the chains whose forward has started and whose backward has not."""
     index = {id(c): j for j, c in enumerate(chains)}
     nodes = {n: index[id(c)] for n, c in run.nodes.items() if id(c) in index}
     tl = run.tl
     names = _names(converted)
     chain_of = {names[id(c)]: j for j, c in enumerate(chains) if id(c) in names}
+    layer = _ForwardLayer(chains)
     ran = -1  # the last chain (forward order) whose forward has started
     done = set()  # chains whose backward has started
-    slots = []
+    slots, inner = [], []
     for pt in tl.points:
         j = nodes.get(pt.node) if pt.node else None
         if j is not None:
             done.add(j)
             slots.append(j)
+            inner.append(-1)
             continue
+        owner = None
         if pt.phase == "backward":
             alive = max((i for i in range(len(chains)) if i not in done), default=-1)
         else:
@@ -259,8 +278,32 @@ def _slots(converted: nn.Module, run: _Run, chains: Sequence[FusedChain]) -> Tup
                 ran = max(ran, owner)
             alive = ran if pt.phase in ("forward", "loss") else -1
         slots.append(-(alive + 2))
+        inner.append(layer.at(owner, pt.op) if pt.phase == "forward" and owner == alive else -1)
     return (tuple(p.bytes for p in tl.points), tuple(slots),
-            tuple(f"{p.phase}:{p.op.rpartition('/')[2]}" for p in tl.points))
+            tuple(f"{p.phase}:{p.op.rpartition('/')[2]}" for p in tl.points), tuple(inner))
+
+
+class _ForwardLayer:
+    """The layer of a per-sample-norm chain whose forward an operator belongs to: a layer
+    starts at its convolution (a pre-activation head, layer 0, has none); -1 outside such a
+    chain (Note: [a moment inside a chain's forward] in peak_model.py)."""
+
+    def __init__(self, chains: Sequence[FusedChain]) -> None:
+        self.norm = [bool(_norms(c)) for c in chains]
+        self.head = [c.layers[0].is_head for c in chains]
+        self.size = [len(c.layers) for c in chains]
+        self.owner: Optional[int] = None
+        self.convs = 0
+
+    def at(self, owner: Optional[int], op: str) -> int:
+        if owner is None or not self.norm[owner]:
+            self.owner = None
+            return -1
+        if owner != self.owner:
+            self.owner, self.convs = owner, 0
+        if op.rpartition("/")[2].startswith("aten.convolution"):
+            self.convs += 1
+        return min(max(self.convs - 1 + self.head[owner], 0), self.size[owner] - 1)
 
 
 def _line(a: int, b: int, ba: int, bb: int, batch: int) -> int:
@@ -268,7 +311,7 @@ def _line(a: int, b: int, ba: int, bb: int, batch: int) -> int:
     return round(a + Fraction(b - a, bb - ba) * (batch - ba))
 
 
-_CONSTANT = ("w_bytes", "s_bytes", "acts", "head", "end", "norms", "slots", "ops")
+_CONSTANT = ("w_bytes", "s_bytes", "acts", "head", "end", "norms", "slots", "ops", "inner")
 
 
 def plan_inputs_at(a: PlanInputs, b: PlanInputs, batch: int) -> PlanInputs:

@@ -9,8 +9,10 @@ recompute counted in nanoseconds instead of MAC equivalents. Pure: numbers in, f
 # Note: [a plan's step time]
 # What a plan changes in a step's time is which convolutions run twice: a layer keeping
 # its conv output recomputes only element-wise work (BN + tail), which every plan does
-# alike; a layer not keeping it runs its conv forward once more in backward. So
-#     time(plan) = base + sum of conv(i) over the layers not keeping their output,
+# alike; a layer not keeping it runs its conv forward once more in backward (in a
+# per-sample-norm chain once per later layer rebuilt from it: Note: [a conv run once per
+# rebuild] in autograd/norm_chain_memory.py). So
+#     time(plan) = base + sum of conv(i) x runs(i) over the layers not keeping their output,
 # ``base`` the converted step with every layer keeping its output, ``conv(i)`` one forward
 # of layer i's convolution at its shape, both measured on the device at hand, and
 # ``eager`` the unconverted step measured in the same interleaved rounds. The budget is a
@@ -94,6 +96,12 @@ def _recompute(costs: Sequence[ChainCost], keeps: Sequence[Sequence[bool]]) -> i
     return sum(c.recompute(kp) for c, kp in zip(costs, keeps))
 
 
+def _seconds(timed: Sequence[ChainCost], keeps: Sequence[Sequence[bool]], step: StepCosts) -> float:
+    """The predicted step seconds of ``keeps``: ``step.base`` and every conv run again, as often
+    as its chain's backward runs it (``ChainCost.recompute`` on the timed costs)."""
+    return step.base + _recompute(timed, keeps) / 1e9
+
+
 def plan_within_time(costs: Sequence[ChainCost], floor: int, extra_budget: int, step: StepCosts,
                      time_budget: float, gaps: Optional[Sequence[int]] = None) -> TimePlan:
     """The lowest-peak plan whose predicted step time is within ``time_budget`` (less
@@ -118,7 +126,7 @@ def plan_within_time(costs: Sequence[ChainCost], floor: int, extra_budget: int, 
     if fastest is None:  # pragma: no cover - with no peak limit every plan within extra_budget is one
         raise RuntimeError("no plan keeps within the saved bytes allowed")
     if _recompute(timed, fastest) > allowed:
-        return TimePlan(fastest, step_peak(timed, fastest, floor, gaps=gaps)[0], step.predict(fastest), False)
+        return TimePlan(fastest, step_peak(timed, fastest, floor, gaps=gaps)[0], _seconds(timed, fastest, step), False)
     lo = lowest_peak(timed, options, floor, extra_budget, gaps)
     hi = max(lo, step_peak(timed, fastest, floor, gaps=gaps)[0])
     best = fastest
@@ -133,4 +141,4 @@ def plan_within_time(costs: Sequence[ChainCost], floor: int, extra_budget: int, 
         keeps = least_recompute(timed, options, floor, extra_budget, lo, max_front=1 << 62, gaps=gaps)
         if keeps is not None and _recompute(timed, keeps) <= allowed:
             best = keeps
-    return TimePlan(best, step_peak(timed, best, floor, gaps=gaps)[0], step.predict(best), True)
+    return TimePlan(best, step_peak(timed, best, floor, gaps=gaps)[0], _seconds(timed, best, step), True)

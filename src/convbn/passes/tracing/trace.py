@@ -15,9 +15,11 @@ goes back into a module without changing what the user built:
 * **Trace hazards**: ``torch.fx`` proxies answer ``isinstance(x, torch.Tensor)`` and
   ``torch.jit.isinstance(x, torch.Tensor)`` with ``False``, so code branching on them
   silently records the *other* branch (MONAI's ``UpCat`` drops its skip connection).
-  While tracing, both checks on a traced value raise :class:`TraceHazard` inside the
-  module that made them, which partial tracing turns into a leaf. Python control flow on
-  shapes already fails under ``torch.fx`` and is handled the same way.
+  While tracing, both are answered as eager answers them where the value surely is a tensor
+  (``torch.jit.isinstance`` from the types alone, Note: [torch.jit.isinstance answered from
+  types] in :mod:`.hazards`); elsewhere they raise :class:`TraceHazard` inside the module
+  that made them, which partial tracing turns into a leaf. Python control flow on shapes
+  already fails under ``torch.fx`` and is handled the same way.
 * **BatchNorm written any way**: a ``_BatchNorm`` subclass with its own ``forward`` that
   :func:`~convbn.passes.bn.recognise.recognise_norm_act` recognises is *inlined*: the graph
   gets ``standard_batch_norm(<the module>, x)`` (reading its mode and statistics at call

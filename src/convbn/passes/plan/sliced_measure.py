@@ -1,0 +1,147 @@
+"""The planner's two recorded steps taken at two small slices of the example batch and put on
+lines to the batch itself (Note: [measured on two slices of the batch]).
+
+Note: [measured on two slices of the batch]
+``convert(example_inputs=x)`` with ``strategy="auto"`` records one eager training step (its peak
+and what its forward saves) and one step of the converted model recomputing every layer (the
+planner's inputs, :class:`~convbn.passes.plan.plan_inputs.PlanInputs`). A recorded step costs
+more than a plain one (every operator is metered), and both ran at the example batch: with the
+check's two steps, four full-batch steps. For a fixed model and plan, the bytes alive after
+each operator are affine in the batch (Note: [planner inputs are affine in the batch] in
+plan_inputs.py), so the two recorded steps are taken at batches :data:`SLICES` (the first
+samples of ``x``) and every figure is read off the line through the two, at ``x``'s batch:
+the eager step's saved bytes, each point of its timeline (its peak is the highest of them),
+and every number of ``PlanInputs`` (:func:`~convbn.passes.plan.plan_inputs.plan_inputs_at`).
+
+The lines are used only where they are known to hold here:
+
+* both slices run the same operators in the same phases, on both sides (else
+  ``plan_inputs_at`` refuses, and the eager timelines are compared the same way);
+* every fused layer's conv output and input bytes and MACs on the lines equal the ones the
+  check's full-batch step left on the layers (so the slices cut the batch, not some other
+  dimension, and the layers' shapes are affine in it).
+
+Elsewhere (a batch below :data:`MIN_BATCH`, inputs that cannot be sliced, a model that raises
+at a slice, a layer the check did not reach), both steps are recorded at the example batch as before. Byte counts are
+those of the exact CPU meter (live tensor storages), which has no rounding; on CUDA the
+allocator rounds block sizes, so the slices are used on the CPU only.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from fractions import Fraction
+from typing import Any, List, Optional, Sequence, Tuple
+
+from torch import Tensor, nn
+from ..._compat import pytree
+
+from ...memory import track_saved
+from ...nn.chain import ChainLayer, FusedChain
+from ...progress import stage
+from ..check.validate import StateSnapshot, batch_sample
+from .plan_inputs import PlanInputs, chains_of, measure_peak, measure_plan_inputs, plan_inputs_at
+
+__all__ = ["SLICES", "MIN_BATCH", "Recorded", "record_eager_and_chains", "recorded_on_slices"]
+
+#: the two batches the recorded steps run at, where the example batch is at least :data:`MIN_BATCH`
+SLICES = (2, 3)
+#: the smallest example batch measured on slices (below it the slices save too little)
+MIN_BATCH = 8
+
+
+@dataclass(frozen=True)
+class Recorded:
+    """What the planner reads of its two recorded steps: the eager step's saved activation bytes
+    and step peak, the chains the inputs reach (forward order) and the planner's inputs."""
+
+    eager_saved: int
+    eager_peak: int
+    ordered: List[FusedChain]
+    inputs: PlanInputs
+    eager_points: Tuple[int, ...] = ()
+    eager_ops: Tuple[str, ...] = ()
+
+
+def record_eager_and_chains(original: nn.Module, converted: nn.Module, inputs: Tuple[Any, ...]) -> Recorded:
+    """The eager step (its peak and, from its forward, its saved bytes: the mean loss and the
+    backward save nothing) and every chain of ``converted`` recomputing all, recorded on
+    ``inputs`` (state restored)."""
+    with StateSnapshot(original), StateSnapshot(converted):
+        with track_saved(original, per_module=False) as saved:
+            tl = measure_peak(original, inputs)
+        ordered, measured = measure_plan_inputs(converted, inputs)
+    return Recorded(saved.result.activation_bytes, tl.peak, ordered, measured,
+                    tuple(p.bytes for p in tl.points), tuple(f"{p.phase}:{p.op}" for p in tl.points))
+
+
+def _batch(inputs: Tuple[Any, ...]) -> int:
+    leaves = [t for t in pytree.tree_leaves(inputs) if isinstance(t, Tensor)]
+    return int(leaves[0].shape[0]) if leaves and leaves[0].dim() > 0 else 0
+
+
+def recorded_on_slices(original: nn.Module, converted: nn.Module, inputs: Tuple[Any, ...]) -> Optional[Recorded]:
+    """:func:`record_eager_and_chains` at the example batch, read off two recordings at the
+    batches :data:`SLICES`; ``None`` where the lines are not known to hold (Note: [measured on
+    two slices of the batch]): the caller then records at the example batch."""
+    batch = _batch(inputs)
+    tensors = [t for t in pytree.tree_leaves(inputs) if isinstance(t, Tensor)]
+    if batch < MIN_BATCH or any(t.device.type != "cpu" for t in tensors):
+        return None
+    stage(f"plan: measuring the eager step and {len(chains_of(converted))} chains at batches "
+          f"{SLICES[0]} and {SLICES[1]} (lines to {batch})")
+    shapes = _layer_shapes(converted)
+    runs: List[Recorded] = []
+    try:
+        for n in SLICES:
+            cut = batch_sample(inputs, n)
+            if cut is None:
+                return None
+            runs.append(record_eager_and_chains(original, converted, tuple(cut)))
+    except Exception:  # noqa: BLE001 - a model that runs only at its batch (state put back): recorded there
+        return None
+    finally:
+        _put_back(shapes)  # the layers keep the shapes of the example batch (the report reads them)
+    return _on_lines(runs[0], runs[1], batch)
+
+
+def _on_lines(a: Recorded, b: Recorded, batch: int) -> Optional[Recorded]:
+    """``a`` and ``b`` (at two batches) on their lines at ``batch``, or ``None`` where they are not lines."""
+    if [id(c) for c in a.ordered] != [id(c) for c in b.ordered] or a.eager_ops != b.eager_ops:
+        return None
+    try:
+        planned = plan_inputs_at(a.inputs, b.inputs, batch)
+    except ValueError:
+        return None
+    if not _shapes_agree(planned, a.ordered):
+        return None
+    ba, bb = a.inputs.batch, b.inputs.batch
+    points = tuple(_line(p, q, ba, bb, batch) for p, q in zip(a.eager_points, b.eager_points))
+    return Recorded(_line(a.eager_saved, b.eager_saved, ba, bb, batch), max(points, default=0), a.ordered, planned,
+                    points, a.eager_ops)
+
+
+def _line(a: int, b: int, ba: int, bb: int, batch: int) -> int:
+    """The value at ``batch`` on the line through ``(ba, a)`` and ``(bb, b)`` (an integer where it is a line of bytes)."""
+    return max(0, round(a + Fraction(b - a, bb - ba) * (batch - ba)))
+
+
+def _per_layer(chains: Sequence[FusedChain], f: Any) -> Tuple[Tuple[int, ...], ...]:
+    return tuple(tuple(f(l) for l in c.layers) for c in chains)
+
+
+def _shapes_agree(planned: PlanInputs, ordered: Sequence[FusedChain]) -> bool:
+    """Whether the lines give every layer the conv output / input bytes and MACs its shapes from
+    the example batch give (those shapes put back on the layers first)."""
+    return (planned.y_bytes == _per_layer(ordered, ChainLayer.y_bytes)
+            and planned.x_bytes == _per_layer(ordered, ChainLayer.x_bytes)
+            and planned.flops == _per_layer(ordered, ChainLayer.flops)
+            and all(l.y_shape is not None for c in ordered for l in c.layers))
+
+
+def _layer_shapes(converted: nn.Module) -> List[Tuple[ChainLayer, Any, Any, Any]]:
+    return [(l, l.x_shape, l.y_shape, l.y_dtype) for c in chains_of(converted) for l in c.layers]
+
+
+def _put_back(shapes: List[Tuple[ChainLayer, Any, Any, Any]]) -> None:
+    for l, x, y, dtype in shapes:
+        l.x_shape, l.y_shape, l.y_dtype = x, y, dtype
