@@ -16,7 +16,9 @@ variant cannot be captured or fuses nothing (remembered, not tried again).
 
 A variant's chains are unregistered attributes of the module next to the first capture's
 (``GraphForward.added`` lists them); :attr:`ConvertReport.variants` says what each variant was
-specialised on.
+specialised on, and the report's outcomes what each kind of call ran (a norm a variant does not
+fuse is not reported fused for its calls: Note: [a report says what ran, call by call] in
+report/calls_seen.py).
 """
 from __future__ import annotations
 

@@ -8,7 +8,9 @@ check that fails sends the rewritten module back to its own forward
 eager modules (``FusedChain.eager``), a mode-dependent trace runs the module's own forward
 in the other train/eval mode, and hooks registered after conversion make a chain call its
 modules. The report's per-BatchNorm outcomes and ``fused_modules`` are therefore computed
-from that state each time they are read, never copied once.
+from that state each time they are read, never copied once. A module called in more than one
+way runs a capture per kind of call; what those calls ran is read from their counts
+(Note: [a report says what ran, call by call] in calls_seen.py).
 """
 from __future__ import annotations
 
