@@ -7,7 +7,9 @@ Three networks nobody in this project wrote (issue 39's targets):
 * ``unet3d``: a 3-D U-Net, MONAI ``BasicUNet`` (Conv -> InstanceNorm -> LeakyReLU, 2-D / 3-D
   nnU-Net-style blocks);
 * ``convnext``: a ConvNeXt classifier, timm ``convnext_atto`` (depthwise conv -> LayerNorm over
-  channels -> MLP).
+  channels -> MLP);
+* ``bit``: a BiT ResNet, timm ``resnetv2_50x1_bit`` (weight-standardised ``StdConv2d`` ->
+  ``GroupNormAct``, pre-activation; the convs' weights computed in forward).
 
 Configurations, each a deep copy of the same seeded model:
 
@@ -111,11 +113,19 @@ def _convnext(batch: int) -> Net:
     return model, (torch.randn(batch, 3, 128, 128),), ["stem"] + [f"stages.{i}" for i in range(4)]
 
 
+def _bit(batch: int) -> Net:
+    import timm
+
+    model = timm.create_model("resnetv2_50x1_bit", pretrained=False, num_classes=10)
+    return model, (torch.randn(batch, 3, 128, 128),), ["stem"] + [f"stages.{i}" for i in range(4)]
+
+
 #: name -> (factory(batch) -> (model, inputs, checkpoint blocks), default batch, label)
 NETS: Dict[str, Tuple[Callable[[int], Net], int, str]] = {
     "diffusion": (_diffusion, 4, "diffusers UNet2DModel (GroupNorm -> SiLU -> Conv), 64x64"),
     "unet3d": (_unet3d, 2, "MONAI BasicUNet 3-D (Conv -> InstanceNorm -> LeakyReLU), 48^3"),
     "convnext": (_convnext, 8, "timm convnext_atto (dwconv -> LayerNorm -> MLP), 128x128"),
+    "bit": (_bit, 8, "timm resnetv2_50x1_bit (StdConv2d -> GroupNorm -> ReLU, pre-activation), 128x128"),
 }
 
 
@@ -139,8 +149,10 @@ def _loss(out: Any) -> torch.Tensor:
 
 
 def build_configs(base: nn.Module, x: Tuple[torch.Tensor, ...], blocks: List[str],
-                  use_compile: bool) -> List[Config]:
-    """The configurations of one network (untimed set-up)."""
+                  use_compile: bool, several_computed: bool = False) -> List[Config]:
+    """The configurations of one network (untimed set-up); ``several_computed``: add ``convert``
+    with chains taking several computed-weight convolutions (Note: [one computed weight per
+    chain] in convbn/passes/convert/match.py switched off while converting)."""
     def converted(**kw: Any) -> nn.Module:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # a peak_budget below the floor warns: the lowest peak is asked
@@ -152,6 +164,8 @@ def build_configs(base: nn.Module, x: Tuple[torch.Tensor, ...], blocks: List[str
         ("convert lowest peak", lambda: converted(peak_budget=0.01), False),
         ("checkpoint per block", lambda: checkpoint_blocks(copy.deepcopy(base), blocks), False),
     ]
+    if several_computed:
+        makers.append(("convert, several computed weights per chain", lambda: _several_computed(converted), False))
     if use_compile:
         makers += [("torch.compile", lambda: torch.compile(copy.deepcopy(base)), True),
                    ("torch.compile budget=0.5", lambda: torch.compile(copy.deepcopy(base),
@@ -165,6 +179,18 @@ def build_configs(base: nn.Module, x: Tuple[torch.Tensor, ...], blocks: List[str
         except Exception as exc:  # noqa: BLE001 - the row says why
             cfgs.append(Config(name, nn.Identity(), compiled, error=f"{type(exc).__name__}: {exc}"[:160]))
     return cfgs
+
+
+def _several_computed(converted: Callable[[], nn.Module]) -> nn.Module:
+    """``converted()`` with the one-computed-weight-per-chain rule off."""
+    from convbn.passes.convert import match
+
+    rule = match._computes_weight
+    match._computes_weight = lambda chain: False
+    try:
+        return converted()
+    finally:
+        match._computes_weight = rule
 
 
 def _step(cfg: Config, x: Tuple[torch.Tensor, ...]) -> None:
@@ -273,6 +299,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--batch", type=int, help="batch size (default: the network's)")
     parser.add_argument("--compile", action="store_true", help="add torch.compile and its 0.5 budget")
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--several-computed", action="store_true",
+                        help="add convert with chains taking several computed-weight convolutions (BiT)")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     import_torchvision_without_fake_kernels()
@@ -284,7 +312,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         base, x, blocks = factory(args.batch or batch)
         base.train()
         norms = _count_eager_norms(copy.deepcopy(base), x)
-        cfgs = build_configs(base, x, blocks, args.compile)
+        cfgs = build_configs(base, x, blocks, args.compile, args.several_computed)
         measure(cfgs, x, args.rounds, args.warmup)
         print(table(f"{label}, batch {x[0].shape[0]}", cfgs, norms) + "\n", flush=True)
     return 0

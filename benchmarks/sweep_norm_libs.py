@@ -356,6 +356,7 @@ NORM_FAMILIES: Dict[str, Dict[str, Entry]] = {
     "gnresnet": {
         "timm-resnet50_gn": ("classification", _timm("resnet50_gn")),
         "timm-resnetv2_50x1_bit": ("classification", _timm("resnetv2_50x1_bit")),
+        "timm-resnetv2_101x1_bit": ("classification", _timm("resnetv2_101x1_bit")),
         "tv-resnet18-gn": ("classification", _tv_resnet("group")),
     },
     "bnctl": {

@@ -143,10 +143,59 @@ MUTANTS: Dict[str, Mutant] = {
         (("passes/fold/api.py", "        return trace_example_call(module, example)",
           "        return trace(module, LayerTracer, example=example)"),),
         ("tests/test_report_calls.py::test_fold_traces_a_module_for_the_call_its_example_makes",)),
+    "report_first_capture_only": Mutant(
+        "the live report never reads what each kind of call ran: a module called unlike its capture keeps the first capture's outcome",
+        (("passes/report/calls_seen.py", '    return main.__dict__.get("seen")\n', "    return None\n"),),
+        ("tests/test_report_variants.py::test_report_says_what_calls_with_the_other_argument_ran[False-groupnorm]",)),
+    "report_calls_never_cleared": Mutant(
+        "the live report reads every call since convert, not the calls since it last read them",
+        (("passes/report/calls_seen.py", "        ran.clear()\n", ""),),
+        ("tests/test_report_variants.py::test_report_says_what_calls_with_the_other_argument_ran[False-batchnorm]",)),
+    "report_variant_fuses_every_layer": Mutant(
+        "the live report takes a layer as fused in a variant's calls whether or not the variant fuses it",
+        (("passes/report/live.py", "    return f\"fallback: the capture for these calls does not fuse it", "    return FUSED\n    return f\"fallback: the capture for these calls does not fuse it"),),
+        ("tests/test_report_variants.py::test_both_kinds_of_call_since_the_last_read_are_both_said[batchnorm]",)),
+    "report_variant_fused_ignored": Mutant(
+        "the live report keeps 'left' for a norm the first capture left although the variant its calls ran fuses it",
+        (("passes/report/convert_report.py", "        theirs = variant_only_status(model) if model is not None else {}",
+          "        theirs = {}"),),
+        ("tests/test_report_variants.py::test_a_norm_only_a_variant_fuses_is_reported_fused_when_its_calls_ran[True-batchnorm]",)),
     "check_off_call_reported": Mutant(
         "a call of convert's own check off the traced values leaves the report saying fallback",
         (("passes/convert/pipeline.py", '                fwd.off_call = ""\n', ""),),
         ("tests/test_report_calls.py::test_report_after_convert_is_not_left_by_convert_s_own_check",)),
+    "computed_weight_no_grad": Mutant(
+        "a computed conv weight (StdConv2d) reaches the chain detached: its parameters get no gradient",
+        (("nn/computed_weight.py", "        out = self.program(*self.inputs())", "        out = self.program(*self.inputs()).detach()"),),
+        ("tests/test_computed_weights.py::test_hand_written_weight_standardisation_fuses_and_trains_as_eager",)),
+    "computed_weight_ignored": Mutant(
+        "a chain layer convolves with the stored parameter, not the weight the model computes from it",
+        (("nn/chain_layer.py", "        if self.computed is not None:  # Note", "        if False:  # Note"),),
+        ("tests/test_computed_weights.py::test_timm_std_conv_with_group_norm_act_fuses_and_trains_as_eager",)),
+    "computed_weight_from_input": Mutant(
+        "a weight computed from an activation is taken as a computed weight",
+        (("passes/graph/computed_weight.py", '            return "it is computed from the module\'s inputs"', "            continue"),),
+        ("tests/test_computed_weights.py::test_a_weight_not_computed_from_parameters_alone_is_not_taken",)),
+    "computed_weight_every_read": Mutant(
+        "a computed weight is computed at every read of a call (no per-call cache)",
+        (("nn/computed_weight.py", "        if cache is None:\n            return self.compute()",
+          "        if True:\n            return self.compute()"),),
+        ("tests/test_computed_weights.py::test_the_weight_is_computed_once_per_call_and_read_from_the_parameters_of_that_call",)),
+    "norm_heads_not_split": Mutant(
+        "a per-sample pre-activation head read by two convs is not given one head per conv",
+        (("passes/convert/match.py", "split_shared_heads(gm, root, prefix, joins) + split_shared_norm_heads(gm, root, prefix, joins)",
+          "split_shared_heads(gm, root, prefix, joins)"),),
+        ("tests/test_computed_weights.py::test_a_per_sample_pre_activation_head_read_by_two_convs_gets_one_head_each",)),
+    "norm_heads_split_with_stats": Mutant(
+        "a pre-activation norm with running statistics is copied per conv (its statistics updated twice)",
+        (("passes/convert/shared_heads.py", "        if view.stats() != (None, None) or (view.module_call",
+          "        if (view.module_call"),),
+        ("tests/test_computed_weights.py::test_a_pre_activation_norm_with_running_statistics_read_by_two_convs_is_not_copied",)),
+    "computed_weights_one_chain": Mutant(
+        "several computed-weight layers in one chain (their weight gradients all held at once in backward)",
+        (("passes/convert/match.py", "and not (l.conv.computed is not None and _computes_weight(where[id(prev)]))",
+          "and True"),),
+        ("tests/test_computed_weights.py::test_timm_std_conv_with_group_norm_act_fuses_and_trains_as_eager",)),
     "norm_recomputed_output_held": Mutant(
         "a norm chain's backward holds a recomputed conv output through its conv's backward",
         (("autograd/norm_chain.py", "    del out, yv, pv, graph, got, act_out, wanted\n",

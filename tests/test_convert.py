@@ -28,6 +28,7 @@ from convbn.autograd.chain_plan import ChainPlan
 from convbn.passes.graph.graph_module import installed
 from convbn import ConvertReport, FusedChain
 from convbn.passes.plan.planner import tutorial_bytes
+from fusion_checks import fused_chains
 
 from adversarial_models import (  # shared with test_fold / test_transposed_linear
     BNDoingMore, ConvOutputUsedTwice, DataDependent, FunctionalConv, SharedBN, TransposedOutputSizeThenBN)
@@ -282,8 +283,9 @@ def test_functional_conv_with_module_parameters(strategy: str) -> None:
     assert_same_training(eager, fast, inp(2, 3, 9, 8))
 
 
-class FunctionalConvNotFusable(nn.Module):
-    """Weights computed in forward: the conv is not a module parameter, so nothing fuses."""
+class FunctionalConvComputedWeight(nn.Module):
+    """A weight computed in forward from a parameter: the chain computes it as the model does
+    (tests/test_computed_weights.py has the weight-standardised convs and the look-alikes)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -294,13 +296,11 @@ class FunctionalConvNotFusable(nn.Module):
         return self.bn(F.conv2d(x, self.w * 2.0, None, 1, 1))
 
 
-@pytest.mark.expect_unfused("a conv with a computed weight is left unfused")
-def test_functional_conv_with_computed_weight_is_skipped() -> None:
-    eager, fast = convert_pair(FunctionalConvNotFusable)
+def test_functional_conv_with_computed_weight_fuses() -> None:
+    eager, fast = convert_pair(FunctionalConvComputedWeight)
     report = fast.convbn_report
-    assert not report.pairs
-    assert [s.bn for s in report.skipped] == ["bn"]
-    assert "weight is not a module parameter" in report.skipped[0].reason
+    assert [(p.conv, p.bn) for p in report.pairs] == [("conv2d", "bn")], report
+    assert [l.computed is not None for c in fused_chains(fast) for l in c.layers] == [True]
     assert_same_training(eager, fast, inp(2, 3, 6, 6))
 
 

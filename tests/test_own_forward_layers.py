@@ -1,9 +1,11 @@
 """Subclasses of Linear / Conv whose ``forward`` is their own (a masked Linear before a real
 BatchNorm1d, a convolution of a masked weight) are not folded or fused as their base class:
-the pair is left (or the weight the forward computes is followed), the result is exact and
-the report says why."""
+fold leaves the pair (the weight the forward computes is not a stored one), convert fuses it
+with the weight the forward computes where it traces through the forward, and leaves a hooked
+one; the result is exact and the report says why."""
 from __future__ import annotations
 
+import copy
 import warnings
 
 import pytest
@@ -61,6 +63,20 @@ def test_own_forward_layers_are_not_their_base_class(hooked: bool, with_inputs: 
     assert all("overrides forward" in o.reason or "computed in forward" in o.reason for o in report.skipped), report
     torch.testing.assert_close(folded(x), expected, rtol=1e-12, atol=1e-12)
     model.train()
-    fast = convbn.convert(model, example_inputs=x if with_inputs else None)
-    assert not [o for o in fast.convbn_report.outcomes if o.result == "fused"], fast.convbn_report
-    assert eager_bn_calls(fast, x) == 2
+    fast = convbn.convert(copy.deepcopy(model), example_inputs=x if with_inputs else None)
+    fused = [o.batchnorm for o in fast.convbn_report.outcomes if o.result == "fused"]
+    if hooked:  # leaf module calls: their own forward runs, hooks and all
+        assert not fused, fast.convbn_report
+        assert eager_bn_calls(fast, x) == 2
+        return
+    # traced through, the masked weights are weights the model computes from its parameters
+    # (convbn/nn/computed_weight.py): the layers fuse and compute what the model's forward does
+    assert fused == ["bn1", "bn2"], fast.convbn_report
+    xe, xf = x.clone().requires_grad_(), x.clone().requires_grad_()
+    out_e, out_f = model(xe), fast(xf)
+    out_e.sum().backward()
+    out_f.sum().backward()
+    torch.testing.assert_close(out_f, out_e, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(xf.grad, xe.grad, rtol=1e-12, atol=1e-12)
+    for (n, p), q in zip(fast.named_parameters(), model.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-12, atol=1e-12, msg=lambda m: f"{n}: {m}")

@@ -129,18 +129,36 @@ def test_report_after_convert_with_inputs_is_what_the_first_step_runs() -> None:
 
 
 @pytest.mark.expect_unfused("fold: inference")
+class _OwnCodeReturnDictNet(_ReturnDictNet):
+    """:class:`_ReturnDictNet` whose own forward joins each convolution to its BatchNorm, so fold
+    cannot fold it child by child (Note in ``passes/fold/generic.py``) and takes its trace with the
+    call's real inputs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv, self.bn = nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8)
+
+    def forward(self, sample: torch.Tensor, t: torch.Tensor, return_dict: bool = True) -> Any:
+        if not torch.is_tensor(t):
+            t = torch.tensor([t])
+        out = self.body(torch.relu(self.bn(self.conv(sample)))[:, :3]) * t.float().view(-1, 1, 1, 1)
+        return {"sample": out} if return_dict else (out,)
+
+
 def test_fold_traces_a_module_for_the_call_its_example_makes() -> None:
     """fold's trace with the sample run's real inputs is for that call (``return_dict=False``):
     the folded graph runs on such calls, without the message about a call off the traced values."""
     torch.manual_seed(0)
     model, inputs = _Wrapper().eval(), (torch.randn(2, 3, 8, 8), torch.tensor([1.0, 2.0]))
+    model.inner = _OwnCodeReturnDictNet().eval()
     with torch.no_grad():
         eager = eager_bn_calls(model, *inputs)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             folded = convbn.fold(model, example_inputs=inputs)
             gone = assert_report_matches_calls(eager, folded, *inputs, result="folded")
-    assert gone == 2, folded.convbn_report
+    assert gone == 3, folded.convbn_report
+    assert "folded part by part" not in str(folded.convbn_report), folded.convbn_report
     assert not [str(w.message) for w in caught if "traced as" in str(w.message)]
 
 

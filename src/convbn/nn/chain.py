@@ -33,6 +33,7 @@ from ..functional.conv_bn_call import autocast_dtype, check_inputs
 from ..functional.tail import DropoutOp
 from .standard_bn import has_standard_bn_forward, standard_batch_norm
 from .chain_layer import NO_BN, ChainLayer, TailElement, tail_spec
+from .computed_weight import computed_weights_cached
 from .fused_conv_bn import bn_running_stats, bn_spec_from_module, module_hooked
 
 __all__ = ["ChainLayer", "FusedChain", "LAYER_MODES", "TailElement"]
@@ -170,7 +171,8 @@ class FusedChain(nn.Module):
             conv = next((m for m in mods if isinstance(m, (_ConvNd, nn.Linear)) and m is l.conv_owner), None)
             if l.conv is None:
                 y = x
-            elif conv is not None and l.weight_name == "weight" and conv_spec_from_module(conv) == l.conv:
+            elif (conv is not None and l.computed is None and l.weight_name == "weight"
+                  and conv_spec_from_module(conv) == l.conv):
                 y = conv(x)
             elif conv is not None and (conv._forward_pre_hooks or conv._forward_hooks or conv._backward_hooks):
                 raise RuntimeError(
@@ -222,8 +224,10 @@ class FusedChain(nn.Module):
             return self._forward_eager(_concat(pieces))
         # The chain reads a layer's weight several times (checks, planning, the Function);
         # eager's conv reads it once. Under ``parametrize.cached()`` a parametrization (e.g.
-        # spectral_norm's power iteration, which updates its buffers) runs once per call too.
-        with parametrize.cached():
+        # spectral_norm's power iteration, which updates its buffers) runs once per call too, and
+        # so does a weight computed from the model's parameters (Note: [a computed weight is
+        # read once per call] in nn/computed_weight.py).
+        with parametrize.cached(), computed_weights_cached():
             return self._forward_fused(pieces, input)
 
     def _forward_fused(self, pieces: Sequence[Tensor], input: Tensor) -> Tensor:

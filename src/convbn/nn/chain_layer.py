@@ -19,6 +19,7 @@ from ..functional.batchnorm import BNSpec
 from ..functional.conv import ConvSpec, conv_flops, recompute_cost
 from ..functional.strategies import LAYER_MODES, LayerMode
 from ..functional.tail import TailOp, is_tail_module, tail_op_from_module
+from .computed_weight import ComputedWeight
 
 __all__ = ["ChainLayer", "TailElement", "tail_spec", "NO_BN"]
 
@@ -82,6 +83,9 @@ class ChainLayer:
         y_dtype: its dtype.
         x_shape: the layer's input shape at the last call.
         tail: the element-wise ops after the BN, in order (see above).
+        computed: the model's own computation of the conv weight from its parameters / buffers
+            (weight standardisation: :mod:`convbn.nn.computed_weight`), run where the layer reads
+            its weight; ``None``: the weight is ``conv_owner``'s ``weight_name``.
     """
 
     conv_owner: Optional[nn.Module] = None
@@ -97,6 +101,7 @@ class ChainLayer:
     y_dtype: Optional[torch.dtype] = None
     x_shape: Optional[Tuple[int, ...]] = field(default=None)
     tail: Tuple[TailElement, ...] = ()
+    computed: Optional[ComputedWeight] = None
 
     def __post_init__(self) -> None:
         if (self.conv is None) != (self.conv_owner is None):
@@ -151,7 +156,11 @@ class ChainLayer:
 
     @property
     def weight(self) -> Optional[Tensor]:
-        return None if self.conv_owner is None else getattr(self.conv_owner, self.weight_name)
+        if self.conv_owner is None:
+            return None
+        if self.computed is not None:  # Note: [a computed weight is read once per call]
+            return self.computed()
+        return getattr(self.conv_owner, self.weight_name)
 
     @property
     def bias(self) -> Optional[Tensor]:

@@ -26,6 +26,7 @@ from ...nn.bn_shared import BatchNormOfSource, SharedBatchStats
 from ...nn.bn_slice import BatchNormSlice
 from .frozen import frozen_bn_eps, frozen_bn_ranks
 from .recognise import BN_FUNCTIONS, bn_call_args, recognise_norm_act
+from ..graph.computed_weight import weight_nodes
 from ..graph.hooks import hook_reason
 from ..graph.layers import node_arg
 from .kind import bn_conv_dims
@@ -118,6 +119,8 @@ def bn_call(node: fx.Node, gm: fx.GraphModule, prefix: str = "", root: Optional[
         else:
             name = f"{node.target.__name__}() call '{node.name}' in {_qual(prefix, '')}"  # type: ignore[union-attr]
         src = args["input"] if args else node_arg(node, 0, "input", None)
+        if isinstance(src, fx.Node) and not isinstance(weight_nodes(src), str):
+            return None  # it normalises module tensors, not activations: part of a computed weight (StdConv2d)
         return BNCall(node, "functional", name, path, module, src, (), args)
     return None
 

@@ -31,7 +31,7 @@ from .match_tail import TailMatch, TailOpMatch, describe_node, match_tail, node_
 from ..report.convert_report import ConvertReport
 from ..graph.grad_regions import grad_region_of
 from ..graph.shape_uses import is_rank_use, value_users
-from .shared_heads import split_shared_heads
+from .shared_heads import split_shared_heads, split_shared_norm_heads
 from ..bn.tokens import flattened_linear_reason
 
 __all__ = ["MatchedConv", "MatchedLayer", "find_layers", "group_chains", "split_heads", "head_input", "node_arg",
@@ -131,7 +131,7 @@ def _conv_bn_mismatch(conv: MatchedConv, bn: _BatchNorm) -> Optional[str]:
     if isinstance(bn, NormView):  # a per-sample norm (functional/norms.py)
         if conv.spec.is_linear:
             return f"a {bn.row} after a linear layer (per-sample norms fuse after convolutions)"
-        out = conv_out_channels(getattr(conv.owner, conv.weight_name).shape, conv.spec)
+        out = conv_out_channels(conv.weight_shape, conv.spec)
         if bn.channels and bn.channels != out:
             return f"the {bn.row} normalises {bn.channels} channels, but the convolution has {out} output channels"
         return None
@@ -139,7 +139,7 @@ def _conv_bn_mismatch(conv: MatchedConv, bn: _BatchNorm) -> Optional[str]:
     if dims_ok and conv.spec.dims not in dims_ok:
         what = "a linear layer" if conv.spec.is_linear else f"a {conv.spec.dims}-D convolution"
         return f"{type(bn).__name__} after {what}"
-    if bn.num_features != conv_out_channels(getattr(conv.owner, conv.weight_name).shape, conv.spec):
+    if bn.num_features != conv_out_channels(conv.weight_shape, conv.spec):
         return "BatchNorm num_features does not match the convolution's output channels"
     return None
 
@@ -220,7 +220,8 @@ def _conv_before_tail(src: Any, gm: fx.GraphModule, root: nn.Module, prefix: str
 def split_heads(gm: fx.GraphModule, root: nn.Module, prefix: str) -> List[str]:
     """:func:`~convbn.passes.convert.shared_heads.split_shared_heads` where a head would join
     the conv that reads it as matching sees it: ``act(bn(x))`` read by several convs -> one head each."""
-    return split_shared_heads(gm, root, prefix, lambda conv, out, bn: _head_conv_joins(conv, out, bn, gm, root))
+    joins = lambda conv, out, bn: _head_conv_joins(conv, out, bn, gm, root)  # noqa: E731
+    return split_shared_heads(gm, root, prefix, joins) + split_shared_norm_heads(gm, root, prefix, joins)
 
 
 def _head_conv_joins(node: fx.Node, out: fx.Node, bn: nn.Module, gm: fx.GraphModule, root: nn.Module) -> bool:
@@ -372,6 +373,24 @@ def _per_sample(l: MatchedLayer, prev: Optional[MatchedLayer] = None) -> bool:
     return isinstance(l.bn, NormView)
 
 
+def _computes_weight(chain: List[MatchedLayer]) -> bool:
+    """Whether a layer of ``chain`` computes its convolution's weight (Note: [one computed weight per chain]).
+
+    Note: [one computed weight per chain]
+    A chain's Function returns every weight's gradient when its backward ends. For a stored
+    weight that gradient is the parameter's ``.grad``, which eager holds too. For a weight the
+    model computes (``StdConv2d``) it is a temporary, handed on to the model's weight computation
+    only then: a chain of k such layers holds k weight-sized gradients at once where eager holds
+    one, and on weight-heavy steps (BiT ResNets at small batches) the fused step peaked above
+    eager's (234.1 MB against 232.0 MB, resnetv2_50x1_bit in float64 at batch 2, 64 x 64) and
+    every chain ran eager. So a chain takes at most one layer with a computed weight: the next
+    one starts a chain of its own (an end layer with one is left to the graph). The price, where
+    activations dominate: resnetv2_50x1_bit at batch 8, 128 x 128 peaks at 0.72x of eager's with
+    this rule, 0.63x without it (BENCHMARKS.md, ``bm_norm_nets.py --nets bit --several-computed``).
+    """
+    return any(m.conv is not None and m.conv.computed is not None for m in chain)
+
+
 def group_chains(layers: List[MatchedLayer], chain: bool, report: Optional[ConvertReport] = None
                  ) -> List[List[MatchedLayer]]:
     """Group layers (in graph order) into chains: a layer joins the chain whose last layer's
@@ -388,7 +407,8 @@ def group_chains(layers: List[MatchedLayer], chain: bool, report: Optional[Conve
         if (chain and prev is not None and id(prev) in where and where[id(prev)][-1] is prev
                 and len(prev.out.users) == 1 and all(is_rank_use(u) for u in prev.shape_uses)
                 and prev.region == l.region and _per_sample(prev) == _per_sample(l, prev)
-                and l.conv is not None and l.conv.spec.pre_pad_mode == "constant"):
+                and l.conv is not None and l.conv.spec.pre_pad_mode == "constant"
+                and not (l.conv.computed is not None and _computes_weight(where[id(prev)]))):
             c = where[id(prev)]
         elif l.is_end:
             continue

@@ -8,12 +8,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional, Tuple, Union
 
+import torch
 import torch.fx as fx
 import torch.nn.functional as F
 from torch import nn
 
 from ...functional.conv import ConvSpec
-from ..graph.layers import has_standard_forward, layer_call, layer_spec
+from ...nn.computed_weight import ComputedWeight
+from ..graph.computed_weight import computed_weight, weight_nodes
+from ..graph.layers import LayerCall, has_standard_forward, layer_call, layer_spec
 from .match_tail import node_arg
 
 __all__ = ["MatchedConv"]
@@ -29,6 +32,18 @@ class MatchedConv:
     spec: ConvSpec
     name: str
     absorbed: Tuple[fx.Node, ...] = ()  # zero-padding nodes folded into ``spec``
+    #: a weight the graph computes from module tensors (``None``: ``owner.weight_name``)
+    computed: Optional[ComputedWeight] = None
+    #: the graph's nodes computing it (erased once the layer is fused, where nothing else reads them)
+    weight_nodes: Tuple[fx.Node, ...] = ()
+
+    @property
+    def weight_shape(self) -> Tuple[int, ...]:
+        """The weight's shape (a computed one's as computed at matching)."""
+        if self.computed is None:
+            return tuple(getattr(self.owner, self.weight_name).shape)
+        with torch.no_grad():
+            return tuple(self.computed.compute().shape)
 
 
 _ZERO_PADS = (nn.ZeroPad1d, nn.ZeroPad2d, nn.ZeroPad3d, nn.ConstantPad1d, nn.ConstantPad2d, nn.ConstantPad3d)
@@ -71,7 +86,7 @@ def _absorb_zero_pad(conv: MatchedConv, gm: fx.GraphModule) -> MatchedConv:
     spec = ConvSpec(conv.spec.dims, conv.spec.stride, tuple(padding), conv.spec.dilation, conv.spec.groups,
                     tuple(pre) if any(pre) else (), "constant")
     return MatchedConv(conv.node, src, conv.owner, conv.weight_name, conv.bias_name, spec, conv.name,
-                 conv.absorbed + (inp,))
+                       conv.absorbed + (inp,), conv.computed, conv.weight_nodes)
 
 
 def _match_conv(node: fx.Node, gm: fx.GraphModule, root: nn.Module) -> Union[MatchedConv, str, None]:
@@ -110,19 +125,42 @@ def _match_conv_node(node: fx.Node, gm: fx.GraphModule, root: nn.Module) -> Unio
                            layer_spec(call, mod.weight.shape), str(node.target))
     what = {"conv": "convolution", "convt": "transposed convolution", "linear": "linear"}[call.kind]
     w, b = call.args["weight"], call.args["bias"]
-    if not isinstance(w, fx.Node) or w.op != "get_attr":
+    if not isinstance(w, fx.Node):
         return f"the functional {what}'s weight is not a module parameter"
     if b is not None and (not isinstance(b, fx.Node) or b.op != "get_attr"):
         return f"the functional {what}'s bias is not a module parameter"
     geometry = [call.args[n] for n, _ in call.sig[3:]]
     if any(isinstance(g, fx.Node) for g in geometry) or not isinstance(inp, fx.Node):
         return f"the functional {what}'s arguments are not constants"
+    if w.op != "get_attr":
+        return _computed_conv(call, w, b, root, what)
     found = _param_owner(w, b, root, what)
     if isinstance(found, str):
         return found
     owner, wpath, wname, bname = found
     spec = layer_spec(call, getattr(owner, wname).shape)
     return MatchedConv(node, inp, owner, wname, bname, spec, wpath or str(w.target))
+
+
+def _computed_conv(call: LayerCall, w: fx.Node, b: Optional[fx.Node], root: nn.Module, what: str
+                   ) -> Union[MatchedConv, str]:
+    """A functional layer whose weight the graph computes from module tensors (weight
+    standardisation, a gain: :mod:`convbn.passes.graph.computed_weight`), or why it is left.
+    The layer is named after the module holding its bias, else its weight's first tensor."""
+    cw = computed_weight(w, root)
+    if isinstance(cw, str):
+        return f"the functional {what}'s weight is not a module parameter ({cw})"
+    nodes = weight_nodes(w)
+    assert not isinstance(nodes, str)  # computed_weight accepted them
+    first = next(n for n in nodes if n.op == "get_attr")
+    path = str((b if b is not None else first).target).rpartition(".")[0]
+    owner = root.get_submodule(path) if path else root
+    bname = None if b is None else str(b.target).rpartition(".")[2]
+    with torch.no_grad():
+        shape = cw.compute().shape
+    spec = layer_spec(call, shape)
+    return MatchedConv(call.node, call.input, owner, cw.sources[0][1], bname, spec, path or call.node.name, computed=cw,
+                       weight_nodes=tuple(nodes))
 
 
 def _param_owner(w: fx.Node, b: Optional[fx.Node], root: nn.Module, what: str

@@ -502,6 +502,7 @@ def capture_variant(module: nn.Module, prefix: str, args: Tuple[Any, ...], kwarg
     if traced.shapes is not None:  # a graph for this batch size: the first-backward check's sample is not one
         variant.backward_check = None
     main.added += variant.added  # removed with the module's forward (re-capture)
+    variant.variant_outcomes = list(fresh.recorded)  # what it left and why, for the live report
     for fwd, gm, pfx in conv.to_guard:
         if fwd is variant:
             attach_guards(variant, gm, prefix, main.on_change)

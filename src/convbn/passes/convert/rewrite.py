@@ -22,6 +22,7 @@ from ...nn.chain import ChainLayer, FusedChain
 from ...nn.norm_chain import FusedNormChain, is_norm_layer
 from ...nn.norm_view import NormView
 from ..graph.hooks import hook_reason
+from ..graph.computed_weight import erase_unused
 from ..graph.concat_heads import chain_call_inputs, erase_unused_cat, shared_pieces
 from .match import MatchedLayer
 from ..plan.first_call_peak import peak_above_eager
@@ -80,6 +81,8 @@ def rewrite_chains(root: nn.Module, gm: fx.GraphModule, chains: List[List[Matche
             for n in l.nodes():
                 graph.erase_node(n)
         erase_unused_cat(x0)
+    # the fused layers compute their weights themselves now (Note: [a computed weight is read once per call])
+    erase_unused(graph, [n for chain in chains for l in chain if l.conv is not None for n in l.conv.weight_nodes])
     for node in list(graph.nodes):
         if node.op == "get_attr" and not node.users:
             graph.erase_node(node)
@@ -107,7 +110,7 @@ def chain_layer(l: MatchedLayer, mode: str) -> ChainLayer:
     if l.conv is None:
         return ChainLayer(bn=l.bn, mode=mode, names=names, tail=tail)
     return ChainLayer(l.conv.owner, l.conv.weight_name, l.conv.bias_name, l.conv.spec, l.bn, mode=mode,
-                      names=names, tail=tail)
+                      names=names, tail=tail, computed=l.conv.computed)
 
 
 def shallow_clone(module: nn.Module) -> nn.Module:

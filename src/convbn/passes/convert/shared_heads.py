@@ -24,13 +24,14 @@ from torch import nn
 
 from ...functional.activations import Activation, activation_from_module
 from ...nn.bn_shared import SharedBatchStats
+from ..bn.norm_sites import find_norm_sites
 from ..bn.sites import splittable_bn_calls
 from ..graph.hooks import global_hooks, hook_reason
 from ..graph.layers import layer_call
 from .match_tail import match_tail
 from ..graph.shape_uses import value_users
 
-__all__ = ["split_shared_heads", "free_target"]
+__all__ = ["split_shared_heads", "split_shared_norm_heads", "free_target"]
 
 
 def _deterministic(element: object) -> bool:
@@ -111,6 +112,56 @@ def split_shared_heads(gm: fx.GraphModule, root: nn.Module, prefix: str,
                     copies[n] = graph.node_copy(n, lambda a: copies.get(a, a))
             reader.replace_input_with(out, copies[out])
         done.append(str(node.target))
+    if done:
+        graph.lint()
+        gm.recompile()
+    return done
+
+
+def split_shared_norm_heads(gm: fx.GraphModule, root: nn.Module, prefix: str,
+                            joins: Callable[[fx.Node, fx.Node, nn.Module], bool]) -> List[str]:
+    """:func:`split_shared_heads` for per-sample norms without running statistics (GroupNorm,
+    LayerNorm, InstanceNorm without ``track_running_stats``: a pre-activation ResNetV2 block's
+    ``norm1``, read by its projection shortcut and ``conv1``): each further reader gets a copy of
+    the norm call and its tail. A per-sample norm computes the same values however often it runs
+    and moves no state, so the copy needs no :class:`SharedBatchStats`; a norm module with hooks
+    or one called as a module is left as it is (a second call would run its hooks twice).
+
+    Returns:
+        The names of the norms whose head was split (the graph is recompiled when any).
+    """
+    done: List[str] = []
+    graph = gm.graph
+    if global_hooks():
+        return done
+    for site in find_norm_sites(gm, prefix, root).sites:
+        node, view = site.node, site.bn
+        if view.stats() != (None, None) or (view.module_call and hook_reason(view.owner)):  # type: ignore[attr-defined]
+            continue
+        src_call = layer_call(site.input, gm)
+        if src_call is not None and not isinstance(src_call, str) and value_users(site.input) == [node]:
+            continue  # conv -> norm: an ordinary layer
+        tail = match_tail(node, root, prefix)
+        if not tail.ops or tail.shape_uses or not all(_deterministic(op.element) for op in tail.ops):
+            continue
+        if any(op.module_name and hook_reason(gm.get_submodule(str(op.node.target))) for op in tail.ops
+               if op.node.op == "call_module"):
+            continue
+        out = tail.out(node)
+        readers = _conv_readers(out, view, gm, joins)  # type: ignore[arg-type]
+        if readers is None:
+            continue
+        attrs = [a for a in node.all_input_nodes if a.op == "get_attr"]
+        inner = [node] + [n for op in tail.ops for n in (*op.extra, op.node)]
+        for reader in readers[1:]:
+            copies: Dict[fx.Node, fx.Node] = {}
+            with graph.inserting_before(reader):
+                for a in attrs:  # a get_attr of its own: a norm site's tensors have one reader each
+                    copies[a] = graph.get_attr(str(a.target))
+                for n in [n for n in graph.nodes if n in inner]:  # graph order
+                    copies[n] = graph.node_copy(n, lambda a: copies.get(a, a))
+            reader.replace_input_with(out, copies[out])
+        done.append(site.name)
     if done:
         graph.lint()
         gm.recompile()

@@ -16,7 +16,9 @@ variant cannot be captured or fuses nothing (remembered, not tried again).
 
 A variant's chains are unregistered attributes of the module next to the first capture's
 (``GraphForward.added`` lists them); :attr:`ConvertReport.variants` says what each variant was
-specialised on.
+specialised on, and the report's outcomes what each kind of call ran (a norm a variant does not
+fuse is not reported fused for its calls: Note: [a report says what ran, call by call] in
+report/calls_seen.py).
 """
 from __future__ import annotations
 
@@ -28,7 +30,8 @@ from torch import nn
 
 from ..graph.graph_module import GraphForward
 from ..graph.shape_capture import Guards, ShapeGuard
-from ..graph.specialize import Defaults, constant_defaults
+from ..report.calls_seen import describe_guard
+from ..graph.specialize import constant_defaults
 from ..report.convert_report import ConvertReport
 from ..tracing.trace import short_reason
 
@@ -39,17 +42,6 @@ MAX_VARIANTS = 8
 
 #: (module, prefix, args, kwargs, variants) -> the new variant's forward, or None (nothing fused)
 Capture = Callable[[nn.Module, str, Tuple[Any, ...], Dict[str, Any], "Variants"], Optional[GraphForward]]
-
-
-def describe_guard(guard: Any) -> str:
-    """What a guard (``GraphForward.defaults``) specialises on, as text for the report."""
-    if isinstance(guard, Guards):
-        return "; ".join(describe_guard(g) for g in guard.guards)
-    if isinstance(guard, Defaults):
-        return guard.describe()
-    if isinstance(guard, ShapeGuard):
-        return "input shapes " + str([list(s[0]) for s in guard.spec if isinstance(s, tuple)])
-    return "any call"
 
 
 class Variants:

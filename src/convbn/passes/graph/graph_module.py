@@ -140,6 +140,12 @@ class GraphForward:
     #: the variants captured for calls off ``defaults`` (``lookup(self, args, kwargs)`` -> a
     #: forward or ``None``; convert's ``variants.Variants``), or ``None``: such calls run :meth:`original`
     variants: Any = None
+    #: with ``variants``: what ran since the live report last read it (Note: [a report says what
+    #: ran, call by call] in report/calls_seen.py): this forward, a variant's forward or ``None``
+    #: (the module's own forward) -> number of calls
+    ran: Optional[Dict[Any, int]] = None
+    #: a variant's outcomes as its capture recorded them (``BNOutcome``s), for the live report
+    variant_outcomes: Any = None
 
     # TorchScript (``torch.jit.script`` of a folded model) compiles a module's ``forward``
     # from its source: it reads these off the generated function (the guards above are
@@ -212,6 +218,8 @@ class GraphForward:
         if self.defaults is not None and not self.defaults.hold(args, kwargs):
             return self._off_defaults(args, kwargs)
         self.off_call = ""
+        if self.variants is not None:
+            self.count_call(self)
         if self.modes is not None and any(m.training != t for m, t in self.modes):
             return self.original(*args, **kwargs)
         if self.inlined and any(hooks_of(m) for m in self.inlined):
@@ -246,7 +254,9 @@ class GraphForward:
             variant = self.variants.lookup(self, args, kwargs)
             if variant is not None:
                 self.off_call = ""
+                self.count_call(variant)
                 return variant(*args, **kwargs)
+            self.count_call(None)
         # what the live report says of this module while such calls run its original
         self.off_call = self.defaults.differing(args, kwargs)
         if self.variants is not None and self.variants.full:
@@ -261,6 +271,16 @@ class GraphForward:
                 stacklevel=4,
             )
         return self.original(*args, **kwargs)
+
+    def count_call(self, route: Optional["GraphForward"]) -> None:
+        """Count a call that ran ``route`` (this forward, a variant's, or ``None``: the module's own)
+        for the live report (Note: [a report says what ran, call by call] in report/calls_seen.py)."""
+        if torch.compiler.is_compiling():
+            return
+        ran = self.__dict__.get("ran")
+        if ran is None:
+            ran = self.__dict__["ran"] = {}
+        ran[route] = ran.get(route, 0) + 1
 
     def run(self, *args: Any, **kwargs: Any) -> Any:
         """The graph on ``owner``, its output in the module's own container types."""

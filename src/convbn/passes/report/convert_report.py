@@ -7,7 +7,8 @@ from typing import TYPE_CHECKING, Any, Dict, List, Optional
 
 from ...functional.strategies import ConvertStrategy, LayerMode
 from ...memory import format_bytes
-from .live import CHECK_PENDING, FUSED, all_chains, awaiting_capture, chain_status, unchecked_chains
+from .live import (CHECK_PENDING, FUSED, PARTLY, all_chains, awaiting_capture, chain_status, layer_status, unchecked_chains,
+                   variant_only_status)
 from .outcome import BNOutcome
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -46,7 +47,9 @@ class FusedPair:
 
     @property
     def status(self) -> str:
-        """What runs now: ``"fused"``, ``"fused, plan pending"`` (converted without
+        """What runs now: ``"fused"``, ``"fused in some calls: ..."`` (a module called in several
+        ways since the report was last read, fusing this layer in some and not in others: which
+        ran what), ``"fused, plan pending"`` (converted without
         ``example_inputs``: the chain plans on its first training call, when its shapes are
         known; :attr:`strategy` until then is not a plan), ``"fused, first call not checked yet"``
         (converted without ``example_inputs``: it runs fused only if its module's first call
@@ -163,8 +166,10 @@ class ConvertReport:
         above eager" last resort, the other train/eval mode of a mode-dependent trace, hooks
         added later) is ``"left"`` with the reason ``"fallback: <why>"``."""
         status = self._pair_status()
-        return [replace(o, result="left", direction=None, reason=status[o.batchnorm])
-                if o.result == "fused" and status.get(o.batchnorm, FUSED) != FUSED else o for o in self.recorded]
+        model = self.__dict__.get("_model")
+        theirs = variant_only_status(model) if model is not None else {}
+        return [_as_running(o, status.get(o.batchnorm, FUSED)) if o.batchnorm not in theirs
+                else _fused_by_variant(o, *theirs[o.batchnorm]) for o in self.recorded]
 
     def _pair_status(self) -> Dict[str, str]:
         """Per fused BatchNorm name, its chain's status; sets each pair's ``status``."""
@@ -173,11 +178,13 @@ class ConvertReport:
         if model is None:
             return by_bn
         status = chain_status(model)
+        by_call = layer_status(model)  # Note: [a report says what ran, call by call] in calls_seen.py
         unchecked = unchecked_chains(model)
         chain_of = {id(l): c for c in all_chains(model) for l in c.layers}
         for p in self.pairs:
             chain = chain_of.get(id(p.layer))
             now = status.get(id(chain), FUSED) if chain is not None else FUSED
+            now = by_call.get(id(p.layer), now)
             if now == FUSED and chain is not None and chain.plan_on_first_call is not None:
                 now = "fused, plan pending"
             elif now == FUSED and chain is not None and id(chain) in unchecked:
@@ -185,7 +192,7 @@ class ConvertReport:
             p.__dict__["_status"] = now
             p.__dict__["_unchecked"] = chain is not None and id(chain) in unchecked and now.startswith(FUSED)
             if p.bn:
-                by_bn[p.bn] = FUSED if now.startswith(FUSED) else now
+                by_bn[p.bn] = FUSED if now.startswith(FUSED) and not now.startswith(PARTLY) else now
         return by_bn
 
     def attach(self, model: "nn.Module") -> None:
@@ -312,6 +319,9 @@ class ConvertReport:
         lines += self._first_call_lines()
         for s in skipped:
             lines.append(f"  skipped {s.batchnorm}: {s.reason}")
+        for p in self.pairs:
+            if p.status.startswith(PARTLY):
+                lines.append(f"  {p.bn or p.conv}: {p.status}")
         for mod, err in self.untraced:
             lines.append(f"  not traced as a whole: {mod or '<root>'}: {err}")
         for mod in self.validated:
@@ -321,3 +331,23 @@ class ConvertReport:
         for variant in self.variants:
             lines.append(f"  variant captured for a call: {variant}")
         return lines
+
+
+def _as_running(outcome: BNOutcome, status: str) -> BNOutcome:
+    """``outcome`` as its chain runs now (``status``): a fused BatchNorm whose chain does not run
+    fused is ``"left"`` with the status as reason; one fused in some kinds of call only stays
+    ``"fused"``, the status its note (Note: [a report says what ran, call by call])."""
+    if outcome.result != "fused" or status == FUSED:
+        return outcome
+    if status.startswith(PARTLY):
+        return replace(outcome, reason=status)
+    return replace(outcome, result="left", direction=None, reason=status)
+
+
+def _fused_by_variant(outcome: BNOutcome, status: str, fused: Optional[BNOutcome]) -> BNOutcome:
+    """``outcome`` (left by the first capture) where a variant fuses it: ``"fused"`` as the variant
+    recorded it where every kind of call since the last read fused it, with ``status`` as its note
+    where only some did; left as it was where none did (Note: [a report says what ran, call by call])."""
+    if outcome.result != "left" or fused is None or not status.startswith(FUSED):
+        return outcome
+    return replace(fused, batchnorm=outcome.batchnorm, reason="" if status == FUSED else status)
