@@ -46,22 +46,9 @@ from __future__ import annotations
 
 from typing import Any, Callable, Dict, Tuple
 
+from sweep_norm_more import Built, Entry, _lenient, _randn  # the second round's builders' helpers
+
 __all__ = ["NORM_THIRD_FAMILIES"]
-
-Built = Tuple[Any, Tuple[Any, ...]]
-Entry = Tuple[str, Callable[[Any], Built]]
-
-
-def _randn(gen: Any, *shape: int) -> Tuple[Any, ...]:
-    import torch
-
-    return (torch.randn(*shape, generator=gen),)
-
-
-def _lenient(module: str) -> Any:
-    from sweep_more_libs import import_lenient
-
-    return import_lenient(module)
 
 
 # --------------------------------------------------------------------------- demucs

@@ -17,7 +17,7 @@ statistics over one process alone); otherwise the graph is left as it was.
 """
 from __future__ import annotations
 
-from typing import Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch.fx as fx
 from torch import nn
@@ -65,6 +65,22 @@ def free_target(gm: fx.GraphModule, base: str) -> str:
     return name
 
 
+def _split_tail(node: fx.Node, norm: Any, gm: fx.GraphModule, root: nn.Module, prefix: str,
+                joins: Callable[[fx.Node, fx.Node, nn.Module], bool]) -> Optional[Tuple[Any, fx.Node, List[fx.Node]]]:
+    """The tail after a head's norm ``node``, the tail's output and the convolutions reading it, or
+    ``None`` where the head cannot be split: no tail, one that reads shapes, a random or hooked
+    element in it, or readers that are not all convolutions a chain could start from."""
+    tail = match_tail(node, root, prefix)
+    if not tail.ops or tail.shape_uses or not all(_deterministic(op.element) for op in tail.ops):
+        return None
+    if any(op.module_name and hook_reason(gm.get_submodule(str(op.node.target))) for op in tail.ops
+           if op.node.op == "call_module"):
+        return None
+    out = tail.out(node)
+    readers = _conv_readers(out, norm, gm, joins)
+    return None if readers is None else (tail, out, readers)
+
+
 def split_shared_heads(gm: fx.GraphModule, root: nn.Module, prefix: str,
                        joins: Callable[[fx.Node, fx.Node, nn.Module], bool]) -> List[str]:
     """Give each conv that reads a pre-activation ``act(BN(x))`` its own head, in ``gm``'s graph.
@@ -91,16 +107,10 @@ def split_shared_heads(gm: fx.GraphModule, root: nn.Module, prefix: str,
         src_call = layer_call(src, gm)
         if src_call is not None and not isinstance(src_call, str) and value_users(src) == [node]:
             continue  # conv -> BN: an ordinary layer, whose output any number of chains may read
-        tail = match_tail(node, root, prefix)
-        if not tail.ops or tail.shape_uses or not all(_deterministic(op.element) for op in tail.ops):
+        found = _split_tail(node, bn, gm, root, prefix, joins)
+        if found is None:
             continue
-        if any(op.module_name and hook_reason(gm.get_submodule(str(op.node.target))) for op in tail.ops
-               if op.node.op == "call_module"):
-            continue
-        out = tail.out(node)
-        readers = _conv_readers(out, bn, gm, joins)
-        if readers is None:
-            continue
+        tail, out, readers = found
         inner = [node] + [n for op in tail.ops for n in (*op.extra, op.node)]
         for reader in readers[1:]:
             target = free_target(gm, f"{node.target}_shared")
@@ -141,16 +151,10 @@ def split_shared_norm_heads(gm: fx.GraphModule, root: nn.Module, prefix: str,
         src_call = layer_call(site.input, gm)
         if src_call is not None and not isinstance(src_call, str) and value_users(site.input) == [node]:
             continue  # conv -> norm: an ordinary layer
-        tail = match_tail(node, root, prefix)
-        if not tail.ops or tail.shape_uses or not all(_deterministic(op.element) for op in tail.ops):
+        found = _split_tail(node, view, gm, root, prefix, joins)  # type: ignore[arg-type]
+        if found is None:
             continue
-        if any(op.module_name and hook_reason(gm.get_submodule(str(op.node.target))) for op in tail.ops
-               if op.node.op == "call_module"):
-            continue
-        out = tail.out(node)
-        readers = _conv_readers(out, view, gm, joins)  # type: ignore[arg-type]
-        if readers is None:
-            continue
+        tail, out, readers = found
         attrs = [a for a in node.all_input_nodes if a.op == "get_attr"]
         inner = [node] + [n for op in tail.ops for n in (*op.extra, op.node)]
         for reader in readers[1:]:
