@@ -11,7 +11,7 @@ from torch import Tensor, nn
 
 from fusion_checks import assert_chain_ran
 
-__all__ = ["twins", "step", "assert_same_state", "assert_same_grads", "TOL", "TIGHT", "randomise_batchnorms",
+__all__ = ["twins", "perturbed_twins", "step", "assert_same_state", "assert_same_grads", "TOL", "TIGHT", "randomise_batchnorms",
            "assert_steps_match"]
 
 TOL = dict(rtol=1e-9, atol=1e-9)
@@ -28,6 +28,17 @@ def twins(make: Callable[[], nn.Module], seed: int = 0) -> Tuple[nn.Module, nn.M
             if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.affine:
                 m.weight.uniform_(0.5, 1.5)
                 m.bias.uniform_(-0.5, 0.5)
+    return eager, copy.deepcopy(eager)
+
+
+def perturbed_twins(make: Callable[[], nn.Module], seed: int = 0) -> Tuple[nn.Module, nn.Module]:
+    """Two identical float64 models (the second one to be converted) with every parameter moved by
+    ``0.1 * N(0, 1)``: a norm's affine parameters away from 1 / 0, whatever the norm."""
+    torch.manual_seed(seed)
+    eager = make().double()
+    with torch.no_grad():
+        for p in eager.parameters():
+            p.add_(torch.randn_like(p) * 0.1)
     return eager, copy.deepcopy(eager)
 
 

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import convbn
-from capture_helpers import assert_steps_match
+from capture_helpers import assert_steps_match, perturbed_twins
 from fusion_checks import assert_fused, fused_chains
 from convbn.autograd.norm_chain import NormChainFunction, NormLayerSpec, norm_chain_reference
 from convbn.functional.activations import Activation
@@ -111,20 +111,12 @@ MODELS = {
 }
 
 
-def _twins(make: Callable[[], nn.Module]) -> tuple:
-    torch.manual_seed(0)
-    eager = make().double()
-    with torch.no_grad():
-        for p in eager.parameters():  # affine parameters away from 1 / 0
-            p.add_(torch.randn_like(p) * 0.1)
-    return eager, copy.deepcopy(eager)
-
 
 @pytest.mark.parametrize("strategy", ["recompute_bn", "recompute_conv", "auto"])
 @pytest.mark.parametrize("name", sorted(MODELS))
 def test_norm_chain_matches_eager(name: str, strategy: str) -> None:
     make, shape, pairs = MODELS[name]
-    eager, work = _twins(make)
+    eager, work = perturbed_twins(make)
     state = {k: v.clone() for k, v in eager.state_dict().items()}
     x = torch.randn(shape, dtype=torch.float64)
     fast = convbn.convert(work, strategy=strategy)
@@ -139,7 +131,7 @@ def test_norm_chain_matches_eager(name: str, strategy: str) -> None:
 
 
 def test_report_names_each_norm_and_what_runs() -> None:
-    eager, work = _twins(MODELS["instancenorm2d-affine-stats"][0])
+    eager, work = perturbed_twins(MODELS["instancenorm2d-affine-stats"][0])
     fast = convbn.convert(work, strategy="recompute_bn")
     report = fast.convbn_report
     assert [(p.conv, p.bn, p.activation) for p in report.pairs] == [
@@ -150,7 +142,7 @@ def test_report_names_each_norm_and_what_runs() -> None:
 
 def test_running_stats_move_once_per_step() -> None:
     """A mutant updating InstanceNorm's running statistics again in backward's recompute fails here."""
-    eager, work = _twins(MODELS["instancenorm2d-affine-stats"][0])
+    eager, work = perturbed_twins(MODELS["instancenorm2d-affine-stats"][0])
     fast = convbn.convert(work, strategy="recompute_conv")
     x = torch.randn(2, 6, 8, 8, dtype=torch.float64)
     for _ in range(3):
@@ -162,7 +154,7 @@ def test_running_stats_move_once_per_step() -> None:
 
 def test_eval_instance_norm_with_running_stats_runs_its_statistics() -> None:
     make = MODELS["instancenorm2d-affine-stats"][0]
-    eager, work = _twins(make)
+    eager, work = perturbed_twins(make)
     with torch.no_grad():
         for m in eager.modules():
             if isinstance(m, nn.InstanceNorm2d):
@@ -178,7 +170,7 @@ def test_eval_instance_norm_with_running_stats_runs_its_statistics() -> None:
 
 
 def test_hooked_norm_left_with_reason() -> None:
-    eager, work = _twins(MODELS["groupnorm-silu"][0])
+    eager, work = perturbed_twins(MODELS["groupnorm-silu"][0])
     work[1].register_forward_hook(lambda m, i, o: None)
     fast = convbn.convert(work, strategy="recompute_bn")
     left = {o.batchnorm: o.reason for o in fast.convbn_report.outcomes if o.left}
@@ -239,7 +231,7 @@ class ConvNeXtLinearBlock(nn.Module):
 
 
 def test_convnext_block_with_linear_mlp_fuses_its_layernorm() -> None:
-    eager, work = _twins(ConvNeXtLinearBlock)
+    eager, work = perturbed_twins(ConvNeXtLinearBlock)
     fast = convbn.convert(work, strategy="recompute_conv")
     assert [(o.batchnorm, o.result, o.layer) for o in fast.convbn_report.outcomes] == [("ln", "fused", "dw")]
     assert_steps_match(eager, fast, torch.randn(2, 8, 9, 9, dtype=torch.float64))
@@ -258,7 +250,7 @@ class Tower(nn.Module):
 
 
 def test_norm_of_a_container_converted_alone_is_reported_once() -> None:
-    eager, work = _twins(Tower)
+    eager, work = perturbed_twins(Tower)
     fast = convbn.convert(work)
     feats = [torch.randn(2, 8, 8, 8, dtype=torch.float64), torch.randn(2, 8, 4, 4, dtype=torch.float64)]
     outs, ref = fast(feats), eager(feats)
@@ -269,7 +261,7 @@ def test_norm_of_a_container_converted_alone_is_reported_once() -> None:
 
 def test_double_backward_through_converted_norm_chains() -> None:
     """A gradient penalty (create_graph=True) through fused norm chains equals eager's."""
-    eager, work = _twins(PreActBlock)
+    eager, work = perturbed_twins(PreActBlock)
     fast = convbn.convert(work, strategy="recompute_bn")
     x = torch.randn(2, 8, 6, 6, dtype=torch.float64)
     results = []
@@ -289,7 +281,7 @@ def test_torch_compile_runs_norm_chains(fullgraph: bool) -> None:
     """Under torch.compile a norm chain is its ops in a selective checkpoint (Note: [a norm chain
     under torch.compile]): same outputs and gradients, no graph break where fullgraph is asked
     (tests/test_norm_chains_compiled.py: what it saves, autocast, inductor)."""
-    eager, work = _twins(lambda: _seq(lambda: nn.GroupNorm(4, 8), nn.SiLU()))
+    eager, work = perturbed_twins(lambda: _seq(lambda: nn.GroupNorm(4, 8), nn.SiLU()))
     fast = convbn.convert(work, strategy="recompute_bn")
     fast(torch.randn(2, 6, 8, 8, dtype=torch.float64))  # the first call's check, eager
     compiled = torch.compile(fast, fullgraph=fullgraph, backend="aot_eager")
@@ -327,7 +319,7 @@ def test_step_peak_below_eager(net: str, shape: tuple, most: float) -> None:
 def test_what_each_strategy_keeps() -> None:
     """recompute_bn keeps the chain input and each conv output, recompute_conv the input alone
     (saved bytes, exact): a chain keeping nothing, or everything, fails here."""
-    eager, work = _twins(MODELS["groupnorm-silu"][0])
+    eager, work = perturbed_twins(MODELS["groupnorm-silu"][0])
     x = torch.randn(2, 6, 8, 8, dtype=torch.float64)
     kept = {}
     for strategy in ("recompute_bn", "recompute_conv"):
@@ -351,7 +343,7 @@ def test_left_norm_reason_names_the_norm() -> None:
 
 @pytest.mark.expect_unfused("a hook added after convert runs the chain as eager modules, by design")
 def test_hook_added_later_runs_and_a_swapped_norm_is_captured_again() -> None:
-    eager, work = _twins(MODELS["groupnorm-silu"][0])
+    eager, work = perturbed_twins(MODELS["groupnorm-silu"][0])
     fast = convbn.convert(work, strategy="recompute_bn")
     x = torch.randn(2, 6, 8, 8, dtype=torch.float64)
     assert_steps_match(eager, fast, x, steps=1)

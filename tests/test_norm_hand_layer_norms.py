@@ -16,7 +16,7 @@ import torch.fx as fx
 from torch import nn
 
 import convbn
-from capture_helpers import assert_steps_match
+from capture_helpers import assert_steps_match, perturbed_twins
 from fusion_checks import assert_fused, fused_chains
 from convbn.functional.norms import channel_layer_norm
 from convbn.nn.norm_chain import FusedNormChain
@@ -67,22 +67,13 @@ def _net(norm: Callable[[int], nn.Module]) -> nn.Module:
     return nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), norm(8), nn.GELU(), nn.Conv2d(8, 4, 1))
 
 
-def _twins(norm: Callable[[int], nn.Module]) -> tuple:
-    torch.manual_seed(0)
-    eager = _net(norm).double()
-    with torch.no_grad():
-        for p in eager.parameters():  # affine parameters away from 1 / 0
-            p.add_(torch.randn_like(p) * 0.1)
-    return eager, copy.deepcopy(eager)
-
-
 HAND = {"convnext": ConvNeXtLN, "rsqrt-var": RsqrtLN, "view-square-pow": ViewLN}
 
 
 @pytest.mark.parametrize("strategy", ["recompute_conv", "auto"])
 @pytest.mark.parametrize("name", sorted(HAND))
 def test_hand_written_channel_layer_norm_fuses_and_matches_its_code(name: str, strategy: str) -> None:
-    eager, work = _twins(HAND[name])
+    eager, work = perturbed_twins(lambda: _net(HAND[name]))
     state = {k: v.clone() for k, v in eager.state_dict().items()}
     fast = convbn.convert(work, strategy=strategy)
     report = assert_fused(fast, pairs=2, chains=1)  # the second conv ends the chain

@@ -8,7 +8,6 @@ as written."""
 from __future__ import annotations
 
 import copy
-from typing import Callable
 
 import pytest
 import torch
@@ -17,7 +16,7 @@ from torch import nn
 import torch.nn.functional as F
 
 import convbn
-from capture_helpers import assert_steps_match
+from capture_helpers import assert_steps_match, perturbed_twins
 from fusion_checks import fused_chains
 from convbn.functional.norms import channel_layer_norm
 from convbn.nn.norm_chain import FusedNormChain
@@ -53,20 +52,11 @@ class StemLN(nn.Module):
 MODELS = {"vocos-block": (VocosBlock, (2, 8, 20)), "stem": (StemLN, (2, 3, 20))}
 
 
-def _twins(make: Callable[[], nn.Module]) -> tuple:
-    torch.manual_seed(0)
-    eager = make().double()
-    with torch.no_grad():
-        for p in eager.parameters():  # affine parameters away from 1 / 0
-            p.add_(torch.randn_like(p) * 0.1)
-    return eager, copy.deepcopy(eager)
-
-
 @pytest.mark.parametrize("example", [True, False])
 @pytest.mark.parametrize("name", sorted(MODELS))
 def test_a_transposed_channel_layer_norm_fuses_and_trains_as_eager(name: str, example: bool) -> None:
     make, shape = MODELS[name]
-    eager, work = _twins(make)
+    eager, work = perturbed_twins(make)
     x = torch.randn(shape, dtype=torch.float64)
     fast = convbn.convert(work, strategy="recompute_conv", example_inputs=(x,) if example else None)
     assert [(o.batchnorm, o.result) for o in fast.convbn_report.outcomes] == [("norm", "fused")]
