@@ -34,7 +34,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SRC = os.path.join(ROOT, "src", "convbn")
 
-__all__ = ["Mutant", "MUTANTS", "apply_mutant", "run_mutant", "main"]
+__all__ = ["Mutant", "MUTANTS", "WarmPytest", "apply_mutant", "run_mutant", "main"]
 
 
 @dataclass(frozen=True)
@@ -304,9 +304,13 @@ def _env(pythonpath: str) -> Dict[str, str]:
     return env
 
 
+_PYTEST_ARGS = ("-q", "-x", "-p", "no:cacheprovider", "-o", "addopts=")
+
+
 def run_mutant(name: str, tests: Optional[Sequence[str]] = None, extra: Sequence[str] = (),
-               timeout: float = 3600) -> Tuple[bool, float, str]:
-    """Run ``tests`` (default: the mutant's subset) against mutant ``name``.
+               timeout: float = 3600, runner: Optional["WarmPytest"] = None) -> Tuple[bool, float, str]:
+    """Run ``tests`` (default: the mutant's subset) against mutant ``name``: in a fresh
+    ``python -m pytest``, or in a process forked by ``runner`` (:class:`WarmPytest`).
 
     Returns:
         ``(killed, seconds, output tail)``: killed when pytest reports a failure (exit code 1).
@@ -315,12 +319,95 @@ def run_mutant(name: str, tests: Optional[Sequence[str]] = None, extra: Sequence
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix=f"convbn-mutant-{name}-") as tmp:
         path = apply_mutant(name, tmp)
-        cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-o", "addopts=", *tests, *extra]
-        proc = subprocess.run(cmd, cwd=ROOT, env=_env(path), capture_output=True, text=True, timeout=timeout)
-    out = proc.stdout + proc.stderr
-    if proc.returncode not in (0, 1):
-        raise RuntimeError(f"mutant {name!r}: pytest could not run the tests (exit {proc.returncode}):\n{out[-3000:]}")
-    return proc.returncode == 1, time.perf_counter() - t0, out[-2000:]
+        args = [*_PYTEST_ARGS, *tests, *extra]
+        if runner is not None:
+            code, out = runner.run(path, args, timeout)
+        else:
+            proc = subprocess.run([sys.executable, "-m", "pytest", *args], cwd=ROOT, env=_env(path),
+                                  capture_output=True, text=True, timeout=timeout)
+            code, out = proc.returncode, proc.stdout + proc.stderr
+    if code not in (0, 1):
+        raise RuntimeError(f"mutant {name!r}: pytest could not run the tests (exit {code}):\n{out[-3000:]}")
+    return code == 1, time.perf_counter() - t0, out[-2000:]
+
+
+class WarmPytest:
+    """Runs pytest against a package copy in a child forked from a server process that has
+    imported torch, pytest and hypothesis, and nothing of convbn (Note: [warm mutant runs]).
+
+    Use as a context manager; :meth:`run` returns ``(exit code, output)`` like ``python -m pytest``
+    with ``PYTHONPATH`` the copy and ``scripts/``, run in the repository root.
+    """
+
+    def __init__(self) -> None:
+        self._server: Optional[subprocess.Popen] = None
+
+    def __enter__(self) -> "WarmPytest":
+        env = _env(os.path.join(ROOT, "scripts"))
+        self._server = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--serve"], cwd=ROOT, env=env,
+                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._server is not None:
+            self._server.stdin.close()  # type: ignore[union-attr]
+            self._server.wait(timeout=60)
+            self._server = None
+
+    def run(self, path: str, args: Sequence[str], timeout: float) -> Tuple[int, str]:
+        if self._server is None:
+            raise RuntimeError("WarmPytest.run outside its `with` block")
+        with tempfile.NamedTemporaryFile("r", prefix="convbn-mutant-out-", suffix=".txt") as out:
+            request = {"path": path, "args": list(args), "out": out.name, "timeout": int(timeout)}
+            self._server.stdin.write(json.dumps(request) + "\n")  # type: ignore[union-attr]
+            self._server.stdin.flush()  # type: ignore[union-attr]
+            reply = self._server.stdout.readline()  # type: ignore[union-attr]
+            if not reply:
+                raise RuntimeError(f"the warm pytest server stopped (exit {self._server.poll()})")
+            return int(json.loads(reply)["code"]), out.read()
+
+
+# Note: [warm mutant runs]
+# Each mutant needs a process of its own (its copy of convbn is imported, and convbn registers
+# torch custom ops, which cannot be undone), but most of such a process's cost is importing torch,
+# pytest and hypothesis (about 3 s of CPU of the 4-5 s a small kill test takes). The server imports
+# those once and forks a child per mutant; the child puts the copy first on sys.path (and on
+# PYTHONPATH, for processes the tests start), runs pytest.main in the repository root with its
+# output in a file, and exits with pytest's code. A child killed by its alarm (the hang guard)
+# exits by a signal: a code other than 0 or 1, an error as a crashed pytest is.
+def _serve() -> int:
+    import signal
+    import traceback
+
+    import hypothesis  # noqa: F401 - imported once, for every child
+    import pytest
+    import torch  # noqa: F401
+
+    for line in sys.stdin:
+        req = json.loads(line)
+        pid = os.fork()
+        if pid == 0:
+            try:
+                fd = os.open(req["out"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+                os.dup2(fd, 1)
+                os.dup2(fd, 2)
+                signal.alarm(req["timeout"])
+                paths = [req["path"], os.path.join(ROOT, "scripts")]
+                sys.path[:0] = paths
+                os.environ["PYTHONPATH"] = os.pathsep.join(paths)
+                os.chdir(ROOT)
+                code = int(pytest.main(req["args"]))
+            except BaseException:  # noqa: BLE001 - any failure to run is an error, not a kill
+                traceback.print_exc()
+                code = 3
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        code = os.waitstatus_to_exitcode(status)
+        sys.stdout.write(json.dumps({"code": code if code >= 0 else 128 - code}) + "\n")
+        sys.stdout.flush()
+    return 0
 
 
 def measure(name: str = "fused_forward_eager", workers: int = 2, extra: Sequence[str] = ()) -> Dict[str, float]:
@@ -377,7 +464,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                    help="run the whole default suite against the mutant (default fused_forward_eager) and print "
                         "the fraction of convert-calling tests that fail")
     p.add_argument("-n", "--workers", type=int, default=2, help="pytest-xdist workers for --measure")
+    p.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)  # WarmPytest's server
     args = p.parse_args(argv)
+    if args.serve:
+        return _serve()
     if args.measure:
         res = measure(args.mutants[0] if args.mutants else "fused_forward_eager", args.workers, args.tests or ())
         return 0 if res["fraction_failed"] >= 0.9 else 1
