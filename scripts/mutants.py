@@ -269,6 +269,12 @@ MUTANTS: Dict[str, Mutant] = {
         "a float64 step bit-identical to eager's (the rewrite did not run on the copy) decides",
         (("passes/check/step.py", "elif not ran or same.max_abs_diff == 0:", "elif not ran:"),),
         ("tests/test_check_float64_decision.py::test_a_float64_copy_whose_rewrite_does_not_run_decides_nothing",)),
+    "allocator_meter_start_before_zero_grad": Mutant(
+        "the allocator (CUDA) meter reads its start when it is built, before the previous step's gradients are freed",
+        (("memory/allocator_meter.py", "        self.start = 0\n", "        self.start = counters.allocated()\n"),
+         ("memory/allocator_meter.py", "        self.start = self.counters.allocated()\n        self.counters.reset_peak()\n",
+          "")),
+        ("tests/test_max_batch_bound.py::test_an_allocator_meter_starts_after_the_previous_gradients_are_freed",)),
     "stopped_step_kept_with_its_traceback": Mutant(
         "max_batch keeps a stopped step's exception with its traceback (its frames alive beside the next step)",
         (("batch_search.py", "return over.with_traceback(None)", "return over"),),

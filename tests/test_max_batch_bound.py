@@ -13,6 +13,8 @@ import convbn.batch_search as batch_search
 import convbn.largest_batch as largest_batch
 from convbn.memory import allocator_peak, tensor_peak, timeline
 from convbn.memory.next_op import new_output_bytes
+import convbn.memory.timelines as timelines
+from convbn.memory.allocator_meter import AllocatorCounters
 from convbn.memory.timelines import StepOverLimit, _TimelineMode
 
 from test_max_batch_predict import _resnet
@@ -198,12 +200,63 @@ def test_memtracker_internals_are_read_through_compat_only():
         assert not [name for name in private if f".{name}" in text or f"def {name}" in text], path.name
 
 
+class _GradAllocator:
+    """An allocator that holds the gradients of ``net`` and nothing else: its counters read the
+    gradients alive now, and its peak the most alive at any reading since the last reset."""
+
+    def __init__(self, net):
+        self.net, self.most = net, 0
+
+    def allocated(self):
+        now = sum(p.grad.untyped_storage().nbytes() for p in self.net.parameters() if p.grad is not None)
+        self.most = max(self.most, now)
+        return now
+
+    def peak(self):
+        self.allocated()
+        return self.most
+
+    def reset(self):
+        self.most = self.allocated()
+
+    def counters(self):
+        return AllocatorCounters(self.allocated, self.peak, self.reset, lambda: None)
+
+
+def test_an_allocator_meter_starts_after_the_previous_gradients_are_freed(monkeypatch):
+    """The allocator meter (CUDA's) reads its start when the step begins, after ``zero_grad`` has
+    freed the previous step's gradients, as the exact CPU meter does (Note: [an allocator meter
+    starts where the step starts]). Read before, every later reading was low by the gradients'
+    bytes: on an H200 a second timeline of the same net read 65536 for a 408064-byte step. Run on
+    CPU with an allocator that holds only the gradients; fails with the start read when the
+    meter is built."""
+    net, x = _mlp(), torch.randn(32, 64)
+    fake = _GradAllocator(net)
+    monkeypatch.setattr(timelines, "_allocator_counters", lambda model, inputs: fake.counters())
+    grads = sum(p.numel() * p.element_size() for p in net.parameters())
+    first = timeline(net, x)  # no gradients before it
+    again = timeline(net, x)  # the first step's gradients alive until this step's zero_grad
+    stopped = timeline(net, x, stop_above=again.peak)
+    assert first.source == again.source == "cuda"
+    assert first.peak == again.peak == stopped.peak == grads
+    assert min(p.bytes for p in again.points) == 0
+    with pytest.raises(StepOverLimit):
+        timeline(net, x, stop_above=grads - 1)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_a_step_at_its_own_peak_is_not_stopped():
     """On CUDA the stop reads the bytes allocated now, not the allocator's peak since the last
-    reading (which would count a freed block again and stop a step that fits)."""
+    reading (which would count a freed block again and stop a step that fits), and every step
+    is read from its own start, after the previous step's gradients are freed (Note: [an
+    allocator meter starts where the step starts])."""
     net, x = _mlp().cuda(), torch.randn(32, 64, device="cuda")
-    full = timeline(net, x)
+    timeline(net, x)  # warm-up: cuBLAS's workspace and lazy initialisation, its gradients left alive
+    net.zero_grad(set_to_none=True)
+    clean = timeline(net, x)  # no gradients alive before it
+    full = timeline(net, x)  # the previous step's gradients alive until its zero_grad
+    assert full.peak == clean.peak >= sum(p.numel() * p.element_size() for p in net.parameters())
+    assert min(p.bytes for p in full.points) >= 0
     assert timeline(net, x, stop_above=full.peak).peak == full.peak
     with pytest.raises(StepOverLimit) as err:
         timeline(net, x, stop_above=full.peak // 2)
