@@ -275,6 +275,10 @@ MUTANTS: Dict[str, Mutant] = {
          ("memory/allocator_meter.py", "        self.start = self.counters.allocated()\n        self.counters.reset_peak()\n",
           "")),
         ("tests/test_max_batch_bound.py::test_an_allocator_meter_starts_after_the_previous_gradients_are_freed",)),
+    "max_batch_copy_let_go_not_collected": Mutant(
+        "max_batch collects only where a copy is still held: one let go (prediction off) lives beside the next",
+        (("batch_search.py", "        if self.copies:  # Note:", "        if self.held:  # Note:"),),
+        ("tests/test_max_batch_bound.py::test_a_copy_let_go_is_freed_before_the_next_is_made",)),
     "stopped_step_kept_with_its_traceback": Mutant(
         "max_batch keeps a stopped step's exception with its traceback (its frames alive beside the next step)",
         (("batch_search.py", "return over.with_traceback(None)", "return over"),),

@@ -39,6 +39,15 @@ stopped where it goes over the limit, and the choice to confirm made from counte
 # exception that stopped it is kept without its traceback, which held the step's frames, its
 # batch and tensors, in a reference cycle beside the next step until a collection).
 #
+# Note: [a copy let go is freed before the next is made]
+# A converted copy is held in reference cycles (its installed forwards refer to their
+# modules), so dropping the last reference to it frees nothing until a collection. Wherever
+# a side lets its copy go (the convbn side's prediction was off or could not be made, and the
+# side is measured on a copy converted again; ``memory_budget=``'s copy per batch), the
+# planner's closures and the converted copy were only unreachable, not freed, when the next
+# copy was made and converted beside them: ResNet-50 224² at 768 MiB went 393.7 MiB over.
+# Every copy after the first is made after a collection, whoever let the one before go.
+#
 # Note: [confirming by counted work]
 # Whether the predicted answer is confirmed by real steps is decided from the work those
 # steps would do, never from a clock: the eager step's floating-point operations are counted
@@ -179,6 +188,7 @@ class Search:
         self.limit, self.usable, self.upper, self.device = limit, usable_bytes(limit, device), upper, device
         self.confirm, self.convert_kwargs = confirm, convert_kwargs
         self.held: Tuple[Any, ...] = ()
+        self.copies = 0  # copies made so far
         m, o = self.fresh()
         self.resident = resident_bytes(m, o)
         self.state = self.resident - resident_bytes(m)  # optimizer state: not known to convert
@@ -187,9 +197,10 @@ class Search:
     def fresh(self) -> Tuple[nn.Module, Optional[torch.optim.Optimizer]]:
         """A new copy of the model and optimizer (the one before it dropped first), in training
         mode, the optimizer's state made by one warm-up step at batch 2."""
-        if self.held:
+        if self.copies:  # Note: [a copy let go is freed before the next is made]
             self.held = ()
-            gc.collect()  # a converted copy is held in reference cycles: freed before the next exists
+            gc.collect()
+        self.copies += 1
         m, o = copy.deepcopy((self.model, self.opt))  # the copied optimizer refers to the copy's parameters
         m.train()
         if o is not None:
@@ -197,6 +208,11 @@ class Search:
             _warm_up(m, o, batch_of(self.inputs, 2), self.loss_fn)
         self.held = (m, o)
         return m, o
+
+    def let_go(self) -> None:
+        """Free the copy held now (it may be held in reference cycles: a collection)."""
+        self.held = ()
+        gc.collect()
 
     def step(self, m: nn.Module, o: Optional[torch.optim.Optimizer], b: int, planned: bool = False) -> Any:
         """A recorded step at batch ``b`` (:func:`timeline`; ``planned``: ``measure_peak``, the

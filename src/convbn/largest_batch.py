@@ -203,7 +203,7 @@ def max_batch(  # over 60 lines for its public docstring (Args, Raises, Example)
         else:
             eager = search.eager_predicted()
             fused = search.fused_predicted()
-        search.held = ()
+        search.let_go()  # the last copy freed before the call returns, not at some later collection
         stage(f"eager batch {eager[0]}, convbn batch {fused[0]}")
     return _fit(memory, limit, search, eager, fused, device)
 
