@@ -279,6 +279,10 @@ MUTANTS: Dict[str, Mutant] = {
         "max_batch collects only where a copy is still held: one let go (prediction off) lives beside the next",
         (("batch_search.py", "        if self.copies:  # Note:", "        if self.held:  # Note:"),),
         ("tests/test_max_batch_bound.py::test_a_copy_let_go_is_freed_before_the_next_is_made",)),
+    "max_batch_inputs_outside_the_memory": Mutant(
+        "max_batch's steps stopped at the room the resident bytes leave, the batch of inputs not in the memory",
+        (("batch_search.py", "        room = self.usable - self.before(b)", "        room = self.usable - self.resident"),),
+        ("tests/test_max_batch_bound.py::test_answering_allocates_within_the_memory_where_kernels_need_no_scratch",)),
     "stopped_step_kept_with_its_traceback": Mutant(
         "max_batch keeps a stopped step's exception with its traceback (its frames alive beside the next step)",
         (("batch_search.py", "return over.with_traceback(None)", "return over"),),
