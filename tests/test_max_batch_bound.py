@@ -346,6 +346,29 @@ def test_answering_allocates_within_the_memory_where_kernels_need_no_scratch(met
     assert peak <= fit.memory + batch_search.SMALL_ALLOCATIONS
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_answering_allocates_within_the_memory():
+    """On CUDA the allocator meters every step (workspaces included) and ``usable`` keeps 10 %
+    of ``memory`` for the caching allocator: the allocator's peak over the whole call, above
+    what was allocated before it, stays within ``memory`` (the batch of inputs in it). cuBLAS
+    and cuDNN are initialised first by a plain step (their workspaces persist, as in a run)."""
+    torch.manual_seed(0)
+    net = _resnet().cuda()
+    x = torch.randn(2, 3, 16, 16, device="cuda")
+    opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+    probe = _resnet().cuda()
+    probe(x).mean().backward()
+    del probe
+    torch.cuda.synchronize()
+    start = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    fit = convbn.max_batch(net, x, "2MiB", optimizer=opt, confirm=True)
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - start
+    assert fit.convbn_batch > fit.eager_batch > 2, str(fit)
+    assert peak <= fit.memory, f"{peak} bytes allocated above the start, memory {fit.memory}: {fit}"
+
+
 def test_a_stopped_step_is_let_go_at_once(monkeypatch):
     """The batch a stopped step trained on (and the step's tensors) are freed when the step
     returns, not at the next garbage collection: the exception is kept without its traceback,

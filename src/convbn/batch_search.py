@@ -232,8 +232,8 @@ class Search:
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
         room = self.usable - self.before(b)  # the batch's inputs are in the limit (Note: [what the limit holds])
-        if room < 0:  # the batch alone is over: never made
-            return StepOverLimit(TimelinePoint(-room, "forward", "", "the batch of inputs"), 0, before=True)
+        if room < 0:  # the batch alone is over: never made, no step (``before(b)`` alone is over the limit)
+            return StepOverLimit(TimelinePoint(0, "forward", "", "the batch of inputs"), room, before=True)
         x = batch_of(self.inputs, b)
         try:
             if planned:
