@@ -227,6 +227,11 @@ MUTANTS: Dict[str, Mutant] = {
           "    xin = (spec.conv.pad_input(x) if i > 0 else x).to(w.dtype, copy=True)\n"),),
         ("tests/test_norm_chain_ops.py::test_converted_step_dispatches_eager_ops_plus_one_recompute"
          "[InstanceNorm-LeakyReLU post-bf16-autocast-cpu]",)),
+    "engine_grad_ignores_subclasses": Mutant(
+        "the direct engine call of a norm chain's backward skips a tensor subclass's __torch_function__",
+        (("_compat.py", "    if _engine_run_backward is None or any(type(t) is not torch.Tensor for t in (output, grad, *inputs)):\n",
+          "    if _engine_run_backward is None:\n"),),
+        ("tests/test_norm_chain_ops.py::test_engine_grad_is_autograd_grad",)),
     "norm_conv_runs_once": Mutant(
         "the planner counts a norm chain's recomputed conv once, however often its backward runs it",
         (("autograd/norm_chain_memory.py", "            runs[i] += has_conv[i]\n", "            runs[i] = int(has_conv[i])\n"),),

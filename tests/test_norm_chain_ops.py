@@ -112,3 +112,37 @@ def test_converted_step_dispatches_eager_ops_plus_one_recompute(name: str, amp: 
     # the recompute did run: each layer's norm once more than eager's step
     norm_op = next(k for k in budget if k.startswith("native_"))
     assert f.counts[norm_op] == e.counts[norm_op] + len(eager.norms), (norm_op, f.counts, e.counts)
+
+
+def test_engine_grad_is_autograd_grad() -> None:
+    """``_compat.engine_grad`` (Note: [one autograd.grad per layer]) gives ``torch.autograd.grad``'s
+    gradients bit for bit, ``None`` for an input the output does not depend on, and is
+    ``torch.autograd.grad`` itself for a tensor subclass."""
+    from convbn._compat import engine_grad
+
+    torch.manual_seed(0)
+    y = torch.randn(2, 8, 4, 4, dtype=torch.float64, requires_grad=True)
+    w, b, unused = (torch.randn(8, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    g = torch.randn(2, 8, 4, 4, dtype=torch.float64)
+
+    def out() -> Tensor:
+        return F.silu(F.group_norm(y, 4, w, b))
+
+    want = torch.autograd.grad(out(), (y, w, b, unused), g, allow_unused=True)
+    got = engine_grad(out(), (y, w, b, unused), g)
+    assert got[3] is None and want[3] is None
+    for a, e in zip(got[:3], want[:3]):
+        assert torch.equal(a, e)
+
+    class Sub(Tensor):
+        seen = 0
+
+        @classmethod
+        def __torch_function__(cls, func, types, args=(), kwargs=None):
+            if func is torch.autograd.grad:
+                cls.seen += 1
+            return super().__torch_function__(func, types, args, kwargs or {})
+
+    ys = y.detach().as_subclass(Sub).requires_grad_()
+    got = engine_grad(ys * 2, (ys,), g.as_subclass(Sub))
+    assert Sub.seen == 1 and torch.equal(got[0].as_subclass(Tensor), 2 * g)
