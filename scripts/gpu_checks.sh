@@ -37,7 +37,7 @@ for s in $STEPS; do
     case $s in
     tests)
         step tests 200 $PY -m pytest -q -p no:cacheprovider -n 8 -rfEs tests/test_cuda.py tests/test_cuda_norms.py \
-            tests/test_convert_peak.py tests/test_max_batch_bound.py tests/test_memory.py -k cuda ;;
+            tests/test_convert_peak.py tests/test_max_batch_bound.py tests/test_memory.py tests/test_norm_chain_ops.py -k cuda ;;
     convert_cost)
         step convert_cost 150 $PY benchmarks/bm_convert_cost.py --device cuda --models r18 r50 --rounds 1 --phases ;;
     norm_nets)
