@@ -52,7 +52,8 @@ stopped where it goes over the limit, and the choice to confirm made from counte
 # a side lets its copy go (the convbn side's prediction was off or could not be made, and the
 # side is measured on a copy converted again; ``memory_budget=``'s copy per batch), the
 # planner's closures and the converted copy were only unreachable, not freed, when the next
-# copy was made and converted beside them: ResNet-50 224² at 768 MiB went 393.7 MiB over.
+# copy was made and converted beside them (the path of a ResNet-50 224² run at 768 MiB that
+# went 393.7 MiB over, with a scratch reserve since reverted; not reproduced without it).
 # Every copy after the first is made after a collection, whoever let the one before go.
 #
 # Note: [confirming by counted work]
