@@ -283,8 +283,8 @@ def _prediction_off(monkeypatch):
 def test_a_copy_let_go_is_freed_before_the_next_is_made(monkeypatch):
     """When the convbn side's prediction is off, the copy converted for it (held in reference
     cycles) is freed before the copy the side is measured on is made and converted, not at some
-    later collection: ResNet-50 224² at 768 MiB went 393.7 MiB over that way (Note: [a copy let
-    go is freed before the next is made]). Automatic collection is off: only max_batch's own
+    later collection (Note: [a copy let go is freed before the next is made]; the path of a
+    ResNet-50 run that went 393.7 MiB over with a scratch reserve since reverted). Automatic collection is off: only max_batch's own
     frees count. Fails with the collection only where a copy is still held."""
     import copy
     import gc
