@@ -151,7 +151,7 @@ class _PartialTracing:
 
     def iter(self, obj: fx.Proxy) -> Any:
         """Iterating a traced value whose length the code fixes (``torch.split`` into listed
-        sizes): its items. fx itself iterates only where the code unpacks a fixed number
+        sizes) or a trace with real shapes computed (``torch.split(x, c // r, 1)``): its items. fx itself iterates only where the code unpacks a fixed number
         (``a, b = ...``); ``zip(convs, torch.split(x, sizes, 1))`` (mixed-kernel convolutions)
         made the whole module opaque."""
         n = _static_length(obj.node)
