@@ -303,6 +303,11 @@ MUTANTS: Dict[str, Mutant] = {
         "max_batch keeps a stopped step's exception with its traceback (its frames alive beside the next step)",
         (("batch_search.py", "return over.with_traceback(None)", "return over"),),
         ("tests/test_max_batch_bound.py::test_a_stopped_step_is_let_go_at_once",)),
+    "split_length_from_code_only": Mutant(
+        "a split's number of pieces read only from sizes listed in the code, not from a trace with real shapes",
+        (("passes/tracing/trace.py", "    if isinstance(value, (list, tuple)):\n        return len(value)\n",
+          "    if False:\n        return len(value)\n"),),
+        ("tests/test_split_by_shape.py",)),
 }
 
 
