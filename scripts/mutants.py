@@ -405,8 +405,9 @@ class WarmPytest:
 # Note: [warm mutant runs]
 # Each mutant needs a process of its own (its copy of convbn is imported, and convbn registers
 # torch custom ops, which cannot be undone), but most of such a process's cost is importing torch,
-# pytest and hypothesis (about 3 s of CPU of the 4-5 s a small kill test takes). The server imports
-# those once and forks a child per mutant; the child puts the copy first on sys.path (and on
+# pytest, hypothesis and (tests/conftest.py's) torchvision, about 4 s of CPU of the 5-7 s a small
+# kill test takes. The server imports those once, as conftest would (the kill tests run in the
+# process state they always ran in: some depend on it), and forks a child per mutant; the child puts the copy first on sys.path (and on
 # PYTHONPATH, for processes the tests start), runs pytest.main in the repository root with its
 # output in a file, and exits with pytest's code. A child killed by its alarm (the hang guard)
 # exits by a signal: a code other than 0 or 1, an error as a crashed pytest is.
@@ -417,6 +418,16 @@ def _serve() -> int:
     import hypothesis  # noqa: F401 - imported once, for every child
     import pytest
     import torch  # noqa: F401
+
+    sys.path.insert(0, os.path.join(ROOT, "tests"))  # what tests/conftest.py imports in every pytest, once
+    try:
+        from zoo import import_torchvision_without_fake_kernels
+
+        import_torchvision_without_fake_kernels()
+    except ImportError:  # torchvision not installed
+        pass
+    finally:
+        sys.path.remove(os.path.join(ROOT, "tests"))
 
     for line in sys.stdin:
         req = json.loads(line)

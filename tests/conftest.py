@@ -27,26 +27,17 @@ settings.register_profile("explore", derandomize=False)
 settings.load_profile("suite")
 
 
-def _is_xdist_controller(config: pytest.Config) -> bool:
-    """True in the process that hands tests to pytest-xdist workers (``-n N``), not in a worker
-    nor in a single-process run (a mutant's or a subprocess test's ``pytest``)."""
-    return bool(getattr(config.option, "numprocesses", None)) and not hasattr(config, "workerinput")
-
-
 def pytest_configure(config: pytest.Config) -> None:
     # pytest-xdist's controller rebuilds each warning a worker reports by importing the module
     # that defines its category; Lightning's warnings import torchvision, whose fake-kernel
     # registration fails on this CPU torch. Import it the way the tests do, before any worker
     # reports, so that the controller can (else the whole run stops with an INTERNALERROR).
-    # Only there: torchvision imports dynamo (1.5 s of CPU), which every single-process pytest
-    # of the suite (one per mutant) would pay for nothing; tests import it themselves.
-    if _is_xdist_controller(config):
-        try:
-            from zoo import import_torchvision_without_fake_kernels
+    try:
+        from zoo import import_torchvision_without_fake_kernels
 
-            import_torchvision_without_fake_kernels()
-        except ImportError:  # torchvision not installed: no warning category can need it
-            pass
+        import_torchvision_without_fake_kernels()
+    except ImportError:  # torchvision not installed: no warning category can need it
+        pass
     config.addinivalue_line(
         "markers",
         "expect_unfused(reason): the test expects convbn.convert to fuse nothing, or chains to run as eager "
