@@ -232,6 +232,13 @@ MUTANTS: Dict[str, Mutant] = {
         (("autograd/norm_chain_memory.py", "            once = m == i - 2 and self.norm_once(m)",
           "            once = False and self.norm_once(m)"),),
         ("tests/test_norm_memory_model.py::test_a_layer_norm_kept_for_a_dropped_conv_is_priced_for_every_plan",)),
+    "norm_once_ignores_may_drop": Mutant(
+        "a norm before a dropped conv is kept for the conv's backward even where the plan lets the chain drop it "
+        "(the step peaks above the planner's prediction)",
+        (("autograd/norm_chain.py",
+          "    return spec.norm is not None and not spec.tail and spec.act.is_identity and not after.may_drop\n",
+          "    return spec.norm is not None and not spec.tail and spec.act.is_identity\n"),),
+        ("tests/test_norm_memory_model.py::test_a_layer_norm_kept_for_a_dropped_conv_is_priced_for_every_plan",)),
     "norm_conv_input_copied": Mutant(
         "a norm chain's conv backward copies its rebuilt input even where it has the conv's dtype",
         (("autograd/norm_chain.py", "    xin = (spec.conv.pad_input(x) if i > 0 else x).to(w.dtype)\n",
