@@ -326,7 +326,8 @@ class _Rebuild:
         x = self.x0 if j < 0 else None
         for k in range(max(j, 0), i - 1):
             y = self.kept[k] if k == j else self.y(k, x)
-            if k == i - 2 and norm_once(self.specs[k], self.specs[k + 1]):  # Note: [a norm before a dropped conv recomputed once]
+            # Note: [a norm before a dropped conv recomputed once]
+            if k == i - 2 and norm_once(self.specs[k], self.specs[k + 1]):
                 self.pending[k], x = self.post_graph(k, y)
                 self.inputs[i - 1] = x
                 continue
