@@ -128,3 +128,28 @@ def test_weight_first_conv_backward_is_the_same_bits_at_a_lower_high_water_mark(
     held = w.nbytes + w.shape[1 if transposed else 0] * w.element_size()  # grad_W and grad_b
     assert allocator_peak(lambda: conv_backward(gy, x, w, spec, mask, weight_first=True)) == \
         max(weight_call, held + input_call)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_weight_first_and_int32_indices_on_cuda() -> None:
+    """On CUDA the two calls give one call's gradients (cuDNN may pick other algorithms per call:
+    compared within float32 rounding), and a lean max pool's int32 indices give eager's gradient."""
+    from convbn.autograd.pool import lean_pool
+    from convbn.functional.pool import PoolSpec
+
+    torch.manual_seed(2)
+    dev = torch.device("cuda")
+    conv = nn.Conv3d(16, 8, 3, padding=1).to(dev)
+    x = torch.randn(2, 16, 12, 12, 12, device=dev)
+    gy = torch.randn(2, 8, 12, 12, 12, device=dev)
+    spec = conv_spec_from_module(conv)
+    one = conv_backward(gy, x, conv.weight.detach(), spec, (True, True, True))
+    two = conv_backward(gy, x, conv.weight.detach(), spec, (True, True, True), weight_first=True)
+    for a, b in zip(one, two):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
+    xp = torch.randn(2, 4, 8, 8, 8, device=dev, requires_grad=True)
+    xe = xp.detach().clone().requires_grad_()
+    g = torch.randn(2, 4, 4, 4, 4, device=dev)
+    lean_pool(xp, PoolSpec.make("max", 3, 2, 2)).backward(g)
+    F.max_pool3d(xe, 2).backward(g)
+    assert torch.equal(xp.grad, xe.grad)
