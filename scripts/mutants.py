@@ -216,6 +216,22 @@ MUTANTS: Dict[str, Mutant] = {
         (("autograd/norm_chain_memory.py", "            mem.rename((\"z\", i), out)\n",
           "            mem.alloc(out, n)\n            mem.free((\"z\", i))\n"),),
         ("tests/test_norm_memory_model.py::test_replayed_backward_is_the_measured_one",)),
+    "norm_recompute_not_reused": Mutant(
+        "a norm chain's backward recomputes a layer's norm again instead of using the graph its input's rebuild made",
+        (("autograd/norm_chain.py", "    graph = rb.pending.pop(i, None)\n", "    graph = rb.pending.pop(i, None) and None\n"),),
+        ("tests/test_norm_chain_ops.py::test_converted_step_dispatches_eager_ops_plus_one_recompute"
+         "[GroupNorm-SiLU pre-bf16-autocast-cpu]",)),
+    "norm_conv_input_copied": Mutant(
+        "a norm chain's conv backward copies its rebuilt input even where it has the conv's dtype",
+        (("autograd/norm_chain.py", "    xin = (spec.conv.pad_input(x) if i > 0 else x).to(w.dtype)\n",
+          "    xin = (spec.conv.pad_input(x) if i > 0 else x).to(w.dtype, copy=True)\n"),),
+        ("tests/test_norm_chain_ops.py::test_converted_step_dispatches_eager_ops_plus_one_recompute"
+         "[InstanceNorm-LeakyReLU post-bf16-autocast-cpu]",)),
+    "engine_grad_ignores_subclasses": Mutant(
+        "the direct engine call of a norm chain's backward skips a tensor subclass's __torch_function__",
+        (("_compat.py", "    if _engine_run_backward is None or any(type(t) is not torch.Tensor for t in (output, grad, *inputs)):\n",
+          "    if _engine_run_backward is None:\n"),),
+        ("tests/test_norm_chain_ops.py::test_engine_grad_is_autograd_grad",)),
     "norm_conv_runs_once": Mutant(
         "the planner counts a norm chain's recomputed conv once, however often its backward runs it",
         (("autograd/norm_chain_memory.py", "            runs[i] += has_conv[i]\n", "            runs[i] = int(has_conv[i])\n"),),

@@ -213,7 +213,11 @@ def timeline(  # over 60 lines for its public docstring (what a step is, Args, E
     uses. On CPU
     the bytes are exact live tensor storages (the same accounting as :class:`tensor_peak`,
     so ``timeline(...).peak`` equals ``tensor_peak``'s ``peak`` on the same step); on CUDA
-    each point is the allocator's peak during its operator (workspaces included). Bytes are relative to the start of
+    each point is the allocator's peak during its operator (workspaces included), read by
+    resetting ``torch.cuda``'s peak statistics at every operator: a ``max_memory_allocated``
+    taken around a block that records a timeline (``convert`` and ``max_batch`` with CUDA inputs
+    do) sees only the end of it; :func:`~convbn.memory.allocator_peak` with ``device="cuda"``
+    measures such a block whole. Bytes are relative to the start of
     the step. Recording slows the step down; do not time it.
 
     Args:
