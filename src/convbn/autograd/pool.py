@@ -16,6 +16,7 @@ from torch import Tensor
 from torch.autograd import Function
 
 from ..functional.pool import PoolSpec, compact_indices, pool_backward, pool_forward, shape_stand_in, stand_in_fits
+from .release import free_storage, keeping_graph
 
 __all__ = ["LeanPoolFunction", "lean_pool"]
 
@@ -44,6 +45,14 @@ class LeanPoolFunction(Function):
         saved = ctx.saved_tensors
         like = saved[0] if ctx.keep else shape_stand_in(ctx.shape, ctx.dtype, ctx.device)
         indices = saved[-1] if ctx.has_indices else None
+        if indices is not None and indices.dtype != torch.int64:
+            # Note: [max-pool indices in half the bytes] in functional/pool.py: widened for ATen's
+            # kernel, the int32 copy let go first unless the graph is kept, so the kernel runs
+            # beside what eager's holds (its int64 indices), never beside both
+            wide = indices.to(torch.int64)
+            if not keeping_graph():
+                free_storage(indices)
+            indices = wide
         return pool_backward(grad, like, ctx.spec, indices), None
 
 

@@ -148,7 +148,9 @@ def compact_indices(indices: Tensor, spec: PoolSpec, x_shape: Sequence[int]) -> 
     # ``int64`` per output element, which a lean pool keeps from forward to backward. A plane
     # below ``2**31`` elements (every real one) needs 32 bits: on MONAI's BasicUNet 3-D at batch
     # 2, 48^3, that is 2.0 MiB fewer held through the whole backward, at its peak included. The
-    # backward's ``int64`` copy lives only while its pooling's backward runs.
+    # backward's ``int64`` copy lives only while its pooling's backward runs, and the ``int32`` one
+    # is let go before ATen's kernel runs (``LeanPoolFunction.backward``): that moment holds what
+    # eager's holds, so a step peaking in a pool's backward (a small ResNet's stem) is not raised.
     """
     plane = 1
     for size in list(x_shape)[-spec.dims:]:
