@@ -299,6 +299,11 @@ MUTANTS: Dict[str, Mutant] = {
         "a lean max pool keeps ATen's int64 indices (twice the bytes)",
         (("functional/pool.py", "    return indices.to(torch.int32) if indices.dtype", "    return indices if indices.dtype"),),
         ("tests/test_lean_pools.py::test_keeps_the_indices_not_the_input",)),
+    "lean_pool_frees_indices_of_a_kept_graph": Mutant(
+        "a lean max pool frees its int32 indices in backward even where the graph is retained",
+        (("autograd/pool.py", "            if not keeping_graph():\n                free_storage(indices)\n",
+          "            free_storage(indices)\n"),),
+        ("tests/test_lean_pools.py::test_int32_indices_kept_for_a_retained_graph_and_let_go_otherwise",)),
     "stopped_step_kept_with_its_traceback": Mutant(
         "max_batch keeps a stopped step's exception with its traceback (its frames alive beside the next step)",
         (("batch_search.py", "return over.with_traceback(None)", "return over"),),

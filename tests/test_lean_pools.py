@@ -283,3 +283,22 @@ def test_function_saves_no_input_for_a_contiguous_one():
     x = torch.randn(2, 3, 8, 8, requires_grad=True)
     y = LeanPoolFunction.apply(x, PoolSpec.make("avg", 2, 2))
     assert y.grad_fn.saved_tensors == ()
+
+
+def test_int32_indices_kept_for_a_retained_graph_and_let_go_otherwise():
+    """Note: [max-pool indices in half the bytes]: a second backward through a retained graph
+    reads the int32 indices again (eager's gradient both times); without ``retain_graph`` their
+    storage is let go in the backward."""
+    torch.manual_seed(9)
+    x = torch.randn(2, 3, 8, 8, requires_grad=True)
+    spec = PoolSpec.make("max", 2, 2)
+    g = torch.randn(2, 3, 4, 4)
+    want = torch.autograd.grad(F.max_pool2d(x, 2), x, g)[0]
+    y = lean_pool(x, spec)
+    assert y.grad_fn.saved_tensors[-1].dtype == torch.int32
+    for _ in range(2):
+        assert torch.equal(torch.autograd.grad(y, x, g, retain_graph=True)[0], want)
+    held = y.grad_fn.saved_tensors[-1]  # the same storage as the saved slot's
+    assert held.untyped_storage().nbytes() == held.numel() * 4
+    assert torch.equal(torch.autograd.grad(y, x, g)[0], want)
+    assert held.untyped_storage().nbytes() == 0
