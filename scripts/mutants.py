@@ -304,10 +304,29 @@ MUTANTS: Dict[str, Mutant] = {
         (("autograd/pool.py", "            if not keeping_graph():\n                free_storage(indices)\n",
           "            free_storage(indices)\n"),),
         ("tests/test_lean_pools.py::test_int32_indices_kept_for_a_retained_graph_and_let_go_otherwise",)),
+    "allocator_meter_start_before_zero_grad": Mutant(
+        "the allocator (CUDA) meter reads its start when it is built, before the previous step's gradients are freed",
+        (("memory/allocator_meter.py", "        self.start = 0\n", "        self.start = counters.allocated()\n"),
+         ("memory/allocator_meter.py", "        self.start = self.counters.allocated()\n        self.counters.reset_peak()\n",
+          "")),
+        ("tests/test_max_batch_bound.py::test_an_allocator_meter_starts_after_the_previous_gradients_are_freed",)),
+    "max_batch_copy_let_go_not_collected": Mutant(
+        "max_batch collects only where a copy is still held: one let go (prediction off) lives beside the next",
+        (("batch_search.py", "        if self.copies:  # Note:", "        if self.held:  # Note:"),),
+        ("tests/test_max_batch_bound.py::test_a_copy_let_go_is_freed_before_the_next_is_made",)),
+    "max_batch_inputs_outside_the_memory": Mutant(
+        "max_batch's steps stopped at the room the resident bytes leave, the batch of inputs not in the memory",
+        (("batch_search.py", "        room = self.usable - self.before(b)", "        room = self.usable - self.resident"),),
+        ("tests/test_max_batch_bound.py::test_answering_allocates_within_the_memory_where_kernels_need_no_scratch",)),
     "stopped_step_kept_with_its_traceback": Mutant(
         "max_batch keeps a stopped step's exception with its traceback (its frames alive beside the next step)",
         (("batch_search.py", "return over.with_traceback(None)", "return over"),),
         ("tests/test_max_batch_bound.py::test_a_stopped_step_is_let_go_at_once",)),
+    "split_length_from_code_only": Mutant(
+        "a split's number of pieces read only from sizes listed in the code, not from a trace with real shapes",
+        (("passes/tracing/trace.py", "    if isinstance(value, (list, tuple)):\n        return len(value)\n",
+          "    if False:\n        return len(value)\n"),),
+        ("tests/test_split_by_shape.py",)),
 }
 
 
