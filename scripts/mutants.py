@@ -303,6 +303,25 @@ MUTANTS: Dict[str, Mutant] = {
         "a float64 step bit-identical to eager's (the rewrite did not run on the copy) decides",
         (("passes/check/step.py", "elif not ran or same.max_abs_diff == 0:", "elif not ran:"),),
         ("tests/test_check_float64_decision.py::test_a_float64_copy_whose_rewrite_does_not_run_decides_nothing",)),
+    "norm_chain_conv_backward_in_one_call": Mutant(
+        "a norm chain's convolution backward in one call again: the weight kernel's scratch on top of grad_x",
+        (("autograd/norm_chain.py", "                               weight_first=xin.device.type == \"cpu\")\n",
+          "                               weight_first=False)\n"),),
+        ("tests/test_norm_allocator_peak.py::test_small_basic_unet_steps_within_half_of_eager_by_the_allocator",)),
+    "conv_backward_weight_first_ignored": Mutant(
+        "conv_backward(weight_first=True) runs one call (grad_x first, as ATen does)",
+        (("functional/conv.py", "    if weight_first and mask[0] and mask[1] and not spec.is_linear:",
+          "    if False:"),),
+        ("tests/test_norm_allocator_peak.py::test_weight_first_conv_backward_is_the_same_bits_at_a_lower_high_water_mark",)),
+    "lean_pool_int64_indices": Mutant(
+        "a lean max pool keeps ATen's int64 indices (twice the bytes)",
+        (("functional/pool.py", "    return indices.to(torch.int32) if indices.dtype", "    return indices if indices.dtype"),),
+        ("tests/test_lean_pools.py::test_keeps_the_indices_not_the_input",)),
+    "lean_pool_frees_indices_of_a_kept_graph": Mutant(
+        "a lean max pool frees its int32 indices in backward even where the graph is retained",
+        (("autograd/pool.py", "            if not keeping_graph():\n                free_storage(indices)\n",
+          "            free_storage(indices)\n"),),
+        ("tests/test_lean_pools.py::test_int32_indices_kept_for_a_retained_graph_and_let_go_otherwise",)),
     "allocator_meter_start_before_zero_grad": Mutant(
         "the allocator (CUDA) meter reads its start when it is built, before the previous step's gradients are freed",
         (("memory/allocator_meter.py", "        self.start = 0\n", "        self.start = counters.allocated()\n"),

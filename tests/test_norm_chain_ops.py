@@ -6,7 +6,9 @@ Counted exactly (no clock) by ``tests/op_count_helpers.py`` over one training st
 bf16 autocast or in float32, float32 loss, backward). The recompute's budget is eager's own
 operators for each layer's norm and activation, run on that layer's input as eager's forward saw
 it, under the same autocast: with every conv output kept (``recompute_bn``) the backward runs each
-layer's norm and activation once more and nothing else.
+layer's norm and activation once more and nothing else; on the CPU each chain convolution's
+backward is two ``convolution_backward`` calls, its weight's gradient first (Note: [the weight's
+gradient first] in functional/conv.py: the same work, less scratch at once).
 """
 from __future__ import annotations
 
@@ -110,6 +112,8 @@ def test_converted_step_dispatches_eager_ops_plus_one_recompute(name: str, amp: 
     e, f = step_ops(eager, x, amp), step_ops(fast, x, amp)
     assert f.counts["convolution"] == e.counts["convolution"]  # every conv output kept: no conv recomputed
     budget = recompute_budget(eager, x, amp)
+    if device == "cpu":  # Note: [the weight's gradient first]: grad_W and grad_x in two calls per chain conv
+        budget["convolution_backward"] += len(eager.convs)
     assert not over_budget(f, e, budget), over_budget(f, e, budget)
     # the recompute did run: each layer's norm once more than eager's step
     norm_op = next(k for k in budget if k.startswith("native_"))

@@ -395,7 +395,10 @@ def _conv_backward(rb: _Rebuild, i: int, gy: Tensor, x: Optional[Tensor], x_need
         x = rb.input(i)
     needs = rb.needs
     xin = (spec.conv.pad_input(x) if i > 0 else x).to(w.dtype)
-    gx, gw, gb = conv_backward(gy, xin, w, spec.conv, (i > 0 or x_need, needs[base], b is not None and needs[base + 1]))
+    # Note: [the weight's gradient first] in functional/conv.py: on the CPU the weight kernel's
+    # scratch never lands on top of the input's gradient
+    gx, gw, gb = conv_backward(gy, xin, w, spec.conv, (i > 0 or x_need, needs[base], b is not None and needs[base + 1]),
+                               weight_first=xin.device.type == "cpu")
     grads[base], grads[base + 1] = gw, gb
     gx = None if gx is None else gx.to(x.dtype)  # back through the input's cast
     rb.release_engine_grad(unless=gx)
