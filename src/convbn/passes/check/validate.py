@@ -162,6 +162,12 @@ class StateSnapshot:
         self.rng.__enter__()
         return self
 
+    @property
+    def buffers(self) -> List[Tuple[Tensor, Tensor]]:
+        """``(buffer, copy)`` pairs held now (a copy lent is not held: Note: [copies lent while a
+        step cannot write them] in buffer_copies.py)."""
+        return list(self.copies.values())
+
     def __exit__(self, *exc: Any) -> None:
         self.rng.__exit__(None, None, None)
         close_copies(self.offered)
