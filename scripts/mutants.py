@@ -269,6 +269,33 @@ MUTANTS: Dict[str, Mutant] = {
         "a float64 step bit-identical to eager's (the rewrite did not run on the copy) decides",
         (("passes/check/step.py", "elif not ran or same.max_abs_diff == 0:", "elif not ran:"),),
         ("tests/test_check_float64_decision.py::test_a_float64_copy_whose_rewrite_does_not_run_decides_nothing",)),
+    "check_statistics_copies_kept": Mutant(
+        "the check's eager step keeps the snapshots' copies of the statistics it leaves unwritten (none lent)",
+        (("passes/check/buffer_copies.py", "    return held is not None and held[0] is b and same_bits(b, held[1])",
+          "    return False"),),
+        ("tests/test_convert_peak.py::test_convert_peaks_within_one_eager_training_step",)),
+    "check_eager_outputs_held": Mutant(
+        "the check's eager step holds its outputs through the backward",
+        (("passes/check/eager_reference.py", "        del out, outs\n", "        del out\n"),),
+        ("tests/test_convert_peak.py::test_convert_peaks_within_one_eager_training_step",)),
+    "check_norms_not_quietened": Mutant(
+        "the check's eager step lets the BatchNorms write their statistics (so no copy can be lent)",
+        (("passes/check/quiet_norms.py", "        m.track_running_stats = False\n", "        pass\n"),),
+        ("tests/test_convert_peak.py::test_convert_peaks_within_one_eager_training_step",)),
+    "check_lent_copy_written_unseen": Mutant(
+        "a buffer written while its copies are lent goes unseen (the model left changed)",
+        (("passes/check/buffer_copies.py", "    if moved:\n        raise", "    if False:\n        raise"),),
+        ("tests/test_check_eager_reference.py::test_a_copy_is_lent_only_while_its_buffer_has_its_bits_and_a_write_in_the_block_is_refused",)),
+    "check_lends_changed_copies": Mutant(
+        "a copy is lent although its buffer changed since it was taken (the old bits lost)",
+        (("passes/check/buffer_copies.py", "held[0] is b and same_bits(b, held[1])", "held[0] is b"),),
+        ("tests/test_check_eager_reference.py::test_a_copy_is_lent_only_while_its_buffer_has_its_bits_and_a_write_in_the_block_is_refused",
+         "tests/test_check_eager_reference.py::test_convert_leaves_the_state_where_a_parent_writes_its_batchnorms_statistics")),
+    "check_eager_buffers_from_the_quiet_step": Mutant(
+        "eager's buffers after the step are read with the statistics unwritten (eager's reference moves none)",
+        (("passes/check/eager_reference.py", "    with StateSnapshot(module), torch.no_grad():\n",
+          "    with StateSnapshot(module), torch.no_grad(), statistics_unwritten(module):\n"),),
+        ("tests/test_check_eager_reference.py::test_the_reference_is_one_eager_step_bit_for_bit_and_the_state_is_as_it_was",)),
     "stopped_step_kept_with_its_traceback": Mutant(
         "max_batch keeps a stopped step's exception with its traceback (its frames alive beside the next step)",
         (("batch_search.py", "return over.with_traceback(None)", "return over"),),

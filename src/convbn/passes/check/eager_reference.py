@@ -14,8 +14,10 @@ therefore taken in two runs, each at most a training step's peak:
    output is the upstream gradient itself, bit for bit), with the model's ``torch.nn``
    BatchNorms computing as ever but writing no statistics (Note: [the check's eager gradients
    with the statistics unwritten] in quiet_norms.py); once the forward is done, the snapshots'
-   copies of the buffers it left unwritten are lent for the backward (Note: [copies lent while a
-   step cannot write them] in buffer_copies.py). Only the gradients and what the backward drew
+   copies of those BatchNorms' buffers are lent for the backward where the buffers still hold
+   the copies' bits (one that other code wrote in the forward, a parent's ``F.batch_norm`` on
+   them, keeps its copies: Note: [copies lent while a step cannot write them] in
+   buffer_copies.py). Only the gradients and what the backward drew
    from the RNG are kept;
 2. the outputs and the buffers after the step: one training-mode forward without autograd,
    under a snapshot, drawing the same random numbers: its peak is an inference forward's.
@@ -74,18 +76,16 @@ def _gradients(call: Bound, module: nn.Module, args: Tuple[Any, ...], params: Se
                ) -> Tuple[List[Optional[Tensor]], List[Tensor]]:
     """The step's gradients and the RNG states its backward drew, nothing else held at its peak."""
     with StateSnapshot(module), statistics_unwritten(module) as quiet:
-        versions = [b._version for b in quiet]
         out, outs, wrt = step_forward(call, args, params, seed=0, grad_inputs=grad_inputs)
         if not outs or not wrt or not torch.is_grad_enabled():
             return [], []
-        unwritten = [b for b, v in zip(quiet, versions) if b._version == v]
         start, ups = _start(outs, upstream_gradients(outs, seed=0))
         del out, outs
         handles: List[Any] = []
         if ups:  # complex outputs: the outputs themselves, each upstream gradient let go once used
             ups, handles = handed_once(start, ups)
         try:
-            with copies_lent(unwritten), seeded(2) as drawn:  # run_step's backward seed
+            with copies_lent(quiet), seeded(2) as drawn:  # run_step's backward seed
                 if holds_reentrant_checkpoint(start):  # Note: [a check's backward through a reentrant checkpoint]
                     grads = backward_grads(start, wrt, ups or [torch.ones_like(start[0])], params)
                 else:

@@ -11,9 +11,10 @@ bit for bit on the CPU) and writes none of its buffers, so no copy of them need 
 put them back. Only modules whose forward is ``_BatchNorm.forward`` itself are quietened:
 a subclass with a forward of its own (timm's norm + activation layers, ``SyncBatchNorm``), an
 ``InstanceNorm`` (it passes its running statistics whatever the flag says) or any other
-buffer keeps the snapshot's copy, as before. The flag is put back after the block, and
-whether a quietened buffer was written after all is read off its version counter by the
-caller (Note: [copies lent while a step cannot write them] in buffer_copies.py).
+buffer keeps the snapshot's copy, as before. The flag is put back after the block. A
+quietened buffer that other code writes (a parent's ``F.batch_norm`` on it) no longer holds
+its copies' bits after the forward, so its copies are not lent (Note: [copies lent while a
+step cannot write them] in buffer_copies.py).
 """
 from __future__ import annotations
 
