@@ -2,11 +2,12 @@
 time is its steps), counted, not timed: an opaque custom ``autograd.Function`` inside the model
 (it stays one call in the rewrite: Note: [autograd Functions stay whole]) counts every forward
 and backward that really runs, and the batch each runs at. The check runs one eager and one
-converted training step at the example batch; the planner one recorded step of each, whose
-forward also gives the saves it reads (Note: [the saves read off the recorded step]), at two
-slices of the batch (2 and 3 samples) put on lines to it (Note: [measured on two slices of
-the batch] in sliced_measure.py): six forwards and six backwards, 26 samples' worth where four
-full-batch steps were 32, no forward of its own for the saved bytes."""
+converted training step at the example batch, and one eager forward without autograd for the
+outputs and statistics it compares (Note: [the eager reference within a training step's peak]);
+the planner one recorded step of each, whose forward also gives the saves it reads (Note: [the
+saves read off the recorded step]), at two slices of the batch (2 and 3 samples) put on lines
+to it (Note: [measured on two slices of the batch] in sliced_measure.py): seven forwards and six
+backwards, no forward of its own for the saved bytes."""
 from __future__ import annotations
 
 from typing import Any, List
@@ -59,15 +60,17 @@ def _runs(batch: int = 8, **options: Any) -> List[str]:
 
 def test_convert_with_example_inputs_runs_two_full_steps_and_two_on_slices() -> None:
     calls = _runs()
-    assert calls.count("forward") == 6 and calls.count("backward") == 6, calls
-    # the check's two steps at the example batch, then the planner's eager and converted step at 2, then at 3
-    assert _Count.batches == [8, 8, 2, 2, 3, 3], _Count.batches
+    assert calls.count("forward") == 7 and calls.count("backward") == 6, calls
+    # the check's eager step and eager forward, its converted step at the example batch, then
+    # the planner's eager and converted step at 2, then at 3
+    assert calls[:5] == ["forward", "backward", "forward", "forward", "backward"], calls
+    assert _Count.batches == [8, 8, 8, 2, 2, 3, 3], _Count.batches
 
 
 def test_a_batch_below_the_slices_minimum_records_at_the_example_batch() -> None:
     calls = _runs(batch=4)
-    assert calls.count("forward") == 4 and calls.count("backward") == 4, calls
-    assert _Count.batches == [4, 4, 4, 4], _Count.batches
+    assert calls.count("forward") == 5 and calls.count("backward") == 4, calls
+    assert _Count.batches == [4, 4, 4, 4, 4], _Count.batches
 
 
 def test_a_strategy_without_the_planner_runs_the_check_and_its_measurement() -> None:
