@@ -296,6 +296,11 @@ MUTANTS: Dict[str, Mutant] = {
         (("passes/check/eager_reference.py", "    with StateSnapshot(module), torch.no_grad():\n",
           "    with StateSnapshot(module), torch.no_grad(), statistics_unwritten(module):\n"),),
         ("tests/test_check_eager_reference.py::test_the_reference_is_one_eager_step_bit_for_bit_and_the_state_is_as_it_was",)),
+    "check_recompute_in_backward_unseen": Mutant(
+        "a backward that runs a quietened BatchNorm again (a checkpoint) is taken for one that moves no statistics",
+        (("passes/check/eager_reference.py", "if quiet.flag.reads != reads or any(", "if any("),),
+        ("tests/test_check_eager_reference.py::test_a_backward_that_runs_a_batchnorm_again_takes_the_step_whole",
+         "tests/test_capture_checkpoint.py::test_checkpoint_keeps_eager_running_statistics")),
     "stopped_step_kept_with_its_traceback": Mutant(
         "max_batch keeps a stopped step's exception with its traceback (its frames alive beside the next step)",
         (("batch_search.py", "return over.with_traceback(None)", "return over"),),

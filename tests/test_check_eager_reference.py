@@ -113,8 +113,9 @@ def test_the_quietened_norms_leave_their_statistics_and_compute_the_same() -> No
     ref = twin(x)
     before = [b.clone() for b in model.buffers()]
     with statistics_unwritten(model) as quiet:
-        assert len(quiet) == 6  # the two training-mode BatchNorms' three buffers (not the eval one's)
+        assert len(quiet.buffers) == 6  # the two training-mode BatchNorms' three buffers (not the eval one's)
         out = model(x)
+        assert quiet.flag.reads >= 2  # each quietened forward read its flag
     assert torch.equal(out, ref)  # the same kernel on the same batch statistics
     assert all(torch.equal(a, b) for a, b in zip(before, model.buffers()))
     assert not all(torch.equal(a, b) for a, b in zip(before, twin.buffers()))
@@ -163,3 +164,26 @@ def test_a_rewrite_whose_statistics_differ_is_still_caught() -> None:
     result = check_step(fast, (torch.randn(4, 3, 8, 8),), {})
     assert not result.ok
     assert "buffers" in result.describe()
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_a_backward_that_runs_a_batchnorm_again_takes_the_step_whole(reentrant: bool) -> None:
+    """A checkpoint recomputes its block in the backward, where eager's step writes the
+    statistics a second time: no two-run reference; the check's eager step is one step whole."""
+    torch.manual_seed(0)
+    inner = nn.Sequential(nn.Conv2d(4, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU())
+    outer = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.BatchNorm2d(4))
+
+    class Checkpointed(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.outer, self.inner = outer, inner
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.utils.checkpoint.checkpoint(self.inner, self.outer(x), use_reentrant=reentrant)
+
+    model = Checkpointed()
+    before = _state(model)
+    with StateSnapshot(model):
+        assert eager_reference(model, (torch.randn(2, 3, 6, 6),), {}) is None
+    assert _equal(_state(model), before)

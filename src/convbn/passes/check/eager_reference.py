@@ -54,17 +54,22 @@ class Bound:
 
 
 def eager_reference(module: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any], grad_inputs: bool = True
-                    ) -> Tuple[Any, List[Optional[Tensor]], List[Tensor], List[Tensor]]:
+                    ) -> Optional[Tuple[Any, List[Optional[Tensor]], List[Tensor], List[Tensor]]]:
     """One seeded training step of ``module`` as it runs now, state restored: ``(outputs,
     gradients, buffers after the step, RNG states after it)``, as ``run_step`` under a snapshot
     gives them, taken in two runs that each peak within a training step (Note: [the eager
-    reference within a training step's peak]).
+    reference within a training step's peak]). ``None`` where the step's backward writes
+    buffers or runs a quietened BatchNorm (a checkpoint recomputing its block: eager's step
+    writes its statistics there too): the caller takes eager's step whole.
 
     Raises:
         Exception: whatever the model raises on these inputs.
     """
     params = list(module.parameters())
-    grads, drawn = _gradients(Bound(module, kwargs), module, args, params, grad_inputs)
+    got = _gradients(Bound(module, kwargs), module, args, params, grad_inputs)
+    if got is None:
+        return None
+    grads, drawn = got
     rng: List[Tensor] = []
     with StateSnapshot(module), torch.no_grad():
         out, _ = run_step(Bound(module, kwargs), args, params, seed=0, rng=rng, grad_inputs=grad_inputs)
@@ -73,19 +78,21 @@ def eager_reference(module: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, 
 
 
 def _gradients(call: Bound, module: nn.Module, args: Tuple[Any, ...], params: Sequence[Tensor], grad_inputs: bool
-               ) -> Tuple[List[Optional[Tensor]], List[Tensor]]:
-    """The step's gradients and the RNG states its backward drew, nothing else held at its peak."""
+               ) -> Optional[Tuple[List[Optional[Tensor]], List[Tensor]]]:
+    """The step's gradients and the RNG states its backward drew, nothing else held at its peak;
+    ``None`` where its backward wrote a buffer or ran a quietened BatchNorm."""
     with StateSnapshot(module), statistics_unwritten(module) as quiet:
         out, outs, wrt = step_forward(call, args, params, seed=0, grad_inputs=grad_inputs)
         if not outs or not wrt or not torch.is_grad_enabled():
             return [], []
+        reads, versions = quiet.flag.reads, [(b, b._version) for b in module.buffers()]
         start, ups = _start(outs, upstream_gradients(outs, seed=0))
         del out, outs
         handles: List[Any] = []
         if ups:  # complex outputs: the outputs themselves, each upstream gradient let go once used
             ups, handles = handed_once(start, ups)
         try:
-            with copies_lent(quiet), seeded(2) as drawn:  # run_step's backward seed
+            with copies_lent(quiet.buffers), seeded(2) as drawn:  # run_step's backward seed
                 if holds_reentrant_checkpoint(start):  # Note: [a check's backward through a reentrant checkpoint]
                     grads = backward_grads(start, wrt, ups or [torch.ones_like(start[0])], params)
                 else:
@@ -94,6 +101,8 @@ def _gradients(call: Bound, module: nn.Module, args: Tuple[Any, ...], params: Se
         finally:
             for h in handles:
                 h.remove()
+        if quiet.flag.reads != reads or any(b._version != v for b, v in versions):
+            return None  # the backward moved statistics: a forward without autograd would not
     return list(grads), states
 
 

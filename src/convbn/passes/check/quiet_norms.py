@@ -15,16 +15,46 @@ buffer keeps the snapshot's copy, as before. The flag is put back after the bloc
 quietened buffer that other code writes (a parent's ``F.batch_norm`` on it) no longer holds
 its copies' bits after the forward, so its copies are not lent (Note: [copies lent while a
 step cannot write them] in buffer_copies.py).
+
+While quietened, the flag is a false value that counts how often it is read
+(:class:`QuietFlag`): ``_BatchNorm.forward`` reads it on every call, so the count says whether
+a quietened module ran in a stretch of the step. A backward that runs one (a checkpoint
+recomputing its block) would have written the statistics a second time in eager's step, which
+a forward without autograd does not reproduce: the caller then takes eager's step whole.
 """
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 from typing import Iterator, List
 
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-__all__ = ["statistics_unwritten"]
+__all__ = ["QuietFlag", "Quiet", "statistics_unwritten"]
+
+
+class QuietFlag:
+    """A false ``track_running_stats`` that counts its reads (Note: [the check's eager gradients
+    with the statistics unwritten])."""
+
+    def __init__(self) -> None:
+        self.reads = 0
+
+    def __bool__(self) -> bool:
+        self.reads += 1
+        return False
+
+    def __repr__(self) -> str:
+        return "False"
+
+
+@dataclass
+class Quiet:
+    """The quietened BatchNorms' buffers, and the flag they read."""
+
+    buffers: List[Tensor]
+    flag: QuietFlag
 
 
 def _quietable(m: nn.Module) -> bool:
@@ -34,21 +64,21 @@ def _quietable(m: nn.Module) -> bool:
 
 
 @contextlib.contextmanager
-def statistics_unwritten(model: nn.Module) -> Iterator[List[Tensor]]:
+def statistics_unwritten(model: nn.Module) -> Iterator[Quiet]:
     """In the block, every quietened BatchNorm of ``model`` (Note: [the check's eager gradients
     with the statistics unwritten]) leaves its running statistics and ``num_batches_tracked``
-    as they are; yields those buffers.
+    as they are; yields those buffers and the flag they read.
 
     Example:
-        >>> with statistics_unwritten(model) as unwritten:   # doctest: +SKIP
-        ...     model(x).sum().backward()                      # running statistics unchanged
+        >>> with statistics_unwritten(model) as quiet:   # doctest: +SKIP
+        ...     model(x).sum().backward()                  # running statistics unchanged
     """
     quiet = [m for m in model.modules() if _quietable(m)]
-    buffers = [b for m in quiet for b in m.buffers(recurse=False)]
+    flag = QuietFlag()
     for m in quiet:
-        m.track_running_stats = False
+        m.track_running_stats = flag
     try:
-        yield buffers
+        yield Quiet([b for m in quiet for b in m.buffers(recurse=False)], flag)
     finally:
         for m in quiet:
             m.track_running_stats = True

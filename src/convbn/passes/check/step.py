@@ -61,11 +61,12 @@ def _eager_step(module: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any]
     require grad."""
     with eager(module):
         try:
-            return eager_reference(module, args, kwargs), True
+            return eager_reference(module, args, kwargs) or _step(module, args, kwargs), True
         except RuntimeError:
             # inputs made to require grad can break a model eager runs (one that sets
             # requires_grad on a view of its input): as the caller gave them, then
-            return eager_reference(module, args, kwargs, grad_inputs=False), False
+            return (eager_reference(module, args, kwargs, grad_inputs=False)
+                    or _step(module, args, kwargs, grad_inputs=False)), False
 
 
 # Note: [a check that holds one side's gradients]
