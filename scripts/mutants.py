@@ -301,6 +301,14 @@ MUTANTS: Dict[str, Mutant] = {
         (("passes/check/eager_reference.py", "if quiet.flag.reads != reads or any(", "if any("),),
         ("tests/test_check_eager_reference.py::test_a_backward_that_runs_a_batchnorm_again_takes_the_step_whole",
          "tests/test_capture_checkpoint.py::test_checkpoint_keeps_eager_running_statistics")),
+    "slices_one_sample_only": Mutant(
+        "a model that refuses one sample is recorded at the example batch (no second pair of slices)",
+        (("passes/plan/sliced_measure.py", "SLICE_PAIRS = ((1, 2), (2, 3))", "SLICE_PAIRS = ((1, 2),)"),),
+        ("tests/test_convert_steps.py::test_a_model_that_refuses_one_sample_is_recorded_at_two_and_three",)),
+    "slices_never_one_sample": Mutant(
+        "the planner's recorded steps never run on one sample (2 and 3 only)",
+        (("passes/plan/sliced_measure.py", "SLICE_PAIRS = ((1, 2), (2, 3))", "SLICE_PAIRS = ((2, 3),)"),),
+        ("tests/test_convert_steps.py::test_convert_with_example_inputs_runs_two_full_steps_and_two_on_slices",)),
     "stopped_step_kept_with_its_traceback": Mutant(
         "max_batch keeps a stopped step's exception with its traceback (its frames alive beside the next step)",
         (("batch_search.py", "return over.with_traceback(None)", "return over"),),
