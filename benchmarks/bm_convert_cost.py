@@ -9,8 +9,9 @@ other jobs the CPU ratio moves far less with their load than the wall-clock one)
 slows what it measures): the allocator's peak over the whole ``convert`` call above what was
 live before it, and over one eager step (``zero_grad(set_to_none=True)``, forward, mean
 loss, backward, SGD step with momentum): on CPU every allocation and free the CPU allocator
-reports to ``torch.profiler`` (:func:`convbn.memory.allocator_peak`), on CUDA
-``torch.cuda.max_memory_allocated``.
+reports to ``torch.profiler`` (:func:`convbn.memory.allocator_peak`), on CUDA the caching
+allocator's blocks the same way (not ``max_memory_allocated``: the planner's CUDA meter resets
+that counter inside convert, which hid all but the last part of the call).
 
     python benchmarks/bm_convert_cost.py [--models r18 r50 hrnet crnn] [--rounds 2] [--device cpu|cuda] [--no-peaks]
                                          [--phases]
@@ -61,15 +62,10 @@ def _sync(device: torch.device) -> None:
 
 
 def _peak(fn: Callable[[], Any], device: torch.device) -> int:
-    """Peak bytes over ``fn()`` above what was live before it."""
-    if device.type != "cuda":
-        return allocator_peak(fn)
+    """Peak bytes over ``fn()`` above what was live before it, by the allocator's own events
+    (on CUDA too: ``max_memory_allocated`` does not nest, and convert's CUDA meters reset it)."""
     _sync(device)
-    start = torch.cuda.memory_allocated(device)
-    torch.cuda.reset_peak_memory_stats(device)
-    fn()
-    _sync(device)
-    return torch.cuda.max_memory_allocated(device) - start
+    return allocator_peak(fn, device)
 
 
 def _timed(fn: Callable[[], Any], device: torch.device, cpu: List[float]) -> Tuple[float, Any]:

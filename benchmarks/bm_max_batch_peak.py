@@ -12,7 +12,7 @@ process, its wall time and the process's memory while answering, two ways:
 
     PYTHONPATH=src:tests OMP_NUM_THREADS=1 python benchmarks/bm_max_batch_peak.py \\
         --model tv:resnet50 --size 224 --memory 768MiB [--confirm auto|true|false] [--allocator] \\
-        [--method predict|measure] [--channels-last]
+        [--method predict|measure] [--channels-last] [--prediction-off]
 """
 from __future__ import annotations
 
@@ -42,6 +42,16 @@ def _maxrss() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
+def _prediction_off() -> None:
+    """The convbn side's prediction made (a copy converted and stepped at 2, 4 and 3), then
+    taken as off, so that the side is measured on a copy converted again."""
+    from convbn.batch_search import Search
+
+    real = Search._fused_prediction
+    Search._fused_prediction = lambda self: (lambda out: out if isinstance(out, str) else  # type: ignore[method-assign]
+                                             " (the prediction was off)")(real(self))
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="tv:resnet50")
@@ -51,7 +61,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--allocator", action="store_true", help="measure with allocator_peak instead of RSS")
     parser.add_argument("--method", default="predict", choices=["predict", "measure"])
     parser.add_argument("--channels-last", action="store_true", help="model and inputs in channels-last memory format")
+    parser.add_argument("--prediction-off", action="store_true",
+                        help="treat the convbn side's prediction as off: it is measured on a copy converted again "
+                             "(the path on which a copy let go used to stay alive beside the next)")
     args = parser.parse_args(argv)
+    if args.prediction_off:
+        _prediction_off()
     confirm: Any = {"auto": "auto", "true": True, "false": False}[args.confirm]
     torch.manual_seed(0)
     model, _shape = MODELS[args.model]()

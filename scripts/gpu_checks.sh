@@ -1,16 +1,21 @@
 #!/usr/bin/env bash
 # The checks only a GPU can make, as one script for a lent CUDA machine (its own python3 with a
 # CUDA torch; convbn from src/). Logs go to $OUT (default ./gpu_out), written as each step ends,
-# so a run stopped early still leaves what it finished. Steps, in order of what matters most:
-#   1. every CUDA test (tests/test_cuda*.py and the CUDA tests of the convert-peak / max_batch files)
-#   2. convert's own peak and time against one eager step (bm_convert_cost --device cuda)
-#   3. the per-sample-norm nets' peak / time table: eager, convert, checkpointing, torch.compile
-#      with and without an activation-memory budget, convert + compile, in fp32 and bf16 (bm_gpu table)
+# so a run stopped early still leaves what it finished. STEPS picks steps (default: all, in order):
+#   tests         every CUDA test (tests/test_cuda*.py and the CUDA tests of other files: -k cuda)
+#   convert_cost  convert's own peak and time against one eager step (bm_convert_cost --device cuda)
+#   norm_nets     the per-sample-norm nets' peak / time table: eager, convert, checkpointing,
+#                 torch.compile with and without an activation-memory budget, convert + compile,
+#                 fp32 and bf16 (bm_gpu table on bm_norm_peaks.py's nets)
+#   library_nets  the same for MONAI BasicUNet 3-D, diffusers UNet2DModel and timm convnext_atto
+#                 (benchmarks/gpu_nets.py; MONAI and diffusers are installed from .whl/ when the
+#                 machine lacks them: see the device notes)
 set -u
 OUT=${OUT:-gpu_out}
 mkdir -p "$OUT"
-export PYTHONPATH=src:tests:benchmarks PYTHONUNBUFFERED=1
+export PYTHONPATH=src:tests:benchmarks${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 PY=${PY:-python3}
+STEPS=${STEPS:-tests convert_cost norm_nets library_nets}
 $PY -c "import torch; print('torch', torch.__version__, torch.cuda.get_device_name(0))" | tee "$OUT/env.log"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv >> "$OUT/env.log" 2>&1
 
@@ -23,15 +28,29 @@ step() {  # step NAME TIMEOUT CMD...: run CMD with a time limit, its output to $
     tail -n 25 "$OUT/$name.log"
 }
 
-step tests 200 $PY -m pytest -q -p no:cacheprovider -n 8 -rfEs tests/test_cuda.py tests/test_cuda_norms.py \
-    tests/test_convert_peak.py tests/test_max_batch_bound.py -k cuda
-step convert_cost 120 $PY benchmarks/bm_convert_cost.py --device cuda --models r18 r50 --rounds 1
-NETS=benchmarks/bm_norm_peaks.py
-step diffusion_bf16 150 $PY benchmarks/bm_gpu.py table --model $NETS:DiffusionUNet --batch-size 32 --image-size 128 \
-    --amp bf16 --configs eager auto checkpoint compile compile0.5 convert+compile --steps 10 --warmup 2
-step unet3d 150 $PY benchmarks/bm_gpu.py table --model $NETS:InstanceUNet3d --batch-size 2 --image-size 96 \
-    --amp none bf16 --configs eager auto checkpoint compile0.5 --steps 10 --warmup 2
-step diffusion_fp32 90 $PY benchmarks/bm_gpu.py table --model $NETS:DiffusionUNet --batch-size 32 --image-size 128 \
-    --amp none --configs eager auto checkpoint compile0.5 --steps 10 --warmup 2
-step convnext_bf16 90 $PY benchmarks/bm_gpu.py table --model $NETS:ConvNeXtNet --batch-size 64 --image-size 128 \
-    --amp bf16 --configs eager auto checkpoint compile0.5 --steps 10 --warmup 2
+table() {  # table NAME TIMEOUT SPEC BATCH SIZE AMPS CONFIGS
+    step "$1" "$2" $PY benchmarks/bm_gpu.py table --model "$3" --batch-size "$4" --image-size "$5" \
+        --amp $6 --configs $7 --steps 10 --warmup 2
+}
+
+for s in $STEPS; do
+    case $s in
+    tests)
+        step tests 200 $PY -m pytest -q -p no:cacheprovider -n 8 -rfEs tests/test_cuda.py tests/test_cuda_norms.py \
+            tests/test_convert_peak.py tests/test_max_batch_bound.py tests/test_memory.py tests/test_norm_chain_ops.py -k cuda ;;
+    convert_cost)
+        step convert_cost 150 $PY benchmarks/bm_convert_cost.py --device cuda --models r18 r50 --rounds 1 --phases ;;
+    norm_nets)
+        N=benchmarks/bm_norm_peaks.py
+        table diffusion_bf16 150 $N:DiffusionUNet 32 128 bf16 "eager auto checkpoint compile compile0.5 convert+compile"
+        table unet3d 150 $N:InstanceUNet3d 2 96 "none bf16" "eager auto checkpoint compile0.5"
+        table diffusion_fp32 90 $N:DiffusionUNet 32 128 none "eager auto checkpoint compile0.5"
+        table convnext_bf16 90 $N:ConvNeXtNet 64 128 bf16 "eager auto checkpoint compile0.5" ;;
+    library_nets)
+        G=benchmarks/gpu_nets.py
+        table basicunet3d 150 $G:basicunet3d 2 96 "none bf16" "eager auto checkpoint compile0.5 convert+compile"
+        table diffusers_unet 120 $G:diffusers_unet 16 128 "bf16" "eager auto compile0.5 convert+compile"
+        table convnext_atto 90 $G:convnext_atto 64 224 "bf16" "eager auto checkpoint compile0.5" ;;
+    *) echo "unknown step $s" ;;
+    esac
+done

@@ -216,6 +216,22 @@ MUTANTS: Dict[str, Mutant] = {
         (("autograd/norm_chain_memory.py", "            mem.rename((\"z\", i), out)\n",
           "            mem.alloc(out, n)\n            mem.free((\"z\", i))\n"),),
         ("tests/test_norm_memory_model.py::test_replayed_backward_is_the_measured_one",)),
+    "norm_recompute_not_reused": Mutant(
+        "a norm chain's backward recomputes a layer's norm again instead of using the graph its input's rebuild made",
+        (("autograd/norm_chain.py", "    graph = rb.pending.pop(i, None)\n", "    graph = rb.pending.pop(i, None) and None\n"),),
+        ("tests/test_norm_chain_ops.py::test_converted_step_dispatches_eager_ops_plus_one_recompute"
+         "[GroupNorm-SiLU pre-bf16-autocast-cpu]",)),
+    "norm_conv_input_copied": Mutant(
+        "a norm chain's conv backward copies its rebuilt input even where it has the conv's dtype",
+        (("autograd/norm_chain.py", "    xin = (spec.conv.pad_input(x) if i > 0 else x).to(w.dtype)\n",
+          "    xin = (spec.conv.pad_input(x) if i > 0 else x).to(w.dtype, copy=True)\n"),),
+        ("tests/test_norm_chain_ops.py::test_converted_step_dispatches_eager_ops_plus_one_recompute"
+         "[InstanceNorm-LeakyReLU post-bf16-autocast-cpu]",)),
+    "engine_grad_ignores_subclasses": Mutant(
+        "the direct engine call of a norm chain's backward skips a tensor subclass's __torch_function__",
+        (("_compat.py", "    if _engine_run_backward is None or any(type(t) is not torch.Tensor for t in (output, grad, *inputs)):\n",
+          "    if _engine_run_backward is None:\n"),),
+        ("tests/test_norm_chain_ops.py::test_engine_grad_is_autograd_grad",)),
     "norm_conv_runs_once": Mutant(
         "the planner counts a norm chain's recomputed conv once, however often its backward runs it",
         (("autograd/norm_chain_memory.py", "            runs[i] += has_conv[i]\n", "            runs[i] = int(has_conv[i])\n"),),
@@ -309,10 +325,29 @@ MUTANTS: Dict[str, Mutant] = {
         "the planner's recorded steps never run on one sample (2 and 3 only)",
         (("passes/plan/sliced_measure.py", "SLICE_PAIRS = ((1, 2), (2, 3))", "SLICE_PAIRS = ((2, 3),)"),),
         ("tests/test_convert_steps.py::test_convert_with_example_inputs_runs_two_full_steps_and_two_on_slices",)),
+    "allocator_meter_start_before_zero_grad": Mutant(
+        "the allocator (CUDA) meter reads its start when it is built, before the previous step's gradients are freed",
+        (("memory/allocator_meter.py", "        self.start = 0\n", "        self.start = counters.allocated()\n"),
+         ("memory/allocator_meter.py", "        self.start = self.counters.allocated()\n        self.counters.reset_peak()\n",
+          "")),
+        ("tests/test_max_batch_bound.py::test_an_allocator_meter_starts_after_the_previous_gradients_are_freed",)),
+    "max_batch_copy_let_go_not_collected": Mutant(
+        "max_batch collects only where a copy is still held: one let go (prediction off) lives beside the next",
+        (("batch_search.py", "        if self.copies:  # Note:", "        if self.held:  # Note:"),),
+        ("tests/test_max_batch_bound.py::test_a_copy_let_go_is_freed_before_the_next_is_made",)),
+    "max_batch_inputs_outside_the_memory": Mutant(
+        "max_batch's steps stopped at the room the resident bytes leave, the batch of inputs not in the memory",
+        (("batch_search.py", "        room = self.usable - self.before(b)", "        room = self.usable - self.resident"),),
+        ("tests/test_max_batch_bound.py::test_answering_allocates_within_the_memory_where_kernels_need_no_scratch",)),
     "stopped_step_kept_with_its_traceback": Mutant(
         "max_batch keeps a stopped step's exception with its traceback (its frames alive beside the next step)",
         (("batch_search.py", "return over.with_traceback(None)", "return over"),),
         ("tests/test_max_batch_bound.py::test_a_stopped_step_is_let_go_at_once",)),
+    "split_length_from_code_only": Mutant(
+        "a split's number of pieces read only from sizes listed in the code, not from a trace with real shapes",
+        (("passes/tracing/trace.py", "    if isinstance(value, (list, tuple)):\n        return len(value)\n",
+          "    if False:\n        return len(value)\n"),),
+        ("tests/test_split_by_shape.py",)),
 }
 
 

@@ -109,13 +109,9 @@ def test_convert_peaks_within_one_eager_training_step_on_cuda() -> None:
     x = torch.randn(8, 3, 64, 64, device="cuda")
     opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
 
-    def peak_of(fn: Any) -> int:
+    def peak_of(fn: Any) -> int:  # the allocator's events: max_memory_allocated is reset inside convert
         torch.cuda.synchronize()
-        start = torch.cuda.memory_allocated()
-        torch.cuda.reset_peak_memory_stats()
-        fn()
-        torch.cuda.synchronize()
-        return torch.cuda.max_memory_allocated() - start
+        return allocator_peak(lambda: (fn(), torch.cuda.synchronize()), "cuda")
 
     def step() -> None:
         opt.zero_grad(set_to_none=True)

@@ -335,3 +335,30 @@ def test_one_process_nccl_fsdp2_matches_eager_fsdp2_fused(order: str) -> None:
         assert fast["chains"] >= 3, (fast["chains"], str(model.convbn_report))
     finally:
         dist.destroy_process_group()
+
+
+def test_allocator_peak_on_cuda_counts_blocks_and_nests_over_a_peak_reset():
+    """convbn.memory.allocator_peak(fn, "cuda") counts the caching allocator's blocks from the
+    profiler's events: a 64 MiB tensor freed before a reset of the CUDA peak statistics (what
+    convbn's CUDA timeline does per operator inside convert) still counts, where
+    ``max_memory_allocated`` over the same block sees only what came after the reset."""
+    from convbn.memory import allocator_peak
+
+    n = 16 * 2**20  # 64 MiB of float32
+
+    def block() -> None:
+        big = torch.empty(n, device=CUDA)
+        big.fill_(1.0)
+        del big
+        torch.cuda.reset_peak_memory_stats()
+        small = torch.empty(n // 16, device=CUDA)
+        small.fill_(1.0)
+        torch.cuda.synchronize()
+
+    torch.cuda.synchronize()
+    start = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    peak = allocator_peak(block, "cuda")
+    assert peak >= 4 * n, peak
+    assert peak < 4 * n + 4 * n // 16 + 2**20, peak  # the big block, not both at once
+    assert torch.cuda.max_memory_allocated() - start < 4 * n  # the reset hid the big block from the counter

@@ -58,7 +58,8 @@ def test_predicted_max_batch_equals_the_measured_search(optim, memory, kwargs):
     assert fast.eager_batch not in fast.probes["eager"] and fast.convbn_batch not in fast.probes["convbn"]
     assert fast.eager_peak == slow.eager_peak == slow.probes["eager"][slow.eager_batch]
     assert fast.convbn_peak == slow.convbn_peak == slow.probes["convbn"][slow.convbn_batch]
-    assert slow.resident + slow.probes["convbn"][slow.convbn_batch + 1] > slow.memory
+    above = slow.convbn_batch + 1  # the resident bytes, its inputs and its step are over
+    assert slow.resident + above * slow.sample_bytes + slow.probes["convbn"][above] > slow.memory
 
 
 def test_confirmed_prediction_measures_the_answer_and_the_batch_above():
@@ -68,8 +69,8 @@ def test_confirmed_prediction_measures_the_answer_and_the_batch_above():
     fit = convbn.max_batch(net, torch.randn(2, 3, 16, 16), "2MiB", optimizer=opt, confirm=True)
     for side, batch, peak in (("eager", fit.eager_batch, fit.eager_peak), ("convbn", fit.convbn_batch, fit.convbn_peak)):
         assert fit.how[side].startswith(f"measured at batch {batch}") and "predicted alike" in fit.how[side]
-        assert fit.probes[side][batch] == peak and fit.resident + peak <= fit.memory
-        assert fit.resident + fit.probes[side][batch + 1] > fit.memory
+        assert fit.probes[side][batch] == peak and fit.resident + batch * fit.sample_bytes + peak <= fit.memory
+        assert fit.resident + (batch + 1) * fit.sample_bytes + fit.probes[side][batch + 1] > fit.memory
     assert fit.how["eager"] in str(fit)
 
 

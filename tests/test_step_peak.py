@@ -209,13 +209,14 @@ def test_max_batch_is_measured_and_the_next_batch_does_not_fit():
     assert fit.resident == resident_bytes(m, o) > resident_bytes(net) + 2 * params  # + both moments (and steps)
     for side, batch, peak in (("eager", fit.eager_batch, fit.eager_peak), ("convbn", fit.convbn_batch, fit.convbn_peak)):
         probes = fit.probes[side]
-        assert batch > 2 and probes[batch] == peak and fit.resident + peak <= fit.memory
-        assert fit.resident + probes[batch + 1] > fit.memory
+        assert batch > 2 and probes[batch] == peak and fit.resident + batch * fit.sample_bytes + peak <= fit.memory
+        assert fit.resident + (batch + 1) * fit.sample_bytes + probes[batch + 1] > fit.memory
     assert fit.convbn_batch > fit.eager_batch
     assert fit.summary().startswith(f"in 3.0 MiB: eager trains batch {fit.eager_batch}, convbn batch {fit.convbn_batch}")
     # the converted model planned for that batch, stepped by the user, peaks as predicted
     x = torch.randn(fit.convbn_batch, 3, 16, 16)
-    m = convbn.convert(m, example_inputs=x, memory_limit=fit.memory - (resident_bytes(m, o) - resident_bytes(m)))
+    state, inputs = resident_bytes(m, o) - resident_bytes(m), x.nbytes  # the batch of inputs is in max_batch's memory
+    m = convbn.convert(m, example_inputs=x, memory_limit=fit.memory - state - inputs)
     assert timeline(m, x, optimizer=o).peak == fit.convbn_peak
 
 

@@ -17,7 +17,7 @@
 """
 from __future__ import annotations
 
-from typing import Any, Callable, ContextManager, Dict, Optional, Tuple
+from typing import Any, Callable, ContextManager, Dict, Optional, Sequence, Tuple
 
 import torch
 import torch.fx._symbolic_trace as _fx_trace  # torch.fx's tracer internals (every release)
@@ -32,7 +32,7 @@ __all__ = [
     "fx_assert", "fx_assert_is_none", "FxPatcher", "fx_trace_globals", "orig_module_call", "orig_module_getattr",
     "fx_tracing_flag", "set_fx_tracing_flag", "forward_from_src", "FakeTensorMode",
     "set_grad_enabled_now", "InferenceModeContext", "current_autograd_node", "storage_use_count",
-    "will_engine_execute_node", "graph_task_keeps_graph", "SingleLevelFunction", "function_apply_impl",
+    "will_engine_execute_node", "graph_task_keeps_graph", "engine_grad", "SingleLevelFunction", "function_apply_impl",
     "function_apply_wrapper", "global_module_hooks", "functorch_config", "inductor_compile_fx", "inductor_config", "dynamo_config",
     "SAC_ADVISORY_LOGGER", "is_non_overlapping_and_dense_or_false", "dense_or_false_fallback", "make_channels_last_strides_for",
     "make_contiguous_strides_for", "suggest_memory_format", "mem_tracker_class", "mod_tracker_module",
@@ -162,6 +162,24 @@ def graph_task_keeps_graph() -> bool:
         return True if fn is None else bool(fn())
     except RuntimeError:  # no graph task on this thread
         return True
+
+
+#: ``torch.autograd.graph._engine_run_backward`` (2.4 on, found by ``getattr``): the engine call ``torch.autograd.grad``
+#: makes once it has checked its arguments.
+_engine_run_backward: Optional[Callable[..., Any]] = getattr(torch.autograd.graph, "_engine_run_backward", None)
+
+
+def engine_grad(output: torch.Tensor, inputs: Sequence[torch.Tensor],
+                grad: torch.Tensor) -> Tuple[Optional[torch.Tensor], ...]:
+    """``torch.autograd.grad(output, inputs, grad, allow_unused=True)`` without its argument
+    checks (a few tens of microseconds of Python per call; Note: [one autograd.grad per layer] in
+    autograd/norm_chain.py): for a caller whose ``grad`` has ``output``'s shape by construction.
+    The same engine call with the same arguments, so the same gradients; ``torch.autograd.grad``
+    itself where torch lacks the engine call or a tensor is a subclass (its ``__torch_function__``
+    must see the call)."""
+    if _engine_run_backward is None or any(type(t) is not torch.Tensor for t in (output, grad, *inputs)):
+        return torch.autograd.grad(output, inputs, grad, allow_unused=True)
+    return tuple(_engine_run_backward((output,), (grad,), False, False, tuple(inputs), True, accumulate_grad=False))
 
 
 #: ``torch.autograd.function._SingleLevelFunction`` (2.0 on): the base whose

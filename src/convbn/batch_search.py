@@ -20,24 +20,41 @@ stopped where it goes over the limit, and the choice to confirm made from counte
 # only read): the eager side steps one warmed copy, which is dropped before the convbn side
 # converts another at batch 2 (its chains' plans then set per batch, never a convert at the
 # batch probed, with ``method="measure"`` too). Every step runs with ``stop_above`` (Note: [a
-# step's peak]): a batch that does not fit is stopped before the operator whose outputs would
-# take the step over the limit (Note: [stopping before the operator that would cross]), so the
-# copy's resident bytes plus the step's live tensors never exceed the limit. Only
+# step's peak]) set to the room the limit leaves after the copy's resident bytes and the
+# step's batch of inputs: a batch that does not fit is stopped before the operator whose
+# outputs would take the step over the limit (Note: [stopping before the operator that would
+# cross]), so resident bytes, inputs and the step's live tensors never exceed the limit. Only
 # ``memory_budget=`` (a saved-bytes budget, not a plan per batch) still converts a fresh copy
 # at each batch it tries, whose ``convert`` check at that batch is not held to the limit.
 #
-# Note: [what answering holds above the limit]
-# Not a constant, so stated and measured instead (BENCHMARKS.md, "max_batch within its limit"):
-# the batch of inputs a step trains on (live before the step, as in the user's loop, so not in
-# a step's peak; a batch whose inputs alone exceed the room is never made), the CPU kernels'
-# own scratch (oneDNN's reorders, a convolution's reordered operands: not tensors, so no
-# tensor meter sees them; ``benchmarks/bm_conv_scratch.py`` measures them on ResNet-50's
-# convolutions: forward up to 0.93 and backward up to 1.71 of the operands' bytes, none for a
-# pointwise convolution, at the one operator running), and ``convert``'s check and the
-# planner's steps at batches 2 and 4 (small batches, but ``convert``'s float64 comparison is
-# weight-sized: it dominates on a weight-heavy model). A stopped step is let go at once (the
-# exception that stopped it is kept without its traceback, which held the step's frames, its
-# batch and tensors, in a reference cycle beside the next step until a collection).
+# Note: [what the limit holds]
+# ``memory`` holds, and the answer is the largest batch whose step fits in it: the model's
+# parameters and buffers and the optimizer's state (resident between steps), the batch of
+# inputs (alive before the step in a training loop, as the user's device must hold it: a batch
+# whose inputs alone exceed the room is never made) and the step's peak (weight gradients
+# counted). Above ``memory`` the call allocates at most :data:`SMALL_ALLOCATIONS` (1 KiB,
+# allocations no tensor meter sees; exact CPU allocator bytes: none on the test net, the call
+# peaked 3-7 KiB below ``memory``) plus what is stated, not counted: on CPU the running
+# convolution's own scratch (oneDNN's reordered operands: not tensors, so no tensor meter
+# sees them; ``benchmarks/bm_conv_scratch.py`` measures them on ResNet-50's convolutions:
+# forward up to 0.93 and backward up to 1.71 of the operands' bytes, none for a pointwise
+# convolution; at most one operator's at a time), on CUDA the workspace of an operator a step
+# is stopped after (read when it has run) and what is outside the allocator (context, library
+# handles), and ``convert``'s check and the planner's steps at batches 2 and 4 (small
+# batches, not stepped against the limit; ``convert``'s float64 comparison is weight-sized).
+# A stopped step is let go at once (the exception that stopped it is kept without its
+# traceback, which held the step's frames, its batch and tensors, in a reference cycle beside
+# the next step until a collection).
+#
+# Note: [a copy let go is freed before the next is made]
+# A converted copy is held in reference cycles (its installed forwards refer to their
+# modules), so dropping the last reference to it frees nothing until a collection. Wherever
+# a side lets its copy go (the convbn side's prediction was off or could not be made, and the
+# side is measured on a copy converted again; ``memory_budget=``'s copy per batch), the
+# planner's closures and the converted copy were only unreachable, not freed, when the next
+# copy was made and converted beside them (the path of a ResNet-50 224² run at 768 MiB that
+# went 393.7 MiB over, with a scratch reserve since reverted; not reproduced without it).
+# Every copy after the first is made after a collection, whoever let the one before go.
 #
 # Note: [confirming by counted work]
 # Whether the predicted answer is confirmed by real steps is decided from the work those
@@ -66,13 +83,17 @@ from .passes.plan.auto_plan import apply_plan, plan_to_target
 from .passes.plan.plan_inputs import PlanInputs, measure_peak, measure_plan_inputs, plan_inputs_at
 from .progress import stage
 
-__all__ = ["CONFIRM_FLOPS", "Search", "batch_of", "input_bytes", "measured_search", "young_heap"]
+__all__ = ["CONFIRM_FLOPS", "SMALL_ALLOCATIONS", "Search", "batch_of", "input_bytes", "measured_search", "young_heap"]
 
 #: With ``confirm="auto"``, :func:`convbn.max_batch` confirms a predicted answer by real steps
 #: at it and the batch above it where those two steps are counted to do at most this many
 #: floating-point operations per side (Note: [confirming by counted work]). 2e12 is a training
 #: step of a 224² ResNet-50 at about batch 40.
 CONFIRM_FLOPS = 2e12
+
+#: The stated constant of :func:`convbn.max_batch`'s bound: the bytes its call may allocate
+#: above ``memory`` where no kernel needs scratch (Note: [what the limit holds]).
+SMALL_ALLOCATIONS = 1024
 
 Result = Tuple[int, int, Dict[int, int], str]
 
@@ -179,6 +200,7 @@ class Search:
         self.limit, self.usable, self.upper, self.device = limit, usable_bytes(limit, device), upper, device
         self.confirm, self.convert_kwargs = confirm, convert_kwargs
         self.held: Tuple[Any, ...] = ()
+        self.copies = 0  # copies made so far
         m, o = self.fresh()
         self.resident = resident_bytes(m, o)
         self.state = self.resident - resident_bytes(m)  # optimizer state: not known to convert
@@ -187,9 +209,10 @@ class Search:
     def fresh(self) -> Tuple[nn.Module, Optional[torch.optim.Optimizer]]:
         """A new copy of the model and optimizer (the one before it dropped first), in training
         mode, the optimizer's state made by one warm-up step at batch 2."""
-        if self.held:
+        if self.copies:  # Note: [a copy let go is freed before the next is made]
             self.held = ()
-            gc.collect()  # a converted copy is held in reference cycles: freed before the next exists
+            gc.collect()
+        self.copies += 1
         m, o = copy.deepcopy((self.model, self.opt))  # the copied optimizer refers to the copy's parameters
         m.train()
         if o is not None:
@@ -198,15 +221,20 @@ class Search:
         self.held = (m, o)
         return m, o
 
+    def let_go(self) -> None:
+        """Free the copy held now (it may be held in reference cycles: a collection)."""
+        self.held = ()
+        gc.collect()
+
     def step(self, m: nn.Module, o: Optional[torch.optim.Optimizer], b: int, planned: bool = False) -> Any:
         """A recorded step at batch ``b`` (:func:`timeline`; ``planned``: ``measure_peak``, the
         converted copy's state put back), stopped above the limit (Note: [answering within the
         limit]): its :class:`Timeline`, or the :class:`StepOverLimit` that stopped it."""
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
-        room, inputs = self.usable - self.resident, input_bytes(self.inputs, b)
-        if inputs > room:  # the batch alone is over: never made (Note: [what answering holds above the limit])
-            return StepOverLimit(TimelinePoint(inputs, "forward", "", "the batch of inputs"), room, before=True)
+        room = self.usable - self.before(b)  # the batch's inputs are in the limit (Note: [what the limit holds])
+        if room < 0:  # the batch alone is over: never made, no step (``before(b)`` alone is over the limit)
+            return StepOverLimit(TimelinePoint(0, "forward", "", "the batch of inputs"), room, before=True)
         x = batch_of(self.inputs, b)
         try:
             if planned:
@@ -215,30 +243,35 @@ class Search:
         except StepOverLimit as over:
             # without its traceback: it holds this frame (``x``) and the stopped step's frames (its
             # tensors) in a reference cycle with ``over``, alive beside the next step until a
-            # collection (Note: [what answering holds above the limit])
+            # collection (Note: [what the limit holds])
             return over.with_traceback(None)
 
+    def before(self, b: int) -> int:
+        """What is live before a step at batch ``b``: ``resident`` and the batch of inputs."""
+        return self.resident + input_bytes(self.inputs, b)
+
     def total(self, m: nn.Module, o: Optional[torch.optim.Optimizer], b: int, planned: bool = False) -> int:
-        """``resident`` + the step's peak at ``b`` (+ the bytes where it was stopped, over the limit)."""
+        """:meth:`before` + the step's peak at ``b`` (+ the bytes where it was stopped, over the limit)."""
         out = self.step(m, o, b, planned)
-        return self.resident + (out.bytes if isinstance(out, StepOverLimit) else out.peak)
+        return self.before(b) + (out.bytes if isinstance(out, StepOverLimit) else out.peak)
 
     # ------------------------------------------------------------------ measured probes
     def eager(self, b: int) -> int:
-        """``resident + peak`` of a real eager step at batch ``b`` (of the one eager copy)."""
+        """``resident + inputs + peak`` of a real eager step at batch ``b`` (of the one eager copy)."""
         stage(f"eager: a step at batch {b}")
         m, o = self.held or self.fresh()  # the eager side runs first: the copy held is unconverted
         return self.total(m, o, b)
 
     def fused(self, b: int) -> int:
-        """``resident + peak`` of a real step of a fresh copy converted for batch ``b``
+        """``resident + inputs + peak`` of a real step of a fresh copy converted for batch ``b``
         (``memory_budget`` given, or no pair converted: no per-batch plan to hold it to the limit)."""
         stage(f"convbn: converting for batch {b} and a step")
         m, o = self.fresh()
         x = batch_of(self.inputs, b)
         with warnings.catch_warnings():  # a batch no plan fits warns: here it is only a probe
             warnings.simplefilter("ignore")
-            m = convert(m, example_inputs=x, memory_limit=max(1, self.limit - self.state), **self.convert_kwargs)
+            m = convert(m, example_inputs=x, memory_limit=max(1, self.limit - self.state - input_bytes(self.inputs, b)),
+                        **self.convert_kwargs)
         return self.total(m, o, b)
 
     def measured(self, side: str, seen: Optional[Dict[int, int]] = None, why: str = "",
@@ -291,7 +324,7 @@ class Search:
         for b in PROBE_BATCHES:
             stage(f"eager: a recorded step at batch {b}")
             out = self.step(m, o, b)
-            seen[b] = self.resident + (out.bytes if isinstance(out, StepOverLimit) else out.peak)
+            seen[b] = self.before(b) + (out.bytes if isinstance(out, StepOverLimit) else out.peak)
             if isinstance(out, StepOverLimit):
                 return self.measured("eager", seen, f" (batch {b} is over the limit)")
             tls[b] = out
@@ -302,9 +335,9 @@ class Search:
             return self.measured("eager", seen, " (the step's memory is not a line in the batch)")
         if not lines.agrees(tls[b3], b3):
             return self.measured("eager", seen, f" (the step at batch {b3} is off the line)")
-        b = largest_fitting(lambda n: self.resident + lines.peak_at(n) <= self.usable, self.upper)
+        b = largest_fitting(lambda n: self.before(n) + lines.peak_at(n) <= self.usable, self.upper)
         how = f"predicted from steps at batches {b1} and {b2} (exact at {b3})"
-        out = self.confirmed("eager", b, self.resident + lines.peak_at(b), seen, how, lambda c: self.total(m, o, c))
+        out = self.confirmed("eager", b, self.before(b) + lines.peak_at(b), seen, how, lambda c: self.total(m, o, c))
         return self.measured("eager", seen, out) if isinstance(out, str) else out
 
     def fused_predicted(self) -> Result:
@@ -320,7 +353,7 @@ class Search:
         """A fresh copy converted at batch 2, the chains' planner inputs measured at batches 2
         and 4: ``(plan_at, planned)``, the plan ``convert(memory_limit=...)`` makes at a batch
         (the inputs are lines in the batch; ``None`` where no pair was converted) and
-        ``resident + peak`` of a real step of the copy planned so. Every later step is this copy's, stopped above the limit (Note: [answering
+        ``resident + inputs + peak`` of a real step of the copy planned so. Every later step is this copy's, stopped above the limit (Note: [answering
         within the limit]). Where ``memory_budget`` is given or the inputs are not lines in the
         batch, why not (the caller converts a copy at each batch)."""
         b1, b2, _ = PROBE_BATCHES
@@ -344,7 +377,7 @@ class Search:
 
         def plan_at(n: int) -> Any:
             p = plan_inputs_at(measured[b1], measured[b2], n)
-            return plan_to_target(p.costs(), p.floor, p.extra, target, p.gaps())
+            return plan_to_target(p.costs(), p.floor, p.extra, target - input_bytes(self.inputs, n), p.gaps())
 
         def planned(n: int) -> int:  # a real step at n of the copy planned for n as predicted
             plan = plan_at(n)
@@ -369,9 +402,9 @@ class Search:
         plan = plan_at(b3)
         stage(f"convbn: a recorded step at batch {b3}, planned as predicted")
         seen = {b3: planned(b3)}
-        if seen[b3] != self.resident + plan.peak:
+        if seen[b3] != self.before(b3) + plan.peak:
             return f" (the predicted peak at batch {b3} is off)"
-        b = largest_fitting(lambda n: self.resident + plan_at(n).peak <= self.usable, self.upper)
+        b = largest_fitting(lambda n: self.before(n) + plan_at(n).peak <= self.usable, self.upper)
         how = (f"predicted from the planner's inputs at batches {PROBE_BATCHES[0]} and {PROBE_BATCHES[1]} "
                f"(exact at {b3})")
-        return self.confirmed("convbn", b, self.resident + plan_at(b).peak if b else 0, seen, how, planned)
+        return self.confirmed("convbn", b, self.before(b) + plan_at(b).peak if b else 0, seen, how, planned)

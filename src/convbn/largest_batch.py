@@ -50,10 +50,13 @@ class BatchFit:
         memory: the limit, bytes.
         usable: bytes the step's tensors may use (the limit, less the CUDA margin).
         resident: parameters, buffers and optimizer state, bytes (alive between steps).
+        sample_bytes: one sample's inputs, bytes: a batch of ``b`` holds ``b * sample_bytes``
+            (alive before a step, as in a training loop, and inside the limit).
         eager_batch / convbn_batch: the largest batch that trains within the limit (0: not
             even one sample).
-        eager_peak / convbn_peak: the step's peak at that batch, above ``resident``
-            (as :func:`convbn.timeline` measures it); ``resident + peak <= usable``.
+        eager_peak / convbn_peak: the step's peak at that batch, above ``resident`` and the
+            batch of inputs (as :func:`convbn.timeline` measures it);
+            ``resident + batch * sample_bytes + peak <= usable``.
         probes: ``{"eager": {batch: peak}, "convbn": {batch: peak}}``, every batch whose
             step was measured as trained (for convbn: converted for that batch).
         device: where it was measured.
@@ -64,6 +67,7 @@ class BatchFit:
     memory: int
     usable: int
     resident: int
+    sample_bytes: int = 0
     eager_batch: int = 0
     eager_peak: int = 0
     convbn_batch: int = 0
@@ -122,9 +126,9 @@ def max_batch(  # over 60 lines for its public docstring (Args, Raises, Example)
 ) -> BatchFit:
     """The largest batch that trains within ``memory``, eager and converted.
 
-    A training step needs the resident bytes (parameters, buffers, optimizer state) plus
-    its peak (the standard loop, gradients set to None first, weight gradients counted, as
-    :func:`convbn.timeline` measures it). A copy of ``model`` (and of ``optimizer``, one
+    A training step needs the resident bytes (parameters, buffers, optimizer state), its
+    batch of inputs and its peak (the standard loop, gradients set to None first, weight
+    gradients counted, as :func:`convbn.timeline` measures it). A copy of ``model`` (and of ``optimizer``, one
     warm-up step made so its state exists) takes real steps at small batches (2, 4 and 3);
     the answer is predicted from them exactly where a step's memory is a line in the batch,
     which the step at 3 checks, and confirmed by real steps at the answer and the batch above
@@ -134,19 +138,20 @@ def max_batch(  # over 60 lines for its public docstring (Args, Raises, Example)
     peak (cuDNN workspaces included) against the limit less a 10 % margin for allocator
     fragmentation (not yet verified on a GPU).
 
-    Answering holds no tensor above ``memory``: one copy of the model exists at a time, and
-    a step that would go over the limit is stopped before the operator whose outputs would
-    take it over (their sizes known from a meta run), with ``method="measure"`` too. Above
-    what was live before the call, the call holds at most ``memory`` in tensors plus: the
-    batch of inputs a step trains on (not counted in the limit, as in :func:`convbn.timeline`),
-    on CPU the kernels' own scratch (not tensors: oneDNN's operands reordered inside a
-    convolution, up to 0.93 of its operands' bytes forward and 1.71 backward; ResNet-50 224² at
-    768 MiB: 37.7 MiB above, 4.9 %, channels-last 34.5 MiB; on a small channels-last net
-    whose kernels need none, the call allocates within ``memory``, the inputs and 1 KiB),
-    and ``convert``'s own check at batch 2. With
-    ``memory_budget=`` a copy is converted at each batch tried, not held to the limit. Its
-    answer depends on no clock: the same call gives the same batches, ``probes`` and
-    ``how`` on any machine.
+    ``memory`` holds the model's parameters, buffers and optimizer state, the batch of inputs
+    and the step: the answer is the largest batch with ``resident + batch * sample_bytes +
+    peak <= usable``. Answering stays within it: one copy of the model exists at a time, and
+    a step that would go over the room its batch leaves is stopped before the operator whose
+    outputs would take it over (their sizes known from a meta run), with ``method="measure"``
+    too. Above ``memory`` the call allocates at most 1 KiB of small allocations plus, stated
+    and not counted: on CPU the running convolution's own scratch (not tensors: oneDNN's
+    operands reordered, up to 0.93 of its operands' bytes forward and 1.71 backward; ResNet-50
+    224² at 768 MiB: 26.4 MiB above, 3.4 %; none on a channels-last net whose kernels need
+    none, where the call stays within ``memory`` plus 1 KiB, exact allocator bytes), on CUDA
+    the workspace of an operator a step is stopped after, and ``convert``'s own check at
+    batch 2. With ``memory_budget=`` a copy is converted at each batch tried, not held to the
+    limit. Its answer depends on no clock: the same call gives the same batches, ``probes``
+    and ``how`` on any machine.
 
     Args:
         model: the model, on the device to train on.
@@ -203,7 +208,7 @@ def max_batch(  # over 60 lines for its public docstring (Args, Raises, Example)
         else:
             eager = search.eager_predicted()
             fused = search.fused_predicted()
-        search.held = ()
+        search.let_go()  # the last copy freed before the call returns, not at some later collection
         stage(f"eager batch {eager[0]}, convbn batch {fused[0]}")
     return _fit(memory, limit, search, eager, fused, device)
 
@@ -221,18 +226,20 @@ def _fit(memory: Any, limit: int, search: Search, eager: Tuple[int, int, Dict[in
     """The two searches' results as a :class:`BatchFit` (peaks above ``resident``); a limit
     where neither side trains one sample is a ``ValueError``."""
     resident = search.resident
-    fit = BatchFit(memory=limit, usable=search.usable, resident=resident, device=str(device))
+    fit = BatchFit(memory=limit, usable=search.usable, resident=resident, sample_bytes=search.before(1) - resident,
+                   device=str(device))
     fit.eager_batch, e_total, e_probes, fit.how["eager"] = eager
     fit.convbn_batch, c_total, c_probes, fit.how["convbn"] = fused
-    fit.eager_peak = e_total - resident if fit.eager_batch else 0
-    fit.convbn_peak = c_total - resident if fit.convbn_batch else 0
-    fit.probes = {"eager": {b: p - resident for b, p in sorted(e_probes.items())},
-                  "convbn": {b: p - resident for b, p in sorted(c_probes.items())}}
+    fit.eager_peak = e_total - search.before(fit.eager_batch) if fit.eager_batch else 0
+    fit.convbn_peak = c_total - search.before(fit.convbn_batch) if fit.convbn_batch else 0
+    fit.probes = {"eager": {b: p - search.before(b) for b, p in sorted(e_probes.items())},
+                  "convbn": {b: p - search.before(b) for b, p in sorted(c_probes.items())}}
     if not fit.convbn_batch and not fit.eager_batch:
         needs = min((p for side in fit.probes.values() for b, p in side.items() if b <= 2), default=0)
         raise ValueError(f"memory={memory!r} ({format_bytes(limit)}) is below what one sample needs: resident "
-                         f"{format_bytes(resident)} (parameters, buffers, optimizer state) and a training step "
-                         f"that is over the remaining {format_bytes(search.usable - resident)} even converted"
+                         f"{format_bytes(resident)} (parameters, buffers, optimizer state), and the batch of "
+                         f"inputs ({format_bytes(fit.sample_bytes)} a sample) with a training step are over the "
+                         f"remaining {format_bytes(search.usable - resident)} even converted"
                          + (f" (it was stopped at {format_bytes(needs)})" if needs else "") + "; give a larger memory")
     return fit
 

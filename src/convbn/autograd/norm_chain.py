@@ -23,6 +23,15 @@ early] in autograd/release.py), the incoming gradient once its last layer consum
 [freeing the incoming gradient] in autograd/refcounts.py), and a bare end convolution's output is
 never recomputed; the planner replays this order on sizes (autograd/norm_chain_memory.py).
 
+Note: [one autograd.grad per layer]
+Each layer's recomputed norm + tail graph is differentiated by one engine call
+(:func:`convbn._compat.engine_grad`: ``torch.autograd.grad``'s engine call without its argument
+checks, whose Python costs tens of microseconds per layer: on an accelerator a chain's backward is
+partly host-bound where maps are small). The gradient handed in has the root's shape by
+construction; the engine, its arguments and so the gradients are ``torch.autograd.grad``'s.
+``tests/test_norm_chain_ops.py`` bounds the operators a converted step dispatches by eager's plus
+one recompute of each layer (``benchmarks/bm_norm_host.py`` prints both, and the host time).
+
 Note: [the norm's output as a root only]
 Layer ``i``'s norm is recomputed under autograd once, when layer ``i + 1`` rebuilds its input,
 and that graph waits for layer ``i``'s backward. Where the activation's derivative is a
@@ -42,6 +51,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
+from .._compat import engine_grad
 from ..functional.activations import Activation
 from ..functional.conv import ConvSpec, conv_backward, conv_forward
 from ..functional.norms import NormCall, norm_forward, norm_reference, norm_row
@@ -217,6 +227,8 @@ class _Rebuild:
                  kept: Dict[int, Tensor], stats: Sequence[Stats], needs: Sequence[bool]) -> None:
         self.x0, self.params, self.specs, self.kept, self.stats = x0, params, specs, kept, stats
         self.off, self.needs = _offsets(specs), needs
+        #: each layer's parameters as ``_split`` gives them (read several times per layer)
+        self.split = [_split(s, params[self.off[i]: self.off[i + 1]]) for i, s in enumerate(specs)]
         self.pending: Dict[int, PostGraph] = {}
         #: no later backward unpacks the saved conv outputs: each is freed once read
         self.free_kept = not keeping_graph()
@@ -233,7 +245,7 @@ class _Rebuild:
         free_storage(g)
 
     def layer(self, i: int) -> Tuple[Any, Any, Any, Any, List[Any]]:
-        return _split(self.specs[i], self.params[self.off[i]: self.off[i + 1]])
+        return self.split[i]
 
     def y(self, i: int, x: Optional[Tensor]) -> Tensor:
         """Layer ``i``'s conv output (its input where it has no conv)."""
@@ -317,7 +329,7 @@ def _layer_backward(rb: _Rebuild, i: int, grad: List[Tensor], x_need: bool, grad
         g = spec.act.backward(g, out.detach())
     rb.release_engine_grad(unless=g)
     wanted = [yv] + [p for p in pv if p is not None and p.requires_grad]
-    got = list(torch.autograd.grad(out, wanted, g, allow_unused=True)) if out is not yv else [g]
+    got = list(engine_grad(out, wanted, g)) if out is not yv else [g]  # Note: [one autograd.grad per layer]
     del g
     gy, rest = got[0], iter(got[1:])
     rb.release_engine_grad(unless=gy)

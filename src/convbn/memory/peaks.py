@@ -4,8 +4,8 @@ or the CPU allocator's live bytes.
 :class:`peak_memory` reads the CUDA allocator's peak on a GPU and samples RSS on CPU
 (indicative: RSS includes allocator caching); :class:`tensor_peak` counts tensor storages
 as they are created and freed, exact and deterministic on any device; :func:`allocator_peak`
-counts what the CPU allocator serves, which includes compiled code's own buffers (inductor
-allocates outside the dispatcher, where no dispatch mode sees it).
+counts what the CPU or CUDA allocator serves, which includes compiled code's own buffers (inductor
+allocates outside the dispatcher, where no dispatch mode sees it) and kernels' scratch.
 """
 from __future__ import annotations
 
@@ -35,8 +35,8 @@ def _rss_bytes() -> int:
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def allocator_peak(fn: Callable[[], Any]) -> int:
-    """The most bytes live at the CPU allocator while ``fn()`` runs, above what was live when
+def allocator_peak(fn: Callable[[], Any], device: Any = "cpu") -> int:
+    """The most bytes live at ``device``'s allocator while ``fn()`` runs, above what was live when
     it began: every allocation the allocator reports to ``torch.profiler``
     (``profile_memory=True``) and the frees of those blocks, replayed in order. Unlike
     :func:`~convbn.memory.timeline` it sees compiled code's buffers (a step run by
@@ -46,11 +46,18 @@ def allocator_peak(fn: Callable[[], Any]) -> int:
     ``fn`` and freed in it is not subtracted: only blocks allocated within ``fn`` count, so
     the same block gives the same figure whatever ran before it.
 
+    On CUDA the caching allocator's blocks are counted (what ``torch.cuda.memory_allocated``
+    counts). Unlike ``torch.cuda.max_memory_allocated`` this reading nests: a block that resets
+    the CUDA peak statistics inside ``fn`` (convbn's CUDA ``timeline`` does, per operator) does
+    not hide what was allocated before the reset.
+
     Args:
         fn: the block to measure, e.g. one training step.
+        device: the allocator's device (``"cpu"``, ``"cuda"``, ``"cuda:1"``, a ``torch.device``);
+            a CUDA device without an index is the current one.
 
     Returns:
-        Peak live CPU bytes allocated within ``fn`` (not counting frees of older blocks).
+        Peak live bytes allocated on ``device`` within ``fn`` (not counting frees of older blocks).
 
     Example:
         >>> x = torch.randn(256, 256)
@@ -67,9 +74,12 @@ def allocator_peak(fn: Callable[[], Any]) -> int:
     # size only where the block was allocated under an earlier profiler session, so subtracting
     # it made the same step's figure depend on what was measured before it. Only blocks
     # allocated within ``fn`` count, from their allocation to their free.
+    dev = torch.device(device)
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         fn()
-    events = sorted(_cpu_allocations(prof.profiler.kineto_results.experimental_event_tree()))
+    events = sorted(_allocations(prof.profiler.kineto_results.experimental_event_tree(), dev))
     blocks: Dict[int, int] = {}
     live = peak = 0
     for _, ptr, nbytes in events:  # Note: [blocks from before the measurement]
@@ -82,16 +92,16 @@ def allocator_peak(fn: Callable[[], Any]) -> int:
     return peak
 
 
-def _cpu_allocations(roots: Any) -> List[Tuple[int, int, int]]:
-    """``(time ns, address, bytes)`` of every CPU allocation (positive) and free (negative)
-    in a profiler's event tree."""
+def _allocations(roots: Any, device: torch.device) -> List[Tuple[int, int, int]]:
+    """``(time ns, address, bytes)`` of every allocation (positive) and free (negative) on
+    ``device`` in a profiler's event tree."""
     out: List[Tuple[int, int, int]] = []
     stack = list(roots)
     while stack:
         node = stack.pop()
         stack.extend(node.children)
         fields = node.extra_fields
-        if hasattr(fields, "alloc_size") and getattr(fields, "device", None) == torch.device("cpu"):
+        if hasattr(fields, "alloc_size") and getattr(fields, "device", None) == device:
             out.append((node.start_time_ns, int(fields.ptr), int(fields.alloc_size)))
     return out
 

@@ -27,7 +27,7 @@ import torch
 from torch import Tensor, nn
 
 from .._compat import TorchDispatchMode, current_autograd_node, mem_tracker_total, mod_tracker_of, name_module, pytree
-from .mod_tracking import releasing_mod_tracker
+from .allocator_meter import AllocatorCounters, AllocatorMeter, cuda_counters
 from .next_op import new_output_bytes
 from .peaks import tensor_peak
 from .saved import _with_fused
@@ -179,20 +179,6 @@ class _TimelineMode(TorchDispatchMode):
             raise StepOverLimit(point, self.stop_above, before=True)
 
 
-def _cuda_peak_reader(dev: torch.device, start: int) -> Callable[[], int]:
-    """Reads the allocator's peak since the previous reading, then resets it: each point is
-    the most that was allocated *during* its operator (cuDNN workspaces included), so the
-    timeline's maximum is ``torch.cuda.max_memory_allocated`` over the step (host-side
-    allocator counters: no synchronisation needed)."""
-
-    def read() -> int:
-        peak = torch.cuda.max_memory_allocated(dev) - start
-        torch.cuda.reset_peak_memory_stats(dev)
-        return peak
-
-    return read
-
-
 def timeline(  # over 60 lines for its public docstring (what a step is, Args, Example); the body is ~35
     model: nn.Module,
     *inputs: Any,
@@ -213,7 +199,11 @@ def timeline(  # over 60 lines for its public docstring (what a step is, Args, E
     uses. On CPU
     the bytes are exact live tensor storages (the same accounting as :class:`tensor_peak`,
     so ``timeline(...).peak`` equals ``tensor_peak``'s ``peak`` on the same step); on CUDA
-    each point is the allocator's peak during its operator (workspaces included). Bytes are relative to the start of
+    each point is the allocator's peak during its operator (workspaces included), read by
+    resetting ``torch.cuda``'s peak statistics at every operator: a ``max_memory_allocated``
+    taken around a block that records a timeline (``convert`` and ``max_batch`` with CUDA inputs
+    do) sees only the end of it; :func:`~convbn.memory.allocator_peak` with ``device="cuda"``
+    measures such a block whole. Bytes are relative to the start of
     the step. Recording slows the step down; do not time it.
 
     Args:
@@ -282,17 +272,14 @@ def _meters(model: nn.Module, inputs: Tuple[Any, ...],
             optimizer: Optional[torch.optim.Optimizer]) -> Tuple[Any, _TimelineMode, str]:
     """The memory meter for one step of ``model`` (the CUDA allocator where the step runs on a
     GPU, else live tensor bytes), the mode recording a point per operator, and the source's name.
-    Started before the step's ``zero_grad``: bytes are relative to what is live here."""
-    devices = {t.device.type for t in (*inputs, *model.parameters()) if isinstance(t, Tensor)}
+    Built before the step's ``zero_grad``; each meter reads its start when its block is
+    entered, after it: bytes are relative to what is live then."""
     track: Tuple[Any, ...] = (model,) if optimizer is None else (model, optimizer)
-    if "cuda" in devices:
-        dev = next(t.device for t in (*inputs, *model.parameters()) if isinstance(t, Tensor) and t.is_cuda)
-        torch.cuda.synchronize(dev)
-        start = torch.cuda.memory_allocated(dev)
-        torch.cuda.reset_peak_memory_stats(dev)
-        meter: Any = releasing_mod_tracker()
-        mode = _TimelineMode(_cuda_peak_reader(dev, start), lambda: _innermost(meter.parents))
-        mode.now = lambda: torch.cuda.memory_allocated(dev) - start  # not a peak reading: it would reset the peak
+    counters = _allocator_counters(model, inputs)
+    if counters is not None:  # its start is read when the step's block is entered, after zero_grad
+        meter: Any = AllocatorMeter(counters)  # Note: [an allocator meter starts where the step starts]
+        mode = _TimelineMode(meter.read, lambda: _innermost(meter.tracker.parents))
+        mode.now = meter.now
         source = "cuda"
     else:
         tp = tensor_peak(*track)
@@ -303,6 +290,14 @@ def _meters(model: nn.Module, inputs: Tuple[Any, ...],
         meter = tp
         source = "tensors"
     return meter, mode, source
+
+
+def _allocator_counters(model: nn.Module, inputs: Tuple[Any, ...]) -> Optional[AllocatorCounters]:
+    """The CUDA allocator's counters where the step runs on a GPU; ``None``: the exact tensor meter."""
+    for t in (*inputs, *model.parameters()):
+        if isinstance(t, Tensor) and t.is_cuda:
+            return cuda_counters(t.device)
+    return None
 
 
 def _name_fused(mod_tracker: Any, model: nn.Module) -> None:

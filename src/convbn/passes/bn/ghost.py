@@ -82,6 +82,6 @@ def ghost_bn_reason(owner: nn.Module, attr: str) -> Optional[str]:
         if split is not None and _calls_self_attr(body, self_name, attr):
             return (f"ghost BatchNorm: {type(owner).__name__}.forward calls self.{attr} on each piece of a tensor's "
                     f"{split}() in a Python loop (batch statistics per piece, running statistics updated once per "
-                    "piece); tracing cannot unroll a loop over a tensor's pieces and a fused chain normalises one "
-                    "tensor per call; left as is")
+                    "piece); a fused chain normalises one tensor per call, and a symbolic trace cannot unroll a loop "
+                    "over a tensor's pieces; left as is")
     return None

@@ -70,8 +70,8 @@ def _measure(chain: FusedChain, fn: Callable[[Tensor], Tensor], x: Tensor, param
 
 
 def peak_above_eager(chain: FusedChain, pieces: Sequence[Tensor]) -> str:
-    """Why ``chain`` should run as eager modules (its fused step peaks above its eager
-    layers' on this input), or ``""`` (Note: [never above eager, without example inputs]).
+    """Why ``chain`` should run as eager modules (its fused step peaks above :data:`MARGIN` of
+    its eager layers' on this input), or ``""`` (Note: [never above eager, without example inputs]).
 
     Args:
         chain: a chain on its first training call, its plan made.
@@ -94,5 +94,5 @@ def peak_above_eager(chain: FusedChain, pieces: Sequence[Tensor]) -> str:
     fused = _measure(chain, lambda t: chain._forward_fused([t], t), x, params)
     if fused <= MARGIN * eager:
         return ""
-    return (f"its fused step measured {fused} bytes at its peak on its first training call, above its eager "
-            f"layers' {eager}: its layers run as eager modules")
+    return (f"its fused step measured {fused} bytes at its peak on its first training call, above "
+            f"{MARGIN:.0%} of its eager layers' {eager}: its layers run as eager modules")

@@ -206,10 +206,15 @@ def frozen_lookalikes(model: nn.Module, outcomes: Sequence[BNOutcome] = ()) -> L
     return left
 
 
+def _called_more_than_once(reason: str) -> bool:
+    """A BatchNorm left for being called several times: a ghost loop a trace with real shapes unrolled."""
+    return reason.startswith("the BatchNorm module is called ") and "times" in reason
+
+
 def explain_ghost_loops(model: nn.Module, outcomes: Sequence[BNOutcome]) -> List[BNOutcome]:
     """``outcomes`` with the reason of each BatchNorm left inside a module that could not be
-    traced replaced by a precise one where that module's ``forward`` is a ghost BatchNorm
-    loop (:func:`~convbn.passes.bn.ghost.ghost_bn_reason`).
+    traced (or that a trace with real shapes unrolled, the BatchNorm then called once per piece)
+    replaced by a precise one where that module's ``forward`` is a ghost BatchNorm loop (:func:`~convbn.passes.bn.ghost.ghost_bn_reason`).
 
     Args:
         model: the model the pass was given, whose qualified names the outcomes use.
@@ -225,7 +230,7 @@ def explain_ghost_loops(model: nn.Module, outcomes: Sequence[BNOutcome]) -> List
     out = []
     for o in outcomes:
         owner_path, _, attr = o.batchnorm.rpartition(".")
-        if o.result == "left" and "could not be traced" in o.reason:
+        if o.result == "left" and ("could not be traced" in o.reason or _called_more_than_once(o.reason)):
             try:
                 owner = model.get_submodule(owner_path)
             except AttributeError:

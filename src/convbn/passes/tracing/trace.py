@@ -56,7 +56,7 @@ from ..graph.checkpoint_calls import checkpointed_modules, keep_checkpoint_calls
 from ..graph.grad_regions import recording_grad_modes
 from ..graph.hooks import hook_reason
 from ..graph.state_tensors import state_tensor_ids
-from ..graph.shape_capture import ShapeGuard, ShapeTracing
+from ..graph.shape_capture import VALUE, ShapeGuard, ShapeTracing
 from ..graph.specialize import Defaults, EmptyVarargs, constant_defaults, empty_varargs, none_used_as_value
 from .mode_answers import mode_dependent_once
 from ..graph.thread_patch import fx_patches_scoped, original_item, scoped_item
@@ -82,7 +82,12 @@ _SPLITS = (torch.split, torch.Tensor.split, torch.tensor_split, torch.Tensor.ten
 
 def _static_length(node: fx.Node) -> Optional[int]:
     """How many tensors ``node`` returns, where its arguments fix it: ``split`` into a list of
-    sizes (that many), ``tensor_split`` at a list of indices (one more); else ``None``."""
+    sizes (that many), ``tensor_split`` at a list of indices (one more); in a trace with real
+    shapes, any value that trace computed as a tuple or list (``torch.split(x, c // r, 1)`` with
+    ``c`` read off ``x.shape``: ResNeSt's split attention); else ``None``."""
+    value = node.meta.get(VALUE)
+    if isinstance(value, (list, tuple)):
+        return len(value)
     if node.op == "call_function" and node.target in _SPLITS:
         args, name = node.args[1:], getattr(node.target, "__name__", "")
     elif node.op == "call_method" and node.target in ("split", "tensor_split"):
@@ -146,7 +151,7 @@ class _PartialTracing:
 
     def iter(self, obj: fx.Proxy) -> Any:
         """Iterating a traced value whose length the code fixes (``torch.split`` into listed
-        sizes): its items. fx itself iterates only where the code unpacks a fixed number
+        sizes) or a trace with real shapes computed (``torch.split(x, c // r, 1)``): its items. fx itself iterates only where the code unpacks a fixed number
         (``a, b = ...``); ``zip(convs, torch.split(x, sizes, 1))`` (mixed-kernel convolutions)
         made the whole module opaque."""
         n = _static_length(obj.node)
