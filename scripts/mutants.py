@@ -221,6 +221,24 @@ MUTANTS: Dict[str, Mutant] = {
         (("autograd/norm_chain.py", "    graph = rb.pending.pop(i, None)\n", "    graph = rb.pending.pop(i, None) and None\n"),),
         ("tests/test_norm_chain_ops.py::test_converted_step_dispatches_eager_ops_plus_one_recompute"
          "[GroupNorm-SiLU pre-bf16-autocast-cpu]",)),
+    "norm_layer_norm_rebuilt_twice": Mutant(
+        "a norm before a dropped conv is recomputed without a graph for the next rebuild and again with it, "
+        "where its conv may not drop its rebuilt input",
+        (("autograd/norm_chain.py", "            if k == i - 2 and norm_once(self.specs[k], self.specs[k + 1]):",
+          "            if False and norm_once(self.specs[k], self.specs[k + 1]):"),),
+        ("tests/test_norm_chain_ops.py::test_a_layer_norm_before_a_dropped_conv_is_recomputed_once[float32-cpu]",)),
+    "norm_replay_layer_norm_rebuilt_twice": Mutant(
+        "the planner's replay drops a norm's rebuilt output where the backward keeps it for the next conv",
+        (("autograd/norm_chain_memory.py", "            once = m == i - 2 and self.norm_once(m)",
+          "            once = False and self.norm_once(m)"),),
+        ("tests/test_norm_memory_model.py::test_a_layer_norm_kept_for_a_dropped_conv_is_priced_for_every_plan",)),
+    "norm_once_ignores_may_drop": Mutant(
+        "a norm before a dropped conv is kept for the conv's backward even where the plan lets the chain drop it "
+        "(the step peaks above the planner's prediction)",
+        (("autograd/norm_chain.py",
+          "    return spec.norm is not None and not spec.tail and spec.act.is_identity and not after.may_drop\n",
+          "    return spec.norm is not None and not spec.tail and spec.act.is_identity\n"),),
+        ("tests/test_norm_memory_model.py::test_a_layer_norm_kept_for_a_dropped_conv_is_priced_for_every_plan",)),
     "norm_conv_input_copied": Mutant(
         "a norm chain's conv backward copies its rebuilt input even where it has the conv's dtype",
         (("autograd/norm_chain.py", "    xin = (spec.conv.pad_input(x) if i > 0 else x).to(w.dtype)\n",
