@@ -322,6 +322,46 @@ MUTANTS: Dict[str, Mutant] = {
         (("autograd/pool.py", "            if not keeping_graph():\n                free_storage(indices)\n",
           "            free_storage(indices)\n"),),
         ("tests/test_lean_pools.py::test_int32_indices_kept_for_a_retained_graph_and_let_go_otherwise",)),
+    "check_statistics_copies_kept": Mutant(
+        "the check's eager step keeps the snapshots' copies of the statistics it leaves unwritten (none lent)",
+        (("passes/check/buffer_copies.py", "    return held is not None and held[0] is b and same_bits(b, held[1])",
+          "    return False"),),
+        ("tests/test_convert_peak.py::test_convert_peaks_within_one_eager_training_step",)),
+    "check_eager_outputs_held": Mutant(
+        "the check's eager step holds its outputs through the backward",
+        (("passes/check/eager_reference.py", "        del out, outs\n", "        del out\n"),),
+        ("tests/test_convert_peak.py::test_convert_peaks_within_one_eager_training_step",)),
+    "check_norms_not_quietened": Mutant(
+        "the check's eager step lets the BatchNorms write their statistics (so no copy can be lent)",
+        (("passes/check/quiet_norms.py", "        m.track_running_stats = flag\n", "        pass\n"),),
+        ("tests/test_convert_peak.py::test_convert_peaks_within_one_eager_training_step",)),
+    "check_lent_copy_written_unseen": Mutant(
+        "a buffer written while its copies are lent goes unseen (the model left changed)",
+        (("passes/check/buffer_copies.py", "    if moved:\n        raise", "    if False:\n        raise"),),
+        ("tests/test_check_eager_reference.py::test_a_copy_is_lent_only_while_its_buffer_has_its_bits_and_a_write_in_the_block_is_refused",)),
+    "check_lends_changed_copies": Mutant(
+        "a copy is lent although its buffer changed since it was taken (the old bits lost)",
+        (("passes/check/buffer_copies.py", "held[0] is b and same_bits(b, held[1])", "held[0] is b"),),
+        ("tests/test_check_eager_reference.py::test_a_copy_is_lent_only_while_its_buffer_has_its_bits_and_a_write_in_the_block_is_refused",
+         "tests/test_check_eager_reference.py::test_convert_leaves_the_state_where_a_parent_writes_its_batchnorms_statistics")),
+    "check_eager_buffers_from_the_quiet_step": Mutant(
+        "eager's buffers after the step are read with the statistics unwritten (eager's reference moves none)",
+        (("passes/check/eager_reference.py", "    with StateSnapshot(module), torch.no_grad():\n",
+          "    with StateSnapshot(module), torch.no_grad(), statistics_unwritten(module):\n"),),
+        ("tests/test_check_eager_reference.py::test_the_reference_is_one_eager_step_bit_for_bit_and_the_state_is_as_it_was",)),
+    "check_recompute_in_backward_unseen": Mutant(
+        "a backward that runs a quietened BatchNorm again (a checkpoint) is taken for one that moves no statistics",
+        (("passes/check/eager_reference.py", "if quiet.flag.reads != reads or any(", "if any("),),
+        ("tests/test_check_eager_reference.py::test_a_backward_that_runs_a_batchnorm_again_takes_the_step_whole",
+         "tests/test_capture_checkpoint.py::test_checkpoint_keeps_eager_running_statistics")),
+    "slices_one_sample_only": Mutant(
+        "a model that refuses one sample is recorded at the example batch (no second pair of slices)",
+        (("passes/plan/sliced_measure.py", "SLICE_PAIRS = ((1, 2), (2, 3))", "SLICE_PAIRS = ((1, 2),)"),),
+        ("tests/test_convert_steps.py::test_a_model_that_refuses_one_sample_is_recorded_at_two_and_three",)),
+    "slices_never_one_sample": Mutant(
+        "the planner's recorded steps never run on one sample (2 and 3 only)",
+        (("passes/plan/sliced_measure.py", "SLICE_PAIRS = ((1, 2), (2, 3))", "SLICE_PAIRS = ((2, 3),)"),),
+        ("tests/test_convert_steps.py::test_convert_with_example_inputs_runs_two_full_steps_and_two_on_slices",)),
     "allocator_meter_start_before_zero_grad": Mutant(
         "the allocator (CUDA) meter reads its start when it is built, before the previous step's gradients are freed",
         (("memory/allocator_meter.py", "        self.start = 0\n", "        self.start = counters.allocated()\n"),
