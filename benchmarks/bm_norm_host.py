@@ -3,7 +3,8 @@ time per chain layer, eager beside convert.
 
 Two tables, neither read off a clock for its counts:
 
-* ``ops``: the nets of :mod:`bm_norm_peaks` at small inputs (the counts do not depend on sizes),
+* ``ops``: the nets of :mod:`bm_norm_peaks` at small inputs (``--nets``: those whose label starts
+  so, at their :mod:`bm_norm_peaks` inputs: the plans, and so the recompute, depend on sizes),
   one training step (zero_grad(set_to_none=True), forward in float32 or under bf16 autocast,
   float32 mean loss, backward) counted by a ``TorchDispatchMode`` (``tests/op_count_helpers.py``):
   kernels (each a launch on an accelerator) and casts / copies / allocations, eager and convert.
@@ -14,6 +15,7 @@ Two tables, neither read off a clock for its counts:
   Python function calls of one step (``cProfile``'s count, C functions called from Python included).
 
     python benchmarks/bm_norm_host.py [--rounds 15] [--steps 20] [--depth 8] [--only ops|host]
+                                      [--nets ConvNeXt ...]
 """
 from __future__ import annotations
 
@@ -39,16 +41,18 @@ from op_count_helpers import step_ops  # noqa: E402
 
 import convbn  # noqa: E402
 
-#: small inputs of the nets of bm_norm_peaks (their counts do not depend on sizes)
+#: small inputs of the nets of bm_norm_peaks (a plan depends on sizes: ``--nets`` takes bm_norm_peaks' own)
 SMALL = {"diffusion": (2, 3, 16, 16), "3-D": (2, 1, 8, 8, 8), "ConvNeXt": (2, 3, 32, 32)}
 
 
-def ops_table() -> None:
-    print("| net (small input) | amp | kernels: eager / convert | casts, copies, allocations: eager / convert "
-          "| convert's extra kernels and casts |")
+def ops_table(nets: Optional[List[str]] = None) -> None:
+    print(f"| net ({'input' if nets else 'small input'}) | amp | kernels: eager / convert | casts, copies, allocations: "
+          "eager / convert | convert's extra kernels and casts |")
     print("|---|---|---:|---:|---|")
-    for label, make, _, _ in bm.MODELS:
-        shape = next(v for k, v in SMALL.items() if label.startswith(k))
+    for label, make, full, _ in bm.MODELS:
+        if nets and not any(label.startswith(n) for n in nets):
+            continue
+        shape = full if nets else next(v for k, v in SMALL.items() if label.startswith(k))
         torch.manual_seed(0)
         eager = make()
         x = torch.randn(shape)
@@ -129,10 +133,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--depth", type=int, default=8)
     parser.add_argument("--only", choices=("ops", "host"), default=None)
+    parser.add_argument("--nets", nargs="*", default=None,
+                        help="ops of these nets (label prefixes) at bm_norm_peaks' inputs, not the small ones")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     if args.only != "host":
-        ops_table()
+        ops_table(args.nets)
     if args.only != "ops":
         host_table(args.depth, args.rounds, args.steps)
     return 0

@@ -24,7 +24,9 @@ Measured (the standard loop: ``zero_grad(set_to_none=True)``, forward, mean loss
 ``SGD.step()``):
 
 * **peak**: exact live-tensor bytes above what is live after ``zero_grad``, weight gradients
-  counted (:func:`convbn.memory.timeline`, the one definition); compiled graphs run outside
+  counted (:func:`convbn.memory.timeline`, the one definition); **allocator peak**: the same
+  step by the CPU allocator (:func:`convbn.memory.allocator_peak`: the kernels' own scratch too,
+  issue 39's meter), not for compiled configurations; compiled graphs run outside
   Python dispatch, so their peak is sampled process RSS (:class:`convbn.memory.peak_memory`,
   freed heap pages returned to the OS first) and their ratio is to eager's RSS measured the
   same way in the same run;
@@ -65,7 +67,7 @@ import convbn  # noqa: E402
 from convbn.bench.checkpointing import checkpoint_blocks  # noqa: E402
 from convbn.bench.training_configs import budget_backend  # noqa: E402
 from convbn.bench.training_run import _release_freed_memory  # noqa: E402
-from convbn.memory import peak_memory, timeline  # noqa: E402
+from convbn.memory import allocator_peak, peak_memory, timeline  # noqa: E402
 
 __all__ = ["NETS", "Config", "build_configs", "measure", "main"]
 
@@ -139,6 +141,7 @@ class Config:
     optimizer: Optional[torch.optim.Optimizer] = None
     times: List[float] = field(default_factory=list)
     peak: Optional[int] = None
+    alloc: Optional[int] = None
     rss: Optional[int] = None
     fused: Optional[int] = None
     error: str = ""
@@ -243,6 +246,8 @@ def measure(cfgs: List[Config], x: Tuple[torch.Tensor, ...], rounds: int, warmup
         if not cfg.compiled:
             gc.collect()
             cfg.peak = timeline(cfg.model, *x, loss_fn=_loss, optimizer=cfg.optimizer).peak
+            cfg.model.zero_grad(set_to_none=True)  # as timeline: freed gradients are not the step's
+            cfg.alloc = allocator_peak(lambda: _step(cfg, x))
     if any(c.compiled for c in live):
         for cfg in live:
             if cfg.compiled or cfg.name == "eager":
@@ -262,11 +267,12 @@ def table(label: str, cfgs: List[Config], norms: int) -> str:
     eager = next(c for c in cfgs if c.name == "eager")
     et = statistics.median(eager.times) if eager.times else float("nan")
     lines = [f"**{label}** (norm modules called by eager: {norms})", "",
-             "| configuration | peak MiB | peak x eager | step ms | time x eager | norms fused and running |",
-             "|---|---:|---:|---:|---:|---:|"]
+             "| configuration | peak MiB | peak x eager | allocator peak MiB (x eager) | step ms | time x eager "
+             "| norms fused and running |",
+             "|---|---:|---:|---:|---:|---:|---:|"]
     for c in cfgs:
         if c.error:
-            lines.append(f"| {c.name} | failed: {c.error} | | | | |")
+            lines.append(f"| {c.name} | failed: {c.error} | | | | | |")
             continue
         if c.compiled:
             peak = f"{c.rss / 2**20:.1f} (RSS)" if c.rss is not None else "-"
@@ -274,9 +280,10 @@ def table(label: str, cfgs: List[Config], norms: int) -> str:
         else:
             peak = f"{c.peak / 2**20:.1f}" if c.peak is not None else "-"
             ratio = f"{c.peak / eager.peak:.2f}" if c.peak is not None and eager.peak else "-"
+        alloc = "-" if c.alloc is None or not eager.alloc else f"{c.alloc / 2**20:.1f} ({c.alloc / eager.alloc:.3f})"
         ms = statistics.median(c.times) * 1e3 if c.times else float("nan")
         fused = "-" if c.fused is None else str(c.fused)
-        lines.append(f"| {c.name} | {peak} | {ratio} | {ms:.0f} | {ms / (et * 1e3):.2f} | {fused} |")
+        lines.append(f"| {c.name} | {peak} | {ratio} | {alloc} | {ms:.0f} | {ms / (et * 1e3):.2f} | {fused} |")
     return "\n".join(lines)
 
 

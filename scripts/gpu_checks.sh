@@ -7,6 +7,7 @@
 #   norm_nets     the per-sample-norm nets' peak / time table: eager, convert, checkpointing,
 #                 torch.compile with and without an activation-memory budget, convert + compile,
 #                 fp32 and bf16 (bm_gpu table on bm_norm_peaks.py's nets)
+#   eager_norm_times  norm_nets' eager-mode rows only (eager, convert, checkpointing) in bf16
 #   library_nets  the same for MONAI BasicUNet 3-D, diffusers UNet2DModel and timm convnext_atto
 #                 (benchmarks/gpu_nets.py; MONAI and diffusers are installed from .whl/ when the
 #                 machine lacks them: see the device notes)
@@ -36,8 +37,9 @@ table() {  # table NAME TIMEOUT SPEC BATCH SIZE AMPS CONFIGS
 for s in $STEPS; do
     case $s in
     tests)
-        step tests 200 $PY -m pytest -q -p no:cacheprovider -n 8 -rfEs tests/test_cuda.py tests/test_cuda_norms.py \
-            tests/test_convert_peak.py tests/test_max_batch_bound.py tests/test_memory.py tests/test_norm_chain_ops.py -k cuda ;;
+        step tests 240 $PY -m pytest -q -p no:cacheprovider -n 8 -rfEs tests/test_cuda.py tests/test_cuda_norms.py \
+            tests/test_convert_peak.py tests/test_max_batch_bound.py tests/test_memory.py tests/test_norm_chain_ops.py \
+            tests/test_norm_allocator_peak.py tests/test_lean_pools.py -k cuda ;;
     convert_cost)
         step convert_cost 150 $PY benchmarks/bm_convert_cost.py --device cuda --models r18 r50 --rounds 1 --phases ;;
     norm_nets)
@@ -46,9 +48,13 @@ for s in $STEPS; do
         table unet3d 150 $N:InstanceUNet3d 2 96 "none bf16" "eager auto checkpoint compile0.5"
         table diffusion_fp32 90 $N:DiffusionUNet 32 128 none "eager auto checkpoint compile0.5"
         table convnext_bf16 90 $N:ConvNeXtNet 64 128 bf16 "eager auto checkpoint compile0.5" ;;
+    eager_norm_times)  # the per-sample-norm nets' eager-mode rows alone (no compile): convert's time on the GPU
+        N=benchmarks/bm_norm_peaks.py
+        table diffusion_bf16_eager 60 $N:DiffusionUNet 32 128 bf16 "eager auto checkpoint"
+        table convnext_bf16_eager 60 $N:ConvNeXtNet 64 128 bf16 "eager auto checkpoint" ;;
     library_nets)
         G=benchmarks/gpu_nets.py
-        table basicunet3d 150 $G:basicunet3d 2 96 "none bf16" "eager auto checkpoint compile0.5 convert+compile"
+        table basicunet3d 150 $G:basicunet3d 2 96 "none bf16" "eager auto checkpoint compile0.5"
         table diffusers_unet 120 $G:diffusers_unet 16 128 "bf16" "eager auto compile0.5 convert+compile"
         table convnext_atto 90 $G:convnext_atto 64 224 "bf16" "eager auto checkpoint compile0.5" ;;
     *) echo "unknown step $s" ;;

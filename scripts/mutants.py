@@ -221,6 +221,24 @@ MUTANTS: Dict[str, Mutant] = {
         (("autograd/norm_chain.py", "    graph = rb.pending.pop(i, None)\n", "    graph = rb.pending.pop(i, None) and None\n"),),
         ("tests/test_norm_chain_ops.py::test_converted_step_dispatches_eager_ops_plus_one_recompute"
          "[GroupNorm-SiLU pre-bf16-autocast-cpu]",)),
+    "norm_layer_norm_rebuilt_twice": Mutant(
+        "a norm before a dropped conv is recomputed without a graph for the next rebuild and again with it, "
+        "where its conv may not drop its rebuilt input",
+        (("autograd/norm_chain.py", "            if k == i - 2 and norm_once(self.specs[k], self.specs[k + 1]):",
+          "            if False and norm_once(self.specs[k], self.specs[k + 1]):"),),
+        ("tests/test_norm_chain_ops.py::test_a_layer_norm_before_a_dropped_conv_is_recomputed_once[float32-cpu]",)),
+    "norm_replay_layer_norm_rebuilt_twice": Mutant(
+        "the planner's replay drops a norm's rebuilt output where the backward keeps it for the next conv",
+        (("autograd/norm_chain_memory.py", "            once = m == i - 2 and self.norm_once(m)",
+          "            once = False and self.norm_once(m)"),),
+        ("tests/test_norm_memory_model.py::test_a_layer_norm_kept_for_a_dropped_conv_is_priced_for_every_plan",)),
+    "norm_once_ignores_may_drop": Mutant(
+        "a norm before a dropped conv is kept for the conv's backward even where the plan lets the chain drop it "
+        "(the step peaks above the planner's prediction)",
+        (("autograd/norm_chain.py",
+          "    return spec.norm is not None and not spec.tail and spec.act.is_identity and not after.may_drop\n",
+          "    return spec.norm is not None and not spec.tail and spec.act.is_identity\n"),),
+        ("tests/test_norm_memory_model.py::test_a_layer_norm_kept_for_a_dropped_conv_is_priced_for_every_plan",)),
     "norm_conv_input_copied": Mutant(
         "a norm chain's conv backward copies its rebuilt input even where it has the conv's dtype",
         (("autograd/norm_chain.py", "    xin = (spec.conv.pad_input(x) if i > 0 else x).to(w.dtype)\n",
@@ -285,6 +303,65 @@ MUTANTS: Dict[str, Mutant] = {
         "a float64 step bit-identical to eager's (the rewrite did not run on the copy) decides",
         (("passes/check/step.py", "elif not ran or same.max_abs_diff == 0:", "elif not ran:"),),
         ("tests/test_check_float64_decision.py::test_a_float64_copy_whose_rewrite_does_not_run_decides_nothing",)),
+    "norm_chain_conv_backward_in_one_call": Mutant(
+        "a norm chain's convolution backward in one call again: the weight kernel's scratch on top of grad_x",
+        (("autograd/norm_chain.py", "                               weight_first=xin.device.type == \"cpu\")\n",
+          "                               weight_first=False)\n"),),
+        ("tests/test_norm_allocator_peak.py::test_small_basic_unet_steps_within_half_of_eager_by_the_allocator",)),
+    "conv_backward_weight_first_ignored": Mutant(
+        "conv_backward(weight_first=True) runs one call (grad_x first, as ATen does)",
+        (("functional/conv.py", "    if weight_first and mask[0] and mask[1] and not spec.is_linear:",
+          "    if False:"),),
+        ("tests/test_norm_allocator_peak.py::test_weight_first_conv_backward_is_the_same_bits_at_a_lower_high_water_mark",)),
+    "lean_pool_int64_indices": Mutant(
+        "a lean max pool keeps ATen's int64 indices (twice the bytes)",
+        (("functional/pool.py", "    return indices.to(torch.int32) if indices.dtype", "    return indices if indices.dtype"),),
+        ("tests/test_lean_pools.py::test_keeps_the_indices_not_the_input",)),
+    "lean_pool_frees_indices_of_a_kept_graph": Mutant(
+        "a lean max pool frees its int32 indices in backward even where the graph is retained",
+        (("autograd/pool.py", "            if not keeping_graph():\n                free_storage(indices)\n",
+          "            free_storage(indices)\n"),),
+        ("tests/test_lean_pools.py::test_int32_indices_kept_for_a_retained_graph_and_let_go_otherwise",)),
+    "check_statistics_copies_kept": Mutant(
+        "the check's eager step keeps the snapshots' copies of the statistics it leaves unwritten (none lent)",
+        (("passes/check/buffer_copies.py", "    return held is not None and held[0] is b and same_bits(b, held[1])",
+          "    return False"),),
+        ("tests/test_convert_peak.py::test_convert_peaks_within_one_eager_training_step",)),
+    "check_eager_outputs_held": Mutant(
+        "the check's eager step holds its outputs through the backward",
+        (("passes/check/eager_reference.py", "        del out, outs\n", "        del out\n"),),
+        ("tests/test_convert_peak.py::test_convert_peaks_within_one_eager_training_step",)),
+    "check_norms_not_quietened": Mutant(
+        "the check's eager step lets the BatchNorms write their statistics (so no copy can be lent)",
+        (("passes/check/quiet_norms.py", "        m.track_running_stats = flag\n", "        pass\n"),),
+        ("tests/test_convert_peak.py::test_convert_peaks_within_one_eager_training_step",)),
+    "check_lent_copy_written_unseen": Mutant(
+        "a buffer written while its copies are lent goes unseen (the model left changed)",
+        (("passes/check/buffer_copies.py", "    if moved:\n        raise", "    if False:\n        raise"),),
+        ("tests/test_check_eager_reference.py::test_a_copy_is_lent_only_while_its_buffer_has_its_bits_and_a_write_in_the_block_is_refused",)),
+    "check_lends_changed_copies": Mutant(
+        "a copy is lent although its buffer changed since it was taken (the old bits lost)",
+        (("passes/check/buffer_copies.py", "held[0] is b and same_bits(b, held[1])", "held[0] is b"),),
+        ("tests/test_check_eager_reference.py::test_a_copy_is_lent_only_while_its_buffer_has_its_bits_and_a_write_in_the_block_is_refused",
+         "tests/test_check_eager_reference.py::test_convert_leaves_the_state_where_a_parent_writes_its_batchnorms_statistics")),
+    "check_eager_buffers_from_the_quiet_step": Mutant(
+        "eager's buffers after the step are read with the statistics unwritten (eager's reference moves none)",
+        (("passes/check/eager_reference.py", "    with StateSnapshot(module), torch.no_grad():\n",
+          "    with StateSnapshot(module), torch.no_grad(), statistics_unwritten(module):\n"),),
+        ("tests/test_check_eager_reference.py::test_the_reference_is_one_eager_step_bit_for_bit_and_the_state_is_as_it_was",)),
+    "check_recompute_in_backward_unseen": Mutant(
+        "a backward that runs a quietened BatchNorm again (a checkpoint) is taken for one that moves no statistics",
+        (("passes/check/eager_reference.py", "if quiet.flag.reads != reads or any(", "if any("),),
+        ("tests/test_check_eager_reference.py::test_a_backward_that_runs_a_batchnorm_again_takes_the_step_whole",
+         "tests/test_capture_checkpoint.py::test_checkpoint_keeps_eager_running_statistics")),
+    "slices_one_sample_only": Mutant(
+        "a model that refuses one sample is recorded at the example batch (no second pair of slices)",
+        (("passes/plan/sliced_measure.py", "SLICE_PAIRS = ((1, 2), (2, 3))", "SLICE_PAIRS = ((1, 2),)"),),
+        ("tests/test_convert_steps.py::test_a_model_that_refuses_one_sample_is_recorded_at_two_and_three",)),
+    "slices_never_one_sample": Mutant(
+        "the planner's recorded steps never run on one sample (2 and 3 only)",
+        (("passes/plan/sliced_measure.py", "SLICE_PAIRS = ((1, 2), (2, 3))", "SLICE_PAIRS = ((2, 3),)"),),
+        ("tests/test_convert_steps.py::test_convert_with_example_inputs_runs_two_full_steps_and_two_on_slices",)),
     "allocator_meter_start_before_zero_grad": Mutant(
         "the allocator (CUDA) meter reads its start when it is built, before the previous step's gradients are freed",
         (("memory/allocator_meter.py", "        self.start = 0\n", "        self.start = counters.allocated()\n"),

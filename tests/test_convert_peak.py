@@ -1,11 +1,15 @@
 """``convert(model, example_inputs=x)``'s own peak against one eager training step's (issue 41
-item 1): the allocator's peak over the whole call, above what was live before it, within the
-step's peak plus what a check that holds one step must hold beside it: the eager output it
-compares and one copy of the buffers it puts back (Notes: [a check that holds one side's
-gradients], [the check runs the plan that keeps least], [nested snapshots share their copies],
-[an upstream gradient let go once used]). CPU: every allocation and free the CPU allocator
-reports (:func:`convbn.memory.allocator_peak`), exact bytes; the same on CUDA with the
-allocator's peak."""
+item 1): the allocator's peak over the whole call, above what was live before it, at most the
+peak of one standard training step (``zero_grad(set_to_none=True)``, forward, mean loss,
+backward, SGD step with momentum) where activations make most of the step: the check's eager
+side is taken within a training step's peak (Note: [the eager reference within a training
+step's peak]: no output and no copy of the BatchNorm statistics held at it), and the rewrite's
+step and the planner's recorded slices peak lower. The bound is exact, on a torchvision-style
+ResNet at 96x96 (in the default run) and on torchvision's ResNet-18 b16 and ResNet-50 b8 at
+224x224 (``slow``). Where the parameters outweigh the activations, the eager gradients not yet
+compared sit beside the rewrite's step (Notes: [a check that holds one side's gradients], [the
+check runs the plan that keeps least]). CPU: every allocation and free the CPU allocator reports
+(:func:`convbn.memory.allocator_peak`), exact bytes; the same on CUDA with the allocator's peak."""
 from __future__ import annotations
 
 import gc
@@ -61,11 +65,11 @@ def _peaks(model: nn.Module, x: torch.Tensor) -> Tuple[int, int, Any]:
 
 
 def _allowance(model: nn.Module, x: torch.Tensor) -> int:
-    """What convert's check holds above a training step at the step's peak, exact bytes: the eager
-    step's output, kept to be compared with the rewrite's (the training loop lets it go once the
-    loss is taken), and one copy of the buffers, to put the running statistics back (the step
-    writes them). Nothing else: no second copy of the statistics, no upstream gradient held
-    through the backward, no random-number generator state."""
+    """What convert's check holds beside the rewrite's step, exact bytes: the eager output, kept
+    to be compared with the rewrite's, and one buffer set (eager's buffers after its step; the
+    snapshot's copy is below the eager gradients already compared). Nothing else: no second copy
+    of the statistics, no upstream gradient held through the backward, no random-number
+    generator state."""
     with torch.no_grad():
         out = model.eval()(x[:1])
     model.train()
@@ -81,7 +85,7 @@ def test_convert_peaks_within_one_eager_training_step() -> None:
     eager, peak, fast = _peaks(model, x)
     assert_fused(fast, pairs=12)
     assert fast.convbn_report.validated == [""]  # the check ran, on the whole model
-    assert peak <= eager + _allowance(model, x), (peak / eager, peak - eager, _allowance(model, x))
+    assert peak <= eager, (peak / eager, peak - eager)
 
 
 def test_convert_peak_where_weights_dominate_is_within_one_copy_of_their_gradients() -> None:
@@ -126,7 +130,7 @@ def test_convert_peaks_within_one_eager_training_step_on_cuda() -> None:
 @pytest.mark.parametrize("name, shape", [("resnet18", (16, 3, 224, 224)), ("resnet50", (8, 3, 224, 224))])
 def test_convert_peak_on_torchvision_resnets_at_a_training_batch(name: str, shape: Tuple[int, ...]) -> None:
     """The issue's models (BENCHMARKS.md "convert's own cost"): torchvision ResNet-18 b16 and
-    ResNet-50 b8 at 224x224, the same exact bound."""
+    ResNet-50 b8 at 224x224, the same exact bound: convert / eager step peak <= 1.0."""
     from zoo import import_torchvision_without_fake_kernels
 
     torch.manual_seed(0)
@@ -134,4 +138,4 @@ def test_convert_peak_on_torchvision_resnets_at_a_training_batch(name: str, shap
     x = torch.randn(shape)
     eager, peak, fast = _peaks(model, x)
     assert fast.convbn_report.validated == [""]
-    assert peak <= eager + _allowance(model, x), (peak / eager, peak - eager, _allowance(model, x))
+    assert peak <= eager, (peak / eager, peak - eager)

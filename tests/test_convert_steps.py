@@ -2,19 +2,22 @@
 time is its steps), counted, not timed: an opaque custom ``autograd.Function`` inside the model
 (it stays one call in the rewrite: Note: [autograd Functions stay whole]) counts every forward
 and backward that really runs, and the batch each runs at. The check runs one eager and one
-converted training step at the example batch; the planner one recorded step of each, whose
-forward also gives the saves it reads (Note: [the saves read off the recorded step]), at two
-slices of the batch (2 and 3 samples) put on lines to it (Note: [measured on two slices of
-the batch] in sliced_measure.py): six forwards and six backwards, 26 samples' worth where four
-full-batch steps were 32, no forward of its own for the saved bytes."""
+converted training step at the example batch, and one eager forward without autograd for the
+outputs and statistics it compares (Note: [the eager reference within a training step's peak]);
+the planner one recorded step of each, whose forward also gives the saves it reads (Note: [the
+saves read off the recorded step]), at two slices of the batch (1 and 2 samples, else 2 and 3)
+put on lines to it (Note: [measured on two slices of the batch] in sliced_measure.py): seven
+forwards and six backwards, no forward of its own for the saved bytes."""
 from __future__ import annotations
 
 from typing import Any, List
 
+import pytest
 import torch
 from torch import nn
 
 import convbn
+from convbn.passes.plan import sliced_measure
 from fusion_checks import assert_fused
 
 
@@ -59,15 +62,42 @@ def _runs(batch: int = 8, **options: Any) -> List[str]:
 
 def test_convert_with_example_inputs_runs_two_full_steps_and_two_on_slices() -> None:
     calls = _runs()
-    assert calls.count("forward") == 6 and calls.count("backward") == 6, calls
-    # the check's two steps at the example batch, then the planner's eager and converted step at 2, then at 3
-    assert _Count.batches == [8, 8, 2, 2, 3, 3], _Count.batches
+    assert calls.count("forward") == 7 and calls.count("backward") == 6, calls
+    # the check's eager step and eager forward, its converted step at the example batch, then
+    # the planner's eager and converted step at 1, then at 2
+    assert calls[:5] == ["forward", "backward", "forward", "forward", "backward"], calls
+    assert _Count.batches == [8, 8, 8, 1, 1, 2, 2], _Count.batches
+
+
+class _PooledNorm(_Net):
+    """A BatchNorm1d after global pooling: one sample gives one value per channel, which training
+    mode refuses."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.head = nn.Sequential(nn.Linear(16, 4), nn.BatchNorm1d(4))
+
+
+def test_a_model_that_refuses_one_sample_is_recorded_at_two_and_three(monkeypatch: pytest.MonkeyPatch) -> None:
+    torch.manual_seed(0)
+    model, x = _PooledNorm(), torch.randn(8, 3, 32, 32)
+    _Count.calls.clear()
+    _Count.batches.clear()
+    fast = convbn.convert(model, example_inputs=x, progress=False)
+    assert_fused(fast, pairs=3)
+    assert fast.convbn_report.validated == [""]
+    # the planner's eager step raised at one sample (its forward reached the pooled norm), then 2 and 3
+    assert _Count.batches == [8, 8, 8, 1, 2, 2, 3, 3], _Count.batches
+    monkeypatch.setattr(sliced_measure, "MIN_BATCH", 10 ** 9)  # recorded at the example batch
+    full = convbn.convert(model, example_inputs=x, progress=False)
+    assert full.convbn_report.plan.chains == fast.convbn_report.plan.chains
+    assert full.convbn_report.predicted_peak_bytes == fast.convbn_report.predicted_peak_bytes
 
 
 def test_a_batch_below_the_slices_minimum_records_at_the_example_batch() -> None:
     calls = _runs(batch=4)
-    assert calls.count("forward") == 4 and calls.count("backward") == 4, calls
-    assert _Count.batches == [4, 4, 4, 4], _Count.batches
+    assert calls.count("forward") == 5 and calls.count("backward") == 4, calls
+    assert _Count.batches == [4, 4, 4, 4, 4], _Count.batches
 
 
 def test_a_strategy_without_the_planner_runs_the_check_and_its_measurement() -> None:

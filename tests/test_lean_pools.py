@@ -79,7 +79,7 @@ def test_channels_last_input_keeps_the_input_and_eager_gradient_layout(kind):
     x = torch.randn(2, 4, 8, 8).to(memory_format=torch.channels_last)
     _compare(kind, 2, x, (2,), "random")
     spec = PoolSpec.make(kind, 2, 2)
-    want = x.numel() * 4 + (x.numel() // 4 * 8 if kind == "max" else 0)  # the input, and int64 indices
+    want = x.numel() * 4 + (x.numel() // 4 * 4 if kind == "max" else 0)  # the input, and int32 indices
     assert _saved_bytes(lambda t: lean_pool(t, spec), x.requires_grad_()) == want
 
 
@@ -89,9 +89,10 @@ def test_keeps_the_indices_not_the_input(kind):
     spec = PoolSpec.make(kind, 2, 2)
     eager = _saved_bytes(lambda t: EAGER[(kind, 2)](t, 2), x)
     lean = _saved_bytes(lambda t: lean_pool(t, spec), x)
-    indices = x.numel() // 4 * 8  # one int64 per output element
-    assert eager == x.numel() * 4 + (indices if kind == "max" else 0)
-    assert lean == (indices if kind == "max" else 0)
+    outputs = x.numel() // 4
+    assert eager == x.numel() * 4 + (outputs * 8 if kind == "max" else 0)  # the input and int64 indices
+    # one int32 per output element (Note: [max-pool indices in half the bytes])
+    assert lean == (outputs * 4 if kind == "max" else 0)
 
 
 def test_unbatched_input():
@@ -191,7 +192,7 @@ def test_convert_pools_lean_and_exact(pool):
 
 def test_saved_bytes_fall_by_exactly_the_pool_inputs():
     """The two pools' inputs (the chains' outputs) are no longer kept: 8x16x16 and 16x8x8
-    floats per sample. A hooked pool module is left as eager runs it (and keeps its input)."""
+    floats per sample, and the max pool's indices take half the bytes. A hooked pool module is left as eager runs it (and keeps its input)."""
     torch.manual_seed(5)
     x = torch.randn(4, 3, 16, 16)
     lean = convbn.convert(StemNet(), strategy="recompute_conv", example_inputs=x)
@@ -200,12 +201,13 @@ def test_saved_bytes_fall_by_exactly_the_pool_inputs():
     kept = convbn.convert(kept, strategy="recompute_conv", example_inputs=x)
     assert kept.convbn_report.lean_pools == ["avg_pool2d"]
     pool_input = 4 * 8 * 16 * 16 * 4
-    assert saved_bytes(kept, x).activation_bytes - saved_bytes(lean, x).activation_bytes == pool_input
+    half_indices = 4 * 8 * 8 * 8 * 4  # int32, not int64 (Note: [max-pool indices in half the bytes])
+    assert saved_bytes(kept, x).activation_bytes - saved_bytes(lean, x).activation_bytes == pool_input + half_indices
 
 
 def test_step_peak_falls_and_the_forward_ends_lower_by_the_pool_input():
     """Exact live-tensor timelines of one step: forward ends holding exactly the max-pool's
-    input less (8x8x32x32 floats), and the step's peak is lower (one fixed plan, so only the
+    input less (8x8x32x32 floats) and half its indices' bytes, and the step's peak is lower (one fixed plan, so only the
     pool differs); ``auto``'s predicted peak equals its measured one with and without it."""
     torch.manual_seed(6)
     x = torch.randn(8, 3, 32, 32)
@@ -220,7 +222,7 @@ def test_step_peak_falls_and_the_forward_ends_lower_by_the_pool_input():
         ends.append([p.bytes for p in tl.points if p.phase == "forward"][-1])
         peaks.append(tl.peak)
         assert report.measured_peak_bytes == report.predicted_peak_bytes
-    assert ends[1] - ends[0] == 8 * 8 * 32 * 32 * 4
+    assert ends[1] - ends[0] == 8 * 8 * 32 * 32 * 4 + 8 * 8 * 16 * 16 * 4  # and int32 indices, not int64
     assert peaks[0] < peaks[1]
 
 
@@ -281,3 +283,22 @@ def test_function_saves_no_input_for_a_contiguous_one():
     x = torch.randn(2, 3, 8, 8, requires_grad=True)
     y = LeanPoolFunction.apply(x, PoolSpec.make("avg", 2, 2))
     assert y.grad_fn.saved_tensors == ()
+
+
+def test_int32_indices_kept_for_a_retained_graph_and_let_go_otherwise():
+    """Note: [max-pool indices in half the bytes]: a second backward through a retained graph
+    reads the int32 indices again (eager's gradient both times); without ``retain_graph`` their
+    storage is let go in the backward."""
+    torch.manual_seed(9)
+    x = torch.randn(2, 3, 8, 8, requires_grad=True)
+    spec = PoolSpec.make("max", 2, 2)
+    g = torch.randn(2, 3, 4, 4)
+    want = torch.autograd.grad(F.max_pool2d(x, 2), x, g)[0]
+    y = lean_pool(x, spec)
+    assert y.grad_fn.saved_tensors[-1].dtype == torch.int32
+    for _ in range(2):
+        assert torch.equal(torch.autograd.grad(y, x, g, retain_graph=True)[0], want)
+    held = y.grad_fn.saved_tensors[-1]  # the same storage as the saved slot's
+    assert held.untyped_storage().nbytes() == held.numel() * 4
+    assert torch.equal(torch.autograd.grad(y, x, g)[0], want)
+    assert held.untyped_storage().nbytes() == 0

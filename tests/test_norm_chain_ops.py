@@ -6,7 +6,9 @@ Counted exactly (no clock) by ``tests/op_count_helpers.py`` over one training st
 bf16 autocast or in float32, float32 loss, backward). The recompute's budget is eager's own
 operators for each layer's norm and activation, run on that layer's input as eager's forward saw
 it, under the same autocast: with every conv output kept (``recompute_bn``) the backward runs each
-layer's norm and activation once more and nothing else.
+layer's norm and activation once more and nothing else; on the CPU each chain convolution's
+backward is two ``convolution_backward`` calls, its weight's gradient first (Note: [the weight's
+gradient first] in functional/conv.py: the same work, less scratch at once).
 """
 from __future__ import annotations
 
@@ -20,6 +22,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 import convbn
+from convbn.nn.norm_chain import FusedNormChain
+from convbn.passes.plan.chain_plans import apply_plan
 from fusion_checks import assert_fused
 from op_count_helpers import OpCounter, kind_of, ops_of, step_ops
 
@@ -108,10 +112,99 @@ def test_converted_step_dispatches_eager_ops_plus_one_recompute(name: str, amp: 
     e, f = step_ops(eager, x, amp), step_ops(fast, x, amp)
     assert f.counts["convolution"] == e.counts["convolution"]  # every conv output kept: no conv recomputed
     budget = recompute_budget(eager, x, amp)
+    if device == "cpu":  # Note: [the weight's gradient first]: grad_W and grad_x in two calls per chain conv
+        budget["convolution_backward"] += len(eager.convs)
     assert not over_budget(f, e, budget), over_budget(f, e, budget)
     # the recompute did run: each layer's norm once more than eager's step
     norm_op = next(k for k in budget if k.startswith("native_"))
     assert f.counts[norm_op] == e.counts[norm_op] + len(eager.norms), (norm_op, f.counts, e.counts)
+
+
+class ConvNeXtBlock(nn.Module):
+    """dwconv -> LayerNorm2d -> 1x1 conv -> GELU -> 1x1 conv, plus the input (one chain)."""
+
+    def __init__(self, c: int) -> None:
+        super().__init__()
+        self.dw, self.norm = nn.Conv2d(c, c, 7, padding=3, groups=c), LayerNorm2d(c)
+        self.pw1, self.pw2 = nn.Conv2d(c, 4 * c, 1), nn.Conv2d(4 * c, c, 1)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x + self.pw2(F.gelu(self.pw1(self.norm(self.dw(x)))))
+
+
+class ConvNeXtNet(nn.Module):
+    def __init__(self, c: int = 8, depth: int = 3) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(3, c, 2, stride=2)
+        self.stage = nn.ModuleList([ConvNeXtBlock(c) for _ in range(depth)])
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.stem(x)
+        for b in self.stage:
+            h = b(h)
+        return h
+
+
+def convnext_budget(net: ConvNeXtNet, x: Tensor, amp: Optional[torch.dtype]) -> Counter:
+    """A ConvNeXt block's recompute with every conv output dropped and no rebuilt input dropped
+    (Note: [a norm before a dropped conv recomputed once]), as eager's own operators on
+    the block's input as eager's forward saw it: its depthwise conv, its LayerNorm (under
+    autograd), its first 1x1 conv and GELU, once each; and the cast of each chain's input for its
+    first conv's weight gradient (tests/test_norm_chain_ops.py's ``recompute_budget``)."""
+    twin = copy.deepcopy(net)
+    dev = x.device.type
+    inputs: List[Tensor] = []
+    hooks = [b.register_forward_pre_hook(lambda m, a: inputs.append(a[0].detach())) for b in twin.stage]
+
+    def autocast() -> torch.autocast:
+        return torch.autocast(dev, dtype=amp or torch.bfloat16, enabled=amp is not None)
+
+    with torch.no_grad(), autocast():
+        twin(x)
+    for h in hooks:
+        h.remove()
+    budget: Counter = Counter()
+    for b, h in zip(twin.stage, inputs):
+        def block(b: ConvNeXtBlock = b, h: Tensor = h) -> None:
+            with autocast():
+                with torch.no_grad():
+                    y = b.dw(h.to(amp or h.dtype))
+                with torch.enable_grad():
+                    z = b.norm(y.requires_grad_())
+                with torch.no_grad():
+                    F.gelu(b.pw1(z))
+        budget.update(ops_of(block).counts)
+    return budget
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("amp", [torch.bfloat16, None], ids=["bf16-autocast", "float32"])
+def test_a_layer_norm_before_a_dropped_conv_is_recomputed_once(amp: Optional[torch.dtype], device: str) -> None:
+    """ConvNeXt blocks keeping no conv output, backward not dropping rebuilt inputs (the ``auto``
+    planner's plan where the step peaks elsewhere): the end conv's input rebuild runs the
+    LayerNorm under autograd and keeps its output for the 1x1 conv's backward (Note: [a norm before
+    a dropped conv recomputed once]): each block's LayerNorm, depthwise conv, 1x1 conv and GELU run
+    once more than in eager's step. Rebuilt twice (once without a graph for the end conv, once
+    with it for the 1x1 conv), the LayerNorm and the depthwise conv ran twice more: that is the
+    plan that may drop (a lower chain peak), and it says so."""
+    torch.manual_seed(0)
+    eager = ConvNeXtNet().to(device)
+    x = torch.randn(2, 3, 16, 16, device=device)
+    fast = convbn.convert(copy.deepcopy(eager), strategy="recompute_conv")
+    assert_fused(fast, chains=len(eager.stage), strategies={"recompute_conv"})
+    chains = [m for _, m in convbn.fused_modules(fast) if isinstance(m, FusedNormChain)]
+    blocks = len(eager.stage)
+    e = step_ops(eager, x, amp)
+    for drop, again in ((False, 1), (True, 2)):
+        apply_plan(chains, [[False] * 3] * blocks, [drop] * blocks)
+        f = step_ops(fast, x, amp)
+        assert f.counts["native_layer_norm"] == e.counts["native_layer_norm"] + again * blocks, (drop, f.counts)
+        assert f.counts["convolution"] == e.counts["convolution"] + (1 + again) * blocks, (drop, f.counts)
+        assert f.counts["gelu"] == e.counts["gelu"] + blocks, (drop, f.counts)
+    apply_plan(chains, [[False] * 3] * blocks, [False] * blocks)
+    f = step_ops(fast, x, amp)
+    budget = convnext_budget(eager, x, amp)
+    assert not over_budget(f, e, budget), over_budget(f, e, budget)
 
 
 def test_engine_grad_is_autograd_grad() -> None:

@@ -45,7 +45,8 @@ def _norm(row: str, c: int) -> Optional[NormCall]:
     return NormCall(row, 1e-5, normalized=(c,))
 
 
-def _chain(layers: List[Layer], keep: Tuple[bool, ...]) -> Tuple[Tuple[NormLayerSpec, ...], List[torch.Tensor]]:
+def _chain(layers: List[Layer], keep: Tuple[bool, ...], drop: bool = True
+           ) -> Tuple[Tuple[NormLayerSpec, ...], List[torch.Tensor]]:
     specs, params = [], []
     c = 4
     for (io, row, act, _), k in zip(layers, keep):
@@ -56,13 +57,14 @@ def _chain(layers: List[Layer], keep: Tuple[bool, ...]) -> Tuple[Tuple[NormLayer
             params += [m.weight.detach().clone().requires_grad_(), m.bias.detach().clone().requires_grad_()]
         if row:
             params += [torch.rand(c, requires_grad=True), torch.randn(c, requires_grad=True)]
-        specs.append(NormLayerSpec(conv, _norm(row, c), Activation(act), keep_y=k))
+        specs.append(NormLayerSpec(conv, _norm(row, c), Activation(act), keep_y=k, may_drop=drop))
     return tuple(specs), params
 
 
-def _backward_runs(layers: List[Layer], keep: Tuple[bool, ...], monkeypatch: pytest.MonkeyPatch) -> Tuple[int, ...]:
+def _backward_runs(layers: List[Layer], keep: Tuple[bool, ...], monkeypatch: pytest.MonkeyPatch,
+                   drop: bool = True) -> Tuple[int, ...]:
     torch.manual_seed(0)
-    specs, params = _chain(layers, keep)
+    specs, params = _chain(layers, keep, drop)
     weights = [p for p in params if p.dim() == 4]
     conv_layers = [i for i, (io, *_) in enumerate(layers) if io is not None]
     runs = [0] * len(layers)
@@ -83,21 +85,29 @@ def _backward_runs(layers: List[Layer], keep: Tuple[bool, ...], monkeypatch: pyt
     return tuple(runs)
 
 
+@pytest.mark.parametrize("drop", [True, False], ids=["may-drop", "no-drop"])
 @pytest.mark.parametrize("name", sorted(CHAINS))
-def test_backward_runs_each_conv_as_often_as_the_model_says(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_backward_runs_each_conv_as_often_as_the_model_says(name: str, drop: bool,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
     layers = CHAINS[name]
     kinds, norms = [l[3] for l in layers], [l[1] for l in layers]
     head = layers[0][0] is None
     for keep in itertools.product((False, True), repeat=len(layers)):
-        measured = _backward_runs(layers, keep, monkeypatch)
-        assert norm_conv_runs(keep, kinds, norms, head) == measured, (name, keep)
+        measured = _backward_runs(layers, keep, monkeypatch, drop)
+        assert norm_conv_runs(keep, kinds, norms, head, drops=[drop] * len(layers)) == measured, (name, keep)
 
 
 def test_a_fully_recomputed_convnext_block_runs_its_depthwise_conv_twice() -> None:
     """The planner's cost counts each run: recomputing the depthwise conv of a ConvNeXt block
-    costs twice its MACs unless its output is kept (Note: [a conv run once per rebuild])."""
+    costs twice its MACs unless its output is kept (Note: [a conv run once per rebuild]), or once
+    where its 1x1 conv may not drop its rebuilt input (the LayerNorm's output rebuilt for the end
+    conv kept for the 1x1 conv's backward: Note: [a norm before a dropped conv recomputed once]);
+    after a norm with an activation, twice either way."""
     acts, norms = ("identity", "smooth", "identity"), ("channel_layer_norm", "", "")
     assert norm_conv_runs([False, False, False], acts, norms) == (2, 1, 0)
+    assert norm_conv_runs([False, False, False], acts, norms, drops=[False] * 3) == (1, 1, 0)
+    acted = ("smooth", "smooth", "identity")
+    assert norm_conv_runs([False, False, False], acted, ("group_norm", "", ""), drops=[False] * 3) == (2, 1, 0)
     cost = ChainCost((4, 16, 4), (4, 4, 16), (10, 100, 100), acts, norms=norms, end=True)
     assert cost.recompute([False, False, False]) == 2 * 10 + 100
     assert cost.recompute([True, False, False]) == 100

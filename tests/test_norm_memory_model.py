@@ -192,3 +192,37 @@ def test_zero_width_pad_before_a_concatenation_is_dropped() -> None:
         torch.testing.assert_close(q.grad, p.grad, rtol=0, atol=1e-10, msg=name)
     saved = convbn.saved_bytes(fast, x, low).activation_bytes
     assert saved < convbn.saved_bytes(eager, x, low).activation_bytes
+
+
+def test_a_layer_norm_kept_for_a_dropped_conv_is_priced_for_every_plan() -> None:
+    """Note: [a norm before a dropped conv recomputed once]: where a ConvNeXt block's 1x1 conv output
+    is dropped and its rebuilt input may not be, the end conv's input rebuild keeps the LayerNorm's
+    output (and its graph) until the 1x1 conv's backward; where it may, the LayerNorm runs again
+    for the 1x1 conv's backward. The planner's step peak is the measured one to the byte for every
+    plan of two blocks (each flag pattern in both chains, and each chain alone keeping all) with
+    the drops the planner chooses, none and all; keeping it is dearer where it applies."""
+    import itertools
+
+    from convbn.passes.plan.chain_plans import apply_plan
+    from convbn.passes.plan.peak_model import drops_needed, step_peak
+    from convbn.passes.plan.plan_inputs import measure_peak, measure_plan_inputs
+    from test_norm_chain_ops import ConvNeXtNet
+
+    torch.manual_seed(0)
+    x = torch.randn(2, 3, 32, 32)
+    fused = convbn.convert(ConvNeXtNet(depth=2), example_inputs=(x,))
+    chains, inputs = measure_plan_inputs(fused, (x,))
+    costs, gaps, floor = inputs.costs(), inputs.gaps(), inputs.floor
+    assert [c.norms for c in costs] == [("channel_layer_norm", "", "")] * 2, costs
+    plans = [[list(f)] * 2 for f in itertools.product((False, True), repeat=3)] + [[[True] * 3, [False] * 3],
+                                                                                  [[False] * 3, [True] * 3]]
+    dearer = 0
+    for keeps in plans:
+        for may_drop in (drops_needed(costs, keeps, floor, gaps), [True, True], [False, False]):
+            apply_plan(chains, keeps, may_drop)
+            measured = measure_peak(fused, (x,))
+            assert any(p.op.startswith("NormChainFunctionBackward/") for p in measured.points)
+            assert step_peak(costs, keeps, floor, may_drop=may_drop, gaps=gaps)[0] == measured.peak, (keeps, may_drop)
+        dearer += step_peak(costs, keeps, floor, may_drop=[False] * 2, gaps=gaps)[0] > \
+            step_peak(costs, keeps, floor, may_drop=[True] * 2, gaps=gaps)[0]
+    assert dearer  # the plans where the LayerNorm's output is kept peak higher, and the model says so

@@ -32,6 +32,21 @@ construction; the engine, its arguments and so the gradients are ``torch.autogra
 ``tests/test_norm_chain_ops.py`` bounds the operators a converted step dispatches by eager's plus
 one recompute of each layer (``benchmarks/bm_norm_host.py`` prints both, and the host time).
 
+Note: [a norm before a dropped conv recomputed once]
+Where layer ``i``'s conv output is not kept, layer ``i + 1``'s input rebuild runs layer ``i - 1``'s
+norm + tail to get ``x_i`` and conv ``i`` on it; layer ``i``'s conv backward needs ``x_i`` again.
+For a norm with nothing after it (``norm_once``: ConvNeXt's LayerNorm before its 1x1 conv), where
+layer ``i`` may not drop its rebuilt input (``NormLayerSpec.may_drop``), that first run is made
+under autograd, its graph kept for layer ``i - 1``'s backward and ``x_i`` (the graph's root, held
+by the graph anyway) kept for conv ``i``'s backward: the norm runs once per backward, not once
+without a graph and again with it, and a conv before it that was recomputed for it runs once too.
+``x_i`` (and a recomputed ``y_{i-1}`` the graph reads, and its statistics) is then alive from layer
+``i + 1``'s conv backward on, not from conv ``i``'s: a higher peak for the chain. Dropping it
+(``may_drop``, the default) is the old order, lower. The replay prices both
+(autograd/norm_chain_memory.py ``build_x``), and the ``auto`` planner keeps it only where the
+chain's backward then stays within the step's predicted peak (Note: [drops only where the step
+peaks] in passes/plan/peak_model.py), so the step peaks where it predicts.
+
 Note: [the norm's output as a root only]
 Layer ``i``'s norm is recomputed under autograd once, when layer ``i + 1`` rebuilds its input,
 and that graph waits for layer ``i``'s backward. Where the activation's derivative is a
@@ -62,7 +77,7 @@ from .release import free_storage, keeping_graph
 from .saving import load_tensors, save_tensors
 
 __all__ = ["NormLayerSpec", "NormChainFunction", "norm_chain_apply", "norm_chain_forward_no_grad",
-           "norm_chain_reference"]
+           "norm_chain_reference", "norm_once"]
 
 Stats = Tuple[Optional[Tensor], Optional[Tensor]]
 
@@ -77,6 +92,9 @@ class NormLayerSpec:
         act: a single activation, or identity when ``tail`` is given.
         tail: element-wise ops after the norm (activations and PReLU).
         keep_y: keep the conv output for backward (else it is recomputed).
+        may_drop: backward may drop this layer's rebuilt input and rebuild it again for its
+            conv's backward, to lower the chain's own peak (Note: [a norm before a dropped conv
+            recomputed once]; the ``auto`` planner clears it where the step peaks elsewhere).
     """
 
     conv: Optional[ConvSpec]
@@ -84,6 +102,7 @@ class NormLayerSpec:
     act: Activation
     tail: Tuple[TailOp, ...] = ()
     keep_y: bool = True
+    may_drop: bool = True
 
     def __post_init__(self) -> None:
         if self.conv is None and self.norm is None:
@@ -179,6 +198,13 @@ def _root_only(spec: NormLayerSpec) -> bool:
             and norm_row(spec.norm.row).output_unread)
 
 
+def norm_once(spec: NormLayerSpec, after: NormLayerSpec) -> bool:
+    """Note: [a norm before a dropped conv recomputed once]: a norm with nothing after it (a
+    ConvNeXt block's LayerNorm before its 1x1 conv), whose graph holds its output anyway, before a
+    layer ``after`` whose rebuilt input backward may not drop."""
+    return spec.norm is not None and not spec.tail and spec.act.is_identity and not after.may_drop
+
+
 def _alias(t: Tensor) -> Tensor:
     """A tensor on ``t``'s memory with a version counter of its own: writing through it leaves
     ``t`` as autograd recorded it (``t.detach()`` shares the counter, and a view whose counter
@@ -230,6 +256,9 @@ class _Rebuild:
         #: each layer's parameters as ``_split`` gives them (read several times per layer)
         self.split = [_split(s, params[self.off[i]: self.off[i + 1]]) for i, s in enumerate(specs)]
         self.pending: Dict[int, PostGraph] = {}
+        #: layer inputs rebuilt with their producer's graph, waiting for their conv's backward
+        #: (Note: [a norm before a dropped conv recomputed once])
+        self.inputs: Dict[int, Tensor] = {}
         #: no later backward unpacks the saved conv outputs: each is freed once read
         self.free_kept = not keeping_graph()
         #: the Function's incoming gradient where it is the backward's alone, freed once consumed
@@ -289,12 +318,19 @@ class _Rebuild:
         last step's graph is kept for layer ``i - 1``'s backward."""
         if i == 0:
             return self.x0
+        if i in self.inputs:
+            return self.inputs.pop(i)
         j = i - 1
         while j >= 0 and j not in self.kept:
             j -= 1
         x = self.x0 if j < 0 else None
         for k in range(max(j, 0), i - 1):
             y = self.kept[k] if k == j else self.y(k, x)
+            # Note: [a norm before a dropped conv recomputed once]
+            if k == i - 2 and norm_once(self.specs[k], self.specs[k + 1]):
+                self.pending[k], x = self.post_graph(k, y)
+                self.inputs[i - 1] = x
+                continue
             _, _, g, beta, tws = self.layer(k)
             with torch.no_grad():
                 x = _post(self.specs[k], y, g, beta, tws, self.stats[k], update=False)
@@ -359,7 +395,10 @@ def _conv_backward(rb: _Rebuild, i: int, gy: Tensor, x: Optional[Tensor], x_need
         x = rb.input(i)
     needs = rb.needs
     xin = (spec.conv.pad_input(x) if i > 0 else x).to(w.dtype)
-    gx, gw, gb = conv_backward(gy, xin, w, spec.conv, (i > 0 or x_need, needs[base], b is not None and needs[base + 1]))
+    # Note: [the weight's gradient first] in functional/conv.py: on the CPU the weight kernel's
+    # scratch never lands on top of the input's gradient
+    gx, gw, gb = conv_backward(gy, xin, w, spec.conv, (i > 0 or x_need, needs[base], b is not None and needs[base + 1]),
+                               weight_first=xin.device.type == "cpu")
     grads[base], grads[base + 1] = gw, gb
     gx = None if gx is None else gx.to(x.dtype)  # back through the input's cast
     rb.release_engine_grad(unless=gx)

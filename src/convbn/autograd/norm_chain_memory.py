@@ -31,8 +31,9 @@ class _NormReplay:
 
     def __init__(self, y: Sequence[int], x: Sequence[int], keep: Sequence[bool], acts: Sequence[str],
                  norms: Sequence[str], w: Optional[Sequence[int]], head: bool, end: bool,
-                 s: Optional[Sequence[int]]) -> None:
+                 s: Optional[Sequence[int]], drops: Optional[Sequence[bool]] = None) -> None:
         self.y, self.x, self.norms, self.w, self.head, self.end = y, x, norms, w, head, end
+        self.drops = list(drops) if drops is not None else [True] * len(y)
         self.k = k = len(y)
         parsed = [parse_kind(a) for a in acts]
         self.kinds, self.ops = [p[0] for p in parsed], [p[1] for p in parsed]
@@ -56,6 +57,11 @@ class _NormReplay:
     def root_only(self, i: int) -> bool:
         """Note: [the norm's output as a root only]: the activation's backward reads its output."""
         return self.kinds[i] is LayerKind.OUTPUT and self.has_norm(i) and norm_row(self.norms[i]).output_unread
+
+    def norm_once(self, i: int) -> bool:
+        """``norm_chain.norm_once``: a norm with nothing after it, its graph made once, before a
+        layer that may not drop its rebuilt input."""
+        return self.has_norm(i) and self.kinds[i] is LayerKind.IDENTITY and not self.drops[i + 1]
 
     def graph_holds_output(self, i: int) -> bool:
         """Layer ``i``'s graph holds its output (the next layer's input) as a tensor of its own."""
@@ -103,17 +109,22 @@ class _NormReplay:
         cur: Optional[Hashable] = None  # the rebuilt input so far (None: the chain input)
         temp_y: Optional[Hashable] = None  # a recomputed conv output the loop's variable holds
         for m in range(max(j, 0), i - 1):
-            y_name = self._y_for(m, j, cur)
+            once = m == i - 2 and self.norm_once(m)  # Note: [a norm before a dropped conv recomputed once]
+            y_name = self._y_for(m, j, cur, name=("y", m) if once else None)
             self._drop(temp_y, keep=(cur, y_name))
             temp_y = y_name if y_name == ("ty", m) else None
-            t = self._post_no_grad(m, y_name)
+            if once:  # the graph kept for layer m, its output for conv m + 1's backward
+                self.post_graph(m, ("x", m + 1))
+                t: Optional[Hashable] = ("x", m + 1)
+            else:
+                t = self._post_no_grad(m, y_name)
             self._drop(cur, keep=(t, temp_y))
             cur = t
         p = i - 1
         y_name = self._y_for(p, j, cur, name=("y", p))
         self._drop(temp_y, keep=(cur, y_name))
         self.post_graph(p, ("x", i))
-        self._drop(cur, keep=(("x", i),))
+        self._drop(cur, keep=(("x", i), ("x", p)))
 
     def _y_for(self, m: int, j: int, cur: Optional[Hashable], name: Optional[Hashable] = None) -> Optional[Hashable]:
         """Layer ``m``'s conv output in a rebuild: kept, the chain input, or recomputed."""
@@ -218,7 +229,8 @@ class _NormReplay:
 
 def norm_replay(y_sizes: Sequence[int], x_sizes: Sequence[int], keep: Sequence[bool], acts: Sequence[str],
                 norms: Sequence[str], w_sizes: Optional[Sequence[int]] = None, head: bool = False,
-                end: bool = False, s_sizes: Optional[Sequence[int]] = None) -> Tuple[int, int]:
+                end: bool = False, s_sizes: Optional[Sequence[int]] = None,
+                drops: Optional[Sequence[bool]] = None) -> Tuple[int, int]:
     """Peak of a per-sample-norm chain's backward and the layer reaching it.
 
     Args:
@@ -227,6 +239,8 @@ def norm_replay(y_sizes: Sequence[int], x_sizes: Sequence[int], keep: Sequence[b
             none, a bare convolution).
         s_sizes: each layer's statistics bytes (:func:`~convbn.functional.norms.stat_bytes`),
             made with its recomputed norm and held with its graph; ``None``: not counted.
+        drops: per layer, ``NormLayerSpec.may_drop`` (Note: [a norm before a dropped conv
+            recomputed once] in autograd/norm_chain.py); ``None``: every layer may drop.
 
     Returns:
         ``(peak, layer)``: counting the kept conv outputs, the incoming gradient and every
@@ -236,10 +250,11 @@ def norm_replay(y_sizes: Sequence[int], x_sizes: Sequence[int], keep: Sequence[b
         >>> norm_replay([4, 8], [1, 4], [False, False], ["smooth", "smooth"], ["group_norm", "group_norm"])
         (44, 1)
     """
-    return _NormReplay(y_sizes, x_sizes, keep, acts, norms, w_sizes, head, end, s_sizes).run()
+    return _NormReplay(y_sizes, x_sizes, keep, acts, norms, w_sizes, head, end, s_sizes, drops).run()
 
 
-def norm_conv_runs(keep: Sequence[bool], acts: Sequence[str], norms: Sequence[str], head: bool = False) -> Tuple[int, ...]:
+def norm_conv_runs(keep: Sequence[bool], acts: Sequence[str], norms: Sequence[str], head: bool = False,
+                   drops: Optional[Sequence[bool]] = None) -> Tuple[int, ...]:
     """How many times backward runs each layer's convolution again under ``keep``, walked in
     :class:`~convbn.autograd.norm_chain.NormChainFunction`'s order (Note: [a conv run once per
     rebuild]).
@@ -250,13 +265,21 @@ def norm_conv_runs(keep: Sequence[bool], acts: Sequence[str], norms: Sequence[st
     # running again the convolution of every layer ``j < i < m`` (of ``0 <= i < m`` where
     # nothing before is kept). A layer whose output no later layer rebuilt (the last one)
     # runs its own convolution for its norm's backward when not kept. So a layer not keeping
-    # its output is recomputed once per later layer up to the next kept one: a fully
-    # recomputed ConvNeXt block (dwconv -> LayerNorm, 1x1 -> GELU, 1x1) runs its depthwise
-    # conv twice. The planner's recompute cost counts each run (``ChainCost.recompute``).
+    # its output is recomputed once per later layer up to the next kept one, except where layer
+    # ``m``'s input was kept by layer ``m + 1``'s rebuild (a norm with nothing after it before
+    # the dropped conv ``m`` that may not drop it, ``drops[m]`` false: Note: [a norm before a
+    # dropped conv recomputed once] in autograd/norm_chain.py): a fully recomputed ConvNeXt
+    # block (dwconv -> LayerNorm, 1x1 -> GELU, 1x1) runs its depthwise conv twice, once where
+    # its 1x1 conv may not drop its input. The planner's recompute cost counts each run
+    # (``ChainCost.recompute``), with every layer dropping (the most runs: the planner clears
+    # drops after choosing the plan).
 
     Example:
         >>> norm_conv_runs([False, False, False], ["identity", "smooth", "identity"], ["channel_layer_norm", "", ""])
         (2, 1, 0)
+        >>> norm_conv_runs([False, False, False], ["identity", "smooth", "identity"], ["channel_layer_norm", "", ""],
+        ...                drops=[False] * 3)
+        (1, 1, 0)
         >>> norm_conv_runs([True, False, False], ["identity", "smooth", "identity"], ["channel_layer_norm", "", ""])
         (0, 1, 0)
     """
@@ -264,10 +287,14 @@ def norm_conv_runs(keep: Sequence[bool], acts: Sequence[str], norms: Sequence[st
     has_conv = [not (head and i == 0) for i in range(k)]
     needs_y = [bool(norms[i]) or parse_kind(acts[i])[0] is not LayerKind.IDENTITY for i in range(k)]
     kept = [keep[i] and has_conv[i] and needs_y[i] for i in range(k)]
+    drops = list(drops) if drops is not None else [True] * k
+    once = [bool(norms[i]) and parse_kind(acts[i])[0] is LayerKind.IDENTITY and not drops[i + 1] for i in range(k - 1)]
     runs = [0] * k
     for m in range(1, k):
         if not has_conv[m]:
             continue
+        if m + 1 < k and has_conv[m + 1] and not kept[m] and once[m - 1]:
+            continue  # Note: [a norm before a dropped conv recomputed once]: layer m + 1's rebuild kept it
         j = max((i for i in range(m) if kept[i]), default=-1)
         for i in range(j + 1, m):
             runs[i] += has_conv[i]

@@ -15,13 +15,15 @@ import torch
 from torch import Tensor
 from torch.autograd import Function
 
-from ..functional.pool import PoolSpec, pool_backward, pool_forward, shape_stand_in, stand_in_fits
+from ..functional.pool import PoolSpec, compact_indices, pool_backward, pool_forward, shape_stand_in, stand_in_fits
+from .release import free_storage, keeping_graph
 
 __all__ = ["LeanPoolFunction", "lean_pool"]
 
 
 class LeanPoolFunction(Function):
-    """``apply(x, spec)``: ATen's pooling of ``x``; saves the indices (max) and ``x``'s shape.
+    """``apply(x, spec)``: ATen's pooling of ``x``; saves the indices (max; ``int32`` where they
+    fit) and ``x``'s shape.
 
     A non-contiguous ``x`` (channels-last) is saved itself, as eager saves it: its gradient
     takes its layout (Note: [a stand-in for the pooling input]).
@@ -33,6 +35,8 @@ class LeanPoolFunction(Function):
         keep = not stand_in_fits(x)
         ctx.spec, ctx.keep, ctx.has_indices = spec, keep, indices is not None
         ctx.shape, ctx.dtype, ctx.device = tuple(x.shape), x.dtype, x.device
+        if indices is not None:  # Note: [max-pool indices in half the bytes] in functional/pool.py
+            indices = compact_indices(indices, spec, x.shape)
         ctx.save_for_backward(*((x,) if keep else ()), *((indices,) if indices is not None else ()))
         return out
 
@@ -41,6 +45,14 @@ class LeanPoolFunction(Function):
         saved = ctx.saved_tensors
         like = saved[0] if ctx.keep else shape_stand_in(ctx.shape, ctx.dtype, ctx.device)
         indices = saved[-1] if ctx.has_indices else None
+        if indices is not None and indices.dtype != torch.int64:
+            # Note: [max-pool indices in half the bytes] in functional/pool.py: widened for ATen's
+            # kernel, the int32 copy let go first unless the graph is kept, so the kernel runs
+            # beside what eager's holds (its int64 indices), never beside both
+            wide = indices.to(torch.int64)
+            if not keeping_graph():
+                free_storage(indices)
+            indices = wide
         return pool_backward(grad, like, ctx.spec, indices), None
 
 

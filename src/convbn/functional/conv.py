@@ -198,6 +198,7 @@ def conv_backward(
     weight: Tensor,
     spec: ConvSpec,
     mask: Tuple[bool, bool, bool],
+    weight_first: bool = False,
 ) -> Tuple[Optional[Tensor], Optional[Tensor], Optional[Tensor]]:
     """``(grad_x, grad_W, grad_b)`` of :func:`conv_forward`, only where ``mask`` asks.
 
@@ -206,9 +207,27 @@ def conv_backward(
     batch and channel roles swapped (the roles of the two swap for a transposed
     convolution). A linear layer: ``grad_x = G W``, ``grad_W = G^T x``, ``grad_b = sum_rows G``
     (the matrix products eager's ``addmm`` backward runs).
+
+    ``weight_first``: where both ``grad_x`` and ``grad_W`` are asked, ``grad_W`` (and ``grad_b``)
+    in one call and ``grad_x`` in a second, the same values bit for bit (Note: [the weight's
+    gradient first]).
     """
     if not any(mask):
         return None, None, None
+    if weight_first and mask[0] and mask[1] and not spec.is_linear:
+        # Note: [the weight's gradient first]
+        # One ``convolution_backward`` computes ``grad_x`` first and then ``grad_W``, and on
+        # the CPU ``grad_W``'s kernel (oneDNN) makes reordered copies of both ``x`` and
+        # ``grad_y``: that scratch (``x`` + ``grad_y`` bytes) lands on top of the finished
+        # ``grad_x``. Two calls, ``grad_W`` first, never hold both: the high-water mark is
+        # ``max(scratch_W, grad_x + scratch_x)`` instead of ``grad_x + max(scratch_x, scratch_W)``
+        # (``benchmarks/bm_conv_scratch.py`` measures the scratch). Each kernel computes the
+        # same sums in the same order alone as together, so the values are the same bits. The
+        # norm chain asks for it on the CPU only: one more operator dispatched per convolution
+        # (``tests/test_norm_chain_ops.py`` counts it), and CUDA's measured peaks stay as they were.
+        _, gw, gb = conv_backward(grad_y, x, weight, spec, (False, True, mask[2]))
+        gx, _, _ = conv_backward(grad_y, x, weight, spec, (True, False, False))
+        return gx, gw, gb
     if spec.is_linear:
         g2 = grad_y.reshape(-1, grad_y.shape[-1])
         gx = grad_y.matmul(weight) if mask[0] else None

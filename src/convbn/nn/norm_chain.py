@@ -72,8 +72,8 @@ class FusedNormChain(FusedChain):
         _check_norm_call(layers, x, dt)
         if isinstance(self.plan, LazyPlan) and torch.is_grad_enabled() and self._resolve_plan(pieces, dt):
             return self._forward_eager(x)
-        specs = [NormLayerSpec(l.conv, None if l.bn is None else l.bn.call(), act, tail, keep)  # type: ignore[union-attr]
-                 for l, (act, tail), keep in zip(layers, tails, self.plan.keep)]
+        specs = [NormLayerSpec(l.conv, None if l.bn is None else l.bn.call(), act, tail, keep, drop)  # type: ignore[union-attr]
+                 for l, (act, tail), keep, drop in zip(layers, tails, self.plan.keep, self.plan.may_drop)]
         stats = [l.bn.stats() if l.bn is not None else (None, None) for l in layers]  # type: ignore[union-attr]
         if layers[0].conv is not None:
             x = layers[0].conv.pad_input(x)

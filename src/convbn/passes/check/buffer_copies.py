@@ -10,16 +10,26 @@ thread already holds for a buffer, where that copy still has the buffer's very b
 as bytes: ``-0.0`` and ``0.0`` differ, a NaN equals itself); it restores from it exactly as
 from its own, and only reads it. A buffer changed since the enclosing snapshot was taken, or
 one whose bytes cannot be read (sparse, quantised, meta), gets a copy of its own.
+
+Note: [copies lent while a step cannot write them]
+A copy is held to put a buffer back after a step that writes it. For a step that is known not
+to write some buffers (the check's eager step with its BatchNorms' statistics left unwritten:
+``check/quiet_norms.py``), every open snapshot's copy of them that still holds the buffer's bits
+is *lent* for a block (:func:`copies_lent`): dropped, so that no copy of them is alive at the
+step's peak, and taken again from the buffer after the block, which then still holds those
+bits. A lent buffer whose version counter moved in the block was written after all; its copies
+are gone, and :func:`copies_lent` raises rather than leave the model changed unseen.
 """
 from __future__ import annotations
 
+import contextlib
 from contextvars import ContextVar, Token
-from typing import Dict, List, Tuple
+from typing import Dict, Iterator, List, Sequence, Tuple
 
 import torch
 from torch import Tensor
 
-__all__ = ["buffer_copy", "open_copies", "close_copies"]
+__all__ = ["buffer_copy", "open_copies", "close_copies", "copies_lent"]
 
 #: the copies held by the snapshots open in this thread (innermost last), each by its buffer's id
 _OPEN: ContextVar[Tuple[Dict[int, Tuple[Tensor, Tensor]], ...]] = ContextVar("convbn_snapshot_copies", default=())
@@ -46,12 +56,45 @@ def buffer_copy(buffer: Tensor) -> Tensor:
     return buffer.detach().clone()
 
 
-def open_copies(pairs: List[Tuple[Tensor, Tensor]]) -> Token:
-    """Offer a snapshot's ``(buffer, copy)`` pairs to the snapshots opened inside it; the token
-    closes them (:func:`close_copies`)."""
-    return _OPEN.set((*_OPEN.get(), {id(b): (b, v) for b, v in pairs}))
+def open_copies(copies: Dict[int, Tuple[Tensor, Tensor]]) -> Token:
+    """Offer a snapshot's copies (``id(buffer) -> (buffer, copy)``, the snapshot's own dict: a
+    copy lent by :func:`copies_lent` is lent from the snapshot too) to the snapshots opened inside
+    it; the token closes them (:func:`close_copies`)."""
+    return _OPEN.set((*_OPEN.get(), copies))
 
 
 def close_copies(token: Token) -> None:
     """Withdraw the copies :func:`open_copies` offered."""
     _OPEN.reset(token)
+
+
+@contextlib.contextmanager
+def copies_lent(buffers: Sequence[Tensor]) -> Iterator[None]:
+    """Every open snapshot's copy of ``buffers`` that still holds the buffer's bits dropped for
+    the block and taken again from the buffer after it (Note: [copies lent while a step cannot
+    write them]).
+
+    Raises:
+        RuntimeError: a lent buffer was written in the block (its copies are gone).
+    """
+    lent = [(copies, b) for b in buffers for copies in _OPEN.get() if _holds_bits(copies, b)]
+    for copies, b in lent:
+        del copies[id(b)]  # no other reference to a copy is left in this frame while the block runs
+    versions = {id(b): b._version for _, b in lent}
+    try:
+        yield
+    finally:
+        fresh: Dict[int, Tensor] = {}
+        for copies, b in lent:
+            if id(b) not in fresh:
+                fresh[id(b)] = b.detach().clone()
+            copies[id(b)] = (b, fresh[id(b)])
+    moved = [tuple(b.shape) for _, b in lent if b._version != versions[id(b)]]
+    if moved:
+        raise RuntimeError(f"convbn's check: {len(moved)} buffer(s) its eager step was to leave unwritten were written "
+                           f"(shapes {moved[:4]}); their values before the step are lost")
+
+
+def _holds_bits(copies: Dict[int, Tuple[Tensor, Tensor]], b: Tensor) -> bool:
+    held = copies.get(id(b))
+    return held is not None and held[0] is b and same_bits(b, held[1])

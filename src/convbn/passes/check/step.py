@@ -15,21 +15,12 @@ from torch import Tensor, nn
 from ..._compat import pytree
 
 from ..graph.graph_module import eager, installed, retypable, retype
+from .eager_reference import Bound, eager_reference
 from .first_call import guards_paused
 from .validate import (Comparison, StateSnapshot, compare_outputs, eager_error_slack, relative_floor, run_step,
                        to_float64, tolerance)
 
 __all__ = ["check_step", "called_inputs"]
-
-
-class _Bound:
-    """``model`` called with fixed keyword arguments (for :func:`run_step`)."""
-
-    def __init__(self, model: nn.Module, kwargs: Dict[str, Any]) -> None:
-        self.model, self.kwargs = model, kwargs
-
-    def __call__(self, *args: Any) -> Any:
-        return self.model(*args, **self.kwargs)
 
 
 def _step(module: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any], grad_inputs: bool = True
@@ -39,7 +30,7 @@ def _step(module: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any], grad
     params = list(module.parameters())
     rng: List[Tensor] = []
     with StateSnapshot(module):
-        out, grads = run_step(_Bound(module, kwargs), args, params, seed=0, rng=rng, grad_inputs=grad_inputs)
+        out, grads = run_step(Bound(module, kwargs), args, params, seed=0, rng=rng, grad_inputs=grad_inputs)
         buffers = [b.detach().clone() for b in module.buffers()]
     return out, grads, buffers, rng
 
@@ -65,14 +56,17 @@ def check_step(module: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any])
 
 
 def _eager_step(module: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Tuple[Tuple[Any, ...], bool]:
-    """The eager model's step, and whether the inputs were made to require grad."""
+    """The eager model's step (taken within a training step's peak: Note: [the eager reference
+    within a training step's peak] in eager_reference.py), and whether the inputs were made to
+    require grad."""
     with eager(module):
         try:
-            return _step(module, args, kwargs), True
+            return eager_reference(module, args, kwargs) or _step(module, args, kwargs), True
         except RuntimeError:
             # inputs made to require grad can break a model eager runs (one that sets
             # requires_grad on a view of its input): as the caller gave them, then
-            return _step(module, args, kwargs, grad_inputs=False), False
+            return (eager_reference(module, args, kwargs, grad_inputs=False)
+                    or _step(module, args, kwargs, grad_inputs=False)), False
 
 
 # Note: [a check that holds one side's gradients]
@@ -111,7 +105,7 @@ def _streamed(module: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any], 
     rng: List[Tensor] = []
     try:
         with StateSnapshot(module):
-            out, grads = run_step(_Bound(module, kwargs), args, list(module.parameters()), seed=0, rng=rng,
+            out, grads = run_step(Bound(module, kwargs), args, list(module.parameters()), seed=0, rng=rng,
                                   grad_inputs=grad_inputs, on_grad=on_grad)
             buffers = [b.detach().clone() for b in module.buffers()]
     except Exception as exc:  # noqa: BLE001 - the rewrite must not fail where eager does not

@@ -20,7 +20,7 @@ from .buffer_copies import buffer_copy, close_copies, open_copies
 from .plain_state import PlainState
 from .upstream import handed_once
 
-__all__ = ["StateSnapshot", "Comparison", "compare_outputs", "run_step", "seeded", "as_args", "float64_slack", "eager_error_slack", "to_float64",
+__all__ = ["StateSnapshot", "Comparison", "compare_outputs", "run_step", "step_forward", "upstream_gradients", "seeded", "as_args", "float64_slack", "eager_error_slack", "to_float64",
            "tolerance", "tolerance_rule", "ToleranceRule", "TOLERANCES", "CheckKind", "buffers_set_aside", "batch_sample",
            "clone_tensors", "relative_floor", "leaf_difference"]
 
@@ -154,20 +154,26 @@ class StateSnapshot:
 
     def __enter__(self) -> "StateSnapshot":
         # an enclosing snapshot's copy where it still holds the buffer's bits (Note: [nested snapshots share their copies])
-        self.buffers = [(b, buffer_copy(b)) for b in self.model.buffers()]
-        self.offered = open_copies(self.buffers)
+        self.copies = {id(b): (b, buffer_copy(b)) for b in self.model.buffers()}
+        self.offered = open_copies(self.copies)  # the same dict: a copy lent is lent from here too
         self.modes = [(m, m.training) for m in self.model.modules()]
         self.plain = PlainState(self.model)
         self.rng = seeded(0)
         self.rng.__enter__()
         return self
 
+    @property
+    def buffers(self) -> List[Tuple[Tensor, Tensor]]:
+        """``(buffer, copy)`` pairs held now (a copy lent is not held: Note: [copies lent while a
+        step cannot write them] in buffer_copies.py)."""
+        return list(self.copies.values())
+
     def __exit__(self, *exc: Any) -> None:
         self.rng.__exit__(None, None, None)
         close_copies(self.offered)
         self.plain.restore()
         with torch.no_grad():
-            for b, v in self.buffers:
+            for b, v in self.copies.values():
                 if not b.is_inference():
                     b.copy_(v)
         for m, t in self.modes:
@@ -331,23 +337,10 @@ def run_step(model: nn.Module, args: Tuple[Any, ...], params: Sequence[Tensor], 
     every ``.grad`` set aside and restored), each gradient handed to ``on_grad(i, grad)`` as
     soon as it is accumulated and released (its slot ``None``): Note: [a check that holds one
     side's gradients] in step.py."""
-    inputs = [_step_input(a, grad_inputs) if isinstance(a, Tensor) else a for a in pytree.tree_leaves(args)]
-    versions = [(a, a._version) for a in inputs if isinstance(a, Tensor) and a.requires_grad]
-    leaves, spec = pytree.tree_flatten(args)
-    it = iter(inputs)
-    call_args = pytree.tree_unflatten([next(it) for _ in leaves], spec)
-    with seeded(seed) as drawn:
-        out = model(*call_args)
-        if rng is not None:
-            rng.extend(drawn.states())
-    if any(a._version != v for a, v in versions):  # written in place under no_grad: the caller's tensor
-        raise RuntimeError("the model wrote into its input in place; run again on copies")
-    outs = [o for o in pytree.tree_leaves(out) if isinstance(o, Tensor) and o.requires_grad]
-    wrt = [p for p in params if p.requires_grad] + [t for t in inputs if isinstance(t, Tensor) and t.requires_grad]
+    out, outs, wrt = step_forward(model, args, params, seed, rng, grad_inputs)
     if not backward or not outs or not wrt or not torch.is_grad_enabled():
         return pytree.tree_map(lambda t: t.detach() if isinstance(t, Tensor) else t, out), []
-    gen = torch.Generator().manual_seed(seed + 1)
-    ups = [torch.randn(o.shape, generator=gen, dtype=torch.float64).to(o) for o in outs]
+    ups = upstream_gradients(outs, seed)
     ups, handles = handed_once(outs, ups)  # Note: [an upstream gradient let go once used]
     try:
         with seeded(seed + 2) as drawn:  # a backward drawing random numbers draws the same on both sides
@@ -363,6 +356,35 @@ def run_step(model: nn.Module, args: Tuple[Any, ...], params: Sequence[Tensor], 
         for h in handles:
             h.remove()
     return pytree.tree_map(lambda t: t.detach() if isinstance(t, Tensor) else t, out), list(grads)
+
+
+def step_forward(model: nn.Module, args: Tuple[Any, ...], params: Sequence[Tensor], seed: int,
+                 rng: Optional[List[Tensor]] = None, grad_inputs: bool = True) -> Tuple[Any, List[Tensor], List[Tensor]]:
+    """The forward of :func:`run_step` (same arguments): its outputs, the outputs that require
+    grad, and the tensors differentiated (``params`` that require grad, then the inputs that do).
+
+    Raises:
+        RuntimeError: the model wrote into an input that requires grad under ``no_grad``."""
+    inputs = [_step_input(a, grad_inputs) if isinstance(a, Tensor) else a for a in pytree.tree_leaves(args)]
+    versions = [(a, a._version) for a in inputs if isinstance(a, Tensor) and a.requires_grad]
+    leaves, spec = pytree.tree_flatten(args)
+    it = iter(inputs)
+    call_args = pytree.tree_unflatten([next(it) for _ in leaves], spec)
+    with seeded(seed) as drawn:
+        out = model(*call_args)
+        if rng is not None:
+            rng.extend(drawn.states())
+    if any(a._version != v for a, v in versions):  # written in place under no_grad: the caller's tensor
+        raise RuntimeError("the model wrote into its input in place; run again on copies")
+    outs = [o for o in pytree.tree_leaves(out) if isinstance(o, Tensor) and o.requires_grad]
+    wrt = [p for p in params if p.requires_grad] + [t for t in inputs if isinstance(t, Tensor) and t.requires_grad]
+    return out, outs, wrt
+
+
+def upstream_gradients(outs: Sequence[Tensor], seed: int) -> List[Tensor]:
+    """The random upstream gradient of each of a step's outputs (:func:`run_step`), drawn from ``seed + 1``."""
+    gen = torch.Generator().manual_seed(seed + 1)
+    return [torch.randn(o.shape, generator=gen, dtype=torch.float64).to(o) for o in outs]
 
 
 def _step_input(a: Tensor, grad_inputs: bool) -> Tensor:

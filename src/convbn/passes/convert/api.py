@@ -173,7 +173,9 @@ def convert(
             where a part differs (a trace that misleads), that part is converted finer,
             child by child, and the report says so. Also used to measure and plan. Running
             stats, ``num_batches_tracked``, RNG and modes are restored exactly afterwards.
-            Without it, each rewritten part validates its outputs against the original on
+            The call's memory peaks within one eager training step's peak on these inputs
+            where activations make most of the step (docs/guides/training-loop.md); its time
+            is a few eager steps. Without it, each rewritten part validates its outputs against the original on
             its first call (a mismatch warns and runs that part unfused from then on), and
             ``"auto"`` plans each chain on its first training call.
         inplace: as in :func:`convbn.fold`: ``True`` rewrites ``model``'s own module objects

@@ -23,7 +23,7 @@ the plans with them).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Optional, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple, Union
 
 from ...autograd.chain_memory import choose_drops, replay
 from ...autograd.norm_chain_memory import norm_conv_runs, norm_replay
@@ -104,19 +104,23 @@ class ChainCost:
         return sum(m for m, f in zip(self.macs, keep) if not f)
 
 
-def chain_backward_peak(cost: ChainCost, keep: Sequence[bool], may_drop: bool = True) -> Tuple[int, int]:
+def chain_backward_peak(cost: ChainCost, keep: Sequence[bool], may_drop: Union[bool, Sequence[bool]] = True
+                        ) -> Tuple[int, int]:
     """Peak bytes during the chain's backward under ``keep`` (Note: [predicting the peak of a
     step]): :func:`convbn.autograd.chain_memory.replay` with the drops the backward itself
     chooses. Counts the kept conv outputs, the incoming gradient, every buffer the
     backward creates and the chain's parameter gradients (``cost.w_bytes``); not the chain
-    input, not the parameters themselves.
+    input, not the parameters themselves. ``may_drop``: for the chain, or (a per-sample-norm
+    chain) per layer.
 
     Returns:
         ``(peak_bytes, layer)``: the peak and the layer whose backward reaches it.
     """
-    if cost.norms:  # a per-sample-norm chain: no drops, its own backward order
+    if cost.norms:  # a per-sample-norm chain: its own backward order and drops (Note: [a norm before
+        # a dropped conv recomputed once] in autograd/norm_chain.py)
         return norm_replay(cost.y_bytes, cost.x_bytes, keep, cost.acts, cost.norms, cost.w_bytes or None,
-                           cost.head, cost.end, cost.s_bytes or None)
+                           cost.head, cost.end, cost.s_bytes or None,
+                           drops=[may_drop] * len(keep) if isinstance(may_drop, bool) else list(may_drop))
     # the drops the backward itself chooses (it does not count parameter gradients); none
     # where the chain may not drop (Note: [drops only where the step peaks])
     drop = choose_drops(cost.y_bytes, cost.x_bytes, keep, cost.acts, cost.head, cost.end) if may_drop \

@@ -65,6 +65,10 @@ class PlanInputs:
         inner: for each point inside a per-sample-norm chain's forward, the layer running
             (its chain is the one ``slots`` says ran last); -1 elsewhere (Note: [a moment
             inside a chain's forward] in peak_model.py).
+        drops: per chain, per layer, the ``may_drop`` flags the recorded step ran with: a
+            per-sample-norm chain's backward depends on them (Note: [a norm before a dropped conv
+            recomputed once] in autograd/norm_chain.py), so its prefix is its peak less the
+            transient replayed with them; empty: every layer may drop.
     """
 
     batch: int
@@ -84,6 +88,7 @@ class PlanInputs:
     slots: Ints
     ops: Tuple[str, ...]
     inner: Ints = ()
+    drops: Tuple[Tuple[bool, ...], ...] = ()
 
     def costs(self) -> List[ChainCost]:
         """The chains' :class:`ChainCost` in forward order, each prefix measured where the
@@ -102,7 +107,8 @@ class PlanInputs:
                 end=self.end[j], s_bytes=self.s_bytes[j], norms=self.norms[j],
                 forward=forward[j] if self.norms[j] and any(forward[j]) else ())
             if j in peaks:
-                own = chain_backward_peak(cost, [False] * len(cost.y_bytes))[0]
+                drops = self.drops[j] if self.drops and self.norms[j] else True
+                own = chain_backward_peak(cost, [False] * len(cost.y_bytes), drops)[0]
                 cost = replace(cost, prefix=max(0, peaks[j] - own))
             out.append(cost)
         return out
@@ -192,7 +198,7 @@ def measure_plan_inputs(converted: nn.Module, inputs: Tuple[Any, ...], *,
         acts=per_layer(ChainLayer.tail_kind), head=tuple(c.layers[0].is_head for c in chains),
         end=tuple(c.layers[-1].is_end for c in chains), norms=tuple(_norms(c) for c in chains), prefix_est=tuple(prefix[names[id(c)]] for c in chains),
         floor=rec.activation_bytes, extra=all_keep_bytes([m.layers for m in chains_of(converted)]),
-        points=points, slots=slots, ops=ops, inner=inner)
+        points=points, slots=slots, ops=ops, inner=inner, drops=tuple(tuple(c.plan.may_drop) for c in chains))
 
 
 # Note: [the saves read off the recorded step]
@@ -311,7 +317,7 @@ def _line(a: int, b: int, ba: int, bb: int, batch: int) -> int:
     return round(a + Fraction(b - a, bb - ba) * (batch - ba))
 
 
-_CONSTANT = ("w_bytes", "s_bytes", "acts", "head", "end", "norms", "slots", "ops", "inner")
+_CONSTANT = ("w_bytes", "s_bytes", "acts", "head", "end", "norms", "slots", "ops", "inner", "drops")
 
 
 def plan_inputs_at(a: PlanInputs, b: PlanInputs, batch: int) -> PlanInputs:
