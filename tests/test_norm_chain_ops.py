@@ -204,6 +204,8 @@ def test_a_layer_norm_before_a_dropped_conv_is_recomputed_once(amp: Optional[tor
     apply_plan(chains, [[False] * 3] * blocks, [False] * blocks)
     f = step_ops(fast, x, amp)
     budget = convnext_budget(eager, x, amp)
+    if device == "cpu":  # Note: [the weight's gradient first]: grad_W and grad_x in two calls per chain conv
+        budget["convolution_backward"] += sum(isinstance(m, nn.Conv2d) for b in eager.stage for m in b.modules())
     assert not over_budget(f, e, budget), over_budget(f, e, budget)
 
 
