@@ -35,6 +35,9 @@ MODELS: List[Tuple[str, str, Tuple[int, ...]]] = [
     ("torchvision-style ResNet-50", "tv:resnet50", (8, 3, 224, 224)),
     ("MONAI ResNet-50", "monai:resnet50(spatial_dims=2,n_input_channels=3,conv1_t_stride=2)", (8, 3, 224, 224)),
     ("EfficientNet-B0", "efficientnet:b0", (8, 3, 224, 224)),
+    # its swish as x * sigmoid(x) (``set_swish(memory_efficient=False)``) instead of the library's
+    # default autograd Function, which saves its input (the BatchNorm's output) whatever convbn does
+    ("EfficientNet-B0, plain swish", "efficientnet:b0+plain-swish", (8, 3, 224, 224)),
     ("MONAI DenseNet-121", "monai:DenseNet121", (8, 3, 128, 128)),
     ("MONAI 3-D UNet", "monai:UNet", (2, 1, 64, 64, 64)),
     ("tutorial MNIST", "mnist", (512, 1, 28, 28)),
@@ -45,6 +48,10 @@ MODELS: List[Tuple[str, str, Tuple[int, ...]]] = [
 def _build(spec: str) -> nn.Module:
     if spec.startswith("tv:"):
         return getattr(import_torchvision_without_fake_kernels().models, spec[3:])()
+    if spec.endswith("+plain-swish"):
+        model = build_model(spec[: -len("+plain-swish")])[0]
+        model.set_swish(memory_efficient=False)
+        return model
     return build_model(spec)[0]
 
 
