@@ -362,6 +362,10 @@ MUTANTS: Dict[str, Mutant] = {
         "the planner's recorded steps never run on one sample (2 and 3 only)",
         (("passes/plan/sliced_measure.py", "SLICE_PAIRS = ((1, 2), (2, 3))", "SLICE_PAIRS = ((2, 3),)"),),
         ("tests/test_convert_steps.py::test_convert_with_example_inputs_runs_two_full_steps_and_two_on_slices",)),
+    "autocast_cache_kept_after_a_fake_trace": Mutant(
+        "autocast's cache keeps the fake casts a shape capture made of the real weights",
+        (("passes/graph/shape_capture.py", "            torch.clear_autocast_cache()\n", "            pass\n"),),
+        ("tests/test_autocast_variant_cache.py::test_steps_under_autocast_after_a_float32_convert_are_eager_autocasts",)),
     "allocator_meter_start_before_zero_grad": Mutant(
         "the allocator (CUDA) meter reads its start when it is built, before the previous step's gradients are freed",
         (("memory/allocator_meter.py", "        self.start = 0\n", "        self.start = counters.allocated()\n"),

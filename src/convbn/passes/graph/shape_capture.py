@@ -164,8 +164,18 @@ class ShapeTracing:
 
     def trace(self, root: Any, concrete_args: Optional[Dict[str, Any]] = None) -> fx.Graph:
         self._bound = None
-        with _recorded_factories(self):
-            graph = super().trace(root, concrete_args)  # type: ignore[misc]
+        try:
+            with _recorded_factories(self):
+                graph = super().trace(root, concrete_args)  # type: ignore[misc]
+        finally:
+            # Note: [fake casts left in autocast's cache]
+            # Inside an autocast region, autocast caches each parameter's cast (a bf16 copy of a
+            # float32 weight) until the region ends. The fake run of a traced operator casts the
+            # real parameter under the fake mode, and the cache keeps that fake copy: every real
+            # call later in the region then reads it, and a convolution of a real input returned
+            # a FakeTensor (a variant captured for an autocast call, on its first call). The
+            # cache is emptied once the trace is done: the real calls cast again.
+            torch.clear_autocast_cache()
         placeholders = [n for n in graph.nodes if n.op == "placeholder"]
         for node in placeholders:  # code run without the Python guard (TorchScript) checks the shapes itself
             value = node.meta.get(VALUE)
