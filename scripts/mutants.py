@@ -366,6 +366,11 @@ MUTANTS: Dict[str, Mutant] = {
         "autocast's cache keeps the fake casts a shape capture made of the real weights",
         (("passes/graph/shape_capture.py", "            torch.clear_autocast_cache()\n", "            pass\n"),),
         ("tests/test_autocast_variant_cache.py::test_steps_under_autocast_after_a_float32_convert_are_eager_autocasts",)),
+    "check_reference_in_two_runs_on_sharded_parameters": Mutant(
+        "the check's eager reference is taken in two runs on a model whose parameters are DTensors (FSDP2)",
+        (("passes/check/eager_reference.py", "    if any(type(p.data) is not Tensor for p in params):\n        return None",
+          "    if False:\n        return None"),),
+        ("tests/test_fsdp2.py::test_fsdp2_matches_eager_fsdp2_fused",)),
     "allocator_meter_start_before_zero_grad": Mutant(
         "the allocator (CUDA) meter reads its start when it is built, before the previous step's gradients are freed",
         (("memory/allocator_meter.py", "        self.start = 0\n", "        self.start = counters.allocated()\n"),

@@ -66,6 +66,8 @@ def eager_reference(module: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, 
         Exception: whatever the model raises on these inputs.
     """
     params = list(module.parameters())
+    if any(type(p.data) is not Tensor for p in params):
+        return None  # Note: [a reference in two runs needs plain parameters]
     got = _gradients(Bound(module, kwargs), module, args, params, grad_inputs)
     if got is None:
         return None
@@ -75,6 +77,16 @@ def eager_reference(module: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, 
         out, _ = run_step(Bound(module, kwargs), args, params, seed=0, rng=rng, grad_inputs=grad_inputs)
         buffers = [b.detach().clone() for b in module.buffers()]
     return out, grads, buffers, rng + drawn
+
+
+# Note: [a reference in two runs needs plain parameters]
+# The two runs give eager's step only where a forward without autograd computes what the
+# training forward computed. Parameters of a tensor subclass come with code of their own around
+# every call (FSDP2's DTensor parameters: hooks that all-gather before the forward and register
+# the gradient reduction for the backward, which run otherwise without autograd): on an
+# FSDP2-sharded model the no-grad forward's results were not the training step's ("a non-tensor
+# output changed"), so there the caller takes eager's step whole, as before the two runs
+# (tests/test_fsdp2.py, shard then convert with example_inputs).
 
 
 def _gradients(call: Bound, module: nn.Module, args: Tuple[Any, ...], params: Sequence[Tensor], grad_inputs: bool
