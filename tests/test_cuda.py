@@ -9,8 +9,6 @@ for the fused and unfused convolutions).
 from __future__ import annotations
 
 import copy
-import os
-import socket
 from typing import List, Tuple
 
 import pytest
@@ -21,6 +19,7 @@ from torch.autograd import gradcheck, gradgradcheck
 from torch.testing import assert_close
 
 import convbn
+from cuda_helpers import exact_cuda_numerics, one_process_nccl
 from convbn.functional.conv import make_conv_spec
 from convbn.functional.batchnorm import BNSpec
 from convbn.functional.activations import get_activation
@@ -38,14 +37,9 @@ CUDA = torch.device("cuda", 0)
 
 @pytest.fixture(autouse=True)
 def _exact_float32_and_deterministic_cudnn():
-    """Compare like with like: no TF32 (eager and fused may get different conv algorithms,
-    whose TF32 rounding differs by ~1e-3) and deterministic cuDNN (its float64 weight
-    gradients otherwise accumulate with atomics, which gradcheck's reentrancy check sees)."""
-    old = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
-    with torch.backends.cudnn.flags(enabled=True, benchmark=False, deterministic=True, allow_tf32=False):
+    """Compare like with like (cuda_helpers.exact_cuda_numerics: no TF32, deterministic cuDNN)."""
+    with exact_cuda_numerics():
         yield
-    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = old
 F64 = dict(rtol=1e-10, atol=1e-10)
 FUSED = {1: FusedConvBN1d, 2: FusedConvBN2d, 3: FusedConvBN3d}
 CONV = {1: nn.Conv1d, 2: nn.Conv2d, 3: nn.Conv3d}
@@ -238,21 +232,10 @@ def test_cuda_fused_peak_and_end_of_forward_not_above_eager(kw):
     assert peak <= peak_e
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.skipif(not (torch.distributed.is_available() and torch.distributed.is_nccl_available()),
                     reason="needs NCCL")
 def test_one_process_nccl_syncbatchnorm_ddp_matches_eager():
-    import torch.distributed as dist
-
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ["MASTER_PORT"] = str(_free_port())
-    dist.init_process_group("nccl", rank=0, world_size=1, device_id=CUDA)
-    try:
+    with one_process_nccl(CUDA):
         torch.manual_seed(0)
         eager = _net().to(CUDA, torch.float64)
         sync = nn.SyncBatchNorm.convert_sync_batchnorm(copy.deepcopy(eager))
@@ -268,8 +251,6 @@ def test_one_process_nccl_syncbatchnorm_ddp_matches_eager():
             assert_close(p.grad, pe.grad, **F64)
         for b, be in zip(sync.buffers(), eager.buffers()):
             assert_close(b, be, **F64)
-    finally:
-        dist.destroy_process_group()
 
 
 def test_cuda_timeline_maximum_is_the_allocator_peak_of_the_step():
@@ -303,17 +284,12 @@ def test_one_process_nccl_fsdp2_matches_eager_fsdp2_fused(order: str) -> None:
     """FSDP2 over NCCL on one GPU (world size 1): a converted model sharded per block and at the
     root, in either order, trains like eager FSDP2 (outputs, gradients, running statistics)
     with the fused chains running."""
-    import torch.distributed as dist
-
     fsdp = pytest.importorskip("torch.distributed.fsdp")
     if not hasattr(fsdp, "fully_shard"):
         pytest.skip("this torch has no FSDP2 (fully_shard)")
     from test_fsdp2 import Net, shard, train
 
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ["MASTER_PORT"] = str(_free_port())
-    dist.init_process_group("nccl", rank=0, world_size=1, device_id=CUDA)
-    try:
+    with one_process_nccl(CUDA):
         torch.manual_seed(0)
         base = Net().to(CUDA, torch.float64)
         xs = [torch.randn(4, 3, 6, 6, device=CUDA, dtype=torch.float64) for _ in range(3)]
@@ -333,8 +309,6 @@ def test_one_process_nccl_fsdp2_matches_eager_fsdp2_fused(order: str) -> None:
             assert_close(fast["buffers"][n], b, **F64)
         assert len(model.convbn_report.pairs) == 5, str(model.convbn_report)
         assert fast["chains"] >= 3, (fast["chains"], str(model.convbn_report))
-    finally:
-        dist.destroy_process_group()
 
 
 def test_allocator_peak_on_cuda_counts_blocks_and_nests_over_a_peak_reset():

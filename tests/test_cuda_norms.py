@@ -8,8 +8,6 @@ Every test skips without a CUDA device, so the suite passes on CPU-only machines
 from __future__ import annotations
 
 import copy
-import os
-import socket
 from typing import Any, Dict, List
 
 import pytest
@@ -19,6 +17,9 @@ from torch import Tensor, nn
 from torch.testing import assert_close
 
 import convbn
+from bench_modules import load_benchmark
+from capture_helpers import perturbed_twins
+from cuda_helpers import exact_cuda_numerics, one_process_nccl
 from fusion_checks import assert_chain_ran, assert_fused, chain_nodes, fused_chains
 from test_norm_chains import MODELS, _layer_specs
 from convbn.autograd.norm_chain import NormChainFunction
@@ -35,22 +36,14 @@ F64 = dict(rtol=1e-10, atol=1e-10)
 
 @pytest.fixture(autouse=True)
 def _no_tf32_deterministic_cudnn():
-    """Like with like: no TF32 and deterministic cuDNN (as tests/test_cuda.py)."""
-    old = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
-    with torch.backends.cudnn.flags(enabled=True, benchmark=False, deterministic=True, allow_tf32=False):
+    """Like with like (cuda_helpers.exact_cuda_numerics: no TF32, deterministic cuDNN)."""
+    with exact_cuda_numerics():
         yield
-    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = old
 
 
 def _cuda_twins(make: Any, dtype: torch.dtype = torch.float64) -> tuple:
-    """Eager and to-be-converted twins on the GPU, every parameter moved by 0.1 * N(0, 1)."""
-    torch.manual_seed(0)
-    eager = make().to(CUDA, dtype)
-    with torch.no_grad():
-        for p in eager.parameters():
-            p.add_(torch.randn_like(p) * 0.1)
-    return eager, copy.deepcopy(eager)
+    """``capture_helpers.perturbed_twins`` (every parameter moved by 0.1 * N(0, 1)) on the GPU in ``dtype``."""
+    return tuple(m.to(CUDA, dtype) for m in perturbed_twins(make))
 
 
 def _two_steps(eager: nn.Module, fast: nn.Module, x: Tensor, tol: Dict[str, float], fused: bool = True) -> None:
@@ -173,21 +166,11 @@ def _step_peak(model: nn.Module, x: Tensor) -> int:
     return peak
 
 
-def _bm_norm_peaks() -> Any:
-    import importlib.util
-
-    path = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "bm_norm_peaks.py")
-    spec = importlib.util.spec_from_file_location("bm_norm_peaks", path)
-    bm = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bm)  # type: ignore[union-attr]
-    return bm
-
-
 @pytest.mark.parametrize("net, shape", [("DiffusionUNet", (8, 3, 64, 64)), ("InstanceUNet3d", (2, 1, 32, 32, 32)),
                                         ("ConvNeXtNet", (16, 3, 64, 64))])
 def test_cuda_norm_net_step_peak_not_above_eager(net: str, shape: tuple) -> None:
     """The benchmark's nets on the GPU: the converted step's allocator peak at most eager's."""
-    bm = _bm_norm_peaks()
+    bm = load_benchmark("bm_norm_peaks")
     torch.manual_seed(0)
     model = getattr(bm, net)().to(CUDA)
     x = torch.randn(shape, device=CUDA)
@@ -198,21 +181,6 @@ def test_cuda_norm_net_step_peak_not_above_eager(net: str, shape: tuple) -> None
     eager_peak, fast_peak = _step_peak(model, x), _step_peak(fast, x)
     print(f"{net}: converted peak {fast_peak / eager_peak:.3f}x of eager's ({fast_peak} / {eager_peak} bytes)")
     assert fast_peak <= eager_peak, (fast_peak / eager_peak, fast.convbn_report)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _nccl_group() -> Any:
-    import torch.distributed as dist
-
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ["MASTER_PORT"] = str(_free_port())
-    dist.init_process_group("nccl", rank=0, world_size=1, device_id=CUDA)
-    return dist
 
 
 def _train(model: nn.Module, xs: List[Tensor]) -> Dict[str, Any]:
@@ -246,8 +214,7 @@ def _assert_trained_alike(eager: Dict[str, Any], fast: Dict[str, Any]) -> None:
 def test_one_process_nccl_ddp_trains_a_converted_norm_net_like_eager() -> None:
     from test_norm_distributed import Net
 
-    dist = _nccl_group()
-    try:
+    with one_process_nccl(CUDA):
         torch.manual_seed(0)
         base = Net().to(CUDA, torch.float64)
         xs = [torch.randn(4, 3, 8, 8, device=CUDA, dtype=torch.float64) for _ in range(3)]
@@ -258,8 +225,6 @@ def test_one_process_nccl_ddp_trains_a_converted_norm_net_like_eager() -> None:
         result = _train(ddp(fast, device_ids=[0]), xs)
         _assert_trained_alike(eager, result)
         assert eager["chains"] == 0 and result["chains"] >= len(xs), result["chains"]
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.mark.skipif(not (torch.distributed.is_available() and torch.distributed.is_nccl_available()),
@@ -272,8 +237,7 @@ def test_one_process_nccl_fsdp2_trains_a_converted_norm_net_like_eager() -> None
 
     from test_norm_distributed import Net
 
-    dist = _nccl_group()
-    try:
+    with one_process_nccl(CUDA):
         mesh = init_device_mesh("cuda", (1,))
 
         def shard(model: nn.Module) -> nn.Module:
@@ -291,5 +255,3 @@ def test_one_process_nccl_fsdp2_trains_a_converted_norm_net_like_eager() -> None
         result = _train(fast, xs)
         _assert_trained_alike(eager, result)
         assert eager["chains"] == 0 and result["chains"] >= len(xs), result["chains"]
-    finally:
-        dist.destroy_process_group()

@@ -25,13 +25,12 @@ import convbn
 from convbn.nn.norm_chain import FusedNormChain
 from convbn.passes.plan.chain_plans import apply_plan
 from fusion_checks import assert_fused
+from bench_modules import load_benchmark
 from op_count_helpers import OpCounter, kind_of, ops_of, step_ops
+from test_norm_chains import LayerNorm2d
 
-
-class LayerNorm2d(nn.LayerNorm):
-    def forward(self, x: Tensor) -> Tensor:
-        return F.layer_norm(x.permute(0, 2, 3, 1), self.normalized_shape, self.weight, self.bias,
-                            self.eps).permute(0, 3, 1, 2)
+#: dwconv -> LayerNorm2d -> 1x1 conv -> GELU -> 1x1 conv, plus the input (one chain): the benchmark's block
+ConvNeXtBlock = load_benchmark("bm_norm_peaks").ConvNeXtBlock
 
 
 class Net(nn.Module):
@@ -61,6 +60,24 @@ NETS = {
 }
 
 
+def _autocast(device: str, amp: Optional[torch.dtype]) -> torch.autocast:
+    return torch.autocast(device, dtype=amp or torch.bfloat16, enabled=amp is not None)
+
+
+def inputs_seen(twin: nn.Module, modules: List[nn.Module], x: Tensor, amp: Optional[torch.dtype]) -> List[Tensor]:
+    """The input each of ``modules`` gets in a forward of ``twin`` on ``x`` without autograd, under
+    ``amp``'s autocast, in call order."""
+    inputs: List[Tensor] = []
+    hooks = [m.register_forward_pre_hook(lambda m, a: inputs.append(a[0].detach())) for m in modules]
+    try:
+        with torch.no_grad(), _autocast(x.device.type, amp):
+            twin(x)
+    finally:
+        for h in hooks:
+            h.remove()
+    return inputs
+
+
 def recompute_budget(net: Net, x: Tensor, amp: Optional[torch.dtype]) -> Counter:
     """What the backward may run beyond eager's step: per layer, eager's own operators for its norm
     and activation on the input eager's forward gave that norm, and autocast's cast of the result
@@ -69,22 +86,12 @@ def recompute_budget(net: Net, x: Tensor, amp: Optional[torch.dtype]) -> Counter
     eager's cast copy of it). Under the same autocast, on a copy of the net (its running
     statistics stay)."""
     twin = copy.deepcopy(net)
-    dev = x.device.type
-    inputs: List[Tensor] = []
-    hooks = [n.register_forward_pre_hook(lambda m, a: inputs.append(a[0].detach())) for n in twin.norms]
-
-    def autocast() -> torch.autocast:
-        return torch.autocast(dev, dtype=amp or torch.bfloat16, enabled=amp is not None)
-
-    with torch.no_grad(), autocast():
-        twin(x)
-    for h in hooks:
-        h.remove()
+    inputs = inputs_seen(twin, list(twin.norms), x, amp)
     conv_dtype = amp or x.dtype
     budget: Counter = Counter(ops_of(lambda: x.to(conv_dtype)).counts)
     for n, y in zip(twin.norms, inputs):
         def post(n: nn.Module = n, y: Tensor = y) -> None:
-            with torch.enable_grad(), autocast():
+            with torch.enable_grad(), _autocast(x.device.type, amp):
                 twin.act(n(y.requires_grad_())).to(conv_dtype)
         budget.update(ops_of(post).counts)
     return budget
@@ -120,18 +127,6 @@ def test_converted_step_dispatches_eager_ops_plus_one_recompute(name: str, amp: 
     assert f.counts[norm_op] == e.counts[norm_op] + len(eager.norms), (norm_op, f.counts, e.counts)
 
 
-class ConvNeXtBlock(nn.Module):
-    """dwconv -> LayerNorm2d -> 1x1 conv -> GELU -> 1x1 conv, plus the input (one chain)."""
-
-    def __init__(self, c: int) -> None:
-        super().__init__()
-        self.dw, self.norm = nn.Conv2d(c, c, 7, padding=3, groups=c), LayerNorm2d(c)
-        self.pw1, self.pw2 = nn.Conv2d(c, 4 * c, 1), nn.Conv2d(4 * c, c, 1)
-
-    def forward(self, x: Tensor) -> Tensor:
-        return x + self.pw2(F.gelu(self.pw1(self.norm(self.dw(x)))))
-
-
 class ConvNeXtNet(nn.Module):
     def __init__(self, c: int = 8, depth: int = 3) -> None:
         super().__init__()
@@ -152,21 +147,11 @@ def convnext_budget(net: ConvNeXtNet, x: Tensor, amp: Optional[torch.dtype]) -> 
     autograd), its first 1x1 conv and GELU, once each; and the cast of each chain's input for its
     first conv's weight gradient (tests/test_norm_chain_ops.py's ``recompute_budget``)."""
     twin = copy.deepcopy(net)
-    dev = x.device.type
-    inputs: List[Tensor] = []
-    hooks = [b.register_forward_pre_hook(lambda m, a: inputs.append(a[0].detach())) for b in twin.stage]
-
-    def autocast() -> torch.autocast:
-        return torch.autocast(dev, dtype=amp or torch.bfloat16, enabled=amp is not None)
-
-    with torch.no_grad(), autocast():
-        twin(x)
-    for h in hooks:
-        h.remove()
+    inputs = inputs_seen(twin, list(twin.stage), x, amp)
     budget: Counter = Counter()
     for b, h in zip(twin.stage, inputs):
-        def block(b: ConvNeXtBlock = b, h: Tensor = h) -> None:
-            with autocast():
+        def block(b: nn.Module = b, h: Tensor = h) -> None:
+            with _autocast(x.device.type, amp):
                 with torch.no_grad():
                     y = b.dw(h.to(amp or h.dtype))
                 with torch.enable_grad():

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import convbn
+from bench_modules import load_benchmark
 from capture_helpers import assert_steps_match, perturbed_twins
 from fusion_checks import assert_fused, fused_chains
 from convbn.autograd.norm_chain import NormChainFunction, NormLayerSpec, norm_chain_reference
@@ -300,13 +301,7 @@ def test_torch_compile_runs_norm_chains(fullgraph: bool) -> None:
 def test_step_peak_below_eager(net: str, shape: tuple, most: float) -> None:
     """The standard loop's exact CPU peak (timeline: zero_grad, forward, loss, backward, step) of
     the benchmark's nets, converted with example_inputs: at most ``most`` of eager's, never above."""
-    import importlib.util
-    import os
-
-    path = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "bm_norm_peaks.py")
-    spec = importlib.util.spec_from_file_location("bm_norm_peaks", path)
-    bm = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bm)  # type: ignore[union-attr]
+    bm = load_benchmark("bm_norm_peaks")
     torch.manual_seed(0)
     model = getattr(bm, net)()
     x = torch.randn(shape)
