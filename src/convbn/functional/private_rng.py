@@ -72,6 +72,7 @@ class PrivateRNG(TorchDispatchMode):
         super().__init__()
         self.seed = seed
         self.generators: Dict[torch.device, torch.Generator] = {}
+        self.seeded_states: Dict[torch.device, Tensor] = {}  # each generator's state as first seeded
 
     def generator(self, device: torch.device) -> torch.Generator:
         if device.type == "cuda" and device.index is None:
@@ -79,11 +80,22 @@ class PrivateRNG(TorchDispatchMode):
         gen = self.generators.get(device)
         if gen is None:
             gen = self.generators[device] = torch.Generator(device=device).manual_seed(self.seed)
+            self.seeded_states[device] = gen.get_state()
         return gen
 
     def states(self) -> List[Tensor]:
-        """Every private generator's state (what the block drew), in device order."""
-        return [self.generators[d].get_state() for d in sorted(self.generators, key=str)]
+        """The state of every private generator that drew (what the block drew), in device order.
+
+        Note: [a generator that drew nothing is no state]
+        A generator is made the first time a random operator asks for one, and some are asked
+        and draw nothing: CPU attention (``_scaled_dot_product_flash_attention_for_cpu``, tagged
+        random for its dropout) with ``dropout_p=0``. Which attention kernel runs depends on grad
+        mode (with a mask that requires grad, the composite one, which asks for no generator),
+        so eager's output taken without autograd and the rewrite's step with it would list
+        different generators though neither drew a number. Only generators that moved from
+        their seed are listed."""
+        return [state for d in sorted(self.generators, key=str)
+                if not torch.equal(state := self.generators[d].get_state(), self.seeded_states[d])]
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Tuple[Any, ...] = (),
                            kwargs: Optional[Dict[str, Any]] = None) -> Any:
