@@ -22,7 +22,8 @@ CPU inputs (batch 2):
   ``norm_layer``.
 * the eight families of :mod:`sweep_norm_more` (a second round of libraries) and the six of
   :mod:`sweep_norm_third` (a third round) and the seven of :mod:`sweep_norm_fourth` (a fourth round:
-  five per-sample-norm libraries, two BatchNorm ones), merged into :data:`NORM_FAMILIES`.
+  five per-sample-norm libraries, two BatchNorm ones) and :mod:`sweep_norm_fifth`'s ``timmnorm`` (a fifth
+  round: timm's per-sample-norm families never run before), merged into :data:`NORM_FAMILIES`.
 * ``bnctl``: BatchNorm controls built from the same libraries (MONAI ``UNet`` / ``DynUNet``
   with BatchNorm, torchvision ``resnet18``), whose numbers must not move.
 
@@ -50,6 +51,7 @@ from functools import partial
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from sweep_norm_more import NORM_MORE_FAMILIES
+from sweep_norm_fifth import NORM_FIFTH_FAMILIES
 from sweep_norm_fourth import NORM_FOURTH_FAMILIES
 from sweep_norm_third import NORM_THIRD_FAMILIES
 
@@ -372,6 +374,7 @@ NORM_FAMILIES: Dict[str, Dict[str, Entry]] = {
 NORM_FAMILIES.update(NORM_MORE_FAMILIES)
 NORM_FAMILIES.update(NORM_THIRD_FAMILIES)
 NORM_FAMILIES.update(NORM_FOURTH_FAMILIES)
+NORM_FAMILIES.update(NORM_FIFTH_FAMILIES)
 
 
 def build_norm(family: str, name: str, gen: Any) -> Built:
