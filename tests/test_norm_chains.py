@@ -336,6 +336,25 @@ def test_left_norm_reason_names_the_norm() -> None:
     assert "pre-activation chain (InstanceNorm2d -> element-wise ops -> conv)" in o.reason and "BN" not in o.reason
 
 
+@pytest.mark.expect_unfused("the GroupNorm head before a Conv -> BatchNorm is left; its reason is the point")
+def test_lone_head_before_a_batchnorm_says_why() -> None:
+    """timm's SHViT (``GroupNorm(1, C)`` -> Conv -> BatchNorm): the per-sample head cannot join the
+    BatchNorm chain after it, and its reason names that BatchNorm instead of "see that layer's
+    line"; the Conv -> BN still fuses and trains as eager."""
+    def make() -> nn.Module:
+        return nn.Sequential(nn.GroupNorm(1, 6), nn.Conv2d(6, 8, 1), nn.BatchNorm2d(8), nn.ReLU())
+
+    eager, work = perturbed_twins(make)
+    x = torch.randn(2, 6, 8, 8, dtype=torch.float64)
+    fast = convbn.convert(work, example_inputs=x)
+    assert_fused(fast, chains=1, skipped=1)
+    (left,) = [o for o in fast.convbn_report.outcomes if o.left]
+    assert left.batchnorm == "0", left
+    assert left.reason.endswith("is normalised by a BatchNorm ('2'): a chain holds BatchNorms or per-sample norms, "
+                                "not both; GroupNorm -> act alone saves nothing"), left.reason
+    assert_steps_match(eager, fast, x)
+
+
 @pytest.mark.expect_unfused("a hook added after convert runs the chain as eager modules, by design")
 def test_hook_added_later_runs_and_a_swapped_norm_is_captured_again() -> None:
     eager, work = perturbed_twins(MODELS["groupnorm-silu"][0])

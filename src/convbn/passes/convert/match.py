@@ -421,10 +421,20 @@ def group_chains(layers: List[MatchedLayer], chain: bool, report: Optional[Conve
     for c in chains:
         if len(c) == 1 and c[0].is_head:
             if report is not None:
-                short = "BN" if _norm_kind(c[0].bn) == "BatchNorm" else _norm_kind(c[0].bn)
-                report.leave(c[0].bn_name, f"it would start a pre-activation chain ({short} -> {c[0].activation} -> conv), "
-                             "but the convolution after it cannot join the chain (see that layer's line); BN -> act "
-                             "alone saves nothing")
+                report.leave(c[0].bn_name, _lone_head_reason(c[0], layers))
             continue
         kept.append(c)
     return kept
+
+
+def _lone_head_reason(head: MatchedLayer, layers: List[MatchedLayer]) -> str:
+    """Why a pre-activation head starts no chain: the layer after it reads its output but did not
+    join; where that layer's norm is of the other family (a chain holds BatchNorms or per-sample
+    norms, one Function each), the reason says so."""
+    short = "BN" if _norm_kind(head.bn) == "BatchNorm" else _norm_kind(head.bn)
+    start = f"it would start a pre-activation chain ({short} -> {head.activation} -> conv), but the convolution after it"
+    after = next((l for l in layers if l.input is head.out and not l.is_head and l.bn is not None), None)
+    if after is not None and _per_sample(after) != _per_sample(head):
+        return (f"{start} is normalised by a {_norm_kind(after.bn)} ('{after.bn_name}'): a chain holds BatchNorms or "
+                f"per-sample norms, not both; {short} -> act alone saves nothing")
+    return f"{start} cannot join the chain (see that layer's line); {short} -> act alone saves nothing"
