@@ -162,8 +162,8 @@ def _conv_reading(out: fx.Node, gm: fx.GraphModule, root: nn.Module, prefix: str
     if len(users) > 1:
         return "the value is read by " + ", ".join(describe_node(u) for u in users)
     user = cand = users[0]
-    if _zero_pad_of(user, gm) is not None and len(user.users) == 1:
-        cand = next(iter(user.users))
+    while _zero_pad_of(cand, gm) is not None and len(cand.users) == 1:  # the conv absorbs them (match_conv.py)
+        cand = next(iter(cand.users))
     found = _match_conv(cand, gm, root)
     if found is None:
         return f"{describe_node(user)} reads the value, not a convolution"

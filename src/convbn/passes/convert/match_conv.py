@@ -66,7 +66,8 @@ def _zero_pad_of(node: fx.Node, gm: fx.GraphModule) -> Optional[Tuple[int, ...]]
 
 
 def _absorb_zero_pad(conv: MatchedConv, gm: fx.GraphModule) -> MatchedConv:
-    """Fold a zero-padding op that only feeds this conv into its spec (exact: zeros are zeros)."""
+    """Fold a zero-padding op (or an ``nn.Identity``) that only feeds this conv into its spec
+    (exact: zeros are zeros); ``conv`` itself where there is none to fold."""
     inp = conv.input
     if conv.spec.pre_pad or len(inp.users) != 1:
         return conv
@@ -86,7 +87,7 @@ def _absorb_zero_pad(conv: MatchedConv, gm: fx.GraphModule) -> MatchedConv:
     spec = ConvSpec(conv.spec.dims, conv.spec.stride, tuple(padding), conv.spec.dilation, conv.spec.groups,
                     tuple(pre) if any(pre) else (), "constant")
     return MatchedConv(conv.node, src, conv.owner, conv.weight_name, conv.bias_name, spec, conv.name,
-                       conv.absorbed + (inp,), conv.computed, conv.weight_nodes)
+                       (inp,) + conv.absorbed, conv.computed, conv.weight_nodes)  # graph order
 
 
 def _match_conv(node: fx.Node, gm: fx.GraphModule, root: nn.Module) -> Union[MatchedConv, str, None]:
@@ -100,7 +101,9 @@ def _match_conv(node: fx.Node, gm: fx.GraphModule, root: nn.Module) -> Union[Mat
     # zero padding before a transposed conv is not its ``padding`` (which crops the output)
     if (isinstance(found, MatchedConv) and found.spec.pre_pad_mode == "constant" and found.spec.dims > 0
             and not found.spec.transposed):
-        found = _absorb_zero_pad(found, gm)
+        absorbed = _absorb_zero_pad(found, gm)
+        while absorbed is not found:  # a run of them: timm's LayerNormAct2d drop and act, then a block's down
+            found, absorbed = absorbed, _absorb_zero_pad(absorbed, gm)
     return found
 
 
