@@ -313,16 +313,16 @@ def test_channel_rms_norm_refuses_an_unknown_form() -> None:
         channel_rms_norm(torch.randn(1, 2, 3, 3), (2,), None, 1e-6, "mean")
 
 
-@pytest.mark.parametrize("act, strategy", [("relu", "recompute_bn"), ("silu", "recompute_bn"),
-                                           ("silu", "recompute_conv")])
-@pytest.mark.parametrize("spelling", ["normalize_gs", "rsqrt"])
+@pytest.mark.parametrize("strategy", ["recompute_bn", "recompute_conv"])
+@pytest.mark.parametrize("act", ["relu", "silu"])
+@pytest.mark.parametrize("spelling", ["normalize_gs", "normalize_sg", "rsqrt", "rms_norm"])
 def test_memory_model_is_the_measured_one(monkeypatch: pytest.MonkeyPatch, spelling: str, act: str,
                                           strategy: str) -> None:
     """What the chain saves is the planner's count to the byte, and its backward's replay (the
     row's ``stat_tensors`` and ``graph_maps``: the statistics its ops save and the normalised
-    input its gain's gradient reads) the measured peak to the byte. Not covered: ReLU under
-    ``recompute_conv``, where the replay is one map (``F.normalize``) or one statistics tensor
-    (``rsqrt``) below the measurement (the composite's backward transients are not modelled)."""
+    input its gain's gradient reads) the measured peak to the byte. A form that held a map or a
+    statistics tensor more than its row says (a product by the scale beside its operand, a name
+    holding the mean square) peaks above the replay under ReLU with ``recompute_conv``."""
     import test_norm_memory_model as mm
     from convbn.autograd.refcounts import frees_incoming_gradients
     from convbn.passes.plan.peak_model import chain_backward_peak

@@ -284,11 +284,20 @@ def channel_rms_norm(x: Tensor, normalized_shape: Tuple[int, ...], weight: Optio
     if form.startswith("normalize"):
         out = F.normalize(x, 2.0, 1, 1e-12 if eps is None else eps)
         s = None if scale == 1.0 else scale  # a product by 1 is the identity, bit for bit
-        first, second = (w, s) if form == "normalize_gs" else (s, w)
-        out = out if first is None else out * first
-        return out if second is None else out * second
-    ms = x.pow(2).mean(1, keepdim=True) + (1e-6 if eps is None else eps)
-    out = x * torch.rsqrt(ms) if form == "rsqrt" else x / torch.sqrt(ms)
+        # the product by the scale is written over its operand, which no backward reads (the
+        # gain's product saves the other): the values of ``* scale`` without the map beside it
+        if form == "normalize_gs":
+            out = out if w is None else out * w
+            return out if s is None else out.mul_(s)
+        out = out if s is None else out.mul_(s)
+        return out if w is None else out * w
+    e = 1e-6 if eps is None else eps
+    # one expression, as written: no name holds the mean square past its root (a map-sized
+    # moment's worth of statistics the model's own code never holds)
+    if form == "rsqrt":
+        out = x * torch.rsqrt(x.pow(2).mean(1, keepdim=True) + e)
+    else:
+        out = x / torch.sqrt(x.pow(2).mean(1, keepdim=True) + e)
     return out if w is None else out * w
 
 
