@@ -335,3 +335,35 @@ def test_memory_model_is_the_measured_one(monkeypatch: pytest.MonkeyPatch, spell
     assert convbn.saved_bytes(fused, x).activation_bytes == x.numel() * 4 + cost.kept_bytes(keep)
     held = 0 if frees_incoming_gradients() else cost.y_bytes[-1]
     assert chain_backward_peak(cost, keep)[0] + held == mm._measured_backward(fused, cost, keep)
+
+
+class RMSNet(nn.Module):
+    """Three RMSNorm forms in one body (3 -> 8 channels, as ``test_norm_chains_compiled``'s net)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), NormalizeGS(8), nn.SiLU(),
+                                  nn.Conv2d(8, 8, 3, padding=1), Rsqrt(8), nn.ReLU(),
+                                  nn.Conv2d(8, 8, 3, padding=1), Permuted(8), nn.GELU())
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.body(x)
+
+
+def test_rms_chains_under_bf16_autocast_and_torch_compile_match_eager() -> None:
+    """bf16 autocast: the fused chain (it ran) gives eager autocast's values exactly; compiled
+    (``aot_eager``, fullgraph) in float64: compiled eager's values."""
+    import test_norm_chains_compiled as cc
+
+    torch.manual_seed(0)
+    eager = RMSNet()
+    fast = convbn.convert(copy.deepcopy(eager))
+    assert_fused(fast, pairs=3, chains=1)
+    cc._assert_like(eager, eager, fast, fast, amp=True, tol=dict(rtol=0, atol=0))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = fast(torch.randn(2, 3, 12, 12, requires_grad=True))
+    assert out.dtype == torch.bfloat16 and type(out.grad_fn).__name__ == "NormChainFunctionBackward"
+    eager, fast = eager.double(), fast.double()
+    ce = torch.compile(eager, backend="aot_eager", fullgraph=True)
+    cf = torch.compile(fast, backend="aot_eager", fullgraph=True)
+    cc._assert_like(eager, ce, fast, cf)
