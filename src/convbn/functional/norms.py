@@ -13,7 +13,12 @@ needs no cross-sample state beyond the running statistics some of them track. Ea
   statistics in place where ``call`` says so, exactly as torch's module does;
 * ``call_of_module`` / ``call_of_args``: the :class:`NormCall` of a module or of a recorded
   functional call (a string reason where it is not this norm or cannot be fused);
-* ``fold``: why the norm cannot fold into a neighbouring layer in eval, or ``""`` where it folds.
+* ``fold``: why the norm cannot fold into a neighbouring layer in eval, or ``""`` where it folds;
+* ``last_dim``: the torch norm over the last dimension that is this norm between permutes
+  (``nn.LayerNorm``, ``nn.RMSNorm``), read by matching where it once named ``nn.LayerNorm``;
+* ``stat_count`` / ``stat_tensors`` / ``graph_maps`` / ``output_unread`` / ``affine_per_sample``:
+  what its backward holds, read by the planner's memory model (``autograd/norm_chain_memory.py``,
+  :func:`stat_bytes`) instead of a norm's name.
 
 Matching (``passes/bn/norm_sites.py``), the chain Function (``autograd/norm_chain.py``), the
 planner's memory model (a per-sample norm layer is a chain layer like BatchNorm's), the report
@@ -24,7 +29,9 @@ and fold read the table; a new norm is one row (``tests/test_norm_table.py`` add
     \\text{out} = \\frac{y - \\mathrm{E}[y]}{\\sqrt{\\mathrm{Var}[y] + \\epsilon}} \\cdot \\gamma + \\beta
 
 with the expectation over the row's statistics axes (biased variance; InstanceNorm's running
-variance takes the unbiased one, as torch's).
+variance takes the unbiased one, as torch's). The channel RMSNorm row does not centre:
+``y / sqrt(E_c[y^2] + eps) * gamma``, or ``F.normalize``'s ``y / max(||y||, eps) * scale * gamma``,
+each spelling computed by its own ops (:func:`channel_rms_norm`, :data:`RMS_FORMS`).
 """
 from __future__ import annotations
 
