@@ -45,7 +45,8 @@ from torch import Tensor, nn
 from .._compat import InstanceNormBase
 
 __all__ = ["NormCall", "NormRow", "NORMS", "norm_row", "row_of_module", "row_of_function", "channel_layer_norm",
-           "channel_rms_norm", "RMS_FORMS", "LastDimSpelling", "row_of_last_dim_module", "norm_forward", "norm_reference", "stat_bytes"]
+           "channel_rms_norm", "RMS_FORMS", "LastDimSpelling", "row_of_last_dim_module", "norm_forward",
+           "norm_reference", "stat_bytes"]
 
 
 @dataclass(frozen=True)

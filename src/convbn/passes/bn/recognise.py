@@ -68,8 +68,9 @@ def may_normalise(module: nn.Module) -> bool:
     ``_BatchNorm``, a module holding a ``running_mean`` / ``running_var`` tensor (frozen
     BatchNorms, ``F.batch_norm`` on a module's own tensors), a module of a
     :data:`~convbn.functional.norms.NORMS` row, an ``nn.LayerNorm`` / ``nn.RMSNorm`` (a row's
-    ``last_dim``: a channel norm between permutes), or a module with its own forward holding its own parameters (``F.group_norm`` /
-    ``F.layer_norm`` on them). A cheap test: modules with none of these need no tracing."""
+    ``last_dim``: a channel norm between permutes), or a module with its own forward holding
+    its own parameters (``F.group_norm`` / ``F.layer_norm`` on them). A cheap test: modules with
+    none of these need no tracing."""
     return any(isinstance(m, _BatchNorm) or isinstance(m._buffers.get("running_mean"), Tensor)
                or isinstance(m._buffers.get("running_var"), Tensor) or row_of_module(m) is not None
                or row_of_last_dim_module(m) is not None

@@ -99,7 +99,8 @@ CANONICALISE: Tuple[GraphRewrite, ...] = (
     GraphRewrite("channel LayerNorms as one node", lambda gm, root, prefix: channel_layer_norms(gm)),
     # mean / var over dim 1, (x - u) / sqrt(v + eps) * w + b -> one channel_layer_norm node (bn/hand_layer_norms.py)
     GraphRewrite("hand-written channel LayerNorms as one node", lambda gm, root, prefix: hand_channel_layer_norms(gm)),
-    # F.normalize(x, dim=1) * g * s, x * rsqrt(mean(x^2, 1) + eps) * g -> one channel_rms_norm node (bn/hand_rms_norms.py)
+    # F.normalize(x, dim=1) * g * s, x * rsqrt(mean(x^2, 1) + eps) * g -> one channel_rms_norm node
+    # (bn/hand_rms_norms.py)
     GraphRewrite("hand-written channel RMSNorms as one node", lambda gm, root, prefix: hand_channel_rms_norms(gm)),
     # norm(x.float()).type(x.dtype) -> norm(x): GroupNorm32 (bn/norm_casts.py)
     GraphRewrite("float32 round trips around a norm", lambda gm, root, prefix: norm_float_round_trips(gm)),
@@ -178,7 +179,8 @@ def convert_module(module: nn.Module, prefix: str, conv: Conversion, exposed: bo
     if id(module) in conv.done or isinstance(module, (FusedChain, _FusedConvBNNd)) or not may_normalise(module):
         return
     conv.done.add(id(module))
-    if isinstance(module, _BatchNorm) or row_of_module(module) is not None or row_of_last_dim_module(module) is not None:
+    if isinstance(module, _BatchNorm) or row_of_module(module) is not None \
+            or row_of_last_dim_module(module) is not None:
         if prefix:  # a lone norm child (BatchNorm, a norm-table row): nothing to fuse, nothing to trace
             return
     own_forward = type(module).forward is not nn.Module.forward

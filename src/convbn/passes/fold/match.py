@@ -161,7 +161,8 @@ def _norm_site(node: fx.Node, gm: fx.GraphModule, prefix: str) -> Union[FoldSite
     args = normalize_args(node, row.signature)
     weight = args.get("weight") if args is not None else None
     if isinstance(weight, fx.Node) and weight.op == "get_attr" and "." in str(weight.target):
-        where = qualified(prefix, str(weight.target).rpartition(".")[0])  # the module holding its gain, as convert names it
+        # named by the module holding its gain, as convert names it
+        where = qualified(prefix, str(weight.target).rpartition(".")[0])
     call = row.call_of_args(args) if args is not None else None
     why = row.fold(call, False) if isinstance(call, NormCall) else ""
     return BNOutcome(where, "left", reason=why or "cannot fold: per-sample statistics (a functional per-sample norm)")
