@@ -282,6 +282,22 @@ MUTANTS: Dict[str, Mutant] = {
         (("autograd/norm_chain.py", "return 2 * (spec.conv is not None) + (k if spec.norm is not None else k - 2)",
           "return 2 * (spec.conv is not None) + k"),),
         ("tests/test_norm_chain_end_prelu.py::test_an_end_layer_with_a_prelu_trains_as_eager[False-recompute_bn]",)),
+    "rms_graph_maps_unpriced": Mutant(
+        "the RMSNorm row says its graph holds no normalised input (the planner's replay one map short)",
+        (("functional/norms.py", "graph_maps=lambda call, weight: int(weight),", "graph_maps=lambda call, weight: 0,"),),
+        ("tests/test_rms_norm.py::test_memory_model_is_the_measured_one[normalize_gs-relu-recompute_bn]",)),
+    "rms_scale_product_beside": Mutant(
+        "F.normalize's product by the scale made beside its operand (a map more than the row says)",
+        (("functional/norms.py", "return out if s is None else out.mul_(s)", "return out if s is None else out * s"),),
+        ("tests/test_rms_norm.py::test_memory_model_is_the_measured_one[normalize_gs-relu-recompute_conv]",)),
+    "rms_scale_gain_order": Mutant(
+        "an RMSNorm's '* scale * g' computed as '* g * scale' (the same formula, rounded otherwise)",
+        (("functional/norms.py", "        if form == \"normalize_gs\":\n", "        if True:\n"),),
+        ("tests/test_rms_norm.py::test_each_spelling_runs_its_own_ops_bit_for_bit[normalize_sg]",)),
+    "rms_normalize_as_rsqrt": Mutant(
+        "F.normalize's clamp of the norm by eps taken for rsqrt(mean square + eps)",
+        (("functional/norms.py", "    if form.startswith(\"normalize\"):\n", "    if False:\n"),),
+        ("tests/test_rms_norm.py::test_normalize_clamps_the_norm_where_the_others_add_eps",)),
     "hand_global_norm_any_rank": Mutant(
         "statistics over dims 1, 2, ... become a GroupNorm whatever the input's rank",
         (("passes/bn/hand_layer_norms.py", "return F.group_norm if known == len(dims) + 1 else None",
