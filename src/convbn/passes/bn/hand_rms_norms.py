@@ -21,7 +21,10 @@ Note: [an RMSNorm spelling is its own form]
 hand-written ``rsqrt(mean_c(x^2) + eps)`` adds eps to the mean square. The two are different
 functions, and the orders of the products round differently: each spelling is a ``form`` of the
 row (:data:`convbn.functional.norms.RMS_FORMS`) computed by its own ops, so a converted model's
-outputs and gradients are its own code's bit for bit. The einsum spelling is an element-wise
+outputs are its own code's bit for bit, and so are its gradients (float32, every spelling of the
+tests) but where the mean square is written ``x * x``: the form squares by ``pow(2)``, the same
+values forward, and autograd sums that product's two gradients with the numerator's in another
+order (float32 differences of an ulp or so). The einsum spelling is an element-wise
 product with the gain broadcast over the channels (the same values as ``* g.view(1, C, 1, ...)``,
 ``tests/test_rms_norm.py`` checks), its form ``normalize_sg``. Not recognised: a norm over another
 dimension, ``p`` other than 2, a scale that is neither a number nor ``x.shape[1] ** 0.5``, a gain
