@@ -24,7 +24,7 @@ row (:data:`convbn.functional.norms.RMS_FORMS`) computed by its own ops, so a co
 outputs are its own code's bit for bit, and so are its gradients (float32, every spelling of the
 tests) but where the mean square is written ``x * x``: the form squares by ``pow(2)``, the same
 values forward, and autograd sums that product's two gradients with the numerator's in another
-order (float32 differences of an ulp or so). The einsum spelling is an element-wise
+order (float32 differences near 1e-7 of the largest gradient). The einsum spelling is an element-wise
 product with the gain broadcast over the channels (the same values as ``* g.view(1, C, 1, ...)``,
 ``tests/test_rms_norm.py`` checks), its form ``normalize_sg``. Not recognised: a norm over another
 dimension, ``p`` other than 2, a scale that is neither a number nor ``x.shape[1] ** 0.5``, a gain
