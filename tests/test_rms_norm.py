@@ -302,12 +302,14 @@ def test_fold_says_why_it_cannot_fold(spelling: str) -> None:
 
 
 def test_explain_names_the_user_module() -> None:
-    """explain's report names each RMSNorm by the user's module holding its gain, fused."""
+    """explain's report names each RMSNorm by the user's module holding its gain and by its row."""
     torch.manual_seed(0)
     model = _post(NormalizeGS)
     report = convbn.explain(model, torch.randn(2, 3, 8, 8))
     assert [(p.conv, p.bn) for p in report.pairs][:2] == [("0", "1"), ("3", "4")]
     assert [o.result for o in report.outcomes if o.batchnorm in ("1", "4")] == ["fused", "fused"]
+    assert [p.norm for p in report.pairs] == ["channel_rms_norm", "channel_rms_norm", ""]
+    assert "1 (channel_rms_norm)" in str(report), report
 
 
 def test_channel_rms_norm_refuses_an_unknown_form() -> None:
