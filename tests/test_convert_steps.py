@@ -182,6 +182,7 @@ def test_the_plan_and_report_are_those_of_a_check_at_the_example_batch(monkeypat
     and the plan, the predicted peak and the report's figures are those of the schedule with every
     step at the example batch."""
     fast = _counted(_PooledNorm())
+    assert 8 not in _Count.batches, _Count.batches  # nothing ran at the example batch
     monkeypatch.setattr(slice_check, "MIN_BATCH", 10 ** 9)
     monkeypatch.setattr(sliced_measure, "MIN_BATCH", 10 ** 9)
     slow = _counted(_PooledNorm())

@@ -19,8 +19,12 @@ The lines are used only where they are known to hold here:
 * both slices run the same operators in the same phases, on both sides (else
   ``plan_inputs_at`` refuses, and the eager timelines are compared the same way);
 * every fused layer's conv output and input bytes and MACs on the lines equal the ones the
-  check's full-batch step left on the layers (so the slices cut the batch, not some other
-  dimension, and the layers' shapes are affine in it).
+  check's step left on the layers, at the batch it ran at (so the slices cut the batch, not some
+  other dimension, and the layers' shapes are affine in it). Where the check ran on a slice of
+  the batch (Note: [the check on a slice of the batch] in check/slice_check.py), that batch is
+  one of the two slices; each layer then gets the sizes at the example batch on the lines
+  through its sizes at the two slices (integers, else the steps run at the example batch), and
+  the bytes and MACs those give must be the lines' at the example batch.
 
 A model that raises at a slice of one sample (a BatchNorm after global pooling needs two
 values per channel) or whose lines from 1 and 2 do not hold (a shape-dependent branch, a
