@@ -377,6 +377,10 @@ MUTANTS: Dict[str, Mutant] = {
         (("passes/check/slice_check.py", "        except Exception:  # noqa: BLE001 - a model that refuses the slice",
           "        except ZeroDivisionError:  # noqa: BLE001 - a model that refuses the slice"),),
         ("tests/test_convert_steps.py::test_a_model_that_refuses_the_slice_is_checked_at_the_example_batch",)),
+    "slices_shapes_at_of_a_refused_check": Mutant(
+        "the batch of a refused (undone) check counts for the layers' shapes: parts checked on slices are planned at the batch",
+        (("passes/convert/api.py", "        if not why:  # a refused rewrite is undone", "        if True:  # a refused rewrite is undone"),),
+        ("tests/test_convert_steps.py::test_parts_checked_on_slices_after_a_refused_whole_keep_the_planner_on_slices",)),
     "slices_layer_shapes_of_the_check_slice": Mutant(
         "after a check on a slice the layers keep the slice's shapes (not the example batch's, on the planner's lines)",
         (("passes/plan/sliced_measure.py", "    if not _extrapolated(seen[0], seen[1], pair, batch) or not",

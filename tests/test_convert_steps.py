@@ -194,3 +194,26 @@ def test_the_plan_and_report_are_those_of_a_check_at_the_example_batch(monkeypat
     shapes = [[(l.x_shape, l.y_shape, l.y_dtype) for c in sliced_measure.chains_of(m) for l in c.layers]
               for m in (fast, slow)]
     assert shapes[0] == shapes[1] and shapes[0][0][0][0] == 8, shapes
+
+
+def test_parts_checked_on_slices_after_a_refused_whole_keep_the_planner_on_slices(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A whole-model rewrite refused (here: made to be) is undone and its parts are converted and
+    checked on their own inputs, on slices; the planner reads the parts' shapes at that slice."""
+    real = slice_check.check_step
+
+    def refuse_the_root(module: nn.Module, args: Any, kwargs: Any) -> Comparison:
+        result = real(module, args, kwargs)
+        return Comparison(False, 1.0, 0.5, "made to differ") if isinstance(module, _Net) else result
+
+    monkeypatch.setattr(slice_check, "check_step", refuse_the_root)
+    torch.manual_seed(0)
+    x = torch.randn(8, 3, 32, 32)
+    _Count.calls.clear()
+    _Count.batches.clear()
+    fast = convbn.convert(_Net(), example_inputs=x, progress=False)
+    assert_fused(fast, pairs=2)
+    assert fast.convbn_report.validated == ["a", "b"]  # the parts, each checked
+    # the whole's check at 2, then at 8 (both refused), the eager run that finds the parts' inputs
+    # at 8, then the planner at 1 and 2 only
+    assert _Count.batches == [2, 2, 2, 8, 8, 8, 8, 1, 1, 2, 2], _Count.batches
