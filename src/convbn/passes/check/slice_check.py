@@ -34,8 +34,10 @@ What a slice cannot see: code whose result depends on the batch size and that no
 records (a symbolic trace has no shapes: a Python branch on ``x.shape[0]`` fails to trace
 there and that module stays unfused, so the graph cannot hold such a branch) and a kernel that
 is right at two samples and wrong at more (the Functions' own tests, over shapes and batches,
-are where those are caught). On an accelerator the check keeps the example batch (the same
-limit as the planner's slices: Note: [measured on two slices of the batch]).
+are where those are caught; on the CPU convbn's own code picks no kernel by the batch size, its
+one such choice, cuDNN's batch norm up to a batch size, being CUDA's). On an accelerator the
+check keeps the example batch (the same limit as the planner's slices: Note: [measured on two
+slices of the batch]).
 """
 from __future__ import annotations
 
