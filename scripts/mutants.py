@@ -377,7 +377,31 @@ MUTANTS: Dict[str, Mutant] = {
     "slices_never_one_sample": Mutant(
         "the planner's recorded steps never run on one sample (2 and 3 only)",
         (("passes/plan/sliced_measure.py", "SLICE_PAIRS = ((1, 2), (2, 3))", "SLICE_PAIRS = ((2, 3),)"),),
-        ("tests/test_convert_steps.py::test_convert_with_example_inputs_runs_two_full_steps_and_two_on_slices",)),
+        ("tests/test_convert_steps.py::test_convert_with_example_inputs_runs_every_step_on_slices",)),
+    "check_slice_despite_shape_guards": Mutant(
+        "convert's check runs on a slice of the batch where a graph is guarded on its input shapes (a graph for the batch)",
+        (("passes/check/slice_check.py", "    if any(fwd is not None and _shape_guarded(fwd.defaults)",
+          "    if False and any(fwd is not None and _shape_guarded(fwd.defaults)"),),
+        ("tests/test_convert_steps.py::test_a_graph_traced_with_real_shapes_is_checked_at_the_example_batch",)),
+    "check_slice_difference_stands": Mutant(
+        "a difference on the slice of the batch is the check's verdict (not decided at the example batch)",
+        (("passes/check/slice_check.py", "        if result is not None and result.ok and [f.fallback",
+          "        if result is not None and [f.fallback"),),
+        ("tests/test_convert_steps.py::test_a_difference_on_the_slice_is_decided_at_the_example_batch",)),
+    "check_slice_refusal_raises": Mutant(
+        "a model that refuses the slice of the batch makes convert raise (not checked at the example batch)",
+        (("passes/check/slice_check.py", "        except Exception:  # noqa: BLE001 - a model that refuses the slice",
+          "        except ZeroDivisionError:  # noqa: BLE001 - a model that refuses the slice"),),
+        ("tests/test_convert_steps.py::test_a_model_that_refuses_the_slice_is_checked_at_the_example_batch",)),
+    "slices_shapes_at_of_a_refused_check": Mutant(
+        "the batch of a refused (undone) check counts for the layers' shapes: parts checked on slices are planned at the batch",
+        (("passes/convert/api.py", "        if not why:  # a refused rewrite is undone", "        if True:  # a refused rewrite is undone"),),
+        ("tests/test_convert_steps.py::test_parts_checked_on_slices_after_a_refused_whole_keep_the_planner_on_slices",)),
+    "slices_layer_shapes_of_the_check_slice": Mutant(
+        "after a check on a slice the layers keep the slice's shapes (not the example batch's, on the planner's lines)",
+        (("passes/plan/sliced_measure.py", "    if not _extrapolated(seen[0], seen[1], pair, batch) or not",
+          "    if False or not"),),
+        ("tests/test_convert_steps.py::test_the_plan_and_report_are_those_of_a_check_at_the_example_batch",)),
     "autocast_cache_kept_after_a_fake_trace": Mutant(
         "autocast's cache keeps the fake casts a shape capture made of the real weights",
         (("passes/graph/shape_capture.py", "            torch.clear_autocast_cache()\n", "            pass\n"),),

@@ -131,6 +131,7 @@ class Conversion:
     root: Optional[nn.Module] = None  # the model being converted
     reuse: Optional[Any] = None  # a ConvertPlan whose checks and plans are taken (Note: [a conversion made once])
     checks: List[Tuple[str, str]] = field(default_factory=list)  # (module, why it differs or "") per check
+    checked_at: List[int] = field(default_factory=list)  # the batch each passing check ran at (the layers' shapes are its)
     _called: Optional[Dict[int, Tuple[Tuple[Any, ...], Dict[str, Any]]]] = None
 
     @property
