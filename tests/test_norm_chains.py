@@ -355,6 +355,31 @@ def test_lone_head_before_a_batchnorm_says_why() -> None:
     assert_steps_match(eager, fast, x)
 
 
+class _ShapeReadAttention(nn.Module):
+    """timm CoAtNet's ``Attention2d`` after its pre-norm: ``B, C, H, W = x.shape`` of the norm's output,
+    then a 1x1 qkv conv whose output is viewed by those sizes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.GroupNorm(2, 6)
+        self.qkv = nn.Conv2d(6, 12, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.norm(x)
+        b, _, h, w = y.shape
+        return self.qkv(y).view(b, 2, 6, h * w).sum(2)
+
+
+@pytest.mark.expect_unfused("the GroupNorm head whose output's shape is read is left; its reason is the point")
+def test_lone_head_whose_output_shape_is_read_says_why() -> None:
+    model = convbn.convert(_ShapeReadAttention(), example_inputs=torch.randn(2, 6, 4, 4))
+    (o,) = model.convbn_report.outcomes
+    assert o.left and "the model reads the shape of the value between them ('.shape')" in o.reason, o.reason
+    torch.manual_seed(0)
+    x = torch.randn(2, 6, 4, 4)
+    torch.testing.assert_close(model(x), _ShapeReadAttention.forward(model, x), rtol=0, atol=0)
+
+
 @pytest.mark.expect_unfused("a hook added after convert runs the chain as eager modules, by design")
 def test_hook_added_later_runs_and_a_swapped_norm_is_captured_again() -> None:
     eager, work = perturbed_twins(MODELS["groupnorm-silu"][0])

@@ -437,4 +437,10 @@ def _lone_head_reason(head: MatchedLayer, layers: List[MatchedLayer]) -> str:
     if after is not None and _per_sample(after) != _per_sample(head):
         return (f"{start} is normalised by a {_norm_kind(after.bn)} ('{after.bn_name}'): a chain holds BatchNorms or "
                 f"per-sample norms, not both; {short} -> act alone saves nothing")
+    values = value_users(head.out)
+    read = [u for u in head.out.users if u not in values and not is_rank_use(u)]
+    if read:  # the head found its conv as the value's one reader: the others read its shape (Note: [shape-only uses])
+        what = f"'.{read[0].args[1]}'" if read[0].target is getattr else describe_node(read[0])
+        return (f"{start} cannot join it: the model reads the shape of the value between them ({what}), "
+                f"which inside a chain exists only as the chain's output; {short} -> act alone saves nothing")
     return f"{start} cannot join the chain (see that layer's line); {short} -> act alone saves nothing"
