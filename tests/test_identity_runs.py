@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 import convbn
-from capture_helpers import assert_steps_match, perturbed_twins
+from capture_helpers import assert_steps_match, perturbed_twins, randomise_batchnorms
 from fusion_checks import assert_fused
 
 
@@ -45,3 +45,21 @@ def test_layers_linked_through_a_run_of_identities_chain() -> None:
     fast = convbn.convert(work, example_inputs=x)
     assert_fused(fast, pairs=2, chains=1, skipped=0)
     assert_steps_match(eager, fast, x)
+
+
+def _bn_before_identities() -> nn.Module:
+    """Conv -> ReLU -> BN -> Identity x 2 -> 1x1 Conv: the BN folds only into the conv after it."""
+    return nn.Sequential(nn.Conv2d(3, 6, 3, padding=1), nn.ReLU(), nn.BatchNorm2d(6), nn.Identity(), nn.Identity(),
+                         nn.Conv2d(6, 8, 1))
+
+
+def test_fold_into_the_conv_past_a_run_of_identities() -> None:
+    """timm MaxViT's MbConv ``pre_norm`` (a BatchNormAct2d whose act is an identity) -> ``down`` (an
+    identity) -> conv1_1x1 was left by fold ("activation Identity sits between it and ...")."""
+    model = randomise_batchnorms(_bn_before_identities()).eval()
+    x = torch.randn(2, 3, 8, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    folded = convbn.fold(model)
+    (o,) = folded.convbn_report.outcomes
+    assert o.result == "folded" and o.direction == "following" and o.layer == "5", o
+    assert not any(isinstance(m, nn.BatchNorm2d) for m in folded.modules())
+    torch.testing.assert_close(folded(x), model(x), rtol=1e-12, atol=1e-12)

@@ -9,12 +9,13 @@ from __future__ import annotations
 from typing import Optional, Set, Tuple
 
 import torch.fx as fx
-from torch import Tensor
+from torch import Tensor, nn
 from ..._compat import pytree
 
 from ...functional.fold import fold_bn_into_following, fold_bn_into_preceding
 from ..bn.tokens import features_to_dim1
 from ..graph.concat_heads import cat_parts, channel_cat_pieces
+from ..graph.hooks import hook_reason
 from ..graph.layers import layer_spec
 from ..graph.shape_uses import value_users
 from ..report.outcome import BNOutcome
@@ -176,6 +177,22 @@ def fold_preceding_tokens(folder: GraphFolder, site: FoldSite, src: fx.Node) -> 
     return True, ""
 
 
+def _past_identities(folder: GraphFolder, node: fx.Node) -> Optional[fx.Node]:
+    """The one reader of ``node``'s value past a run of hook-free ``nn.Identity`` calls, each the
+    only reader of the one before (timm's norm-act ``drop`` / ``act`` and a block's ``down``), or
+    ``None`` where no identity follows ``node``: they compute nothing, so what folds into that
+    reader folds exactly through them (they stay in the graph, reading the BN's input)."""
+    cur, found = node, False
+    while True:
+        users = value_users(cur)
+        if len(users) != 1 or users[0].op != "call_module":
+            return users[0] if found and len(users) == 1 else None
+        mod = folder.gm.get_submodule(str(users[0].target))
+        if type(mod) is not nn.Identity or hook_reason(mod) is not None:
+            return users[0] if found else None
+        cur, found = users[0], True
+
+
 # Note: [folding into the following conv]
 # conv(BN(x)) == conv'(x) with W' = W * s (per input channel) and b' = b + sum(W * t)
 # holds wherever the kernel only reads real input pixels. Zero padding breaks it: the
@@ -190,7 +207,8 @@ def fold_following(folder: GraphFolder, site: FoldSite) -> Tuple[bool, str]:
     users = value_users(site.node)
     if len(users) != 1:
         return False, f"after it: BN output has {len(users)} users"
-    layer = folder.layer(users[0])
+    reader = _past_identities(folder, site.node)
+    layer = folder.layer(users[0] if reader is None else reader)
     if isinstance(layer, str):
         between = activation_before_layer(folder, users[0])
         if between is not None:
@@ -199,7 +217,8 @@ def fold_following(folder: GraphFolder, site: FoldSite) -> Tuple[bool, str]:
         return False, f"after it: {layer}"
     if layer.kind == "convt":
         return False, f"after it: {layer.name} is a transposed conv (inserts zeros), not exact"
-    if layer.call.input is not site.node or sum(a is site.node for a in pytree.tree_leaves((layer.node.args, layer.node.kwargs))) != 1:
+    fed = site.node if reader is None else reader.args[0]  # the value the layer reads: BN's, or the last identity's
+    if layer.call.input is not fed or sum(a is fed for a in pytree.tree_leaves((layer.node.args, layer.node.kwargs))) != 1:
         return False, f"after it: BN output is not (only) the input of {layer.name}"
     if layer.kind == "conv" and _pads_with_zeros(layer):
         return False, (f"after it: {layer.name} zero-pads its input, so folding the BN into it "
