@@ -129,6 +129,18 @@ MUTANTS: Dict[str, Mutant] = {
         (("passes/plan/time_planner.py", "    allowed = int(((time_budget - TIME_MARGIN) * step.eager - step.base) * 1e9)",
           "    allowed = 1 << 62"),),
         ("tests/test_time_budget.py::test_a_tight_time_budget_recomputes_no_conv",)),
+    "peak_price_fixed_only": Mutant(
+        "the default plan prices a byte of peak at the fixed 16 alone, not against the chains' work",
+        (("passes/plan/peak_planner.py", "PEAK_WORK_SHARE = 1.0\n", "PEAK_WORK_SHARE = 0.0\n"),),
+        ("tests/test_peak_work_share.py::test_recorded_resnet18_takes_its_lowest_peak",)),
+    "peak_price_lower_of_two": Mutant(
+        "the price of a byte of peak is the lower of the fixed price and the work share's, not the higher",
+        (("passes/plan/peak_planner.py", "work_share * work / lowest <= byte_cost:", "work_share * work / lowest >= byte_cost:"),),
+        ("tests/test_peak_work_share.py::test_peak_byte_cost_is_the_higher_price",)),
+    "peak_price_first_chain_work": Mutant(
+        "the work a byte of peak is priced against is the first chain's, not every chain's",
+        (("passes/plan/peak_planner.py", "    work = sum(sum(c.macs) for c in costs)\n", "    work = sum(costs[0].macs)\n"),),
+        ("tests/test_peak_memory.py::test_plan_for_peak_is_least_recompute_at_the_allowed_peak",)),
     "frontier_keeps_dominated": Mutant(
         "the frontier keeps a point as slow as a lower-peak one (dominated points marked as choices)",
         (("bench/frontier.py", "        if t < best_time or", "        if t <= best_time or"),),
