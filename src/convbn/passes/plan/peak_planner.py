@@ -78,8 +78,9 @@ __all__ = ["PEAK_TOLERANCE", "PEAK_BYTE_COST", "PEAK_WORK_SHARE", "ChainOption",
 #: lowest peak is 0.38x eager's; 30 % above it (the value until issue 24, chosen when the
 #: bench's meter left weight gradients out) gave 0.49x at 11.5 GMAC of conv recompute per
 #: step, 10 % 0.42x at 19.1 GMAC, 8 % 0.41x (BENCHMARKS.md "## Issue 24"). Where parameter
-#: gradients make most of the peak (ResNet-18 at 112²) 8 % of it is much of the activations;
-#: ``peak_budget`` / ``memory_limit`` ask for a lower peak.
+#: gradients make most of the peak (ResNet-18 at 112²) 8 % of it is much of the activations:
+#: there a lower peak that is cheap next to the chains' work is taken inside the tolerance
+#: (:data:`PEAK_WORK_SHARE`); ``peak_budget`` / ``memory_limit`` ask for a lower peak.
 PEAK_TOLERANCE = 0.08
 
 #: What a byte of step peak is worth in recompute cost (MAC equivalents) inside the
