@@ -46,7 +46,9 @@ searched over per-chain options (:func:`chain_options`) with the prediction of
 # costs 302 per byte (its price: 142), EfficientNet-B0's price stays 16, and the per-sample
 # norm nets (diffusion, 3-D U-Net, ConvNeXt) keep their plans. A higher price only lowers the
 # chosen peak (never raises it: the minimum of ``recompute + price * peak`` moves down as the
-# price goes up), inside the same tolerance.
+# price goes up), inside the same tolerance. The peaks are live tensor bytes: by the CPU
+# allocator ResNet-18's step peaks in its stem conv's backward (about 6.1 MiB of kernel scratch
+# no tensor shows) under either plan, 0.850x -> 0.848x (BENCHMARKS.md, "## Issue 24").
 
 # Note: [a planner that scales]
 # The default plan walks the staircase of Note [cheap peak]: up to ~33 least-recompute
@@ -67,8 +69,8 @@ from torch import Tensor
 from ...functional.conv import COST_PER_BYTE
 from .peak_model import ChainCost, gaps_of, chain_backward_peak, step_peak
 
-__all__ = ["PEAK_TOLERANCE", "PEAK_BYTE_COST", "PEAK_WORK_SHARE", "ChainOption", "peak_byte_cost", "chain_options", "lowest_peak", "least_recompute",
-           "least_recompute_reference", "plan_for_peak", "plan_within_peak"]
+__all__ = ["PEAK_TOLERANCE", "PEAK_BYTE_COST", "PEAK_WORK_SHARE", "ChainOption", "chain_options", "lowest_peak",
+           "least_recompute", "least_recompute_reference", "peak_byte_cost", "plan_for_peak", "plan_within_peak"]
 
 
 #: How far above the lowest reachable peak the default plan may go to recompute less, as a
