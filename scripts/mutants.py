@@ -294,6 +294,22 @@ MUTANTS: Dict[str, Mutant] = {
         (("autograd/norm_chain.py", "return 2 * (spec.conv is not None) + (k if spec.norm is not None else k - 2)",
           "return 2 * (spec.conv is not None) + k"),),
         ("tests/test_norm_chain_end_prelu.py::test_an_end_layer_with_a_prelu_trains_as_eager[False-recompute_bn]",)),
+    "rms_graph_maps_unpriced": Mutant(
+        "the RMSNorm row says its graph holds no normalised input (the planner's replay one map short)",
+        (("functional/norms.py", "graph_maps=lambda call, weight: int(weight),", "graph_maps=lambda call, weight: 0,"),),
+        ("tests/test_rms_norm.py::test_memory_model_is_the_measured_one[normalize_gs-relu-recompute_bn]",)),
+    "rms_scale_product_beside": Mutant(
+        "F.normalize's product by the scale made beside its operand (a map more than the row says)",
+        (("functional/norms.py", "return out if s is None else out.mul_(s)", "return out if s is None else out * s"),),
+        ("tests/test_rms_norm.py::test_memory_model_is_the_measured_one[normalize_gs-relu-recompute_conv]",)),
+    "rms_scale_gain_order": Mutant(
+        "an RMSNorm's '* scale * g' computed as '* g * scale' (the same formula, rounded otherwise)",
+        (("functional/norms.py", "        if form == \"normalize_gs\":\n", "        if True:\n"),),
+        ("tests/test_rms_norm.py::test_each_spelling_runs_its_own_ops_bit_for_bit[normalize_sg]",)),
+    "rms_normalize_as_rsqrt": Mutant(
+        "F.normalize's clamp of the norm by eps taken for rsqrt(mean square + eps)",
+        (("functional/norms.py", "    if form.startswith(\"normalize\"):\n", "    if False:\n"),),
+        ("tests/test_rms_norm.py::test_normalize_clamps_the_norm_where_the_others_add_eps",)),
     "hand_global_norm_any_rank": Mutant(
         "statistics over dims 1, 2, ... become a GroupNorm whatever the input's rank",
         (("passes/bn/hand_layer_norms.py", "return F.group_norm if known == len(dims) + 1 else None",
@@ -373,7 +389,31 @@ MUTANTS: Dict[str, Mutant] = {
     "slices_never_one_sample": Mutant(
         "the planner's recorded steps never run on one sample (2 and 3 only)",
         (("passes/plan/sliced_measure.py", "SLICE_PAIRS = ((1, 2), (2, 3))", "SLICE_PAIRS = ((2, 3),)"),),
-        ("tests/test_convert_steps.py::test_convert_with_example_inputs_runs_two_full_steps_and_two_on_slices",)),
+        ("tests/test_convert_steps.py::test_convert_with_example_inputs_runs_every_step_on_slices",)),
+    "check_slice_despite_shape_guards": Mutant(
+        "convert's check runs on a slice of the batch where a graph is guarded on its input shapes (a graph for the batch)",
+        (("passes/check/slice_check.py", "    if any(fwd is not None and _shape_guarded(fwd.defaults)",
+          "    if False and any(fwd is not None and _shape_guarded(fwd.defaults)"),),
+        ("tests/test_convert_steps.py::test_a_graph_traced_with_real_shapes_is_checked_at_the_example_batch",)),
+    "check_slice_difference_stands": Mutant(
+        "a difference on the slice of the batch is the check's verdict (not decided at the example batch)",
+        (("passes/check/slice_check.py", "        if result is not None and result.ok and [f.fallback",
+          "        if result is not None and [f.fallback"),),
+        ("tests/test_convert_steps.py::test_a_difference_on_the_slice_is_decided_at_the_example_batch",)),
+    "check_slice_refusal_raises": Mutant(
+        "a model that refuses the slice of the batch makes convert raise (not checked at the example batch)",
+        (("passes/check/slice_check.py", "        except Exception:  # noqa: BLE001 - a model that refuses the slice",
+          "        except ZeroDivisionError:  # noqa: BLE001 - a model that refuses the slice"),),
+        ("tests/test_convert_steps.py::test_a_model_that_refuses_the_slice_is_checked_at_the_example_batch",)),
+    "slices_shapes_at_of_a_refused_check": Mutant(
+        "the batch of a refused (undone) check counts for the layers' shapes: parts checked on slices are planned at the batch",
+        (("passes/convert/api.py", "        if not why:  # a refused rewrite is undone", "        if True:  # a refused rewrite is undone"),),
+        ("tests/test_convert_steps.py::test_parts_checked_on_slices_after_a_refused_whole_keep_the_planner_on_slices",)),
+    "slices_layer_shapes_of_the_check_slice": Mutant(
+        "after a check on a slice the layers keep the slice's shapes (not the example batch's, on the planner's lines)",
+        (("passes/plan/sliced_measure.py", "    if not _extrapolated(seen[0], seen[1], pair, batch) or not",
+          "    if False or not"),),
+        ("tests/test_convert_steps.py::test_the_plan_and_report_are_those_of_a_check_at_the_example_batch",)),
     "autocast_cache_kept_after_a_fake_trace": Mutant(
         "autocast's cache keeps the fake casts a shape capture made of the real weights",
         (("passes/graph/shape_capture.py", "            torch.clear_autocast_cache()\n", "            pass\n"),),

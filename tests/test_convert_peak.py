@@ -6,7 +6,10 @@ side is taken within a training step's peak (Note: [the eager reference within a
 step's peak]: no output and no copy of the BatchNorm statistics held at it), and the rewrite's
 step and the planner's recorded slices peak lower. The bound is exact, on a torchvision-style
 ResNet at 96x96 (in the default run) and on torchvision's ResNet-18 b16 and ResNet-50 b8 at
-224x224 (``slow``). Where the parameters outweigh the activations, the eager gradients not yet
+224x224 (``slow``), with the check on the first samples of the batch (Note: [the check on a
+slice of the batch]) and with the check at the example batch, where it runs wherever a slice
+cannot stand for the batch (a graph traced with real shapes, a model refusing the slice, an
+accelerator). Where the parameters outweigh the activations, the eager gradients not yet
 compared sit beside the rewrite's step (Notes: [a check that holds one side's gradients], [the
 check runs the plan that keeps least]). CPU: every allocation and free the CPU allocator reports
 (:func:`convbn.memory.allocator_peak`), exact bytes; the same on CUDA with the allocator's peak."""
@@ -21,6 +24,7 @@ from torch import nn
 
 import convbn
 from convbn.memory import allocator_peak
+from convbn.passes.check import slice_check
 from fusion_checks import assert_fused
 
 
@@ -77,8 +81,12 @@ def _allowance(model: nn.Module, x: torch.Tensor) -> int:
     return sum(b.numel() * b.element_size() for b in model.buffers()) + out_bytes
 
 
-def test_convert_peaks_within_one_eager_training_step() -> None:
-    """Where activations make most of the step (a training batch), convert's peak is eager's."""
+@pytest.mark.parametrize("check_at", ["slice", "example batch"])
+def test_convert_peaks_within_one_eager_training_step(check_at: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where activations make most of the step (a training batch), convert's peak is eager's,
+    with the check on a slice of the batch and at the batch itself."""
+    if check_at == "example batch":
+        monkeypatch.setattr(slice_check, "MIN_BATCH", 10 ** 9)
     torch.manual_seed(0)
     model = _resnet(16)
     x = torch.randn(8, 3, 96, 96)

@@ -45,7 +45,7 @@ def _no_runs(monkeypatch: pytest.MonkeyPatch) -> None:
     def refuse(*args: object, **kwargs: object) -> None:
         raise AssertionError("a reused plan must not run the model")
 
-    monkeypatch.setattr(convert_api, "check_step", refuse)
+    monkeypatch.setattr(convert_api, "check_on_slice", refuse)
     monkeypatch.setattr(convert_api, "plan_auto", refuse)
     monkeypatch.setattr(convert_api, "measure_saved", refuse)
     monkeypatch.setattr(auto_plan, "measure_peak", refuse)

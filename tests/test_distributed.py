@@ -8,13 +8,15 @@ concatenated batch. The split is uneven (3 + 5 samples) and each rank's loss is 
 over the whole batch: this only matches when counts, means, variances and the backward's
 sums are all global.
 
-One launch serves many checks (a launch costs seconds), so workers return everything and
-the assertions run in the parent, one test per strategy.
+One launch serves every check (a launch costs seconds): a module fixture starts the two
+ranks once for the DDP, standalone and MONAI sections, the workers return everything and the
+assertions run in the parent, one test per strategy.
 """
 from __future__ import annotations
 
 import copy
-from typing import Any, Dict, List, Tuple
+import warnings
+from typing import Any, Dict, List, Optional, Tuple
 
 import pytest
 import torch
@@ -138,16 +140,19 @@ def _ddp_strategies_worker(rank: int, world: int, state: Dict[str, Tensor],
     return results
 
 
-@pytest.fixture(scope="module")
-def ddp_strategies() -> Tuple[Dict[str, List[Any]], List[Dict[str, Any]]]:
+def _ddp_inputs() -> Tuple[nn.Module, List[Tuple[Tensor, Tensor]]]:
     torch.manual_seed(0)
     net = Net().double()
     gen = torch.Generator().manual_seed(1)
     batches = [(torch.randn(GLOBAL, 2, 4, 4, generator=gen, dtype=torch.float64),
                 torch.randint(0, 3, (GLOBAL,), generator=gen)) for _ in range(2)]
-    state = _named_state(net)
-    ranks = launch_workers(_ddp_strategies_worker, WORLD, state, batches, timeout=TIMEOUT)
-    return _train_eager(net, batches), ranks
+    return net, batches
+
+
+@pytest.fixture(scope="module")
+def ddp_strategies(launched: Dict[str, Any]) -> Tuple[Dict[str, List[Any]], List[Dict[str, Any]]]:
+    net, batches = launched["ddp_inputs"]
+    return _train_eager(net, batches), [r["ddp"] for r in launched["ranks"]]
 
 
 @pytest.mark.parametrize("key", list(STRATEGIES))
@@ -381,16 +386,19 @@ def _one_sample_input() -> Tensor:
     return torch.randn(WORLD, 4, 3, 3, generator=torch.Generator().manual_seed(6), dtype=torch.float64)
 
 
-@pytest.fixture(scope="module")
-def standalone() -> Tuple[List[Tensor], List[Tensor], Dict[str, Tensor], List[Dict[str, Any]]]:
+def _standalone_inputs() -> Tuple[List[Tensor], List[Tensor], Dict[str, Tensor]]:
     gen = torch.Generator().manual_seed(3)
     xs = [torch.randn(GLOBAL, *s[1:], generator=gen, dtype=torch.float64) * 2 + 1 for s in SHAPES]
     ws = [torch.randn(GLOBAL, *s[1:], generator=gen, dtype=torch.float64) for s in SHAPES]
     ref = nn.BatchNorm1d(4, momentum=None).double()
     with torch.no_grad():
         ref.weight.uniform_(0.5, 1.5, generator=gen), ref.bias.uniform_(-0.5, 0.5, generator=gen)
-    state = _named_state(ref)
-    return xs, ws, state, launch_workers(_standalone_worker, WORLD, xs, ws, state, timeout=TIMEOUT)
+    return xs, ws, _named_state(ref)
+
+
+@pytest.fixture(scope="module")
+def standalone(launched: Dict[str, Any]) -> Tuple[List[Tensor], List[Tensor], Dict[str, Tensor], List[Dict[str, Any]]]:
+    return (*launched["standalone_inputs"], [r["standalone"] for r in launched["ranks"]])
 
 
 @pytest.mark.parametrize("i", range(len(SHAPES)), ids=[f"{len(s)}d" for s in SHAPES])
@@ -458,14 +466,48 @@ def _monai_worker(rank: int, world: int, state: Dict[str, Tensor], x: Tensor, y:
     return {"out": out.detach(), "grads": _grads(synced), "state": _named_state(converted), "chains": n_chains}
 
 
-def test_monai_resnet_one_ddp_step_equals_single_process() -> None:
-    pytest.importorskip("monai.networks.nets")
+def _monai_inputs() -> Optional[Tuple[nn.Module, Tensor, Tensor]]:
+    """MONAI's ResNet-10 and a batch, or None where MONAI is not installed."""
+    try:
+        with warnings.catch_warnings():  # its torch.jit deprecations, as pytest.importorskip hides them
+            warnings.simplefilter("ignore", DeprecationWarning)
+            import monai.networks.nets  # noqa: F401
+    except ImportError:
+        return None
     torch.manual_seed(0)
     net = _monai_net()
     gen = torch.Generator().manual_seed(4)
-    x, y = torch.randn(GLOBAL, 1, 32, 32, generator=gen), torch.randint(0, 3, (GLOBAL,), generator=gen)
-    state = _named_state(net)
-    ranks = launch_workers(_monai_worker, WORLD, state, x, y, timeout=TIMEOUT)
+    return net, torch.randn(GLOBAL, 1, 32, 32, generator=gen), torch.randint(0, 3, (GLOBAL,), generator=gen)
+
+
+# --------------------------------------------------------------------------- one launch for the module
+
+
+def _all_worker(rank: int, world: int, ddp: Tuple[Any, ...], standalone: Tuple[Any, ...],
+                monai: Optional[Tuple[Any, ...]]) -> Dict[str, Any]:
+    """What the DDP, standalone and MONAI tests need of the ranks, in one launch (MONAI's only
+    where it is installed): every check of those sections reads this one result."""
+    out = {"ddp": _ddp_strategies_worker(rank, world, *ddp),
+           "standalone": _standalone_worker(rank, world, *standalone)}
+    if monai is not None:
+        out["monai"] = _monai_worker(rank, world, *monai)
+    return out
+
+
+@pytest.fixture(scope="module")
+def launched() -> Dict[str, Any]:
+    """One launch of the two ranks for the whole module (spawning them costs more than most of
+    the checks): the inputs each section built, and every rank's results."""
+    (net, batches), standalone, monai = _ddp_inputs(), _standalone_inputs(), _monai_inputs()
+    monai_args = None if monai is None else (_named_state(monai[0]), *monai[1:])
+    ranks = launch_workers(_all_worker, WORLD, (_named_state(net), batches), standalone, monai_args, timeout=TIMEOUT)
+    return dict(ddp_inputs=(net, batches), standalone_inputs=standalone, monai_inputs=monai, ranks=ranks)
+
+
+def test_monai_resnet_one_ddp_step_equals_single_process(launched: Dict[str, Any]) -> None:
+    pytest.importorskip("monai.networks.nets")
+    net, x, y = launched["monai_inputs"]
+    ranks = [r["monai"] for r in launched["ranks"]]
     out = net(x)
     F.cross_entropy(out, y, reduction="sum").div(GLOBAL).backward()
     grads, ref_state = _grads(net), _named_state(net)

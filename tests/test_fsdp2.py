@@ -8,6 +8,11 @@ model again for what it is now), and ``fully_shard`` then ``convert()``, in plac
 default arguments (a copy of the modules, into which FSDP2 unshards as into the user's;
 with or without ``example_inputs``). FSDP1 (``FullyShardedDataParallel``) given to
 ``convert`` is refused with a message naming FSDP2.
+
+The four orders, then FSDP1's refusal, run one after another in one launch of the two ranks
+(a module fixture): each rank's process and process group are started once, not once per
+test (spawning a rank is most of a small step's cost); each order starts from its own copy of
+the same base model and batches, and what each gave is checked by its own test.
 """
 from __future__ import annotations
 
@@ -100,6 +105,28 @@ def _chain_calls(y: Tensor) -> int:
     return found
 
 
+ORDERS = ["convert-then-shard", "shard-then-convert-inplace", "shard-then-convert", "shard-then-convert-example"]
+
+
+def _all_worker(rank: int, world: int) -> Dict[str, Any]:
+    """Every order in turn on this rank, then FSDP1's refusal. An order that raises stops the
+    launch (its peer may be waiting in a collective), naming the order: every test fails with it."""
+    out: Dict[str, Any] = {}
+    for order in ORDERS:
+        try:
+            out[order] = _fsdp2_worker(rank, world, order)
+        except Exception as exc:
+            raise RuntimeError(f"order {order!r} raised on rank {rank}") from exc
+    out["fsdp1"] = _refusals_worker(rank, world)
+    return out
+
+
+@pytest.fixture(scope="module")
+def ranks_results() -> List[Dict[str, Any]]:
+    """Each rank's results of :func:`_all_worker`, from one launch for the whole module."""
+    return launch_workers(_all_worker, WORLD, timeout=TIMEOUT)
+
+
 def _fsdp2_worker(rank: int, world: int, order: str) -> Dict[str, Any]:
     torch.manual_seed(0)
     base = Net().double()
@@ -138,10 +165,9 @@ def _module_state(model: nn.Module) -> List[Any]:
 
 
 @pytest.mark.expect_unfused("the chains run in the worker processes, checked there by counting their autograd nodes")
-@pytest.mark.parametrize("order", ["convert-then-shard", "shard-then-convert-inplace", "shard-then-convert",
-                                   "shard-then-convert-example"])
-def test_fsdp2_matches_eager_fsdp2_fused(order: str) -> None:
-    ranks = launch_workers(_fsdp2_worker, WORLD, order, timeout=TIMEOUT)
+@pytest.mark.parametrize("order", ORDERS)
+def test_fsdp2_matches_eager_fsdp2_fused(order: str, ranks_results: List[Dict[str, Any]]) -> None:
+    ranks = [by_key[order] for by_key in ranks_results]
     for rank, r in enumerate(ranks):
         e, f = r["eager"], r["fast"]
         for s, (ye, yf) in enumerate(zip(e["outs"], f["outs"])):
@@ -175,8 +201,7 @@ def _refusals_worker(rank: int, world: int) -> Dict[str, str]:
 
 
 @pytest.mark.expect_unfused("nothing is converted: the call is refused")
-def test_fsdp1_is_refused_clearly() -> None:
-    ranks = launch_workers(_refusals_worker, WORLD, timeout=TIMEOUT)
-    for r in ranks:
+def test_fsdp1_is_refused_clearly(ranks_results: List[Dict[str, Any]]) -> None:
+    for r in (by_key["fsdp1"] for by_key in ranks_results):
         assert "FSDP2" in r.get("fsdp1", "") and "fully_shard" in r["fsdp1"], r
         assert r["fsdp1-untouched"] == "True", r

@@ -5,13 +5,16 @@ A model converted before or after ``fully_shard`` (default arguments) saves with
 checkpoint that a fresh eager FSDP2 model loads, and loads one an eager FSDP2 model saved:
 the parameters and buffers (gathered) must equal the saved model's bit for bit, and the
 loaded converted model must then compute as the eager one, with its chains running.
+
+Both orders run one after another in one launch of the two ranks (a module fixture; each
+order in a folder of its own): the ranks' processes and process group are started once, not
+once per order.
 """
 from __future__ import annotations
 
 import copy
 import warnings
-from pathlib import Path
-from typing import Any, Dict
+from typing import Any, Dict, List
 
 import pytest
 import torch
@@ -100,10 +103,31 @@ def _worker(rank: int, world: int, order: str, root: str) -> Dict[str, Any]:
     return out
 
 
+ORDERS = ["convert-then-shard", "shard-then-convert"]
+
+
+def _orders_worker(rank: int, world: int, root: str) -> Dict[str, Any]:
+    """Every order in turn on this rank, each checkpointing under ``root/<order>``. An order that
+    raises stops the launch (its peer may be waiting in a collective), naming the order."""
+    out: Dict[str, Any] = {}
+    for order in ORDERS:
+        try:
+            out[order] = _worker(rank, world, order, f"{root}/{order}")
+        except Exception as exc:
+            raise RuntimeError(f"order {order!r} raised on rank {rank}") from exc
+    return out
+
+
+@pytest.fixture(scope="module")
+def ranks_results(tmp_path_factory: pytest.TempPathFactory) -> List[Dict[str, Any]]:
+    """Each rank's results of :func:`_orders_worker`, from one launch for the whole module."""
+    return launch_workers(_orders_worker, WORLD, str(tmp_path_factory.mktemp("dcp")), timeout=TIMEOUT)
+
+
 @pytest.mark.expect_unfused("the chains run in the worker processes, checked there by counting their autograd nodes")
-@pytest.mark.parametrize("order", ["convert-then-shard", "shard-then-convert"])
-def test_dcp_round_trip_between_converted_and_eager_fsdp2(order: str, tmp_path: Path) -> None:
-    ranks = launch_workers(_worker, WORLD, order, str(tmp_path), timeout=TIMEOUT)
+@pytest.mark.parametrize("order", ORDERS)
+def test_dcp_round_trip_between_converted_and_eager_fsdp2(order: str, ranks_results: List[Dict[str, Any]]) -> None:
+    ranks = [by_order[order] for by_order in ranks_results]
     for rank, r in enumerate(ranks):
         for way in ("to-eager", "to-eager-plain", "to-converted"):
             want, got = r[way]

@@ -30,8 +30,11 @@ def _run_without_rich(code: str) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=600)
 
 
-def test_core_and_commands_load_without_rich() -> None:
-    proc = _run_without_rich("""
+@pytest.fixture(scope="module")
+def without_rich() -> subprocess.CompletedProcess:
+    """One process without rich (an import of torch costs seconds): the core and the commands
+    load and train, rich is not imported; then the bench table's error names the package."""
+    return _run_without_rich("""
         import torch
         from torch import nn
         import convbn, convbn.cli, convbn.demo, convbn.bench.training, convbn.bench.inference
@@ -40,22 +43,24 @@ def test_core_and_commands_load_without_rich() -> None:
         fused(torch.randn(2, 1, 5, 5)).sum().backward()
         convbn.fold(net.eval())
         assert "rich" not in sys.modules
-        print("ok")
-    """)
-    assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.strip().endswith("ok")
-
-
-def test_bench_table_without_rich_names_the_package() -> None:
-    proc = _run_without_rich("""
+        print("core ok")
         from convbn.bench.table import print_rich_table
         try:
             print_rich_table(["a"], set(), [["1"]], "t")
         except ImportError as exc:
-            print(exc)
+            print("table:", exc)
     """)
-    assert proc.returncode == 0, proc.stderr
-    assert "printing a benchmark table needs rich: pip install 'convbn[cli]'" in proc.stdout
+
+
+def test_core_and_commands_load_without_rich(without_rich: subprocess.CompletedProcess) -> None:
+    assert without_rich.returncode == 0, without_rich.stderr
+    assert "core ok" in without_rich.stdout.splitlines()
+
+
+def test_bench_table_without_rich_names_the_package(without_rich: subprocess.CompletedProcess) -> None:
+    assert without_rich.returncode == 0, without_rich.stderr
+    table = [line for line in without_rich.stdout.splitlines() if line.startswith("table:")]
+    assert table and "printing a benchmark table needs rich: pip install 'convbn[cli]'" in table[0], without_rich.stdout
 
 
 def test_require_rich_passes_when_installed() -> None:

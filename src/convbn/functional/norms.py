@@ -13,7 +13,12 @@ needs no cross-sample state beyond the running statistics some of them track. Ea
   statistics in place where ``call`` says so, exactly as torch's module does;
 * ``call_of_module`` / ``call_of_args``: the :class:`NormCall` of a module or of a recorded
   functional call (a string reason where it is not this norm or cannot be fused);
-* ``fold``: why the norm cannot fold into a neighbouring layer in eval, or ``""`` where it folds.
+* ``fold``: why the norm cannot fold into a neighbouring layer in eval, or ``""`` where it folds;
+* ``last_dim``: the torch norm over the last dimension that is this norm between permutes
+  (``nn.LayerNorm``, ``nn.RMSNorm``), read by matching where it once named ``nn.LayerNorm``;
+* ``stat_count`` / ``stat_tensors`` / ``graph_maps`` / ``output_unread`` / ``affine_per_sample``:
+  what its backward holds, read by the planner's memory model (``autograd/norm_chain_memory.py``,
+  :func:`stat_bytes`) instead of a norm's name.
 
 Matching (``passes/bn/norm_sites.py``), the chain Function (``autograd/norm_chain.py``), the
 planner's memory model (a per-sample norm layer is a chain layer like BatchNorm's), the report
@@ -24,7 +29,9 @@ and fold read the table; a new norm is one row (``tests/test_norm_table.py`` add
     \\text{out} = \\frac{y - \\mathrm{E}[y]}{\\sqrt{\\mathrm{Var}[y] + \\epsilon}} \\cdot \\gamma + \\beta
 
 with the expectation over the row's statistics axes (biased variance; InstanceNorm's running
-variance takes the unbiased one, as torch's).
+variance takes the unbiased one, as torch's). The channel RMSNorm row does not centre:
+``y / sqrt(E_c[y^2] + eps) * gamma``, or ``F.normalize``'s ``y / max(||y||, eps) * scale * gamma``,
+each spelling computed by its own ops (:func:`channel_rms_norm`, :data:`RMS_FORMS`).
 """
 from __future__ import annotations
 
@@ -38,7 +45,8 @@ from torch import Tensor, nn
 from .._compat import InstanceNormBase
 
 __all__ = ["NormCall", "NormRow", "NORMS", "norm_row", "row_of_module", "row_of_function", "channel_layer_norm",
-           "norm_forward", "norm_reference", "stat_bytes"]
+           "channel_rms_norm", "RMS_FORMS", "LastDimSpelling", "row_of_last_dim_module", "norm_forward",
+           "norm_reference", "stat_bytes"]
 
 
 @dataclass(frozen=True)
@@ -52,7 +60,11 @@ class NormCall:
         use_input_stats: normalise with this sample's statistics (``False``: an InstanceNorm in
             eval mode with running statistics, an affine map).
         momentum: running statistics' update factor, where they update.
-        normalized: LayerNorm's ``normalized_shape`` (the channels), for its call.
+        normalized: LayerNorm's / RMSNorm's ``normalized_shape`` (the channels), for its call.
+        form: which of its row's spellings the call computes, where they round differently
+            (RMSNorm: :data:`RMS_FORMS`); ``""`` for rows with one.
+        scale: a constant factor the spelling multiplies by (RMSNorm's ``F.normalize`` forms:
+            ``sqrt(C)``); 1 elsewhere.
     """
 
     row: str
@@ -61,9 +73,32 @@ class NormCall:
     use_input_stats: bool = True
     momentum: float = 0.1
     normalized: Tuple[int, ...] = ()
+    form: str = ""
+    scale: float = 1.0
 
 
 ModuleCall = Union[NormCall, str, None]
+
+
+@dataclass(frozen=True)
+class LastDimSpelling:
+    """A torch norm over the last dimension that is a row's channel norm between permutes
+    (``x.permute(0, 2, 3, 1)`` -> ``nn.LayerNorm(C)`` -> permute back; ``passes/bn/norm_sites.py``
+    rewrites the three nodes into one call of the row's first function).
+
+    Attributes:
+        module: its module class (``isinstance``: a subclass with its own forward that calls
+            ``function`` is found through that call).
+        function: its functional call.
+        signature: ``function``'s parameters by position, ``(name, default)``.
+        channel_args: ``(x, normalized_shape, weight, bias, eps) -> arguments`` of the row's
+            channel function computing the same values.
+    """
+
+    module: type
+    function: Callable[..., Any]
+    signature: Tuple[Tuple[str, Any], ...]
+    channel_args: Callable[[Any, Tuple[int, ...], Any, Any, Any], Tuple[Any, ...]]
 
 
 @dataclass(frozen=True)
@@ -91,6 +126,15 @@ class NormRow:
     #: runs batch_norm on ``(1, N * C, ...)``): the weight's statistics-sized copy is kept for
     #: backward beside the statistics (the bias's dies with the forward)
     affine_per_sample: bool = False
+    #: how many statistics-sized tensors its backward holds (a native norm: mean and inverse
+    #: std; an uncentred one computed from differentiable ops: what they save)
+    stat_tensors: Callable[[NormCall], int] = field(default=lambda call: 2)
+    #: how many input-sized tensors its graph under autograd holds besides its input and output
+    #: (a native norm: none; a composite one with a gain: the normalised input the gain's
+    #: gradient reads), given whether it has a weight
+    graph_maps: Callable[[NormCall, bool], int] = field(default=lambda call, weight: 0)
+    #: the torch norm over the last dimension that is this norm between permutes, if any
+    last_dim: Optional[LastDimSpelling] = None
 
     def tracks_stats(self, call: NormCall, has_stats: bool) -> bool:
         """Whether a training call updates running statistics (given the module holds them)."""
@@ -201,6 +245,89 @@ def _layer_args(a: Dict[str, Any]) -> ModuleCall:
     return NormCall("channel_layer_norm", float(eps), normalized=(int(shape[0]),))
 
 
+# --------------------------------------------------------------------------- channel RMSNorm
+
+#: the spellings of a channel RMSNorm, each computed by its own ops (they round differently, and
+#: ``F.normalize`` clamps the norm by ``eps`` where the others add ``eps`` to the mean square)
+RMS_FORMS: Dict[str, str] = {
+    "rsqrt": "x * rsqrt(mean_c(x^2) + eps) * w",
+    "sqrt": "x / sqrt(mean_c(x^2) + eps) * w",
+    "normalize_gs": "F.normalize(x, dim=1, eps=eps) * w * scale",
+    "normalize_sg": "F.normalize(x, dim=1, eps=eps) * scale * w",
+    "rms_norm": "F.rms_norm(x channels-last, (C,), w, eps), permuted back",
+}
+
+
+def channel_rms_norm(x: Tensor, normalized_shape: Tuple[int, ...], weight: Optional[Tensor] = None,
+                     eps: Optional[float] = None, form: str = "rsqrt", scale: float = 1.0) -> Tensor:
+    """RMSNorm over the channel dimension of ``(N, C, *spatial)``, no centring, computed by the
+    very ops of the spelling ``form`` names (:data:`RMS_FORMS`; the canonical node the rewrites
+    of ``passes/bn/hand_rms_norms.py`` and ``passes/bn/norm_sites.py`` put in a traced graph):
+
+    .. math::
+
+        \\text{out} = \\frac{x}{\\sqrt{\\mathrm{E}_c[x^2] + \\epsilon}} \\cdot \\gamma
+        \\quad\\text{or, for } \\texttt{F.normalize}: \\quad
+        \\frac{x}{\\max(\\lVert x \\rVert_{2,c}, \\epsilon)} \\cdot s \\cdot \\gamma
+
+    ``weight`` (``γ``) may be stored in any shape with C elements; ``eps=None`` is
+    ``F.rms_norm``'s (the input dtype's machine epsilon), 1e-12 for ``F.normalize`` and 1e-6 for
+    the hand-written forms where not given.
+
+    Example:
+        >>> x, w = torch.randn(2, 3, 4, 4), torch.rand(3)
+        >>> ref = F.normalize(x, dim=1) * w.view(1, 3, 1, 1) * 3 ** 0.5
+        >>> torch.equal(channel_rms_norm(x, (3,), w, 1e-12, "normalize_gs", 3 ** 0.5), ref)
+        True
+    """
+    if form not in RMS_FORMS:
+        raise ValueError(f"form must be one of {sorted(RMS_FORMS)}, but got form={form!r}")
+    channels = int(normalized_shape[0])
+    if form == "rms_norm":
+        w = None if weight is None else weight.reshape(channels)
+        nd = x.dim()
+        out = F.rms_norm(x.permute(0, *range(2, nd), 1), (channels,), w, eps)
+        return out.permute(0, nd - 1, *range(1, nd - 1))
+    w = None if weight is None else weight.reshape(1, channels, *([1] * (x.dim() - 2)))
+    if form.startswith("normalize"):
+        out = F.normalize(x, 2.0, 1, 1e-12 if eps is None else eps)
+        s = None if scale == 1.0 else scale  # a product by 1 is the identity, bit for bit
+        # the product by the scale is written over its operand, which no backward reads (the
+        # gain's product saves the other): the values of ``* scale`` without the map beside it
+        if form == "normalize_gs":
+            out = out if w is None else out * w
+            return out if s is None else out.mul_(s)
+        out = out if s is None else out.mul_(s)
+        return out if w is None else out * w
+    e = 1e-6 if eps is None else eps
+    # one expression, as written: no name holds the mean square past its root (a map-sized
+    # moment's worth of statistics the model's own code never holds)
+    if form == "rsqrt":
+        out = x * torch.rsqrt(x.pow(2).mean(1, keepdim=True) + e)
+    else:
+        out = x / torch.sqrt(x.pow(2).mean(1, keepdim=True) + e)
+    return out if w is None else out * w
+
+
+def _rms_compute(y: Tensor, call: NormCall, w: Optional[Tensor], b: Optional[Tensor],
+                 rm: Optional[Tensor], rv: Optional[Tensor]) -> Tensor:
+    return channel_rms_norm(y, call.normalized or (y.shape[1],), w, call.eps, call.form or "rsqrt", call.scale)
+
+
+def _rms_args(a: Dict[str, Any]) -> ModuleCall:
+    shape, eps, form, scale = a["normalized_shape"], a["eps"], a["form"], a["scale"]
+    if isinstance(shape, int):
+        shape = (shape,)
+    if not isinstance(shape, (tuple, list)) or len(shape) != 1 or not isinstance(shape[0], int):
+        return "it normalises over more than the channel dimension"
+    if eps is not None and (isinstance(eps, bool) or not isinstance(eps, (int, float))):
+        return "its eps is computed in forward, not a constant"
+    if form not in RMS_FORMS or isinstance(scale, bool) or not isinstance(scale, (int, float)):
+        return "its form or scale is computed in forward, not a constant"
+    return NormCall("channel_rms_norm", eps if eps is None else float(eps), normalized=(int(shape[0]),),
+                    form=str(form), scale=float(scale))
+
+
 def _prod(shape: Tuple[int, ...]) -> int:
     out = 1
     for s in shape:
@@ -229,8 +356,26 @@ NORMS: List[NormRow] = [
             signature=(("input", None), ("normalized_shape", None), ("weight", None), ("bias", None),
                        ("eps", 1e-5)),
             stat_count=lambda call, shape: _prod(shape) // max(shape[1], 1), output_unread=True,
+            last_dim=LastDimSpelling(nn.LayerNorm, F.layer_norm,
+                                     (("input", None), ("normalized_shape", None), ("weight", None), ("bias", None),
+                                      ("eps", 1e-5)),
+                                     lambda x, shape, w, b, eps: (x, shape, w, b, eps)),
             fold=lambda call, stats: "cannot fold: per-sample statistics (a LayerNorm normalises each position of "
                                      "each sample by its own, in eval too)"),
+    NormRow("channel_rms_norm", "per sample and position, the root mean square over the channels (no centring)",
+            _rms_compute, lambda m: None, _rms_args, functions=(channel_rms_norm,),
+            signature=(("input", None), ("normalized_shape", None), ("weight", None), ("eps", None),
+                       ("form", "rsqrt"), ("scale", 1.0)),
+            stat_count=lambda call, shape: _prod(shape) // max(shape[1], 1), output_unread=True,
+            # what its ops save: rsqrt's output (F.normalize: the norm and its clamp), and the
+            # normalised input where a gain multiplies it
+            stat_tensors=lambda call: 2 if call.form.startswith("normalize") else 1,
+            graph_maps=lambda call, weight: int(weight),
+            last_dim=LastDimSpelling(nn.RMSNorm, F.rms_norm,
+                                     (("input", None), ("normalized_shape", None), ("weight", None), ("eps", None)),
+                                     lambda x, shape, w, b, eps: (x, shape, w, eps, "rms_norm")),
+            fold=lambda call, stats: "cannot fold: per-sample statistics (an RMSNorm divides each position of each "
+                                     "sample by its own root mean square, in eval too)"),
 ]
 
 
@@ -255,6 +400,15 @@ def row_of_module(module: nn.Module) -> Optional[NormRow]:
     return None
 
 
+def row_of_last_dim_module(module: nn.Module) -> Optional[NormRow]:
+    """The row whose norm ``module`` computes between permutes (an ``nn.LayerNorm``, an
+    ``nn.RMSNorm``: :attr:`NormRow.last_dim`), or ``None``."""
+    for row in NORMS:
+        if row.last_dim is not None and isinstance(module, row.last_dim.module):
+            return row
+    return None
+
+
 def row_of_function(fn: Any) -> Optional[NormRow]:
     """The row one of whose functional spellings ``fn`` is, or ``None``."""
     for row in NORMS:
@@ -264,11 +418,14 @@ def row_of_function(fn: Any) -> Optional[NormRow]:
 
 
 def stat_bytes(call: NormCall, shape: Tuple[int, ...], element_size: int = 4, weight: bool = False) -> int:
-    """Bytes of the statistics (mean and inverse std) a call on ``shape`` computes for its
-    backward, with the per-sample copy of its ``weight`` (where given) its row makes."""
+    """Bytes a call on ``shape`` holds for its backward besides its input and output, made with
+    its output and released with its graph: the statistics (:attr:`NormRow.stat_tensors`, mean
+    and inverse std for a native norm), the per-sample copy of its ``weight`` (where given) its
+    row makes, and the input-sized tensors its graph holds (:attr:`NormRow.graph_maps`)."""
     row = norm_row(call.row)
     copies = int(weight and row.affine_per_sample)
-    return (2 + copies) * element_size * row.stat_count(call, tuple(shape))
+    stats = (row.stat_tensors(call) + copies) * element_size * row.stat_count(call, tuple(shape))
+    return stats + row.graph_maps(call, weight) * element_size * _prod(tuple(shape))
 
 
 def norm_forward(y: Tensor, call: NormCall, weight: Optional[Tensor], bias: Optional[Tensor],

@@ -73,7 +73,8 @@ class FusedChain(nn.Module):
         static = []
         for l in self.layers:
             act, tail = tail_spec(l, static=True)
-            static.append((l.conv, act, None if l.bn is None else float(l.bn.eps), tail))
+            # an eps of None: F.rms_norm's own (the input dtype's), a per-sample norm's call carries it
+            static.append((l.conv, act, None if l.bn is None or l.bn.eps is None else float(l.bn.eps), tail))
         self.op_structure = register_chain(static)
         # per layer, the model's modules whose own calls this chain replaces (see ``watch``)
         object.__setattr__(self, "watched", [[m for m in (l.bn, *l.tail) if isinstance(m, nn.Module)]

@@ -27,7 +27,8 @@ import torch.fx as fx
 import torch.nn.functional as F
 from torch import nn
 
-from ...functional.norms import NormRow, channel_layer_norm, row_of_function, row_of_module
+from ...functional import norms as norm_table
+from ...functional.norms import NormRow, row_of_function, row_of_module
 from ...nn.norm_view import NormView
 from ..graph.hooks import hook_reason
 from ..graph.layers import node_arg, normalize_args
@@ -101,35 +102,42 @@ def _moves_back(node: Any, move: Move, src: fx.Node) -> bool:
     return _transpose_dims(node) in (dims, dims[::-1])
 
 
-def _layer_norm_call(node: fx.Node, gm: fx.GraphModule) -> Optional[Tuple[Any, Any, Any, Any, Optional[str]]]:
-    """``(normalized_shape, weight, bias, eps, module target)`` of a LayerNorm node over one
-    dimension (a module with torch's forward and no hooks, or ``F.layer_norm``), else ``None``."""
-    if node.op == "call_module":
-        mod = gm.get_submodule(str(node.target))
-        if not isinstance(mod, nn.LayerNorm) or type(mod).forward is not nn.LayerNorm.forward or hook_reason(mod):
-            return None
-        if len(mod.normalized_shape) != 1 or len(node.args) != 1 or node.kwargs:
-            return None
-        return tuple(mod.normalized_shape), mod.weight, getattr(mod, "bias", None), mod.eps, str(node.target)
-    if node.op == "call_function" and node.target is F.layer_norm:
-        args = normalize_args(node, (("input", None), ("normalized_shape", None), ("weight", None), ("bias", None),
-                                     ("eps", 1e-5)))
-        if args is None:
-            return None
-        shape = args["normalized_shape"]
-        if isinstance(shape, int):
-            shape = (shape,)
-        if not isinstance(shape, (tuple, list)) or len(shape) != 1:
-            return None
-        return tuple(shape), args["weight"], args["bias"], args["eps"], None
+def _layer_norm_call(node: fx.Node, gm: fx.GraphModule) -> Optional[Tuple[Any, Any, Any, Any, Optional[str], NormRow]]:
+    """``(normalized_shape, weight, bias, eps, module target, row)`` of a norm node over one
+    dimension that a row's :attr:`~convbn.functional.norms.NormRow.last_dim` names (a module with
+    torch's forward and no hooks, or its functional call: ``nn.LayerNorm`` / ``F.layer_norm``,
+    ``nn.RMSNorm`` / ``F.rms_norm``), else ``None``."""
+    for row in norm_table.NORMS:  # read at call time: the table is the one place a norm is described
+        if row.last_dim is None:
+            continue
+        cls, fn, signature = row.last_dim.module, row.last_dim.function, row.last_dim.signature
+        if node.op == "call_module":
+            mod = gm.get_submodule(str(node.target))
+            if not isinstance(mod, cls) or type(mod).forward is not cls.forward or hook_reason(mod):
+                continue
+            if len(mod.normalized_shape) != 1 or len(node.args) != 1 or node.kwargs:
+                return None
+            return tuple(mod.normalized_shape), mod.weight, getattr(mod, "bias", None), mod.eps, str(node.target), row
+        if node.op == "call_function" and node.target is fn:
+            args = normalize_args(node, signature)
+            if args is None:
+                return None
+            shape = args["normalized_shape"]
+            if isinstance(shape, int):
+                shape = (shape,)
+            if not isinstance(shape, (tuple, list)) or len(shape) != 1:
+                return None
+            return tuple(shape), args["weight"], args.get("bias"), args["eps"], None, row
     return None
 
 
 def channel_layer_norms(gm: fx.GraphModule) -> int:
-    """Rewrite each ``permute -> LayerNorm over the last dim -> permute back`` (or a transpose
+    """Rewrite each ``permute -> LayerNorm (or RMSNorm) over the last dim -> permute back`` (or a transpose
     that moves the channels last: :func:`_channels_to_last`) into one
     :func:`~convbn.functional.norms.channel_layer_norm` node (Note: [a channel LayerNorm is one
-    node]). Returns how many were rewritten."""
+    node]; an RMSNorm: one :func:`~convbn.functional.norms.channel_rms_norm` node of form
+    ``"rms_norm"``, which runs ``F.rms_norm`` between the same permutes). Returns how many were
+    rewritten."""
     graph, done = gm.graph, 0
     for p1 in list(graph.nodes):
         move = _channels_to_last(p1, gm)
@@ -141,12 +149,12 @@ def channel_layer_norms(gm: fx.GraphModule) -> int:
             continue
         p2 = next(iter(ln.users)) if len(ln.users) == 1 else None
         back = p2 is not None and _moves_back(p2, move, ln)
-        shape, w, b, eps, target = found
+        shape, w, b, eps, target, row = found
         with graph.inserting_before(ln):
             if target is not None:  # a module: its tensors as get_attr nodes
                 w = graph.get_attr(f"{target}.weight") if w is not None else None
                 b = graph.get_attr(f"{target}.bias") if b is not None else None
-            new = graph.call_function(channel_layer_norm, (p1.args[0], shape, w, b, eps))
+            new = graph.call_function(row.functions[0], row.last_dim.channel_args(p1.args[0], shape, w, b, eps))
             if not back:  # the channels-last result others read (ConvNeXt's MLP): the same view of it
                 last = graph.call_method(move[0], (new, *move[1]))
         if back:

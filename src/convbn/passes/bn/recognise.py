@@ -39,7 +39,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from ...functional.norms import row_of_module
+from ...functional.norms import row_of_last_dim_module, row_of_module
 
 from ...nn.standard_bn import has_standard_bn_forward
 from ..graph.layers import normalize_args
@@ -67,11 +67,13 @@ def may_normalise(module: nn.Module) -> bool:
     """Whether ``module`` or a submodule may compute a batch norm or a per-sample norm: a
     ``_BatchNorm``, a module holding a ``running_mean`` / ``running_var`` tensor (frozen
     BatchNorms, ``F.batch_norm`` on a module's own tensors), a module of a
-    :data:`~convbn.functional.norms.NORMS` row, an ``nn.LayerNorm`` (a channel norm between
-    permutes), or a module with its own forward holding its own parameters (``F.group_norm`` /
-    ``F.layer_norm`` on them). A cheap test: modules with none of these need no tracing."""
-    return any(isinstance(m, (_BatchNorm, nn.LayerNorm)) or isinstance(m._buffers.get("running_mean"), Tensor)
+    :data:`~convbn.functional.norms.NORMS` row, an ``nn.LayerNorm`` / ``nn.RMSNorm`` (a row's
+    ``last_dim``: a channel norm between permutes), or a module with its own forward holding
+    its own parameters (``F.group_norm`` / ``F.layer_norm`` on them). A cheap test: modules with
+    none of these need no tracing."""
+    return any(isinstance(m, _BatchNorm) or isinstance(m._buffers.get("running_mean"), Tensor)
                or isinstance(m._buffers.get("running_var"), Tensor) or row_of_module(m) is not None
+               or row_of_last_dim_module(m) is not None
                or (bool(m._parameters) and type(m).forward is not nn.Module.forward
                    and type(m).__module__.split(".")[0] != "torch")
                for m in module.modules())

@@ -53,8 +53,9 @@ from ..tracing.example_trace import trace_example_call
 from ..tracing.trace import LayerTracer, Traced, short_reason, trace
 from .cat_norms import split_cat_norms
 from .first_call_capture import CaptureOnFirstCall, CaptureWhenMaterialised
-from ...functional.norms import row_of_module
+from ...functional.norms import row_of_last_dim_module, row_of_module
 from ..bn.hand_layer_norms import hand_channel_layer_norms
+from ..bn.hand_rms_norms import hand_channel_rms_norms
 from ..bn.norm_casts import norm_float_round_trips
 from ..bn.norm_sites import channel_layer_norms
 from .match import MatchedLayer, find_layers, group_chains, split_heads
@@ -98,6 +99,9 @@ CANONICALISE: Tuple[GraphRewrite, ...] = (
     GraphRewrite("channel LayerNorms as one node", lambda gm, root, prefix: channel_layer_norms(gm)),
     # mean / var over dim 1, (x - u) / sqrt(v + eps) * w + b -> one channel_layer_norm node (bn/hand_layer_norms.py)
     GraphRewrite("hand-written channel LayerNorms as one node", lambda gm, root, prefix: hand_channel_layer_norms(gm)),
+    # F.normalize(x, dim=1) * g * s, x * rsqrt(mean(x^2, 1) + eps) * g -> one channel_rms_norm node
+    # (bn/hand_rms_norms.py)
+    GraphRewrite("hand-written channel RMSNorms as one node", lambda gm, root, prefix: hand_channel_rms_norms(gm)),
     # norm(x.float()).type(x.dtype) -> norm(x): GroupNorm32 (bn/norm_casts.py)
     GraphRewrite("float32 round trips around a norm", lambda gm, root, prefix: norm_float_round_trips(gm)),
     # bn(conv(x)[..., :-p]) -> bn(conv'(x)), the crop in its padding (bn/conv_crops.py)
@@ -127,6 +131,7 @@ class Conversion:
     root: Optional[nn.Module] = None  # the model being converted
     reuse: Optional[Any] = None  # a ConvertPlan whose checks and plans are taken (Note: [a conversion made once])
     checks: List[Tuple[str, str]] = field(default_factory=list)  # (module, why it differs or "") per check
+    checked_at: List[int] = field(default_factory=list)  # the batch each passing check ran at (the layers' shapes are its)
     _called: Optional[Dict[int, Tuple[Tuple[Any, ...], Dict[str, Any]]]] = None
 
     @property
@@ -175,7 +180,8 @@ def convert_module(module: nn.Module, prefix: str, conv: Conversion, exposed: bo
     if id(module) in conv.done or isinstance(module, (FusedChain, _FusedConvBNNd)) or not may_normalise(module):
         return
     conv.done.add(id(module))
-    if isinstance(module, (_BatchNorm, nn.LayerNorm)) or row_of_module(module) is not None:
+    if isinstance(module, _BatchNorm) or row_of_module(module) is not None \
+            or row_of_last_dim_module(module) is not None:
         if prefix:  # a lone norm child (BatchNorm, a norm-table row): nothing to fuse, nothing to trace
             return
     own_forward = type(module).forward is not nn.Module.forward

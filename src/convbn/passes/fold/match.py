@@ -13,11 +13,11 @@ import torch
 import torch.fx as fx
 from torch import Tensor, nn
 
-from ...functional.norms import row_of_function, row_of_module
+from ...functional.norms import NormCall, row_of_function, row_of_module
 from ...nn.standard_bn import has_standard_bn_forward
 from ..bn.frozen import frozen_bn_eps
 from ..bn.sites import BNCall, bn_call
-from ..graph.layers import LayerCall, has_standard_forward, layer_call
+from ..graph.layers import LayerCall, has_standard_forward, layer_call, normalize_args
 from ..report.outcome import BNOutcome
 from .layers import UNSET, check_bn_foldable, const_tensor, owner_path
 
@@ -158,7 +158,14 @@ def _norm_site(node: fx.Node, gm: fx.GraphModule, prefix: str) -> Union[FoldSite
     if row is None:
         return None
     where = f"{getattr(node.target, '__name__', node.target)}() call '{node.name}' in {qualified(prefix, '')}"
-    return BNOutcome(where, "left", reason="cannot fold: per-sample statistics (a functional per-sample norm)")
+    args = normalize_args(node, row.signature)
+    weight = args.get("weight") if args is not None else None
+    if isinstance(weight, fx.Node) and weight.op == "get_attr" and "." in str(weight.target):
+        # named by the module holding its gain, as convert names it
+        where = qualified(prefix, str(weight.target).rpartition(".")[0])
+    call = row.call_of_args(args) if args is not None else None
+    why = row.fold(call, False) if isinstance(call, NormCall) else ""
+    return BNOutcome(where, "left", reason=why or "cannot fold: per-sample statistics (a functional per-sample norm)")
 
 
 def _functional_site(call: BNCall, gm: fx.GraphModule) -> Union[FoldSite, BNOutcome]:

@@ -23,6 +23,8 @@ from torch import nn
 
 from ..bn.sites import bn_call
 from ..bn.conv_crops import absorb_conv_crops
+from ..bn.hand_rms_norms import hand_channel_rms_norms
+from ..bn.norm_sites import channel_layer_norms
 from ..bn.tokens import drop_noop_flattens
 from ..report.outcome import BNOutcome
 from .directions import fold_following, fold_preceding
@@ -41,6 +43,11 @@ def canonicalise(folder: GraphFolder, _: None) -> None:
     """Rewrite the graph into the shape matching expects."""
     drop_noop_flattens(folder.gm)  # Note: [a flatten between a Linear and its BatchNorm1d]
     absorb_conv_crops(folder.gm, folder.root)  # Note: [a crop of a convolution's output is less padding]
+    # the same ops as one node, so that the report names the norm and why it stays: Note: [a
+    # channel LayerNorm is one node] (an nn.LayerNorm / nn.RMSNorm between permutes), Note: [an
+    # RMSNorm spelling is its own form]
+    channel_layer_norms(folder.gm)
+    hand_channel_rms_norms(folder.gm)
 
 
 def match(folder: GraphFolder, _: None) -> Matches:

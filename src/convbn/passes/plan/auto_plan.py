@@ -87,11 +87,13 @@ class _Measured:
 # says why (``ConvertReport.planning_note``).
 
 
-def _measure(original: nn.Module, converted: nn.Module, inputs: Tuple[Any, ...]) -> _Measured:
+def _measure(original: nn.Module, converted: nn.Module, inputs: Tuple[Any, ...],
+             shapes_at: Optional[int] = None) -> _Measured:
     """Measure the eager step and every chain of ``converted`` recomputing all (state restored):
     at two slices of the batch where their lines hold (Note: [measured on two slices of the
-    batch] in sliced_measure.py), else at the example batch."""
-    rec = recorded_on_slices(original, converted, inputs)
+    batch] in sliced_measure.py), else at the example batch; ``shapes_at``: the batch the
+    layers' shapes were recorded at by the check (``None``: the example batch)."""
+    rec = recorded_on_slices(original, converted, inputs, shapes_at)
     if rec is None:
         stage(f"plan: measuring the eager step and {len(chains_of(converted))} chains")
         # one recorded step gives both the peak and, from its forward, the saved bytes (the
@@ -190,7 +192,7 @@ def _eager_if_above(converted: nn.Module, inputs: Tuple[Any, ...], eager_peak: i
 
 def plan_auto(original: nn.Module, converted: nn.Module, inputs: Tuple[Any, ...], memory_budget: Optional[float],
               report: ConvertReport, peak_budget: Optional[float] = None, peak_target: Optional[int] = None,
-              time_budget: Optional[float] = None) -> None:
+              time_budget: Optional[float] = None, shapes_at: Optional[int] = None) -> None:
     """Plan every chain of ``converted`` (``convert(strategy="auto")``) and give each its plan.
 
     Args:
@@ -206,6 +208,7 @@ def plan_auto(original: nn.Module, converted: nn.Module, inputs: Tuple[Any, ...]
             the resident bytes); ``None``: none.
         time_budget: the step time allowed as a ratio of the unconverted step's: the lowest
             predicted peak within it (Note: [a plan's step time]); not with a peak asked for.
+        shapes_at: the batch the check left the layers' shapes at (``None``: the example batch).
 
     # Note: [saved bytes or peak]
     # ``memory_budget`` limits the *saved* bytes (held from forward to backward): the
@@ -220,7 +223,7 @@ def plan_auto(original: nn.Module, converted: nn.Module, inputs: Tuple[Any, ...]
     """
     layers = [l for m in chains_of(converted) for l in m.layers]
     try:
-        m = _measure(original, converted, inputs)
+        m = _measure(original, converted, inputs, shapes_at)
     except NotImplementedError as exc:  # Note: [a step the meters cannot measure]
         for c in chains_of(converted):
             c.apply_plan(lazy_plan(c, peak_above_eager))

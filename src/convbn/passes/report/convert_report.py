@@ -36,6 +36,13 @@ class FusedPair:
     layer: "ChainLayer" = field(repr=False)
 
     @property
+    def norm(self) -> str:
+        """The per-sample norm's row of :data:`convbn.functional.norms.NORMS` (``"group_norm"``,
+        ``"channel_rms_norm"`` ...); ``""`` for a BatchNorm or none (a chain end)."""
+        call = getattr(self.layer.bn, "call", None)  # a NormView's NormCall; a BatchNorm has none
+        return str(call().row) if callable(call) else ""
+
+    @property
     def kind(self) -> str:
         """``"head"``, ``"end"`` or ``"layer"`` (an ordinary Conv -> BN -> tail)."""
         return "head" if self.layer.is_head else "end" if self.layer.is_end else "layer"
@@ -294,7 +301,7 @@ class ConvertReport:
             elif not p.status.startswith(FUSED):
                 strategy = "fallback"
             lines.append(
-                f"  {p.chain:>6}.{p.position:<2}  {p.conv or '- (pre-act head)':<32} {p.bn or '- (chain end)':<32} "
+                f"  {p.chain:>6}.{p.position:<2}  {p.conv or '- (pre-act head)':<32} {_norm_cell(p):<32} "
                 f"{p.activation:<{width}} {strategy:<15} "
                 + (f"{'-':>10} {'-':>11}" if strategy == "plan pending" else
                    f"{format_bytes(p.kept_bytes):>10} {p.extra_flops / 1e6:>10.1f}M")
@@ -351,3 +358,11 @@ def _fused_by_variant(outcome: BNOutcome, status: str, fused: Optional[BNOutcome
     if outcome.result != "left" or fused is None or not status.startswith(FUSED):
         return outcome
     return replace(fused, batchnorm=outcome.batchnorm, reason="" if status == FUSED else status)
+
+
+def _norm_cell(p: FusedPair) -> str:
+    """The norm column of a fused layer: its name, with its row of the norm table for a
+    per-sample norm (``1 (channel_rms_norm)``)."""
+    if not p.bn:
+        return "- (chain end)"
+    return f"{p.bn} ({p.norm})" if p.norm else p.bn
