@@ -394,6 +394,24 @@ MUTANTS: Dict[str, Mutant] = {
         (("passes/tracing/trace.py", "    if isinstance(value, (list, tuple)):\n        return len(value)\n",
           "    if False:\n        return len(value)\n"),),
         ("tests/test_split_by_shape.py",)),
+    "dtype_answered_float32": Mutant(
+        "a traced value's dtype answered float32 whatever the real one (the dtype branch taken wrong)",
+        (("passes/graph/shape_capture.py", "                return getattr(value, k)\n",
+          "                return torch.float32 if k == \"dtype\" else getattr(value, k)\n"),),
+        ("tests/test_dtype_eps_norms.py",)),
+    "shape_guard_ignores_autocast": Mutant(
+        "a capture with real inputs applied under any autocast state (the dtype guard not checked)",
+        (("passes/graph/shape_capture.py", "if torch.is_autocast_enabled(d))", "if False)"),),
+        ("tests/test_dtype_eps_norms.py",)),
+    "shape_guard_ignores_dtypes": Mutant(
+        "a capture with real inputs applied to inputs of any dtype",
+        (("passes/graph/shape_capture.py", "(tuple(t.shape), t.dtype, str(t.device))", "(tuple(t.shape), str(t.device))"),),
+        ("tests/test_dtype_eps_norms.py",)),
+    "opaque_norms_not_traced_again": Mutant(
+        "a module shaped like a norm left opaque by the symbolic trace is no reason to trace with real inputs",
+        (("passes/convert/pipeline.py", "    failed = traced.opaque_to_retrace(module)\n",
+          "    failed = traced.opaque_layers(module)\n"),),
+        ("tests/test_dtype_eps_norms.py",)),
 }
 
 

@@ -184,7 +184,7 @@ def convert_module(module: nn.Module, prefix: str, conv: Conversion, exposed: bo
             raise TypeError(f"{type(module).__name__} has no forward (a container)")
         traced = trace_module(module, conv)  # the graph convert builds is for training
         traced = _fewer_opaque(module, traced, lambda: _shape_trace(module, conv))
-        if conv.lazy and conv.example is None and traced.opaque_layers(module):
+        if conv.lazy and conv.example is None and traced.opaque_to_retrace(module):
             # no inputs to trace with real shapes: on the first call (Note: [opaque children
             # traced again with real shapes]); until then each child is converted on its own
             _defer(module, prefix, conv)
@@ -251,8 +251,10 @@ def trace_module(module: nn.Module, conv: Conversion) -> Traced:
 def _fewer_opaque(module: nn.Module, traced: Any, shaped: Callable[[], Any]) -> Any:
     """``traced``, or the trace with real shapes (``shaped()``) where ``traced`` left conv /
     linear layers of ``module`` opaque because their code did not trace (a convolution computing
-    TF-"SAME" padding from its input's shape) and the shaped trace leaves fewer: they then fuse
-    with the parent's BatchNorms (Note: [opaque children traced again with real shapes]).
+    TF-"SAME" padding from its input's shape), or modules shaped like a hand-written norm
+    (``Traced.opaque_norms``: an eps picked by ``x.dtype``), and the shaped trace leaves fewer
+    (and no more layers): they then fuse with the parent's norms and convolutions (Note: [opaque
+    children traced again with real shapes]).
 
     Note: [opaque children traced again with real shapes]
         A symbolic trace that fails inside a submodule keeps that submodule as one opaque
@@ -266,12 +268,22 @@ def _fewer_opaque(module: nn.Module, traced: Any, shaped: Callable[[], Any]) -> 
         [captured on the first call]); that trace is kept only where it leaves fewer such *layers* opaque,
         and is guarded on the shapes like any shaped trace. Opaque children that hold their own
         Conv -> BN pairs (a block computing its padding) are converted on their own as before,
-        each guarded on its own shapes, so the parent keeps its symbolic trace."""
-    failed = traced.opaque_layers(module)
+        each guarded on its own shapes, so the parent keeps its symbolic trace.
+
+        The same holds for a hand-written norm that asks its input's dtype (``eps = 1e-5 if
+        x.dtype == torch.float32 else 1e-3``): opaque in the symbolic trace, it is converted
+        alone and has no convolution beside it. A module shaped like a norm (a forward and
+        parameters of its own, none below it: ``Traced.opaque_norms``) left opaque is a reason
+        to trace again with real inputs too, which answer the dtype (Note: [dtype questions
+        answered by the capture] in ``graph/shape_capture.py``); a block with layers inside is
+        not one, so models whose opaque blocks hold convolutions keep their symbolic trace."""
+    failed = traced.opaque_to_retrace(module)
     if not failed:
         return traced
     again = shaped()
-    return again if again is not None and len(again.opaque_layers(module)) < len(failed) else traced
+    if again is None or len(again.opaque_layers(module)) > len(traced.opaque_layers(module)):
+        return traced
+    return again if len(again.opaque_to_retrace(module)) < len(failed) else traced
 
 
 def _shape_trace(module: nn.Module, conv: Conversion) -> Optional[Traced]:

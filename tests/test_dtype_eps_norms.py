@@ -1,0 +1,228 @@
+"""Hand-written channel LayerNorms that pick their eps by the input's dtype fuse with the
+convolution before them, and each dtype computes with the eps its own code picks.
+
+``eps = 1e-5 if x.dtype == torch.float32 else 1e-3`` (lucidrains' ``ChanLayerNorm`` /
+``LayerNorm``) is control flow on a traced value: the symbolic trace of the parent keeps the
+norm opaque. The trace with real inputs answers the dtype (Note: [dtype questions answered by
+the capture] in ``graph/shape_capture.py``; Note: [opaque children traced again with real
+shapes] in ``convert/pipeline.py``), and the graph is guarded on the inputs' dtypes and the
+autocast state: a call of another kind (bf16 autocast, float64) runs a variant that answers again.
+
+The first convolution's parameters are scaled so that the channel variance of its output is of
+the order of the eps: the two eps give outputs far apart (the tests check that they do), so a
+graph that took the other branch fails.
+"""
+from __future__ import annotations
+
+import copy
+from typing import Callable
+
+import pytest
+import torch
+from torch import Tensor, nn
+
+import convbn
+from capture_helpers import TIGHT, assert_steps_match, perturbed_twins
+from fusion_checks import assert_chain_ran, assert_fused, fused_chains
+from convbn.nn.norm_chain import FusedNormChain
+from convbn.passes.report.live import layer_status
+
+SCALE = 0.02  # conv output variance ~ 1e-4: eps 1e-5 and 1e-3 give very different outputs
+#: float32 rounding; the first conv's gradients are large (its weights are scaled down)
+F32 = dict(rtol=1e-4, atol=1e-3)
+
+
+class ChanLayerNorm(nn.Module):
+    """dalle2-pytorch's ``ChanLayerNorm`` (``rsqrt``, a gain, optionally a bias as in med-seg-diff)."""
+
+    def __init__(self, dim: int, bias: bool = False) -> None:
+        super().__init__()
+        self.g = nn.Parameter(torch.ones(1, dim, 1, 1))
+        self.b = nn.Parameter(torch.zeros(1, dim, 1, 1)) if bias else None
+
+    def forward(self, x: Tensor) -> Tensor:
+        eps = 1e-5 if x.dtype == torch.float32 else 1e-3
+        var = torch.var(x, dim=1, unbiased=False, keepdim=True)
+        mean = torch.mean(x, dim=1, keepdim=True)
+        out = (x - mean) * (var + eps).rsqrt() * self.g
+        return out if self.b is None else out + self.b
+
+
+class SqrtLayerNorm(nn.Module):
+    """x-unet's spelling: a division by ``sqrt``, eps picked by ``is_floating_point`` and dtype."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.gamma = nn.Parameter(torch.ones(1, dim, 1, 1))
+
+    def forward(self, x: Tensor) -> Tensor:
+        eps = 1e-5 if x.is_floating_point() and x.dtype == torch.float32 else 1e-3
+        var = torch.var(x, dim=1, unbiased=False, keepdim=True)
+        mean = torch.mean(x, dim=1, keepdim=True)
+        return (x - mean) / (var + eps).sqrt() * self.gamma
+
+
+NORMS = {"rsqrt": ChanLayerNorm, "rsqrt-bias": lambda c: ChanLayerNorm(c, bias=True), "sqrt": SqrtLayerNorm}
+
+
+def _net(norm: Callable[[int], nn.Module]) -> nn.Module:
+    return nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), norm(8), nn.SiLU(), nn.Conv2d(8, 4, 1))
+
+
+def _x(dtype: torch.dtype, seed: int = 0) -> Tensor:
+    return torch.randn(2, 3, 7, 7, dtype=dtype, generator=torch.Generator().manual_seed(seed))
+
+
+def _twins(make: Callable[[], nn.Module]) -> tuple:
+    """``perturbed_twins`` with the first convolution's weight and bias scaled by :data:`SCALE`."""
+    pair = perturbed_twins(make)
+    with torch.no_grad():
+        for model in pair:
+            conv = next(m for m in model.modules() if isinstance(m, nn.Conv2d))
+            conv.weight.mul_(SCALE)
+            conv.bias.mul_(SCALE)
+    return pair
+
+
+def _with_eps(model: nn.Module, eps: float) -> nn.Module:
+    """``model`` with its norm's eps fixed to ``eps`` (what the other branch computes)."""
+    other = copy.deepcopy(model)
+    norm = other[1]
+    cls = type(norm)
+
+    def forward(x: Tensor) -> Tensor:
+        var = torch.var(x, dim=1, unbiased=False, keepdim=True)
+        centred = x - torch.mean(x, dim=1, keepdim=True)
+        if cls is SqrtLayerNorm:
+            return centred / (var + eps).sqrt() * norm.gamma
+        out = centred * (var + eps).rsqrt() * norm.g
+        return out if norm.b is None else out + norm.b
+    norm.forward = forward
+    return other
+
+
+def _assert_the_branch_matters(model: nn.Module, x: Tensor, taken: float) -> None:
+    """The two eps give outputs far apart on ``x``: a graph with the other one would fail."""
+    other = 1e-3 if taken == 1e-5 else 1e-5
+    with torch.no_grad():
+        assert (_with_eps(model, other)(x) - model(x)).abs().max() > 0.1
+
+
+def _chain_eps(model: nn.Module) -> list:
+    return [layer[2] for c in fused_chains(model) for layer in c.op_structure.layers if layer[2] is not None]
+
+
+@pytest.mark.parametrize("example", [True, False])
+@pytest.mark.parametrize("name", sorted(NORMS))
+def test_float64_takes_its_own_eps_fused_and_exact(name: str, example: bool) -> None:
+    eager, work = _twins(lambda: _net(NORMS[name]))
+    x = _x(torch.float64)
+    _assert_the_branch_matters(eager, x, 1e-3)
+    fast = convbn.convert(work, example_inputs=x if example else None)
+    if not example:
+        assert_chain_ran(fast(x.clone()))  # captured with the real inputs on the first call
+        fast.zero_grad(set_to_none=True)
+        eager(x.clone())  # the same first step's statistics (none here) and RNG: nothing to update
+    report = assert_fused(fast)
+    assert [(o.batchnorm, o.result, o.layer) for o in report.outcomes] == [("1", "fused", "0")]
+    assert all(isinstance(c, FusedNormChain) for c in fused_chains(fast))
+    assert _chain_eps(fast) == [1e-3]
+    assert_steps_match(eager, fast, x, steps=2)
+
+
+@pytest.mark.parametrize("name", sorted(NORMS))
+def test_float32_takes_its_own_eps(name: str) -> None:
+    eager, work = (m.float() for m in _twins(lambda: _net(NORMS[name])))
+    x = _x(torch.float32)
+    _assert_the_branch_matters(eager, x, 1e-5)
+    fast = convbn.convert(work, example_inputs=x)
+    assert [(o.batchnorm, o.result) for o in fast.convbn_report.outcomes] == [("1", "fused")]
+    assert _chain_eps(fast) == [1e-5]
+    assert_steps_match(eager, fast, x, steps=2, tol=F32)
+
+
+@pytest.mark.parametrize("name", sorted(NORMS))
+def test_bf16_autocast_runs_a_variant_with_its_own_eps(name: str) -> None:
+    """Captured in float32 (eps 1e-5); a call under bf16 autocast fails the guard and runs a
+    variant captured for it, fused, with the eps the code picks for bf16 (1e-3); the report names
+    that variant by its dtypes and autocast."""
+    eager, work = (m.float() for m in _twins(lambda: _net(NORMS[name])))
+    x = _x(torch.float32)
+    fast = convbn.convert(work, example_inputs=x)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        _assert_the_branch_matters(eager, x, 1e-3)  # under autocast the norm sees bf16: eps 1e-3
+        xe, xf = x.clone().requires_grad_(), x.clone().requires_grad_()
+        out_e, out_f = eager(xe), fast(xf)
+    assert_chain_ran(out_f)
+    assert out_f.dtype == out_e.dtype == torch.bfloat16
+    out_e.float().sum().backward()
+    out_f.float().sum().backward()
+    bf16 = dict(rtol=3e-2, atol=3e-2)  # bf16 rounding; the other eps is off by more than 0.1
+    torch.testing.assert_close(out_f.float(), out_e.float(), **bf16)
+    torch.testing.assert_close(xf.grad, xe.grad, rtol=5e-2, atol=xe.grad.abs().max().item() * 5e-2)
+    assert sorted(_chain_eps(fast)) == [1e-5, 1e-3]  # the first capture's and the variant's
+    report = fast.convbn_report
+    assert len(report.variants) == 1 and "under cpu autocast to bfloat16" in report.variants[0], report.variants
+    assert set(layer_status(fast).values()) == {"fused"}, layer_status(fast)
+    assert [(o.batchnorm, o.result) for o in report.outcomes] == [("1", "fused")]
+    out_again = fast(x)  # float32 again: the first capture, eps 1e-5
+    assert_chain_ran(out_again)
+    torch.testing.assert_close(out_again, eager(x), **F32)
+
+
+def test_a_model_cast_after_convert_answers_again() -> None:
+    """Converted in float64 (eps 1e-3), then cast to float32 with float32 inputs: the guard on
+    the inputs' dtypes runs a variant (eps 1e-5), never the float64 graph."""
+    eager, work = _twins(lambda: _net(ChanLayerNorm))
+    fast = convbn.convert(work, example_inputs=_x(torch.float64))
+    eager.float()
+    fast.float()
+    x = _x(torch.float32, seed=1)
+    _assert_the_branch_matters(eager, x, 1e-5)
+    assert_steps_match(eager, fast, x, steps=2, tol=F32)
+    assert "float32 on cpu" in fast.convbn_report.variants[0], fast.convbn_report.variants
+    assert sorted(_chain_eps(fast)) == [1e-5, 1e-3]
+
+
+class Block(nn.Module):
+    """The norm's parent is a block with its own forward (dalle2's ``Attention`` prologue), not a
+    ``Sequential``: the block is traced again with real inputs, its symbolic trace kept the norm opaque."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv, self.norm, self.out = nn.Conv2d(3, 8, 3, padding=1), ChanLayerNorm(8, bias=True), nn.Conv2d(8, 4, 1)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.out(torch.nn.functional.gelu(self.norm(self.conv(x))))
+
+
+def test_a_block_holding_the_norm_is_traced_with_real_inputs() -> None:
+    eager, work = _twins(Block)
+    x = _x(torch.float64)
+    fast = convbn.convert(work, example_inputs=x)
+    assert [(o.batchnorm, o.result, o.layer) for o in fast.convbn_report.outcomes] == [("norm", "fused", "conv")]
+    assert _chain_eps(fast) == [1e-3]
+    assert_steps_match(eager, fast, x, steps=2, tol=TIGHT)
+    assert list(fast.state_dict()) == list(eager.state_dict())
+
+
+class Layered(nn.Module):
+    """Not a norm: an opaque block with a convolution inside, own parameters too (a symbolic
+    trace that fails in it keeps it a leaf, converted on its own as before)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(1))
+        self.conv = nn.Conv2d(8, 8, 1)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.conv(x) * self.scale if x.dtype == torch.float64 else self.conv(x)
+
+
+def test_a_block_with_layers_inside_is_not_taken_for_a_norm() -> None:
+    from convbn.passes.tracing.trace import LayerTracer, trace
+
+    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), Layered(), ChanLayerNorm(8))
+    traced = trace(model, LayerTracer, training=True)
+    assert sorted(traced.opaque) == ["2", "3"]
+    assert traced.opaque_norms(model) == ["3"]
