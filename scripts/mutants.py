@@ -407,6 +407,15 @@ MUTANTS: Dict[str, Mutant] = {
         "a capture with real inputs applied to inputs of any dtype",
         (("passes/graph/shape_capture.py", "(tuple(t.shape), t.dtype, str(t.device))", "(tuple(t.shape), str(t.device))"),),
         ("tests/test_dtype_eps_norms.py",)),
+    "casts_dropped_whatever_the_dtype": Mutant(
+        "every cast method dropped, also where it changes the traced dtype",
+        (("passes/graph/noop_casts.py", "if dtype is None or node.args[0].meta.get(DTYPE) is not dtype:",
+          "if dtype is None:"),),
+        ("tests/test_dtype_eps_norms.py",)),
+    "negative_dims_read_from_the_front": Mutant(
+        "a reduction dim counted from the end made absolute as if counted from the front",
+        (("passes/graph/absolute_dims.py", "fixed = [d % rank for d in dims]", "fixed = [abs(d) for d in dims]"),),
+        ("tests/test_dtype_eps_norms.py",)),
     "opaque_norms_not_traced_again": Mutant(
         "a module shaped like a norm left opaque by the symbolic trace is no reason to trace with real inputs",
         (("passes/convert/pipeline.py", "    failed = traced.opaque_to_retrace(module)\n",

@@ -62,7 +62,32 @@ class SqrtLayerNorm(nn.Module):
         return (x - mean) / (var + eps).sqrt() * self.gamma
 
 
-NORMS = {"rsqrt": ChanLayerNorm, "rsqrt-bias": lambda c: ChanLayerNorm(c, bias=True), "sqrt": SqrtLayerNorm}
+class DeviceLayerNorm(ChanLayerNorm):
+    """The eps picked by the device and the dtype (the same choice as ``ChanLayerNorm`` on the CPU)."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        eps = 1e-3 if x.device.type == "cpu" and x.dtype != torch.float32 else 1e-5
+        var = torch.var(x, dim=1, unbiased=False, keepdim=True)
+        return (x - torch.mean(x, dim=1, keepdim=True)) * (var + eps).rsqrt() * self.g
+
+
+class ImagenLayerNorm(ChanLayerNorm):
+    """imagen-pytorch's ``ChanLayerNorm``: statistics over ``dim=-3``, casts back to the input's dtype."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__(dim)
+        self.g = nn.Parameter(torch.ones(dim, 1, 1))
+
+    def forward(self, x: Tensor) -> Tensor:
+        dtype, dim = x.dtype, -3
+        eps = 1e-5 if x.dtype == torch.float32 else 1e-3
+        var = torch.var(x, dim=dim, unbiased=False, keepdim=True)
+        mean = torch.mean(x, dim=dim, keepdim=True)
+        return (x - mean) * (var + eps).rsqrt().type(dtype) * self.g.type(dtype)
+
+
+NORMS = {"rsqrt": ChanLayerNorm, "imagen": ImagenLayerNorm, "rsqrt-bias": lambda c: ChanLayerNorm(c, bias=True), "sqrt": SqrtLayerNorm,
+         "device": DeviceLayerNorm}
 
 
 def _net(norm: Callable[[int], nn.Module]) -> nn.Module:
@@ -141,7 +166,7 @@ def test_float32_takes_its_own_eps(name: str) -> None:
     assert_steps_match(eager, fast, x, steps=2, tol=F32)
 
 
-@pytest.mark.parametrize("name", sorted(NORMS))
+@pytest.mark.parametrize("name", sorted(set(NORMS) - {"imagen"}))
 def test_bf16_autocast_runs_a_variant_with_its_own_eps(name: str) -> None:
     """Captured in float32 (eps 1e-5); a call under bf16 autocast fails the guard and runs a
     variant captured for it, fused, with the eps the code picks for bf16 (1e-3); the report names
@@ -168,6 +193,24 @@ def test_bf16_autocast_runs_a_variant_with_its_own_eps(name: str) -> None:
     out_again = fast(x)  # float32 again: the first capture, eps 1e-5
     assert_chain_ran(out_again)
     torch.testing.assert_close(out_again, eager(x), **F32)
+
+
+def test_a_norm_casting_its_gain_under_autocast_runs_its_own_code_and_says_so() -> None:
+    """imagen's norm multiplies by ``self.g.type(dtype)``: under bf16 autocast a real cast of a
+    float32 parameter (no row computes that), so the variant fuses nothing; the call runs the
+    model's own forward, bit for bit eager's, and the report says fallback for that call."""
+    eager, work = (m.float() for m in _twins(lambda: _net(ImagenLayerNorm)))
+    x = _x(torch.float32)
+    fast = convbn.convert(work, example_inputs=x)
+    assert _chain_eps(fast) == [1e-5]
+    with torch.autocast("cpu", dtype=torch.bfloat16), pytest.warns(RuntimeWarning, match="under cpu autocast to bfloat16"):
+        out_f = fast(x)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out_e = eager(x)
+    assert torch.equal(out_f, out_e)
+    [outcome] = fast.convbn_report.outcomes
+    assert outcome.result == "left" and "fallback" in outcome.reason and "autocast to bfloat16" in outcome.reason
+    assert_chain_ran(fast(x))  # float32 again: the first capture
 
 
 def test_a_model_cast_after_convert_answers_again() -> None:
@@ -226,3 +269,30 @@ def test_a_block_with_layers_inside_is_not_taken_for_a_norm() -> None:
     traced = trace(model, LayerTracer, training=True)
     assert sorted(traced.opaque) == ["2", "3"]
     assert traced.opaque_norms(model) == ["3"]
+
+
+class Casts(nn.Module):
+    def forward(self, x: Tensor) -> Tensor:
+        return x.float() * 2 + x.double().sum(-1, keepdim=True).type(x.dtype) + x.to(torch.float32).mean(dim=-3, keepdim=True)
+
+
+@pytest.mark.parametrize("example", [True, False])
+def test_casts_to_a_value_own_dtype_and_dims_from_the_end(example: bool) -> None:
+    """A trace with real inputs drops the casts that change nothing and makes negative reduction
+    dims absolute; a cast to another dtype stays, and a symbolic trace (no dtypes, no ranks) keeps all."""
+    from convbn.passes.graph.absolute_dims import absolute_reduction_dims
+    from convbn.passes.graph.noop_casts import drop_noop_casts
+    from convbn.passes.tracing.trace import LayerTracer, trace
+
+    x = _x(torch.float32)
+    gm = trace(Casts(), LayerTracer, example=((x,), {}) if example else None).gm
+    dropped, absolute = drop_noop_casts(gm), absolute_reduction_dims(gm)
+    methods = [n.target for n in gm.graph.nodes if n.op == "call_method"]
+    # x.float() and x.to(torch.float32) of a float32 x go; x.double() and the float64 sum's
+    # .type(float32) change the dtype and stay
+    assert len(dropped) == (2 if example else 0) and len(absolute) == (2 if example else 0)
+    assert methods == (["double", "sum", "type", "mean"] if example else ["float", "double", "sum", "type", "to", "mean"])
+    sums = [n.args[1] for n in gm.graph.nodes if n.target == "sum"]
+    means = [n.kwargs["dim"] for n in gm.graph.nodes if n.target == "mean"]
+    assert (sums, means) == (([3], [1]) if example else ([-1], [-3]))
+    assert torch.equal(gm(x), Casts()(x))

@@ -46,6 +46,8 @@ from ..graph.bypassed import mark_if_bypassed
 from ..graph.graph_module import GraphForward, eager, forget_undo, install, installed
 from ..graph.concat_heads import flatten_cats
 from ..graph.zero_pads import drop_zero_pads
+from ..graph.noop_casts import drop_noop_casts
+from ..graph.absolute_dims import absolute_reduction_dims
 from ..graph.specialize import Defaults, constant_defaults, none_used_as_value
 from ..report.convert_report import ConvertReport
 from ..tracing.self_check import warn_if_tracer_broken
@@ -94,6 +96,10 @@ CANONICALISE: Tuple[GraphRewrite, ...] = (
     GraphRewrite("token BatchNorms on rows", lambda gm, root, prefix: flatten_token_bns(gm)),
     # bn(linear(x).flatten(1)) on a 2-D x -> bn(linear(x)) (bn/tokens.py)
     GraphRewrite("no-op flattens before a BatchNorm1d", lambda gm, root, prefix: drop_noop_flattens(gm)),
+    # x.type(d) / x.to(d) / x.float() where a trace with real inputs gave x the dtype d -> x (graph/noop_casts.py)
+    GraphRewrite("casts to a value's own dtype", lambda gm, root, prefix: drop_noop_casts(gm)),
+    # mean / var / std / sum over dim -k of a value whose rank a trace with real inputs knows -> over its dim (graph/absolute_dims.py)
+    GraphRewrite("reduction dims from the end made absolute", lambda gm, root, prefix: absolute_reduction_dims(gm)),
     # permute -> LayerNorm(C) -> permute back -> one channel_layer_norm node (bn/norm_sites.py)
     GraphRewrite("channel LayerNorms as one node", lambda gm, root, prefix: channel_layer_norms(gm)),
     # mean / var over dim 1, (x - u) / sqrt(v + eps) * w + b -> one channel_layer_norm node (bn/hand_layer_norms.py)

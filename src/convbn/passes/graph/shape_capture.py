@@ -31,12 +31,14 @@ from ..._compat import FakeTensorMode, orig_module_call, orig_module_getattr, py
 
 from .thread_patch import original_item, scoped_item
 
-__all__ = ["ShapeGuard", "Guards", "ShapeTracing", "VALUE", "DTYPE", "assert_traced_shape"]
+__all__ = ["ShapeGuard", "Guards", "ShapeTracing", "VALUE", "DTYPE", "RANK", "assert_traced_shape"]
 
 #: ``node.meta`` key of the fake value a shape trace computed for a node (while it traces)
 VALUE = "convbn_fake"
 #: ``node.meta`` key of the dtype a shape trace computed for a tensor node (kept in the graph)
 DTYPE = "convbn_dtype"
+#: ``node.meta`` key of the rank a shape trace computed for a tensor node (kept in the graph)
+RANK = "convbn_rank"
 
 
 def _signature(args: Any, kwargs: Any) -> Tuple[Any, ...]:
@@ -193,10 +195,11 @@ class ShapeTracing:
             if isinstance(value, Tensor):
                 with graph.inserting_after(placeholders[-1]):
                     graph.call_function(assert_traced_shape, (node, list(value.shape)))
-        for node in graph.nodes:  # the fake values served the trace only; their dtypes stay (bn/norm_casts.py)
-            value = node.meta.pop(VALUE, None)
+        for node in graph.nodes:  # the fake values served the trace only; dtypes and ranks stay (bn/norm_casts.py,
+            value = node.meta.pop(VALUE, None)  # graph/noop_casts.py, graph/absolute_dims.py)
             if isinstance(value, Tensor):
                 node.meta[DTYPE] = value.dtype
+                node.meta[RANK] = value.dim()
         return graph
 
     def proxy(self, node: fx.Node) -> fx.Proxy:
