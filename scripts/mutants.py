@@ -416,6 +416,16 @@ MUTANTS: Dict[str, Mutant] = {
         "a reduction dim counted from the end made absolute as if counted from the front",
         (("passes/graph/absolute_dims.py", "fixed = [d % rank for d in dims]", "fixed = [abs(d) for d in dims]"),),
         ("tests/test_dtype_eps_norms.py",)),
+    "isinstance_on_a_traced_piece_a_hazard": Mutant(
+        "isinstance on a chunk's piece whose fake value is a tensor taken for a hazard (the block stays opaque)",
+        (("passes/graph/trace_hazards.py", "or isinstance(proxy.node.meta.get(VALUE), torch.Tensor))", "or False)"),),
+        ("tests/test_dtype_eps_norms.py",)),
+    "zero_adds_dropped_whatever_the_dtype": Mutant(
+        "x + 0 dropped whatever the dtypes of x and of the sum",
+        (("passes/graph/zero_adds.py", "    if not isinstance(x, fx.Node) or not isinstance(out, torch.dtype) or not out.is_floating_point:\n",
+          "    if not isinstance(x, fx.Node):\n"),
+         ("passes/graph/zero_adds.py", "    return x if x.meta.get(DTYPE) is out or type(zero) is int else None\n", "    return x\n")),
+        ("tests/test_dtype_eps_norms.py",)),
     "opaque_norms_not_traced_again": Mutant(
         "a module shaped like a norm left opaque by the symbolic trace is no reason to trace with real inputs",
         (("passes/convert/pipeline.py", "    failed = traced.opaque_to_retrace(module)\n",

@@ -15,7 +15,7 @@ graph that took the other branch fails.
 from __future__ import annotations
 
 import copy
-from typing import Callable
+from typing import Any, Callable
 
 import pytest
 import torch
@@ -296,3 +296,70 @@ def test_casts_to_a_value_own_dtype_and_dims_from_the_end(example: bool) -> None
     means = [n.kwargs["dim"] for n in gm.graph.nodes if n.target == "mean"]
     assert (sums, means) == (([3], [1]) if example else ([-1], [-3]))
     assert torch.equal(gm(x), Casts()(x))
+
+
+def _default(value: Any, fallback: Any) -> Any:
+    return value if value is not None else fallback
+
+
+class ZeroBiasLayerNorm(ChanLayerNorm):
+    """med-seg-diff-pytorch's ``LayerNorm``: ``... * self.g + default(self.b, 0)`` (``+ 0`` without a bias)."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        eps = 1e-5 if x.dtype == torch.float32 else 1e-3
+        var = torch.var(x, dim=1, unbiased=False, keepdim=True)
+        mean = torch.mean(x, dim=1, keepdim=True)
+        return (x - mean) * (var + eps).rsqrt() * self.g + _default(self.b, 0)
+
+
+class PreNormAttention(nn.Module):
+    """med-seg-diff's attention prologue: the residual stream normalised, a 1x1 conv, split into
+    pieces that einops' ``rearrange`` is asked about (``isinstance(t, list)``), a residual sum."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(3, 8, 3, padding=1)
+        self.prenorm = ZeroBiasLayerNorm(8)
+        self.to_qk = nn.Conv2d(8, 16, 1, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = self.stem(x)
+        q, k = self.to_qk(self.prenorm(x)).chunk(2, dim=1)
+        q, k = (t if not isinstance(t, list) else t[0] for t in (q, k))  # what einops asks first
+        return (q.softmax(dim=1) * k) + x
+
+
+def test_a_pre_norm_with_a_zero_bias_before_a_conv_fuses() -> None:
+    """Traced with real inputs: ``isinstance(piece, list)`` on a piece of a chunk is answered (its
+    fake value is a tensor), the ``+ 0`` after the norm dropped, and the norm heads the chain of
+    the conv it feeds; float64 exact against eager with its eps 1e-3."""
+    eager, work = _twins(PreNormAttention)
+    x = _x(torch.float64)
+    fast = convbn.convert(work, example_inputs=x)
+    assert not fast.convbn_report.untraced
+    fused = {o.batchnorm: o.layer for o in fast.convbn_report.outcomes if o.result == "fused"}
+    assert fused == {"prenorm": "stem"} or fused == {"prenorm": "to_qk"}, fast.convbn_report.outcomes
+    assert _chain_eps(fast) == [1e-3]
+    assert_steps_match(eager, fast, x, steps=2)
+
+
+class ZeroAdds(nn.Module):
+    def forward(self, x: Tensor) -> Tensor:
+        a = x * 2 + 0                    # dropped: float, x * 2 read by the sum only
+        b = (x > 0) + 0                  # a bool plus 0 is int64: stays
+        c = x.long() + 0.0               # an int64 plus 0.0 is float32: stays
+        d = x * 3
+        e = d + 0                        # stays: d is read again below
+        f = (x * 4 + 0).add_(1)          # stays: written in place
+        return a + b + c + e + d + f
+
+
+@pytest.mark.parametrize("example", [True, False])
+def test_additions_of_zero_dropped_only_where_they_change_nothing(example: bool) -> None:
+    from convbn.passes.graph.zero_adds import drop_zero_adds
+    from convbn.passes.tracing.trace import LayerTracer, trace
+
+    x = _x(torch.float32)
+    gm = trace(ZeroAdds(), LayerTracer, example=((x,), {}) if example else None).gm
+    assert len(drop_zero_adds(gm)) == (1 if example else 0)
+    assert torch.equal(gm(x), ZeroAdds()(x))

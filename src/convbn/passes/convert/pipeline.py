@@ -48,6 +48,7 @@ from ..graph.concat_heads import flatten_cats
 from ..graph.zero_pads import drop_zero_pads
 from ..graph.noop_casts import drop_noop_casts
 from ..graph.absolute_dims import absolute_reduction_dims
+from ..graph.zero_adds import drop_zero_adds
 from ..graph.specialize import Defaults, constant_defaults, none_used_as_value
 from ..report.convert_report import ConvertReport
 from ..tracing.self_check import warn_if_tracer_broken
@@ -104,6 +105,8 @@ CANONICALISE: Tuple[GraphRewrite, ...] = (
     GraphRewrite("channel LayerNorms as one node", lambda gm, root, prefix: channel_layer_norms(gm)),
     # mean / var over dim 1, (x - u) / sqrt(v + eps) * w + b -> one channel_layer_norm node (bn/hand_layer_norms.py)
     GraphRewrite("hand-written channel LayerNorms as one node", lambda gm, root, prefix: hand_channel_layer_norms(gm)),
+    # channel_layer_norm(x) + 0 of a floating value no one else reads -> channel_layer_norm(x) (graph/zero_adds.py)
+    GraphRewrite("additions of zero", lambda gm, root, prefix: drop_zero_adds(gm)),
     # norm(x.float()).type(x.dtype) -> norm(x): GroupNorm32 (bn/norm_casts.py)
     GraphRewrite("float32 round trips around a norm", lambda gm, root, prefix: norm_float_round_trips(gm)),
     # bn(conv(x)[..., :-p]) -> bn(conv'(x)), the crop in its padding (bn/conv_crops.py)
