@@ -10,6 +10,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch.fx as fx
 from torch import nn
 
+from ...functional.norms import row_of_module
 from ..graph.layers import LAYER_MODULES
 from ..graph.shape_capture import Guards, ShapeGuard
 from ..graph.specialize import Defaults, EmptyVarargs
@@ -88,6 +89,8 @@ class Traced:
 
 def _norm_shaped(module: nn.Module) -> bool:
     """Whether ``module`` looks like a hand-written norm: its own ``forward``, its own parameters,
-    and no submodule holding any (a block with layers inside is not one)."""
+    and no submodule holding any (a block with layers inside is not one); not a module of a norm
+    table row (matched as one call even where its own code does not trace)."""
     return (type(module).forward is not nn.Module.forward and bool(module._parameters)
-            and not any(m._parameters for m in module.modules() if m is not module))
+            and not any(m._parameters for m in module.modules() if m is not module)
+            and row_of_module(module) is None)  # a norm-table row is matched as the call it is
