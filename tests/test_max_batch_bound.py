@@ -399,3 +399,47 @@ def test_a_stopped_step_is_let_go_at_once(monkeypatch):
     finally:
         gc.enable()
 
+
+
+_FIRST_STEP_IN_A_FRESH_PROCESS = """
+import gc, sys, weakref
+import torch
+from torch import nn
+import convbn.batch_search as batch_search
+from convbn.memory.timelines import StepOverLimit
+assert "torch._dynamo" not in sys.modules, "the check needs a process where nothing imported Dynamo yet"
+made = []
+real = batch_search.batch_of
+def recorded(sample, b):
+    out = real(sample, b)
+    made.append(weakref.ref(out[0]))
+    return out
+batch_search.batch_of = recorded
+torch.manual_seed(0)
+net = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.Conv2d(8, 8, 3, padding=1),
+                    nn.BatchNorm2d(8), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 4))
+search = batch_search.Search(net, None, (torch.randn(2, 3, 16, 16),), None, 300_000, 1 << 10,
+                             torch.device("cpu"), True, {})
+m, o = search.held
+gc.disable()
+made.clear()
+out = search.step(m, o, 64)
+assert isinstance(out, StepOverLimit), out
+print("freed" if made and all(r() is None for r in made) else "alive")
+"""
+
+
+def test_the_first_stopped_step_of_a_fresh_process_is_let_go_at_once():
+    """The same in a process where nothing imported Dynamo before max_batch: the exact meter's
+    first use imports it, and an import inside a step left the step's frames (and its batch) in a
+    reference cycle until the next garbage collection; the search loads it before its first step."""
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.join(os.path.dirname(__file__), "..", "src"),
+                                                       os.environ.get("PYTHONPATH", "")]))
+    done = subprocess.run([sys.executable, "-c", _FIRST_STEP_IN_A_FRESH_PROCESS], capture_output=True, text=True,
+                          env=env, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().splitlines()[-1] == "freed", done.stdout

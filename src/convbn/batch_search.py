@@ -75,6 +75,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple, Union
 import torch
 from torch import Tensor, nn
 
+from ._compat import mem_tracker_class
 from .batch_predict import PROBE_BATCHES, StepLines, largest_fitting, step_flops
 from .memory.budget import resident_bytes, usable_bytes
 from .memory.timelines import StepOverLimit, Timeline, TimelinePoint, default_loss, timeline
@@ -205,6 +206,11 @@ class Search:
         self.resident = resident_bytes(m, o)
         self.state = self.resident - resident_bytes(m)  # optimizer state: not known to convert
         self.flops: Optional[int] = None  # the eager step's at batch 2, counted once
+        # the exact meter's module (and the Dynamo it imports) loaded here, not inside the first
+        # step: that import leaves the frames below it in a reference cycle, which kept the first
+        # probe's batch alive until the next garbage collection
+        if device.type == "cpu":
+            mem_tracker_class()
 
     def fresh(self) -> Tuple[nn.Module, Optional[torch.optim.Optimizer]]:
         """A new copy of the model and optimizer (the one before it dropped first), in training
