@@ -129,6 +129,18 @@ MUTANTS: Dict[str, Mutant] = {
         (("passes/plan/time_planner.py", "    allowed = int(((time_budget - TIME_MARGIN) * step.eager - step.base) * 1e9)",
           "    allowed = 1 << 62"),),
         ("tests/test_time_budget.py::test_a_tight_time_budget_recomputes_no_conv",)),
+    "peak_price_fixed_only": Mutant(
+        "the default plan prices a byte of peak at the fixed 16 alone, not against the chains' work",
+        (("passes/plan/peak_planner.py", "PEAK_WORK_SHARE = 1.0\n", "PEAK_WORK_SHARE = 0.0\n"),),
+        ("tests/test_peak_work_share.py::test_recorded_resnet18_takes_its_lowest_peak",)),
+    "peak_price_lower_of_two": Mutant(
+        "the price of a byte of peak is the lower of the fixed price and the work share's, not the higher",
+        (("passes/plan/peak_planner.py", "work_share * work / lowest <= byte_cost:", "work_share * work / lowest >= byte_cost:"),),
+        ("tests/test_peak_work_share.py::test_peak_byte_cost_is_the_higher_price",)),
+    "peak_price_first_chain_work": Mutant(
+        "the work a byte of peak is priced against is the first chain's, not every chain's",
+        (("passes/plan/peak_planner.py", "    work = sum(sum(c.macs) for c in costs)\n", "    work = sum(costs[0].macs)\n"),),
+        ("tests/test_peak_memory.py::test_plan_for_peak_is_least_recompute_at_the_allowed_peak",)),
     "frontier_keeps_dominated": Mutant(
         "the frontier keeps a point as slow as a lower-peak one (dominated points marked as choices)",
         (("bench/frontier.py", "        if t < best_time or", "        if t <= best_time or"),),
@@ -434,6 +446,43 @@ MUTANTS: Dict[str, Mutant] = {
         (("passes/tracing/trace.py", "    if isinstance(value, (list, tuple)):\n        return len(value)\n",
           "    if False:\n        return len(value)\n"),),
         ("tests/test_split_by_shape.py",)),
+    "dtype_answered_float32": Mutant(
+        "a traced value's dtype answered float32 whatever the real one (the dtype branch taken wrong)",
+        (("passes/graph/shape_capture.py", "                return getattr(value, k)\n",
+          "                return torch.float32 if k == \"dtype\" else getattr(value, k)\n"),),
+        ("tests/test_dtype_eps_norms.py",)),
+    "shape_guard_ignores_autocast": Mutant(
+        "a capture with real inputs applied under any autocast state (the dtype guard not checked)",
+        (("passes/graph/shape_capture.py", "if torch.is_autocast_enabled(d))", "if False)"),),
+        ("tests/test_dtype_eps_norms.py",)),
+    "shape_guard_ignores_dtypes": Mutant(
+        "a capture with real inputs applied to inputs of any dtype",
+        (("passes/graph/shape_capture.py", "(tuple(t.shape), t.dtype, str(t.device))", "(tuple(t.shape), str(t.device))"),),
+        ("tests/test_dtype_eps_norms.py",)),
+    "casts_dropped_whatever_the_dtype": Mutant(
+        "every cast method dropped, also where it changes the traced dtype",
+        (("passes/graph/noop_casts.py", "if dtype is None or node.args[0].meta.get(DTYPE) is not dtype:",
+          "if dtype is None:"),),
+        ("tests/test_dtype_eps_norms.py",)),
+    "negative_dims_read_from_the_front": Mutant(
+        "a reduction dim counted from the end made absolute as if counted from the front",
+        (("passes/graph/absolute_dims.py", "fixed = [d % rank for d in dims]", "fixed = [abs(d) for d in dims]"),),
+        ("tests/test_dtype_eps_norms.py",)),
+    "isinstance_on_a_traced_piece_a_hazard": Mutant(
+        "isinstance on a chunk's piece whose fake value is a tensor taken for a hazard (the block stays opaque)",
+        (("passes/graph/trace_hazards.py", "or isinstance(proxy.node.meta.get(VALUE), torch.Tensor))", "or False)"),),
+        ("tests/test_dtype_eps_norms.py",)),
+    "zero_adds_dropped_whatever_the_dtype": Mutant(
+        "x + 0 dropped whatever the dtypes of x and of the sum",
+        (("passes/graph/zero_adds.py", "    if not isinstance(x, fx.Node) or not isinstance(out, torch.dtype) or not out.is_floating_point:\n",
+          "    if not isinstance(x, fx.Node):\n"),
+         ("passes/graph/zero_adds.py", "    return x if x.meta.get(DTYPE) is out or type(zero) is int else None\n", "    return x\n")),
+        ("tests/test_dtype_eps_norms.py",)),
+    "opaque_norms_not_traced_again": Mutant(
+        "a module shaped like a norm left opaque by the symbolic trace is no reason to trace with real inputs",
+        (("passes/convert/pipeline.py", "    failed = traced.opaque_to_retrace(module)\n",
+          "    failed = traced.opaque_layers(module)\n"),),
+        ("tests/test_dtype_eps_norms.py",)),
 }
 
 

@@ -395,7 +395,7 @@ def test_plan_for_peak_is_least_recompute_at_the_allowed_peak(seed, tolerance):
         return sum(m for c, kp in zip(costs, ks) for m, f in zip(c.macs, kp) if not f)
 
     feasible = [p for p in plans if kept(p) <= budget]
-    got = plan_for_peak(costs, floor, budget, tolerance, byte_cost=0)
+    got = plan_for_peak(costs, floor, budget, tolerance, byte_cost=0, work_share=0)
     assert got in feasible
     low = min(peak(p) for p in feasible)
     assert lowest_peak(costs, [chain_options(c) for c in costs], floor, budget) == low
@@ -403,12 +403,16 @@ def test_plan_for_peak_is_least_recompute_at_the_allowed_peak(seed, tolerance):
     assert peak(got) <= cap
     assert recompute(got) == min(recompute(p) for p in feasible if peak(p) <= cap)
     # with a price on peak bytes (Note: [cheap peak]): the least recompute + price x peak
-    # within the same cap, also against brute force
-    for byte_cost in (0.5, 3, PEAK_BYTE_COST):
-        got = plan_for_peak(costs, floor, budget, tolerance, byte_cost=byte_cost)
+    # within the same cap, also against brute force; the price is the higher of the fixed one
+    # and the work share's (Note: [a byte of peak against the chains' work]): a fraction of
+    # the lowest peak worth that fraction of every layer's recompute cost, times the share
+    work = sum(sum(c.macs) for c in costs)
+    for byte_cost, work_share in ((0.5, 0), (3, 0), (PEAK_BYTE_COST, 0), (0, 1), (0.5, 3), (PEAK_BYTE_COST, 1)):
+        price = max(byte_cost, work_share * work / low) if low else byte_cost
+        got = plan_for_peak(costs, floor, budget, tolerance, byte_cost=byte_cost, work_share=work_share)
         assert got in feasible and peak(got) <= cap
-        assert recompute(got) + byte_cost * peak(got) == min(
-            recompute(p) + byte_cost * peak(p) for p in feasible if peak(p) <= cap)
+        assert recompute(got) + price * peak(got) == min(
+            recompute(p) + price * peak(p) for p in feasible if peak(p) <= cap)
 
 
 def test_plan_for_peak_trades_a_little_peak_for_much_less_recompute():
@@ -416,14 +420,14 @@ def test_plan_for_peak_trades_a_little_peak_for_much_less_recompute():
     y = (10, 40) bytes, layer 0 costs 100 MACs to recompute: recomputing it gives the lowest
     peak (220), keeping it too peaks 4.5 % higher (230) and recomputes nothing."""
     c = ChainCost((10, 40), (10, 10), (100, 1), ("output", "output"), prefix=100)
-    assert plan_for_peak([c], 0, 50, tolerance=0.0, byte_cost=0) == [[False, True]]
+    assert plan_for_peak([c], 0, 50, tolerance=0.0, byte_cost=0, work_share=0) == [[False, True]]
     assert step_peak([c], [[False, True]], 0)[0] == 220
-    assert plan_for_peak([c], 0, 50, tolerance=0.05, byte_cost=0) == [[True, True]]
+    assert plan_for_peak([c], 0, 50, tolerance=0.05, byte_cost=0, work_share=0) == [[True, True]]
     assert step_peak([c], [[True, True]], 0)[0] == 230
     # saved bytes allow no peak of their own (Note: [the default plans for the peak alone]):
     # with a floor of 200 the step peaks at the end of forward, lowest (230) keeping layer 0
     # alone; keeping both (250) fits the budget of 50 but not the peak at 0 tolerance
-    assert plan_for_peak([c], 200, 50, tolerance=0.0, byte_cost=0) == [[True, False]]
+    assert plan_for_peak([c], 200, 50, tolerance=0.0, byte_cost=0, work_share=0) == [[True, False]]
     assert step_peak([c], [[True, False]], 200)[0] == 230
 
 

@@ -138,7 +138,8 @@ def convert(
             step's *peak* alone: the least recompute among plans whose predicted peak is
             within 8 % of the lowest reachable, whatever their saved bytes, and a lower
             peak within that where a byte of it costs at most 16 MAC-equivalents of
-            recompute (recompute is counted as MACs plus bytes moved plus a cost per call;
+            recompute, or the chains' convolution work over the lowest peak where that is
+            more (recompute is counted as MACs plus bytes moved plus a cost per call;
             :func:`explain` shows predicted and measured peaks; without ``example_inputs``
             each chain keeps the tutorial method's saved bytes).
             Needs ``example_inputs``. A budget below the reachable floor raises

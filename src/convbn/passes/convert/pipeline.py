@@ -46,6 +46,9 @@ from ..graph.bypassed import mark_if_bypassed
 from ..graph.graph_module import GraphForward, eager, forget_undo, install, installed
 from ..graph.concat_heads import flatten_cats
 from ..graph.zero_pads import drop_zero_pads
+from ..graph.noop_casts import drop_noop_casts
+from ..graph.absolute_dims import absolute_reduction_dims
+from ..graph.zero_adds import drop_zero_adds
 from ..graph.specialize import Defaults, constant_defaults, none_used_as_value
 from ..report.convert_report import ConvertReport
 from ..tracing.self_check import warn_if_tracer_broken
@@ -95,6 +98,10 @@ CANONICALISE: Tuple[GraphRewrite, ...] = (
     GraphRewrite("token BatchNorms on rows", lambda gm, root, prefix: flatten_token_bns(gm)),
     # bn(linear(x).flatten(1)) on a 2-D x -> bn(linear(x)) (bn/tokens.py)
     GraphRewrite("no-op flattens before a BatchNorm1d", lambda gm, root, prefix: drop_noop_flattens(gm)),
+    # x.type(d) / x.to(d) / x.float() where a trace with real inputs gave x the dtype d -> x (graph/noop_casts.py)
+    GraphRewrite("casts to a value's own dtype", lambda gm, root, prefix: drop_noop_casts(gm)),
+    # mean / var / std / sum over dim -k of a value whose rank a trace with real inputs knows -> over its dim (graph/absolute_dims.py)
+    GraphRewrite("reduction dims from the end made absolute", lambda gm, root, prefix: absolute_reduction_dims(gm)),
     # permute -> LayerNorm(C) -> permute back -> one channel_layer_norm node (bn/norm_sites.py)
     GraphRewrite("channel LayerNorms as one node", lambda gm, root, prefix: channel_layer_norms(gm)),
     # mean / var over dim 1, (x - u) / sqrt(v + eps) * w + b -> one channel_layer_norm node (bn/hand_layer_norms.py)
@@ -102,6 +109,8 @@ CANONICALISE: Tuple[GraphRewrite, ...] = (
     # F.normalize(x, dim=1) * g * s, x * rsqrt(mean(x^2, 1) + eps) * g -> one channel_rms_norm node
     # (bn/hand_rms_norms.py)
     GraphRewrite("hand-written channel RMSNorms as one node", lambda gm, root, prefix: hand_channel_rms_norms(gm)),
+    # channel_layer_norm(x) + 0 of a floating value no one else reads -> channel_layer_norm(x) (graph/zero_adds.py)
+    GraphRewrite("additions of zero", lambda gm, root, prefix: drop_zero_adds(gm)),
     # norm(x.float()).type(x.dtype) -> norm(x): GroupNorm32 (bn/norm_casts.py)
     GraphRewrite("float32 round trips around a norm", lambda gm, root, prefix: norm_float_round_trips(gm)),
     # bn(conv(x)[..., :-p]) -> bn(conv'(x)), the crop in its padding (bn/conv_crops.py)
@@ -190,7 +199,7 @@ def convert_module(module: nn.Module, prefix: str, conv: Conversion, exposed: bo
             raise TypeError(f"{type(module).__name__} has no forward (a container)")
         traced = trace_module(module, conv)  # the graph convert builds is for training
         traced = _fewer_opaque(module, traced, lambda: _shape_trace(module, conv))
-        if conv.lazy and conv.example is None and traced.opaque_layers(module):
+        if conv.lazy and conv.example is None and traced.opaque_to_retrace(module):
             # no inputs to trace with real shapes: on the first call (Note: [opaque children
             # traced again with real shapes]); until then each child is converted on its own
             _defer(module, prefix, conv)
@@ -257,8 +266,10 @@ def trace_module(module: nn.Module, conv: Conversion) -> Traced:
 def _fewer_opaque(module: nn.Module, traced: Any, shaped: Callable[[], Any]) -> Any:
     """``traced``, or the trace with real shapes (``shaped()``) where ``traced`` left conv /
     linear layers of ``module`` opaque because their code did not trace (a convolution computing
-    TF-"SAME" padding from its input's shape) and the shaped trace leaves fewer: they then fuse
-    with the parent's BatchNorms (Note: [opaque children traced again with real shapes]).
+    TF-"SAME" padding from its input's shape), or modules shaped like a hand-written norm
+    (``Traced.opaque_norms``: an eps picked by ``x.dtype``), and the shaped trace leaves fewer
+    (and no more layers): they then fuse with the parent's norms and convolutions (Note: [opaque
+    children traced again with real shapes]).
 
     Note: [opaque children traced again with real shapes]
         A symbolic trace that fails inside a submodule keeps that submodule as one opaque
@@ -272,12 +283,22 @@ def _fewer_opaque(module: nn.Module, traced: Any, shaped: Callable[[], Any]) -> 
         [captured on the first call]); that trace is kept only where it leaves fewer such *layers* opaque,
         and is guarded on the shapes like any shaped trace. Opaque children that hold their own
         Conv -> BN pairs (a block computing its padding) are converted on their own as before,
-        each guarded on its own shapes, so the parent keeps its symbolic trace."""
-    failed = traced.opaque_layers(module)
+        each guarded on its own shapes, so the parent keeps its symbolic trace.
+
+        The same holds for a hand-written norm that asks its input's dtype (``eps = 1e-5 if
+        x.dtype == torch.float32 else 1e-3``): opaque in the symbolic trace, it is converted
+        alone and has no convolution beside it. A module shaped like a norm (a forward and
+        parameters of its own, none below it: ``Traced.opaque_norms``) left opaque is a reason
+        to trace again with real inputs too, which answer the dtype (Note: [dtype questions
+        answered by the capture] in ``graph/shape_capture.py``); a block with layers inside is
+        not one, so models whose opaque blocks hold convolutions keep their symbolic trace."""
+    failed = traced.opaque_to_retrace(module)
     if not failed:
         return traced
     again = shaped()
-    return again if again is not None and len(again.opaque_layers(module)) < len(failed) else traced
+    if again is None or len(again.opaque_layers(module)) > len(traced.opaque_layers(module)):
+        return traced
+    return again if len(again.opaque_to_retrace(module)) < len(failed) else traced
 
 
 def _shape_trace(module: nn.Module, conv: Conversion) -> Optional[Traced]:

@@ -31,19 +31,21 @@ from ..._compat import FakeTensorMode, orig_module_call, orig_module_getattr, py
 
 from .thread_patch import original_item, scoped_item
 
-__all__ = ["ShapeGuard", "Guards", "ShapeTracing", "VALUE", "DTYPE", "assert_traced_shape"]
+__all__ = ["ShapeGuard", "Guards", "ShapeTracing", "VALUE", "DTYPE", "RANK", "assert_traced_shape"]
 
 #: ``node.meta`` key of the fake value a shape trace computed for a node (while it traces)
 VALUE = "convbn_fake"
 #: ``node.meta`` key of the dtype a shape trace computed for a tensor node (kept in the graph)
 DTYPE = "convbn_dtype"
+#: ``node.meta`` key of the rank a shape trace computed for a tensor node (kept in the graph)
+RANK = "convbn_rank"
 
 
 def _signature(args: Any, kwargs: Any) -> Tuple[Any, ...]:
     leaves = pytree.tree_leaves((args, kwargs))
     # autocast decides the dtypes inside (``if x.dtype == torch.float16`` is answered by the trace)
     autocast = tuple((d, torch.get_autocast_dtype(d)) for d in ("cpu", "cuda") if torch.is_autocast_enabled(d))
-    return tuple((tuple(t.shape), t.dtype, t.device.type) if isinstance(t, Tensor) else type(t)
+    return tuple((tuple(t.shape), t.dtype, str(t.device)) if isinstance(t, Tensor) else type(t)
                  for t in leaves) + autocast
 
 
@@ -68,10 +70,21 @@ class ShapeGuard:
         """Whether ``args`` / ``kwargs`` have the traced shapes, dtypes and devices."""
         return _signature(args, kwargs) == self.spec
 
+    def describe(self) -> str:
+        """The inputs' shapes, dtypes and devices and the autocast state as text (for the report):
+        ``input shapes [[2, 3, 8, 8]] float32 on cpu``, ``..., under cpu autocast to bfloat16``."""
+        return _describe(self.spec)
+
     def differing(self, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> str:
-        got = [s[0] for s in _signature(args, kwargs) if isinstance(s, tuple)]
-        traced = [s[0] for s in self.spec if isinstance(s, tuple)]
-        return f"its input shapes {traced} (traced with real sizes; this call: {got})"
+        return f"its {_describe(self.spec)} (traced with real sizes; this call: {_describe(_signature(args, kwargs))})"
+
+
+def _describe(spec: Tuple[Any, ...]) -> str:
+    tensors = [s for s in spec if isinstance(s, tuple) and len(s) == 3]
+    kinds = sorted({f"{str(s[1]).replace('torch.', '')} on {s[2]}" for s in tensors})
+    autocast = [f"{s[0]} autocast to {str(s[1]).replace('torch.', '')}" for s in spec if isinstance(s, tuple) and len(s) == 2]
+    return (f"input shapes {[list(s[0]) for s in tensors]} {', '.join(kinds)}"
+            + (f", under {' and '.join(autocast)}" if autocast else ""))
 
 
 class Guards:
@@ -182,10 +195,11 @@ class ShapeTracing:
             if isinstance(value, Tensor):
                 with graph.inserting_after(placeholders[-1]):
                     graph.call_function(assert_traced_shape, (node, list(value.shape)))
-        for node in graph.nodes:  # the fake values served the trace only; their dtypes stay (bn/norm_casts.py)
-            value = node.meta.pop(VALUE, None)
+        for node in graph.nodes:  # the fake values served the trace only; dtypes and ranks stay (bn/norm_casts.py,
+            value = node.meta.pop(VALUE, None)  # graph/noop_casts.py, graph/absolute_dims.py)
             if isinstance(value, Tensor):
                 node.meta[DTYPE] = value.dtype
+                node.meta[RANK] = value.dim()
         return graph
 
     def proxy(self, node: fx.Node) -> fx.Proxy:
@@ -266,12 +280,31 @@ class ShapeTracing:
 
 _SHAPED: Dict[type, type] = {}
 
+# Note: [dtype questions answered by the capture]
+# Hand-written norms pick their eps by the input's dtype (``eps = 1e-5 if x.dtype == torch.float32
+# else 1e-3``: dalle2, imagen, med-seg-diff, x-unet); code asks ``x.device``, ``x.is_floating_point()``
+# too. A symbolic trace cannot answer (control flow on a traced value) and keeps such a module
+# opaque; a trace with real inputs answers from the fake value of the traced tensor, which has the
+# dtype eager computes there (autocast included: a convolution's output under bf16 autocast is
+# bf16), so the branch eager takes is the graph's and its eps a constant of it. The answer holds
+# for calls whose inputs have the traced dtypes and devices under the same autocast state: exactly
+# what :class:`ShapeGuard` checks (the full device, ``cuda:1`` is not ``cuda:0``); another call
+# (a float64 input, a bf16 autocast region) runs a variant captured for it, which answers again
+# (``convert/variants.py``), and the report names that variant's dtypes and autocast
+# (:meth:`ShapeGuard.describe`). Parameters' dtypes are not in the guard: a model cast with
+# ``.double()`` after convert whose forward casts float32 inputs to its weights' dtype itself keeps
+# the float32 answer (not handled; a model fed inputs of its own dtype fails the guard as it should).
+# ``requires_grad`` is never answered: the fake values are computed without autograd.
+
+#: what a traced value answers from its fake value (Note: [dtype questions answered by the capture])
+_ANSWERED = ("shape", "ndim", "size", "dim", "dtype", "device", "is_floating_point", "is_complex", "is_cuda")
+
 
 def _shaped_class(base: type) -> type:
     if base not in _SHAPED:
         def __getattr__(self: fx.Proxy, k: str) -> Any:
             value = self.node.meta.get(VALUE)
-            if isinstance(value, Tensor) and k in ("shape", "ndim", "size", "dim", "dtype"):
+            if isinstance(value, Tensor) and k in _ANSWERED:
                 return getattr(value, k)
             return base.__getattr__(self, k)  # type: ignore[attr-defined]
 

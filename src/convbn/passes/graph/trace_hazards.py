@@ -30,7 +30,9 @@ __all__ = ["FunctionCall", "opaque_functions"]
 # hazard. The classes asked are read off the calling line (each ``isinstance(..., C)``
 # call on it, ``C`` evaluated in the caller's frame: names, attributes and tuples only);
 # where they cannot be read, or the proxy may stand for a non-tensor (a shape, a number,
-# a tuple of pieces), any ``isinstance`` is a hazard, as before.
+# a tuple of pieces), any ``isinstance`` is a hazard, as before. In a trace with real inputs a
+# piece of a tuple whose fake value is a tensor (``to_qkv(x).chunk(3, 1)``'s items, handed to
+# einops' ``rearrange``, which asks ``isinstance(tensor, list)``) is known to be one.
 _NON_TENSOR_METHODS = frozenset({"size", "dim", "ndimension", "numel", "nelement", "tolist", "item", "split",
                                  "chunk", "unbind", "stride", "element_size", "is_contiguous", "__len__",
                                  "tensor_split", "keys", "values", "items"})
@@ -99,7 +101,7 @@ def _answer_could_differ(proxy: fx.Proxy, frame: Any) -> bool:
     if "is_tensor" in line or "issubclass" in line:
         return True
     classes = _asked_classes(line, frame)
-    if classes is None or not _tensor_valued(proxy.node):
+    if classes is None or not (_tensor_valued(proxy.node) or isinstance(proxy.node.meta.get(VALUE), torch.Tensor)):
         return True
     for c in classes:
         if not isinstance(c, type):

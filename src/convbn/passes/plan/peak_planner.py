@@ -31,6 +31,25 @@ searched over per-chain options (:func:`chain_options`) with the prediction of
 # least recompute strictly below the last plan's peak, in at most ~32 steps (a step
 # below the cap's 1/32 of the range jumps a full 1/32 on very long staircases).
 
+# Note: [a byte of peak against the chains' work]
+# A fixed price per byte (``PEAK_BYTE_COST``) and a tolerance of the whole peak miss a lower
+# peak that is cheap next to the step, where weight gradients make most of the peak. MONAI's
+# ResNet-18 at batch 8, 112² (SGD): lowest peak 62.9 MiB, 42.6 of it weight gradients every
+# plan makes; 8 % of it (5.0 MiB) let the default keep 4.3 MiB more (67.3 MiB, 0.838x eager's
+# peak against 0.784x) to save 265 M MAC equivalents of recompute, 58 per byte: above 16 per
+# byte, but 6 % of the chains' forward convolution work (4.38 G) for 6.9 % of the peak. So a
+# byte of peak is also worth ``PEAK_WORK_SHARE`` times the chains' convolution work (each
+# layer's recompute cost once, what recomputing every conv costs) over the lowest peak: a
+# fraction of the peak is worth that fraction of the work, whichever price is higher. On the
+# nets of BENCHMARKS.md this moves MONAI's ResNet-18 (66 per byte: to its lowest peak) and
+# DenseNet-121 (141 per byte: 0.231x -> 0.216x for 0.36 G more); ResNet-50's next lower peak
+# costs 302 per byte (its price: 142), EfficientNet-B0's price stays 16, and the per-sample
+# norm nets (diffusion, 3-D U-Net, ConvNeXt) keep their plans. A higher price only lowers the
+# chosen peak (never raises it: the minimum of ``recompute + price * peak`` moves down as the
+# price goes up), inside the same tolerance. The peaks are live tensor bytes: by the CPU
+# allocator ResNet-18's step peaks in its stem conv's backward (about 6.1 MiB of kernel scratch
+# no tensor shows) under either plan, 0.850x -> 0.848x (BENCHMARKS.md, "## Issue 24").
+
 # Note: [a planner that scales]
 # The default plan walks the staircase of Note [cheap peak]: up to ~33 least-recompute
 # searches, each a dynamic programme over the chains whose front holds up to 4096 entries.
@@ -50,8 +69,8 @@ from torch import Tensor
 from ...functional.conv import COST_PER_BYTE
 from .peak_model import ChainCost, gaps_of, chain_backward_peak, step_peak
 
-__all__ = ["PEAK_TOLERANCE", "PEAK_BYTE_COST", "ChainOption", "chain_options", "lowest_peak", "least_recompute",
-           "least_recompute_reference", "plan_for_peak", "plan_within_peak"]
+__all__ = ["PEAK_TOLERANCE", "PEAK_BYTE_COST", "PEAK_WORK_SHARE", "ChainOption", "chain_options", "lowest_peak",
+           "least_recompute", "least_recompute_reference", "peak_byte_cost", "plan_for_peak", "plan_within_peak"]
 
 
 #: How far above the lowest reachable peak the default plan may go to recompute less, as a
@@ -61,14 +80,21 @@ __all__ = ["PEAK_TOLERANCE", "PEAK_BYTE_COST", "ChainOption", "chain_options", "
 #: lowest peak is 0.38x eager's; 30 % above it (the value until issue 24, chosen when the
 #: bench's meter left weight gradients out) gave 0.49x at 11.5 GMAC of conv recompute per
 #: step, 10 % 0.42x at 19.1 GMAC, 8 % 0.41x (BENCHMARKS.md "## Issue 24"). Where parameter
-#: gradients make most of the peak (ResNet-18 at 112²) 8 % of it is much of the activations;
-#: ``peak_budget`` / ``memory_limit`` ask for a lower peak.
+#: gradients make most of the peak (ResNet-18 at 112²) 8 % of it is much of the activations:
+#: there a lower peak that is cheap next to the chains' work is taken inside the tolerance
+#: (:data:`PEAK_WORK_SHARE`); ``peak_budget`` / ``memory_limit`` ask for a lower peak.
 PEAK_TOLERANCE = 0.08
 
 #: What a byte of step peak is worth in recompute cost (MAC equivalents) inside the
 #: tolerance: twice :data:`convbn.functional.conv.COST_PER_BYTE`, about the cost of writing
 #: and reading that byte once (Note: [cheap peak]).
 PEAK_BYTE_COST = 2 * COST_PER_BYTE
+
+#: What a fraction of the lowest step peak is worth inside the tolerance, as that fraction of
+#: the chains' convolution work (the recompute cost of every layer once) times this share:
+#: a byte of peak costs ``max(PEAK_BYTE_COST, PEAK_WORK_SHARE * work / lowest peak)``
+#: (Note: [a byte of peak against the chains' work]).
+PEAK_WORK_SHARE = 1.0
 
 
 @dataclass(frozen=True)
@@ -248,19 +274,52 @@ def least_recompute_reference(costs: Sequence[ChainCost], options: Sequence[Sequ
     return keeps
 
 
+def peak_byte_cost(costs: Sequence[ChainCost], lowest: int, byte_cost: float = PEAK_BYTE_COST,
+                   work_share: float = PEAK_WORK_SHARE) -> float:
+    """What a byte of step peak is worth in recompute cost (MAC equivalents) inside the
+    tolerance: ``max(byte_cost, work_share * work / lowest)``, ``work`` the chains' convolution
+    work (every layer's recompute cost once). Note: [a byte of peak against the chains' work].
+
+    Args:
+        costs: the chains.
+        lowest: the lowest reachable step peak (:func:`lowest_peak`), in bytes.
+        byte_cost: the least a byte is worth (Note: [cheap peak]).
+        work_share: how much of the chains' work a fraction of the lowest peak is worth, as a
+            share of that fraction (0: ``byte_cost`` alone).
+
+    Example:
+        >>> c = ChainCost((4, 8), (1, 4), (1000, 3000), ("output", "output"))
+        >>> peak_byte_cost([c], 100), peak_byte_cost([c], 100, work_share=0), peak_byte_cost([c], 1000)
+        (40.0, 16, 16)
+    """
+    _check_prices(byte_cost, work_share)
+    work = sum(sum(c.macs) for c in costs)
+    if work_share == 0 or lowest <= 0 or work_share * work / lowest <= byte_cost:
+        return byte_cost
+    return work_share * work / lowest
+
+
+def _check_prices(byte_cost: float, work_share: float) -> None:
+    if byte_cost < 0:
+        raise ValueError(f"byte_cost must be >= 0, but got {byte_cost}")
+    if work_share < 0:
+        raise ValueError(f"work_share must be >= 0, but got {work_share}")
+
+
 def plan_for_peak(costs: Sequence[ChainCost], floor: int, extra_budget: int,
                   tolerance: float = PEAK_TOLERANCE, gaps: Optional[Sequence[int]] = None,
-                  byte_cost: float = PEAK_BYTE_COST) -> List[List[bool]]:
-    """The plan of least ``recompute cost + byte_cost * predicted step peak`` among those
-    whose peak is within ``tolerance`` of the lowest reachable (with ``byte_cost=0``: the
-    least-recompute one within it).
+                  byte_cost: float = PEAK_BYTE_COST, work_share: float = PEAK_WORK_SHARE) -> List[List[bool]]:
+    """The plan of least ``recompute cost + price * predicted step peak`` among those whose
+    peak is within ``tolerance`` of the lowest reachable, ``price`` the worth of a byte of peak
+    (:func:`peak_byte_cost`; with ``byte_cost=0`` and ``work_share=0``: the least-recompute
+    plan within it).
 
     Plans keep at most ``extra_budget`` bytes of conv outputs (``convert``'s default passes
     every layer's: no saved-bytes limit). The peak allowed is ``(1 + tolerance)`` times the
     lowest peak any of them reaches (:func:`lowest_peak`); among the plans within it, the one
     of least recompute cost (:func:`least_recompute`, exact up to
     :func:`chain_options` on chains longer than ten layers). Notes: [the default plans for
-    the peak alone], [cheap peak] (above).
+    the peak alone], [cheap peak], [a byte of peak against the chains' work] (above).
 
     Args:
         costs: the chains in forward order.
@@ -268,8 +327,10 @@ def plan_for_peak(costs: Sequence[ChainCost], floor: int, extra_budget: int,
         extra_budget: bytes allowed for kept conv outputs.
         tolerance: fraction of the lowest peak the plan may exceed it by to recompute less.
         gaps: the moments outside every chain's backward (Note: [moments outside the chains]).
-        byte_cost: recompute cost (MAC equivalents) a byte of lower peak is worth inside the
-            tolerance (Note: [cheap peak]); 0: the least recompute within it.
+        byte_cost: the least recompute cost (MAC equivalents) a byte of lower peak is worth
+            inside the tolerance (Note: [cheap peak]).
+        work_share: a fraction of the lowest peak is worth this share of the same fraction of
+            the chains' convolution work, where that is more than ``byte_cost`` per byte.
 
     Returns:
         The keep flags, chain by chain.
@@ -281,26 +342,34 @@ def plan_for_peak(costs: Sequence[ChainCost], floor: int, extra_budget: int,
     """
     if tolerance < 0:
         raise ValueError(f"tolerance must be >= 0, but got {tolerance}")
-    if byte_cost < 0:
-        raise ValueError(f"byte_cost must be >= 0, but got {byte_cost}")
+    _check_prices(byte_cost, work_share)
     options = [chain_options(c) for c in costs]
     low = lowest_peak(costs, options, floor, extra_budget, gaps)
     cap = int(low * (1 + tolerance))
     best = _reachable_plan(costs, options, floor, extra_budget, cap, gaps)
-    if byte_cost == 0:
+    price = peak_byte_cost(costs, low, byte_cost, work_share)
+    if price == 0:
         return best
+    return _cheapest_on_staircase(costs, options, floor, extra_budget, gaps, best, low, cap, price)
 
+
+def _cheapest_on_staircase(costs: Sequence[ChainCost], options: Sequence[Sequence[ChainOption]], floor: int,
+                           extra_budget: int, gaps: Optional[Sequence[int]], best: List[List[bool]], low: int,
+                           cap: int, price: float) -> List[List[bool]]:
+    """From ``best`` (the least recompute under ``cap``) down the staircase of least-recompute
+    plans under falling peaks to ``low``: the plan of least ``recompute + price * peak``
+    (Note: [cheap peak])."""
     def recompute(keeps: Sequence[Sequence[bool]]) -> int:
         return sum(c.recompute(kp) for c, kp in zip(costs, keeps))
 
     peak = step_peak(costs, best, floor, gaps=gaps)[0]
-    score = recompute(best) + byte_cost * peak
+    score = recompute(best) + price * peak
     stride = max(1, (cap - low) // 32)
-    while peak > low:  # Note: [cheap peak]
+    while peak > low:
         p = max(low, min(peak - 1, cap - stride * ((cap - peak) // stride + 1)))
         keeps = _reachable_plan(costs, options, floor, extra_budget, p, gaps)
         peak = step_peak(costs, keeps, floor, gaps=gaps)[0]
-        s = recompute(keeps) + byte_cost * peak
+        s = recompute(keeps) + price * peak
         if s < score:
             best, score = keeps, s
     return best

@@ -37,7 +37,7 @@ def describe_guard(guard: Any) -> str:
     if isinstance(guard, Defaults):
         return guard.describe()
     if isinstance(guard, ShapeGuard):
-        return "input shapes " + str([list(s[0]) for s in guard.spec if isinstance(s, tuple)])
+        return guard.describe()
     return "any call"
 
 

@@ -10,6 +10,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch.fx as fx
 from torch import nn
 
+from ...functional.norms import row_of_module
 from ..graph.layers import LAYER_MODULES
 from ..graph.shape_capture import Guards, ShapeGuard
 from ..graph.specialize import Defaults, EmptyVarargs
@@ -62,6 +63,19 @@ class Traced:
         return [name for name, why in self.opaque.items()
                 if why != "asked to be a leaf" and isinstance(module.get_submodule(name), LAYER_MODULES)]
 
+    def opaque_norms(self, module: nn.Module) -> List[str]:
+        """The submodules of ``module`` left opaque because their code did not trace that have the
+        shape of a hand-written norm: a forward of their own, parameters of their own and none
+        below them (a channel LayerNorm's gain, and bias). ``eps = 1e-5 if x.dtype == torch.float32
+        else 1e-3`` is control flow on a traced value symbolically; a trace with real inputs answers
+        it (Note: [opaque children traced again with real shapes] in ``convert/pipeline.py``)."""
+        return [name for name, why in self.opaque.items()
+                if why != "asked to be a leaf" and _norm_shaped(module.get_submodule(name))]
+
+    def opaque_to_retrace(self, module: nn.Module) -> List[str]:
+        """:meth:`opaque_layers` and :meth:`opaque_norms` together: what a trace with real inputs may open."""
+        return self.opaque_layers(module) + [n for n in self.opaque_norms(module) if n not in self.opaque_layers(module)]
+
     def descend(self) -> Dict[str, str]:
         """Leaves the caller should work inside on their own (opaque and hooked), outermost first."""
         both = {**self.hooked, **self.opaque}
@@ -71,3 +85,12 @@ class Traced:
             if n and not any(n.startswith(k + ".") for k in kept if k):
                 kept[n] = both[n]
         return kept
+
+
+def _norm_shaped(module: nn.Module) -> bool:
+    """Whether ``module`` looks like a hand-written norm: its own ``forward``, its own parameters,
+    and no submodule holding any (a block with layers inside is not one); not a module of a norm
+    table row (matched as one call even where its own code does not trace)."""
+    return (type(module).forward is not nn.Module.forward and bool(module._parameters)
+            and not any(m._parameters for m in module.modules() if m is not module)
+            and row_of_module(module) is None)  # a norm-table row is matched as the call it is
