@@ -437,6 +437,10 @@ MUTANTS: Dict[str, Mutant] = {
         "max_batch's steps stopped at the room the resident bytes leave, the batch of inputs not in the memory",
         (("batch_search.py", "        room = self.usable - self.before(b)", "        room = self.usable - self.resident"),),
         ("tests/test_max_batch_bound.py::test_answering_allocates_within_the_memory_where_kernels_need_no_scratch",)),
+    "stopped_backward_not_drained": Mutant(
+        "a step stopped in its backward leaves the engine's pending nodes (and their saved tensors) until the next backward",
+        (("memory/timelines.py", "            _drain_autograd()  # Note:", "            pass  # Note:"),),
+        ("tests/test_max_batch_bound.py::test_a_step_stopped_in_backward_leaves_nothing_allocated",)),
     "stopped_step_kept_with_its_traceback": Mutant(
         "max_batch keeps a stopped step's exception with its traceback (its frames alive beside the next step)",
         (("batch_search.py", "return over.with_traceback(None)", "return over"),),

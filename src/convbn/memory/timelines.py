@@ -250,6 +250,19 @@ def timeline(  # over 60 lines for its public docstring (what a step is, Args, E
             optimizer.zero_grad(set_to_none=True)
         for p in model.parameters():
             p.grad = None
+    try:
+        _step(model, inputs, loss_fn, optimizer, meter, mode, result)
+    except StepOverLimit:
+        if mode.phase == "backward":
+            _drain_autograd()  # Note: [a backward stopped part way is let go]
+        raise
+    result.points = mode.points
+    return result
+
+
+def _step(model: nn.Module, inputs: Tuple[Any, ...], loss_fn: Callable[[Any], Tensor],
+          optimizer: Optional[torch.optim.Optimizer], meter: Any, mode: "_TimelineMode", result: Timeline) -> None:
+    """Forward, loss, backward and the optimizer's step under ``meter`` and ``mode``."""
     with torch.enable_grad(), meter, mode:
         mode.points.append(TimelinePoint(mode.read(), "zero_grad" if optimizer is not None else "forward", "", "start"))
         mode.phase = "forward"
@@ -264,8 +277,22 @@ def timeline(  # over 60 lines for its public docstring (what a step is, Args, E
         if optimizer is not None:
             mode.phase = "optimizer"
             optimizer.step()
-    result.points = mode.points
-    return result
+
+
+# Note: [a backward stopped part way is let go]
+# A step stopped inside its backward (``StepOverLimit`` raised from an operator the engine
+# runs) leaves the tasks of the nodes that were ready to run to the autograd engine on this
+# thread, and through them the nodes not yet run and the tensors they saved, until the next
+# backward on the thread: no Python object refers to them and a collection does not free
+# them. Measured with the CPU allocator: a converted ResNet-50 (64², batch 4) stopped in a
+# chain's backward kept 6.1 MB allocated after the call, freed at once by any later backward;
+# at 224² and a batch near 20 that is hundreds of MiB alive beside ``max_batch``'s next probe.
+# A backward of one element right after the stop lets them go.
+def _drain_autograd() -> None:
+    """A one-element backward, outside every mode and meter (Note: [a backward stopped part way
+    is let go])."""
+    t = torch.zeros((), requires_grad=True)
+    (t * 1).backward()
 
 
 def _meters(model: nn.Module, inputs: Tuple[Any, ...],
