@@ -19,6 +19,7 @@ from typing import Any, List, Optional
 import torch
 import torch.fx as fx
 
+from .pass_through import drop_pass_through
 from .shape_capture import DTYPE
 
 __all__ = ["drop_noop_casts"]
@@ -46,14 +47,10 @@ def drop_noop_casts(gm: fx.GraphModule) -> List[str]:
     Returns:
         the names of the cast nodes dropped.
     """
-    dropped: List[str] = []
-    for node in list(gm.graph.nodes):
+    def passed(node: fx.Node) -> Optional[fx.Node]:
         dtype = _cast_to(node)
         if dtype is None or node.args[0].meta.get(DTYPE) is not dtype:  # type: ignore[union-attr]
-            continue
-        node.replace_all_uses_with(node.args[0])  # type: ignore[arg-type]
-        dropped.append(node.name)
-        gm.graph.erase_node(node)
-    if dropped:
-        gm.recompile()
-    return dropped
+            return None
+        return node.args[0]  # type: ignore[return-value]
+
+    return drop_pass_through(gm, passed)

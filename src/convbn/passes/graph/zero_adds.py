@@ -20,6 +20,7 @@ from typing import Any, List, Optional
 import torch
 import torch.fx as fx
 
+from .pass_through import drop_pass_through
 from .shape_capture import DTYPE
 
 __all__ = ["drop_zero_adds"]
@@ -59,15 +60,11 @@ def drop_zero_adds(gm: fx.GraphModule) -> List[str]:
     Returns:
         the names of the addition nodes dropped.
     """
-    dropped: List[str] = []
-    for node in list(gm.graph.nodes):
+    def passed(node: fx.Node) -> Optional[fx.Node]:
         x = _added_to(node)
         if (x is None or x.op in ("placeholder", "get_attr") or len(x.users) != 1
                 or any(_writes_in_place(r, gm) for r in node.users)):
-            continue
-        node.replace_all_uses_with(x)
-        dropped.append(node.name)
-        gm.graph.erase_node(node)
-    if dropped:
-        gm.recompile()
-    return dropped
+            return None
+        return x
+
+    return drop_pass_through(gm, passed)

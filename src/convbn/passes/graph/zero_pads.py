@@ -14,12 +14,13 @@ copy their pieces, so no reader can write into ``x`` through what was the pad's 
 """
 from __future__ import annotations
 
-from typing import List
+from typing import List, Optional
 
 import torch.fx as fx
 import torch.nn.functional as F
 
 from .concat_heads import cat_parts
+from .pass_through import drop_pass_through
 
 __all__ = ["drop_zero_pads"]
 
@@ -48,13 +49,9 @@ def drop_zero_pads(gm: fx.GraphModule) -> List[str]:
         >>> drop_zero_pads(gm), [n.op for n in gm.graph.nodes]
         (['pad'], ['placeholder', 'placeholder', 'call_function', 'output'])
     """
-    dropped: List[str] = []
-    for node in list(gm.graph.nodes):
+    def passed(node: fx.Node) -> Optional[fx.Node]:
         if not _zero_width(node) or not node.users or not all(cat_parts(u) is not None for u in node.users):
-            continue
-        node.replace_all_uses_with(node.args[0])  # type: ignore[arg-type]
-        dropped.append(node.name)
-        gm.graph.erase_node(node)
-    if dropped:
-        gm.recompile()
-    return dropped
+            return None
+        return node.args[0]  # type: ignore[return-value]
+
+    return drop_pass_through(gm, passed)
