@@ -25,6 +25,7 @@ from convbn.passes.plan.peak_model import ChainCost, step_peak
 from convbn.passes.plan.peak_planner import (PEAK_BYTE_COST, PEAK_TOLERANCE, PEAK_WORK_SHARE, chain_options,
                                              lowest_peak, peak_byte_cost, plan_for_peak)
 from fusion_checks import assert_chain_ran
+from test_convert_peak import _Block  # the basic residual block (conv -> BN -> ReLU -> conv -> BN, + shortcut, ReLU)
 
 #: ``convert(monai resnet18(spatial_dims=2, n_input_channels=3), example_inputs=randn(8, 3, 112, 112))``'s
 #: planner inputs, chain by chain in forward order (prefix, y_bytes, x_bytes, macs (recompute cost),
@@ -104,23 +105,6 @@ def test_peak_byte_cost_is_the_higher_price() -> None:
         peak_byte_cost([c], 100, work_share=-1)
     with pytest.raises(ValueError, match="work_share must be >= 0, but got -0.5"):
         plan_for_peak([c], 0, 8, work_share=-0.5)
-
-
-class _Block(nn.Module):
-    """A basic residual block (conv -> BN -> ReLU -> conv -> BN, + shortcut, ReLU)."""
-
-    def __init__(self, cin: int, cout: int, stride: int) -> None:
-        super().__init__()
-        self.conv1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False)
-        self.bn1 = nn.BatchNorm2d(cout)
-        self.conv2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False)
-        self.bn2 = nn.BatchNorm2d(cout)
-        self.down = None if stride == 1 and cin == cout else nn.Sequential(
-            nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.bn2(self.conv2(torch.relu(self.bn1(self.conv1(x)))))
-        return torch.relu(y + (x if self.down is None else self.down(x)))
 
 
 def _stem_net(width: int = 64, widths: Tuple[int, ...] = (64, 128, 256, 512)) -> nn.Sequential:
