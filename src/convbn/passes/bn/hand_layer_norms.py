@@ -44,7 +44,7 @@ also reads stay (their values are unchanged).
 from __future__ import annotations
 
 import operator
-from typing import Any, List, Optional, Tuple
+from typing import Any, Callable, List, Optional, Tuple
 
 import torch
 import torch.fx as fx
@@ -55,6 +55,9 @@ from ...functional.norms import channel_layer_norm
 from ..graph.layers import node_arg
 
 __all__ = ["hand_channel_layer_norms", "known_rank"]
+
+#: where a hand-written norm ends, and how to build the one node computing it there
+Replacement = Tuple[fx.Node, Callable[[fx.Graph], fx.Node]]
 
 _SUB = ({operator.sub, torch.sub}, {"sub"})
 _ADD = ({operator.add, torch.add}, {"add"})
@@ -347,6 +350,30 @@ def _erase_unused(graph: fx.Graph, start: fx.Node) -> None:
         todo.extend(inputs)
 
 
+def _replace_each(gm: fx.GraphModule, replacement: Callable[[fx.Node], Optional[Replacement]]) -> int:
+    """Each hand-written norm ``replacement`` finds at a call node of ``gm``'s graph (in graph order;
+    nodes an earlier replacement erased are skipped), ``(out, build)``: ``build(graph)`` inserted
+    before ``out``, ``out``'s readers reading it, and the pattern's nodes nothing else reads erased.
+    Returns how many were replaced (the graph linted and recompiled where any)."""
+    graph, done = gm.graph, 0
+    for node in list(graph.nodes):
+        if node.graph is not graph or node.op not in ("call_function", "call_method"):
+            continue  # erased by an earlier replacement
+        found = replacement(node)
+        if found is None:
+            continue
+        out, build = found
+        with graph.inserting_before(out):
+            new = build(graph)
+        out.replace_all_uses_with(new)
+        _erase_unused(graph, out)
+        done += 1
+    if done:
+        graph.lint()
+        gm.recompile()
+    return done
+
+
 def hand_channel_layer_norms(gm: fx.GraphModule) -> int:
     """Replace each hand-written channel LayerNorm of ``gm`` (module docstring) by one
     :func:`~convbn.functional.norms.channel_layer_norm` node, and each hand-written global one
@@ -355,30 +382,27 @@ def hand_channel_layer_norms(gm: fx.GraphModule) -> int:
 
     Note: [a hand-written LayerNorm computes as F.layer_norm after convert]
     """
-    graph, done = gm.graph, 0
-    for node in list(graph.nodes):
-        if node.graph is not graph or node.op not in ("call_function", "call_method"):
-            continue  # erased by an earlier replacement
-        found = _normalised(node)
-        if found is None:
-            continue
-        x, eps, dims = found
-        affine = _broadcast_affine(node, gm) or _transposed_affine(node, gm)
-        if affine is None:
-            continue  # no weight: the channel count is not known before run time
-        out, w_target, b_target, channels, rank = affine
-        norm = _replacement(dims, rank, known_rank(x, gm))
-        if norm is None:
-            continue
-        with graph.inserting_before(out):
-            w = graph.get_attr(w_target)
-            b = graph.get_attr(b_target) if b_target is not None else None
-            args = (x, (channels,), w, b, eps) if norm is channel_layer_norm else (x, 1, w, b, eps)
-            new = graph.call_function(norm, args)
-        out.replace_all_uses_with(new)
-        _erase_unused(graph, out)
-        done += 1
-    if done:
-        graph.lint()
-        gm.recompile()
-    return done
+    return _replace_each(gm, lambda node: _layer_norm_at(node, gm))
+
+
+def _layer_norm_at(node: fx.Node, gm: fx.GraphModule) -> Optional[Replacement]:
+    """The replacement of the hand-written LayerNorm whose normalisation ends at ``node``, if any."""
+    found = _normalised(node)
+    if found is None:
+        return None
+    x, eps, dims = found
+    affine = _broadcast_affine(node, gm) or _transposed_affine(node, gm)
+    if affine is None:
+        return None  # no weight: the channel count is not known before run time
+    out, w_target, b_target, channels, rank = affine
+    norm = _replacement(dims, rank, known_rank(x, gm))
+    if norm is None:
+        return None
+
+    def build(graph: fx.Graph) -> fx.Node:
+        w = graph.get_attr(w_target)
+        b = graph.get_attr(b_target) if b_target is not None else None
+        args = (x, (channels,), w, b, eps) if norm is channel_layer_norm else (x, 1, w, b, eps)
+        return graph.call_function(norm, args)
+
+    return out, build

@@ -42,8 +42,8 @@ import torch.nn.functional as F
 
 from ...functional.norms import channel_rms_norm
 from ..graph.layers import node_arg
-from .hand_layer_norms import (_DIV, _MEAN, _MUL, _POW, _SQUARE, _affine, _binary, _eps_added, _erase_unused,
-                               _reduction, _root, _unary, known_rank)
+from .hand_layer_norms import (_DIV, _MEAN, _MUL, _POW, _SQUARE, Replacement, _affine, _binary, _eps_added,
+                               _reduction, _replace_each, _root, _unary, known_rank)
 
 __all__ = ["hand_channel_rms_norms"]
 
@@ -212,21 +212,14 @@ def hand_channel_rms_norms(gm: fx.GraphModule) -> int:
     """Replace each hand-written channel RMSNorm of ``gm`` (module docstring) by one
     :func:`~convbn.functional.norms.channel_rms_norm` node computing its spelling's ops (Note:
     [an RMSNorm spelling is its own form]). Returns how many were replaced."""
-    graph, done = gm.graph, 0
-    for node in list(graph.nodes):
-        if node.graph is not graph or node.op not in ("call_function", "call_method"):
-            continue  # erased by an earlier replacement
-        found = _found(node, gm)
-        if found is None:
-            continue
-        x, (out, target, channels, _, form, scale), eps = found
-        with graph.inserting_before(out):
-            w = graph.get_attr(target)
-            new = graph.call_function(channel_rms_norm, (x, (channels,), w, eps, form, scale))
-        out.replace_all_uses_with(new)
-        _erase_unused(graph, out)
-        done += 1
-    if done:
-        graph.lint()
-        gm.recompile()
-    return done
+    return _replace_each(gm, lambda node: _rms_norm_at(node, gm))
+
+
+def _rms_norm_at(node: fx.Node, gm: fx.GraphModule) -> Optional[Replacement]:
+    """The replacement of the hand-written RMSNorm found at ``node``, if any."""
+    found = _found(node, gm)
+    if found is None:
+        return None
+    x, (out, target, channels, _, form, scale), eps = found
+    return out, lambda graph: graph.call_function(channel_rms_norm,
+                                                  (x, (channels,), graph.get_attr(target), eps, form, scale))
