@@ -19,11 +19,12 @@ import convbn
 from bench_modules import load_benchmark
 from capture_helpers import assert_steps_match, perturbed_twins
 from fusion_checks import assert_fused, fused_chains
-from convbn.autograd.norm_chain import NormChainFunction, NormLayerSpec, norm_chain_reference
+from convbn.autograd.norm_chain import NormLayerSpec
 from convbn.functional.activations import Activation
 from convbn.functional.conv import conv_spec_from_module
 from convbn.functional.norms import NormCall
 from convbn.nn.norm_chain import FusedNormChain
+from norm_chain_checks import assert_chain_function_checks
 
 
 class LayerNorm2d(nn.LayerNorm):
@@ -205,16 +206,7 @@ def test_function_gradcheck_and_gradgradcheck(keep: tuple) -> None:
 
     params = [t(4, 3, 3, 3), t(4), t(4), t(4), t(4, 4, 3, 3), t(4), t(4), t(4), t(2, 4, 1, 1), t(2)]
     x = t(2, 3, 5, 5)
-    stats = ((None, None),) * 3
-
-    def f(x: torch.Tensor, *ps: torch.Tensor) -> torch.Tensor:
-        return NormChainFunction.apply(x, *ps, specs, stats)
-
-    assert torch.autograd.gradcheck(f, (x, *params))
-    assert torch.autograd.gradgradcheck(f, (x, *params))
-    out = f(x, *params)
-    assert type(out.grad_fn).__name__ == "NormChainFunctionBackward"
-    torch.testing.assert_close(out, norm_chain_reference(x, params, specs), rtol=0, atol=0)
+    assert_chain_function_checks(x, params, specs)
 
 
 class ConvNeXtLinearBlock(nn.Module):

@@ -17,11 +17,12 @@ from torch import Tensor, nn
 import convbn
 import convbn.functional.norms as norms
 from capture_helpers import assert_steps_match
-from convbn.autograd.norm_chain import NormChainFunction, NormLayerSpec, norm_chain_reference
+from convbn.autograd.norm_chain import NormLayerSpec
 from convbn.functional.activations import Activation
 from convbn.functional.conv import conv_spec_from_module
 from convbn.functional.norms import NORMS, NormCall, channel_rms_norm
 from fusion_checks import assert_fused
+from norm_chain_checks import assert_chain_function_checks
 
 
 class NormalizeGS(nn.Module):
@@ -210,20 +211,7 @@ def test_chain_function_gradcheck_and_gradgradcheck() -> None:
 
     params = [t(4, 3, 3, 3), t(4), t(1, 4, 1, 1), None, t(4, 4, 3, 3), t(4), t(4), None, t(2, 4, 1, 1), t(2)]
     x = t(2, 3, 4, 4)
-    idx = [i for i, p in enumerate(params) if p is not None]
-
-    def f(x: Tensor, *ps: Tensor) -> Tensor:
-        full = list(params)
-        for i, p in zip(idx, ps):
-            full[i] = p
-        return NormChainFunction.apply(x, *full, specs, ((None, None),) * 3)
-
-    given = [params[i] for i in idx]
-    assert torch.autograd.gradcheck(f, (x, *given))
-    assert torch.autograd.gradgradcheck(f, (x, *given))
-    out = f(x, *given)
-    assert type(out.grad_fn).__name__ == "NormChainFunctionBackward"
-    torch.testing.assert_close(out, norm_chain_reference(x, params, specs), rtol=0, atol=0)
+    assert_chain_function_checks(x, params, specs)
 
 
 class NormalizeRows(nn.Module):
