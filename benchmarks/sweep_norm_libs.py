@@ -23,7 +23,9 @@ CPU inputs (batch 2):
 * the eight families of :mod:`sweep_norm_more` (a second round of libraries) and the six of
   :mod:`sweep_norm_third` (a third round) and the seven of :mod:`sweep_norm_fourth` (a fourth round:
   five per-sample-norm libraries, two BatchNorm ones) and :mod:`sweep_norm_fifth`'s ``timmnorm`` (a fifth
-  round: timm's per-sample-norm families never run before), merged into :data:`NORM_FAMILIES`.
+  round: timm's per-sample-norm families never run before) and the three of :mod:`sweep_norm_sixth` (a sixth round:
+  ``diffusers``' video / 3-D models ``diff2``, ``transformers``' audio encoders ``hfaudio`` and vision nets
+  ``hfvision2``), merged into :data:`NORM_FAMILIES`.
 * ``bnctl``: BatchNorm controls built from the same libraries (MONAI ``UNet`` / ``DynUNet``
   with BatchNorm, torchvision ``resnet18``), whose numbers must not move.
 
@@ -53,6 +55,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 from sweep_norm_more import NORM_MORE_FAMILIES
 from sweep_norm_fifth import NORM_FIFTH_FAMILIES
 from sweep_norm_fourth import NORM_FOURTH_FAMILIES
+from sweep_norm_sixth import NORM_SIXTH_FAMILIES
 from sweep_norm_third import NORM_THIRD_FAMILIES
 
 __all__ = ["NORM_FAMILIES", "NORM_KINDS", "build_norm", "count_norms", "norm_kind", "norm_hooks", "norm_markdown"]
@@ -375,6 +378,7 @@ NORM_FAMILIES.update(NORM_MORE_FAMILIES)
 NORM_FAMILIES.update(NORM_THIRD_FAMILIES)
 NORM_FAMILIES.update(NORM_FOURTH_FAMILIES)
 NORM_FAMILIES.update(NORM_FIFTH_FAMILIES)
+NORM_FAMILIES.update(NORM_SIXTH_FAMILIES)
 
 
 def build_norm(family: str, name: str, gen: Any) -> Built:
