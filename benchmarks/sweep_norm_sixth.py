@@ -39,9 +39,11 @@ from sweep_norm_more import Built, Entry, _randn
 __all__ = ["NORM_SIXTH_FAMILIES"]
 
 
-def _wrap(model: Any, **kw: Any) -> Any:
+def _wrap(model: Any, first: int = 0, **kw: Any) -> Any:
     """``model`` called as ``model(*inputs, return_dict=False, **kw)``: what a training script's
-    ``model(...).sample`` computes, as a tuple the sweep's loss reads."""
+    ``model(...).sample`` computes, as a tuple the sweep's loss reads, from its output ``first`` on
+    (``convbn.memory.timeline``'s default loss, which the sweep's peak takes, reads the first tensor:
+    not an integer one such as EncodecModel's codes)."""
     import torch.nn as nn
 
     class ReturnTuple(nn.Module):
@@ -50,7 +52,8 @@ def _wrap(model: Any, **kw: Any) -> Any:
             self.inner = inner
 
         def forward(self, *args: Any) -> Any:
-            return self.inner(*args, return_dict=False, **kw)
+            out = self.inner(*args, return_dict=False, **kw)
+            return out[first:] if first else out
 
     return ReturnTuple(model)
 
@@ -260,7 +263,7 @@ def _encodec(gen: Any) -> Built:
     config = t.EncodecConfig(target_bandwidths=[1.5], hidden_size=16, num_filters=8, num_residual_layers=1,
                              upsampling_ratios=[2, 2], norm_type="time_group_norm", use_causal_conv=False,
                              num_lstm_layers=1, codebook_size=16, codebook_dim=16, sampling_rate=400)
-    return _wrap(t.EncodecModel(config)), _randn(gen, 2, 1, 400)
+    return _wrap(t.EncodecModel(config), first=1), _randn(gen, 2, 1, 400)  # the codes, then the audio
 
 
 # --------------------------------------------------------------------------- transformers: vision nets

@@ -1,8 +1,8 @@
 """A LayerNorm over the channels written with ``transpose`` instead of ``permute``
 (``passes/bn/norm_sites.py``, ``_channels_to_last``): vocos' ConvNeXt block
 (``dwconv(x).transpose(1, 2)`` -> ``nn.LayerNorm`` -> Linear MLP -> ``transpose(1, 2)``) and
-its stem (``transpose(-1, 1)`` spelled with ``torch.transpose`` here), on the 3-D output of a
-Conv1d. Both fuse with the convolution before them and train as eager (float64); on a 4-D tensor
+its stem (``transpose(-1, 1)`` spelled with ``torch.transpose`` here), and transformers' speech
+feature encoders (``transpose(-2, -1)``), on the 3-D output of a Conv1d. Both fuse with the convolution before them and train as eager (float64); on a 4-D tensor
 a transpose reorders the positions (or, ``transpose(1, 2)``, normalises the height) and is left
 as written."""
 from __future__ import annotations
@@ -49,7 +49,37 @@ class StemLN(nn.Module):
         return self.conv(F.gelu(y))
 
 
+class SpeechConvLN(nn.Module):
+    """transformers' ``Wav2Vec2LayerNormConvLayer`` (WavLM, Data2VecAudio, SEW-D alike): Conv1d,
+    ``transpose(-2, -1)``, LayerNorm, ``transpose(-2, -1)``, GELU; two of them, as its feature encoder."""
+
+    def __init__(self, c: int = 8) -> None:
+        super().__init__()
+        self.conv0, self.norm0 = nn.Conv1d(1, c, 10, stride=5, bias=False), nn.LayerNorm(c)
+        self.conv1, self.norm = nn.Conv1d(c, c, 3, stride=2, bias=False), nn.LayerNorm(c)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.gelu(self.norm0(self.conv0(x).transpose(-2, -1)).transpose(-2, -1))
+        return F.gelu(self.norm(self.conv1(h).transpose(-2, -1)).transpose(-2, -1))
+
+
 MODELS = {"vocos-block": (VocosBlock, (2, 8, 20)), "stem": (StemLN, (2, 3, 20))}
+SPEECH = (SpeechConvLN, (2, 1, 80))
+
+
+@pytest.mark.parametrize("example", [True, False])
+def test_a_speech_encoders_negative_transposes_fuse_and_train_as_eager(example: bool) -> None:
+    make, shape = SPEECH
+    eager, work = perturbed_twins(make)
+    x = torch.randn(shape, dtype=torch.float64)
+    fast = convbn.convert(work, strategy="recompute_conv", example_inputs=(x,) if example else None)
+    assert sorted((o.batchnorm, o.result) for o in fast.convbn_report.outcomes) == [("norm", "fused"),
+                                                                                    ("norm0", "fused")]
+    assert fused_chains(fast) and all(isinstance(c, FusedNormChain) for c in fused_chains(fast))
+    assert_steps_match(eager, fast, x, steps=2)
+    gm = fx.symbolic_trace(make().double())
+    assert channel_layer_norms(gm) == 2
+    assert not any(n.target == "transpose" for n in gm.graph.nodes)
 
 
 @pytest.mark.parametrize("example", [True, False])

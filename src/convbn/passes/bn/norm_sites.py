@@ -77,19 +77,45 @@ def _transpose_dims(node: Any) -> Optional[Tuple[int, int]]:
 Move = Tuple[str, Tuple[int, ...]]
 
 
+_MOVEDIMS = ("movedim", "moveaxis")
+
+
+def _movedim_pair(node: Any) -> Optional[Tuple[int, int]]:
+    """``(source, destination)`` of a ``movedim`` / ``moveaxis`` node (method or function, two
+    ints), or ``None``."""
+    if not isinstance(node, fx.Node) or node.kwargs or len(node.args) != 3:
+        return None
+    if not ((node.op == "call_method" and node.target in _MOVEDIMS)
+            or (node.op == "call_function" and node.target in (torch.movedim, torch.moveaxis))):
+        return None
+    a, b = node.args[1:]
+    return (a, b) if type(a) is int and type(b) is int else None
+
+
 def _channels_to_last(node: Any, gm: fx.GraphModule) -> Optional[Move]:
-    """``("permute", dims)`` / ``("transpose", (a, b))`` of a node that moves the channels (dim 1)
-    last, else ``None``: a permute to ``(0, 2, ..., 1)``; ``transpose(1, 2)`` or ``(1, -1)`` where
-    the graph shows a 3-D input (vocos' ConvNeXt block after a Conv1d): there it is that permute,
-    in values and strides. At other ranks a transpose reorders the positions too (strides that
-    :func:`~convbn.functional.norms.channel_layer_norm` does not give back): left as written."""
+    """``("permute", dims)`` / ``("transpose", (a, b))`` / ``("movedim", (1, -1))`` of a node that
+    moves the channels (dim 1) last, else ``None``: a permute to ``(0, 2, ..., 1)``;
+    ``movedim(1, -1)`` (diffusers' channel norms: that permute at any rank, in values and
+    strides); ``transpose(1, 2)``, ``(1, -1)`` or ``(-2, -1)`` where the graph shows a 3-D input
+    (vocos' ConvNeXt block, transformers' speech feature encoders, after a Conv1d): there it is
+    that permute, in values and strides. At other ranks a transpose reorders the positions too
+    (strides that :func:`~convbn.functional.norms.channel_layer_norm` does not give back): left
+    as written."""
     dims = _permute_dims(node)
     if dims is not None:
         return ("permute", dims) if len(dims) >= 3 and dims == _to_last(len(dims)) else None
+    if _movedim_pair(node) == (1, -1):
+        return "movedim", (1, -1)
     pair = _transpose_dims(node)
-    if pair in ((1, 2), (2, 1), (1, -1), (-1, 1)) and known_rank(node.args[0], gm) == 3:
+    if pair is not None and _swaps_1_and_2(pair) and known_rank(node.args[0], gm) == 3:
         return "transpose", pair  # type: ignore[return-value]
     return None
+
+
+def _swaps_1_and_2(pair: Tuple[int, int]) -> bool:
+    """Whether a transpose of these two dims of a 3-D tensor swaps dims 1 and 2 (``(1, 2)``,
+    ``(1, -1)``, ``(-2, -1)`` as transformers' audio encoders write it, in either order)."""
+    return sorted(d % 3 for d in pair) == [1, 2] and all(-3 <= d < 3 for d in pair)
 
 
 def _moves_back(node: Any, move: Move, src: fx.Node) -> bool:
@@ -99,7 +125,10 @@ def _moves_back(node: Any, move: Move, src: fx.Node) -> bool:
         return False
     if kind == "permute":
         return _permute_dims(node) == _to_first(len(dims))
-    return _transpose_dims(node) in (dims, dims[::-1])
+    if kind == "movedim":
+        return _movedim_pair(node) == (-1, 1)
+    back = _transpose_dims(node)
+    return back is not None and _swaps_1_and_2(back)
 
 
 def _layer_norm_call(node: fx.Node, gm: fx.GraphModule) -> Optional[Tuple[Any, Any, Any, Any, Optional[str], NormRow]]:
