@@ -164,6 +164,11 @@ class FusedChain(nn.Module):
     def _hooked(self) -> bool:
         return module_hooked(*(m for ms in self.watched for m in ms))
 
+    def eager_this_call(self) -> str:
+        """Why a call now (the modules' present modes) runs the chain as eager modules although its
+        plan is fused, or ``""`` (the report says it: Note: [a report says what runs])."""
+        return ""
+
     def _forward_eager(self, x: Tensor) -> Tensor:
         """The chain as eager modules: conv modules, BatchNorms and tail modules are *called*
         (hooks run, eager's own checks and bookkeeping apply, dropouts draw from the global
