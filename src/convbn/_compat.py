@@ -38,6 +38,7 @@ __all__ = [
     "make_contiguous_strides_for", "suggest_memory_format", "mem_tracker_class", "mod_tracker_module",
     "HAS_MEM_TRACKER", "sparse_parts", "mem_tracker_total", "mod_tracker_of", "set_mod_tracker",
     "name_module", "hookless_mem_tracker", "sparse_counting_mem_tracker", "frozen_safe_mem_tracker", "fsdp_state_of", "insert_module_state", "fsdp_new_init_disabled", "InstanceNormBase",
+    "conv_backend",
 ]
 
 #: The oldest torch convbn declares (pyproject ``torch>=2.8``): the oldest release on which its
@@ -507,3 +508,21 @@ def frozen_safe_mem_tracker(tracker_cls: type) -> type:
             return super()._track_module_params_and_buffers(module, install_grad_hooks)
 
     return FrozenSafeMemTracker
+
+
+# --- convolution backends ---------------------------------------------------------------------
+def conv_backend(x: torch.Tensor, weight: torch.Tensor, stride: Sequence[int], padding: Sequence[int],
+                 dilation: Sequence[int], transposed: bool, output_padding: Sequence[int], groups: int) -> Optional[str]:
+    """The kernel family torch picks for this convolution (``"Mkldnn"``, ``"Slow2d"``, ...), from
+    ``torch._C._select_conv_backend`` (2.0 on; it reads shapes, dtype, device and the thread
+    count, not the data: stand-ins expanded from one element do); ``None`` where torch lacks it
+    or refuses the arguments (the caller then assumes the costliest family)."""
+    select = getattr(torch._C, "_select_conv_backend", None)
+    if select is None:
+        return None
+    try:
+        backend = select(x, weight, None, list(stride), list(padding), list(dilation), bool(transposed),
+                         list(output_padding), int(groups), None)
+    except (RuntimeError, TypeError):
+        return None
+    return str(backend).rpartition(".")[2]
