@@ -43,7 +43,10 @@ def _warm(net, opt, x):
 
 @pytest.mark.parametrize("optim,memory,kwargs", [
     (lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9), "2MiB", {}),
-    (lambda p: torch.optim.Adam(p), "3MiB", {"chain": False}),
+    pytest.param(lambda p: torch.optim.Adam(p), "3MiB", {"chain": False}, marks=pytest.mark.xfail(
+        strict=True, reason="the converted side's kernel scratch is estimated from its step at batch 3 (Note: [the "
+                            "kernels' scratch in the convbn prediction]): unconfirmed, 35 where measuring finds 32; "
+                            "confirmed, the same (test_a_refuted_prediction_is_walked_to_the_measured_answer)")),
 ])
 def test_predicted_max_batch_equals_the_measured_search(optim, memory, kwargs):
     torch.manual_seed(0)
@@ -151,3 +154,19 @@ def test_max_batch_checks_every_argument_before_any_step(monkeypatch, bad, error
     example, memory = args.pop("example_inputs"), args.pop("memory")
     with pytest.raises(error, match=match):
         convbn.max_batch(net, example, memory, **args)
+
+
+def test_a_refuted_prediction_is_walked_to_the_measured_answer():
+    """The converted side's unconfirmed prediction, its kernel scratch estimated, is 35 where
+    measuring finds 32 (Adam, chain=False, 3 MiB); confirmed, the steps refute it and the walk
+    (Note: [the kernels' scratch in the convbn prediction]) reaches the measured answer. Fails
+    with the walk removed (the side then measured: ``how`` says so)."""
+    torch.manual_seed(0)
+    net = _resnet()
+    opt = torch.optim.Adam(net.parameters())
+    x = torch.randn(2, 3, 16, 16)
+    fit = convbn.max_batch(net, x, "3MiB", optimizer=opt, confirm=True, chain=False)
+    assert fit.convbn_batch == 32 and fit.eager_batch == 24
+    assert fit.how["convbn"] == "measured at batch 32 and the batch above it (predicted 35)"
+    assert fit.resident + 33 * fit.sample_bytes + fit.probes["convbn"][33] > fit.usable >= \
+        fit.resident + 32 * fit.sample_bytes + fit.probes["convbn"][32]
