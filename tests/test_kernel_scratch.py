@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from convbn.memory import allocator_peak
-from convbn.memory.kernel_scratch import K, K_CHANNELS_LAST, conv_call, scratch_bytes
+from convbn.memory.kernel_scratch import K, K_CHANNELS_LAST, conv_call, kernel_call, scratch_bytes
 
 aten = torch.ops.aten
 
@@ -78,3 +78,32 @@ def test_the_table_bounds_what_the_allocator_sees(case: Dict[str, Any]) -> None:
         if measured >= 2 ** 20:
             assert modelled <= (2.4 if case["c"] < 8 and call.grads[0] else 1.6) * measured + slack, (call.family(), func, measured,
                                                                                      modelled)
+
+
+@pytest.mark.parametrize("shape,dtype,train,mask,cl", [
+    ((52, 16, 16, 16), torch.float32, True, (True, True, True), False),
+    ((52, 16, 16, 16), torch.float32, False, (True, True, True), False),
+    ((52, 16, 16, 16), torch.float32, True, (True, False, False), False),
+    ((52, 16, 16, 16), torch.float32, True, (False, True, True), False),
+    ((52, 16, 16, 16), torch.float32, True, (True, True, True), True),
+    ((52, 16, 16, 16), torch.float64, True, (True, True, True), False),
+    ((52, 16, 16, 16), torch.bfloat16, True, (True, True, True), False),
+    ((4, 16, 256), torch.float32, True, (True, True, True), False),
+    ((4, 16, 8, 8, 8), torch.float32, True, (True, True, True), False),
+    ((2, 16, 4, 4), torch.float32, True, (True, True, True), False),
+])
+def test_batch_norm_backward_takes_its_inputs_bytes_where_the_inputs_gradient_is_asked(shape, dtype, train, mask, cl):
+    """The table's BatchNorm row, exact: ``aten.native_batch_norm_backward`` on the CPU allocates
+    a buffer the size of its input, and frees it inside, where the input's gradient is asked."""
+    torch.manual_seed(0)
+    x = torch.randn(*shape, dtype=dtype)
+    if cl:
+        x = x.contiguous(memory_format=torch.channels_last)
+    stats = torch.float64 if dtype == torch.float64 else torch.float32
+    w, b = torch.randn(shape[1], dtype=stats), torch.randn(shape[1], dtype=stats)
+    rm, rv = torch.zeros(shape[1], dtype=stats), torch.ones(shape[1], dtype=stats)
+    y, mean, invstd = aten.native_batch_norm.default(x, w, b, rm, rv, train, 0.1, 1e-5)[:3]
+    args = (torch.randn_like(y), x, w, rm, rv, mean, invstd, train, 1e-5, list(mask))
+    call = kernel_call(aten.native_batch_norm_backward.default, args)
+    assert scratch_bytes(call) == _measured(aten.native_batch_norm_backward.default, args)
+    assert scratch_bytes(call) == (x.nbytes if mask[0] else 0)

@@ -43,10 +43,7 @@ def _warm(net, opt, x):
 
 @pytest.mark.parametrize("optim,memory,kwargs", [
     (lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9), "2MiB", {}),
-    pytest.param(lambda p: torch.optim.Adam(p), "3MiB", {"chain": False}, marks=pytest.mark.xfail(
-        strict=True, reason="the converted side's kernel scratch is estimated from its step at batch 3 (Note: [the "
-                            "kernels' scratch in the convbn prediction]): unconfirmed, 35 where measuring finds 32; "
-                            "confirmed, the same (test_a_refuted_prediction_is_walked_to_the_measured_answer)")),
+    (lambda p: torch.optim.Adam(p), "3MiB", {"chain": False}),
 ])
 def test_predicted_max_batch_equals_the_measured_search(optim, memory, kwargs):
     torch.manual_seed(0)
@@ -60,7 +57,10 @@ def test_predicted_max_batch_equals_the_measured_search(optim, memory, kwargs):
     assert fast.how["eager"].startswith("predicted") and fast.how["convbn"].startswith("predicted")
     assert fast.eager_batch not in fast.probes["eager"] and fast.convbn_batch not in fast.probes["convbn"]
     assert fast.eager_peak == slow.eager_peak == slow.probes["eager"][slow.eager_batch]
-    assert fast.convbn_peak == slow.convbn_peak == slow.probes["convbn"][slow.convbn_batch]
+    # the converted side's predicted peak counts each chain's largest backward scratch at its
+    # chain's highest moment (Note: [the kernels' scratch in the convbn prediction]): a bound
+    assert slow.convbn_peak <= fast.convbn_peak <= slow.convbn_peak + 64 * 1024
+    assert slow.convbn_peak == slow.probes["convbn"][slow.convbn_batch]
     above = slow.convbn_batch + 1  # the resident bytes, its inputs and its step are over
     assert slow.resident + above * slow.sample_bytes + slow.probes["convbn"][above] > slow.memory
 
@@ -156,17 +156,20 @@ def test_max_batch_checks_every_argument_before_any_step(monkeypatch, bad, error
         convbn.max_batch(net, example, memory, **args)
 
 
-def test_a_refuted_prediction_is_walked_to_the_measured_answer():
-    """The converted side's unconfirmed prediction, its kernel scratch estimated, is 35 where
-    measuring finds 32 (Adam, chain=False, 3 MiB); confirmed, the steps refute it and the walk
-    (Note: [the kernels' scratch in the convbn prediction]) reaches the measured answer. Fails
-    with the walk removed (the side then measured: ``how`` says so)."""
+def test_a_refuted_prediction_is_walked_to_the_measured_answer(monkeypatch):
+    """A prediction the confirming steps refute (here made one batch low on purpose) is walked,
+    a real step at a time, to the answer the measuring search finds (Note: [the kernels' scratch
+    in the convbn prediction]); fails with the walk removed (the side is then measured, and
+    ``how`` says so)."""
     torch.manual_seed(0)
     net = _resnet()
-    opt = torch.optim.Adam(net.parameters())
+    opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
     x = torch.randn(2, 3, 16, 16)
-    fit = convbn.max_batch(net, x, "3MiB", optimizer=opt, confirm=True, chain=False)
-    assert fit.convbn_batch == 32 and fit.eager_batch == 24
-    assert fit.how["convbn"] == "measured at batch 32 and the batch above it (predicted 35)"
-    assert fit.resident + 33 * fit.sample_bytes + fit.probes["convbn"][33] > fit.usable >= \
-        fit.resident + 32 * fit.sample_bytes + fit.probes["convbn"][32]
+    slow = convbn.max_batch(net, x, "2MiB", optimizer=opt, method="measure")
+    real = batch_search.largest_fitting
+    monkeypatch.setattr(batch_search, "largest_fitting", lambda fits, upper: real(fits, upper) - 1)
+    fit = convbn.max_batch(net, x, "2MiB", optimizer=opt, confirm=True)
+    for side, batch in (("eager", fit.eager_batch), ("convbn", fit.convbn_batch)):
+        assert batch == getattr(slow, f"{side}_batch")
+        assert fit.how[side] == f"measured at batch {batch} and the batch above it (predicted {batch - 1})"
+        assert fit.probes[side][batch] == slow.probes[side][batch] and batch + 1 in fit.probes[side]

@@ -60,12 +60,13 @@ stopped where it goes over the limit, and the choice to confirm made from counte
 # Every step is fitted and stopped with its kernels' scratch (Note: [kernel scratch] in
 # memory/kernel_scratch.py; ``timeline(kernel_scratch=True)``). The eager side's prediction
 # holds it exactly: each convolution's call is a line in the batch, its row chosen again at
-# each batch (``StepLines.process_peak_at``). The planner predicts live tensors only, so the
-# converted side takes a step at batch 3 planned without the scratch and reads from it how far
-# each convolution's scratch goes above the step's peak, both scaled with the batch
-# (``_scratch_above_peak``); every plan after it (predicting, confirming, measuring) is made for
-# the room less that, and the prediction adds it back. The confirming steps measure it; where
-# they refute the answer, up to :data:`WALK` more
+# each batch (``StepLines.process_peak_at``). The planner's peak model counts live tensors, so
+# the converted side takes a step at batch 3 planned without the scratch, reads from it which
+# convolutions each chain's backward runs, and every plan after it (predicting, confirming,
+# measuring) counts each chain's largest backward scratch at the batch as bytes alive beside
+# that chain during its backward (its ``prefix``): a bound, since the scratch lives only while
+# one convolution runs. Forward scratch and convolutions outside the chains are not in the
+# plan: the confirming steps measure them; where they refute the answer, up to :data:`WALK` more
 # steps walk from it (each a real step, stopped at the limit) before the side is measured.
 #
 # Note: [confirming by counted work]
@@ -82,6 +83,7 @@ import contextlib
 import copy
 import gc
 import warnings
+from dataclasses import replace
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple, Union
 
 import torch
@@ -91,6 +93,7 @@ from ._compat import mem_tracker_class
 from .batch_predict import PROBE_BATCHES, StepLines, largest_fitting, step_flops
 from .memory.budget import resident_bytes, usable_bytes
 from .memory.kernel_scratch import scratch_bytes
+from .memory.saved import _with_fused
 from .memory.timelines import StepOverLimit, Timeline, TimelinePoint, default_loss, timeline
 from .passes.convert.api import convert
 from .passes.plan.auto_plan import apply_plan, plan_to_target
@@ -207,16 +210,20 @@ def _warm_up(model: nn.Module, opt: torch.optim.Optimizer, inputs: Tuple[Any, ..
         p.grad = None
 
 
-def _scratch_above_peak(tl: Timeline, b: int) -> Callable[[int], int]:
-    """How far the kernels' scratch takes a step recorded at batch ``b`` above its peak, as a
-    function of the batch: each convolution's scratch with its samples scaled by ``n / b``, less
-    its point's room below the peak scaled alike (0 where no point goes above the peak)."""
-    points = [(p.call, tl.peak - p.bytes) for p in tl.points if p.call is not None and p.scratch]
+def _chain_scratch(tl: Timeline, model: nn.Module, chains: List[Any], b: int) -> Callable[[int], List[int]]:
+    """Each chain's largest convolution-backward scratch at a batch ``n``, in forward order, from
+    the calls a step recorded at batch ``b`` made in that chain's backward, their samples scaled
+    by ``n / b`` and their rows chosen again (Note: [kernel scratch])."""
+    names = {id(mod): name for name, mod in _with_fused(model)}
+    calls: Dict[str, List[Any]] = {names.get(id(c), ""): [] for c in chains}
+    for p in tl.points:
+        if p.call is not None and p.call.backward and p.module in calls:
+            calls[p.module].append(p.call)
+    order = [calls[names.get(id(c), "")] for c in chains]
 
-    def above(n: int) -> int:
-        return max([0] + [scratch_bytes(call.at_batch(max(1, call.x_shape[0] * n // b))) - room * n // b
-                          for call, room in points])
-    return above
+    def at(n: int) -> List[int]:
+        return [max([0] + [scratch_bytes(c.at_batch(max(1, c.x_shape[0] * n // b))) for c in cs]) for cs in order]
+    return at
 
 
 class Search:
@@ -231,9 +238,9 @@ class Search:
         self.confirm, self.convert_kwargs = confirm, convert_kwargs
         self.held: Tuple[Any, ...] = ()
         self.last: Any = None  # the last step's Timeline, or the StepOverLimit that stopped it
-        #: the converted side's kernel scratch above its peak at a batch, planned around
-        #: (Note: [the kernels' scratch in the convbn prediction]); the step at batch 3 that set it
-        self.scratch_above: Callable[[int], int] = lambda n: 0
+        #: the converted side's chains' kernel scratch at a batch, planned around (Note: [the
+        #: kernels' scratch in the convbn prediction]); the step at batch 3 that showed it
+        self.chain_scratch: Callable[[int], List[int]] = lambda n: []
         self.scratch_step: Tuple[int, int, Any] = (0, 0, None)
         self.copies = 0  # copies made so far
         m, o = self.fresh()
@@ -437,8 +444,11 @@ class Search:
 
         def plan_at(n: int) -> Any:
             p = plan_inputs_at(measured[b1], measured[b2], n)
-            room = target - input_bytes(self.inputs, n) - self.scratch_above(n)
-            return plan_to_target(p.costs(), p.floor, p.extra, room, p.gaps())
+            costs = p.costs()
+            scratch = self.chain_scratch(n)  # alive beside the chain in its backward, planned around
+            if len(scratch) == len(costs):
+                costs = [replace(c, prefix=c.prefix + extra) for c, extra in zip(costs, scratch)]
+            return plan_to_target(costs, p.floor, p.extra, target - input_bytes(self.inputs, n), p.gaps())
 
         def planned(n: int) -> int:  # a real step at n of the copy planned for n as predicted
             plan = plan_at(n)
@@ -450,21 +460,22 @@ class Search:
         except ValueError:
             self.held = ()
             return " (the planner's inputs are not lines in the batch)"
-        self._learn_scratch(plan_at, planned)
+        self._learn_scratch(plan_at, planned, conv, chains)
         return plan_at, planned
 
-    def _learn_scratch(self, plan_at: Callable[[int], Any], planned: Callable[[int], int]) -> None:
+    def _learn_scratch(self, plan_at: Callable[[int], Any], planned: Callable[[int], int], conv: nn.Module,
+                       chains: List[Any]) -> None:
         """A real step at batch 3 planned without the kernels' scratch, kept as
         :attr:`scratch_step` (its plan's predicted peak, its total, its timeline), and from it
-        :attr:`scratch_above`, which every later plan leaves room for (Note: [the kernels'
-        scratch in the convbn prediction])."""
+        :attr:`chain_scratch`, which every later plan counts (Note: [the kernels' scratch in the
+        convbn prediction])."""
         b3 = PROBE_BATCHES[2]
         stage(f"convbn: a recorded step at batch {b3}, planned as predicted")
-        self.scratch_above = lambda n: 0
+        self.chain_scratch = lambda n: []
         predicted = plan_at(b3).peak
         self.scratch_step = (predicted, planned(b3), self.last)
         if not isinstance(self.last, StepOverLimit):
-            self.scratch_above = _scratch_above_peak(self.last, b3)
+            self.chain_scratch = _chain_scratch(self.last, conv, chains, b3)
 
     def _fused_prediction(self) -> Union[Result, str]:
         _, _, b3 = PROBE_BATCHES
@@ -480,7 +491,7 @@ class Search:
             return f" (the predicted peak at batch {b3} is off)"
 
         def total_at(n: int) -> int:  # Note: [the kernels' scratch in the convbn prediction]
-            return self.before(n) + plan_at(n).peak + self.scratch_above(n)
+            return self.before(n) + plan_at(n).peak
 
         b = largest_fitting(lambda n: total_at(n) <= self.usable, self.upper)
         how = (f"predicted from the planner's inputs at batches {PROBE_BATCHES[0]} and {PROBE_BATCHES[1]} "

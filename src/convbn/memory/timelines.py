@@ -21,14 +21,14 @@ demo, :func:`convbn.max_batch`) is measured by it.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 import torch
 from torch import Tensor, nn
 
 from .._compat import TorchDispatchMode, current_autograd_node, mem_tracker_total, mod_tracker_of, name_module, pytree
 from .allocator_meter import AllocatorCounters, AllocatorMeter, cuda_counters
-from .kernel_scratch import ConvCall, conv_call, scratch_bytes
+from .kernel_scratch import ConvCall, NormCall, kernel_call, scratch_bytes
 from .next_op import new_output_bytes
 from .peaks import tensor_peak
 from .saved import _with_fused
@@ -55,8 +55,8 @@ class TimelinePoint:
             backwards of two nodes of one kind, e.g. ``tensor.grad_fn`` of one call.
         scratch: with ``timeline(kernel_scratch=True)``, the bytes the operator's kernel
             allocated and freed inside it on top of ``bytes`` (Note: [kernel scratch]); else 0.
-        call: that operator's :class:`~convbn.memory.kernel_scratch.ConvCall` (its scratch at
-            another batch), ``None`` where it has none.
+        call: that operator's :class:`~convbn.memory.kernel_scratch.ConvCall` or ``NormCall``
+            (its scratch at another batch), ``None`` where the table has no row for it.
     """
 
     bytes: int
@@ -65,7 +65,7 @@ class TimelinePoint:
     op: str
     node: int = 0
     scratch: int = 0
-    call: Optional[ConvCall] = None
+    call: Union[ConvCall, NormCall, None] = None
 
 
 @dataclass
@@ -167,7 +167,7 @@ class _TimelineMode(TorchDispatchMode):
         self.points: List[TimelinePoint] = []
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        call = conv_call(func, args, kwargs) if self.kernel_scratch else None
+        call = kernel_call(func, args, kwargs) if self.kernel_scratch else None
         scratch = scratch_bytes(call)
         if self.stop_above is not None:
             self._stop_before(func, args, kwargs, scratch)
