@@ -146,8 +146,8 @@ def max_batch(  # over 60 lines for its public docstring (Args, Raises, Example)
     too. On CPU each step is fitted and stopped with its kernels' scratch while they run (the
     buffers a convolution or a BatchNorm backward allocates and frees inside its operator, which
     no tensor meter sees), bounded by the table of :mod:`convbn.memory.kernel_scratch`. The
-    process's memory while answering is then bounded by ``memory`` + 1 KiB
-    (``SMALL_ALLOCATIONS``) plus, stated and not counted: on CUDA the workspace of an operator a
+    process's memory while answering is then bounded by ``memory`` + 1 KiB of small
+    allocations plus, stated and not counted: on CUDA the workspace of an operator a
     step is stopped after, on CPU the scratch of an operator outside that table, and
     ``convert``'s own check at batch 2. Measured by the CPU allocator's exact bytes: a strided
     net within ``memory`` + 1 KiB (without the scratch counted the same call goes over);

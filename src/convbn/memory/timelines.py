@@ -54,7 +54,8 @@ class TimelinePoint:
         node: ``id()`` of that autograd node (``0`` outside backward): tells apart the
             backwards of two nodes of one kind, e.g. ``tensor.grad_fn`` of one call.
         scratch: with ``timeline(kernel_scratch=True)``, the bytes the operator's kernel
-            allocated and freed inside it on top of ``bytes`` (Note: [kernel scratch]); else 0.
+            allocated and freed inside it on top of ``bytes`` (the table of
+            :mod:`convbn.memory.kernel_scratch`); else 0.
         call: that operator's :class:`~convbn.memory.kernel_scratch.ConvCall` or ``NormCall``
             (its scratch at another batch), ``None`` where the table has no row for it.
     """
@@ -92,7 +93,7 @@ class Timeline:
     @property
     def process_peak(self) -> int:
         """The most of ``bytes + scratch`` over the points: the step's peak with its kernels'
-        scratch (Note: [kernel scratch]); :attr:`peak` where none was recorded."""
+        scratch (:mod:`convbn.memory.kernel_scratch`); :attr:`peak` where none was recorded."""
         return max((p.bytes + p.scratch for p in self.points), default=0)
 
     @property
@@ -128,7 +129,7 @@ class StepOverLimit(RuntimeError):
     Attributes:
         bytes: bytes in use after that operator (above the step's start, as a point's):
             predicted where it was stopped before it ran; its kernel scratch added where the
-            timeline counted it (Note: [kernel scratch]).
+            timeline counted it.
         point: that operator's :class:`TimelinePoint`.
         before: whether the operator was stopped before it ran (its outputs never existed).
     """
@@ -244,8 +245,9 @@ def timeline(  # over 60 lines for its public docstring (what a step is, Args, E
             first), so a step that does not fit a limit never holds tensors past it; after the
             operator otherwise.
         kernel_scratch: record each convolution's kernel scratch (``TimelinePoint.scratch``,
-            :attr:`Timeline.process_peak`; 0 off the CPU) and stop against ``bytes + scratch``
-            (Note: [kernel scratch]); :attr:`Timeline.peak` stays live tensors either way.
+            :attr:`Timeline.process_peak`; 0 off the CPU; the table of
+            :mod:`convbn.memory.kernel_scratch`) and stop against ``bytes + scratch``;
+            :attr:`Timeline.peak` stays live tensors either way.
 
     Returns:
         :class:`Timeline`.
