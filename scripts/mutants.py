@@ -487,6 +487,23 @@ MUTANTS: Dict[str, Mutant] = {
         (("passes/convert/pipeline.py", "    failed = traced.opaque_to_retrace(module)\n",
           "    failed = traced.opaque_layers(module)\n"),),
         ("tests/test_dtype_eps_norms.py",)),
+    "kernel_scratch_not_counted": Mutant(
+        "max_batch's steps count no kernel scratch (the code before it was counted: the call goes over the memory)",
+        (("memory/kernel_scratch.py", '    if call is None or call.device != "cpu":\n        return 0\n',
+          '    if True:\n        return 0\n'),),
+        ("tests/test_max_batch_scratch.py::test_the_call_stays_within_the_memory_by_the_cpu_allocator",)),
+    "kernel_scratch_stride_term_for_stride_1": Mutant(
+        "the input-sized buffer of a strided convolution's backward counted for stride 1 too",
+        (("memory/kernel_scratch.py", "    extra = s * int(call.groups == 1", "    extra = int(call.groups == 1"),),
+        ("tests/test_max_batch_scratch.py::test_the_eager_answer_is_the_largest_batch_whose_step_and_scratch_fit",)),
+    "batch_norm_backward_scratch_dropped": Mutant(
+        "BatchNorm's CPU backward takes no scratch in the table",
+        (("memory/kernel_scratch.py", "if call.grad_input else 0", "if False else 0"),),
+        ("tests/test_kernel_scratch.py::test_batch_norm_backward_takes_its_inputs_bytes_where_the_inputs_gradient_is_asked",)),
+    "max_batch_walk_removed": Mutant(
+        "a refuted prediction is measured at once, never walked",
+        (("batch_search.py", "\nWALK = 3\n", "\nWALK = 0\n"),),
+        ("tests/test_max_batch_predict.py::test_a_refuted_prediction_is_walked_to_the_measured_answer",)),
 }
 
 
