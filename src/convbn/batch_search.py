@@ -216,11 +216,12 @@ def _chain_scratch(tl: Timeline, model: nn.Module, chains: List[Any], b: int) ->
     the calls a step recorded at batch ``b`` made in that chain's backward, their samples scaled
     by ``n / b`` and their rows chosen again (Note: [kernel scratch])."""
     names = {id(mod): name for name, mod in _with_fused(model)}
-    calls: Dict[str, List[Any]] = {names.get(id(c), ""): [] for c in chains}
+    keys = [names.get(id(c)) for c in chains]  # a chain without a name: no calls read as its own
+    calls: Dict[str, List[Any]] = {k: [] for k in keys if k}
     for p in tl.points:
         if p.call is not None and p.call.backward and p.module in calls:
             calls[p.module].append(p.call)
-    order = [calls[names.get(id(c), "")] for c in chains]
+    order = [calls[k] if k else [] for k in keys]
 
     def at(n: int) -> List[int]:
         return [max([0] + [scratch_bytes(c.at_batch(max(1, c.x_shape[0] * n // b))) for c in cs]) for cs in order]
