@@ -499,7 +499,8 @@ MUTANTS: Dict[str, Mutant] = {
     "batch_norm_backward_scratch_dropped": Mutant(
         "BatchNorm's CPU backward takes no scratch in the table",
         (("memory/kernel_scratch.py", "if call.grad_input else 0", "if False else 0"),),
-        ("tests/test_kernel_scratch.py::test_batch_norm_backward_takes_its_inputs_bytes_where_the_inputs_gradient_is_asked",)),
+        ("tests/test_kernel_scratch.py::"
+         "test_batch_norm_backward_takes_its_inputs_bytes_where_the_inputs_gradient_is_asked",)),
     "max_batch_plans_ignore_chain_scratch": Mutant(
         "max_batch's per-batch plans leave no room for the chains' kernel scratch (the prediction is then off)",
         (("batch_search.py", "            if len(scratch) == len(costs):", "            if False:"),),

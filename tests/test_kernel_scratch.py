@@ -20,7 +20,8 @@ aten = torch.ops.aten
 GRID = [
     dict(n=4, c=256, h=56, o=512, k=1, s=2), dict(n=4, c=256, h=56, o=64, k=1, s=1),
     dict(n=16, c=256, h=28, o=64, k=1, s=1), dict(n=4, c=128, h=56, o=128, k=3, s=2),
-    dict(n=4, c=64, h=56, o=64, k=3, s=1), dict(n=4, c=3, h=224, o=64, k=7, s=2), dict(n=4, c=3, h=224, o=64, k=7, s=2, mask=(False, True, False)),
+    dict(n=4, c=64, h=56, o=64, k=3, s=1), dict(n=4, c=3, h=224, o=64, k=7, s=2),
+    dict(n=4, c=3, h=224, o=64, k=7, s=2, mask=(False, True, False)),
     dict(n=4, c=64, h=56, o=64, k=1, s=2), dict(n=2, c=16, h=32, o=64, k=3, s=1),
     dict(n=4, c=64, h=32, o=64, k=3, s=2, mask=(False, True, False)),
     dict(n=4, c=64, h=32, o=64, k=3, s=2, mask=(True, False, False)),
@@ -28,12 +29,14 @@ GRID = [
     dict(n=4, c=64, h=32, o=64, k=3, s=1, d=2), dict(n=4, c=64, h=32, o=64, k=3, s=2, d=2),
     dict(n=4, c=64, h=32, o=64, k=3, s=2, cl=True), dict(n=4, c=64, h=32, o=64, k=1, s=2, cl=True),
     dict(n=4, c=3, h=64, o=32, k=7, s=2, cl=True), dict(n=4, c=64, h=32, o=64, k=1, s=1, cl=True),
-    dict(n=4, c=64, h=32, o=64, k=3, s=2, dtype=torch.float64), dict(n=4, c=64, h=32, o=64, k=1, s=1, dtype=torch.float64),
+    dict(n=4, c=64, h=32, o=64, k=3, s=2, dtype=torch.float64),
+    dict(n=4, c=64, h=32, o=64, k=1, s=1, dtype=torch.float64),
     dict(n=4, c=64, h=32, o=64, k=3, s=2, dtype=torch.bfloat16),
     dict(n=4, c=64, h=400, o=64, k=3, s=2, dim=1), dict(n=2, c=16, h=24, o=16, k=3, s=2, dim=3),
     dict(n=4, c=64, h=32, o=64, k=3, s=2, tr=True), dict(n=4, c=64, h=28, o=64, k=3, s=1, tr=True),
     dict(n=2, c=8, h=16, o=8, k=3, s=2), dict(n=2, c=4, h=8, o=8, k=3, s=2), dict(n=1, c=8, h=16, o=8, k=3, s=1),
-    dict(n=24, c=3, h=16, o=8, k=3, s=1), dict(n=24, c=3, h=16, o=8, k=3, s=1, mask=(False, True, False)), dict(n=24, c=8, h=16, o=16, k=3, s=2), dict(n=64, c=8, h=32, o=8, k=3, s=1),
+    dict(n=24, c=3, h=16, o=8, k=3, s=1), dict(n=24, c=3, h=16, o=8, k=3, s=1, mask=(False, True, False)),
+    dict(n=24, c=8, h=16, o=16, k=3, s=2), dict(n=64, c=8, h=32, o=8, k=3, s=1),
 ]
 
 
@@ -76,8 +79,8 @@ def test_the_table_bounds_what_the_allocator_sees(case: Dict[str, Any]) -> None:
         # 1.6x of it (2.4x for a 3-channel input), give or take the row's constant
         slack = K_CHANNELS_LAST if call.family() == "onednn channels-last" else 2 * K
         if measured >= 2 ** 20:
-            assert modelled <= (2.4 if case["c"] < 8 and call.grads[0] else 1.6) * measured + slack, (call.family(), func, measured,
-                                                                                     modelled)
+            loose = 2.4 if case["c"] < 8 and call.grads[0] else 1.6
+            assert modelled <= loose * measured + slack, (call.family(), func, measured, modelled)
 
 
 @pytest.mark.parametrize("shape,dtype,train,mask,cl", [

@@ -77,7 +77,8 @@ def test_the_eager_answer_is_the_largest_batch_whose_step_and_scratch_fit():
     def total(n):
         tl = timeline(m, *batch_of((x,), n), optimizer=o, kernel_scratch=True)
         scratch = iter(_by_hand(n) + [n * 32 * 8 * 8 * 4, n * 64 * 8 * 8 * 4, n * 16 * 16 * 16 * 4])
-        convs = [p for p in tl.points if isinstance(p.call, ConvCall)] + [p for p in tl.points if isinstance(p.call, NormCall)]
+        convs = [p for p in tl.points if isinstance(p.call, ConvCall)]
+        convs += [p for p in tl.points if isinstance(p.call, NormCall)]
         by_hand = {id(p): next(scratch) for p in convs}
         return search.before(n) + max(p.bytes + by_hand.get(id(p), 0) for p in tl.points)
 

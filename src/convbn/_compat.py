@@ -512,7 +512,8 @@ def frozen_safe_mem_tracker(tracker_cls: type) -> type:
 
 # --- convolution backends ---------------------------------------------------------------------
 def conv_backend(x: torch.Tensor, weight: torch.Tensor, stride: Sequence[int], padding: Sequence[int],
-                 dilation: Sequence[int], transposed: bool, output_padding: Sequence[int], groups: int) -> Optional[str]:
+                 dilation: Sequence[int], transposed: bool, output_padding: Sequence[int],
+                 groups: int) -> Optional[str]:
     """The kernel family torch picks for this convolution (``"Mkldnn"``, ``"Slow2d"``, ...), from
     ``torch._C._select_conv_backend`` (2.0 on; it reads shapes, dtype, device and the thread
     count, not the data: stand-ins expanded from one element do); ``None`` where torch lacks it

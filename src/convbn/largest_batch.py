@@ -152,8 +152,9 @@ def max_batch(  # over 60 lines for its public docstring (Args, Raises, Example)
     ``convert``'s own check at batch 2. Measured by the CPU allocator's exact bytes: a strided
     net within ``memory`` + 1 KiB (without the scratch counted the same call goes over);
     ResNet-50 224² at 768 MiB: 758.8 MiB, answers eager 6, convbn 18 (without: 788.8 MiB, 6 / 21).
-    With ``memory_budget=`` a copy is converted at each batch tried, not held to the limit. Its answer depends on no clock: the same call gives the same batches, ``probes``
-    and ``how`` on any machine.
+    With ``memory_budget=`` a copy is converted at each batch tried, not held to the limit.
+    Its answer depends on no clock: the same call gives the same batches, ``probes`` and
+    ``how`` on any machine.
 
     Args:
         model: the model, on the device to train on.

@@ -20,7 +20,8 @@ backward), modelled per call.
 # ``tests/test_kernel_scratch.py`` holds every row against that measurement on a grid of
 # convolutions, so a torch whose kernels need more fails there instead of breaking the bound.
 # ``x``, ``y``: the input's and output's bytes in oneDNN's blocked layouts (channels rounded up
-# to 16; the input plain below 8 channels, unless backward makes its gradient), ``w`` the weight's, ``cols`` the im2col columns
+# to 16; the input plain below 8 channels, unless backward makes its gradient), ``w`` the
+# weight's, ``cols`` the im2col columns
 # (``N * C_in * prod(kernel) * prod(output size)`` elements; transposed: the output's channels and
 # the input's size), ``s``: a stride above 1 (0 or 1), ``e``: ``s`` where the input's gradient is
 # asked, ``groups == 1`` and no dilation (else 0), ``K`` 64 KiB. Measured in brackets (exact bytes,

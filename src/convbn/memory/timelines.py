@@ -136,8 +136,8 @@ class StepOverLimit(RuntimeError):
 
     def __init__(self, point: TimelinePoint, limit: int, before: bool = False) -> None:
         when = "before an operator that would have" if before else "at"
-        super().__init__(f"the step was stopped {when} {point.bytes + point.scratch} bytes in use, above the limit of {limit} "
-                         f"({point.phase}, {point.op})")
+        super().__init__(f"the step was stopped {when} {point.bytes + point.scratch} bytes in use, above the limit "
+                         f"of {limit} ({point.phase}, {point.op})")
         self.bytes = point.bytes + point.scratch
         self.point = point
         self.before = before
