@@ -47,8 +47,8 @@ __all__ = ["compilable_norm_chain", "norm_chain_compiled_apply"]
 
 def compilable_norm_chain(specs: Sequence[NormLayerSpec]) -> bool:
     """Whether a chain's layers run in the region: every convolution a convolution (not a
-    linear layer, which the policy would not see)."""
-    return all(s.conv is None or not s.conv.is_linear for s in specs)
+    linear layer, on rows or on the channels, which the policy would not see)."""
+    return all(s.conv is None or not (s.conv.is_linear or s.conv.channel_linear) for s in specs)
 
 
 def _body(specs: Sequence[NormLayerSpec], tracks: Sequence[bool]) -> Any:

@@ -1,0 +1,189 @@
+"""A LayerNorm over the channels of a channels-last map read by a Linear: a norm chain's head.
+
+Note: [a channels-last LayerNorm before a Linear]
+MaxViT's and CoAtNet's ``PartitionAttentionCl``, MambaOut's ``GatedCNNBlock``, GCViT's and
+EdgeNeXt's blocks keep their maps channels-last, ``(N, H, W, C)`` (a transformer its tokens,
+``(B, T, C)``), and apply ``nn.LayerNorm(C)`` over the last dimension -- a norm over the channels
+-- whose output (after an activation, or not) only an ``nn.Linear`` reads. Seen through
+``x.permute(0, 3, 1, 2)`` that is ``channel_layer_norm -> act -> 1x1 convolution``: the
+pre-activation ``norm -> act -> conv`` a per-sample norm chain fuses (a head normalising the
+chain input, then a layer with a convolution). :func:`norm_linears`, a canonicalising rewrite
+(chains only), writes it so:
+
+    ln(x) -> act -> linear(., W, b)
+    ==>  channel_layer_norm(x.permute(0, 3, 1, 2)) -> act -> channel_linear(., W, b) -> .permute(0, 2, 3, 1)
+
+Every op runs on the tensor eager's would (``channel_layer_norm`` permutes back to ``x`` itself
+and runs ``F.layer_norm`` on it; the activation keeps its input's strides; ``channel_linear``
+moves the channels last again and runs ``F.linear``): the same values wherever the graph runs,
+fused or not. Matching then finds the norm as a site, the activation as its tail and
+``channel_linear`` as the convolution after it (``match_conv.py``), and the chain's Function keeps
+``x`` and the norm's statistics where eager keeps ``x``, the norm's output and the activation's.
+
+Only activations without parameters may stand between them (a PReLU's weight or a dropout's
+mask would be laid out over the other dimensions), every value between is read once, the map's
+rank is known (recorded by a trace with real inputs, or stated by the graph's ops:
+``graph/value_rank.py``) and is 3 or more, the Linear is a module with
+torch's forward and no hooks, or ``F.linear`` on a module's stored weight. A LayerNorm over the
+channels of a 4-D or larger map that stays is reported with why (:func:`channels_last_norms_left`).
+"""
+from __future__ import annotations
+
+from typing import Any, List, Optional, Tuple, Union
+
+import torch.fx as fx
+import torch.nn.functional as F
+from torch import nn
+
+from ...functional.activations import Activation, activation_from_module
+from ...functional.conv import channel_linear
+from ..bn.norm_sites import _layer_norm_call, _to_first, _to_last
+from ..graph.hooks import hook_reason
+from ..graph.layers import has_standard_forward, node_arg
+from ..graph.shape_capture import RANK
+from ..graph.value_rank import value_rank
+from .match_tail import describe_node, match_tail, TailOpMatch
+
+__all__ = ["norm_linears", "channels_last_norms_left"]
+
+#: what the rewrite found for one norm: (rank, tail ops, the Linear's node, weight, bias), or why not
+Found = Tuple[int, List[TailOpMatch], fx.Node, Any, Any]
+
+
+def _plain_activation(op: TailOpMatch) -> bool:
+    """An activation with no parameters (its values do not depend on which dim is the channel)."""
+    e = op.element
+    if isinstance(e, Activation):
+        return True
+    return isinstance(e, nn.Module) and not isinstance(e, nn.PReLU) and activation_from_module(e) is not None
+
+
+def _linear_of(node: fx.Node, src: fx.Node, gm: fx.GraphModule) -> Union[Tuple[Any, Any, Optional[str]], str]:
+    """``(weight, bias, module target)`` of a Linear reading ``src`` as its input, or why not."""
+    if node.op == "call_module":
+        mod = gm.get_submodule(str(node.target))
+        if not isinstance(mod, nn.Linear):
+            return f"{describe_node(node)} reads it, not a Linear"
+        if not has_standard_forward(mod):
+            return f"{describe_node(node)} is a Linear with its own forward"
+        hooks = hook_reason(mod)
+        if hooks:
+            return f"the Linear {describe_node(node)} runs as a module call ({hooks})"
+        if len(node.args) != 1 or node.kwargs or node.args[0] is not src:
+            return f"{describe_node(node)} is called with other arguments"
+        return mod.weight, mod.bias, str(node.target)
+    if node.op == "call_function" and node.target is F.linear:
+        w, b = node_arg(node, 1, "weight", None), node_arg(node, 2, "bias", None)
+        if node_arg(node, 0, "input", None) is not src or len(node.args) + len(node.kwargs) > 3:
+            return f"{describe_node(node)} does not read it as its input"
+        if not all(t is None or (isinstance(t, fx.Node) and t.op == "get_attr") for t in (w, b)) or w is None:
+            return "the F.linear reading it takes a weight or bias computed in forward, not a module's stored tensor"
+        return w, b, None
+    return f"{describe_node(node)} reads it, not a Linear"
+
+
+def _find(ln: fx.Node, gm: fx.GraphModule, root: nn.Module, prefix: str) -> Union[Found, str, None]:
+    """What :func:`norm_linears` rewrites at ``ln``, why it does not (a LayerNorm over the last dim
+    of a map of rank 3 or more), or ``None`` (no such LayerNorm: a token norm of unknown rank)."""
+    found = _layer_norm_call(ln, gm)
+    if found is None or found[5].last_dim is None:
+        return None
+    x = node_arg(ln, 0, "input", None)
+    rank = value_rank(x, gm)
+    if rank is None or rank < 3:
+        return None
+    tail = match_tail(ln, root, prefix)
+    ops = []
+    for op in tail.ops:
+        if not _plain_activation(op):
+            break
+        ops.append(op)
+    out = ops[-1].node if ops else ln
+    inner = [ln, *(n for op in ops for n in (op.node, *op.extra))]
+    if any(len(n.users) != 1 for n in inner if n is not out) or tail.shape_uses:
+        return "a value between the norm and the next op is read by more than one op"
+    users = list(out.users)
+    if len(users) != 1:
+        return "its output is read by " + ", ".join(describe_node(u) for u in users)
+    got = _linear_of(users[0], out, gm)
+    if isinstance(got, str):
+        return got
+    return rank, ops, users[0], got[0], got[1]
+
+
+def _drop_identities(ln: fx.Node, gm: fx.GraphModule) -> None:
+    """Bypass the ``nn.Identity`` calls (no hooks) on the single-reader path after a last-dim norm
+    (timm's ``act_layer=None`` / ``drop_path`` of 0): no-ops, the module stays registered."""
+    node = ln
+    for _ in range(8):
+        if len(node.users) != 1:
+            return
+        user = next(iter(node.users))
+        if user.op == "call_module" and type(gm.get_submodule(str(user.target))) is nn.Identity \
+                and not hook_reason(gm.get_submodule(str(user.target))) and user.args == (node,) and not user.kwargs:
+            user.replace_all_uses_with(node)
+            gm.graph.erase_node(user)
+            continue
+        node = user
+
+
+def norm_linears(gm: fx.GraphModule, root: nn.Module, prefix: str) -> int:
+    """Rewrite each LayerNorm (RMSNorm) over the channels of a channels-last map that a Linear
+    reads as ``channel_layer_norm -> act -> channel_linear`` between permutes (Note: [a
+    channels-last LayerNorm before a Linear]). Returns how many were rewritten."""
+    graph, done = gm.graph, 0
+    for ln in list(graph.nodes):
+        if _layer_norm_call(ln, gm) is not None:
+            _drop_identities(ln, gm)
+        found = _find(ln, gm, root, prefix)
+        if found is None or isinstance(found, str):
+            continue
+        rank, ops, lin, w, b = found
+        shape, nw, nb, eps, target, row = _layer_norm_call(ln, gm)  # type: ignore[misc]
+        with graph.inserting_before(ln):
+            xp = graph.call_method("permute", (node_arg(ln, 0, "input", None), *_to_first(rank)))
+            if target is not None:  # a module: its tensors as get_attr nodes
+                nw = graph.get_attr(f"{target}.weight") if nw is not None else None
+                nb = graph.get_attr(f"{target}.bias") if nb is not None else None
+            new = graph.call_function(row.functions[0], row.last_dim.channel_args(xp, shape, nw, nb, eps))
+        out = ops[-1].node if ops else new
+        with graph.inserting_before(lin):
+            if lin.op == "call_module":
+                w = graph.get_attr(f"{lin.target}.weight")
+                b = graph.get_attr(f"{lin.target}.bias") if b is not None else None
+            cl = graph.call_function(channel_linear, (out, w, b))
+            back = graph.call_method("permute", (cl, *_to_last(rank)))
+        for n in (xp, new, cl):
+            n.meta[RANK] = rank
+        back.meta.update({k: v for k, v in lin.meta.items() if k == RANK})
+        ln.replace_all_uses_with(new)
+        lin.replace_all_uses_with(back)
+        for n in (lin, ln):
+            graph.erase_node(n)
+        done += 1
+    if done:
+        graph.lint()
+        gm.recompile()
+    return done
+
+
+def channels_last_norms_left(gm: fx.GraphModule, root: nn.Module, prefix: str, chain: bool) -> List[Tuple[str, str]]:
+    """``(name, reason)`` of each LayerNorm (RMSNorm) over the last dim of a map of rank 4 or more
+    left in ``gm`` after :func:`norm_linears`: a norm over the channels of a channels-last map the
+    report names (a token norm on ``(B, T, C)`` is not a channel norm, and stays unlisted)."""
+    left: List[Tuple[str, str]] = []
+    for ln in gm.graph.nodes:
+        found = _find(ln, gm, root, prefix)
+        if found is None or value_rank(node_arg(ln, 0, "input", None), gm) < 4:  # type: ignore[operator]
+            continue
+        target = _layer_norm_call(ln, gm)[4]  # type: ignore[index]
+        name = prefix + target if target is not None else \
+            f"{getattr(ln.target, '__name__', ln.target)}() call '{ln.name}' in {prefix.rstrip('.') or '<root>'}"
+        if isinstance(found, str):
+            why = (f"a LayerNorm over the channels of a channels-last map fuses with a Linear that alone reads it "
+                   f"(after an activation or not): {found}")
+        else:
+            why = "it would start a pre-activation chain (LayerNorm -> Linear), which is fused only in chains; " \
+                  "pass chain=True"
+        left.append((name, why))
+    return left

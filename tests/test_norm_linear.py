@@ -1,0 +1,236 @@
+"""A LayerNorm over the channels of a channels-last map (``(N, H, W, C)``, or ``(B, T, C)``) read by
+a Linear fuses with it: ``LN -> [act] -> Linear`` is a per-sample norm chain's pre-activation head
+and a 1x1 convolution (Note: [a channels-last LayerNorm before a Linear] in
+``passes/convert/norm_linears.py``; Note: [a Linear on a channels-last map is a 1x1 convolution]
+in ``functional/conv.py``). Compared with eager PyTorch in float64 (outputs, every gradient,
+two steps), the fused Function asserted to run, its float64 gradcheck / gradgradcheck, the
+report's lines for the LayerNorms that stay, and the standard step's exact CPU peak."""
+from __future__ import annotations
+
+import copy
+from typing import Callable, Optional
+
+import pytest
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+from torch import nn
+
+import convbn
+from capture_helpers import assert_steps_match, perturbed_twins
+from fusion_checks import assert_chain_ran, fused_chains
+from norm_chain_checks import assert_chain_function_checks
+from convbn.autograd.norm_chain import NormLayerSpec
+from convbn.functional.activations import Activation
+from convbn.functional.conv import channel_linear, conv_backward, conv_forward, make_channel_linear_spec
+from convbn.functional.norms import NormCall, channel_layer_norm
+from convbn.memory import timeline
+from convbn.nn.norm_chain import FusedNormChain
+from convbn.passes.convert.norm_linears import norm_linears
+
+ACTS: dict = {"none": nn.Identity, "gelu": nn.GELU, "silu": nn.SiLU}
+
+
+class NHWCBlock(nn.Module):
+    """A conv stem, then a residual MLP over a channels-last map (MambaOut / MaxViT's ``norm2 ->
+    mlp``): ``x + fc2(fc(act(norm(x))))``; ``rank`` 4 (``(N, H, W, C)``) or 3 (``(N, L, C)``)."""
+
+    def __init__(self, c: int = 6, act: str = "gelu", affine: bool = True, bias: bool = True, rank: int = 4) -> None:
+        super().__init__()
+        self.rank = rank
+        self.conv = (nn.Conv2d if rank == 4 else nn.Conv1d)(3, c, 3, padding=1)
+        self.norm, self.act = nn.LayerNorm(c, elementwise_affine=affine), ACTS[act]()
+        self.fc, self.fc2 = nn.Linear(c, 2 * c, bias=bias), nn.Linear(2 * c, c)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.conv(x)
+        x = x.permute(0, 2, 3, 1) if self.rank == 4 else x.transpose(1, 2)
+        x = x + self.fc2(self.fc(self.act(self.norm(x))))
+        return x.permute(0, 3, 1, 2) if self.rank == 4 else x.transpose(1, 2)
+
+
+class FunctionalBlock(NHWCBlock):
+    """The same block spelled ``F.layer_norm`` / ``F.silu`` / ``F.linear`` on the modules' tensors."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.conv(x).permute(0, 2, 3, 1)
+        h = F.layer_norm(x, (6,), self.norm.weight, self.norm.bias, 1e-5)
+        x = x + self.fc2(F.linear(F.silu(h), self.fc.weight, self.fc.bias))
+        return x.permute(0, 3, 1, 2)
+
+
+def _input(rank: int) -> torch.Tensor:
+    return torch.randn((2, 3, 5, 4) if rank == 4 else (2, 3, 7), dtype=torch.float64)
+
+
+def _assert_norm_fused(fast: nn.Module) -> None:
+    # a LayerNorm without affine tensors is named by its call (no module owns a tensor of it)
+    norm = "norm" if fast.norm.weight is not None else "channel_layer_norm() call 'channel_layer_norm' in <root>"
+    assert [(o.batchnorm, o.result, o.layer) for o in fast.convbn_report.outcomes] == [(norm, "fused", "fc")]
+    chains = fused_chains(fast)
+    assert len(chains) == 1 and isinstance(chains[0], FusedNormChain)
+    assert chains[0].layers[1].conv.channel_linear  # the Linear as a 1x1 convolution
+
+
+@pytest.mark.parametrize("rank", [4, 3])
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("affine", [True, False])
+@pytest.mark.parametrize("act", sorted(ACTS))
+def test_layer_norm_then_linear_fuses_and_trains_as_eager(act: str, affine: bool, bias: bool, rank: int) -> None:
+    eager, work = perturbed_twins(lambda: NHWCBlock(act=act, affine=affine, bias=bias, rank=rank))
+    fast = convbn.convert(work, strategy="recompute_conv")
+    x = _input(rank)
+    assert_steps_match(eager, fast, x, steps=2, tol=dict(rtol=0, atol=0))  # twice: the guards pass
+    _assert_norm_fused(fast)
+
+
+def test_the_functional_spelling_fuses_with_example_inputs() -> None:
+    eager, work = perturbed_twins(FunctionalBlock)
+    x = _input(4)
+    fast = convbn.convert(work, example_inputs=x)  # the auto planner, the whole-step check
+    assert [(o.result, o.layer) for o in fast.convbn_report.outcomes] == [("fused", "fc")]
+    assert_steps_match(eager, fast, x, steps=2, tol=dict(rtol=0, atol=0))
+
+
+def test_the_rewrite_computes_the_same_values_in_the_same_strides() -> None:
+    model = NHWCBlock().double()
+    gm = fx.symbolic_trace(model)
+    assert norm_linears(gm, model, "") == 1
+    targets = [n.target for n in gm.graph.nodes]
+    assert channel_layer_norm in targets and channel_linear in targets and "norm" not in targets
+    assert "fc" not in targets and "fc2" in targets  # the second Linear reads the map channels-last
+    x = _input(4)
+    out, ref = gm(x), model(x)
+    assert torch.equal(out, ref) and out.stride() == ref.stride()
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_channel_linear_is_the_linear_layer_bit_for_bit(bias: bool) -> None:
+    torch.manual_seed(0)
+    x = torch.randn(2, 5, 4, 3, requires_grad=True)
+    w, b = torch.randn(6, 3, requires_grad=True), torch.randn(6, requires_grad=True) if bias else None
+    y = F.linear(x, w, b)
+    g = torch.randn_like(y)
+    want = torch.autograd.grad(y, [x, w] + ([b] if bias else []), g)
+    spec = make_channel_linear_spec(2)
+    xp = x.detach().permute(0, 3, 1, 2)
+    assert torch.equal(conv_forward(xp, w.detach(), None if b is None else b.detach(), spec).permute(0, 2, 3, 1), y)
+    gx, gw, gb = conv_backward(g.permute(0, 3, 1, 2), xp, w.detach(), spec, (True, True, bias), weight_first=True)
+    assert torch.equal(gx.permute(0, 2, 3, 1), want[0]) and torch.equal(gw, want[1])
+    assert not bias or torch.equal(gb, want[2])
+
+
+@pytest.mark.parametrize("act", ["gelu", "identity"])
+def test_the_chain_function_gradchecks_with_a_linear_on_the_channels(act: str) -> None:
+    torch.manual_seed(0)
+    c = 3
+    x = torch.randn(2, 4, 3, c, dtype=torch.float64).permute(0, 3, 1, 2).requires_grad_()
+    g, beta = torch.randn(c, dtype=torch.float64, requires_grad=True), torch.randn(c, dtype=torch.float64, requires_grad=True)
+    w, b = torch.randn(5, c, dtype=torch.float64, requires_grad=True), torch.randn(5, dtype=torch.float64, requires_grad=True)
+    specs = [NormLayerSpec(None, NormCall("channel_layer_norm", 1e-5, normalized=(c,)), Activation(act)),
+             NormLayerSpec(make_channel_linear_spec(2), None, Activation("identity"))]
+    assert_chain_function_checks(x, [g, beta, w, b], specs)
+
+
+class TwoReaders(nn.Module):
+    """Channels-last LayerNorms that stay: one read twice, one read by a reshape (a window
+    partition), one whose Linear has a hook, one before no Linear at all."""
+
+    def __init__(self, c: int = 4) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, c, 1)
+        self.n1, self.n2, self.n3, self.n4 = (nn.LayerNorm(c) for _ in range(4))
+        self.f1, self.f2, self.f3 = nn.Linear(c, c), nn.Linear(c, c), nn.Linear(c, c)
+        self.f3.register_forward_hook(lambda m, i, o: None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.conv(x).permute(0, 2, 3, 1)
+        h = self.n1(x)
+        x = x + self.f1(h) + h
+        x = x + self.f2(self.n2(x).reshape(x.shape[0], -1, x.shape[-1])).reshape(x.shape)
+        x = x + self.f3(self.n3(x))
+        return torch.sigmoid(self.n4(x)).permute(0, 3, 1, 2)
+
+
+@pytest.mark.expect_unfused("every LayerNorm here stays, each reported with why")
+@pytest.mark.parametrize("chain", [True, False])
+def test_channels_last_layer_norms_that_stay_are_reported(chain: bool) -> None:
+    model = TwoReaders().double()
+    x = torch.randn(2, 3, 4, 4, dtype=torch.float64)
+    ref = model(x)
+    fast = convbn.convert(copy.deepcopy(model), chain=chain)
+    why = {o.batchnorm: o.reason for o in fast.convbn_report.outcomes}
+    assert sorted(why) == ["n1", "n2", "n3", "n4"] and {o.result for o in fast.convbn_report.outcomes} == {"left"}
+    if chain:
+        assert "read by module 'f1', function add" in why["n1"]
+        assert "method .reshape()" in why["n2"]
+        assert "hook" in why["n3"]
+        assert "function sigmoid" in why["n4"] or "not a Linear" in why["n4"]
+    else:
+        assert all("chain=True" in w or "not a Linear" in w or "read by" in w or "hook" in w for w in why.values())
+    assert torch.equal(fast(x), ref)
+
+
+def _peak(model: nn.Module, x: torch.Tensor) -> int:
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    loss: Callable[[torch.Tensor], torch.Tensor] = lambda out: out.square().mean()  # noqa: E731
+    timeline(model, x, loss_fn=loss, optimizer=opt)  # gradients exist from the first step on
+    return timeline(model, x, loss_fn=loss, optimizer=opt).peak
+
+
+@pytest.mark.parametrize("strategy", ["auto", "recompute_conv"])
+def test_the_step_peaks_lower_than_eager(strategy: str) -> None:
+    torch.manual_seed(0)
+    eager = NHWCBlock(c=16).double()
+    x = torch.randn(4, 3, 16, 16, dtype=torch.float64)
+    fast = convbn.convert(copy.deepcopy(eager), strategy=strategy, example_inputs=x if strategy == "auto" else None)
+    fast(x)  # a lazy plan resolves on the first call
+    _assert_norm_fused(fast)
+    assert _peak(fast, x) < _peak(eager, x)
+
+
+def test_double_backward_matches_eager() -> None:
+    eager, work = perturbed_twins(NHWCBlock)
+    fast = convbn.convert(work, strategy="recompute_conv")
+    x = _input(4)
+    outs = []
+    for m in (eager, fast):
+        xi = x.clone().requires_grad_()
+        gx, = torch.autograd.grad(m(xi).square().sum(), xi, create_graph=True)
+        gx.square().sum().backward()
+        outs.append([gx.detach(), *(p.grad for p in m.parameters())])
+    for a, b in zip(*outs):
+        torch.testing.assert_close(b, a, rtol=1e-10, atol=1e-10)
+
+
+def test_state_dict_and_parameters_stay_the_models() -> None:
+    model = NHWCBlock().double()
+    keys, params = list(model.state_dict()), [id(p) for p in model.parameters()]
+    fast = convbn.convert(model, strategy="recompute_conv")
+    assert list(fast.state_dict()) == keys and [id(p) for p in fast.parameters()] == params
+    assert type(fast.fc) is nn.Linear and type(fast.norm) is nn.LayerNorm
+
+
+def test_bf16_autocast_runs_the_chain_close_to_eager() -> None:
+    torch.manual_seed(0)
+    eager = NHWCBlock(c=8)
+    fast = convbn.convert(copy.deepcopy(eager), strategy="recompute_conv")
+    x = torch.randn(2, 3, 6, 6)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ref, out = eager(x), fast(x)
+    assert_chain_ran(out)
+    assert out.dtype == ref.dtype
+    torch.testing.assert_close(out.float(), ref.float(), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.expect_unfused("under torch.compile the chain with a linear layer on the channels runs as its modules")
+def test_torch_compile_fullgraph_runs_and_matches_eager() -> None:
+    torch.manual_seed(0)
+    eager = NHWCBlock(c=8)
+    fast = convbn.convert(copy.deepcopy(eager), strategy="recompute_conv")
+    x = torch.randn(2, 3, 6, 6)
+    fast(x)
+    compiled = torch.compile(fast, fullgraph=True, backend="eager")
+    out = compiled(x)
+    out.sum().backward()
+    torch.testing.assert_close(out, eager(x), rtol=1e-5, atol=1e-5)
