@@ -487,6 +487,23 @@ MUTANTS: Dict[str, Mutant] = {
         (("passes/convert/pipeline.py", "    failed = traced.opaque_to_retrace(module)\n",
           "    failed = traced.opaque_layers(module)\n"),),
         ("tests/test_dtype_eps_norms.py",)),
+    "channel_linear_bias_dropped": Mutant(
+        "a Linear on the channels (a LayerNorm -> Linear chain's end) runs without its bias",
+        (("functional/conv.py", "        return channel_linear(x, weight, bias)\n", "        return channel_linear(x, weight, None)\n"),),
+        ("tests/test_norm_linear.py::test_layer_norm_then_linear_fuses_and_trains_as_eager",)),
+    "norm_chain_keeps_each_layer_output": Mutant(
+        "a norm chain's forward keeps each activation's output (written over the norm's output) until backward",
+        (("autograd/norm_chain.py", "        x = spec.act(z, inplace=True) if not _shares_storage(z, kept.get(i)) else spec.act(z)\n",
+          "        x = spec.act(z, inplace=True) if not _shares_storage(z, kept.get(i)) else spec.act(z)\n"
+          "        kept[-1 - i] = x\n"),),
+        ("tests/test_norm_linear.py::test_the_step_peaks_lower_than_eager_by_the_maps_it_does_not_keep",)),
+    "view_rank_taken_as_three": Mutant(
+        "the rank a permute states read as 3 whatever its dims (a channels-last map's permutes written for 3-D)",
+        (("passes/graph/value_rank.py",
+          "        return len(dims[0]) if len(dims) == 1 and isinstance(dims[0], (tuple, list)) else len(dims) or None\n"
+          "    if node.op == \"call_method\" and node.target in _SHAPES:",
+          "        return 3\n    if node.op == \"call_method\" and node.target in _SHAPES:"),),
+        ("tests/test_norm_linear.py::test_layer_norm_then_linear_fuses_and_trains_as_eager",)),
 }
 
 

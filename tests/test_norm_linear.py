@@ -178,15 +178,20 @@ def _peak(model: nn.Module, x: torch.Tensor) -> int:
     return timeline(model, x, loss_fn=loss, optimizer=opt).peak
 
 
+@pytest.mark.parametrize("act", ["gelu", "none"])
 @pytest.mark.parametrize("strategy", ["auto", "recompute_conv"])
-def test_the_step_peaks_lower_than_eager(strategy: str) -> None:
+def test_the_step_peaks_lower_than_eager_by_the_maps_it_does_not_keep(strategy: str, act: str) -> None:
+    """Eager keeps the LayerNorm's output (the activation's input) and the activation's output (the
+    Linear's input); the chain keeps neither: the step peaks lower by those maps (exact CPU bytes)."""
     torch.manual_seed(0)
-    eager = NHWCBlock(c=16).double()
+    eager = NHWCBlock(c=16, act=act).double()
     x = torch.randn(4, 3, 16, 16, dtype=torch.float64)
     fast = convbn.convert(copy.deepcopy(eager), strategy=strategy, example_inputs=x if strategy == "auto" else None)
     fast(x)  # a lazy plan resolves on the first call
     _assert_norm_fused(fast)
-    assert _peak(fast, x) < _peak(eager, x)
+    one_map = 4 * 16 * 16 * 16 * 8
+    maps = 2 if act != "none" else 1
+    assert _peak(fast, x) <= _peak(eager, x) - maps * one_map
 
 
 def test_double_backward_matches_eager() -> None:
