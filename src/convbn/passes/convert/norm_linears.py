@@ -13,6 +13,9 @@ chain input, then a layer with a convolution). :func:`norm_linears`, a canonical
     ln(x) -> act -> linear(., W, b)
     ==>  channel_layer_norm(x.permute(0, 3, 1, 2)) -> act -> channel_linear(., W, b) -> .permute(0, 2, 3, 1)
 
+and, where the norm's output is moved channels-first for a convolution (MambaOut's downsampling:
+``norm(x).permute(0, 3, 1, 2) -> conv``), ``channel_layer_norm(x.permute(0, 3, 1, 2)) -> conv``.
+
 Every op runs on the tensor eager's would (``channel_layer_norm`` permutes back to ``x`` itself
 and runs ``F.layer_norm`` on it; the activation keeps its input's strides; ``channel_linear``
 moves the channels last again and runs ``F.linear``): the same values wherever the graph runs,
@@ -31,16 +34,18 @@ from __future__ import annotations
 
 from typing import Any, List, Optional, Tuple, Union
 
+import torch
 import torch.fx as fx
 import torch.nn.functional as F
 from torch import nn
 
 from ...functional.activations import Activation, activation_from_module
 from ...functional.conv import channel_linear
-from ..bn.norm_sites import _layer_norm_call, _to_first, _to_last
+from ..bn.norm_sites import _layer_norm_call, _permute_dims, _to_first, _to_last
 from ..graph.hooks import hook_reason
 from ..graph.layers import has_standard_forward, node_arg
 from ..graph.shape_capture import RANK
+from ..graph.shape_uses import value_users
 from ..graph.value_rank import value_rank
 from .match_tail import describe_node, match_tail, TailOpMatch
 
@@ -104,7 +109,11 @@ def _find(ln: fx.Node, gm: fx.GraphModule, root: nn.Module, prefix: str) -> Unio
         return "a value between the norm and the next op is read by more than one op"
     users = list(out.users)
     if len(users) != 1:
-        return "its output is read by " + ", ".join(describe_node(u) for u in users)
+        values = value_users(out)
+        shapes = " (and its shape is read)" if len(values) < len(users) else ""
+        return "its output is read by " + ", ".join(describe_node(u) for u in values) + shapes
+    if _permute_dims(users[0]) == _to_first(rank) and node_arg(users[0], 0, "input", None) is out:
+        return rank, ops, users[0], None, None  # moved back channels-first: a channel LayerNorm (-> conv)
     got = _linear_of(users[0], out, gm)
     if isinstance(got, str):
         return got
@@ -127,6 +136,25 @@ def _drop_identities(ln: fx.Node, gm: fx.GraphModule) -> None:
         node = user
 
 
+def _rewrite_reader(gm: fx.GraphModule, out: fx.Node, reader: fx.Node, w: Any, b: Any, rank: int) -> None:
+    """The reader of the norm's (tail's) output ``out``, now channels-first: a Linear becomes
+    ``channel_linear`` and a permute back to channels-last; a permute to channels-first goes."""
+    graph = gm.graph
+    if reader.op == "call_method" and reader.target == "permute" or reader.target is torch.permute:
+        reader.replace_all_uses_with(out)
+        graph.erase_node(reader)
+        return
+    with graph.inserting_before(reader):
+        if reader.op == "call_module":
+            w = graph.get_attr(f"{reader.target}.weight")
+            b = graph.get_attr(f"{reader.target}.bias") if b is not None else None
+        cl = graph.call_function(channel_linear, (out, w, b))
+        back = graph.call_method("permute", (cl, *_to_last(rank)))
+    cl.meta[RANK] = rank
+    reader.replace_all_uses_with(back)
+    graph.erase_node(reader)
+
+
 def norm_linears(gm: fx.GraphModule, root: nn.Module, prefix: str) -> int:
     """Rewrite each LayerNorm (RMSNorm) over the channels of a channels-last map that a Linear
     reads as ``channel_layer_norm -> act -> channel_linear`` between permutes (Note: [a
@@ -146,25 +174,26 @@ def norm_linears(gm: fx.GraphModule, root: nn.Module, prefix: str) -> int:
                 nw = graph.get_attr(f"{target}.weight") if nw is not None else None
                 nb = graph.get_attr(f"{target}.bias") if nb is not None else None
             new = graph.call_function(row.functions[0], row.last_dim.channel_args(xp, shape, nw, nb, eps))
-        out = ops[-1].node if ops else new
-        with graph.inserting_before(lin):
-            if lin.op == "call_module":
-                w = graph.get_attr(f"{lin.target}.weight")
-                b = graph.get_attr(f"{lin.target}.bias") if b is not None else None
-            cl = graph.call_function(channel_linear, (out, w, b))
-            back = graph.call_method("permute", (cl, *_to_last(rank)))
-        for n in (xp, new, cl):
-            n.meta[RANK] = rank
-        back.meta.update({k: v for k, v in lin.meta.items() if k == RANK})
+        _rewrite_reader(gm, ops[-1].node if ops else new, lin, w, b, rank)
         ln.replace_all_uses_with(new)
-        lin.replace_all_uses_with(back)
-        for n in (lin, ln):
-            graph.erase_node(n)
+        graph.erase_node(ln)
         done += 1
     if done:
         graph.lint()
         gm.recompile()
     return done
+
+
+def _norm_name(ln: fx.Node, gm: fx.GraphModule, prefix: str) -> str:
+    """The report's name of a norm node: its module, the module holding its weight (a subclass
+    with its own forward calling ``F.layer_norm``, as timm's ``LayerNorm``), else the call."""
+    _, w, b, _, target, _ = _layer_norm_call(ln, gm)  # type: ignore[misc]
+    if target is not None:
+        return prefix + target
+    held = next((t for t in (w, b) if isinstance(t, fx.Node) and t.op == "get_attr"), None)
+    if held is not None:
+        return prefix + str(held.target).rpartition(".")[0]
+    return f"{getattr(ln.target, '__name__', ln.target)}() call '{ln.name}' in {prefix.rstrip('.') or '<root>'}"
 
 
 def channels_last_norms_left(gm: fx.GraphModule, root: nn.Module, prefix: str, chain: bool) -> List[Tuple[str, str]]:
@@ -176,12 +205,10 @@ def channels_last_norms_left(gm: fx.GraphModule, root: nn.Module, prefix: str, c
         found = _find(ln, gm, root, prefix)
         if found is None or value_rank(node_arg(ln, 0, "input", None), gm) < 4:  # type: ignore[operator]
             continue
-        target = _layer_norm_call(ln, gm)[4]  # type: ignore[index]
-        name = prefix + target if target is not None else \
-            f"{getattr(ln.target, '__name__', ln.target)}() call '{ln.name}' in {prefix.rstrip('.') or '<root>'}"
+        name = _norm_name(ln, gm, prefix)
         if isinstance(found, str):
-            why = (f"a LayerNorm over the channels of a channels-last map fuses with a Linear that alone reads it "
-                   f"(after an activation or not): {found}")
+            why = (f"{found} (a LayerNorm over the channels of a channels-last map fuses with a Linear that alone "
+                   "reads it, after a parameter-free activation or not)")
         else:
             why = "it would start a pre-activation chain (LayerNorm -> Linear), which is fused only in chains; " \
                   "pass chain=True"
