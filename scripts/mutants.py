@@ -504,6 +504,12 @@ MUTANTS: Dict[str, Mutant] = {
           "    if node.op == \"call_method\" and node.target in _SHAPES:",
           "        return 3\n    if node.op == \"call_method\" and node.target in _SHAPES:"),),
         ("tests/test_norm_linear.py::test_layer_norm_then_linear_fuses_and_trains_as_eager",)),
+    "channel_linear_chain_eager_under_compile": Mutant(
+        "a chain ending in a Linear on the channels runs as its modules under torch.compile (keeps eager's maps)",
+        (("autograd/norm_chain_compiled.py",
+          "               or (s.conv.channel_linear and i == last and s.norm is None and not s.tail and s.act.is_identity)\n",
+          ""),),
+        ("tests/test_norm_linear.py::test_torch_compile_fullgraph_keeps_what_the_chain_keeps",)),
 }
 
 

@@ -205,10 +205,12 @@ def channels_last_norms_left(gm: fx.GraphModule, root: nn.Module, prefix: str, c
         found = _find(ln, gm, root, prefix)
         if found is None or value_rank(node_arg(ln, 0, "input", None), gm) < 4:  # type: ignore[operator]
             continue
+        if not isinstance(found, str) and chain:  # rewritten by norm_linears: a site of its own
+            continue
         name = _norm_name(ln, gm, prefix)
         if isinstance(found, str):
-            why = (f"{found} (a LayerNorm over the channels of a channels-last map fuses with a Linear that alone "
-                   "reads it, after a parameter-free activation or not)")
+            why = (f"{found} (a LayerNorm over the last dim, a channels-last map's channels, fuses with a Linear "
+                   "that alone reads it, after a parameter-free activation or not)")
         else:
             why = "it would start a pre-activation chain (LayerNorm -> Linear), which is fused only in chains; " \
                   "pass chain=True"
