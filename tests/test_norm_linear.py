@@ -15,6 +15,7 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.utils import parametrize
 
 import convbn
 from capture_helpers import assert_steps_match, perturbed_twins
@@ -148,14 +149,16 @@ def test_the_chain_function_gradchecks_with_a_linear_on_the_channels(act: str) -
 
 class TwoReaders(nn.Module):
     """Channels-last LayerNorms that stay: one read twice, one read by a reshape (a window
-    partition), one whose Linear has a hook, one before no Linear at all."""
+    partition), one whose Linear has a hook, one with a hook of its own, one before no Linear."""
 
     def __init__(self, c: int = 4) -> None:
         super().__init__()
         self.conv = nn.Conv2d(3, c, 1)
-        self.n1, self.n2, self.n3, self.n4 = (nn.LayerNorm(c) for _ in range(4))
-        self.f1, self.f2, self.f3 = nn.Linear(c, c), nn.Linear(c, c), nn.Linear(c, c)
-        self.f3.register_forward_hook(lambda m, i, o: None)
+        self.n1, self.n2, self.n3, self.n4, self.n5 = (nn.LayerNorm(c) for _ in range(5))
+        self.f1, self.f2, self.f3, self.f5 = nn.Linear(c, c), nn.Linear(c, c), nn.Linear(c, c), nn.Linear(c, c)
+        self.calls = {"f3": 0, "n5": 0}
+        self.f3.register_forward_hook(lambda m, i, o: self.calls.__setitem__("f3", self.calls["f3"] + 1))
+        self.n5.register_forward_hook(lambda m, i, o: self.calls.__setitem__("n5", self.calls["n5"] + 1))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.conv(x).permute(0, 2, 3, 1)
@@ -163,6 +166,7 @@ class TwoReaders(nn.Module):
         x = x + self.f1(h) + h
         x = x + self.f2(self.n2(x).reshape(x.shape[0], -1, x.shape[-1])).reshape(x.shape)
         x = x + self.f3(self.n3(x))
+        x = x + self.f5(self.n5(x))
         return (self.n4(x) * 2).permute(0, 3, 1, 2)
 
 
@@ -174,7 +178,8 @@ def test_channels_last_layer_norms_that_stay_are_reported(chain: bool) -> None:
     ref = model(x)
     fast = convbn.convert(copy.deepcopy(model), chain=chain)
     why = {o.batchnorm: o.reason for o in fast.convbn_report.outcomes}
-    assert sorted(why) == ["n1", "n2", "n3", "n4"] and {o.result for o in fast.convbn_report.outcomes} == {"left"}
+    assert sorted(why) == ["n1", "n2", "n3", "n4", "n5"] and {o.result for o in fast.convbn_report.outcomes} == {"left"}
+    assert "hook" in why["n5"]
     if chain:
         assert "read by module 'f1', function add" in why["n1"]
         assert "method .reshape()" in why["n2"]
@@ -182,7 +187,8 @@ def test_channels_last_layer_norms_that_stay_are_reported(chain: bool) -> None:
         assert "function mul reads it, not a Linear" in why["n4"]
     else:
         assert all("chain=True" in w or "not a Linear" in w or "read by" in w or "hook" in w for w in why.values())
-    assert torch.equal(fast(x), ref)
+    model.calls.update(f3=0, n5=0)
+    assert torch.equal(fast(x), ref) and model.calls == {"f3": 1, "n5": 1}  # the hooks ran, once each
 
 
 class Downsample(nn.Module):
@@ -249,6 +255,25 @@ def test_state_dict_and_parameters_stay_the_models() -> None:
     fast = convbn.convert(model, strategy="recompute_conv")
     assert list(fast.state_dict()) == keys and [id(p) for p in fast.parameters()] == params
     assert type(fast.fc) is nn.Linear and type(fast.norm) is nn.LayerNorm
+
+
+def test_a_parametrized_linear_fuses_and_trains_as_eager() -> None:
+    """A Linear whose weight is a parametrization (``torch.nn.utils.parametrize``) is read through it
+    at every call: gradients reach the original weight as eager's."""
+    class Twice(nn.Module):
+        def forward(self, w: torch.Tensor) -> torch.Tensor:
+            return w * 2
+
+    def make() -> nn.Module:
+        m = NHWCBlock()
+        parametrize.register_parametrization(m.fc, "weight", Twice())
+        return m
+
+    eager, work = perturbed_twins(make)
+    fast = convbn.convert(work, strategy="recompute_conv")
+    assert_steps_match(eager, fast, _input(4), steps=2, tol=dict(rtol=0, atol=0))
+    _assert_norm_fused(fast)
+    assert list(fast.state_dict()) == list(eager.state_dict())
 
 
 def test_bf16_autocast_runs_the_chain_close_to_eager() -> None:

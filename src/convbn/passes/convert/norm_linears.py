@@ -32,6 +32,7 @@ channels of a 4-D or larger map that stays is reported with why (:func:`channels
 """
 from __future__ import annotations
 
+import warnings
 from typing import Any, List, Optional, Tuple, Union
 
 import torch
@@ -40,6 +41,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ...functional.activations import Activation, activation_from_module
+from ...functional import norms as norm_table
 from ...functional.conv import channel_linear
 from ..bn.norm_sites import _layer_norm_call, _permute_dims, _to_first, _to_last
 from ..graph.hooks import hook_reason
@@ -144,7 +146,10 @@ def _rewrite_reader(gm: fx.GraphModule, out: fx.Node, reader: fx.Node, w: Any, b
         reader.replace_all_uses_with(out)
         graph.erase_node(reader)
         return
-    with graph.inserting_before(reader):
+    with graph.inserting_before(reader), warnings.catch_warnings():
+        # a parametrized weight (torch.nn.utils.parametrize) is a property, no registered tensor:
+        # fx warns, and the generated code reads it as the module's forward would (getattr)
+        warnings.filterwarnings("ignore", message="Attempted to insert a get_attr Node with no underlying reference")
         if reader.op == "call_module":
             w = graph.get_attr(f"{reader.target}.weight")
             b = graph.get_attr(f"{reader.target}.bias") if b is not None else None
@@ -196,12 +201,27 @@ def _norm_name(ln: fx.Node, gm: fx.GraphModule, prefix: str) -> str:
     return f"{getattr(ln.target, '__name__', ln.target)}() call '{ln.name}' in {prefix.rstrip('.') or '<root>'}"
 
 
+def _hooked_last_dim_norm(node: fx.Node, gm: fx.GraphModule) -> Optional[str]:
+    """The hooks of a last-dim norm module (``nn.LayerNorm`` / ``nn.RMSNorm``) called by ``node``, or ``None``."""
+    if node.op != "call_module":
+        return None
+    mod = gm.get_submodule(str(node.target))
+    if not any(r.last_dim is not None and isinstance(mod, r.last_dim.module) for r in norm_table.NORMS):
+        return None
+    return hook_reason(mod)
+
+
 def channels_last_norms_left(gm: fx.GraphModule, root: nn.Module, prefix: str, chain: bool) -> List[Tuple[str, str]]:
     """``(name, reason)`` of each LayerNorm (RMSNorm) over the last dim of a map of rank 4 or more
     left in ``gm`` after :func:`norm_linears`: a norm over the channels of a channels-last map the
     report names (a token norm on ``(B, T, C)`` is not a channel norm, and stays unlisted)."""
     left: List[Tuple[str, str]] = []
     for ln in gm.graph.nodes:
+        hooked = _hooked_last_dim_norm(ln, gm)
+        if hooked and (value_rank(node_arg(ln, 0, "input", None), gm) or 0) >= 4:
+            left.append((prefix + str(ln.target), f"it runs as a module call ({hooked}): a LayerNorm over the last dim "
+                         "fuses with a Linear after it only without hooks"))
+            continue
         found = _find(ln, gm, root, prefix)
         if found is None or value_rank(node_arg(ln, 0, "input", None), gm) < 4:  # type: ignore[operator]
             continue
