@@ -510,6 +510,10 @@ MUTANTS: Dict[str, Mutant] = {
           "               or (s.conv.channel_linear and i == last and s.norm is None and not s.tail and s.act.is_identity)\n",
           ""),),
         ("tests/test_norm_linear.py::test_torch_compile_fullgraph_keeps_what_the_chain_keeps",)),
+    "norm_moved_past_any_permute": Mutant(
+        "a LayerNorm moved past a permute that takes the channels away from last (a window partition's check dropped)",
+        (("passes/convert/norm_linears.py", "        return dims[-1] in (len(dims) - 1, -1)\n", "        return True\n"),),
+        ("tests/test_norm_linear.py::test_a_permute_that_moves_the_channels_keeps_the_norm_where_it_is",)),
 }
 
 

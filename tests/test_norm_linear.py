@@ -148,14 +148,15 @@ def test_the_chain_function_gradchecks_with_a_linear_on_the_channels(act: str) -
 
 
 class TwoReaders(nn.Module):
-    """Channels-last LayerNorms that stay: one read twice, one read by a reshape (a window
-    partition), one whose Linear has a hook, one with a hook of its own, one before no Linear."""
+    """Channels-last LayerNorms that stay: one read twice, one read by a reshape that merges the
+    channels with the width, one whose Linear has a hook, one with a hook of its own, one before no
+    Linear."""
 
     def __init__(self, c: int = 4) -> None:
         super().__init__()
         self.conv = nn.Conv2d(3, c, 1)
         self.n1, self.n2, self.n3, self.n4, self.n5 = (nn.LayerNorm(c) for _ in range(5))
-        self.f1, self.f2, self.f3, self.f5 = nn.Linear(c, c), nn.Linear(c, c), nn.Linear(c, c), nn.Linear(c, c)
+        self.f1, self.f2, self.f3, self.f5 = nn.Linear(c, c), nn.Linear(4 * c, 4 * c), nn.Linear(c, c), nn.Linear(c, c)
         self.calls = {"f3": 0, "n5": 0}
         self.f3.register_forward_hook(lambda m, i, o: self.calls.__setitem__("f3", self.calls["f3"] + 1))
         self.n5.register_forward_hook(lambda m, i, o: self.calls.__setitem__("n5", self.calls["n5"] + 1))
@@ -164,7 +165,7 @@ class TwoReaders(nn.Module):
         x = self.conv(x).permute(0, 2, 3, 1)
         h = self.n1(x)
         x = x + self.f1(h) + h
-        x = x + self.f2(self.n2(x).reshape(x.shape[0], -1, x.shape[-1])).reshape(x.shape)
+        x = x + self.f2(self.n2(x).reshape(x.shape[0], x.shape[1], -1)).reshape(x.shape)  # rows of W * C
         x = x + self.f3(self.n3(x))
         x = x + self.f5(self.n5(x))
         return (self.n4(x) * 2).permute(0, 3, 1, 2)
@@ -306,3 +307,80 @@ def test_torch_compile_fullgraph_keeps_what_the_chain_keeps() -> None:
 
     one_map = 2 * 6 * 6 * 8 * 8
     assert maps(cf) <= maps(ce) - 2 * one_map, (maps(cf), maps(ce))
+
+
+class WindowBlock(nn.Module):
+    """MaxViT / GCViT's attention entry: ``norm1`` over a channels-last map, partitioned into
+    windows (``B, H, W, C = x.shape; view -> permute -> contiguous -> view``), then the
+    attention's ``qkv`` Linear, whose output is put back."""
+
+    def __init__(self, c: int = 4, ws: int = 2) -> None:
+        super().__init__()
+        self.stem, self.norm1, self.qkv, self.ws = nn.Conv2d(3, c, 1), nn.LayerNorm(c), nn.Linear(c, 3 * c), ws
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.stem(x).permute(0, 2, 3, 1)
+        h = self.norm1(x)
+        B, H, W, C = h.shape
+        ws = self.ws
+        win = h.view(B, H // ws, ws, W // ws, ws, C).permute(0, 1, 3, 2, 4, 5).contiguous().view(-1, ws, ws, C)
+        q = self.qkv(win)
+        back = q.view(B, H // ws, W // ws, ws, ws, -1).permute(0, 1, 3, 2, 4, 5).reshape(B, H, W, -1)
+        return x.repeat(1, 1, 1, 3) + back
+
+
+def test_a_norm_before_a_window_partition_fuses_with_the_attention_linear() -> None:
+    eager, work = perturbed_twins(WindowBlock)
+    fast = convbn.convert(work, strategy="recompute_conv")
+    x = torch.randn(2, 3, 4, 6, dtype=torch.float64)
+    assert_steps_match(eager, fast, x, steps=2)  # the norm's affine gradients sum in the windows' order
+    assert [(o.batchnorm, o.result, o.layer) for o in fast.convbn_report.outcomes] == [("norm1", "fused", "qkv")]
+
+
+def test_the_window_block_step_peaks_lower_by_the_map_it_does_not_keep() -> None:
+    """Eager keeps the norm's input and the windows of its output (the Linear's input); the chain
+    the windows of its input and the statistics: one map less at the step's peak."""
+    torch.manual_seed(0)
+    eager = WindowBlock(c=16, ws=4).double()
+    x = torch.randn(4, 3, 16, 16, dtype=torch.float64)
+    fast = convbn.convert(copy.deepcopy(eager), strategy="recompute_conv")
+    fast(x)
+    assert _peak(fast, x) <= _peak(eager, x) - 4 * 16 * 16 * 16 * 8
+
+
+class FunctionalWindowBlock(WindowBlock):
+    """The same, the norm spelled ``F.layer_norm(x, shape, weight=..., bias=..., eps=...)`` (timm's
+    ``LayerNorm`` forward, keywords and all)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.stem(x).permute(0, 2, 3, 1) + 1  # a residual stream, not a LayerNorm2d after the stem
+        h = F.layer_norm(x, (4,), weight=self.norm1.weight, bias=self.norm1.bias, eps=1e-6)
+        B, H, W, C = h.shape
+        win = h.view(B, H // 2, 2, W // 2, 2, C).permute(0, 1, 3, 2, 4, 5).contiguous().view(-1, 2, 2, C)
+        return self.qkv(win)
+
+
+class ChannelsMoved(WindowBlock):
+    """A permute that moves the channels away from last before the Linear (``(B, H, C, W)``, W == C):
+    the Linear mixes positions, not channels; nothing may move past it."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.stem(x).permute(0, 2, 3, 1) + 1
+        return self.qkv(self.norm1(x).permute(0, 1, 3, 2).contiguous())
+
+
+def test_a_functional_norm_with_keywords_before_a_window_partition_fuses() -> None:
+    eager, work = perturbed_twins(FunctionalWindowBlock)
+    fast = convbn.convert(work, strategy="recompute_conv")
+    x = torch.randn(2, 3, 4, 6, dtype=torch.float64)
+    assert_steps_match(eager, fast, x, steps=2)
+    assert [(o.result, o.layer) for o in fast.convbn_report.outcomes] == [("fused", "qkv")]
+
+
+@pytest.mark.expect_unfused("the permute moves the channels: the norm stays before it")
+def test_a_permute_that_moves_the_channels_keeps_the_norm_where_it_is() -> None:
+    eager, work = perturbed_twins(ChannelsMoved)
+    fast = convbn.convert(work, strategy="recompute_conv")
+    x = torch.randn(2, 3, 4, 4, dtype=torch.float64)
+    assert [o.result for o in fast.convbn_report.outcomes] == ["left"]
+    assert_steps_match(eager, fast, x, steps=1, fused=False, tol=dict(rtol=0, atol=0))

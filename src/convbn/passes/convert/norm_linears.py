@@ -32,6 +32,7 @@ channels of a 4-D or larger map that stays is reported with why (:func:`channels
 """
 from __future__ import annotations
 
+import operator
 import warnings
 from typing import Any, List, Optional, Tuple, Union
 
@@ -160,11 +161,78 @@ def _rewrite_reader(gm: fx.GraphModule, out: fx.Node, reader: fx.Node, w: Any, b
     graph.erase_node(reader)
 
 
+def _channels(v: Any, c: int, gm: fx.GraphModule) -> bool:
+    """Whether a size argument ``v`` is the channel count ``c``: the int, or the last entry of a
+    ``.shape`` read (``B, H, W, C = x.shape``)."""
+    if type(v) is int:
+        return v == c
+    if not (isinstance(v, fx.Node) and v.op == "call_function" and v.target is operator.getitem):
+        return False
+    shape, idx = v.args
+    if not (isinstance(shape, fx.Node) and shape.op == "call_function" and shape.target is getattr
+            and shape.args[1] == "shape" and type(idx) is int):
+        return False
+    rank = value_rank(shape.args[0], gm)
+    return idx == -1 or (rank is not None and idx == rank - 1)
+
+
+def _moves_rows(node: fx.Node, src: fx.Node, c: int, gm: fx.GraphModule) -> bool:
+    """Whether ``node`` only rearranges the rows of ``src``, each position's ``c`` channels kept
+    whole and last (a window partition's ``view`` / ``permute`` / ``contiguous`` / ``reshape``)."""
+    if node_arg(node, 0, "input", None) is not src or node.kwargs:
+        return False
+    if node.op == "call_method" and node.target == "contiguous":
+        return len(node.args) == 1
+    dims = _permute_dims(node)
+    if dims is not None:
+        return dims[-1] in (len(dims) - 1, -1)
+    if node.op == "call_method" and node.target in ("view", "reshape") and len(node.args) > 1:
+        sizes = node.args[1] if len(node.args) == 2 and isinstance(node.args[1], (tuple, list)) else node.args[1:]
+        return len(sizes) >= 2 and _channels(sizes[-1], c, gm)
+    return False
+
+
+def _norm_after_partition(ln: fx.Node, gm: fx.GraphModule) -> bool:
+    """Note: [a norm after the window partition]
+    A LayerNorm's output partitioned into windows (``view -> permute -> contiguous -> view``,
+    channels kept last) for an attention whose ``qkv`` Linear reads it: each position is normalised
+    alone, so partitioning the norm's input and normalising the windows is the same values in the
+    same layout (the Linear gets the very tensor), and the norm then stands right before its
+    Linear. Its shape reads are read off its input (the same shape). The norm's affine gradients sum
+    the positions in the windows' order: equal up to rounding. Returns whether it moved."""
+    found = _layer_norm_call(ln, gm)
+    x = node_arg(ln, 0, "input", None)
+    if found is None or not isinstance(x, fx.Node) or (ln.op == "call_module" and (len(ln.args) != 1 or ln.kwargs)):
+        return False
+    c, path, cur = int(found[0][0]), [], ln
+    for _ in range(6):
+        users = value_users(cur)
+        if len(users) != 1 or not _moves_rows(users[0], cur, c, gm):
+            break
+        path.append(users[0])
+        cur = users[0]
+    users = value_users(cur)
+    if not path or len(users) != 1 or isinstance(_linear_of(users[0], cur, gm), str):
+        return False
+    graph = gm.graph
+    with graph.inserting_after(cur):
+        moved = graph.create_node(ln.op, ln.target, tuple(cur if a is x else a for a in ln.args),
+                                  {k: (cur if v is x else v) for k, v in ln.kwargs.items()})
+    users[0].replace_input_with(cur, moved)
+    for u in list(ln.users):  # the shape reads, and the first rearrangement: of the input now
+        u.replace_input_with(ln, x)
+    graph.erase_node(ln)
+    return True
+
+
 def norm_linears(gm: fx.GraphModule, root: nn.Module, prefix: str) -> int:
     """Rewrite each LayerNorm (RMSNorm) over the channels of a channels-last map that a Linear
     reads as ``channel_layer_norm -> act -> channel_linear`` between permutes (Note: [a
     channels-last LayerNorm before a Linear]). Returns how many were rewritten."""
     graph, done = gm.graph, 0
+    for ln in list(graph.nodes):
+        if _layer_norm_call(ln, gm) is not None and (value_rank(node_arg(ln, 0, "input", None), gm) or 0) >= 3:
+            _norm_after_partition(ln, gm)  # Note: [a norm after the window partition]
     for ln in list(graph.nodes):
         if _layer_norm_call(ln, gm) is not None:
             _drop_identities(ln, gm)
