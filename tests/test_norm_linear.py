@@ -384,3 +384,40 @@ def test_a_permute_that_moves_the_channels_keeps_the_norm_where_it_is() -> None:
     x = torch.randn(2, 3, 4, 4, dtype=torch.float64)
     assert [o.result for o in fast.convbn_report.outcomes] == ["left"]
     assert_steps_match(eager, fast, x, steps=1, fused=False, tol=dict(rtol=0, atol=0))
+
+
+class _HeadLinear(nn.Module):
+    """A channels-last LayerNorm -> act -> Linear, the chain alone (its input made by a product)."""
+
+    def __init__(self, act: str) -> None:
+        super().__init__()
+        self.norm, self.act, self.fc = nn.LayerNorm(8), ACTS[act](), nn.Linear(8, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(self.act(self.norm(x.permute(0, 2, 3, 1) * 2)))
+
+
+@pytest.mark.parametrize("act", sorted(ACTS))
+def test_the_planner_replays_the_chain_backward_to_the_byte(act: str) -> None:
+    """The planner's memory model (``autograd/norm_chain_memory.py``) of the head + Linear chain's
+    backward against the step's exact CPU timeline: the same peak, to the byte."""
+    from convbn.autograd.refcounts import frees_incoming_gradients
+    from convbn.passes.plan.peak_model import chain_backward_peak
+    from test_norm_memory_model import _cost
+
+    torch.manual_seed(0)
+    fused = convbn.convert(_HeadLinear(act), strategy="recompute_conv")
+    x, proj = torch.randn(8, 8, 16, 16, requires_grad=True), torch.randn(8, 16, 16, 16)
+    loss: Callable[[torch.Tensor], torch.Tensor] = lambda out: (out * proj).sum()  # noqa: E731
+    loss(fused(x)).backward()
+    for p in fused.parameters():
+        p.grad = None
+    chain, = [m for _, m in convbn.fused_modules(fused) if isinstance(m, FusedNormChain)]
+    assert chain.layers[1].conv.channel_linear
+    cost, keep = _cost(chain)
+    tl = timeline(fused, x, loss_fn=loss)
+    idx = [i for i, p in enumerate(tl.points) if p.op.startswith("NormChainFunctionBackward/")]
+    assert idx, "the fused chain's backward did not run"
+    before = tl.points[idx[0] - 1].bytes - cost.y_bytes[-1]  # what was alive besides the incoming gradient
+    held = 0 if frees_incoming_gradients() else cost.y_bytes[-1]
+    assert chain_backward_peak(cost, keep)[0] + held == max(tl.points[i].bytes for i in idx) - before
