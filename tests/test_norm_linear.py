@@ -8,7 +8,7 @@ report's lines for the LayerNorms that stay, and the standard step's exact CPU p
 from __future__ import annotations
 
 import copy
-from typing import Callable, Optional
+from typing import Callable
 
 import pytest
 import torch

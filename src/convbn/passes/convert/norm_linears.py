@@ -14,7 +14,9 @@ chain input, then a layer with a convolution). :func:`norm_linears`, a canonical
     ==>  channel_layer_norm(x.permute(0, 3, 1, 2)) -> act -> channel_linear(., W, b) -> .permute(0, 2, 3, 1)
 
 and, where the norm's output is moved channels-first for a convolution (MambaOut's downsampling:
-``norm(x).permute(0, 3, 1, 2) -> conv``), ``channel_layer_norm(x.permute(0, 3, 1, 2)) -> conv``.
+``norm(x).permute(0, 3, 1, 2) -> conv``), ``channel_layer_norm(x.permute(0, 3, 1, 2)) -> conv``;
+where it is partitioned into windows for an attention's Linear, the norm moves after the partition
+first (Note: [a norm after the window partition]).
 
 Every op runs on the tensor eager's would (``channel_layer_norm`` permutes back to ``x`` itself
 and runs ``F.layer_norm`` on it; the activation keeps its input's strides; ``channel_linear``
@@ -54,7 +56,8 @@ from .match_tail import describe_node, match_tail, TailOpMatch
 
 __all__ = ["norm_linears", "channels_last_norms_left"]
 
-#: what the rewrite found for one norm: (rank, tail ops, the Linear's node, weight, bias), or why not
+#: what the rewrite found for one norm: (rank, tail ops, its reader -- the Linear, or a permute to channels-first --,
+#: the Linear's weight and bias)
 Found = Tuple[int, List[TailOpMatch], fx.Node, Any, Any]
 
 
