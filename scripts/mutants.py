@@ -514,6 +514,11 @@ MUTANTS: Dict[str, Mutant] = {
         "a LayerNorm moved past a permute that takes the channels away from last (a window partition's check dropped)",
         (("passes/convert/norm_linears.py", "        return dims[-1] in (len(dims) - 1, -1)\n", "        return True\n"),),
         ("tests/test_norm_linear.py::test_a_permute_that_moves_the_channels_keeps_the_norm_where_it_is",)),
+    "fake_errors_logged": Mutant(
+        "the shape trace's failed fake runs reach torch's ERROR log (no filter around the fake run)",
+        (("passes/graph/shape_capture.py", "torch.no_grad(), fake_errors_quiet(), self._fake_mode:",
+          "torch.no_grad(), self._fake_mode:"),),
+        ("tests/test_quiet_fake.py",)),
 }
 
 
