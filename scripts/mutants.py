@@ -487,6 +487,60 @@ MUTANTS: Dict[str, Mutant] = {
         (("passes/convert/pipeline.py", "    failed = traced.opaque_to_retrace(module)\n",
           "    failed = traced.opaque_layers(module)\n"),),
         ("tests/test_dtype_eps_norms.py",)),
+    "kernel_scratch_not_counted": Mutant(
+        "max_batch's steps count no kernel scratch (the code before it was counted: the call goes over the memory)",
+        (("memory/kernel_scratch.py", '    if call is None or call.device != "cpu":\n        return 0\n',
+          '    if True:\n        return 0\n'),),
+        ("tests/test_max_batch_scratch.py::test_the_call_stays_within_the_memory_by_the_cpu_allocator",)),
+    "kernel_scratch_stride_term_for_stride_1": Mutant(
+        "the input-sized buffer of a strided convolution's backward counted for stride 1 too",
+        (("memory/kernel_scratch.py", "    extra = s * int(call.groups == 1", "    extra = int(call.groups == 1"),),
+        ("tests/test_max_batch_scratch.py::test_the_eager_answer_is_the_largest_batch_whose_step_and_scratch_fit",)),
+    "batch_norm_backward_scratch_dropped": Mutant(
+        "BatchNorm's CPU backward takes no scratch in the table",
+        (("memory/kernel_scratch.py", "if call.grad_input else 0", "if False else 0"),),
+        ("tests/test_kernel_scratch.py::"
+         "test_batch_norm_backward_takes_its_inputs_bytes_where_the_inputs_gradient_is_asked",)),
+    "max_batch_plans_ignore_chain_scratch": Mutant(
+        "max_batch's per-batch plans leave no room for the chains' kernel scratch (the prediction is then off)",
+        (("batch_search.py", "            if len(scratch) == len(costs):", "            if False:"),),
+        ("tests/test_max_batch_predict.py::test_confirmed_prediction_measures_the_answer_and_the_batch_above",)),
+    "max_batch_walk_removed": Mutant(
+        "a refuted prediction is measured at once, never walked",
+        (("batch_search.py", "\nWALK = 3\n", "\nWALK = 0\n"),),
+        ("tests/test_max_batch_predict.py::test_a_refuted_prediction_is_walked_to_the_measured_answer",)),
+    "channel_linear_bias_dropped": Mutant(
+        "a Linear on the channels (a LayerNorm -> Linear chain's end) runs without its bias",
+        (("functional/conv.py", "        return channel_linear(x, weight, bias)\n", "        return channel_linear(x, weight, None)\n"),),
+        ("tests/test_norm_linear.py::test_layer_norm_then_linear_fuses_and_trains_as_eager",)),
+    "norm_chain_keeps_each_layer_output": Mutant(
+        "a norm chain's forward keeps each activation's output (written over the norm's output) until backward",
+        (("autograd/norm_chain.py", "        x = spec.act(z, inplace=True) if not _shares_storage(z, kept.get(i)) else spec.act(z)\n",
+          "        x = spec.act(z, inplace=True) if not _shares_storage(z, kept.get(i)) else spec.act(z)\n"
+          "        kept[-1 - i] = x\n"),),
+        ("tests/test_norm_linear.py::test_the_step_peaks_lower_than_eager_by_the_maps_it_does_not_keep",)),
+    "view_rank_taken_as_three": Mutant(
+        "the rank a permute states read as 3 whatever its dims (a channels-last map's permutes written for 3-D)",
+        (("passes/graph/value_rank.py",
+          "        return len(dims[0]) if len(dims) == 1 and isinstance(dims[0], (tuple, list)) else len(dims) or None\n"
+          "    if node.op == \"call_method\" and node.target in _SHAPES:",
+          "        return 3\n    if node.op == \"call_method\" and node.target in _SHAPES:"),),
+        ("tests/test_norm_linear.py::test_layer_norm_then_linear_fuses_and_trains_as_eager",)),
+    "channel_linear_chain_eager_under_compile": Mutant(
+        "a chain ending in a Linear on the channels runs as its modules under torch.compile (keeps eager's maps)",
+        (("autograd/norm_chain_compiled.py",
+          "               or (s.conv.channel_linear and i == last and s.norm is None and not s.tail and s.act.is_identity)\n",
+          ""),),
+        ("tests/test_norm_linear.py::test_torch_compile_fullgraph_keeps_what_the_chain_keeps",)),
+    "norm_moved_past_any_permute": Mutant(
+        "a LayerNorm moved past a permute that takes the channels away from last (a window partition's check dropped)",
+        (("passes/convert/norm_linears.py", "        return dims[-1] in (len(dims) - 1, -1)\n", "        return True\n"),),
+        ("tests/test_norm_linear.py::test_a_permute_that_moves_the_channels_keeps_the_norm_where_it_is",)),
+    "fake_errors_logged": Mutant(
+        "the shape trace's failed fake runs reach torch's ERROR log (no filter around the fake run)",
+        (("passes/graph/shape_capture.py", "torch.no_grad(), fake_errors_quiet(), self._fake_mode:",
+          "torch.no_grad(), self._fake_mode:"),),
+        ("tests/test_quiet_fake.py",)),
 }
 
 

@@ -34,10 +34,11 @@ __all__ = [
     "set_grad_enabled_now", "InferenceModeContext", "current_autograd_node", "storage_use_count",
     "will_engine_execute_node", "graph_task_keeps_graph", "engine_grad", "SingleLevelFunction", "function_apply_impl",
     "function_apply_wrapper", "global_module_hooks", "functorch_config", "inductor_compile_fx", "inductor_config", "dynamo_config",
-    "SAC_ADVISORY_LOGGER", "is_non_overlapping_and_dense_or_false", "dense_or_false_fallback", "make_channels_last_strides_for",
+    "SAC_ADVISORY_LOGGER", "FAKE_TENSOR_LOGGER", "is_non_overlapping_and_dense_or_false", "dense_or_false_fallback", "make_channels_last_strides_for",
     "make_contiguous_strides_for", "suggest_memory_format", "mem_tracker_class", "mod_tracker_module",
     "HAS_MEM_TRACKER", "sparse_parts", "mem_tracker_total", "mod_tracker_of", "set_mod_tracker",
     "name_module", "hookless_mem_tracker", "sparse_counting_mem_tracker", "frozen_safe_mem_tracker", "fsdp_state_of", "insert_module_state", "fsdp_new_init_disabled", "InstanceNormBase",
+    "conv_backend",
 ]
 
 #: The oldest torch convbn declares (pyproject ``torch>=2.8``): the oldest release on which its
@@ -248,6 +249,11 @@ def inductor_compile_fx() -> Callable[..., Any]:
 
 #: The logger torch's selective-checkpoint advisory is written to (2.4 on).
 SAC_ADVISORY_LOGGER = "torch._higher_order_ops.wrap"
+
+#: The logger ``FakeTensorMode`` writes an operator's failed meta run to, with its traceback, before
+#: it raises the error again (2.1 on; a logger of that name exists on every release, so on one
+#: that does not write there, nothing is filtered).
+FAKE_TENSOR_LOGGER = "torch._subclasses.fake_tensor"
 
 # --- strides (torch._prims_common, 2.0 on) -------------------------------------------------
 from torch._prims_common import (  # noqa: E402
@@ -507,3 +513,22 @@ def frozen_safe_mem_tracker(tracker_cls: type) -> type:
             return super()._track_module_params_and_buffers(module, install_grad_hooks)
 
     return FrozenSafeMemTracker
+
+
+# --- convolution backends ---------------------------------------------------------------------
+def conv_backend(x: torch.Tensor, weight: torch.Tensor, stride: Sequence[int], padding: Sequence[int],
+                 dilation: Sequence[int], transposed: bool, output_padding: Sequence[int],
+                 groups: int) -> Optional[str]:
+    """The kernel family torch picks for this convolution (``"Mkldnn"``, ``"Slow2d"``, ...), from
+    ``torch._C._select_conv_backend`` (2.0 on; it reads shapes, dtype, device and the thread
+    count, not the data: stand-ins expanded from one element do); ``None`` where torch lacks it
+    or refuses the arguments (the caller then assumes the costliest family)."""
+    select = getattr(torch._C, "_select_conv_backend", None)
+    if select is None:
+        return None
+    try:
+        backend = select(x, weight, None, list(stride), list(padding), list(dilation), bool(transposed),
+                         list(output_padding), int(groups), None)
+    except (RuntimeError, TypeError):
+        return None
+    return str(backend).rpartition(".")[2]

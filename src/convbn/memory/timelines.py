@@ -21,13 +21,14 @@ demo, :func:`convbn.max_batch`) is measured by it.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 import torch
 from torch import Tensor, nn
 
 from .._compat import TorchDispatchMode, current_autograd_node, mem_tracker_total, mod_tracker_of, name_module, pytree
 from .allocator_meter import AllocatorCounters, AllocatorMeter, cuda_counters
+from .kernel_scratch import ConvCall, NormCall, kernel_call, scratch_bytes
 from .next_op import new_output_bytes
 from .peaks import tensor_peak
 from .saved import _with_fused
@@ -52,6 +53,11 @@ class TimelinePoint:
             (``"ChainFunctionBackward/aten.convolution.default"``).
         node: ``id()`` of that autograd node (``0`` outside backward): tells apart the
             backwards of two nodes of one kind, e.g. ``tensor.grad_fn`` of one call.
+        scratch: with ``timeline(kernel_scratch=True)``, the bytes the operator's kernel
+            allocated and freed inside it on top of ``bytes`` (the table of
+            :mod:`convbn.memory.kernel_scratch`); else 0.
+        call: that operator's :class:`~convbn.memory.kernel_scratch.ConvCall` or ``NormCall``
+            (its scratch at another batch), ``None`` where the table has no row for it.
     """
 
     bytes: int
@@ -59,6 +65,8 @@ class TimelinePoint:
     module: str
     op: str
     node: int = 0
+    scratch: int = 0
+    call: Union[ConvCall, NormCall, None] = None
 
 
 @dataclass
@@ -81,6 +89,12 @@ class Timeline:
     def peak(self) -> int:
         """Highest bytes in use above the start (``tensor_peak``'s ``peak`` on the same step)."""
         return max((p.bytes for p in self.points), default=0)
+
+    @property
+    def process_peak(self) -> int:
+        """The most of ``bytes + scratch`` over the points: the step's peak with its kernels'
+        scratch (:mod:`convbn.memory.kernel_scratch`); :attr:`peak` where none was recorded."""
+        return max((p.bytes + p.scratch for p in self.points), default=0)
 
     @property
     def peak_index(self) -> int:
@@ -114,16 +128,17 @@ class StepOverLimit(RuntimeError):
 
     Attributes:
         bytes: bytes in use after that operator (above the step's start, as a point's):
-            predicted where it was stopped before it ran.
+            predicted where it was stopped before it ran; its kernel scratch added where the
+            timeline counted it.
         point: that operator's :class:`TimelinePoint`.
         before: whether the operator was stopped before it ran (its outputs never existed).
     """
 
     def __init__(self, point: TimelinePoint, limit: int, before: bool = False) -> None:
         when = "before an operator that would have" if before else "at"
-        super().__init__(f"the step was stopped {when} {point.bytes} bytes in use, above the limit of {limit} "
-                         f"({point.phase}, {point.op})")
-        self.bytes = point.bytes
+        super().__init__(f"the step was stopped {when} {point.bytes + point.scratch} bytes in use, above the limit "
+                         f"of {limit} ({point.phase}, {point.op})")
+        self.bytes = point.bytes + point.scratch
         self.point = point
         self.before = before
 
@@ -144,6 +159,8 @@ class _TimelineMode(TorchDispatchMode):
         self.read = read
         self.where = where
         self.stop_above = stop_above
+        #: record each operator's kernel scratch and stop against ``bytes + scratch``
+        self.kernel_scratch = False
         #: bytes in use now, where ``read`` is not that (CUDA: ``read`` is the peak since the
         #: last reading, and resets it); ``None``: ``read``
         self.now: Optional[Callable[[], int]] = None
@@ -151,31 +168,34 @@ class _TimelineMode(TorchDispatchMode):
         self.points: List[TimelinePoint] = []
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        call = kernel_call(func, args, kwargs) if self.kernel_scratch else None
+        scratch = scratch_bytes(call)
         if self.stop_above is not None:
-            self._stop_before(func, args, kwargs)
+            self._stop_before(func, args, kwargs, scratch)
         out = func(*args, **(kwargs or {}))
         op = str(func)
         node = current_autograd_node()
         if node is not None:
             op = f"{node.name()}/{op}"
-        point = TimelinePoint(self.read(), self.phase, self.where(), op, 0 if node is None else id(node))
+        point = TimelinePoint(self.read(), self.phase, self.where(), op, 0 if node is None else id(node), scratch, call)
         self.points.append(point)
-        if self.stop_above is not None and point.bytes > self.stop_above:
+        if self.stop_above is not None and point.bytes + scratch > self.stop_above:
             del out  # the step goes no further: nothing it made outlives the exception
             raise StepOverLimit(point, self.stop_above)
         return out
 
-    def _stop_before(self, func: Any, args: Any, kwargs: Any) -> None:
-        """Raise :class:`StepOverLimit` before an operator whose outputs would take the bytes in
-        use over ``stop_above`` (Note: [stopping before the operator that would cross])."""
+    def _stop_before(self, func: Any, args: Any, kwargs: Any, scratch: int = 0) -> None:
+        """Raise :class:`StepOverLimit` before an operator whose outputs (and kernel scratch)
+        would take the bytes in use over ``stop_above`` (Note: [stopping before the operator
+        that would cross])."""
         new = new_output_bytes(func, args, kwargs)
         if new is None:
             return
         now = (self.now or self.read)()
-        if now + new > self.stop_above:
+        if now + new + scratch > self.stop_above:
             node = current_autograd_node()
             op = str(func) if node is None else f"{node.name()}/{func}"
-            point = TimelinePoint(now + new, self.phase, self.where(), op, 0 if node is None else id(node))
+            point = TimelinePoint(now + new, self.phase, self.where(), op, 0 if node is None else id(node), scratch)
             raise StepOverLimit(point, self.stop_above, before=True)
 
 
@@ -187,6 +207,7 @@ def timeline(  # over 60 lines for its public docstring (what a step is, Args, E
     label: str = "",
     accumulate: bool = False,
     stop_above: Optional[int] = None,
+    kernel_scratch: bool = False,
 ) -> Timeline:
     """Record live memory after every operator of one training step of ``model``.
 
@@ -223,6 +244,10 @@ def timeline(  # over 60 lines for its public docstring (what a step is, Args, E
             runs where its outputs' sizes are known on the meta device (the operator run there
             first), so a step that does not fit a limit never holds tensors past it; after the
             operator otherwise.
+        kernel_scratch: record each convolution's kernel scratch (``TimelinePoint.scratch``,
+            :attr:`Timeline.process_peak`; 0 off the CPU; the table of
+            :mod:`convbn.memory.kernel_scratch`) and stop against ``bytes + scratch``;
+            :attr:`Timeline.peak` stays live tensors either way.
 
     Returns:
         :class:`Timeline`.
@@ -244,6 +269,7 @@ def timeline(  # over 60 lines for its public docstring (what a step is, Args, E
         raise TypeError(f"stop_above must be None or an int (bytes), but got {stop_above!r}")
     meter, mode, source = _meters(model, inputs, optimizer)
     mode.stop_above = stop_above
+    mode.kernel_scratch = bool(kernel_scratch)
     result = Timeline(source=source, label=label)
     if not accumulate:  # before the meter starts: freed gradients are not part of the step
         if optimizer is not None:

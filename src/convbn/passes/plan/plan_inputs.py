@@ -393,11 +393,12 @@ def trained_outputs_loss(out: Any) -> Tensor:
 
 
 def measure_peak(model: nn.Module, inputs: Tuple[Any, ...], *, optimizer: Optional[torch.optim.Optimizer] = None,
-                 loss_fn: Optional[Callable[[Any], Tensor]] = None, stop_above: Optional[int] = None) -> Any:
+                 loss_fn: Optional[Callable[[Any], Tensor]] = None, stop_above: Optional[int] = None,
+                 kernel_scratch: bool = False) -> Any:
     """Timeline of one training step of ``model`` (loss: :func:`trained_outputs_loss`, unless ``loss_fn``);
     gradients, buffers, modes and RNG are put back afterwards (parameters too, unless an
     ``optimizer`` steps them). ``stop_above``: as :func:`~convbn.memory.timeline`'s (the step
-    stopped by ``StepOverLimit`` past that many bytes)."""
+    stopped by ``StepOverLimit`` past that many bytes); ``kernel_scratch``: as its too."""
     params = list(model.parameters())
     grads = [p.grad for p in params]
     for p in params:
@@ -406,7 +407,7 @@ def measure_peak(model: nn.Module, inputs: Tuple[Any, ...], *, optimizer: Option
         with StateSnapshot(model):
             model.train()
             return timeline(model, *inputs, optimizer=optimizer, loss_fn=loss_fn or trained_outputs_loss,
-                            stop_above=stop_above)
+                            stop_above=stop_above, kernel_scratch=kernel_scratch)
     finally:
         for p, g in zip(params, grads):
             p.grad = g
