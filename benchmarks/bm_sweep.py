@@ -30,7 +30,9 @@ family does not build ``monai2``), and seven more (:mod:`sweep_norm_third`: ``de
 ``x-unet`` ``xunet``, ``vocos``, ``asteroid``), and seven more (:mod:`sweep_norm_fourth`:
 ``dalle2-pytorch`` ``dalle2``, ``med-seg-diff-pytorch`` ``medsegdiff``, ``muse-maskgit-pytorch`` ``muse``,
 ``imagen-pytorch`` ``imagen``, ``segformer-pytorch`` ``segformer``; BatchNorm: ``resnest``, ``openunmix``
-``umx``), and timm's per-sample-norm families (:mod:`sweep_norm_fifth`: ``timmnorm``), counted per kind of norm (a second table:
+``umx``), and timm's per-sample-norm families (:mod:`sweep_norm_fifth`: ``timmnorm``), and three from diffusers' and
+transformers' code (:mod:`sweep_norm_sixth`: video / 3-D ``diff2``, speech encoders ``hfaudio``, vision nets
+``hfvision2``), counted per kind of norm (a second table:
 norms called, fused and running, report, float64 decisions, peak). Each model runs in its own subprocess with a time limit,
 on a small input (batch 2; 64 x 64 images, 32 x 32 for CIFAR nets, the model's own size where
 it needs one), float32, CPU, one thread:
