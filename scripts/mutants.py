@@ -541,6 +541,14 @@ MUTANTS: Dict[str, Mutant] = {
         (("passes/graph/shape_capture.py", "torch.no_grad(), fake_errors_quiet(), self._fake_mode:",
           "torch.no_grad(), self._fake_mode:"),),
         ("tests/test_quiet_fake.py",)),
+    "movedim_any_dims": Mutant(
+        "any movedim read as moving the channels last (a LayerNorm over the height taken for a channel norm)",
+        (("passes/bn/norm_sites.py", "    if _movedim_pair(node) == (1, -1):\n", "    if _movedim_pair(node) is not None:\n"),),
+        ("tests/test_norm_movedim_layer_norms.py::test_a_movedim_of_another_dimension_is_left_as_written",)),
+    "dropout_tail_reported_fused": Mutant(
+        "a norm chain that runs as eager modules for a training dropout in its tail reported as fused",
+        (("passes/report/live.py", "    why = chain.eager_this_call()\n", "    why = \"\"\n"),),
+        ("tests/test_norm_chain_dropout_report.py",)),
 }
 
 
