@@ -58,6 +58,13 @@ _OP_PLAN = "tests/test_chain_op_plan.py::test_compiled_op_backward_reads_may_dro
 _DROPS = "tests/test_peak_drops.py"
 _MISH = "tests/test_convert_tails.py::test_tail_fused_exactly[F.mish-recompute_bn]"
 _FOLD_RULE = "tests/test_tolerance_rule.py::test_each_check_reads_the_one_rule[fold check-nothing allowed]"
+# tests/test_dtype_eps_norms.py: the test each of these mutants fails (the whole file kills them
+# too, but runs 15 to 26 passing tests before it)
+_DTYPES = "tests/test_dtype_eps_norms.py::"
+_DTYPE_BF16 = _DTYPES + "test_bf16_autocast_runs_a_variant_with_its_own_eps"
+_DTYPE_GAIN_CAST = _DTYPES + "test_a_norm_casting_its_gain_under_autocast_runs_its_own_code_and_says_so"
+_DTYPE_ZERO_BIAS = _DTYPES + "test_a_pre_norm_with_a_zero_bias_before_a_conv_fuses"
+_DTYPE_ZERO_ADDS = _DTYPES + "test_additions_of_zero_dropped_only_where_they_change_nothing"
 
 MUTANTS: Dict[str, Mutant] = {
     "fused_forward_eager": Mutant(
@@ -458,16 +465,16 @@ MUTANTS: Dict[str, Mutant] = {
     "shape_guard_ignores_autocast": Mutant(
         "a capture with real inputs applied under any autocast state (the dtype guard not checked)",
         (("passes/graph/shape_capture.py", "if torch.is_autocast_enabled(d))", "if False)"),),
-        ("tests/test_dtype_eps_norms.py",)),
+        (_DTYPE_BF16,)),
     "shape_guard_ignores_dtypes": Mutant(
         "a capture with real inputs applied to inputs of any dtype",
         (("passes/graph/shape_capture.py", "(tuple(t.shape), t.dtype, str(t.device))", "(tuple(t.shape), str(t.device))"),),
-        ("tests/test_dtype_eps_norms.py",)),
+        (_DTYPE_BF16,)),
     "casts_dropped_whatever_the_dtype": Mutant(
         "every cast method dropped, also where it changes the traced dtype",
         (("passes/graph/noop_casts.py", "if dtype is None or node.args[0].meta.get(DTYPE) is not dtype:",
           "if dtype is None:"),),
-        ("tests/test_dtype_eps_norms.py",)),
+        (_DTYPE_GAIN_CAST,)),
     "negative_dims_read_from_the_front": Mutant(
         "a reduction dim counted from the end made absolute as if counted from the front",
         (("passes/graph/absolute_dims.py", "fixed = [d % rank for d in dims]", "fixed = [abs(d) for d in dims]"),),
@@ -475,13 +482,13 @@ MUTANTS: Dict[str, Mutant] = {
     "isinstance_on_a_traced_piece_a_hazard": Mutant(
         "isinstance on a chunk's piece whose fake value is a tensor taken for a hazard (the block stays opaque)",
         (("passes/graph/trace_hazards.py", "or isinstance(proxy.node.meta.get(VALUE), torch.Tensor))", "or False)"),),
-        ("tests/test_dtype_eps_norms.py",)),
+        (_DTYPE_ZERO_BIAS,)),
     "zero_adds_dropped_whatever_the_dtype": Mutant(
         "x + 0 dropped whatever the dtypes of x and of the sum",
         (("passes/graph/zero_adds.py", "    if not isinstance(x, fx.Node) or not isinstance(out, torch.dtype) or not out.is_floating_point:\n",
           "    if not isinstance(x, fx.Node):\n"),
          ("passes/graph/zero_adds.py", "    return x if x.meta.get(DTYPE) is out or type(zero) is int else None\n", "    return x\n")),
-        ("tests/test_dtype_eps_norms.py",)),
+        (_DTYPE_ZERO_ADDS,)),
     "opaque_norms_not_traced_again": Mutant(
         "a module shaped like a norm left opaque by the symbolic trace is no reason to trace with real inputs",
         (("passes/convert/pipeline.py", "    failed = traced.opaque_to_retrace(module)\n",
