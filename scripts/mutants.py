@@ -65,6 +65,8 @@ _DTYPE_BF16 = _DTYPES + "test_bf16_autocast_runs_a_variant_with_its_own_eps"
 _DTYPE_GAIN_CAST = _DTYPES + "test_a_norm_casting_its_gain_under_autocast_runs_its_own_code_and_says_so"
 _DTYPE_ZERO_BIAS = _DTYPES + "test_a_pre_norm_with_a_zero_bias_before_a_conv_fuses"
 _DTYPE_ZERO_ADDS = _DTYPES + "test_additions_of_zero_dropped_only_where_they_change_nothing"
+# the check at the example batch itself (the slice's case passes on the check's mutants below)
+_PEAK_AT_BATCH = "tests/test_convert_peak.py::test_convert_peaks_within_one_eager_training_step[example batch]"
 
 MUTANTS: Dict[str, Mutant] = {
     "fused_forward_eager": Mutant(
@@ -361,15 +363,15 @@ MUTANTS: Dict[str, Mutant] = {
         "the check's eager step keeps the snapshots' copies of the statistics it leaves unwritten (none lent)",
         (("passes/check/buffer_copies.py", "    return held is not None and held[0] is b and same_bits(b, held[1])",
           "    return False"),),
-        ("tests/test_convert_peak.py::test_convert_peaks_within_one_eager_training_step",)),
+        (_PEAK_AT_BATCH,)),
     "check_eager_outputs_held": Mutant(
         "the check's eager step holds its outputs through the backward",
         (("passes/check/eager_reference.py", "        del out, outs\n", "        del out\n"),),
-        ("tests/test_convert_peak.py::test_convert_peaks_within_one_eager_training_step",)),
+        (_PEAK_AT_BATCH,)),
     "check_norms_not_quietened": Mutant(
         "the check's eager step lets the BatchNorms write their statistics (so no copy can be lent)",
         (("passes/check/quiet_norms.py", "        m.track_running_stats = flag\n", "        pass\n"),),
-        ("tests/test_convert_peak.py::test_convert_peaks_within_one_eager_training_step",)),
+        (_PEAK_AT_BATCH,)),
     "check_lent_copy_written_unseen": Mutant(
         "a buffer written while its copies are lent goes unseen (the model left changed)",
         (("passes/check/buffer_copies.py", "    if moved:\n        raise", "    if False:\n        raise"),),
