@@ -437,6 +437,12 @@ MUTANTS: Dict[str, Mutant] = {
         "max_batch's steps stopped at the room the resident bytes leave, the batch of inputs not in the memory",
         (("batch_search.py", "        room = self.usable - self.before(b)", "        room = self.usable - self.resident"),),
         ("tests/test_max_batch_bound.py::test_answering_allocates_within_the_memory_where_kernels_need_no_scratch",)),
+    "lean_meter_forgets_modules_outside_the_model": Mutant(
+        "the lean meter's module hook counts nothing: a layer held outside the registered children never counts its weights",
+        (("_compat.py", "                self._track_module_params_and_buffers(module, install_grad_hooks=False)\n",
+          "                pass\n"),),
+        ("tests/test_lean_meter.py::test_a_module_held_outside_the_model_is_counted_once_it_runs",
+         "tests/test_lean_meter.py::test_every_point_is_the_one_torchs_module_hooks_give")),
     "stopped_backward_not_drained": Mutant(
         "a step stopped in its backward leaves the engine's pending nodes (and their saved tensors) until the next backward",
         (("memory/timelines.py", "            _drain_autograd()  # Note:", "            pass  # Note:"),),

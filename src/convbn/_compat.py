@@ -37,7 +37,7 @@ __all__ = [
     "SAC_ADVISORY_LOGGER", "is_non_overlapping_and_dense_or_false", "dense_or_false_fallback", "make_channels_last_strides_for",
     "make_contiguous_strides_for", "suggest_memory_format", "mem_tracker_class", "mod_tracker_module",
     "HAS_MEM_TRACKER", "sparse_parts", "mem_tracker_total", "mod_tracker_of", "set_mod_tracker",
-    "name_module", "hookless_mem_tracker", "sparse_counting_mem_tracker", "frozen_safe_mem_tracker", "fsdp_state_of", "insert_module_state", "fsdp_new_init_disabled", "InstanceNormBase",
+    "name_module", "hookless_mem_tracker", "lean_mem_tracker", "sparse_counting_mem_tracker", "frozen_safe_mem_tracker", "fsdp_state_of", "insert_module_state", "fsdp_new_init_disabled", "InstanceNormBase",
 ]
 
 #: The oldest torch convbn declares (pyproject ``torch>=2.8``): the oldest release on which its
@@ -453,6 +453,42 @@ def hookless_mem_tracker(base: Any) -> Any:
                 super()._pre_fw_hook(module, inputs)
 
     return HooklessMemTracker
+
+
+def lean_mem_tracker(base: Any) -> Any:
+    """``base`` (a ``MemTracker``) whose module hooks keep no per-module statistics: the first
+    time a module runs its own tensors are counted, nothing else (Note: [a meter that keeps no
+    module statistics]). ``base``'s hooks as they are stay the reference it is tested against."""
+
+    # Note: [a meter that keeps no module statistics]
+    # torch's module hooks (run by its ModTracker before and after every module's forward
+    # and backward) record per-module statistics: copies of the snapshot, the bytes of each
+    # module's inputs and outputs, the peak inside it. convbn reads totals only (Note: [a
+    # meter that reads totals only]), and of those hooks only one thing moves a total: the
+    # first time a module runs, its parameters, their gradients and its buffers are counted
+    # where nothing counted them yet (a module the model holds outside its registered
+    # children). That is all these hooks do here (without gradient hooks: Note: [a meter that
+    # does not change the step]); the rest was a third of the meter's own cost on ResNet-50
+    # at batch 1. Totals are unchanged (tests/test_lean_meter.py compares them with torch's
+    # hooks, point by point). A module called again with no tracked parent (one activation
+    # module shared by every layer), which torch's hook takes for a next iteration and
+    # raises on, is simply seen again.
+    class LeanMemTracker(base):  # type: ignore[misc, valid-type]
+        def _pre_fw_hook(self, module: Any, inputs: Any) -> None:
+            if module not in self.memory_tracking:
+                self._track_module_params_and_buffers(module, install_grad_hooks=False)
+                self.memory_tracking[module] = True  # seen: its own tensors are counted
+
+        def _post_fw_hook(self, module: Any, inputs: Any, outputs: Any) -> None:
+            pass
+
+        def _pre_bw_hook(self, module: Any, args: Any) -> None:
+            pass
+
+        def _post_bw_hook(self, module: Any, args: Any) -> None:
+            pass
+
+    return LeanMemTracker
 
 
 def sparse_counting_mem_tracker(base: Any) -> Any:

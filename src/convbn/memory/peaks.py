@@ -17,8 +17,8 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
-from .._compat import (frozen_safe_mem_tracker, hookless_mem_tracker, mem_tracker_class, set_mod_tracker,
-                       sparse_counting_mem_tracker)
+from .._compat import (frozen_safe_mem_tracker, hookless_mem_tracker, lean_mem_tracker, mem_tracker_class,
+                       set_mod_tracker, sparse_counting_mem_tracker)
 from ..autograd.grad_sink import stand_ins
 from .mod_tracking import releasing_mod_tracker
 
@@ -208,7 +208,9 @@ class tensor_peak:
     def __init__(self, *track: Any, hooks: bool = False) -> None:
         MemTracker = mem_tracker_class()  # noqa: N806 - one line naming what a torch without it lacks
         MemTracker = sparse_counting_mem_tracker(MemTracker)  # noqa: N806
-        self._tracker = frozen_safe_mem_tracker(MemTracker)() if hooks else hookless_mem_tracker(MemTracker)()
+        # only totals are read: no gradient hooks, no per-module statistics (Note: [a meter that keeps
+        # no module statistics] in _compat.py)
+        self._tracker = frozen_safe_mem_tracker(MemTracker)() if hooks else lean_mem_tracker(hookless_mem_tracker(MemTracker))()
         # torch's ModTracker leaves a cycle through autograd nodes behind, which keeps the
         # parameters of a measured model alive (Note: [a module tracker that leaves nothing alive])
         set_mod_tracker(self._tracker, releasing_mod_tracker())
