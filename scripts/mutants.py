@@ -443,6 +443,16 @@ MUTANTS: Dict[str, Mutant] = {
           "                pass\n"),),
         ("tests/test_lean_meter.py::test_a_module_held_outside_the_model_is_counted_once_it_runs",
          "tests/test_lean_meter.py::test_every_point_is_the_one_torchs_module_hooks_give")),
+    "plain_walk_counts_first_output_only": Mutant(
+        "the meter's walk without pytree counts only the first tensor an operator returns (a batch norm's statistics missed)",
+        (("_compat.py", "            for v in tree:\n                if type(v) in _PLAIN_TENSORS:\n                    fn(v)\n",
+          "            for v in tree[:1]:\n                if type(v) in _PLAIN_TENSORS:\n                    fn(v)\n"),),
+        ("tests/test_lean_meter.py::test_every_point_is_the_one_torchs_module_hooks_give",)),
+    "module_tracker_never_in_backward": Mutant(
+        "the module tracker registers no gradient hook even when asked to name the backward's modules",
+        (("memory/mod_tracking.py", "        if not backward:\n            return _NoHook()\n",
+          "        if True:\n            return _NoHook()\n"),),
+        ("tests/test_lean_meter.py::test_every_point_is_the_one_torchs_module_hooks_give",)),
     "stopped_backward_not_drained": Mutant(
         "a step stopped in its backward leaves the engine's pending nodes (and their saved tensors) until the next backward",
         (("memory/timelines.py", "            _drain_autograd()  # Note:", "            pass  # Note:"),),

@@ -1,6 +1,9 @@
 """The exact CPU meter keeps no per-module statistics (Note: [a meter that keeps no module
-statistics] in _compat.py): every total it reads is the one torch's module hooks give, point by
-point, on eager and converted models, and the planner's recorded steps are the same numbers."""
+statistics] in _compat.py) and walks an operator's outputs without pytree (Note: [an operator's
+outputs walked without pytree]); the planner records without the module tracker's gradient hooks
+(Note: [a module tracker for the forward only] in memory/mod_tracking.py). Every total is the one
+torch's tracker and hooks give as they are, point by point, on eager and converted models, and the
+planner's recorded steps are the same numbers."""
 from __future__ import annotations
 
 from typing import Any, Callable, List, Tuple
@@ -48,8 +51,11 @@ def _resnet18() -> nn.Module:
 
 
 def _torch_hooks(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The meter with torch's module hooks as they are (the reference)."""
+    """The meter with torch's module hooks, its pytree walk and the module tracker's gradient hooks
+    as they are (the reference)."""
+    real = peaks.releasing_mod_tracker
     monkeypatch.setattr(peaks, "lean_mem_tracker", lambda base: base)
+    monkeypatch.setattr(peaks, "releasing_mod_tracker", lambda backward=True: real())
 
 
 def _no_grads(model: nn.Module) -> None:
@@ -59,12 +65,12 @@ def _no_grads(model: nn.Module) -> None:
             p.grad = None
 
 
-def _measured(model: nn.Module, x: torch.Tensor) -> Tuple[Any, ...]:
+def _measured(model: nn.Module, x: torch.Tensor, backward_modules: bool = True) -> Tuple[Any, ...]:
     """Every point of one recorded step but its autograd node's ``id`` (an address), and one
     step's ``tensor_peak`` (peak and end)."""
     torch.manual_seed(0)
     _no_grads(model)
-    points = [(p.bytes, p.phase, p.module, p.op) for p in timeline(model, x).points]
+    points = [(p.bytes, p.phase, p.module, p.op) for p in timeline(model, x, backward_modules=backward_modules).points]
     _no_grads(model)
     with tensor_peak(model) as tp:
         model(x).float().mean().backward()
@@ -88,13 +94,17 @@ def test_every_point_is_the_one_torchs_module_hooks_give(monkeypatch: pytest.Mon
         model = convbn.convert(model, example_inputs=x, progress=False)
         assert_fused(model)
     assert type(tensor_peak(model)._tracker).__name__ == "LeanMemTracker"  # the lean meter runs
-    lean = _measured(model, x)
+    lean, forward_only = _measured(model, x), _measured(model, x, backward_modules=False)
     with monkeypatch.context() as m:
         _torch_hooks(m)
         assert type(tensor_peak(model)._tracker).__name__ != "LeanMemTracker"
         reference = _measured(model, x)
     assert lean == reference
     assert len(lean[0]) > 20 and lean[1] > 0
+    # without the backward's module names: the same points, the backward outside every module
+    named = [p if p[1] != "backward" else (p[0], p[1], "", p[3]) for p in reference[0]]
+    assert forward_only == (named, *reference[1:])
+    assert any(p[1] == "backward" and p[2] for p in reference[0])
 
 
 def test_a_module_held_outside_the_model_is_counted_once_it_runs() -> None:

@@ -196,6 +196,8 @@ class tensor_peak:
             buffers, optimizer state) count towards the live total from the start.
         hooks: install ``MemTracker``'s gradient hooks on parameters (``True``: torch's
             tracker exactly as it is, for checking the hookless one against it).
+        backward_modules: tell which module's backward runs (``False``: no gradient hooks on
+            module inputs and outputs; Note: [a module tracker for the forward only]).
 
     Example:
         >>> net = torch.nn.Linear(8, 8)
@@ -205,7 +207,7 @@ class tensor_peak:
         True
     """
 
-    def __init__(self, *track: Any, hooks: bool = False) -> None:
+    def __init__(self, *track: Any, hooks: bool = False, backward_modules: bool = True) -> None:
         MemTracker = mem_tracker_class()  # noqa: N806 - one line naming what a torch without it lacks
         MemTracker = sparse_counting_mem_tracker(MemTracker)  # noqa: N806
         # only totals are read: no gradient hooks, no per-module statistics (Note: [a meter that keeps
@@ -213,7 +215,7 @@ class tensor_peak:
         self._tracker = frozen_safe_mem_tracker(MemTracker)() if hooks else lean_mem_tracker(hookless_mem_tracker(MemTracker))()
         # torch's ModTracker leaves a cycle through autograd nodes behind, which keeps the
         # parameters of a measured model alive (Note: [a module tracker that leaves nothing alive])
-        set_mod_tracker(self._tracker, releasing_mod_tracker())
+        set_mod_tracker(self._tracker, releasing_mod_tracker(backward_modules))
         # the chains' zero-byte gradient stand-ins share scalars made once, before any step
         self._tracker.track_external(*track, *stand_ins())
         self.result = PeakMemory(source="tensors")
