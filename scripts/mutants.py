@@ -453,6 +453,10 @@ MUTANTS: Dict[str, Mutant] = {
         (("memory/mod_tracking.py", "        if not backward:\n            return _NoHook()\n",
           "        if True:\n            return _NoHook()\n"),),
         ("tests/test_lean_meter.py::test_every_point_is_the_one_torchs_module_hooks_give",)),
+    "forward_only_tracker_drops_holding_hooks": Mutant(
+        "the planner's module tracker drops the input hooks that hold gradients too (a DenseNet layer's backward measured lower)",
+        (("memory/mod_tracking.py", "    return mode == \"all\" and sum(", "    return False and sum("),),
+        ("tests/test_lean_meter.py::test_every_point_is_the_one_torchs_module_hooks_give",)),
     "stopped_backward_not_drained": Mutant(
         "a step stopped in its backward leaves the engine's pending nodes (and their saved tensors) until the next backward",
         (("memory/timelines.py", "            _drain_autograd()  # Note:", "            pass  # Note:"),),

@@ -43,6 +43,12 @@ def _gn() -> nn.Module:
                          nn.Conv2d(8, 8, 3, padding=1), nn.GroupNorm(4, 8), nn.ReLU(), nn.Conv2d(8, 4, 1))
 
 
+def _densenet() -> nn.Module:
+    from densenet_models import make_densenet_bc
+
+    return make_densenet_bc()
+
+
 def _resnet18() -> nn.Module:
     pytest.importorskip("torchvision")
     from zoo import import_torchvision_without_fake_kernels
@@ -81,7 +87,9 @@ def _measured(model: nn.Module, x: torch.Tensor, backward_modules: bool = True) 
 MODELS: List[Tuple[str, Callable[[], nn.Module], Tuple[int, ...], bool]] = [
     ("hidden", _Hidden, (4, 3, 8, 8), False), ("group_norm", _gn, (4, 3, 8, 8), False),
     ("group_norm_converted", _gn, (4, 3, 8, 8), True), ("resnet18", _resnet18, (4, 3, 32, 32), False),
-    ("resnet18_converted", _resnet18, (4, 3, 32, 32), True)]
+    ("resnet18_converted", _resnet18, (4, 3, 32, 32), True),
+    # layers called with a list of features: the module tracker's hook on their inputs holds gradients
+    ("densenet", _densenet, (4, 3, 32, 32), False), ("densenet_converted", _densenet, (4, 3, 32, 32), True)]
 
 
 @pytest.mark.parametrize("name, make, shape, converted", MODELS, ids=[m[0] for m in MODELS])
