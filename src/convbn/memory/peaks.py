@@ -212,7 +212,8 @@ class tensor_peak:
         MemTracker = sparse_counting_mem_tracker(MemTracker)  # noqa: N806
         # only totals are read: no gradient hooks, no per-module statistics (Note: [a meter that keeps
         # no module statistics] in _compat.py)
-        self._tracker = frozen_safe_mem_tracker(MemTracker)() if hooks else lean_mem_tracker(hookless_mem_tracker(MemTracker))()
+        lean = lean_mem_tracker(hookless_mem_tracker(MemTracker))
+        self._tracker = frozen_safe_mem_tracker(MemTracker)() if hooks else lean()
         # torch's ModTracker leaves a cycle through autograd nodes behind, which keeps the
         # parameters of a measured model alive (Note: [a module tracker that leaves nothing alive])
         set_mod_tracker(self._tracker, releasing_mod_tracker(backward_modules))

@@ -308,7 +308,8 @@ def _meters(model: nn.Module, inputs: Tuple[Any, ...], optimizer: Optional[torch
     track: Tuple[Any, ...] = (model,) if optimizer is None else (model, optimizer)
     counters = _allocator_counters(model, inputs)
     if counters is not None:  # its start is read when the step's block is entered, after zero_grad
-        meter: Any = AllocatorMeter(counters, backward_modules)  # Note: [an allocator meter starts where the step starts]
+        # Note: [an allocator meter starts where the step starts]
+        meter: Any = AllocatorMeter(counters, backward_modules)
         mode = _TimelineMode(meter.read, lambda: _innermost(meter.tracker.parents))
         mode.now = meter.now
         source = "cuda"
