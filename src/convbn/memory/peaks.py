@@ -196,8 +196,8 @@ class tensor_peak:
             buffers, optimizer state) count towards the live total from the start.
         hooks: install ``MemTracker``'s gradient hooks on parameters (``True``: torch's
             tracker exactly as it is, for checking the hookless one against it).
-        backward_modules: tell which module's backward runs (``False``: no gradient hooks on
-            module inputs and outputs; Note: [a module tracker for the forward only]).
+        backward_modules: tell which module's backward runs (``False``: without most of the
+            gradient hooks on module inputs and outputs that tell it; the bytes are the same).
 
     Example:
         >>> net = torch.nn.Linear(8, 8)

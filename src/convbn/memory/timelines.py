@@ -225,8 +225,8 @@ def timeline(  # over 60 lines for its public docstring (what a step is, Args, E
             first), so a step that does not fit a limit never holds tensors past it; after the
             operator otherwise.
         backward_modules: name the module whose backward runs at each backward point; ``False``:
-            backward points are named ``""``, recorded without the module tracker's gradient
-            hooks (cheaper: Note: [a module tracker for the forward only]); the bytes are the same.
+            backward points are named ``""``, recorded without most of the gradient hooks that
+            tell it (cheaper); the bytes are the same.
 
     Returns:
         :class:`Timeline`.
