@@ -507,6 +507,11 @@ MUTANTS: Dict[str, Mutant] = {
         (("passes/convert/pipeline.py", "    failed = traced.opaque_to_retrace(module)\n",
           "    failed = traced.opaque_layers(module)\n"),),
         ("tests/test_dtype_eps_norms.py",)),
+    "fake_errors_logged": Mutant(
+        "the shape trace's failed fake runs reach torch's ERROR log (no filter around the fake run)",
+        (("passes/graph/shape_capture.py", "torch.no_grad(), fake_errors_quiet(), self._fake_mode:",
+          "torch.no_grad(), self._fake_mode:"),),
+        ("tests/test_quiet_fake.py",)),
 }
 
 

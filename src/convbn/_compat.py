@@ -36,7 +36,7 @@ __all__ = [
     "set_grad_enabled_now", "InferenceModeContext", "current_autograd_node", "storage_use_count",
     "will_engine_execute_node", "graph_task_keeps_graph", "engine_grad", "SingleLevelFunction", "function_apply_impl",
     "function_apply_wrapper", "global_module_hooks", "functorch_config", "inductor_compile_fx", "inductor_config", "dynamo_config",
-    "SAC_ADVISORY_LOGGER", "is_non_overlapping_and_dense_or_false", "dense_or_false_fallback", "make_channels_last_strides_for",
+    "SAC_ADVISORY_LOGGER", "FAKE_TENSOR_LOGGER", "is_non_overlapping_and_dense_or_false", "dense_or_false_fallback", "make_channels_last_strides_for",
     "make_contiguous_strides_for", "suggest_memory_format", "mem_tracker_class", "mod_tracker_module",
     "HAS_MEM_TRACKER", "sparse_parts", "mem_tracker_total", "mod_tracker_of", "set_mod_tracker",
     "name_module", "hookless_mem_tracker", "lean_mem_tracker", "sparse_counting_mem_tracker", "frozen_safe_mem_tracker", "fsdp_state_of", "insert_module_state", "fsdp_new_init_disabled", "InstanceNormBase",
@@ -250,6 +250,11 @@ def inductor_compile_fx() -> Callable[..., Any]:
 
 #: The logger torch's selective-checkpoint advisory is written to (2.4 on).
 SAC_ADVISORY_LOGGER = "torch._higher_order_ops.wrap"
+
+#: The logger ``FakeTensorMode`` writes an operator's failed meta run to, with its traceback, before
+#: it raises the error again (2.1 on; a logger of that name exists on every release, so on one
+#: that does not write there, nothing is filtered).
+FAKE_TENSOR_LOGGER = "torch._subclasses.fake_tensor"
 
 # --- strides (torch._prims_common, 2.0 on) -------------------------------------------------
 from torch._prims_common import (  # noqa: E402

@@ -29,6 +29,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from torch.fx.node import has_side_effect
 from ..._compat import FakeTensorMode, orig_module_call, orig_module_getattr, pytree
 
+from .quiet_fake import fake_errors_quiet
 from .thread_patch import original_item, scoped_item
 
 __all__ = ["ShapeGuard", "Guards", "ShapeTracing", "VALUE", "DTYPE", "RANK", "assert_traced_shape"]
@@ -253,7 +254,7 @@ class ShapeTracing:
             return self._attr(node)
         args = fx.node.map_aggregate(node.args, self._value)
         kwargs = fx.node.map_aggregate(node.kwargs, self._value)
-        with _untraced(), torch.no_grad(), self._fake_mode:
+        with _untraced(), torch.no_grad(), fake_errors_quiet(), self._fake_mode:
             if node.op == "call_function":
                 return node.target(*args, **kwargs)  # type: ignore[operator]
             if node.op == "call_method":
