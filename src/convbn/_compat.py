@@ -548,6 +548,8 @@ def _outputs_walked_plainly(enter: bool) -> None:
     entered (``enter``), and back when the last one leaves."""
     from torch.distributed._tools import mem_tracker
 
+    if not callable(getattr(mem_tracker, "tree_map_only", None)):
+        return  # a torch whose MemTracker walks otherwise: its own walk, as it is
     with _WALKS_LOCK:
         if enter:
             if _WALKS[0] == 0:
