@@ -449,9 +449,8 @@ MUTANTS: Dict[str, Mutant] = {
           "            for v in tree[:1]:\n                if type(v) in _PLAIN_TENSORS:\n                    fn(v)\n"),),
         ("tests/test_lean_meter.py::test_every_point_is_the_one_torchs_module_hooks_give",)),
     "module_tracker_never_in_backward": Mutant(
-        "the module tracker registers no gradient hook even when asked to name the backward's modules",
-        (("memory/mod_tracking.py", "        if not backward:\n            return _NoHook()\n",
-          "        if True:\n            return _NoHook()\n"),),
+        "the module tracker registers only the hooks that hold gradients even when asked to name the backward's modules",
+        (("memory/mod_tracking.py", "        if not backward and not _may_hold(", "        if not _may_hold("),),
         ("tests/test_lean_meter.py::test_every_point_is_the_one_torchs_module_hooks_give",)),
     "forward_only_tracker_drops_holding_hooks": Mutant(
         "the planner's module tracker drops the input hooks that hold gradients too (a DenseNet layer's backward measured lower)",
