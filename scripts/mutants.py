@@ -506,6 +506,33 @@ MUTANTS: Dict[str, Mutant] = {
         (("passes/convert/pipeline.py", "    failed = traced.opaque_to_retrace(module)\n",
           "    failed = traced.opaque_layers(module)\n"),),
         ("tests/test_dtype_eps_norms.py",)),
+    "channel_linear_bias_dropped": Mutant(
+        "a Linear on the channels (a LayerNorm -> Linear chain's end) runs without its bias",
+        (("functional/conv.py", "        return channel_linear(x, weight, bias)\n", "        return channel_linear(x, weight, None)\n"),),
+        ("tests/test_norm_linear.py::test_layer_norm_then_linear_fuses_and_trains_as_eager",)),
+    "norm_chain_keeps_each_layer_output": Mutant(
+        "a norm chain's forward keeps each activation's output (written over the norm's output) until backward",
+        (("autograd/norm_chain.py", "        x = spec.act(z, inplace=True) if not _shares_storage(z, kept.get(i)) else spec.act(z)\n",
+          "        x = spec.act(z, inplace=True) if not _shares_storage(z, kept.get(i)) else spec.act(z)\n"
+          "        kept[-1 - i] = x\n"),),
+        ("tests/test_norm_linear.py::test_the_step_peaks_lower_than_eager_by_the_maps_it_does_not_keep",)),
+    "view_rank_taken_as_three": Mutant(
+        "the rank a permute states read as 3 whatever its dims (a channels-last map's permutes written for 3-D)",
+        (("passes/graph/value_rank.py",
+          "        return len(dims[0]) if len(dims) == 1 and isinstance(dims[0], (tuple, list)) else len(dims) or None\n"
+          "    if node.op == \"call_method\" and node.target in _SHAPES:",
+          "        return 3\n    if node.op == \"call_method\" and node.target in _SHAPES:"),),
+        ("tests/test_norm_linear.py::test_layer_norm_then_linear_fuses_and_trains_as_eager",)),
+    "channel_linear_chain_eager_under_compile": Mutant(
+        "a chain ending in a Linear on the channels runs as its modules under torch.compile (keeps eager's maps)",
+        (("autograd/norm_chain_compiled.py",
+          "               or (s.conv.channel_linear and i == last and s.norm is None and not s.tail and s.act.is_identity)\n",
+          ""),),
+        ("tests/test_norm_linear.py::test_torch_compile_fullgraph_keeps_what_the_chain_keeps",)),
+    "norm_moved_past_any_permute": Mutant(
+        "a LayerNorm moved past a permute that takes the channels away from last (a window partition's check dropped)",
+        (("passes/convert/norm_linears.py", "        return dims[-1] in (len(dims) - 1, -1)\n", "        return True\n"),),
+        ("tests/test_norm_linear.py::test_a_permute_that_moves_the_channels_keeps_the_norm_where_it_is",)),
     "fake_errors_logged": Mutant(
         "the shape trace's failed fake runs reach torch's ERROR log (no filter around the fake run)",
         (("passes/graph/shape_capture.py", "torch.no_grad(), fake_errors_quiet(), self._fake_mode:",

@@ -40,15 +40,20 @@ import torch
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
+from ..functional.conv import channel_linear
 from .chain_compiled import chain_contexts, chain_convolution
 from .norm_chain import NormLayerSpec, Stats, _offsets, _post, _split, norm_chain_reference
 
 __all__ = ["compilable_norm_chain", "norm_chain_compiled_apply"]
 
 def compilable_norm_chain(specs: Sequence[NormLayerSpec]) -> bool:
-    """Whether a chain's layers run in the region: every convolution a convolution (not a
-    linear layer, which the policy would not see)."""
-    return all(s.conv is None or not s.conv.is_linear for s in specs)
+    """Whether a chain's layers run in the region: every convolution a convolution, or a linear
+    layer on the channels that ends the chain (its output is the region's: nothing for the policy
+    to keep), not a linear layer on rows, which the policy would not see."""
+    last = len(specs) - 1
+    return all(s.conv is None or not (s.conv.is_linear or s.conv.channel_linear)
+               or (s.conv.channel_linear and i == last and s.norm is None and not s.tail and s.act.is_identity)
+               for i, s in enumerate(specs))
 
 
 def _body(specs: Sequence[NormLayerSpec], tracks: Sequence[bool]) -> Any:
@@ -62,6 +67,9 @@ def _body(specs: Sequence[NormLayerSpec], tracks: Sequence[bool]) -> Any:
             if spec.conv is not None:
                 c = spec.conv
                 xin = (x if i == 0 else c.pad_input(x)).to(w.dtype)
+                if c.channel_linear:  # the chain's end (compilable_norm_chain): F.linear over the channels
+                    x = channel_linear(xin, w, b)
+                    continue
                 x = chain_convolution(xin)(xin, w, b, list(c.stride), list(c.padding), list(c.dilation), c.transposed,
                                            c.kernel_output_padding(), c.groups)
             stats: Stats = (None, None)
@@ -87,7 +95,7 @@ def norm_chain_compiled_apply(x0: Tensor, params: Sequence[Optional[Tensor]], sp
               for s, (rm, rv) in zip(specs, stats)]
     running = [t for s, (rm, rv), tr in zip(specs, stats, tracks)
                if tr or (s.norm is not None and not s.norm.use_input_stats) for t in (rm, rv)]
-    keep = tuple(s.saves_y for s in specs if s.conv is not None) or (False,)
+    keep = tuple(s.saves_y for s in specs if s.conv is not None and not s.conv.channel_linear) or (False,)
     out, *moved = checkpoint(_body(specs, tracks), x0, *params, *running, use_reentrant=False,
                              context_fn=functools.partial(chain_contexts, keep))
     with torch.no_grad():

@@ -13,7 +13,10 @@ exactly as ``nn.ConvNd`` does.
 #     ``output_padding``): weight ``(C_in, C_out/g, *k)``, so output channel
 #     ``o = group * C_out/g + j`` sits on dim 1 of its group's block of rows;
 #   * a linear layer ``nn.Linear`` on ``(N, C_in)`` (``dims == 0``: a convolution with no
-#     spatial dimensions): weight ``(C_out, C_in)``, ``y = x W^T + b``.
+#     spatial dimensions): weight ``(C_out, C_in)``, ``y = x W^T + b``;
+#   * a linear layer on the channels of an ``(N, C_in, *spatial)`` map (``channel_linear``,
+#     ``dims >= 1``): a 1x1 convolution spelled as ``F.linear`` over the channels moved last,
+#     weight ``(C_out, C_in)`` (Note: [a Linear on a channels-last map is a 1x1 convolution]).
 # Every place that needs the output channels of a weight (bias gradient, BatchNorm
 # folding, per-channel sums) goes through :func:`conv_out_channels`,
 # :func:`scale_out_channels` and :func:`sum_per_out_channel`.
@@ -27,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-__all__ = ["ConvSpec", "make_conv_spec", "make_linear_spec", "conv_spec_from_module", "conv_forward", "conv_backward",
+__all__ = ["ConvSpec", "make_conv_spec", "make_linear_spec", "make_channel_linear_spec", "channel_linear", "conv_spec_from_module", "conv_forward", "conv_backward",
            "conv_output_shape", "conv_flops", "conv_in_channels", "conv_out_channels", "scale_out_channels",
            "sum_per_out_channel", "recompute_cost", "COST_PER_BYTE", "COST_PER_CALL"]
 
@@ -50,6 +53,8 @@ class ConvSpec:
         transposed: a transposed convolution (``nn.ConvTranspose{N}d``).
         output_padding: the transposed convolution's extra output size per dimension
             (``()`` for none).
+        channel_linear: a linear layer on the channels of an ``(N, C_in, *spatial)`` map
+            (:func:`channel_linear`): a 1x1 convolution whose weight is ``(C_out, C_in)``.
     """
 
     dims: int
@@ -61,8 +66,13 @@ class ConvSpec:
     pre_pad_mode: str = "constant"
     transposed: bool = False
     output_padding: Tuple[int, ...] = ()
+    channel_linear: bool = False
 
     def __post_init__(self) -> None:
+        if self.channel_linear and (self.dims < 1 or self.transposed or self.pre_pad or self.groups != 1
+                                    or set(self.stride) != {1} or set(self.padding) != {0}):
+            raise ValueError(f"a linear layer on the channels is a 1x1 convolution over 1 or more spatial dims, "
+                             f"but got {self}")
         if self.transposed and (self.pre_pad or self.dims == 0):
             raise ValueError(f"a transposed convolution has {self.dims} spatial dims and pre-pad {self.pre_pad}; "
                              "expected 1-3 dims and no pre-pad (ConvTranspose pads with zeros only)")
@@ -151,6 +161,37 @@ def make_linear_spec() -> ConvSpec:
     return ConvSpec(0, (), (), ())
 
 
+def make_channel_linear_spec(dims: int) -> ConvSpec:
+    """The :class:`ConvSpec` of a linear layer on the channels of an ``(N, C, *spatial)`` map
+    with ``dims`` spatial dimensions (:func:`channel_linear`)."""
+    if type(dims) is not int or dims < 1:
+        raise ValueError(f"dims must be an int >= 1 (the map's spatial dimensions), but got dims={dims!r}")
+    return ConvSpec(dims, (1,) * dims, (0,) * dims, (1,) * dims, channel_linear=True)
+
+
+def channel_linear(input: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Tensor:
+    """``F.linear`` over the channels (dim 1) of an ``(N, C_in, *spatial)`` map: a 1x1 convolution.
+
+    Note: [a Linear on a channels-last map is a 1x1 convolution]
+    A model that keeps its maps channels-last (``(N, H, W, C)``, MaxViT, MambaOut, EdgeNeXt) or
+    its tokens as ``(B, T, C)`` applies ``nn.Linear`` over the last dimension: a pointwise
+    convolution. Seen through ``x.permute(0, 3, 1, 2)`` the map is ``(N, C, H, W)`` with
+    channels-last strides, and this function moves the channels back last and runs the very
+    ``F.linear`` of the model on the very tensor it would get (same strides, so the same kernel
+    and the same values), its output seen as ``(N, C_out, H, W)`` again. Its backward is the
+    linear layer's (``grad_x = G W``, ``grad_W = G^T x``, ``grad_b = sum_rows G``) on the same
+    views. A per-sample norm chain then treats it as any convolution after a norm
+    (``passes/convert/norm_linears.py`` writes a LayerNorm -> Linear so).
+
+    Example:
+        >>> x, w = torch.randn(2, 5, 4, 3), torch.randn(6, 3)
+        >>> ref = F.linear(x, w).permute(0, 3, 1, 2)
+        >>> torch.equal(channel_linear(x.permute(0, 3, 1, 2), w), ref)
+        True
+    """
+    return F.linear(input.movedim(1, -1), weight, bias).movedim(-1, 1)
+
+
 def conv_spec_from_module(conv: Union[nn.modules.conv._ConvNd, nn.Linear]) -> ConvSpec:
     """The :class:`ConvSpec` of an ``nn.Conv{1,2,3}d``, ``nn.ConvTranspose{1,2,3}d`` or ``nn.Linear``.
 
@@ -186,6 +227,8 @@ def conv_forward(x: Tensor, weight: Tensor, bias: Optional[Tensor], spec: ConvSp
     """``y = conv(x, W) + b`` on an already pre-padded input (native kernel; ``F.linear`` for a linear layer)."""
     if spec.is_linear:
         return F.linear(x, weight, bias)
+    if spec.channel_linear:
+        return channel_linear(x, weight, bias)
     return torch.convolution(
         x, weight, bias, list(spec.stride), list(spec.padding), list(spec.dilation), spec.transposed,
         spec.kernel_output_padding(), spec.groups
@@ -214,6 +257,9 @@ def conv_backward(
     """
     if not any(mask):
         return None, None, None
+    if spec.channel_linear:  # Note: [a Linear on a channels-last map is a 1x1 convolution]
+        gx, gw, gb = conv_backward(grad_y.movedim(1, -1), x.movedim(1, -1), weight, make_linear_spec(), mask)
+        return None if gx is None else gx.movedim(-1, 1), gw, gb
     if weight_first and mask[0] and mask[1] and not spec.is_linear:
         # Note: [the weight's gradient first]
         # One ``convolution_backward`` computes ``grad_x`` first and then ``grad_W``, and on
@@ -288,6 +334,8 @@ def conv_output_shape(in_shape: Sequence[int], weight_shape: Sequence[int], spec
     if spec.is_linear:
         return (*(int(s) for s in in_shape[:-1]), int(weight_shape[0]))
     n, _, *sp = in_shape
+    if spec.channel_linear:
+        return (int(n), int(weight_shape[0]), *(int(s) for s in sp))
     if spec.transposed:
         op = spec.kernel_output_padding()
         out = [(sp[i] - 1) * spec.stride[i] - 2 * spec.padding[i] + spec.dilation[i] * (weight_shape[2 + i] - 1)

@@ -32,6 +32,7 @@ from ..report.convert_report import ConvertReport
 from ..graph.grad_regions import grad_region_of
 from ..graph.shape_uses import is_rank_use, value_users
 from .shared_heads import split_shared_heads, split_shared_norm_heads
+from .norm_linears import channels_last_norms_left
 from ..bn.tokens import flattened_linear_reason
 
 __all__ = ["MatchedConv", "MatchedLayer", "find_layers", "group_chains", "split_heads", "head_input", "node_arg",
@@ -264,12 +265,13 @@ def _end_layers(layers: List[MatchedLayer], gm: fx.GraphModule, root: nn.Module,
     return ends
 
 
-def _all_sites(gm: fx.GraphModule, root: nn.Module, prefix: str, report: ConvertReport) -> List[BNSite]:
+def _all_sites(gm: fx.GraphModule, root: nn.Module, prefix: str, report: ConvertReport, chain: bool) -> List[BNSite]:
     """BatchNorm and per-sample norm sites (functional/norms.py) in graph order; each norm that
-    cannot be a site is reported left in ``report``, one line per norm."""
+    cannot be a site is reported left in ``report``, one line per norm (a LayerNorm over the
+    channels of a channels-last map too: Note: [a channels-last LayerNorm before a Linear])."""
     found = find_bn_sites(gm, prefix, root)
     norms = find_norm_sites(gm, prefix, root)
-    for bn_name, bn_why in found.left + norms.left:
+    for bn_name, bn_why in found.left + norms.left + channels_last_norms_left(gm, root, prefix, chain):
         if not any(o.batchnorm == bn_name for o in report.recorded):  # one line per BatchNorm
             report.leave(bn_name, bn_why)
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
@@ -296,7 +298,7 @@ def find_layers(gm: fx.GraphModule, root: nn.Module, prefix: str, report: Conver
     (``convbn.passes.convert.pipeline.CANONICALISE``); matching changes no node.
     """
     layers: List[MatchedLayer] = []
-    for site in _all_sites(gm, root, prefix, report):
+    for site in _all_sites(gm, root, prefix, report, chain):
         node, bn, name, src = site.node, site.bn, site.name, site.input
         tail = match_tail(node, root, prefix)
         conv = _match_conv(src, gm, root)

@@ -13,10 +13,11 @@ import torch.fx as fx
 import torch.nn.functional as F
 from torch import nn
 
-from ...functional.conv import ConvSpec
+from ...functional.conv import ConvSpec, channel_linear, make_channel_linear_spec
 from ...nn.computed_weight import ComputedWeight
 from ..graph.computed_weight import computed_weight, weight_nodes
 from ..graph.layers import LayerCall, has_standard_forward, layer_call, layer_spec
+from ..graph.shape_capture import RANK
 from .match_tail import node_arg
 
 __all__ = ["MatchedConv"]
@@ -97,6 +98,8 @@ def _match_conv(node: fx.Node, gm: fx.GraphModule, root: nn.Module) -> Union[Mat
     holds stand-in containers for ``get_attr`` targets, which later re-assignments of
     the real modules' parameters (``load_state_dict(assign=True)``) would not reach.
     """
+    if isinstance(node, fx.Node) and node.op == "call_function" and node.target is channel_linear:
+        return _channel_linear(node, root)
     found = _match_conv_node(node, gm, root)
     # zero padding before a transposed conv is not its ``padding`` (which crops the output)
     if (isinstance(found, MatchedConv) and found.spec.pre_pad_mode == "constant" and found.spec.dims > 0
@@ -105,6 +108,20 @@ def _match_conv(node: fx.Node, gm: fx.GraphModule, root: nn.Module) -> Union[Mat
         while absorbed is not found:  # a run of them: timm's LayerNormAct2d drop and act, then a block's down
             found, absorbed = absorbed, _absorb_zero_pad(absorbed, gm)
     return found
+
+
+def _channel_linear(node: fx.Node, root: nn.Module) -> Union[MatchedConv, str]:
+    """A :func:`~convbn.functional.conv.channel_linear` node (Note: [a channels-last LayerNorm
+    before a Linear] in norm_linears.py): a 1x1 convolution on its map of known rank."""
+    inp, w, b = (*node.args, None)[:3] if len(node.args) >= 2 else (None, None, None)
+    rank = node.meta.get(RANK)
+    if not isinstance(inp, fx.Node) or not isinstance(w, fx.Node) or w.op != "get_attr" or not isinstance(rank, int):
+        return "a linear layer on the channels whose input, weight or rank the graph does not show"
+    found = _param_owner(w, b, root, "linear")
+    if isinstance(found, str):
+        return found
+    owner, wpath, wname, bname = found
+    return MatchedConv(node, inp, owner, wname, bname, make_channel_linear_spec(rank - 2), wpath or str(w.target))
 
 
 def _match_conv_node(node: fx.Node, gm: fx.GraphModule, root: nn.Module) -> Union[MatchedConv, str, None]:

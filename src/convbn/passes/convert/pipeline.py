@@ -62,6 +62,7 @@ from ..bn.hand_rms_norms import hand_channel_rms_norms
 from ..bn.norm_casts import norm_float_round_trips
 from ..bn.norm_sites import channel_layer_norms
 from .match import MatchedLayer, find_layers, group_chains, split_heads
+from .norm_linears import norm_linears
 from .pools import lean_pools
 from .recapture import Recapture, _merge, _remove_installed, attach_guards, refuse_flat_parameters
 from .rewrite import drop_hooked, rewrite_chains, swap_sync_batchnorm, watch_hooks
@@ -104,6 +105,10 @@ CANONICALISE: Tuple[GraphRewrite, ...] = (
     GraphRewrite("reduction dims from the end made absolute", lambda gm, root, prefix: absolute_reduction_dims(gm)),
     # permute -> LayerNorm(C) -> permute back -> one channel_layer_norm node (bn/norm_sites.py)
     GraphRewrite("channel LayerNorms as one node", lambda gm, root, prefix: channel_layer_norms(gm)),
+    # ln(x) -> act -> linear on a channels-last map -> channel_layer_norm -> act -> channel_linear between permutes
+    # (norm_linears.py)
+    GraphRewrite("channels-last LayerNorms read by a Linear as a norm and a 1x1 convolution", norm_linears,
+                 chains_only=True),
     # mean / var over dim 1, (x - u) / sqrt(v + eps) * w + b -> one channel_layer_norm node (bn/hand_layer_norms.py)
     GraphRewrite("hand-written channel LayerNorms as one node", lambda gm, root, prefix: hand_channel_layer_norms(gm)),
     # F.normalize(x, dim=1) * g * s, x * rsqrt(mean(x^2, 1) + eps) * g -> one channel_rms_norm node
