@@ -437,6 +437,25 @@ MUTANTS: Dict[str, Mutant] = {
         "max_batch's steps stopped at the room the resident bytes leave, the batch of inputs not in the memory",
         (("batch_search.py", "        room = self.usable - self.before(b)", "        room = self.usable - self.resident"),),
         ("tests/test_max_batch_bound.py::test_answering_allocates_within_the_memory_where_kernels_need_no_scratch",)),
+    "lean_meter_forgets_modules_outside_the_model": Mutant(
+        "the lean meter's module hook counts nothing: a layer held outside the registered children never counts its weights",
+        (("_compat.py", "                self._track_module_params_and_buffers(module, install_grad_hooks=False)\n",
+          "                pass\n"),),
+        ("tests/test_lean_meter.py::test_a_module_held_outside_the_model_is_counted_once_it_runs",
+         "tests/test_lean_meter.py::test_every_point_is_the_one_torchs_module_hooks_give")),
+    "plain_walk_counts_first_output_only": Mutant(
+        "the meter's walk without pytree counts only the first tensor an operator returns (a batch norm's statistics missed)",
+        (("_compat.py", "            for v in tree:\n                if type(v) in _PLAIN_TENSORS:\n                    fn(v)\n",
+          "            for v in tree[:1]:\n                if type(v) in _PLAIN_TENSORS:\n                    fn(v)\n"),),
+        ("tests/test_lean_meter.py::test_every_point_is_the_one_torchs_module_hooks_give",)),
+    "module_tracker_never_in_backward": Mutant(
+        "the module tracker registers only the hooks that hold gradients even when asked to name the backward's modules",
+        (("memory/mod_tracking.py", "        if not backward and not _may_hold(", "        if not _may_hold("),),
+        ("tests/test_lean_meter.py::test_every_point_is_the_one_torchs_module_hooks_give",)),
+    "forward_only_tracker_drops_holding_hooks": Mutant(
+        "the planner's module tracker drops the input hooks that hold gradients too (a DenseNet layer's backward measured lower)",
+        (("memory/mod_tracking.py", "    return mode == \"all\" and sum(", "    return False and sum("),),
+        ("tests/test_lean_meter.py::test_every_point_is_the_one_torchs_module_hooks_give",)),
     "stopped_backward_not_drained": Mutant(
         "a step stopped in its backward leaves the engine's pending nodes (and their saved tensors) until the next backward",
         (("memory/timelines.py", "            _drain_autograd()  # Note:", "            pass  # Note:"),),
