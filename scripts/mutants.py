@@ -446,6 +446,25 @@ MUTANTS: Dict[str, Mutant] = {
         "max_batch's steps stopped at the room the resident bytes leave, the batch of inputs not in the memory",
         (("batch_search.py", "        room = self.usable - self.before(b)", "        room = self.usable - self.resident"),),
         ("tests/test_max_batch_bound.py::test_answering_allocates_within_the_memory_where_kernels_need_no_scratch",)),
+    "lean_meter_forgets_modules_outside_the_model": Mutant(
+        "the lean meter's module hook counts nothing: a layer held outside the registered children never counts its weights",
+        (("_compat.py", "                self._track_module_params_and_buffers(module, install_grad_hooks=False)\n",
+          "                pass\n"),),
+        ("tests/test_lean_meter.py::test_a_module_held_outside_the_model_is_counted_once_it_runs",
+         "tests/test_lean_meter.py::test_every_point_is_the_one_torchs_module_hooks_give")),
+    "plain_walk_counts_first_output_only": Mutant(
+        "the meter's walk without pytree counts only the first tensor an operator returns (a batch norm's statistics missed)",
+        (("_compat.py", "            for v in tree:\n                if type(v) in _PLAIN_TENSORS:\n                    fn(v)\n",
+          "            for v in tree[:1]:\n                if type(v) in _PLAIN_TENSORS:\n                    fn(v)\n"),),
+        ("tests/test_lean_meter.py::test_every_point_is_the_one_torchs_module_hooks_give",)),
+    "module_tracker_never_in_backward": Mutant(
+        "the module tracker registers only the hooks that hold gradients even when asked to name the backward's modules",
+        (("memory/mod_tracking.py", "        if not backward and not _may_hold(", "        if not _may_hold("),),
+        ("tests/test_lean_meter.py::test_every_point_is_the_one_torchs_module_hooks_give",)),
+    "forward_only_tracker_drops_holding_hooks": Mutant(
+        "the planner's module tracker drops the input hooks that hold gradients too (a DenseNet layer's backward measured lower)",
+        (("memory/mod_tracking.py", "    return mode == \"all\" and sum(", "    return False and sum("),),
+        ("tests/test_lean_meter.py::test_every_point_is_the_one_torchs_module_hooks_give",)),
     "stopped_backward_not_drained": Mutant(
         "a step stopped in its backward leaves the engine's pending nodes (and their saved tensors) until the next backward",
         (("memory/timelines.py", "            _drain_autograd()  # Note:", "            pass  # Note:"),),
@@ -496,6 +515,28 @@ MUTANTS: Dict[str, Mutant] = {
         (("passes/convert/pipeline.py", "    failed = traced.opaque_to_retrace(module)\n",
           "    failed = traced.opaque_layers(module)\n"),),
         ("tests/test_dtype_eps_norms.py",)),
+    "kernel_scratch_not_counted": Mutant(
+        "max_batch's steps count no kernel scratch (the code before it was counted: the call goes over the memory)",
+        (("memory/kernel_scratch.py", '    if call is None or call.device != "cpu":\n        return 0\n',
+          '    if True:\n        return 0\n'),),
+        ("tests/test_max_batch_scratch.py::test_the_call_stays_within_the_memory_by_the_cpu_allocator",)),
+    "kernel_scratch_stride_term_for_stride_1": Mutant(
+        "the input-sized buffer of a strided convolution's backward counted for stride 1 too",
+        (("memory/kernel_scratch.py", "    extra = s * int(call.groups == 1", "    extra = int(call.groups == 1"),),
+        ("tests/test_max_batch_scratch.py::test_the_eager_answer_is_the_largest_batch_whose_step_and_scratch_fit",)),
+    "batch_norm_backward_scratch_dropped": Mutant(
+        "BatchNorm's CPU backward takes no scratch in the table",
+        (("memory/kernel_scratch.py", "if call.grad_input else 0", "if False else 0"),),
+        ("tests/test_kernel_scratch.py::"
+         "test_batch_norm_backward_takes_its_inputs_bytes_where_the_inputs_gradient_is_asked",)),
+    "max_batch_plans_ignore_chain_scratch": Mutant(
+        "max_batch's per-batch plans leave no room for the chains' kernel scratch (the prediction is then off)",
+        (("batch_search.py", "            if len(scratch) == len(costs):", "            if False:"),),
+        ("tests/test_max_batch_predict.py::test_confirmed_prediction_measures_the_answer_and_the_batch_above",)),
+    "max_batch_walk_removed": Mutant(
+        "a refuted prediction is measured at once, never walked",
+        (("batch_search.py", "\nWALK = 3\n", "\nWALK = 0\n"),),
+        ("tests/test_max_batch_predict.py::test_a_refuted_prediction_is_walked_to_the_measured_answer",)),
     "channel_linear_bias_dropped": Mutant(
         "a Linear on the channels (a LayerNorm -> Linear chain's end) runs without its bias",
         (("functional/conv.py", "        return channel_linear(x, weight, bias)\n", "        return channel_linear(x, weight, None)\n"),),

@@ -57,7 +57,10 @@ def test_predicted_max_batch_equals_the_measured_search(optim, memory, kwargs):
     assert fast.how["eager"].startswith("predicted") and fast.how["convbn"].startswith("predicted")
     assert fast.eager_batch not in fast.probes["eager"] and fast.convbn_batch not in fast.probes["convbn"]
     assert fast.eager_peak == slow.eager_peak == slow.probes["eager"][slow.eager_batch]
-    assert fast.convbn_peak == slow.convbn_peak == slow.probes["convbn"][slow.convbn_batch]
+    # the converted side's predicted peak counts each chain's largest backward scratch at its
+    # chain's highest moment (Note: [the kernels' scratch in the convbn prediction]): a bound
+    assert slow.convbn_peak <= fast.convbn_peak <= slow.convbn_peak + 64 * 1024
+    assert slow.convbn_peak == slow.probes["convbn"][slow.convbn_batch]
     above = slow.convbn_batch + 1  # the resident bytes, its inputs and its step are over
     assert slow.resident + above * slow.sample_bytes + slow.probes["convbn"][above] > slow.memory
 
@@ -151,3 +154,22 @@ def test_max_batch_checks_every_argument_before_any_step(monkeypatch, bad, error
     example, memory = args.pop("example_inputs"), args.pop("memory")
     with pytest.raises(error, match=match):
         convbn.max_batch(net, example, memory, **args)
+
+
+def test_a_refuted_prediction_is_walked_to_the_measured_answer(monkeypatch):
+    """A prediction the confirming steps refute (here made one batch low on purpose) is walked,
+    a real step at a time, to the answer the measuring search finds (Note: [the kernels' scratch
+    in the convbn prediction]); fails with the walk removed (the side is then measured, and
+    ``how`` says so)."""
+    torch.manual_seed(0)
+    net = _resnet()
+    opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+    x = torch.randn(2, 3, 16, 16)
+    slow = convbn.max_batch(net, x, "2MiB", optimizer=opt, method="measure")
+    real = batch_search.largest_fitting
+    monkeypatch.setattr(batch_search, "largest_fitting", lambda fits, upper: real(fits, upper) - 1)
+    fit = convbn.max_batch(net, x, "2MiB", optimizer=opt, confirm=True)
+    for side, batch in (("eager", fit.eager_batch), ("convbn", fit.convbn_batch)):
+        assert batch == getattr(slow, f"{side}_batch")
+        assert fit.how[side] == f"measured at batch {batch} and the batch above it (predicted {batch - 1})"
+        assert fit.probes[side][batch] == slow.probes[side][batch] and batch + 1 in fit.probes[side]

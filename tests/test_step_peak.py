@@ -213,11 +213,14 @@ def test_max_batch_is_measured_and_the_next_batch_does_not_fit():
         assert fit.resident + (batch + 1) * fit.sample_bytes + probes[batch + 1] > fit.memory
     assert fit.convbn_batch > fit.eager_batch
     assert fit.summary().startswith(f"in 3.0 MiB: eager trains batch {fit.eager_batch}, convbn batch {fit.convbn_batch}")
-    # the converted model planned for that batch, stepped by the user, peaks as predicted
+    # the converted model planned for that batch by convert(memory_limit=...), stepped by the user,
+    # fits the memory by live tensors; max_batch's own plan also left room for the kernels' scratch,
+    # which convert's planner does not count (BENCHMARKS.md "max_batch within its limit")
     x = torch.randn(fit.convbn_batch, 3, 16, 16)
     state, inputs = resident_bytes(m, o) - resident_bytes(m), x.nbytes  # the batch of inputs is in max_batch's memory
     m = convbn.convert(m, example_inputs=x, memory_limit=fit.memory - state - inputs)
-    assert timeline(m, x, optimizer=o).peak == fit.convbn_peak
+    assert timeline(m, x, optimizer=o).peak <= fit.memory - fit.resident - inputs
+    assert timeline(m, x, optimizer=o).peak <= fit.convbn_peak
 
 
 def test_max_batch_and_memory_limit_reject_bad_arguments():

@@ -22,6 +22,7 @@ from typing import Any, Callable, List, Optional, Tuple
 import torch
 from torch import Tensor, nn
 
+from .memory.kernel_scratch import scratch_bytes
 from .memory.timelines import Timeline, default_loss
 
 __all__ = ["StepLines", "largest_fitting", "step_flops", "PROBE_BATCHES"]
@@ -55,6 +56,10 @@ class StepLines:
                              "their memory is not a line in the batch")
         self.batches = (batch_a, batch_b)
         self.ends = [(p.bytes, q.bytes) for p, q in zip(a.points, b.points)]
+        #: the convolutions' calls at both batches, for their kernel scratch at another
+        #: (Note: [kernel scratch]: the row is chosen again at each batch)
+        self.calls = [(i, p.call, q.call) for i, (p, q) in enumerate(zip(a.points, b.points))
+                      if p.call is not None and q.call is not None]
 
     def at(self, batch: int) -> List[int]:
         """Bytes in use after each operator at ``batch``."""
@@ -65,9 +70,25 @@ class StepLines:
         """The step's peak at ``batch``."""
         return max(self.at(batch), default=0)
 
+    def scratch_at(self, batch: int) -> List[int]:
+        """Each operator's kernel scratch at ``batch`` (0 where none was recorded): its call with
+        the samples on the line through the two recorded calls."""
+        ba, bb = self.batches
+        out = [0] * len(self.ends)
+        for i, ca, cb in self.calls:
+            n = round(ca.x_shape[0] + Fraction(cb.x_shape[0] - ca.x_shape[0], bb - ba) * (batch - ba))
+            out[i] = scratch_bytes(ca.at_batch(n)) if n > 0 else 0
+        return out
+
+    def process_peak_at(self, batch: int) -> int:
+        """The step's peak at ``batch`` with its kernels' scratch (:attr:`Timeline.process_peak`)."""
+        return max((u + s for u, s in zip(self.at(batch), self.scratch_at(batch))), default=0)
+
     def agrees(self, tl: Timeline, batch: int) -> bool:
-        """Whether ``tl``, recorded at ``batch``, is on the lines point for point."""
-        return len(tl.points) == len(self.ends) and [p.bytes for p in tl.points] == self.at(batch)
+        """Whether ``tl``, recorded at ``batch``, is on the lines point for point (its kernel
+        scratch too)."""
+        return len(tl.points) == len(self.ends) and [p.bytes for p in tl.points] == self.at(batch) \
+            and [p.scratch for p in tl.points] == self.scratch_at(batch)
 
 
 def _ops(tl: Timeline) -> List[Tuple[str, str]]:

@@ -32,16 +32,17 @@ stopped where it goes over the limit, and the choice to confirm made from counte
 # parameters and buffers and the optimizer's state (resident between steps), the batch of
 # inputs (alive before the step in a training loop, as the user's device must hold it: a batch
 # whose inputs alone exceed the room is never made) and the step's peak (weight gradients
-# counted). Above ``memory`` the call allocates at most :data:`SMALL_ALLOCATIONS` (1 KiB,
-# allocations no tensor meter sees; exact CPU allocator bytes: none on the test net, the call
-# peaked 3-7 KiB below ``memory``) plus what is stated, not counted: on CPU the running
-# convolution's own scratch (oneDNN's reordered operands: not tensors, so no tensor meter
-# sees them; ``benchmarks/bm_conv_scratch.py`` measures them on ResNet-50's convolutions:
-# forward up to 0.93 and backward up to 1.71 of the operands' bytes, none for a pointwise
-# convolution; at most one operator's at a time), on CUDA the workspace of an operator a step
-# is stopped after (read when it has run) and what is outside the allocator (context, library
-# handles), and ``convert``'s check and the planner's steps at batches 2 and 4 (small
-# batches, not stepped against the limit; ``convert``'s float64 comparison is weight-sized).
+# counted), and on CPU the kernels' scratch while they run: every step is fitted and stopped
+# with each convolution's and BatchNorm backward's scratch as the table of Note: [kernel
+# scratch] bounds it (not tensors: no tensor meter sees it). Above ``memory`` the call
+# allocates at most :data:`SMALL_ALLOCATIONS` (1 KiB, allocations no tensor meter sees) plus
+# what is stated, not counted: on CUDA the workspace of an operator a step is stopped after
+# (read when it has run) and what is outside the allocator (context, library handles), on CPU
+# the scratch of an operator the table has no row for, and ``convert``'s check and the
+# planner's steps at batches 2 and 4 (small batches, not stepped against the limit;
+# ``convert``'s float64 comparison is weight-sized). Exact CPU allocator bytes over the whole
+# call: within ``memory`` + 1 KiB on the strided net of tests/test_max_batch_scratch.py (the
+# same call without the scratch goes over); ResNet-50 224² at 768 MiB: 758.8 MiB (BENCHMARKS.md).
 # A stopped step is let go at once (the exception that stopped it is kept without its
 # traceback, which held the step's frames, its batch and tensors, in a reference cycle beside
 # the next step until a collection).
@@ -55,6 +56,19 @@ stopped where it goes over the limit, and the choice to confirm made from counte
 # copy was made and converted beside them (the path of a ResNet-50 224² run at 768 MiB that
 # went 393.7 MiB over, with a scratch reserve since reverted; not reproduced without it).
 # Every copy after the first is made after a collection, whoever let the one before go.
+#
+# Note: [the kernels' scratch in the convbn prediction]
+# Every step is fitted and stopped with its kernels' scratch (Note: [kernel scratch] in
+# memory/kernel_scratch.py; ``timeline(kernel_scratch=True)``). The eager side's prediction
+# holds it exactly: each convolution's call is a line in the batch, its row chosen again at
+# each batch (``StepLines.process_peak_at``). The planner's peak model counts live tensors, so
+# the converted side takes a step at batch 3 planned without the scratch, reads from it which
+# convolutions each chain's backward runs, and every plan after it (predicting, confirming,
+# measuring) counts each chain's largest backward scratch at the batch as bytes alive beside
+# that chain during its backward (its ``prefix``): a bound, since the scratch lives only while
+# one convolution runs. Forward scratch and convolutions outside the chains are not in the
+# plan: the confirming steps measure them; where they refute the answer, up to :data:`WALK` more
+# steps walk from it (each a real step, stopped at the limit) before the side is measured.
 #
 # Note: [confirming by counted work]
 # Whether the predicted answer is confirmed by real steps is decided from the work those
@@ -70,6 +84,7 @@ import contextlib
 import copy
 import gc
 import warnings
+from dataclasses import replace
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple, Union
 
 import torch
@@ -78,6 +93,8 @@ from torch import Tensor, nn
 from ._compat import mem_tracker_class
 from .batch_predict import PROBE_BATCHES, StepLines, largest_fitting, step_flops
 from .memory.budget import resident_bytes, usable_bytes
+from .memory.kernel_scratch import scratch_bytes
+from .memory.saved import _with_fused
 from .memory.timelines import StepOverLimit, Timeline, TimelinePoint, default_loss, timeline
 from .passes.convert.api import convert
 from .passes.plan.auto_plan import apply_plan, plan_to_target
@@ -93,8 +110,12 @@ __all__ = ["CONFIRM_FLOPS", "SMALL_ALLOCATIONS", "Search", "batch_of", "input_by
 CONFIRM_FLOPS = 2e12
 
 #: The stated constant of :func:`convbn.max_batch`'s bound: the bytes its call may allocate
-#: above ``memory`` where no kernel needs scratch (Note: [what the limit holds]).
+#: above ``memory``, the kernels' scratch counted (Note: [what the limit holds]).
 SMALL_ALLOCATIONS = 1024
+
+#: How many batches a refuted prediction is walked, by a real step each, before the side is
+#: measured instead (Note: [the kernels' scratch in the convbn prediction]).
+WALK = 3
 
 Result = Tuple[int, int, Dict[int, int], str]
 
@@ -190,6 +211,23 @@ def _warm_up(model: nn.Module, opt: torch.optim.Optimizer, inputs: Tuple[Any, ..
         p.grad = None
 
 
+def _chain_scratch(tl: Timeline, model: nn.Module, chains: List[Any], b: int) -> Callable[[int], List[int]]:
+    """Each chain's largest convolution-backward scratch at a batch ``n``, in forward order, from
+    the calls a step recorded at batch ``b`` made in that chain's backward, their samples scaled
+    by ``n / b`` and their rows chosen again (Note: [kernel scratch])."""
+    names = {id(mod): name for name, mod in _with_fused(model)}
+    keys = [names.get(id(c)) for c in chains]  # a chain without a name: no calls read as its own
+    calls: Dict[str, List[Any]] = {k: [] for k in keys if k}
+    for p in tl.points:
+        if p.call is not None and p.call.backward and p.module in calls:
+            calls[p.module].append(p.call)
+    order = [calls[k] if k else [] for k in keys]
+
+    def at(n: int) -> List[int]:
+        return [max([0] + [scratch_bytes(c.at_batch(max(1, c.x_shape[0] * n // b))) for c in cs]) for cs in order]
+    return at
+
+
 class Search:
     """One :func:`convbn.max_batch` call: the one copy it steps at a time, the limits, and
     the two searches (eager, convbn); Note: [answering within the limit]."""
@@ -201,6 +239,11 @@ class Search:
         self.limit, self.usable, self.upper, self.device = limit, usable_bytes(limit, device), upper, device
         self.confirm, self.convert_kwargs = confirm, convert_kwargs
         self.held: Tuple[Any, ...] = ()
+        self.last: Any = None  # the last step's Timeline, or the StepOverLimit that stopped it
+        #: the converted side's chains' kernel scratch at a batch, planned around (Note: [the
+        #: kernels' scratch in the convbn prediction]); the step at batch 3 that showed it
+        self.chain_scratch: Callable[[int], List[int]] = lambda n: []
+        self.scratch_step: Tuple[int, int, Any] = (0, 0, None)
         self.copies = 0  # copies made so far
         m, o = self.fresh()
         self.resident = resident_bytes(m, o)
@@ -242,10 +285,10 @@ class Search:
         if room < 0:  # the batch alone is over: never made, no step (``before(b)`` alone is over the limit)
             return StepOverLimit(TimelinePoint(0, "forward", "", "the batch of inputs"), room, before=True)
         x = batch_of(self.inputs, b)
-        try:
+        try:  # the kernels' scratch counted and stopped at (Note: [kernel scratch])
             if planned:
-                return measure_peak(m, x, optimizer=o, loss_fn=self.loss_fn, stop_above=room)
-            return timeline(m, *x, optimizer=o, loss_fn=self.loss_fn, stop_above=room)
+                return measure_peak(m, x, optimizer=o, loss_fn=self.loss_fn, stop_above=room, kernel_scratch=True)
+            return timeline(m, *x, optimizer=o, loss_fn=self.loss_fn, stop_above=room, kernel_scratch=True)
         except StepOverLimit as over:
             # without its traceback: it holds this frame (``x``) and the stopped step's frames (its
             # tensors) in a reference cycle with ``over``, alive beside the next step until a
@@ -257,9 +300,10 @@ class Search:
         return self.resident + input_bytes(self.inputs, b)
 
     def total(self, m: nn.Module, o: Optional[torch.optim.Optimizer], b: int, planned: bool = False) -> int:
-        """:meth:`before` + the step's peak at ``b`` (+ the bytes where it was stopped, over the limit)."""
-        out = self.step(m, o, b, planned)
-        return self.before(b) + (out.bytes if isinstance(out, StepOverLimit) else out.peak)
+        """:meth:`before` + the step's peak at ``b`` with its kernels' scratch (+ the bytes where it
+        was stopped, over the limit); the step's outcome kept as :attr:`last`."""
+        self.last = out = self.step(m, o, b, planned)
+        return self.before(b) + (out.bytes if isinstance(out, StepOverLimit) else out.process_peak)
 
     # ------------------------------------------------------------------ measured probes
     def eager(self, b: int) -> int:
@@ -290,6 +334,7 @@ class Search:
             if not isinstance(planner, str) and planner[0] is not None:
                 why = why or (f", the plan at each batch the planner's from batches {PROBE_BATCHES[0]} and "
                               f"{PROBE_BATCHES[1]}")
+                seen = {PROBE_BATCHES[2]: self.scratch_step[1], **(seen or {})}  # Search._learn_scratch's step
         b, total, seen = measured_search(probe or self.eager, self.usable, self.upper, seen)
         return b, total, seen, f"measured at batch {b} and the batch above it{why}"
 
@@ -321,6 +366,23 @@ class Search:
             seen[c] = probe(c)
         if seen[b] <= self.usable and (b == self.upper or seen[b + 1] > self.usable):
             return b, seen[b], seen, f"measured at batch {b} and the batch above it (predicted alike)"
+        return self._walk(side, b, seen, probe)
+
+    def _walk(self, side: str, b: int, seen: Dict[int, int], probe: Callable[[int], int]) -> Union[Result, str]:
+        """A predicted ``b`` that real steps refuted, walked by :data:`WALK` batches at most
+        towards the steps' answer (Note: [the kernels' scratch in the convbn prediction]); where
+        that does not settle it, why the side is to be measured (the caller measures)."""
+        down = seen[b] > self.usable
+        for k in range(1, WALK + 1):
+            c = b - k if down else b + 1 + k
+            if c <= PROBE_BATCHES[1] or c > self.upper:
+                break
+            stage(f"{side}: batch {b} predicted, off; a step at {c}")
+            seen[c] = probe(c)
+            if down and seen[c] <= self.usable:
+                return c, seen[c], seen, f"measured at batch {c} and the batch above it (predicted {b})"
+            if not down and seen[c] > self.usable:
+                return c - 1, seen[c - 1], seen, f"measured at batch {c - 1} and the batch above it (predicted {b})"
         return " (the prediction was off)"
 
     def eager_predicted(self) -> Result:
@@ -330,7 +392,7 @@ class Search:
         for b in PROBE_BATCHES:
             stage(f"eager: a recorded step at batch {b}")
             out = self.step(m, o, b)
-            seen[b] = self.before(b) + (out.bytes if isinstance(out, StepOverLimit) else out.peak)
+            seen[b] = self.before(b) + (out.bytes if isinstance(out, StepOverLimit) else out.process_peak)
             if isinstance(out, StepOverLimit):
                 return self.measured("eager", seen, f" (batch {b} is over the limit)")
             tls[b] = out
@@ -341,9 +403,10 @@ class Search:
             return self.measured("eager", seen, " (the step's memory is not a line in the batch)")
         if not lines.agrees(tls[b3], b3):
             return self.measured("eager", seen, f" (the step at batch {b3} is off the line)")
-        b = largest_fitting(lambda n: self.before(n) + lines.peak_at(n) <= self.usable, self.upper)
+        b = largest_fitting(lambda n: self.before(n) + lines.process_peak_at(n) <= self.usable, self.upper)
         how = f"predicted from steps at batches {b1} and {b2} (exact at {b3})"
-        out = self.confirmed("eager", b, self.before(b) + lines.peak_at(b), seen, how, lambda c: self.total(m, o, c))
+        out = self.confirmed("eager", b, self.before(b) + lines.process_peak_at(b), seen, how,
+                             lambda c: self.total(m, o, c))
         return self.measured("eager", seen, out) if isinstance(out, str) else out
 
     def fused_predicted(self) -> Result:
@@ -383,7 +446,11 @@ class Search:
 
         def plan_at(n: int) -> Any:
             p = plan_inputs_at(measured[b1], measured[b2], n)
-            return plan_to_target(p.costs(), p.floor, p.extra, target - input_bytes(self.inputs, n), p.gaps())
+            costs = p.costs()
+            scratch = self.chain_scratch(n)  # alive beside the chain in its backward, planned around
+            if len(scratch) == len(costs):
+                costs = [replace(c, prefix=c.prefix + extra) for c, extra in zip(costs, scratch)]
+            return plan_to_target(costs, p.floor, p.extra, target - input_bytes(self.inputs, n), p.gaps())
 
         def planned(n: int) -> int:  # a real step at n of the copy planned for n as predicted
             plan = plan_at(n)
@@ -395,7 +462,22 @@ class Search:
         except ValueError:
             self.held = ()
             return " (the planner's inputs are not lines in the batch)"
+        self._learn_scratch(plan_at, planned, conv, chains)
         return plan_at, planned
+
+    def _learn_scratch(self, plan_at: Callable[[int], Any], planned: Callable[[int], int], conv: nn.Module,
+                       chains: List[Any]) -> None:
+        """A real step at batch 3 planned without the kernels' scratch, kept as
+        :attr:`scratch_step` (its plan's predicted peak, its total, its timeline), and from it
+        :attr:`chain_scratch`, which every later plan counts (Note: [the kernels' scratch in the
+        convbn prediction])."""
+        b3 = PROBE_BATCHES[2]
+        stage(f"convbn: a recorded step at batch {b3}, planned as predicted")
+        self.chain_scratch = lambda n: []
+        predicted = plan_at(b3).peak
+        self.scratch_step = (predicted, planned(b3), self.last)
+        if not isinstance(self.last, StepOverLimit):
+            self.chain_scratch = _chain_scratch(self.last, conv, chains, b3)
 
     def _fused_prediction(self) -> Union[Result, str]:
         _, _, b3 = PROBE_BATCHES
@@ -405,12 +487,15 @@ class Search:
         plan_at, planned = planner
         if plan_at is None:
             return ""
-        plan = plan_at(b3)
-        stage(f"convbn: a recorded step at batch {b3}, planned as predicted")
-        seen = {b3: planned(b3)}
-        if seen[b3] != self.before(b3) + plan.peak:
+        predicted, total, step = self.scratch_step  # planned without the scratch (Search._learn_scratch)
+        seen = {b3: total}
+        if isinstance(step, StepOverLimit) or step.peak != predicted:
             return f" (the predicted peak at batch {b3} is off)"
-        b = largest_fitting(lambda n: self.before(n) + plan_at(n).peak <= self.usable, self.upper)
+
+        def total_at(n: int) -> int:  # Note: [the kernels' scratch in the convbn prediction]
+            return self.before(n) + plan_at(n).peak
+
+        b = largest_fitting(lambda n: total_at(n) <= self.usable, self.upper)
         how = (f"predicted from the planner's inputs at batches {PROBE_BATCHES[0]} and {PROBE_BATCHES[1]} "
-               f"(exact at {b3})")
-        return self.confirmed("convbn", b, self.before(b) + plan_at(b).peak if b else 0, seen, how, planned)
+               f"(exact at {b3}; the kernels' scratch estimated from that step)")
+        return self.confirmed("convbn", b, total_at(b) if b else 0, seen, how, planned)

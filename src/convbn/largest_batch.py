@@ -143,15 +143,18 @@ def max_batch(  # over 60 lines for its public docstring (Args, Raises, Example)
     peak <= usable``. Answering stays within it: one copy of the model exists at a time, and
     a step that would go over the room its batch leaves is stopped before the operator whose
     outputs would take it over (their sizes known from a meta run), with ``method="measure"``
-    too. Above ``memory`` the call allocates at most 1 KiB of small allocations plus, stated
-    and not counted: on CPU the running convolution's own scratch (not tensors: oneDNN's
-    operands reordered, up to 0.93 of its operands' bytes forward and 1.71 backward; ResNet-50
-    224² at 768 MiB: 26.4 MiB above, 3.4 %; none on a channels-last net whose kernels need
-    none, where the call stays within ``memory`` plus 1 KiB, exact allocator bytes), on CUDA
-    the workspace of an operator a step is stopped after, and ``convert``'s own check at
-    batch 2. With ``memory_budget=`` a copy is converted at each batch tried, not held to the
-    limit. Its answer depends on no clock: the same call gives the same batches, ``probes``
-    and ``how`` on any machine.
+    too. On CPU each step is fitted and stopped with its kernels' scratch while they run (the
+    buffers a convolution or a BatchNorm backward allocates and frees inside its operator, which
+    no tensor meter sees), bounded by the table of :mod:`convbn.memory.kernel_scratch`. The
+    process's memory while answering is then bounded by ``memory`` + 1 KiB of small
+    allocations plus, stated and not counted: on CUDA the workspace of an operator a
+    step is stopped after, on CPU the scratch of an operator outside that table, and
+    ``convert``'s own check at batch 2. Measured by the CPU allocator's exact bytes: a strided
+    net within ``memory`` + 1 KiB (without the scratch counted the same call goes over);
+    ResNet-50 224² at 768 MiB: 758.8 MiB, answers eager 6, convbn 18 (without: 788.8 MiB, 6 / 21).
+    With ``memory_budget=`` a copy is converted at each batch tried, not held to the limit.
+    Its answer depends on no clock: the same call gives the same batches, ``probes`` and
+    ``how`` on any machine.
 
     Args:
         model: the model, on the device to train on.

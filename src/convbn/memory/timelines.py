@@ -21,13 +21,14 @@ demo, :func:`convbn.max_batch`) is measured by it.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 import torch
 from torch import Tensor, nn
 
 from .._compat import TorchDispatchMode, current_autograd_node, mem_tracker_total, mod_tracker_of, name_module, pytree
 from .allocator_meter import AllocatorCounters, AllocatorMeter, cuda_counters
+from .kernel_scratch import ConvCall, NormCall, kernel_call, scratch_bytes
 from .next_op import new_output_bytes
 from .peaks import tensor_peak
 from .saved import _with_fused
@@ -52,6 +53,11 @@ class TimelinePoint:
             (``"ChainFunctionBackward/aten.convolution.default"``).
         node: ``id()`` of that autograd node (``0`` outside backward): tells apart the
             backwards of two nodes of one kind, e.g. ``tensor.grad_fn`` of one call.
+        scratch: with ``timeline(kernel_scratch=True)``, the bytes the operator's kernel
+            allocated and freed inside it on top of ``bytes`` (the table of
+            :mod:`convbn.memory.kernel_scratch`); else 0.
+        call: that operator's :class:`~convbn.memory.kernel_scratch.ConvCall` or ``NormCall``
+            (its scratch at another batch), ``None`` where the table has no row for it.
     """
 
     bytes: int
@@ -59,6 +65,8 @@ class TimelinePoint:
     module: str
     op: str
     node: int = 0
+    scratch: int = 0
+    call: Union[ConvCall, NormCall, None] = None
 
 
 @dataclass
@@ -81,6 +89,12 @@ class Timeline:
     def peak(self) -> int:
         """Highest bytes in use above the start (``tensor_peak``'s ``peak`` on the same step)."""
         return max((p.bytes for p in self.points), default=0)
+
+    @property
+    def process_peak(self) -> int:
+        """The most of ``bytes + scratch`` over the points: the step's peak with its kernels'
+        scratch (:mod:`convbn.memory.kernel_scratch`); :attr:`peak` where none was recorded."""
+        return max((p.bytes + p.scratch for p in self.points), default=0)
 
     @property
     def peak_index(self) -> int:
@@ -114,16 +128,17 @@ class StepOverLimit(RuntimeError):
 
     Attributes:
         bytes: bytes in use after that operator (above the step's start, as a point's):
-            predicted where it was stopped before it ran.
+            predicted where it was stopped before it ran; its kernel scratch added where the
+            timeline counted it.
         point: that operator's :class:`TimelinePoint`.
         before: whether the operator was stopped before it ran (its outputs never existed).
     """
 
     def __init__(self, point: TimelinePoint, limit: int, before: bool = False) -> None:
         when = "before an operator that would have" if before else "at"
-        super().__init__(f"the step was stopped {when} {point.bytes} bytes in use, above the limit of {limit} "
-                         f"({point.phase}, {point.op})")
-        self.bytes = point.bytes
+        super().__init__(f"the step was stopped {when} {point.bytes + point.scratch} bytes in use, above the limit "
+                         f"of {limit} ({point.phase}, {point.op})")
+        self.bytes = point.bytes + point.scratch
         self.point = point
         self.before = before
 
@@ -144,6 +159,8 @@ class _TimelineMode(TorchDispatchMode):
         self.read = read
         self.where = where
         self.stop_above = stop_above
+        #: record each operator's kernel scratch and stop against ``bytes + scratch``
+        self.kernel_scratch = False
         #: bytes in use now, where ``read`` is not that (CUDA: ``read`` is the peak since the
         #: last reading, and resets it); ``None``: ``read``
         self.now: Optional[Callable[[], int]] = None
@@ -151,31 +168,34 @@ class _TimelineMode(TorchDispatchMode):
         self.points: List[TimelinePoint] = []
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        call = kernel_call(func, args, kwargs) if self.kernel_scratch else None
+        scratch = scratch_bytes(call)
         if self.stop_above is not None:
-            self._stop_before(func, args, kwargs)
+            self._stop_before(func, args, kwargs, scratch)
         out = func(*args, **(kwargs or {}))
         op = str(func)
         node = current_autograd_node()
         if node is not None:
             op = f"{node.name()}/{op}"
-        point = TimelinePoint(self.read(), self.phase, self.where(), op, 0 if node is None else id(node))
+        point = TimelinePoint(self.read(), self.phase, self.where(), op, 0 if node is None else id(node), scratch, call)
         self.points.append(point)
-        if self.stop_above is not None and point.bytes > self.stop_above:
+        if self.stop_above is not None and point.bytes + scratch > self.stop_above:
             del out  # the step goes no further: nothing it made outlives the exception
             raise StepOverLimit(point, self.stop_above)
         return out
 
-    def _stop_before(self, func: Any, args: Any, kwargs: Any) -> None:
-        """Raise :class:`StepOverLimit` before an operator whose outputs would take the bytes in
-        use over ``stop_above`` (Note: [stopping before the operator that would cross])."""
+    def _stop_before(self, func: Any, args: Any, kwargs: Any, scratch: int = 0) -> None:
+        """Raise :class:`StepOverLimit` before an operator whose outputs (and kernel scratch)
+        would take the bytes in use over ``stop_above`` (Note: [stopping before the operator
+        that would cross])."""
         new = new_output_bytes(func, args, kwargs)
         if new is None:
             return
         now = (self.now or self.read)()
-        if now + new > self.stop_above:
+        if now + new + scratch > self.stop_above:
             node = current_autograd_node()
             op = str(func) if node is None else f"{node.name()}/{func}"
-            point = TimelinePoint(now + new, self.phase, self.where(), op, 0 if node is None else id(node))
+            point = TimelinePoint(now + new, self.phase, self.where(), op, 0 if node is None else id(node), scratch)
             raise StepOverLimit(point, self.stop_above, before=True)
 
 
@@ -187,6 +207,8 @@ def timeline(  # over 60 lines for its public docstring (what a step is, Args, E
     label: str = "",
     accumulate: bool = False,
     stop_above: Optional[int] = None,
+    kernel_scratch: bool = False,
+    backward_modules: bool = True,
 ) -> Timeline:
     """Record live memory after every operator of one training step of ``model``.
 
@@ -223,6 +245,13 @@ def timeline(  # over 60 lines for its public docstring (what a step is, Args, E
             runs where its outputs' sizes are known on the meta device (the operator run there
             first), so a step that does not fit a limit never holds tensors past it; after the
             operator otherwise.
+        kernel_scratch: record each convolution's kernel scratch (``TimelinePoint.scratch``,
+            :attr:`Timeline.process_peak`; 0 off the CPU; the table of
+            :mod:`convbn.memory.kernel_scratch`) and stop against ``bytes + scratch``;
+            :attr:`Timeline.peak` stays live tensors either way.
+        backward_modules: name the module whose backward runs at each backward point; ``False``:
+            backward points are named ``""``, recorded without most of the gradient hooks that
+            tell it (cheaper); the bytes are the same.
 
     Returns:
         :class:`Timeline`.
@@ -242,8 +271,9 @@ def timeline(  # over 60 lines for its public docstring (what a step is, Args, E
         loss_fn = default_loss
     if stop_above is not None and (isinstance(stop_above, bool) or not isinstance(stop_above, int)):
         raise TypeError(f"stop_above must be None or an int (bytes), but got {stop_above!r}")
-    meter, mode, source = _meters(model, inputs, optimizer)
+    meter, mode, source = _meters(model, inputs, optimizer, backward_modules)
     mode.stop_above = stop_above
+    mode.kernel_scratch = bool(kernel_scratch)
     result = Timeline(source=source, label=label)
     if not accumulate:  # before the meter starts: freed gradients are not part of the step
         if optimizer is not None:
@@ -295,8 +325,8 @@ def _drain_autograd() -> None:
     (t * 1).backward()
 
 
-def _meters(model: nn.Module, inputs: Tuple[Any, ...],
-            optimizer: Optional[torch.optim.Optimizer]) -> Tuple[Any, _TimelineMode, str]:
+def _meters(model: nn.Module, inputs: Tuple[Any, ...], optimizer: Optional[torch.optim.Optimizer],
+            backward_modules: bool = True) -> Tuple[Any, _TimelineMode, str]:
     """The memory meter for one step of ``model`` (the CUDA allocator where the step runs on a
     GPU, else live tensor bytes), the mode recording a point per operator, and the source's name.
     Built before the step's ``zero_grad``; each meter reads its start when its block is
@@ -304,12 +334,13 @@ def _meters(model: nn.Module, inputs: Tuple[Any, ...],
     track: Tuple[Any, ...] = (model,) if optimizer is None else (model, optimizer)
     counters = _allocator_counters(model, inputs)
     if counters is not None:  # its start is read when the step's block is entered, after zero_grad
-        meter: Any = AllocatorMeter(counters)  # Note: [an allocator meter starts where the step starts]
+        # Note: [an allocator meter starts where the step starts]
+        meter: Any = AllocatorMeter(counters, backward_modules)
         mode = _TimelineMode(meter.read, lambda: _innermost(meter.tracker.parents))
         mode.now = meter.now
         source = "cuda"
     else:
-        tp = tensor_peak(*track)
+        tp = tensor_peak(*track, backward_modules=backward_modules)
         tracker = tp._tracker
         _name_fused(mod_tracker_of(tracker), model)
         mode = _TimelineMode(lambda: mem_tracker_total(tracker) - tp._start,
