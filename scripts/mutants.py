@@ -58,6 +58,15 @@ _OP_PLAN = "tests/test_chain_op_plan.py::test_compiled_op_backward_reads_may_dro
 _DROPS = "tests/test_peak_drops.py"
 _MISH = "tests/test_convert_tails.py::test_tail_fused_exactly[F.mish-recompute_bn]"
 _FOLD_RULE = "tests/test_tolerance_rule.py::test_each_check_reads_the_one_rule[fold check-nothing allowed]"
+# tests/test_dtype_eps_norms.py: the test each of these mutants fails (the whole file kills them
+# too, but runs 15 to 26 passing tests before it)
+_DTYPES = "tests/test_dtype_eps_norms.py::"
+_DTYPE_BF16 = _DTYPES + "test_bf16_autocast_runs_a_variant_with_its_own_eps"
+_DTYPE_GAIN_CAST = _DTYPES + "test_a_norm_casting_its_gain_under_autocast_runs_its_own_code_and_says_so"
+_DTYPE_ZERO_BIAS = _DTYPES + "test_a_pre_norm_with_a_zero_bias_before_a_conv_fuses"
+_DTYPE_ZERO_ADDS = _DTYPES + "test_additions_of_zero_dropped_only_where_they_change_nothing"
+# the check at the example batch itself (the slice's case passes on the check's mutants below)
+_PEAK_AT_BATCH = "tests/test_convert_peak.py::test_convert_peaks_within_one_eager_training_step[example batch]"
 
 MUTANTS: Dict[str, Mutant] = {
     "fused_forward_eager": Mutant(
@@ -354,15 +363,15 @@ MUTANTS: Dict[str, Mutant] = {
         "the check's eager step keeps the snapshots' copies of the statistics it leaves unwritten (none lent)",
         (("passes/check/buffer_copies.py", "    return held is not None and held[0] is b and same_bits(b, held[1])",
           "    return False"),),
-        ("tests/test_convert_peak.py::test_convert_peaks_within_one_eager_training_step",)),
+        (_PEAK_AT_BATCH,)),
     "check_eager_outputs_held": Mutant(
         "the check's eager step holds its outputs through the backward",
         (("passes/check/eager_reference.py", "        del out, outs\n", "        del out\n"),),
-        ("tests/test_convert_peak.py::test_convert_peaks_within_one_eager_training_step",)),
+        (_PEAK_AT_BATCH,)),
     "check_norms_not_quietened": Mutant(
         "the check's eager step lets the BatchNorms write their statistics (so no copy can be lent)",
         (("passes/check/quiet_norms.py", "        m.track_running_stats = flag\n", "        pass\n"),),
-        ("tests/test_convert_peak.py::test_convert_peaks_within_one_eager_training_step",)),
+        (_PEAK_AT_BATCH,)),
     "check_lent_copy_written_unseen": Mutant(
         "a buffer written while its copies are lent goes unseen (the model left changed)",
         (("passes/check/buffer_copies.py", "    if moved:\n        raise", "    if False:\n        raise"),),
@@ -437,6 +446,25 @@ MUTANTS: Dict[str, Mutant] = {
         "max_batch's steps stopped at the room the resident bytes leave, the batch of inputs not in the memory",
         (("batch_search.py", "        room = self.usable - self.before(b)", "        room = self.usable - self.resident"),),
         ("tests/test_max_batch_bound.py::test_answering_allocates_within_the_memory_where_kernels_need_no_scratch",)),
+    "lean_meter_forgets_modules_outside_the_model": Mutant(
+        "the lean meter's module hook counts nothing: a layer held outside the registered children never counts its weights",
+        (("_compat.py", "                self._track_module_params_and_buffers(module, install_grad_hooks=False)\n",
+          "                pass\n"),),
+        ("tests/test_lean_meter.py::test_a_module_held_outside_the_model_is_counted_once_it_runs",
+         "tests/test_lean_meter.py::test_every_point_is_the_one_torchs_module_hooks_give")),
+    "plain_walk_counts_first_output_only": Mutant(
+        "the meter's walk without pytree counts only the first tensor an operator returns (a batch norm's statistics missed)",
+        (("_compat.py", "            for v in tree:\n                if type(v) in _PLAIN_TENSORS:\n                    fn(v)\n",
+          "            for v in tree[:1]:\n                if type(v) in _PLAIN_TENSORS:\n                    fn(v)\n"),),
+        ("tests/test_lean_meter.py::test_every_point_is_the_one_torchs_module_hooks_give",)),
+    "module_tracker_never_in_backward": Mutant(
+        "the module tracker registers only the hooks that hold gradients even when asked to name the backward's modules",
+        (("memory/mod_tracking.py", "        if not backward and not _may_hold(", "        if not _may_hold("),),
+        ("tests/test_lean_meter.py::test_every_point_is_the_one_torchs_module_hooks_give",)),
+    "forward_only_tracker_drops_holding_hooks": Mutant(
+        "the planner's module tracker drops the input hooks that hold gradients too (a DenseNet layer's backward measured lower)",
+        (("memory/mod_tracking.py", "    return mode == \"all\" and sum(", "    return False and sum("),),
+        ("tests/test_lean_meter.py::test_every_point_is_the_one_torchs_module_hooks_give",)),
     "stopped_backward_not_drained": Mutant(
         "a step stopped in its backward leaves the engine's pending nodes (and their saved tensors) until the next backward",
         (("memory/timelines.py", "            _drain_autograd()  # Note:", "            pass  # Note:"),),
@@ -458,16 +486,16 @@ MUTANTS: Dict[str, Mutant] = {
     "shape_guard_ignores_autocast": Mutant(
         "a capture with real inputs applied under any autocast state (the dtype guard not checked)",
         (("passes/graph/shape_capture.py", "if torch.is_autocast_enabled(d))", "if False)"),),
-        ("tests/test_dtype_eps_norms.py",)),
+        (_DTYPE_BF16,)),
     "shape_guard_ignores_dtypes": Mutant(
         "a capture with real inputs applied to inputs of any dtype",
         (("passes/graph/shape_capture.py", "(tuple(t.shape), t.dtype, str(t.device))", "(tuple(t.shape), str(t.device))"),),
-        ("tests/test_dtype_eps_norms.py",)),
+        (_DTYPE_BF16,)),
     "casts_dropped_whatever_the_dtype": Mutant(
         "every cast method dropped, also where it changes the traced dtype",
         (("passes/graph/noop_casts.py", "if dtype is None or node.args[0].meta.get(DTYPE) is not dtype:",
           "if dtype is None:"),),
-        ("tests/test_dtype_eps_norms.py",)),
+        (_DTYPE_GAIN_CAST,)),
     "negative_dims_read_from_the_front": Mutant(
         "a reduction dim counted from the end made absolute as if counted from the front",
         (("passes/graph/absolute_dims.py", "fixed = [d % rank for d in dims]", "fixed = [abs(d) for d in dims]"),),
@@ -475,13 +503,13 @@ MUTANTS: Dict[str, Mutant] = {
     "isinstance_on_a_traced_piece_a_hazard": Mutant(
         "isinstance on a chunk's piece whose fake value is a tensor taken for a hazard (the block stays opaque)",
         (("passes/graph/trace_hazards.py", "or isinstance(proxy.node.meta.get(VALUE), torch.Tensor))", "or False)"),),
-        ("tests/test_dtype_eps_norms.py",)),
+        (_DTYPE_ZERO_BIAS,)),
     "zero_adds_dropped_whatever_the_dtype": Mutant(
         "x + 0 dropped whatever the dtypes of x and of the sum",
         (("passes/graph/zero_adds.py", "    if not isinstance(x, fx.Node) or not isinstance(out, torch.dtype) or not out.is_floating_point:\n",
           "    if not isinstance(x, fx.Node):\n"),
          ("passes/graph/zero_adds.py", "    return x if x.meta.get(DTYPE) is out or type(zero) is int else None\n", "    return x\n")),
-        ("tests/test_dtype_eps_norms.py",)),
+        (_DTYPE_ZERO_ADDS,)),
     "opaque_norms_not_traced_again": Mutant(
         "a module shaped like a norm left opaque by the symbolic trace is no reason to trace with real inputs",
         (("passes/convert/pipeline.py", "    failed = traced.opaque_to_retrace(module)\n",

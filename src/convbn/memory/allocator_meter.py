@@ -59,9 +59,9 @@ class AllocatorMeter:
         (0, 0)
     """
 
-    def __init__(self, counters: AllocatorCounters) -> None:
+    def __init__(self, counters: AllocatorCounters, backward_modules: bool = True) -> None:
         self.counters = counters
-        self.tracker = releasing_mod_tracker()
+        self.tracker = releasing_mod_tracker(backward_modules)
         self.start = 0
 
     def __enter__(self) -> "AllocatorMeter":

@@ -46,13 +46,28 @@ def refresh_view_history(tensors: Any) -> None:
             _ = t.grad_fn
 
 
+class _NoHook:
+    def remove(self) -> None:
+        pass
+
+
+def _may_hold(tensors: Any, mode: str) -> bool:
+    """Whether a multi-grad hook may hold a gradient past its own call: ``"all"`` over two or more
+    tensors keeps each gradient until the last one arrives (Note: [a module tracker for the
+    forward only])."""
+    return mode == "all" and sum(isinstance(t, torch.Tensor) for t in tensors) > 1
+
+
 @contextlib.contextmanager
-def _handles_into(handles: List[Any]) -> Iterator[None]:
-    """Within the block, keep the handle of every hook ``ModTracker`` registers."""
+def _handles_into(handles: List[Any], backward: bool = True) -> Iterator[None]:
+    """Within the block, keep the handle of every hook ``ModTracker`` registers; ``backward=False``:
+    register none (Note: [a module tracker for the forward only])."""
     mod_tracker = mod_tracker_module()
     register = mod_tracker.register_multi_grad_hook
 
     def keeping(tensors: Any, *args: Any, **kwargs: Any) -> Any:
+        if not backward and not _may_hold(tensors, kwargs.get("mode", "all")):
+            return _NoHook()
         refresh_view_history(tensors)
         handle = register(tensors, *args, **kwargs)
         handles.append(handle)
@@ -65,11 +80,28 @@ def _handles_into(handles: List[Any]) -> Iterator[None]:
         mod_tracker.register_multi_grad_hook = register  # type: ignore[assignment]
 
 
-def releasing_mod_tracker() -> Any:
+# Note: [a module tracker for the forward only]
+# ``ModTracker`` learns which module's backward runs from gradient hooks it registers on every
+# module's inputs and outputs in the forward (``register_multi_grad_hook``: 884 of them in the
+# planner's four recorded steps of ResNet-50, each a tensor hook per tensor). A reader that never
+# asks which module's backward runs (the planner tells a chain's backward by its autograd node:
+# Note: [the saves read off the recorded step] in passes/plan/plan_inputs.py) records without
+# them: the forward is named as before, the backward is outside every module (``parents`` is
+# ``{"Global"}`` there). One kind of those hooks is kept: the one on a module's inputs waits for
+# all their gradients (``mode="all"``) and holds each until the last arrives, so on a module called
+# with two or more tensors (a DenseNet layer's list of features) it keeps gradients alive that the
+# step without it would have freed (DenseNet-BC 32x32 b8: 32 KiB more in its backward). Kept, the
+# recorded bytes are those of the step with every hook, to the byte (tests/test_lean_meter.py); a
+# hook over one tensor, or on outputs (``mode="any"``), holds nothing past its own call.
+def releasing_mod_tracker(backward: bool = True) -> Any:
     """A ``torch.distributed._tools.mod_tracker.ModTracker`` whose gradient hooks are
     removed when its block ends (Note: [a module tracker that leaves nothing alive]).
 
     Use it around a whole step: a backward run after the block is not attributed to modules.
+
+    Args:
+        backward: tell which module's backward runs; ``False``: the forward only, no gradient
+            hooks (Note: [a module tracker for the forward only]).
 
     Returns:
         A ``ModTracker`` instance (a subclass), used exactly as torch's.
@@ -88,11 +120,11 @@ def releasing_mod_tracker() -> Any:
             self._grad_hook_handles: List[Any] = []
 
         def _fw_pre_hook(self, mod: Any, input: Any) -> None:
-            with _handles_into(self._grad_hook_handles):
+            with _handles_into(self._grad_hook_handles, backward):
                 super()._fw_pre_hook(mod, input)
 
         def _fw_post_hook(self, mod: Any, input: Any, output: Any) -> None:
-            with _handles_into(self._grad_hook_handles):
+            with _handles_into(self._grad_hook_handles, backward):
                 super()._fw_post_hook(mod, input, output)
 
         def __exit__(self, *args: Any) -> None:

@@ -17,8 +17,8 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
-from .._compat import (frozen_safe_mem_tracker, hookless_mem_tracker, mem_tracker_class, set_mod_tracker,
-                       sparse_counting_mem_tracker)
+from .._compat import (frozen_safe_mem_tracker, hookless_mem_tracker, lean_mem_tracker, mem_tracker_class,
+                       set_mod_tracker, sparse_counting_mem_tracker)
 from ..autograd.grad_sink import stand_ins
 from .mod_tracking import releasing_mod_tracker
 
@@ -196,6 +196,8 @@ class tensor_peak:
             buffers, optimizer state) count towards the live total from the start.
         hooks: install ``MemTracker``'s gradient hooks on parameters (``True``: torch's
             tracker exactly as it is, for checking the hookless one against it).
+        backward_modules: tell which module's backward runs (``False``: without most of the
+            gradient hooks on module inputs and outputs that tell it; the bytes are the same).
 
     Example:
         >>> net = torch.nn.Linear(8, 8)
@@ -205,13 +207,16 @@ class tensor_peak:
         True
     """
 
-    def __init__(self, *track: Any, hooks: bool = False) -> None:
+    def __init__(self, *track: Any, hooks: bool = False, backward_modules: bool = True) -> None:
         MemTracker = mem_tracker_class()  # noqa: N806 - one line naming what a torch without it lacks
         MemTracker = sparse_counting_mem_tracker(MemTracker)  # noqa: N806
-        self._tracker = frozen_safe_mem_tracker(MemTracker)() if hooks else hookless_mem_tracker(MemTracker)()
+        # only totals are read: no gradient hooks, no per-module statistics (Note: [a meter that keeps
+        # no module statistics] in _compat.py)
+        lean = lean_mem_tracker(hookless_mem_tracker(MemTracker))
+        self._tracker = frozen_safe_mem_tracker(MemTracker)() if hooks else lean()
         # torch's ModTracker leaves a cycle through autograd nodes behind, which keeps the
         # parameters of a measured model alive (Note: [a module tracker that leaves nothing alive])
-        set_mod_tracker(self._tracker, releasing_mod_tracker())
+        set_mod_tracker(self._tracker, releasing_mod_tracker(backward_modules))
         # the chains' zero-byte gradient stand-ins share scalars made once, before any step
         self._tracker.track_external(*track, *stand_ins())
         self.result = PeakMemory(source="tensors")

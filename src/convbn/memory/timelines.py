@@ -208,6 +208,7 @@ def timeline(  # over 60 lines for its public docstring (what a step is, Args, E
     accumulate: bool = False,
     stop_above: Optional[int] = None,
     kernel_scratch: bool = False,
+    backward_modules: bool = True,
 ) -> Timeline:
     """Record live memory after every operator of one training step of ``model``.
 
@@ -248,6 +249,9 @@ def timeline(  # over 60 lines for its public docstring (what a step is, Args, E
             :attr:`Timeline.process_peak`; 0 off the CPU; the table of
             :mod:`convbn.memory.kernel_scratch`) and stop against ``bytes + scratch``;
             :attr:`Timeline.peak` stays live tensors either way.
+        backward_modules: name the module whose backward runs at each backward point; ``False``:
+            backward points are named ``""``, recorded without most of the gradient hooks that
+            tell it (cheaper); the bytes are the same.
 
     Returns:
         :class:`Timeline`.
@@ -267,7 +271,7 @@ def timeline(  # over 60 lines for its public docstring (what a step is, Args, E
         loss_fn = default_loss
     if stop_above is not None and (isinstance(stop_above, bool) or not isinstance(stop_above, int)):
         raise TypeError(f"stop_above must be None or an int (bytes), but got {stop_above!r}")
-    meter, mode, source = _meters(model, inputs, optimizer)
+    meter, mode, source = _meters(model, inputs, optimizer, backward_modules)
     mode.stop_above = stop_above
     mode.kernel_scratch = bool(kernel_scratch)
     result = Timeline(source=source, label=label)
@@ -321,8 +325,8 @@ def _drain_autograd() -> None:
     (t * 1).backward()
 
 
-def _meters(model: nn.Module, inputs: Tuple[Any, ...],
-            optimizer: Optional[torch.optim.Optimizer]) -> Tuple[Any, _TimelineMode, str]:
+def _meters(model: nn.Module, inputs: Tuple[Any, ...], optimizer: Optional[torch.optim.Optimizer],
+            backward_modules: bool = True) -> Tuple[Any, _TimelineMode, str]:
     """The memory meter for one step of ``model`` (the CUDA allocator where the step runs on a
     GPU, else live tensor bytes), the mode recording a point per operator, and the source's name.
     Built before the step's ``zero_grad``; each meter reads its start when its block is
@@ -330,12 +334,13 @@ def _meters(model: nn.Module, inputs: Tuple[Any, ...],
     track: Tuple[Any, ...] = (model,) if optimizer is None else (model, optimizer)
     counters = _allocator_counters(model, inputs)
     if counters is not None:  # its start is read when the step's block is entered, after zero_grad
-        meter: Any = AllocatorMeter(counters)  # Note: [an allocator meter starts where the step starts]
+        # Note: [an allocator meter starts where the step starts]
+        meter: Any = AllocatorMeter(counters, backward_modules)
         mode = _TimelineMode(meter.read, lambda: _innermost(meter.tracker.parents))
         mode.now = meter.now
         source = "cuda"
     else:
-        tp = tensor_peak(*track)
+        tp = tensor_peak(*track, backward_modules=backward_modules)
         tracker = tp._tracker
         _name_fused(mod_tracker_of(tracker), model)
         mode = _TimelineMode(lambda: mem_tracker_total(tracker) - tp._start,

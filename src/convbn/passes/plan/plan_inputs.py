@@ -245,7 +245,8 @@ def _recorded_step(converted: nn.Module, inputs: Tuple[Any, ...], chains: Sequen
     handles = [c.register_forward_hook(record(c)) for c in chains]
     try:
         with torch.enable_grad(), counting:
-            tl = measure_peak(converted, inputs, optimizer=optimizer, loss_fn=loss)
+            # a chain's backward is told by its autograd node (Note: [a module tracker for the forward only])
+            tl = measure_peak(converted, inputs, optimizer=optimizer, loss_fn=loss, backward_modules=False)
     finally:
         for h in handles:
             h.remove()
@@ -394,11 +395,12 @@ def trained_outputs_loss(out: Any) -> Tensor:
 
 def measure_peak(model: nn.Module, inputs: Tuple[Any, ...], *, optimizer: Optional[torch.optim.Optimizer] = None,
                  loss_fn: Optional[Callable[[Any], Tensor]] = None, stop_above: Optional[int] = None,
-                 kernel_scratch: bool = False) -> Any:
+                 kernel_scratch: bool = False, backward_modules: bool = True) -> Any:
     """Timeline of one training step of ``model`` (loss: :func:`trained_outputs_loss`, unless ``loss_fn``);
     gradients, buffers, modes and RNG are put back afterwards (parameters too, unless an
     ``optimizer`` steps them). ``stop_above``: as :func:`~convbn.memory.timeline`'s (the step
-    stopped by ``StepOverLimit`` past that many bytes); ``kernel_scratch``: as its too."""
+    stopped by ``StepOverLimit`` past that many bytes); ``kernel_scratch`` and
+    ``backward_modules``: as its too."""
     params = list(model.parameters())
     grads = [p.grad for p in params]
     for p in params:
@@ -407,7 +409,8 @@ def measure_peak(model: nn.Module, inputs: Tuple[Any, ...], *, optimizer: Option
         with StateSnapshot(model):
             model.train()
             return timeline(model, *inputs, optimizer=optimizer, loss_fn=loss_fn or trained_outputs_loss,
-                            stop_above=stop_above, kernel_scratch=kernel_scratch)
+                            stop_above=stop_above, kernel_scratch=kernel_scratch,
+                            backward_modules=backward_modules)
     finally:
         for p, g in zip(params, grads):
             p.grad = g

@@ -78,7 +78,7 @@ def record_eager_and_chains(original: nn.Module, converted: nn.Module, inputs: T
     ``inputs`` (state restored)."""
     with StateSnapshot(original), StateSnapshot(converted):
         with track_saved(original, per_module=False) as saved:
-            tl = measure_peak(original, inputs)
+            tl = measure_peak(original, inputs, backward_modules=False)  # its bytes and operators are read
         ordered, measured = measure_plan_inputs(converted, inputs)
     return Recorded(saved.result.activation_bytes, tl.peak, ordered, measured,
                     tuple(p.bytes for p in tl.points), tuple(f"{p.phase}:{p.op}" for p in tl.points))
