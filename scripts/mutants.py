@@ -564,6 +564,11 @@ MUTANTS: Dict[str, Mutant] = {
         "a LayerNorm moved past a permute that takes the channels away from last (a window partition's check dropped)",
         (("passes/convert/norm_linears.py", "        return dims[-1] in (len(dims) - 1, -1)\n", "        return True\n"),),
         ("tests/test_norm_linear.py::test_a_permute_that_moves_the_channels_keeps_the_norm_where_it_is",)),
+    "last_resort_reads_hooks_on": Mutant(
+        "the planner's last resort reads the fused step with the module tracker's backward hooks on (eager's without)",
+        (("passes/plan/auto_plan.py", "measure_peak(converted, inputs, backward_modules=False).peak",
+          "measure_peak(converted, inputs).peak"),),
+        ("tests/test_lean_meter.py::test_convert_compares_eager_and_fused_peaks_read_by_one_meter",)),
     "fake_errors_logged": Mutant(
         "the shape trace's failed fake runs reach torch's ERROR log (no filter around the fake run)",
         (("passes/graph/shape_capture.py", "torch.no_grad(), fake_errors_quiet(), self._fake_mode:",

@@ -181,7 +181,7 @@ def _eager_if_above(converted: nn.Module, inputs: Tuple[Any, ...], eager_peak: i
     recomputes outweighs what it stops keeping, e.g. tiny weight-dominated models) runs its
     chains as eager modules, with the same peak as eager's."""
     with StateSnapshot(converted):
-        fused_peak = measure_peak(converted, inputs).peak
+        fused_peak = measure_peak(converted, inputs, backward_modules=False).peak  # as eager_peak was
     if fused_peak > eager_peak:
         why = (f"the fused step measured {fused_peak} bytes at its peak on example_inputs, above "
                f"eager's {eager_peak}: its layers run as eager modules")
