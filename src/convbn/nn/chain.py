@@ -166,7 +166,7 @@ class FusedChain(nn.Module):
 
     def eager_this_call(self) -> str:
         """Why a call now (the modules' present modes) runs the chain as eager modules although its
-        plan is fused, or ``""`` (the report says it: Note: [a report says what runs])."""
+        plan is fused, or ``""``; the report prints it beside the layer, so it always says what runs."""
         return ""
 
     def _forward_eager(self, x: Tensor) -> Tensor:
