@@ -135,3 +135,15 @@ def test_a_differentiable_backward_replays_forwards_masks(keep: bool) -> None:
     for a, b, c in zip(*got, want):
         torch.testing.assert_close(a, c, rtol=1e-12, atol=1e-12)
         torch.testing.assert_close(b, c, rtol=1e-12, atol=1e-12)
+
+
+def test_under_torch_compile_a_dropout_chain_runs_eager_modules_with_eagers_values() -> None:
+    """Under ``torch.compile`` (``aot_eager``) a dropout tail's chain runs its layers as eager modules
+    (``compilable_norm_chain`` refuses it): the step equals the eager twin's compiled the same way."""
+    eager, work = perturbed_twins(lambda: _post("dropout", 0.3))
+    x = _x("dropout")
+    fast = convbn.convert(work, strategy="recompute_conv")
+    ce, cf = torch.compile(eager, backend="aot_eager"), torch.compile(fast, backend="aot_eager")
+    got, want = _step(cf, x, 0, False), _step(ce, x, 0, False)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
