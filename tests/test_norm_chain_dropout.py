@@ -7,6 +7,7 @@ The mutant ``norm_dropout_redrawn`` (backward draws the dropout anew instead of 
 here."""
 from __future__ import annotations
 
+import copy
 from typing import Callable, List
 
 import pytest
@@ -20,6 +21,7 @@ from convbn.functional.activations import Activation
 from convbn.functional.conv import conv_spec_from_module
 from convbn.functional.norms import NormCall
 from convbn.functional.tail import DropoutOp
+from convbn.passes.plan.plan_inputs import measure_peak
 from fusion_checks import assert_chain_ran
 from norm_chain_checks import assert_chain_function_checks
 
@@ -147,3 +149,16 @@ def test_under_torch_compile_a_dropout_chain_runs_eager_modules_with_eagers_valu
     got, want = _step(cf, x, 0, False), _step(ce, x, 0, False)
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
+
+
+def test_a_dropout_chains_step_peaks_below_eagers() -> None:
+    """Forward keeps no mask (RNG states only): the converted step's peak (exact bytes on the CPU)
+    stays below eager's, as the same chain's without a dropout does."""
+    torch.manual_seed(0)
+    model = _preact("dropout", 0.3).float()
+    x = torch.randn(2, 3, 32, 32)
+    fast = convbn.convert(copy.deepcopy(model), example_inputs=(x,))
+    assert [o.result for o in fast.convbn_report.outcomes] == ["fused"] * 2
+    fused, eager = measure_peak(fast, (x,)), measure_peak(model, (x,))
+    assert any(p.op.startswith("NormChainFunctionBackward/") for p in fused.points)
+    assert fused.peak < 0.8 * eager.peak, (fused.peak, eager.peak)
