@@ -162,3 +162,34 @@ def test_a_dropout_chains_step_peaks_below_eagers() -> None:
     fused, eager = measure_peak(fast, (x,)), measure_peak(model, (x,))
     assert any(p.op.startswith("NormChainFunctionBackward/") for p in fused.points)
     assert fused.peak < 0.8 * eager.peak, (fused.peak, eager.peak)
+
+
+class _ChannelRMS(nn.Module):
+    """torch's ``nn.RMSNorm`` over the channels, between permutes."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.norm = nn.RMSNorm(dim, eps=1e-6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(x.permute(0, 2, 3, 1)).permute(0, 3, 1, 2)
+
+
+class _ChannelLN(_ChannelRMS):
+    def __init__(self, dim: int) -> None:
+        super().__init__(dim)
+        self.norm = nn.LayerNorm(dim, eps=1e-6)  # type: ignore[assignment]
+
+
+@pytest.mark.parametrize("strategy", ["recompute_bn", "recompute_conv"])
+@pytest.mark.parametrize("norm", [_ChannelRMS, _ChannelLN])
+def test_a_dropout_after_a_channel_norm_runs_fused_as_eager(norm: type, strategy: str) -> None:
+    make = lambda: nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), norm(8), nn.GELU(), nn.Dropout(0.3),  # noqa: E731
+                                 nn.Conv2d(8, 8, 3, padding=1), norm(8), nn.SiLU(), nn.Dropout2d(0.2), nn.Conv2d(8, 4, 1))
+    eager, work = perturbed_twins(make)
+    x = _x("dropout")
+    fast = convbn.convert(work, strategy=strategy)
+    for seed in (0, 1):
+        for a, b in zip(_step(fast, x, seed, True), _step(eager, x, seed, False)):
+            torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
+    assert [o.result for o in fast.convbn_report.outcomes] == ["fused", "fused"]
