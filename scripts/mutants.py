@@ -578,10 +578,17 @@ MUTANTS: Dict[str, Mutant] = {
         "any movedim read as moving the channels last (a LayerNorm over the height taken for a channel norm)",
         (("passes/bn/norm_sites.py", "    if _movedim_pair(node) == (1, -1):\n", "    if _movedim_pair(node) is not None:\n"),),
         ("tests/test_norm_movedim_layer_norms.py::test_a_movedim_of_another_dimension_is_left_as_written",)),
-    "dropout_tail_reported_fused": Mutant(
-        "a norm chain that runs as eager modules for a training dropout in its tail reported as fused",
-        (("passes/report/live.py", "    why = chain.eager_this_call()\n", "    why = \"\"\n"),),
-        ("tests/test_norm_chain_dropout_report.py",)),
+    "norm_dropout_redrawn": Mutant(
+        "a per-sample norm chain's dropout re-drawn instead of replayed in backward (the global RNG left as it was)",
+        (("autograd/norm_chain_tail.py", "                with replay_rng(next(states)):\n",
+          "                with torch.random.fork_rng(devices=[]):\n"),),
+        ("tests/test_norm_chain_dropout.py::test_a_dropout_in_a_norm_chain_runs_fused_as_eager[post-dropout-recompute_conv]",
+         "tests/test_norm_chain_dropout.py::test_a_dropout_in_a_norm_chain_runs_fused_as_eager[preact-dropout-recompute_bn]")),
+    "norm_dropout_redrawn_double_backward": Mutant(
+        "a per-sample norm chain's differentiable backward re-draws its dropouts instead of replaying forward's",
+        (("autograd/norm_chain.py", "norm_chain_reference(x, ps, specs, stats, ctx.draws)",
+          "norm_chain_reference(x, ps, specs, stats)"),),
+        ("tests/test_norm_chain_dropout.py::test_a_differentiable_backward_replays_forwards_masks",)),
 }
 
 

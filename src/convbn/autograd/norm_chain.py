@@ -23,6 +23,17 @@ early] in autograd/release.py), the incoming gradient once its last layer consum
 [freeing the incoming gradient] in autograd/refcounts.py), and a bare end convolution's output is
 never recomputed; the planner replays this order on sizes (autograd/norm_chain_memory.py).
 
+Note: [a dropout in a per-sample norm chain]
+A training dropout in a layer's tail draws its mask from the global RNG in forward, as eager's
+module does (the same functional op, in the same order, so the global stream moves as eager's);
+the generator's state just before each draw is kept (``capture_rng``: a few KiB, no tensor of the
+activation's size). Every recompute of that tail -- backward's graph of the layer, the rebuild of
+the next layer's input, the differentiable backward's reference -- runs the op under
+``replay_rng`` with that state: the very mask, from a private generator, the global stream left
+alone (Note: [dropout in a chain] in functional/tail.py). Autograd then differentiates the
+dropout as eager's does. Under ``torch.compile`` such a chain runs its layers as eager modules
+(``compilable_norm_chain``).
+
 Note: [one autograd.grad per layer]
 Each layer's recomputed norm + tail graph is differentiated by one engine call
 (:func:`convbn._compat.engine_grad`: ``torch.autograd.grad``'s engine call without its argument
@@ -70,8 +81,9 @@ from .._compat import engine_grad
 from ..functional.activations import Activation
 from ..functional.conv import ConvSpec, conv_backward, conv_forward
 from ..functional.norms import NormCall, norm_forward, norm_reference, norm_row
-from ..functional.tail import DropoutOp, PReLUOp, TailOp
+from ..functional.tail import PReLUOp, RNGState, TailOp
 from .double_backward import differentiable_backward
+from .norm_chain_tail import norm_tail
 from .refcounts import calibrate, incoming_refs, sole_owner
 from .release import free_storage, keeping_graph
 from .saving import load_tensors, save_tensors
@@ -80,6 +92,9 @@ __all__ = ["NormLayerSpec", "NormChainFunction", "norm_chain_apply", "norm_chain
            "norm_chain_reference", "norm_once"]
 
 Stats = Tuple[Optional[Tensor], Optional[Tensor]]
+#: per layer, the RNG state before each dropout of its tail drew in forward (Note: [a dropout in a
+#: per-sample norm chain])
+Draws = Sequence[Sequence[RNGState]]
 
 
 @dataclass(frozen=True)
@@ -90,7 +105,7 @@ class NormLayerSpec:
         conv: the convolution's geometry (``None``: a pre-activation head, normalising ``x0``).
         norm: the norm's call (``None``: an end layer, a bare convolution).
         act: a single activation, or identity when ``tail`` is given.
-        tail: element-wise ops after the norm (activations and PReLU).
+        tail: element-wise ops after the norm (activations, PReLU and training dropouts).
         keep_y: keep the conv output for backward (else it is recomputed).
         may_drop: backward may drop this layer's rebuilt input and rebuild it again for its
             conv's backward, to lower the chain's own peak (Note: [a norm before a dropped conv
@@ -107,9 +122,6 @@ class NormLayerSpec:
     def __post_init__(self) -> None:
         if self.conv is None and self.norm is None:
             raise ValueError("a norm chain layer needs a convolution, a norm or both")
-        for op in self.tail:
-            if isinstance(op, DropoutOp):
-                raise ValueError(f"a norm chain layer's tail takes activations and PReLU, not {op}")
 
     @property
     def n_params(self) -> int:
@@ -144,22 +156,14 @@ def _offsets(specs: Sequence[NormLayerSpec]) -> List[int]:
     return out
 
 
-def _tail(spec: NormLayerSpec, z: Tensor, tws: Sequence[Tensor]) -> Tensor:
-    """The layer's element-wise tail on ``z`` (differentiable eager ops)."""
-    if not spec.tail:
-        return z if spec.act.is_identity else spec.act(z)
-    ws = iter(tws)
-    for op in spec.tail:
-        z = op.reference(z, next(ws)) if isinstance(op, PReLUOp) else op(z)  # type: ignore[operator]
-    return z
-
-
 def _post(spec: NormLayerSpec, y: Tensor, g: Any, beta: Any, tws: Sequence[Tensor], stats: Stats,
-          update: bool) -> Tensor:
-    """``tail(norm(y))``; running statistics updated only where ``update``."""
+          update: bool, capture: Optional[List[RNGState]] = None, replay: Optional[Sequence[RNGState]] = None
+          ) -> Tensor:
+    """``tail(norm(y))``; running statistics updated only where ``update``; dropout states
+    captured or replayed as :func:`~convbn.autograd.norm_chain_tail.norm_tail` says."""
     if spec.norm is not None:
         y = norm_forward(y, spec.norm, g, beta, *stats) if update else norm_reference(y, spec.norm, g, beta, *stats)
-    return _tail(spec, y, tws)
+    return norm_tail(spec.tail, spec.act, y, tws, spec.norm is not None, capture, replay)
 
 
 def _conv(spec: NormLayerSpec, x: Tensor, w: Tensor, b: Optional[Tensor], first: bool) -> Tensor:
@@ -169,8 +173,10 @@ def _conv(spec: NormLayerSpec, x: Tensor, w: Tensor, b: Optional[Tensor], first:
 
 
 def _forward(x0: Tensor, params: Sequence[Optional[Tensor]], specs: Sequence[NormLayerSpec],
-             stats: Sequence[Stats]) -> Tuple[Tensor, Dict[int, Tensor]]:
-    """The chain's output and the kept conv outputs (running statistics updated once)."""
+             stats: Sequence[Stats], draws: Optional[List[List[RNGState]]] = None
+             ) -> Tuple[Tensor, Dict[int, Tensor]]:
+    """The chain's output and the kept conv outputs (running statistics updated once); each
+    layer's dropout states appended to ``draws[i]`` where given."""
     off = _offsets(specs)
     kept: Dict[int, Tensor] = {}
     x: Optional[Tensor] = x0
@@ -181,7 +187,7 @@ def _forward(x0: Tensor, params: Sequence[Optional[Tensor]], specs: Sequence[Nor
         if spec.saves_y:
             kept[i] = y
         if spec.norm is None or spec.tail or spec.act.is_identity:
-            x = _post(spec, y, g, beta, tws, stats[i], update=True)
+            x = _post(spec, y, g, beta, tws, stats[i], update=True, capture=None if draws is None else draws[i])
             continue
         z = norm_forward(y, spec.norm, g, beta, *stats[i])
         del y  # freed here unless kept
@@ -224,15 +230,17 @@ def norm_chain_forward_no_grad(x0: Tensor, params: Sequence[Optional[Tensor]], s
 
 
 def norm_chain_reference(x0: Tensor, params: Sequence[Optional[Tensor]], specs: Sequence[NormLayerSpec],
-                         stats: Sequence[Stats] = ()) -> Tensor:
+                         stats: Sequence[Stats] = (), draws: Optional[Draws] = None) -> Tensor:
     """The chain with eager, differentiable ops end to end (the slow reference; double backward).
-    Running statistics update where ``stats`` gives them."""
+    Running statistics update where ``stats`` gives them; dropouts draw from the global RNG, or
+    replay forward's states where ``draws`` gives them."""
     off = _offsets(specs)
     x = x0
     for i, spec in enumerate(specs):
         w, b, g, beta, tws = _split(spec, params[off[i]: off[i + 1]])
         y = _conv(spec, x, w, b, i == 0) if spec.conv is not None else x
-        x = _post(spec, y, g, beta, tws, stats[i] if stats else (None, None), update=bool(stats))
+        x = _post(spec, y, g, beta, tws, stats[i] if stats else (None, None), update=bool(stats),
+                  replay=None if draws is None else draws[i])
     return x
 
 
@@ -250,8 +258,9 @@ class _Rebuild:
     so the element-wise recompute runs once per layer."""
 
     def __init__(self, x0: Tensor, params: Sequence[Optional[Tensor]], specs: Sequence[NormLayerSpec],
-                 kept: Dict[int, Tensor], stats: Sequence[Stats], needs: Sequence[bool]) -> None:
+                 kept: Dict[int, Tensor], stats: Sequence[Stats], needs: Sequence[bool], draws: Draws) -> None:
         self.x0, self.params, self.specs, self.kept, self.stats = x0, params, specs, kept, stats
+        self.draws = draws  # each layer's dropout states, replayed in every recompute of its tail
         self.off, self.needs = _offsets(specs), needs
         #: each layer's parameters as ``_split`` gives them (read several times per layer)
         self.split = [_split(s, params[self.off[i]: self.off[i + 1]]) for i, s in enumerate(specs)]
@@ -299,7 +308,7 @@ class _Rebuild:
             pv = [None if p is None else p.detach().requires_grad_(self.needs[self.off[i] + _post_slot(spec, k)])
                   for k, p in enumerate([g, beta, *tws])]
             if spec.tail:
-                out = _post(spec, yv, pv[0], pv[1], pv[2:], self.stats[i], update=False)
+                out = _post(spec, yv, pv[0], pv[1], pv[2:], self.stats[i], update=False, replay=self.draws[i])
                 return (yv, pv, out, None), out.detach()
             z = norm_reference(yv, spec.norm, pv[0], pv[1], *self.stats[i]) if spec.norm is not None else yv
         if _root_only(spec) and not _shares_storage(z, yv):
@@ -333,7 +342,7 @@ class _Rebuild:
                 continue
             _, _, g, beta, tws = self.layer(k)
             with torch.no_grad():
-                x = _post(self.specs[k], y, g, beta, tws, self.stats[k], update=False)
+                x = _post(self.specs[k], y, g, beta, tws, self.stats[k], update=False, replay=self.draws[k])
         y = self.kept[i - 1] if j == i - 1 else self.y(i - 1, x)
         self.pending[i - 1], out = self.post_graph(i - 1, y)
         return out
@@ -416,7 +425,9 @@ class NormChainFunction(torch.autograd.Function):
     def forward(ctx: Any, x0: Tensor, *args: Any) -> Tensor:  # type: ignore[override]
         calibrate()  # Note: [calibrated once, in a clean state] (autograd/refcounts.py)
         *params, specs, stats = args
-        out, kept = _forward(x0, params, specs, stats)
+        draws: List[List[RNGState]] = [[] for _ in specs]
+        out, kept = _forward(x0, params, specs, stats, draws)
+        ctx.draws = tuple(tuple(d) for d in draws)  # a few KiB per dropout, no tensor of activation size
         ctx.kept_idx = tuple(kept)
         save_tensors(ctx, (x0, *params, *kept.values()))
         ctx.autocast = _autocast_state(x0)
@@ -445,11 +456,11 @@ class NormChainFunction(torch.autograd.Function):
         needs = ctx.needs_input_grad
         if torch.is_grad_enabled():  # Note: [double backward] in autograd/double_backward.py
             grads = differentiable_backward(ctx, grad_out, (x0, *params),
-                                            lambda x, *ps: norm_chain_reference(x, ps, specs, stats),
+                                            lambda x, *ps: norm_chain_reference(x, ps, specs, stats, ctx.draws),
                                             needs=needs[: 1 + n])
             return (*grads[: 1 + n], None, None)
         kept = dict(zip(ctx.kept_idx, saved[1 + n:]))
-        rb = _Rebuild(x0, params, specs, kept, stats, needs[1: 1 + n])  # type: ignore[arg-type]
+        rb = _Rebuild(x0, params, specs, kept, stats, needs[1: 1 + n], ctx.draws)  # type: ignore[arg-type]
         rb.engine_grad = grad_out if sole_owner(grad_out, refs) else None
         flat: List[Optional[Tensor]] = [None] * n
         g: Optional[Tensor] = grad_out

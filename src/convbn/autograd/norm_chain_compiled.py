@@ -41,6 +41,7 @@ from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
 from ..functional.conv import channel_linear
+from ..functional.tail import DropoutOp
 from .chain_compiled import chain_contexts, chain_convolution
 from .norm_chain import NormLayerSpec, Stats, _offsets, _post, _split, norm_chain_reference
 
@@ -49,8 +50,11 @@ __all__ = ["compilable_norm_chain", "norm_chain_compiled_apply"]
 def compilable_norm_chain(specs: Sequence[NormLayerSpec]) -> bool:
     """Whether a chain's layers run in the region: every convolution a convolution, or a linear
     layer on the channels that ends the chain (its output is the region's: nothing for the policy
-    to keep), not a linear layer on rows, which the policy would not see."""
+    to keep), not a linear layer on rows, which the policy would not see; and no training dropout
+    in a tail (the region would draw its mask anew in its backward: the call runs eager's modules)."""
     last = len(specs) - 1
+    if any(isinstance(op, DropoutOp) for s in specs for op in s.tail):
+        return False
     return all(s.conv is None or not (s.conv.is_linear or s.conv.channel_linear)
                or (s.conv.channel_linear and i == last and s.norm is None and not s.tail and s.act.is_identity)
                for i, s in enumerate(specs))

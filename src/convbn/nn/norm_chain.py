@@ -20,7 +20,6 @@ from ..autograd.norm_chain import NormLayerSpec, norm_chain_apply
 from ..autograd.norm_chain_compiled import compilable_norm_chain, norm_chain_compiled_apply
 from ..functional.conv import conv_output_shape
 from ..functional.conv_bn_call import autocast_dtype, check_inputs
-from ..functional.tail import DropoutOp
 from .chain import FusedChain, _concat
 from .chain_layer import NO_BN, ChainLayer, tail_spec
 from .norm_view import NormView
@@ -59,15 +58,6 @@ class FusedNormChain(FusedChain):
         view = l.bn
         return (view.owner,) if isinstance(view, NormView) and view.module_call else ()
 
-    def eager_this_call(self) -> str:
-        """A training dropout (``p > 0``) in a tail: the norm chain's Function takes no dropout, so
-        the call runs the layers as eager modules, drawing eager's random numbers (an eval or
-        ``p == 0`` dropout is an identity and drops out of the tail)."""
-        if any(isinstance(op, DropoutOp) for l in self.layers for op in tail_spec(l)[1]):
-            return ("a dropout in its tail (training, p > 0) draws eager's random numbers; its layers run as eager "
-                    "modules")
-        return ""
-
     def _normalise(self, l: ChainLayer, y: Tensor) -> Tensor:
         return l.bn.eager(y)  # type: ignore[union-attr]
 
@@ -75,8 +65,6 @@ class FusedNormChain(FusedChain):
         layers = self.layers
         tails = [tail_spec(l) for l in layers]
         x = _concat(pieces)
-        if any(isinstance(op, DropoutOp) for _, t in tails for op in t):
-            return self._forward_eager(x)  # a dropout's RNG stream is eager's own here (eager_this_call says so)
         dt = autocast_dtype(input)  # autocast: the convs' weights cast as autocast casts a conv module's
         _check_norm_call(layers, x, dt)
         if isinstance(self.plan, LazyPlan) and torch.is_grad_enabled() and self._resolve_plan(pieces, dt):
