@@ -569,6 +569,11 @@ MUTANTS: Dict[str, Mutant] = {
         (("passes/plan/auto_plan.py", "measure_peak(converted, inputs, backward_modules=False).peak",
           "measure_peak(converted, inputs).peak"),),
         ("tests/test_lean_meter.py::test_convert_compares_eager_and_fused_peaks_read_by_one_meter",)),
+    "compile_caveat_unreported": Mutant(
+        "a norm chain that runs as eager modules under torch.compile says nothing of it in the report",
+        (("nn/norm_chain.py", "        if compilable_norm_chain(specs):\n            return \"\"\n",
+          "        if True:\n            return \"\"\n"),),
+        ("tests/test_norm_chain_dropout_report.py::test_the_report_says_such_a_chain_runs_as_eager_modules_under_compile",)),
     "fake_errors_logged": Mutant(
         "the shape trace's failed fake runs reach torch's ERROR log (no filter around the fake run)",
         (("passes/graph/shape_capture.py", "torch.no_grad(), fake_errors_quiet(), self._fake_mode:",

@@ -70,3 +70,21 @@ def test_a_p0_dropout_leaves_the_norm_chain_fused_and_reported_so() -> None:
     assert_steps_match(eager, fast, x, steps=1)
     assert not _norms_called(fast, x)
     assert [o.result for o in fast.convbn_report.outcomes] == ["fused", "fused"]
+
+
+def test_the_report_says_such_a_chain_runs_as_eager_modules_under_compile() -> None:
+    """Under ``torch.compile`` a dropout-tail chain runs its layers as eager modules
+    (``compilable_norm_chain``): the report says so beside the layer and on the outcome, in
+    training; in eval (the dropout an identity) and for a chain without dropout it says nothing."""
+    fast = convbn.convert(_net(0.1))
+    x = torch.randn(2, 3, 8, 8)
+    fast(x).sum().backward()
+    caveat = "under torch.compile its layers run as eager modules (a training dropout in its tail)"
+    report = fast.convbn_report
+    assert [(o.result, o.reason) for o in report.outcomes] == [("fused", caveat)] * 2  # one chain, both norms
+    assert f"1: fused; {caveat}" in str(report) and f"5: fused; {caveat}" in str(report)
+    fast.eval()
+    assert [(o.result, o.reason) for o in fast.convbn_report.outcomes] == [("fused", ""), ("fused", "")]
+    plain = convbn.convert(_net(0.0))
+    plain(x).sum().backward()
+    assert all(o.reason == "" for o in plain.convbn_report.outcomes)

@@ -164,6 +164,11 @@ class FusedChain(nn.Module):
     def _hooked(self) -> bool:
         return module_hooked(*(m for ms in self.watched for m in ms))
 
+    def compile_caveat(self) -> str:
+        """Why, under ``torch.compile``, this chain runs its layers as eager modules although it
+        runs fused outside it, or ``""``; the report prints it beside the layer."""
+        return ""
+
     def eager_this_call(self) -> str:
         """Why a call now (the modules' present modes) runs the chain as eager modules although its
         plan is fused, or ``""``; the report prints it beside the layer, so it always says what runs."""

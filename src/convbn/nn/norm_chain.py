@@ -19,6 +19,7 @@ from ..autograd.chain_plan import LazyPlan
 from ..autograd.norm_chain import NormLayerSpec, norm_chain_apply
 from ..autograd.norm_chain_compiled import compilable_norm_chain, norm_chain_compiled_apply
 from ..functional.conv import conv_output_shape
+from ..functional.tail import DropoutOp
 from ..functional.conv_bn_call import autocast_dtype, check_inputs
 from .chain import FusedChain, _concat
 from .chain_layer import NO_BN, ChainLayer, tail_spec
@@ -60,6 +61,19 @@ class FusedNormChain(FusedChain):
 
     def _normalise(self, l: ChainLayer, y: Tensor) -> Tensor:
         return l.bn.eager(y)  # type: ignore[union-attr]
+
+    def compile_caveat(self) -> str:
+        """Why, under ``torch.compile``, this chain runs its layers as eager modules although it
+        runs fused outside it, or ``""``: a training dropout in a tail, or a linear layer on rows
+        (``compilable_norm_chain``); the report prints it beside the layer."""
+        specs = [NormLayerSpec(l.conv, None if l.bn is None else l.bn.call(), act, tail)  # type: ignore[union-attr]
+                 for l, (act, tail) in (
+                     (l, tail_spec(l)) for l in self.layers)]
+        if compilable_norm_chain(specs):
+            return ""
+        if any(isinstance(op, DropoutOp) for s in specs for op in s.tail):
+            return "under torch.compile its layers run as eager modules (a training dropout in its tail)"
+        return "under torch.compile its layers run as eager modules (a linear layer on rows)"
 
     def _forward_fused(self, pieces: Sequence[Tensor], input: Tensor) -> Tensor:
         layers = self.layers

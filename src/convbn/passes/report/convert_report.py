@@ -196,10 +196,12 @@ class ConvertReport:
                 now = "fused, plan pending"
             elif now == FUSED and chain is not None and id(chain) in unchecked:
                 now = CHECK_PENDING  # runs fused only if its first call agrees with the original
+            elif now == FUSED and chain is not None and chain.compile_caveat():
+                now = f"{_CAVEAT}{chain.compile_caveat()}"
             p.__dict__["_status"] = now
             p.__dict__["_unchecked"] = chain is not None and id(chain) in unchecked and now.startswith(FUSED)
             if p.bn:
-                by_bn[p.bn] = FUSED if now.startswith(FUSED) and not now.startswith(PARTLY) else now
+                by_bn[p.bn] = FUSED if now.startswith(FUSED) and not now.startswith((PARTLY, _CAVEAT)) else now
         return by_bn
 
     def attach(self, model: "nn.Module") -> None:
@@ -327,7 +329,7 @@ class ConvertReport:
         for s in skipped:
             lines.append(f"  skipped {s.batchnorm}: {s.reason}")
         for p in self.pairs:
-            if p.status.startswith(PARTLY):
+            if p.status.startswith(PARTLY) or (p.bn and p.status.startswith(_CAVEAT)):
                 lines.append(f"  {p.bn or p.conv}: {p.status}")
         for mod, err in self.untraced:
             lines.append(f"  not traced as a whole: {mod or '<root>'}: {err}")
@@ -340,6 +342,11 @@ class ConvertReport:
         return lines
 
 
+#: the start of the status of a chain that runs fused, but as eager modules under torch.compile
+#: (``FusedChain.compile_caveat``)
+_CAVEAT = f"{FUSED}; "
+
+
 def _as_running(outcome: BNOutcome, status: str) -> BNOutcome:
     """``outcome`` as its chain runs now (``status``): a fused BatchNorm whose chain does not run
     fused is ``"left"`` with the status as reason; one fused in some kinds of call only stays
@@ -348,6 +355,8 @@ def _as_running(outcome: BNOutcome, status: str) -> BNOutcome:
         return outcome
     if status.startswith(PARTLY):
         return replace(outcome, reason=status)
+    if status.startswith(_CAVEAT):  # fused; runs as eager modules only under torch.compile
+        return replace(outcome, reason=status[len(_CAVEAT):])
     return replace(outcome, result="left", direction=None, reason=status)
 
 
