@@ -584,9 +584,9 @@ MUTANTS: Dict[str, Mutant] = {
         (("passes/bn/norm_sites.py", "    if _movedim_pair(node) == (1, -1):\n", "    if _movedim_pair(node) is not None:\n"),),
         ("tests/test_norm_movedim_layer_norms.py::test_a_movedim_of_another_dimension_is_left_as_written",)),
     "norm_dropout_redrawn": Mutant(
-        "a per-sample norm chain's dropout re-drawn instead of replayed in backward (the global RNG left as it was)",
-        (("autograd/norm_chain_tail.py", "                with replay_rng(next(states)):\n",
-          "                with torch.random.fork_rng(devices=[]):\n"),),
+        "a per-sample norm chain's dropout re-drawn from the global stream instead of replayed in backward",
+        (("autograd/norm_chain_tail.py", "dropout_draw(op, z, owned, capture, states if replay is not None else None)",
+          "dropout_draw(op, z, owned, capture, None)"),),
         ("tests/test_norm_chain_dropout.py::test_a_dropout_in_a_norm_chain_runs_fused_as_eager[post-dropout-recompute_conv]",
          "tests/test_norm_chain_dropout.py::test_a_dropout_in_a_norm_chain_runs_fused_as_eager[preact-dropout-recompute_bn]")),
     "norm_dropout_redrawn_double_backward": Mutant(

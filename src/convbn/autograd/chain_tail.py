@@ -20,7 +20,7 @@ from typing import Iterator, List, Optional, Sequence, Tuple
 from torch import Tensor
 
 from ..functional.activations import Activation
-from ..functional.tail import DropoutOp, PReLUOp, RNGState, TailOp, capture_rng, replay_rng
+from ..functional.tail import DropoutOp, PReLUOp, RNGState, TailOp, dropout_draw, replay_rng
 
 __all__ = ["tail_forward", "tail_backward", "tail_reference", "n_tail_params"]
 
@@ -62,15 +62,7 @@ def tail_forward(
         elif isinstance(op, PReLUOp):
             u = op(u, next(ws))
         else:
-            if op.inplace and not owned:
-                u = u.clone()
-            if replay is not None:
-                with replay_rng(next(states)):
-                    u = op(u)
-            else:
-                if capture is not None:
-                    capture.append(capture_rng(u))
-                u = op(u)
+            u = dropout_draw(op, u, owned, capture, states if replay is not None else None)
         owned = True  # every op above left a buffer of the tail's own
     return u
 

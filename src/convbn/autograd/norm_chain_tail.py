@@ -8,7 +8,7 @@ from typing import List, Optional, Sequence
 from torch import Tensor
 
 from ..functional.activations import Activation
-from ..functional.tail import DropoutOp, PReLUOp, RNGState, TailOp, capture_rng, replay_rng
+from ..functional.tail import DropoutOp, PReLUOp, RNGState, TailOp, dropout_draw
 
 __all__ = ["norm_tail"]
 
@@ -30,15 +30,7 @@ def norm_tail(tail: Sequence[TailOp], act: Activation, z: Tensor, tws: Sequence[
     ws, states = iter(tws), iter(replay or ())
     for op in tail:
         if isinstance(op, DropoutOp):
-            if op.inplace and not owned:
-                z = z.clone()
-            if replay is not None:
-                with replay_rng(next(states)):
-                    z = op(z)
-            else:
-                if capture is not None:
-                    capture.append(capture_rng(z))
-                z = op(z)
+            z = dropout_draw(op, z, owned, capture, states if replay is not None else None)
         else:
             z = op.reference(z, next(ws)) if isinstance(op, PReLUOp) else op(z)  # type: ignore[operator]
         owned = True

@@ -37,7 +37,7 @@ from __future__ import annotations
 import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Iterator, Optional, Sequence, Tuple, Union
+from typing import Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.nn.functional as F
@@ -47,7 +47,7 @@ from .activations import Activation, activation_from_module
 from .private_rng import active_private_rng, private_rng
 
 __all__ = ["PReLUOp", "DropoutOp", "TailOp", "RNGState", "tail_op_from_module", "is_tail_module",
-           "capture_rng", "replay_rng", "DROPOUT_FUNCTIONS"]
+           "capture_rng", "replay_rng", "dropout_draw", "DROPOUT_FUNCTIONS"]
 
 aten = torch.ops.aten
 
@@ -235,3 +235,19 @@ def replay_rng(state: RNGState) -> Iterator[None]:
         torch.set_rng_state(cpu)
         torch.cuda.set_rng_state(cuda, idx)
         yield
+
+
+def dropout_draw(op: "DropoutOp", z: Tensor, owned: bool, capture: Optional[List[RNGState]] = None,
+                 states: Optional[Iterator[RNGState]] = None) -> Tensor:
+    """``op`` on ``z`` as a chain's tail runs it (Note: [dropout in a chain]): an in-place dropout
+    on a copy unless ``z``'s buffer is the caller's own (``owned``); a recompute (``states``
+    given) draws from its next captured state, leaving the global streams alone; otherwise the
+    draw is eager's, its state appended to ``capture`` first where given."""
+    if op.inplace and not owned:
+        z = z.clone()
+    if states is not None:
+        with replay_rng(next(states)):
+            return op(z)
+    if capture is not None:
+        capture.append(capture_rng(z))
+    return op(z)
