@@ -585,7 +585,7 @@ MUTANTS: Dict[str, Mutant] = {
         ("tests/test_norm_movedim_layer_norms.py::test_a_movedim_of_another_dimension_is_left_as_written",)),
     "norm_dropout_redrawn": Mutant(
         "a per-sample norm chain's dropout re-drawn from the global stream instead of replayed in backward",
-        (("autograd/norm_chain_tail.py", "dropout_draw(op, z, owned, capture, states if replay is not None else None)",
+        (("autograd/norm_chain_tail.py", "dropout_draw(op, z, owned, capture, states)",
           "dropout_draw(op, z, owned, capture, None)"),),
         ("tests/test_norm_chain_dropout.py::test_a_dropout_in_a_norm_chain_runs_fused_as_eager[post-dropout-recompute_conv]",
          "tests/test_norm_chain_dropout.py::test_a_dropout_in_a_norm_chain_runs_fused_as_eager[preact-dropout-recompute_bn]")),

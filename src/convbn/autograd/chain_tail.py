@@ -54,7 +54,7 @@ def tail_forward(
         The tail's output.
     """
     ws = iter(weights)
-    states: Iterator[RNGState] = iter(replay or ())
+    states: Optional[Iterator[RNGState]] = None if replay is None else iter(replay)
     u = z.pop()
     for op in tail:
         if isinstance(op, Activation):
@@ -62,7 +62,7 @@ def tail_forward(
         elif isinstance(op, PReLUOp):
             u = op(u, next(ws))
         else:
-            u = dropout_draw(op, u, owned, capture, states if replay is not None else None)
+            u = dropout_draw(op, u, owned, capture, states)
         owned = True  # every op above left a buffer of the tail's own
     return u
 

@@ -27,10 +27,10 @@ def norm_tail(tail: Sequence[TailOp], act: Activation, z: Tensor, tws: Sequence[
     """
     if not tail:
         return z if act.is_identity else act(z)
-    ws, states = iter(tws), iter(replay or ())
+    ws, states = iter(tws), None if replay is None else iter(replay)
     for op in tail:
         if isinstance(op, DropoutOp):
-            z = dropout_draw(op, z, owned, capture, states if replay is not None else None)
+            z = dropout_draw(op, z, owned, capture, states)
         else:
             z = op.reference(z, next(ws)) if isinstance(op, PReLUOp) else op(z)  # type: ignore[operator]
         owned = True

@@ -169,11 +169,6 @@ class FusedChain(nn.Module):
         runs fused outside it, or ``""``; the report prints it beside the layer."""
         return ""
 
-    def eager_this_call(self) -> str:
-        """Why a call now (the modules' present modes) runs the chain as eager modules although its
-        plan is fused, or ``""``; the report prints it beside the layer, so it always says what runs."""
-        return ""
-
     def _forward_eager(self, x: Tensor) -> Tensor:
         """The chain as eager modules: conv modules, BatchNorms and tail modules are *called*
         (hooks run, eager's own checks and bookkeeping apply, dropouts draw from the global

@@ -10,7 +10,7 @@ per-sample norm layer's backward]).
 """
 from __future__ import annotations
 
-from typing import List, Optional, Sequence, Tuple
+from typing import Any, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor, nn
@@ -19,8 +19,8 @@ from ..autograd.chain_plan import LazyPlan
 from ..autograd.norm_chain import NormLayerSpec, norm_chain_apply
 from ..autograd.norm_chain_compiled import compilable_norm_chain, norm_chain_compiled_apply
 from ..functional.conv import conv_output_shape
-from ..functional.tail import DropoutOp
 from ..functional.conv_bn_call import autocast_dtype, check_inputs
+from ..functional.tail import DropoutOp
 from .chain import FusedChain, _concat
 from .chain_layer import NO_BN, ChainLayer, tail_spec
 from .norm_view import NormView
@@ -62,13 +62,19 @@ class FusedNormChain(FusedChain):
     def _normalise(self, l: ChainLayer, y: Tensor) -> Tensor:
         return l.bn.eager(y)  # type: ignore[union-attr]
 
+    def _specs(self, tails: Sequence[Tuple[Any, Any]], keep: Optional[Sequence[bool]] = None,
+               may_drop: Optional[Sequence[bool]] = None) -> List[NormLayerSpec]:
+        """The layers' :class:`NormLayerSpec` with their tails (``tail_spec``); ``keep`` /
+        ``may_drop``: the plan's flags, else the spec's defaults."""
+        n = len(self.layers)
+        return [NormLayerSpec(l.conv, None if l.bn is None else l.bn.call(), act, tail, k, d)  # type: ignore[union-attr]
+                for l, (act, tail), k, d in zip(self.layers, tails, keep or [True] * n, may_drop or [True] * n)]
+
     def compile_caveat(self) -> str:
         """Why, under ``torch.compile``, this chain runs its layers as eager modules although it
         runs fused outside it, or ``""``: a training dropout in a tail, or a linear layer on rows
         (``compilable_norm_chain``); the report prints it beside the layer."""
-        specs = [NormLayerSpec(l.conv, None if l.bn is None else l.bn.call(), act, tail)  # type: ignore[union-attr]
-                 for l, (act, tail) in (
-                     (l, tail_spec(l)) for l in self.layers)]
+        specs = self._specs([tail_spec(l) for l in self.layers])
         if compilable_norm_chain(specs):
             return ""
         if any(isinstance(op, DropoutOp) for s in specs for op in s.tail):
@@ -83,8 +89,7 @@ class FusedNormChain(FusedChain):
         _check_norm_call(layers, x, dt)
         if isinstance(self.plan, LazyPlan) and torch.is_grad_enabled() and self._resolve_plan(pieces, dt):
             return self._forward_eager(x)
-        specs = [NormLayerSpec(l.conv, None if l.bn is None else l.bn.call(), act, tail, keep, drop)  # type: ignore[union-attr]
-                 for l, (act, tail), keep, drop in zip(layers, tails, self.plan.keep, self.plan.may_drop)]
+        specs = self._specs(tails, self.plan.keep, self.plan.may_drop)
         stats = [l.bn.stats() if l.bn is not None else (None, None) for l in layers]  # type: ignore[union-attr]
         if layers[0].conv is not None:
             x = layers[0].conv.pad_input(x)

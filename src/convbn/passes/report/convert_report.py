@@ -196,8 +196,8 @@ class ConvertReport:
                 now = "fused, plan pending"
             elif now == FUSED and chain is not None and id(chain) in unchecked:
                 now = CHECK_PENDING  # runs fused only if its first call agrees with the original
-            elif now == FUSED and chain is not None and chain.compile_caveat():
-                now = f"{_CAVEAT}{chain.compile_caveat()}"
+            elif now == FUSED and chain is not None and (caveat := chain.compile_caveat()):
+                now = f"{_CAVEAT}{caveat}"
             p.__dict__["_status"] = now
             p.__dict__["_unchecked"] = chain is not None and id(chain) in unchecked and now.startswith(FUSED)
             if p.bn:

@@ -71,9 +71,6 @@ def _state_status(fwd: Optional[GraphForward], chain: FusedChain, last_call: boo
         return f"fallback: {getattr(chain, 'eager_reason', '') or 'its layers run as eager modules'}"
     if chain._hooked():
         return "fallback: hooks registered after conversion on its modules; its layers run as eager modules"
-    why = chain.eager_this_call()
-    if why:
-        return f"fallback: {why}"
     return FUSED
 
 
